@@ -1,0 +1,518 @@
+"""The typed config tree: one source of truth for flags, YAML keys, defaults and help.
+
+Every field of the section dataclasses below is one command-line flag, named as in Megatron-LM
+(``--hidden-size`` for ``model.hidden_size``), and one YAML key (flat ``hidden_size`` /
+``hidden-size``, or nested under its section: ``model: {hidden_size: 768}``). Precedence, lowest
+first: dataclass defaults < ``--model`` preset < ``--config`` YAML < command-line flags.
+
+``validate(cfg)`` collects every problem at once and raises one ConfigError; it runs in the
+launching process before any worker starts. Derived values (data-parallel size, number of
+micro-batches, padded vocabulary) are computed by the functions at the bottom, never stored twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .errors import ConfigError
+
+
+def opt(default: Any, help: str, *, flag: Optional[str] = None, choices=None,
+        action: Optional[str] = None, nargs=None):
+    """A config field with its command-line metadata.
+
+    flag: the Megatron flag name when it differs from ``--field-name``.
+    action: "store_true" for a boolean switch, "store_false" for a ``--disable-x`` switch.
+    """
+    meta = {"help": help, "flag": flag, "choices": choices, "action": action, "nargs": nargs}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the decoder. Defaults give a small GPT that trains on a laptop."""
+
+    num_layers: int = opt(4, "number of transformer layers")
+    hidden_size: int = opt(256, "hidden size h")
+    num_attention_heads: int = opt(4, "number of attention heads a")
+    group_query_attention: bool = opt(False, "use grouped-query attention with --num-query-groups",
+                                      action="store_true")
+    num_query_groups: Optional[int] = opt(None, "number of key/value heads under GQA (default: heads)")
+    ffn_hidden_size: Optional[int] = opt(None, "MLP hidden size (default 4h, or 8h/3 rounded for SwiGLU)")
+    kv_channels: Optional[int] = opt(None, "head dimension (default h / heads)")
+    seq_length: int = opt(256, "training sequence length s in tokens")
+    max_position_embeddings: Optional[int] = opt(None, "learned position table size (default: seq length)")
+    normalization: str = opt("LayerNorm", "normalization layer", choices=["LayerNorm", "RMSNorm"])
+    norm_epsilon: float = opt(1e-5, "epsilon of LayerNorm/RMSNorm")
+    swiglu: bool = opt(False, "SwiGLU MLP instead of GeLU", action="store_true")
+    position_embedding_type: str = opt("learned_absolute", "position embeddings",
+                                       choices=["learned_absolute", "rope"])
+    rotary_base: float = opt(10000.0, "RoPE base theta")
+    untie_embeddings_and_output_weights: bool = opt(
+        False, "separate output layer instead of the tied input embedding", action="store_true")
+    add_bias_linear: bool = opt(True, "disable biases in linear layers", flag="--disable-bias-linear",
+                                action="store_false")
+    hidden_dropout: float = opt(0.1, "dropout on hidden states")
+    attention_dropout: float = opt(0.1, "dropout on attention probabilities")
+    init_method_std: float = opt(0.02, "std of the normal weight init")
+    vocab_size: Optional[int] = opt(None, "vocabulary size (mock data / null tokenizer; else from the tokenizer)")
+    make_vocab_size_divisible_by: int = opt(128, "pad the vocabulary to a multiple of this × TP")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. DP = world / (TP × CP × PP)."""
+
+    tensor_model_parallel_size: int = opt(1, "tensor parallel size (TP)")
+    pipeline_model_parallel_size: int = opt(1, "pipeline parallel size (PP)")
+    context_parallel_size: int = opt(1, "context parallel size (CP)")
+    sequence_parallel: bool = opt(False, "Megatron sequence parallelism (needs TP > 1)", action="store_true")
+    virtual_pipeline_model_parallel_size: Optional[int] = opt(None, "virtual stages per pipeline rank")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = opt(None, "layers per virtual pipeline stage")
+    decoder_first_pipeline_num_layers: Optional[int] = opt(None, "layers on the first pipeline stage")
+    decoder_last_pipeline_num_layers: Optional[int] = opt(None, "layers on the last pipeline stage")
+    pipeline_schedule: str = opt("auto", "pipeline schedule",
+                                 choices=["auto", "none", "gpipe", "1f1b", "interleaved"])
+    use_distributed_optimizer: bool = opt(False, "shard optimizer state over DP (ZeRO-1)", action="store_true")
+    overlap_grad_reduce: bool = opt(False, "overlap DP gradient reduction with backward", action="store_true")
+    overlap_param_gather: bool = opt(False, "overlap ZeRO-1 parameter all-gather with forward",
+                                     action="store_true")
+    ddp_bucket_size: Optional[int] = opt(None, "elements per gradient bucket (default max(40M, 1M × DP))")
+    accumulate_allreduce_grads_in_fp32: bool = opt(True, "keep main_grad in fp32 (default on)")
+    use_cpu_initialization: bool = opt(True, "build each full weight from the seed, keep this rank's slice")
+    nproc_per_node: Optional[int] = opt(None, "local workers to start (default: GPUs, or as the layout needs on CPU)")
+    distributed_timeout_minutes: int = opt(10, "timeout of collectives in minutes")
+
+
+@dataclass
+class TrainingConfig:
+    """Batching, precision, iterations, logging cadence."""
+
+    micro_batch_size: int = opt(4, "samples per micro-batch per DP rank")
+    global_batch_size: Optional[int] = opt(None, "samples per optimizer step (default micro × DP)")
+    train_iters: int = opt(100, "optimizer steps")
+    seed: int = opt(1234, "seed of weights, dropout and data order")
+    bf16: bool = opt(False, "bf16 parameters and compute", action="store_true")
+    fp16: bool = opt(False, "fp16 parameters and compute with dynamic loss scaling", action="store_true")
+    initial_loss_scale: float = opt(2.0 ** 32, "fp16 initial loss scale")
+    min_loss_scale: float = opt(1.0, "fp16 minimum loss scale")
+    loss_scale_window: int = opt(1000, "fp16 steps without overflow before the scale doubles")
+    hysteresis: int = opt(2, "fp16 overflows tolerated before the scale halves")
+    skip_nan_steps: bool = opt(False, "skip a step with NaN/inf loss instead of stopping (bf16/fp32)",
+                               action="store_true")
+    recompute_activations: bool = opt(False, "recompute each layer's activations in backward",
+                                      action="store_true")
+    log_interval: int = opt(10, "iterations between log lines")
+    eval_interval: int = opt(100, "iterations between validation runs")
+    eval_iters: int = opt(10, "validation iterations per evaluation")
+    exit_interval: Optional[int] = opt(None, "stop after this iteration (checkpointing first)")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW, LR schedule and gradient clipping."""
+
+    lr: float = opt(6e-4, "peak learning rate")
+    min_lr: float = opt(6e-5, "learning rate at the end of decay")
+    lr_decay_style: str = opt("cosine", "decay after warm-up", choices=["constant", "linear", "cosine"])
+    lr_warmup_iters: int = opt(10, "linear warm-up iterations")
+    lr_decay_iters: Optional[int] = opt(None, "decay iterations (default: train iters)")
+    weight_decay: float = opt(0.1, "AdamW weight decay (not on biases and norms)")
+    clip_grad: float = opt(1.0, "global gradient norm clip (0 = off)")
+    adam_beta1: float = opt(0.9, "Adam beta1")
+    adam_beta2: float = opt(0.95, "Adam beta2")
+    adam_eps: float = opt(1e-8, "Adam epsilon")
+
+
+@dataclass
+class DataConfig:
+    """Corpus, tokenizer and splits."""
+
+    data_path: list = opt([], "indexed-dataset prefixes, optionally weighted: 0.7 A 0.3 B", nargs="*")
+    split: str = opt("969,30,1", "train,valid,test weights")
+    mock_data: bool = opt(False, "random tokens instead of a corpus", action="store_true")
+    tokenizer_type: Optional[str] = opt(None, "tokenizer kind", choices=[
+        "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
+    tokenizer_model: Optional[str] = opt(None, "tokenizer.json (HuggingFaceTokenizer)")
+    vocab_file: Optional[str] = opt(None, "GPT-2 vocab.json")
+    merge_file: Optional[str] = opt(None, "GPT-2 merges.txt")
+    data_cache_path: Optional[str] = opt(None, "folder for cached sample indices")
+    num_workers: int = opt(0, "data loader worker processes")
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = opt(None, "checkpoint directory to write")
+    load: Optional[str] = opt(None, "checkpoint directory to resume from")
+    save_interval: Optional[int] = opt(None, "iterations between checkpoints (and one at the end)")
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: Optional[str] = opt(None, "run directory (default runs/<time>)")
+    log_dir: Optional[str] = opt(None, "where metrics.jsonl goes (default <run-dir>/logs)")
+    tensorboard_dir: Optional[str] = opt(None, "write TensorBoard scalars here")
+
+
+@dataclass
+class Config:
+    """The whole run. ``model_preset`` names the --model preset that filled ``model``, if any."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    model_preset: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        cfg = cls()
+        apply_mapping(cfg, d, source="dict")
+        return cfg
+
+
+SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "model_preset"]
+
+
+def _fields():
+    """Yield (section, dataclass field) for every config field."""
+    for sec in SECTIONS:
+        cls = Config.__dataclass_fields__[sec].default_factory
+        for f in dataclasses.fields(cls):
+            yield sec, f
+
+
+def flag_of(f) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _index():
+    """name (field name, flag name without dashes, either spelling) → (section, field)."""
+    idx = {}
+    for sec, f in _fields():
+        for key in (f.name, flag_of(f)[2:]):
+            idx[key] = (sec, f)
+            idx[key.replace("-", "_")] = (sec, f)
+    return idx
+
+
+def _coerce(f, value, where: str):
+    """Convert a YAML value to the field's type; raise ConfigError naming the key."""
+    if value is None:
+        return None
+    typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if "bool" in typ:
+            if isinstance(value, str):
+                return value.lower() in ("1", "true", "yes", "on")
+            return bool(value)
+        if "int" in typ:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if "float" in typ:
+            return float(value)
+        if "list" in typ:
+            return [str(v) for v in (value if isinstance(value, list) else str(value).split())]
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {flag_of(f)[2:]}={value!r} is not a valid {typ}") from None
+
+
+def apply_mapping(cfg: Config, mapping: dict, source: str) -> None:
+    """Set fields from a flat or section-nested mapping (YAML). Unknown keys are errors."""
+    idx = _index()
+    problems = []
+    flat = {}
+    for key, value in mapping.items():
+        if key in SECTIONS and isinstance(value, dict):
+            flat.update(value)
+        elif key in ("model", "model_preset") and isinstance(value, str):
+            flat["model_preset"] = value
+        else:
+            flat[key] = value
+    for key, value in flat.items():
+        if key == "model_preset":
+            continue
+        if key not in idx:
+            problems.append(f"{source}: unknown key {key!r}")
+            continue
+        sec, f = idx[key]
+        # YAML spelling of inverted switches: disable_bias_linear: true → add_bias_linear False
+        if f.metadata.get("action") == "store_false" and key.replace("-", "_") != f.name:
+            value = not value
+        try:
+            setattr(getattr(cfg, sec), f.name, _coerce(f, value, source))
+        except ConfigError as e:
+            problems.extend(e.problems)
+    if problems:
+        raise ConfigError(problems)
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per config field, each defaulting to a sentinel so only given flags apply."""
+    parser.add_argument("--config", default=None, help="YAML file of config keys (flat or by section)")
+    parser.add_argument("--model", dest="model_preset", default=None,
+                        help="named model preset, e.g. gpt2-125m, llama-1b (flags override it)")
+    for sec in SECTIONS:
+        group = parser.add_argument_group(sec)
+        cls = Config.__dataclass_fields__[sec].default_factory
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            kw = {"dest": f"{sec}.{f.name}", "default": argparse.SUPPRESS, "help": m["help"]}
+            if m["action"]:
+                kw["action"] = m["action"]
+            else:
+                typ = f.type if isinstance(f.type, str) else str(f.type)
+                kw["type"] = int if "int" in typ else float if "float" in typ else str
+                if m["choices"]:
+                    kw["choices"] = m["choices"]
+                if m["nargs"]:
+                    kw["nargs"] = m["nargs"]
+            group.add_argument(flag_of(f), **kw)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Build a Config: defaults, then --model preset, then --config YAML, then given flags."""
+    cfg = Config()
+    preset = getattr(args, "model_preset", None)
+    yaml_map = {}
+    if getattr(args, "config", None):
+        yaml_map = load_yaml(args.config)
+        preset = preset or yaml_map.get("model_preset") or (
+            yaml_map.get("model") if isinstance(yaml_map.get("model"), str) else None)
+    if preset:
+        from .model.presets import apply_preset
+        apply_preset(cfg, preset)
+    if yaml_map:
+        apply_mapping(cfg, yaml_map, source=args.config)
+    for dest, value in vars(args).items():
+        if "." in dest:
+            sec, name = dest.split(".", 1)
+            setattr(getattr(cfg, sec), name, value)
+    return cfg
+
+
+def load_yaml(path: str) -> dict:
+    import yaml
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of config keys")
+    return data
+
+
+# ----------------------------------------------------------------------------- derived values
+
+def world_size_of(cfg: Config) -> int:
+    """Processes in the job: WORLD_SIZE under torchrun/Slurm, else the local worker count."""
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return default_nproc(cfg)
+
+
+def default_nproc(cfg: Config) -> int:
+    """--nproc-per-node, else one per GPU, else what the layout needs (TP×CP×PP) on CPU."""
+    p = cfg.parallel
+    if p.nproc_per_node:
+        return p.nproc_per_node
+    import torch
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size
+
+
+def dp_size(cfg: Config, world: Optional[int] = None) -> int:
+    p = cfg.parallel
+    world = world_size_of(cfg) if world is None else world
+    return world // (p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size)
+
+
+def global_batch(cfg: Config, world: Optional[int] = None) -> int:
+    t = cfg.training
+    return t.global_batch_size or t.micro_batch_size * dp_size(cfg, world)
+
+
+def num_microbatches(cfg: Config, world: Optional[int] = None) -> int:
+    """global batch / (micro batch × DP): micro-batches each DP rank runs per step."""
+    return global_batch(cfg, world) // (cfg.training.micro_batch_size * dp_size(cfg, world))
+
+
+def ffn_hidden(m: ModelConfig) -> int:
+    """MLP width: given, else 4h (GeLU) or 8h/3 rounded up to a multiple of 64 (SwiGLU, LLaMA §2)."""
+    if m.ffn_hidden_size:
+        return m.ffn_hidden_size
+    if m.swiglu:
+        return 64 * math.ceil(8 * m.hidden_size / 3 / 64)
+    return 4 * m.hidden_size
+
+
+def query_groups(m: ModelConfig) -> int:
+    return m.num_query_groups if (m.group_query_attention or m.num_query_groups) and m.num_query_groups \
+        else m.num_attention_heads
+
+
+def head_dim(m: ModelConfig) -> int:
+    return m.kv_channels or m.hidden_size // m.num_attention_heads
+
+
+def max_positions(m: ModelConfig) -> int:
+    return m.max_position_embeddings or m.seq_length
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: round the vocabulary up to a multiple of divisible_by × TP."""
+    multiple = divisible_by * tp
+    return multiple * math.ceil(vocab_size / multiple)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _nearest_multiples(value: int, step: int) -> str:
+    lo = (value // step) * step
+    hi = lo + step
+    return f"{lo} or {hi}" if lo > 0 else f"{hi}"
+
+
+def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True) -> None:
+    """Check the whole config; raise one ConfigError listing every problem.
+
+    world: job size (default from the environment / --nproc-per-node). check_files: also check
+    that data and tokenizer files exist (off for unit tests of shapes alone).
+    """
+    problems = []
+    m, p, t, o, d = cfg.model, cfg.parallel, cfg.training, cfg.optimizer, cfg.data
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+
+    for name, value in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                        ("--context-parallel-size", cp), ("--micro-batch-size", t.micro_batch_size),
+                        ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+                        ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
+                        ("--train-iters", t.train_iters), ("--log-interval", t.log_interval),
+                        ("--eval-interval", t.eval_interval)]:
+        if value is None or value < 1:
+            problems.append(f"{name} must be a positive integer, got {value}")
+    if problems:
+        raise ConfigError(problems)
+
+    world = world_size_of(cfg) if world is None else world
+    if world % (tp * cp * pp):
+        problems.append(f"world size {world} is not divisible by TP×CP×PP = {tp}×{cp}×{pp}; "
+                        f"set --nproc-per-node to a multiple of {tp * cp * pp}")
+        dp = 1
+    else:
+        dp = world // (tp * cp * pp)
+
+    if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
+        step = t.micro_batch_size * dp
+        problems.append(f"--global-batch-size {t.global_batch_size} is not divisible by "
+                        f"--micro-batch-size {t.micro_batch_size} × DP {dp} = {step}; "
+                        f"nearest valid: {_nearest_multiples(t.global_batch_size, step)}")
+    if m.hidden_size % m.num_attention_heads and not m.kv_channels:
+        problems.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+                        f"{m.num_attention_heads}; set --kv-channels or change one of them")
+    if m.num_attention_heads % tp:
+        problems.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+                        f"--tensor-model-parallel-size {tp}")
+    groups = query_groups(m)
+    if m.group_query_attention and not m.num_query_groups:
+        problems.append("--group-query-attention needs --num-query-groups")
+    if groups < 1 or m.num_attention_heads % groups:
+        problems.append(f"--num-query-groups {groups} does not divide --num-attention-heads "
+                        f"{m.num_attention_heads}")
+    elif groups >= tp and groups % tp:
+        problems.append(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
+    elif groups < tp and tp % groups:
+        problems.append(f"--tensor-model-parallel-size {tp} is not a multiple of --num-query-groups {groups}")
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    if first is None and last is None and m.num_layers % pp:
+        problems.append(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+                        f"use a multiple of {pp} or set --decoder-first/last-pipeline-num-layers")
+    if p.sequence_parallel and tp == 1:
+        problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if m.position_embedding_type == "learned_absolute" and m.seq_length > max_positions(m):
+        problems.append(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
+                        f"{m.max_position_embeddings}")
+    if m.position_embedding_type == "rope" and head_dim(m) % 2:
+        problems.append(f"RoPE needs an even head dimension, got {head_dim(m)}")
+    if t.bf16 and t.fp16:
+        problems.append("--bf16 and --fp16 are exclusive; pick one")
+    if not 0 <= m.hidden_dropout < 1 or not 0 <= m.attention_dropout < 1:
+        problems.append("--hidden-dropout and --attention-dropout must be in [0, 1)")
+    if o.min_lr > o.lr:
+        problems.append(f"--min-lr {o.min_lr} is above --lr {o.lr}")
+    if o.lr_warmup_iters > (o.lr_decay_iters or t.train_iters):
+        problems.append(f"--lr-warmup-iters {o.lr_warmup_iters} exceeds the decay iterations "
+                        f"{o.lr_decay_iters or t.train_iters}")
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        problems.append("--overlap-param-gather needs --use-distributed-optimizer")
+    split = d.split.replace("/", ",").split(",")
+    try:
+        weights = [float(x) for x in split]
+        if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError
+    except ValueError:
+        problems.append(f"--split {d.split!r} must be up to three non-negative numbers, e.g. 969,30,1")
+    if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save_interval < 1:
+        problems.append("--save-interval must be a positive integer")
+    if d.mock_data and d.data_path:
+        problems.append("--mock-data and --data-path are exclusive; pick one")
+    if d.mock_data and not m.vocab_size:
+        problems.append("--mock-data needs --vocab-size")
+    if check_files:
+        problems.extend(_file_problems(cfg))
+    from .model.presets import PRESETS
+    if cfg.model_preset and cfg.model_preset not in PRESETS:
+        problems.append(f"--model {cfg.model_preset!r} is not a preset; choose one of {', '.join(PRESETS)}")
+    if problems:
+        raise ConfigError(problems)
+
+
+def _file_problems(cfg: Config) -> list:
+    """Missing data / tokenizer / checkpoint files, each naming its flag."""
+    problems = []
+    d = cfg.data
+    from .data.blend import parse_data_path
+    try:
+        for _, prefix in parse_data_path(d.data_path):
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    problems.append(f"--data-path: {prefix + ext} does not exist "
+                                    f"(run `meshlm preprocess` to make it)")
+    except ConfigError as e:
+        problems.extend(e.problems)
+    for flag, path in [("--tokenizer-model", d.tokenizer_model), ("--vocab-file", d.vocab_file),
+                       ("--merge-file", d.merge_file)]:
+        if path and not os.path.exists(path):
+            problems.append(f"{flag} {path}: no such file")
+    if d.tokenizer_type == "HuggingFaceTokenizer" and not d.tokenizer_model:
+        problems.append("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json)")
+    if d.tokenizer_type == "GPT2BPETokenizer" and not (d.vocab_file and d.merge_file):
+        problems.append("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+    if d.tokenizer_type == "NullTokenizer" and not cfg.model.vocab_size:
+        problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
+    if d.data_path and not d.tokenizer_type and not cfg.model.vocab_size:
+        problems.append("--data-path needs --tokenizer-type (or --vocab-size with NullTokenizer)")
+    load = cfg.checkpoint.load
+    if load and not os.path.isdir(load) and load != cfg.checkpoint.save:
+        problems.append(f"--load {load}: no such directory (with --save {load} too, a fresh run starts there)")
+    return problems

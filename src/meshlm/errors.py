@@ -1,0 +1,32 @@
+"""User-facing errors: one line that names the flag or file and the fix.
+
+The CLI prints a MeshlmError as a single line (no traceback) and exits with status 2.
+Anything else that escapes is a bug in meshlm and keeps its traceback.
+"""
+
+
+class MeshlmError(Exception):
+    """Base class of every error caused by the user's input (flags, files, data)."""
+
+
+class ConfigError(MeshlmError):
+    """Invalid flags or YAML config; the message lists every problem found, one per line."""
+
+    def __init__(self, problems):
+        if isinstance(problems, str):
+            problems = [problems]
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems) if len(self.problems) == 1
+                         else f"{len(self.problems)} config errors:\n  - " + "\n  - ".join(self.problems))
+
+
+class DataError(MeshlmError):
+    """A data, tokenizer or index file is missing, malformed or inconsistent with the config."""
+
+
+class CheckpointError(MeshlmError):
+    """A checkpoint directory is missing, incomplete or incompatible with the run."""
+
+
+class TrainingError(MeshlmError):
+    """The run cannot go on (NaN/inf loss, exhausted loss scale); the message names the iteration."""

@@ -1,0 +1,161 @@
+"""ParallelState: every process group of the job, built once from one rank grid.
+
+Rank order (DESIGN.md, Megatron's default tp-cp-dp-pp):
+``rank = ((pp_rank * DP + dp_rank) * CP + cp_rank) * TP + tp_rank`` — TP innermost so a TP group
+stays inside one NVLink domain, PP outermost so pipeline stages cross nodes.
+
+Nothing reads process groups from module globals: the one ParallelState is passed to whatever
+communicates. ``ParallelState.single()`` is the world-size-1 state that single-process reference
+runs use (every group of size 1, no collective issued).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+
+
+def init_distributed(timeout_minutes: int = 10) -> None:
+    """Join the job from the environment (torchrun's RANK/WORLD_SIZE/MASTER_ADDR, or Slurm's).
+
+    NCCL when CUDA is available, else gloo. Sets the CUDA device to LOCAL_RANK.
+    A process started outside any launcher becomes a world of one (gloo on a free local port).
+    """
+    if dist.is_initialized():
+        return
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:  # Slurm's srun without torchrun
+        env["RANK"] = env["SLURM_PROCID"]
+        env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        env.setdefault("MASTER_PORT", "29500")
+        if "MASTER_ADDR" not in env:
+            raise ConfigError("under Slurm without torchrun, export MASTER_ADDR (the first node's hostname)")
+    if "RANK" not in env:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(env.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                            timeout=timedelta(minutes=timeout_minutes))
+
+
+@dataclass
+class ParallelState:
+    """Sizes, this rank's coordinates and the process groups of a TP × CP × DP × PP job.
+
+    Groups (None when their size is 1 and no collective is ever needed):
+      tp_group      ranks that split one layer's weights
+      cp_group      ranks that split one sequence (context parallel)
+      dp_group      ranks that hold the same model shard and average gradients
+      dp_cp_group   dp × cp ranks: gradient reduction under context parallelism
+      pp_group      the stages of one pipeline
+      mp_group      tp × pp ranks of one model replica (gradient-norm reduction)
+      embedding_group  first and last stage of a pipeline (tied embeddings), None if PP == 1
+    pp_ranks: global ranks of this pipeline's stages in order (for p2p send/recv).
+    """
+
+    world_size: int = 1
+    rank: int = 0
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    tp_rank: int = 0
+    cp_rank: int = 0
+    dp_rank: int = 0
+    pp_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    tp_group: Optional[object] = None
+    cp_group: Optional[object] = None
+    dp_group: Optional[object] = None
+    dp_cp_group: Optional[object] = None
+    pp_group: Optional[object] = None
+    mp_group: Optional[object] = None
+    embedding_group: Optional[object] = None
+    pp_ranks: tuple = (0,)
+    tp_ranks: tuple = (0,)
+    dp_ranks: tuple = (0,)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def single(cls, device: Optional[torch.device] = None) -> "ParallelState":
+        """World of one: every size 1, no groups. For single-process reference runs."""
+        return cls(device=device or torch.device("cpu"))
+
+    @classmethod
+    def build(cls, tp: int = 1, pp: int = 1, cp: int = 1) -> "ParallelState":
+        """Create every group. Collective: all ranks must call it with the same sizes.
+
+        Raises ConfigError if the world size is not divisible by TP × CP × PP.
+        """
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % (tp * cp * pp):
+            raise ConfigError(f"world size {world} is not divisible by TP×CP×PP = {tp}×{cp}×{pp}")
+        dp = world // (tp * cp * pp)
+        grid = torch.arange(world).view(pp, dp, cp, tp)  # rank = ((pp*DP + dp)*CP + cp)*TP + tp
+        pp_r, dp_r, cp_r, tp_r = [int(i) for i in (grid == rank).nonzero()[0]]
+
+        def groups(ranks_list):
+            """new_group for each list (every rank calls for all, in order); return this rank's."""
+            mine = None
+            for ranks in ranks_list:
+                ranks = [int(r) for r in ranks]
+                g = dist.new_group(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    mine = (g, tuple(ranks))
+            return mine
+
+        tp_g, tp_ranks = groups(grid.reshape(-1, tp))
+        cp_g, _ = groups(grid.permute(0, 1, 3, 2).reshape(-1, cp))
+        dp_g, dp_ranks = groups(grid.permute(0, 2, 3, 1).reshape(-1, dp))
+        dpcp_g, _ = groups(grid.permute(0, 3, 1, 2).reshape(-1, dp * cp))
+        pp_g, pp_ranks = groups(grid.permute(1, 2, 3, 0).reshape(-1, pp))
+        mp_g, _ = groups(grid.permute(1, 2, 0, 3).reshape(-1, pp * tp))
+        emb = groups([[r[0], r[-1]] if pp > 1 else [r[0]] for r in grid.permute(1, 2, 3, 0).reshape(-1, pp)])
+        emb_g = emb[0] if pp > 1 else None
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        return cls(world_size=world, rank=rank, tp=tp, cp=cp, dp=dp, pp=pp, tp_rank=tp_r, cp_rank=cp_r,
+                   dp_rank=dp_r, pp_rank=pp_r, device=device, tp_group=tp_g, cp_group=cp_g,
+                   dp_group=dp_g, dp_cp_group=dpcp_g, pp_group=pp_g, mp_group=mp_g,
+                   embedding_group=emb_g, pp_ranks=pp_ranks, tp_ranks=tp_ranks, dp_ranks=dp_ranks)
+
+    # ------------------------------------------------------------------ pipeline helpers
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def prev_rank(self) -> Optional[int]:
+        """Global rank of the previous pipeline stage, None on the first."""
+        return None if self.is_first_stage else self.pp_ranks[self.pp_rank - 1]
+
+    @property
+    def next_rank(self) -> Optional[int]:
+        """Global rank of the next pipeline stage, None on the last."""
+        return None if self.is_last_stage else self.pp_ranks[self.pp_rank + 1]
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The rank that prints log lines: last pipeline stage, first TP/CP/DP rank."""
+        return self.is_last_stage and self.tp_rank == 0 and self.cp_rank == 0 and self.dp_rank == 0
+
+    def describe(self) -> str:
+        return (f"world={self.world_size} TP={self.tp} CP={self.cp} DP={self.dp} PP={self.pp} "
+                f"(rank {self.rank}: tp={self.tp_rank} cp={self.cp_rank} dp={self.dp_rank} pp={self.pp_rank})")

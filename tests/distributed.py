@@ -1,0 +1,70 @@
+"""Run a function in N CPU processes over gloo: the harness of every multi-process test.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises gloo on
+a free port, calls ``fn(rank, world_size, *args)`` in each and returns the list of their return
+values (rank order). An exception in any worker fails the caller with that worker's traceback.
+Return values must be picklable (move tensors to CPU; prefer plain floats/lists/tensors).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, outdir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    result_path = os.path.join(outdir, f"{rank}.pt")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        torch.save({"ok": out}, result_path)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, result_path)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args):
+    """Spawn world_size gloo processes running fn(rank, world_size, *args); return their results."""
+    with tempfile.TemporaryDirectory() as outdir:
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, outdir))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+        results, errors = [], []
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+            path = os.path.join(outdir, f"{r}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: exited with code {p.exitcode} and no result")
+                continue
+            res = torch.load(path, weights_only=False)
+            if "error" in res:
+                errors.append(f"rank {r}:\n{res['error']}")
+            else:
+                results.append(res["ok"])
+        if errors:
+            raise AssertionError("distributed worker failed:\n" + "\n".join(errors))
+        return results
