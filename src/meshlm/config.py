@@ -99,8 +99,10 @@ class TrainingConfig:
     global_batch_size: Optional[int] = opt(None, "samples per optimizer step (default micro × DP)")
     train_iters: int = opt(100, "optimizer steps")
     seed: int = opt(1234, "seed of weights, dropout and data order")
-    bf16: bool = opt(False, "bf16 parameters and compute", action="store_true")
-    fp16: bool = opt(False, "fp16 parameters and compute with dynamic loss scaling", action="store_true")
+    bf16: bool = opt(False, "bf16 parameters and compute (accepted on CPU, which trains in fp32)",
+                     action="store_true")
+    fp16: bool = opt(False, "fp16 parameters and compute with dynamic loss scaling (CUDA only)",
+                     action="store_true")
     initial_loss_scale: float = opt(2.0 ** 32, "fp16 initial loss scale")
     min_loss_scale: float = opt(1.0, "fp16 minimum loss scale")
     loss_scale_window: int = opt(1000, "fp16 steps without overflow before the scale doubles")
@@ -181,6 +183,7 @@ class Config:
     def from_dict(cls, d: dict) -> "Config":
         cfg = cls()
         apply_mapping(cfg, d, source="dict")
+        cfg.model_preset = d.get("model_preset")
         return cfg
 
 
@@ -214,11 +217,12 @@ def _coerce(f, value, where: str):
     if value is None:
         return None
     typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{where}: {flag_of(f)[2:]}={value!r} is not one of {', '.join(choices)}")
     try:
         if "bool" in typ:
-            if isinstance(value, str):
-                return value.lower() in ("1", "true", "yes", "on")
-            return bool(value)
+            return _parse_bool(value)
         if "int" in typ:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
@@ -230,6 +234,18 @@ def _coerce(f, value, where: str):
         return str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{where}: {flag_of(f)[2:]}={value!r} is not a valid {typ}") from None
+
+
+def _parse_bool(value) -> bool:
+    """true/false, yes/no, on/off, 1/0 (any case) or a YAML bool; ValueError otherwise."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
 
 
 def apply_mapping(cfg: Config, mapping: dict, source: str) -> None:
@@ -265,8 +281,9 @@ def apply_mapping(cfg: Config, mapping: dict, source: str) -> None:
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     """Add one flag per config field, each defaulting to a sentinel so only given flags apply."""
     parser.add_argument("--config", default=None, help="YAML file of config keys (flat or by section)")
-    parser.add_argument("--model", dest="model_preset", default=None,
-                        help="named model preset, e.g. gpt2-125m, llama-1b (flags override it)")
+    from .model.presets import PRESETS
+    parser.add_argument("--model", dest="model_preset", default=None, metavar="PRESET",
+                        help=f"named model shape, one of {', '.join(PRESETS)} (flags override it)")
     for sec in SECTIONS:
         group = parser.add_argument_group(sec)
         cls = Config.__dataclass_fields__[sec].default_factory
@@ -277,17 +294,23 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                 kw["action"] = m["action"]
             else:
                 typ = f.type if isinstance(f.type, str) else str(f.type)
-                kw["type"] = int if "int" in typ else float if "float" in typ else str
+                kw["type"] = (_parse_bool if "bool" in typ else int if "int" in typ
+                              else float if "float" in typ else str)
                 if m["choices"]:
                     kw["choices"] = m["choices"]
+                else:
+                    kw["metavar"] = f.name.upper()
                 if m["nargs"]:
                     kw["nargs"] = m["nargs"]
             group.add_argument(flag_of(f), **kw)
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """Build a Config: defaults, then --model preset, then --config YAML, then given flags."""
+def config_from_args(args: argparse.Namespace, base: Optional[dict] = None) -> Config:
+    """Build a Config: defaults, then ``base`` (a mapping of config keys, e.g. the embedded-default
+    run settings), then the --model preset, then the --config YAML, then the flags given."""
     cfg = Config()
+    if base:
+        apply_mapping(cfg, base, source="defaults")
     preset = getattr(args, "model_preset", None)
     yaml_map = {}
     if getattr(args, "config", None):
@@ -304,6 +327,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
             sec, name = dest.split(".", 1)
             setattr(getattr(cfg, sec), name, value)
     return cfg
+
+
+def dump_yaml(cfg: Config, path: str) -> None:
+    """Write the resolved config, nested by section, as a YAML file ``--config`` reads back."""
+    import yaml
+    with open(path, "w") as fh:
+        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
 
 
 def load_yaml(path: str) -> dict:
@@ -397,100 +427,176 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True)
     """Check the whole config; raise one ConfigError listing every problem.
 
     world: job size (default from the environment / --nproc-per-node). check_files: also check
-    that data and tokenizer files exist (off for unit tests of shapes alone).
-    """
-    problems = []
-    m, p, t, o, d = cfg.model, cfg.parallel, cfg.training, cfg.optimizer, cfg.data
-    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    that the run has data and that data, tokenizer and checkpoint paths exist (off for checks of
+    shapes alone, and before the embedded default corpus is prepared).
 
-    for name, value in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                        ("--context-parallel-size", cp), ("--micro-batch-size", t.micro_batch_size),
-                        ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
-                        ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
-                        ("--train-iters", t.train_iters), ("--log-interval", t.log_interval),
-                        ("--eval-interval", t.eval_interval)]:
-        if value is None or value < 1:
-            problems.append(f"{name} must be a positive integer, got {value}")
+    Precision: --fp16 is an error without CUDA (no fp16 training on CPU: its kernels are slow or
+    missing, and a loss scaler there only hides that). --bf16 is accepted on CPU so one config
+    runs on both kinds of machine; the trainer keeps fp32 there and prints a note.
+    """
+    problems = _positive_problems(cfg)
+    if problems:  # the checks below divide by these values
+        raise ConfigError(problems)
+    world = world_size_of(cfg) if world is None else world
+    problems += _layout_problems(cfg, world)
+    problems += _model_problems(cfg.model)
+    problems += _training_problems(cfg)
+    problems += _data_problems(cfg)
+    if check_files:
+        problems += _file_problems(cfg)
     if problems:
         raise ConfigError(problems)
 
-    world = world_size_of(cfg) if world is None else world
+
+def _positive_problems(cfg: Config) -> list:
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    required = [("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+                ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+                ("--context-parallel-size", p.context_parallel_size),
+                ("--micro-batch-size", t.micro_batch_size), ("--num-layers", m.num_layers),
+                ("--hidden-size", m.hidden_size), ("--num-attention-heads", m.num_attention_heads),
+                ("--seq-length", m.seq_length), ("--train-iters", t.train_iters),
+                ("--log-interval", t.log_interval), ("--eval-interval", t.eval_interval),
+                ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)]
+    optional = [("--global-batch-size", t.global_batch_size), ("--num-query-groups", m.num_query_groups),
+                ("--kv-channels", m.kv_channels), ("--ffn-hidden-size", m.ffn_hidden_size),
+                ("--vocab-size", m.vocab_size), ("--nproc-per-node", p.nproc_per_node),
+                ("--max-position-embeddings", m.max_position_embeddings),
+                ("--save-interval", cfg.checkpoint.save_interval), ("--exit-interval", t.exit_interval),
+                ("--lr-decay-iters", cfg.optimizer.lr_decay_iters)]
+    return [f"{name} must be a positive integer, got {value}"
+            for name, value in required + [(n, v) for n, v in optional if v is not None]
+            if value is None or value < 1]
+
+
+def _layout_problems(cfg: Config, world: int) -> list:
+    """World, batch, the divisibility rules of TP/CP and (from parallel.pipeline) of PP."""
+    problems = []
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     if world % (tp * cp * pp):
         problems.append(f"world size {world} is not divisible by TP×CP×PP = {tp}×{cp}×{pp}; "
                         f"set --nproc-per-node to a multiple of {tp * cp * pp}")
         dp = 1
     else:
         dp = world // (tp * cp * pp)
-
     if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
         step = t.micro_batch_size * dp
         problems.append(f"--global-batch-size {t.global_batch_size} is not divisible by "
                         f"--micro-batch-size {t.micro_batch_size} × DP {dp} = {step}; "
-                        f"nearest valid: {_nearest_multiples(t.global_batch_size, step)}")
-    if m.hidden_size % m.num_attention_heads and not m.kv_channels:
-        problems.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
-                        f"{m.num_attention_heads}; set --kv-channels or change one of them")
+                        f"nearest valid --global-batch-size: {_nearest_multiples(t.global_batch_size, step)}")
     if m.num_attention_heads % tp:
         problems.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
                         f"--tensor-model-parallel-size {tp}")
     groups = query_groups(m)
-    if m.group_query_attention and not m.num_query_groups:
-        problems.append("--group-query-attention needs --num-query-groups")
-    if groups < 1 or m.num_attention_heads % groups:
-        problems.append(f"--num-query-groups {groups} does not divide --num-attention-heads "
-                        f"{m.num_attention_heads}")
-    elif groups >= tp and groups % tp:
-        problems.append(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
-    elif groups < tp and tp % groups:
-        problems.append(f"--tensor-model-parallel-size {tp} is not a multiple of --num-query-groups {groups}")
-    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
-    if first is None and last is None and m.num_layers % pp:
-        problems.append(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
-                        f"use a multiple of {pp} or set --decoder-first/last-pipeline-num-layers")
+    if m.num_query_groups and m.num_attention_heads % groups == 0:
+        if groups >= tp and groups % tp:
+            problems.append(f"--num-query-groups {groups} is not divisible by "
+                            f"--tensor-model-parallel-size {tp}")
+        elif groups < tp and tp % groups:
+            problems.append(f"--tensor-model-parallel-size {tp} is not a multiple of "
+                            f"--num-query-groups {groups}")
     if p.sequence_parallel and tp == 1:
         problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if m.position_embedding_type == "learned_absolute" and m.seq_length > max_positions(m):
-        problems.append(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
-                        f"{m.max_position_embeddings}")
-    if m.position_embedding_type == "rope" and head_dim(m) % 2:
-        problems.append(f"RoPE needs an even head dimension, got {head_dim(m)}")
-    if t.bf16 and t.fp16:
-        problems.append("--bf16 and --fp16 are exclusive; pick one")
-    if not 0 <= m.hidden_dropout < 1 or not 0 <= m.attention_dropout < 1:
-        problems.append("--hidden-dropout and --attention-dropout must be in [0, 1)")
-    if o.min_lr > o.lr:
-        problems.append(f"--min-lr {o.min_lr} is above --lr {o.lr}")
-    if o.lr_warmup_iters > (o.lr_decay_iters or t.train_iters):
-        problems.append(f"--lr-warmup-iters {o.lr_warmup_iters} exceeds the decay iterations "
-                        f"{o.lr_decay_iters or t.train_iters}")
+    if cp > 1 and m.seq_length % (2 * cp):
+        problems.append(f"--seq-length {m.seq_length} is not divisible by 2 × --context-parallel-size "
+                        f"{cp} (each CP rank holds two load-balanced chunks)")
     if p.overlap_param_gather and not p.use_distributed_optimizer:
         problems.append("--overlap-param-gather needs --use-distributed-optimizer")
-    split = d.split.replace("/", ",").split(",")
+    if world % (tp * cp * pp) == 0:  # layers per stage, virtual stages, schedule
+        from .parallel.pipeline import validate_pipeline
+        problems += validate_pipeline(cfg, world)
+    return problems
+
+
+def _model_problems(m: ModelConfig) -> list:
+    problems = []
+    if m.hidden_size % m.num_attention_heads and not m.kv_channels:
+        problems.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+                        f"{m.num_attention_heads}; set --kv-channels or change one of them")
+    if m.group_query_attention and not m.num_query_groups:
+        problems.append("--group-query-attention needs --num-query-groups")
+    groups = query_groups(m)
+    if m.num_attention_heads % groups:
+        problems.append(f"--num-query-groups {groups} does not divide --num-attention-heads "
+                        f"{m.num_attention_heads}")
+    if m.position_embedding_type == "learned_absolute" and m.seq_length > max_positions(m):
+        problems.append(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
+                        f"{m.max_position_embeddings}; raise --max-position-embeddings or shorten "
+                        f"--seq-length")
+    if m.position_embedding_type == "rope" and head_dim(m) % 2:
+        problems.append(f"--position-embedding-type rope needs an even head dimension, got {head_dim(m)} "
+                        f"(--hidden-size / --num-attention-heads, or --kv-channels)")
+    if not 0 <= m.hidden_dropout < 1 or not 0 <= m.attention_dropout < 1:
+        problems.append("--hidden-dropout and --attention-dropout must be in [0, 1)")
+    return problems
+
+
+def _training_problems(cfg: Config) -> list:
+    """Precision, learning-rate schedule, evaluation and checkpoint cadence."""
+    problems = []
+    t, o, c = cfg.training, cfg.optimizer, cfg.checkpoint
+    if t.bf16 and t.fp16:
+        problems.append("--bf16 and --fp16 are exclusive; pick one")
+    if t.fp16:
+        import torch
+        if not torch.cuda.is_available():
+            problems.append("--fp16 needs CUDA; on CPU train in fp32 (no flag) or --bf16")
+    if o.lr < 0 or o.min_lr < 0:
+        problems.append(f"--lr {o.lr} and --min-lr {o.min_lr} must not be negative")
+    elif o.min_lr > o.lr:
+        problems.append(f"--min-lr {o.min_lr} is above --lr {o.lr}")
+    decay = o.lr_decay_iters or t.train_iters
+    if o.lr_warmup_iters < 0:
+        problems.append(f"--lr-warmup-iters must not be negative, got {o.lr_warmup_iters}")
+    elif o.lr_warmup_iters > decay:
+        problems.append(f"--lr-warmup-iters {o.lr_warmup_iters} exceeds the decay iterations {decay} "
+                        f"(--lr-decay-iters, default --train-iters); lower --lr-warmup-iters")
+    for name, value in [("--weight-decay", o.weight_decay), ("--clip-grad", o.clip_grad),
+                        ("--eval-iters", t.eval_iters)]:
+        if value < 0:
+            problems.append(f"{name} must not be negative, got {value}")
+    if not (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1) or o.adam_eps <= 0:
+        problems.append("--adam-beta1/--adam-beta2 must be in [0, 1) and --adam-eps positive")
+    if c.save_interval is not None and not c.save:
+        problems.append(f"--save-interval {c.save_interval} needs --save (a checkpoint directory)")
+    return problems
+
+
+def _data_problems(cfg: Config) -> list:
+    """Data source and tokenizer combinations (no file access)."""
+    problems = []
+    d, vocab = cfg.data, cfg.model.vocab_size
+    from .data.gpt_dataset import split_weights
     try:
-        weights = [float(x) for x in split]
-        if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise ValueError
-    except ValueError:
-        problems.append(f"--split {d.split!r} must be up to three non-negative numbers, e.g. 969,30,1")
-    if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save_interval < 1:
-        problems.append("--save-interval must be a positive integer")
+        split_weights(d.split)
+    except ConfigError as e:
+        problems += e.problems
     if d.mock_data and d.data_path:
         problems.append("--mock-data and --data-path are exclusive; pick one")
-    if d.mock_data and not m.vocab_size:
-        problems.append("--mock-data needs --vocab-size")
-    if check_files:
-        problems.extend(_file_problems(cfg))
-    from .model.presets import PRESETS
-    if cfg.model_preset and cfg.model_preset not in PRESETS:
-        problems.append(f"--model {cfg.model_preset!r} is not a preset; choose one of {', '.join(PRESETS)}")
-    if problems:
-        raise ConfigError(problems)
+    if d.mock_data and not vocab:
+        problems.append("--mock-data needs --vocab-size (the range of the random token ids)")
+    if d.tokenizer_type == "HuggingFaceTokenizer" and not d.tokenizer_model:
+        problems.append("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json)")
+    if d.tokenizer_type == "GPT2BPETokenizer" and not (d.vocab_file and d.merge_file):
+        problems.append("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+    if d.tokenizer_type == "NullTokenizer" and not vocab:
+        problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
+    if d.data_path and not d.tokenizer_type and not vocab:
+        problems.append("--data-path needs --tokenizer-type (or --vocab-size with NullTokenizer)")
+    if cfg.model_preset:
+        from .model.presets import PRESETS
+        if cfg.model_preset not in PRESETS:
+            problems.append(f"--model {cfg.model_preset!r} is not a preset; choose one of {', '.join(PRESETS)}")
+    return problems
 
 
 def _file_problems(cfg: Config) -> list:
-    """Missing data / tokenizer / checkpoint files, each naming its flag."""
+    """No data at all, or missing data / tokenizer / checkpoint paths, each naming its flag."""
     problems = []
     d = cfg.data
+    if not d.data_path and not d.mock_data:
+        problems.append("no training data: give --data-path (see `meshlm preprocess`) or --mock-data")
     from .data.blend import parse_data_path
     try:
         for _, prefix in parse_data_path(d.data_path):
@@ -504,14 +610,6 @@ def _file_problems(cfg: Config) -> list:
                        ("--merge-file", d.merge_file)]:
         if path and not os.path.exists(path):
             problems.append(f"{flag} {path}: no such file")
-    if d.tokenizer_type == "HuggingFaceTokenizer" and not d.tokenizer_model:
-        problems.append("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json)")
-    if d.tokenizer_type == "GPT2BPETokenizer" and not (d.vocab_file and d.merge_file):
-        problems.append("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
-    if d.tokenizer_type == "NullTokenizer" and not cfg.model.vocab_size:
-        problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
-    if d.data_path and not d.tokenizer_type and not cfg.model.vocab_size:
-        problems.append("--data-path needs --tokenizer-type (or --vocab-size with NullTokenizer)")
     load = cfg.checkpoint.load
     if load and not os.path.isdir(load) and load != cfg.checkpoint.save:
         problems.append(f"--load {load}: no such directory (with --save {load} too, a fresh run starts there)")

@@ -1,8 +1,19 @@
-"""--data-path parsing: ``A``, ``A B`` (equal weights) or ``0.7 A 0.3 B`` (weighted)."""
+"""--data-path parsing (``A``, ``A B`` with equal weights, or ``0.7 A 0.3 B``) and blending.
+
+Blending follows Megatron-core's BlendedDataset: each dataset is asked for a share of the samples
+with a 0.5 % surplus, and a greedy rule interleaves them so every prefix of the blend keeps the
+weights as closely as integers allow.
+"""
 
 from __future__ import annotations
 
-from ..errors import ConfigError
+import math
+
+import numpy as np
+
+from ..errors import ConfigError, DataError
+
+SURPLUS = 0.005
 
 
 def parse_data_path(tokens: list) -> list:
@@ -32,3 +43,61 @@ def parse_data_path(tokens: list) -> list:
         pairs.append((float(w), prefix))
     total = sum(w for w, _ in pairs)
     return [(w / total, prefix) for w, prefix in pairs]
+
+
+def samples_per_dataset(weights, num_samples: int, surplus: float = 0.0) -> list:
+    """Samples to take from each blended dataset: ceil(ceil(n · w_i) · (1 + surplus)).
+
+    Megatron-core blends sum_i ceil(n · w_i) samples (surplus 0) and builds each dataset with a
+    0.5 % surplus (:data:`SURPLUS`) so the greedy choice below never runs one dry.
+    """
+    return [int(math.ceil(math.ceil(num_samples * w) * (1 + surplus))) for w in weights]
+
+
+def build_blending_indices(weights, size: int):
+    """Megatron's greedy blending: for each global sample s pick the dataset i maximising
+    w_i · max(s, 1) − count_i (the first maximum wins), take that dataset's next sample.
+
+    Returns (dataset_index int16 [size], dataset_sample_index int64 [size]).
+    """
+    weights = [float(w) for w in weights]
+    counts = [0] * len(weights)
+    dataset_index = np.empty(size, dtype=np.int16)
+    sample_index = np.empty(size, dtype=np.int64)
+    for s in range(size):
+        x = max(float(s), 1.0)
+        best, best_err = 0, weights[0] * x - counts[0]
+        for i in range(1, len(weights)):
+            err = weights[i] * x - counts[i]
+            if err > best_err:
+                best, best_err = i, err
+        dataset_index[s] = best
+        sample_index[s] = counts[best]
+        counts[best] += 1
+    return dataset_index, sample_index
+
+
+class BlendedDataset:
+    """``size`` samples drawn from several datasets in proportion to ``weights``.
+
+    datasets: objects with ``len()`` and ``ds[i]``; names: how each is named in errors (its
+    --data-path prefix). Raises DataError when a dataset cannot supply its share.
+    """
+
+    def __init__(self, datasets, weights, size: int, names):
+        self.datasets = list(datasets)
+        total = float(np.sum(np.asarray(weights, dtype=np.float64)))
+        self.weights = [float(w) / total for w in weights]
+        self.dataset_index, self.dataset_sample_index = build_blending_indices(self.weights, size)
+        for i, (ds, name) in enumerate(zip(self.datasets, names)):
+            chosen = self.dataset_sample_index[self.dataset_index == i]
+            need = int(chosen.max()) + 1 if chosen.size else 0
+            if need > len(ds):
+                raise DataError(f"--data-path {name}: its weight {self.weights[i]:.3g} asks for {need} samples "
+                                f"but it holds {len(ds)}; lower its weight or add data")
+
+    def __len__(self) -> int:
+        return self.dataset_index.size
+
+    def __getitem__(self, i: int):
+        return self.datasets[self.dataset_index[i]][int(self.dataset_sample_index[i])]

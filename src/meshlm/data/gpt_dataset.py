@@ -1,0 +1,257 @@
+"""GPT pretraining samples from indexed datasets, with Megatron-core's indices and splits.
+
+A sample is ``seq_length + 1`` consecutive tokens of the shuffled document stream (tokens =
+x[:-1], labels = x[1:]); consecutive samples share one token. Three indices, built once per
+(dataset, split, sample count, seed, sequence length) and cached as .npy files (MEGATRON_FORMATS.md):
+
+- document_index int32: the split's documents repeated for enough epochs, shuffled;
+- sample_index [M + 1, 2]: (position in document_index, token offset) where each sample starts;
+- shuffle_index: a permutation of the M samples.
+
+Built from the same files, seed and sizes they equal megatron-core 0.16.1's GPTDataset indices, so a
+run draws the same samples in the same order as Megatron-LM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import torch
+
+from ..config import global_batch
+from ..errors import ConfigError, DataError
+from .blend import SURPLUS, BlendedDataset, parse_data_path, samples_per_dataset
+from .indexed import IndexedDataset
+from .tokenizer import build_tokenizer
+
+SPLITS = ("train", "valid", "test")
+EXTRA = 1  # the one extra token per sample, so tokens and labels both have seq_length ids
+SEPARATE_EPOCH_THRESHOLD = 0.80  # a final epoch that contributes < 80 % of an epoch is shuffled apart
+
+
+def split_weights(split: str) -> list:
+    """``--split "969,30,1"`` → three weights normalised to sum 1 (missing ones are 0)."""
+    try:
+        w = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        w = []
+    if not 1 <= len(w) <= 3 or any(x < 0 for x in w) or sum(w) <= 0:
+        raise ConfigError(f"--split {split!r} must be up to three non-negative numbers, e.g. 969,30,1")
+    w = np.asarray(w + [0.0] * (3 - len(w)), dtype=np.float64)
+    return (w / w.sum()).tolist()
+
+
+def split_ranges(split: str, num_sequences: int) -> list:
+    """Half-open sequence ranges [round(lo·N), round(hi·N)) for train, valid, test; None where the
+    weight is 0. lo/hi are the running sums of the normalised weights (Megatron's bookends)."""
+    bounds = [0.0]
+    for w in split_weights(split):
+        bounds.append(bounds[-1] + w)
+    return [None if hi <= lo else (int(round(lo * num_sequences)), int(round(hi * num_sequences)))
+            for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def num_samples_per_split(cfg, world_size: int) -> list:
+    """Samples each split must supply: train_iters·B; (train_iters // eval_interval + 1)·eval_iters·B;
+    eval_iters·B, with B the global batch."""
+    t, b = cfg.training, global_batch(cfg, world_size)
+    return [t.train_iters * b, (t.train_iters // t.eval_interval + 1) * t.eval_iters * b, t.eval_iters * b]
+
+
+def build_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: int,
+                  seq_length: int, seed: int):
+    """Megatron's (document_index, sample_index, shuffle_index) for ``num_samples`` samples of
+    ``seq_length`` (+1) tokens drawn from ``documents`` (sequence ids) of an indexed dataset.
+
+    Raises ValueError if the documents hold no tokens.
+    """
+    tokens_per_epoch = int(sequence_lengths[documents].sum(dtype=np.int64))
+    if tokens_per_epoch == 0:
+        raise ValueError("the documents hold no tokens")
+    need = num_samples * seq_length + EXTRA
+    epochs = max(1, -(-need // tokens_per_epoch))
+    separate_last = False
+    if epochs > 1:
+        sans_last = ((epochs - 1) * tokens_per_epoch - EXTRA) // seq_length
+        per_epoch = (tokens_per_epoch - EXTRA) // seq_length
+        separate_last = (num_samples - sans_last) < int(SEPARATE_EPOCH_THRESHOLD * per_epoch)
+    rng = np.random.RandomState(seed)
+
+    def shuffled_epochs(n):
+        index = np.tile(np.asarray(documents, dtype=np.int32), n)
+        rng.shuffle(index)
+        return index
+
+    if separate_last:
+        document_index = np.concatenate([shuffled_epochs(epochs - 1), shuffled_epochs(1)])
+    else:
+        document_index = shuffled_epochs(epochs)
+
+    # Sample j starts at stream position j·S. Row j (j ≥ 1) is the document holding the last token
+    # sample j−1 needs (position j·S + E − 1), with the offset of position j·S inside it.
+    total = (epochs * tokens_per_epoch - EXTRA) // seq_length
+    starts = np.zeros(document_index.size + 1, dtype=np.int64)
+    np.cumsum(sequence_lengths[document_index], dtype=np.int64, out=starts[1:])
+    pos = np.arange(1, total + 1, dtype=np.int64) * seq_length
+    doc = np.searchsorted(starts, pos + EXTRA - 1, side="right") - 1
+    big = max(document_index.size, int(sequence_lengths.max())) > np.iinfo(np.int32).max
+    sample_index = np.zeros((total + 1, 2), dtype=np.int64 if big else np.int32)
+    sample_index[1:, 0] = doc
+    sample_index[1:, 1] = pos - starts[doc]
+
+    dtype = np.int64 if total >= np.iinfo(np.uint32).max - 1 else np.uint32
+    first = sans_last if separate_last else total
+    shuffle_index = np.arange(first, dtype=dtype)
+    rng.shuffle(shuffle_index)
+    if separate_last:
+        rest = np.arange(first, total, dtype=dtype)
+        rng.shuffle(rest)
+        shuffle_index = np.concatenate([shuffle_index, rest])
+    return document_index, sample_index, shuffle_index
+
+
+def _item(x: np.ndarray, seq_length: int) -> dict:
+    """Sample dict from up to seq_length + 1 ids; padding (id 0) gets loss mask 0."""
+    n = x.size
+    buf = np.zeros(seq_length + EXTRA, dtype=np.int64)
+    buf[:n] = x
+    mask = np.zeros(seq_length, dtype=np.float32)
+    mask[:max(n - 1, 0)] = 1.0
+    text = torch.from_numpy(buf)
+    return {"tokens": text[:-1], "labels": text[1:], "loss_mask": torch.from_numpy(mask)}
+
+
+class GPTDataset:
+    """``num_samples`` (at least; len() is every whole sample of the epochs used) GPT samples from
+    sequences [begin, end) of an indexed dataset.
+
+    ``ds[i]`` → {"tokens": int64 [s], "labels": int64 [s], "loss_mask": float32 [s]}.
+    Indices are read from / written to ``cache_dir`` (default ``<data dir>/cache/GPTDataset_indices``)
+    under an md5 of :attr:`description`; only global rank 0 builds them, other ranks wait on a
+    barrier and load. Raises DataError if the range holds no tokens or the cache is not writable.
+    """
+
+    def __init__(self, indexed: IndexedDataset, split: str, doc_range: tuple, num_samples: int,
+                 seq_length: int, seed: int, split_string: str = "", cache_dir: str | None = None,
+                 tokenizer_identity: str = ""):
+        self.indexed, self.seq_length, self.split = indexed, seq_length, split
+        begin, end = doc_range
+        self.description = json.dumps({
+            "class": "GPTDataset", "dataset_path": indexed.prefix, "num_sequences": len(indexed),
+            "num_tokens": indexed.num_tokens, "split": split_string, "index_split": split,
+            "documents": [begin, end], "num_samples": num_samples, "random_seed": seed,
+            "sequence_length": seq_length, "add_extra_token_to_sequence": EXTRA,
+            "tokenizer": tokenizer_identity}, indent=2)
+        digest = hashlib.md5(self.description.encode(), usedforsecurity=False).hexdigest()
+        cache_dir = cache_dir or os.path.join(os.path.dirname(os.path.abspath(indexed.prefix)),
+                                              "cache", "GPTDataset_indices")
+        base = os.path.join(cache_dir, f"{digest}-GPTDataset-{split}")
+        paths = [f"{base}-{name}.npy" for name in ("document_index", "sample_index", "shuffle_index")]
+        desc_path = f"{base}-description.txt"
+        if not indexed.sequence_lengths[begin:end].any():  # checked on every rank: no one waits in vain
+            raise DataError(f"--data-path {indexed.prefix}: the {split} split (sequences [{begin}, {end}) "
+                            f"of {len(indexed)}) holds no tokens; change --split {split_string} or add documents")
+        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        self.cache_hit = all(os.path.isfile(p) for p in paths + [desc_path])
+        if rank0 and not self.cache_hit:
+            arrays = build_indices(indexed.sequence_lengths, np.arange(begin, end), num_samples, seq_length, seed)
+            self._save(cache_dir, paths, arrays, desc_path)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        self.document_index, self.sample_index, self.shuffle_index = (np.load(p, mmap_mode="r") for p in paths)
+
+    def _save(self, cache_dir, paths, arrays, desc_path):
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            for path, arr in zip(paths, arrays):
+                with open(path + ".tmp", "wb") as f:
+                    np.save(f, arr)
+                os.replace(path + ".tmp", path)
+            with open(desc_path + ".tmp", "w") as f:
+                f.write(self.description)
+            os.replace(desc_path + ".tmp", desc_path)
+        except OSError as e:
+            raise DataError(f"--data-cache-path {cache_dir}: cannot write the sample indices ({e.strerror}); "
+                            f"point --data-cache-path at a writable folder") from None
+
+    def __len__(self) -> int:
+        return self.sample_index.shape[0] - 1
+
+    def tokens(self, i: int) -> np.ndarray:
+        """The seq_length + 1 ids of sample i (after shuffling), across document boundaries."""
+        j = int(self.shuffle_index[i])
+        (k0, o0), (k1, o1) = self.sample_index[j], self.sample_index[j + 1]
+        k0, o0, k1, o1 = int(k0), int(o0), int(k1), int(o1)
+        get, docs = self.indexed.get, self.document_index
+        if k0 == k1:
+            return get(int(docs[k0]), o0, o1 - o0 + EXTRA).astype(np.int64)
+        parts = [get(int(docs[k0]), o0)]
+        parts += [get(int(docs[k])) for k in range(k0 + 1, k1)]
+        parts.append(get(int(docs[k1]), 0, o1 + EXTRA))
+        return np.concatenate(parts).astype(np.int64)
+
+    def __getitem__(self, i: int) -> dict:
+        return _item(self.tokens(i), self.seq_length)
+
+
+class MockGPTDataset:
+    """``--mock-data``: ``num_samples`` samples of uniform random ids in [0, vocab_size).
+
+    Sample i depends only on (seed, split, i): the same on every rank and layout.
+    """
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int, split: str = "train"):
+        self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
+        self.seed, self.split_id = seed, SPLITS.index(split)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(i)
+        rng = np.random.default_rng([self.seed, self.split_id, i])
+        return _item(rng.integers(0, self.vocab_size, self.seq_length + EXTRA), self.seq_length)
+
+
+def build_datasets(cfg, world_size: int | None = None, ps=None) -> tuple:
+    """(train, valid, test) datasets for ``cfg``; None for a split of weight 0 or 0 samples.
+
+    Sizes follow Megatron (see :func:`num_samples_per_split`), with the global batch for
+    ``ps.world_size`` (else ``world_size``, else 1) ranks. One --data-path prefix gives GPTDatasets;
+    several give BlendedDatasets over GPTDatasets of each prefix. Collective when torch.distributed
+    is initialised (every rank must call it). Raises ConfigError / DataError on bad flags or files.
+    """
+    world = ps.world_size if ps is not None else (world_size or 1)
+    sizes = num_samples_per_split(cfg, world)
+    d, seq, seed = cfg.data, cfg.model.seq_length, cfg.training.seed
+    weights = split_weights(d.split)
+    if d.mock_data:
+        if not cfg.model.vocab_size:
+            raise ConfigError("--mock-data needs --vocab-size")
+        return tuple(MockGPTDataset(n, seq, cfg.model.vocab_size, seed, name) if w > 0 and n > 0 else None
+                     for name, w, n in zip(SPLITS, weights, sizes))
+    blend = parse_data_path(d.data_path)
+    if not blend:
+        raise ConfigError("no data: give --data-path PREFIX (from `meshlm preprocess`) or --mock-data")
+    identity = build_tokenizer(d, cfg.model.vocab_size).identity
+    indexed = [IndexedDataset(prefix) for _, prefix in blend]
+    ranges = [split_ranges(d.split, len(ds)) for ds in indexed]
+
+    def gpt(k, s, n):
+        return GPTDataset(indexed[k], SPLITS[s], ranges[k][s], n, seq, seed, d.split, d.data_cache_path, identity)
+
+    out = []
+    for s, n in enumerate(sizes):
+        if ranges[0][s] is None or n == 0:
+            out.append(None)
+        elif len(blend) == 1:
+            out.append(gpt(0, s, n))
+        else:
+            w = [wt for wt, _ in blend]
+            parts = [gpt(k, s, m) for k, m in enumerate(samples_per_dataset(w, n, SURPLUS))]
+            out.append(BlendedDataset(parts, w, sum(samples_per_dataset(w, n)), [p for _, p in blend]))
+    return tuple(out)

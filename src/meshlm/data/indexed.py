@@ -1,0 +1,142 @@
+"""Megatron's indexed dataset: token ids in ``{prefix}.bin``, their layout in ``{prefix}.idx``.
+
+``.bin`` holds the ids of every sequence back to back (one dtype, no header). ``.idx`` is, all
+little-endian: the magic ``MMIDIDX\\0\\0`` (9 bytes), uint64 version 1, uint8 dtype code, uint64 N
+(sequences), uint64 D (documents + 1), then int32[N] sequence lengths (tokens), int64[N] byte
+offsets into .bin, int64[D] document index (document k = sequences [di[k], di[k+1])).
+Files written here open with megatron-core's ``IndexedDataset`` and vice versa.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+
+from ..errors import DataError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+               7: np.float32, 8: np.uint16}
+CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+_HEADER = len(MAGIC) + 8 + 1 + 8 + 8
+
+
+def token_dtype(vocab_size: int) -> type:
+    """Megatron's preprocessing convention: uint16 below 65,500 ids, else int32."""
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+class IndexedDatasetWriter:
+    """Stream documents into ``{prefix}.bin/.idx``; one document is one sequence.
+
+    The files appear under their final names only in ``finalize()`` (written as ``*.tmp``, then
+    renamed), so a crash never leaves a half-written dataset that looks complete.
+    """
+
+    def __init__(self, prefix: str, dtype=np.uint16):
+        self.prefix = prefix
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in CODE_OF:
+            raise ValueError(f"unsupported token dtype {self.dtype}")
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        self._bin = open(prefix + ".bin.tmp", "wb")
+        self._lengths = []
+
+    def add_document(self, ids) -> None:
+        """Append one document (a list or array of token ids; may be empty)."""
+        arr = np.asarray(ids, dtype=self.dtype)
+        self._bin.write(arr.tobytes(order="C"))
+        self._lengths.append(arr.size)
+
+    def abort(self) -> None:
+        """Drop everything written so far (no files are left behind)."""
+        self._bin.close()
+        os.remove(self.prefix + ".bin.tmp")
+
+    def finalize(self) -> None:
+        """Write the .idx and move both files to their final names."""
+        self._bin.close()
+        lengths = np.asarray(self._lengths, dtype=np.int32)
+        n = lengths.size
+        pointers = np.zeros(n, dtype=np.int64)
+        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        documents = np.arange(n + 1, dtype=np.int64)
+        with open(self.prefix + ".idx.tmp", "wb") as f:
+            f.write(MAGIC)
+            f.write(struct.pack("<Q", VERSION))
+            f.write(struct.pack("<B", CODE_OF[self.dtype]))
+            f.write(struct.pack("<Q", n))
+            f.write(struct.pack("<Q", n + 1))
+            f.write(lengths.tobytes())
+            f.write(pointers.tobytes())
+            f.write(documents.tobytes())
+        os.replace(self.prefix + ".bin.tmp", self.prefix + ".bin")
+        os.replace(self.prefix + ".idx.tmp", self.prefix + ".idx")
+
+
+class IndexedDataset:
+    """Read-only view of ``{prefix}.bin/.idx`` through numpy memory maps.
+
+    ``len(ds)`` = number of sequences; ``ds[i]`` = sequence i as a numpy array of the file's
+    dtype. Attributes: ``sequence_lengths`` int32[N] (tokens), ``sequence_pointers`` int64[N]
+    (bytes), ``document_indices`` int64[D], ``dtype``. Raises DataError if a file is missing,
+    is not an indexed dataset, or the .bin is shorter than the .idx says.
+    """
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        for ext in (".idx", ".bin"):
+            if not os.path.isfile(prefix + ext):
+                raise DataError(f"{prefix + ext} does not exist (run `meshlm preprocess` to make it)")
+        idx = np.memmap(prefix + ".idx", dtype=np.uint8, mode="r")
+        if idx.size < _HEADER or bytes(idx[:len(MAGIC)]) != MAGIC:
+            raise DataError(f"{prefix}.idx is not a Megatron indexed-dataset index (bad magic)")
+        version, code, n, d = struct.unpack("<QBQQ", bytes(idx[len(MAGIC):_HEADER]))
+        if version != VERSION or code not in DTYPE_CODES:
+            raise DataError(f"{prefix}.idx: unsupported version {version} or dtype code {code}")
+        if idx.size < _HEADER + 12 * n + 8 * d:
+            raise DataError(f"{prefix}.idx is truncated ({idx.size} bytes for {n} sequences)")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        self.sequence_lengths = np.frombuffer(idx, np.int32, n, _HEADER)
+        self.sequence_pointers = np.frombuffer(idx, np.int64, n, _HEADER + 4 * n)
+        self.document_indices = np.frombuffer(idx, np.int64, d, _HEADER + 12 * n)
+        nbytes = os.path.getsize(prefix + ".bin")
+        need = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize if n else 0
+        if nbytes < need:
+            raise DataError(f"{prefix}.bin is truncated: {nbytes} bytes, the .idx needs {need}")
+        self._bin = np.memmap(prefix + ".bin", dtype=np.uint8, mode="r") if nbytes else np.zeros(0, np.uint8)
+
+    def __len__(self) -> int:
+        return self.sequence_lengths.size
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens [offset, offset + length) of sequence i (to its end when length is None)."""
+        if length is None:
+            length = int(self.sequence_lengths[i]) - offset
+        start = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin, self.dtype, length, start) if length else np.zeros(0, self.dtype)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sequence_lengths.sum(dtype=np.int64))
+
+
+def check_token_ids(prefixes, vocab_size: int) -> None:
+    """Raise DataError naming the .bin file and its largest id if any id is ≥ vocab_size.
+
+    prefixes: indexed-dataset prefixes (without .bin/.idx). Reads each .bin in 64 MiB chunks.
+    """
+    for prefix in prefixes:
+        ds = IndexedDataset(prefix)
+        data = np.frombuffer(ds._bin, ds.dtype, ds._bin.size // ds.dtype.itemsize)
+        chunk = (64 << 20) // ds.dtype.itemsize
+        largest = max((int(data[i:i + chunk].max()) for i in range(0, data.size, chunk)), default=-1)
+        if largest >= vocab_size:
+            raise DataError(f"{prefix}.bin holds token id {largest} but the vocabulary has {vocab_size} "
+                            f"ids; use the tokenizer the data was preprocessed with (or a larger --vocab-size)")

@@ -1,0 +1,217 @@
+"""Tokenizers by Megatron's ``--tokenizer-type``, and byte-level BPE training.
+
+- ``HuggingFaceTokenizer``: a ``tokenizer.json`` (or a folder holding one) via the ``tokenizers``
+  library; the end-of-document id is the ``eos_token`` of a ``tokenizer_config.json`` beside it,
+  else the first of :data:`EOD_CANDIDATES` in the vocabulary.
+- ``GPT2BPETokenizer``: GPT-2's ``vocab.json`` + ``merges.txt`` as a byte-level BPE; eod is
+  ``<|endoftext|>``.
+- ``NullTokenizer``: text is whitespace-separated integer ids; ``vocab_size`` ids with
+  eod = vocab_size − 1 (Megatron's null tokenizer instead adds one id past ``--vocab-size``).
+
+``encode`` applies the tokenizer's own post-processor (e.g. a Llama BOS), as Megatron's
+HuggingFaceTokenizer does; it never appends eod (preprocess ``--append-eod`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from typing import Optional
+
+from ..errors import ConfigError, DataError
+
+EOD = "<|endoftext|>"
+EOD_CANDIDATES = (EOD, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
+
+
+class Tokenizer:
+    """A text ↔ id mapping. ``vocab_size`` counts every id (added tokens included); ``eod`` is the
+    end-of-document id; ``identity`` is a short string naming the tokenizer (used in cache names)."""
+
+    def __init__(self, vocab_size: int, eod: int, identity: str):
+        self.vocab_size = vocab_size
+        self.eod = eod
+        self.identity = identity
+
+    def encode(self, text: str) -> list:
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list) -> list:
+        """Encode many texts; subclasses may parallelise."""
+        return [self.encode(t) for t in texts]
+
+
+class HFTokenizer(Tokenizer):
+    """Wraps a ``tokenizers.Tokenizer`` (HuggingFaceTokenizer and GPT2BPETokenizer)."""
+
+    def __init__(self, tok, eod: int, identity: str):
+        super().__init__(tok.get_vocab_size(with_added_tokens=True), eod, identity)
+        self._tok = tok
+
+    def encode(self, text: str) -> list:
+        return self._tok.encode(text).ids
+
+    def encode_batch(self, texts: list) -> list:
+        return [e.ids for e in self._tok.encode_batch(texts)]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class NullTokenizer(Tokenizer):
+    """Text is already ids: ``"5 17 3"`` ↔ [5, 17, 3]. eod = vocab_size − 1."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__(vocab_size, vocab_size - 1, f"NullTokenizer:{vocab_size}")
+
+    def encode(self, text: str) -> list:
+        try:
+            return [int(x) for x in text.split()]
+        except ValueError:
+            raise ValueError("NullTokenizer input must be whitespace-separated integers") from None
+
+    def decode(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def _file_digest(*paths: str) -> str:
+    h = hashlib.md5(usedforsecurity=False)
+    for p in paths:
+        with open(p, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:12]
+
+
+def _require(path: Optional[str], flag: str) -> str:
+    if not path:
+        raise ConfigError(f"{flag} is required by this --tokenizer-type")
+    if not os.path.exists(path):
+        raise DataError(f"{flag} {path}: no such file")
+    return path
+
+
+def _hf_eod(tok, json_path: str) -> int:
+    config = os.path.join(os.path.dirname(json_path), "tokenizer_config.json")
+    names = list(EOD_CANDIDATES)
+    if os.path.isfile(config):
+        with open(config) as f:
+            eos = json.load(f).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if eos:
+            names.insert(0, eos)
+    for name in names:
+        i = tok.token_to_id(name)
+        if i is not None:
+            return i
+    raise DataError(f"--tokenizer-model {json_path}: no end-of-document token found "
+                    f"(looked for {', '.join(EOD_CANDIDATES)}); add one to the tokenizer")
+
+
+def resolve_tokenizer_type(data_cfg, vocab_size: Optional[int] = None) -> str:
+    """--tokenizer-type, or the one implied by the given files: tokenizer.json → HuggingFace,
+    vocab+merges → GPT2BPE, only --vocab-size → Null. ConfigError if nothing is given."""
+    if data_cfg.tokenizer_type:
+        return data_cfg.tokenizer_type
+    if data_cfg.tokenizer_model:
+        return "HuggingFaceTokenizer"
+    if data_cfg.vocab_file and data_cfg.merge_file:
+        return "GPT2BPETokenizer"
+    if vocab_size:
+        return "NullTokenizer"
+    raise ConfigError("no tokenizer: set --tokenizer-type with --tokenizer-model (tokenizer.json), "
+                      "--vocab-file/--merge-file, or --vocab-size for NullTokenizer")
+
+
+def build_tokenizer(data_cfg, vocab_size: Optional[int] = None) -> Tokenizer:
+    """Build the tokenizer named by ``data_cfg`` (a DataConfig or any object with its fields).
+
+    vocab_size: needed by NullTokenizer only. Raises ConfigError for a missing flag and
+    DataError for a missing or unusable file.
+    """
+    from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers
+
+    kind = resolve_tokenizer_type(data_cfg, vocab_size)
+    if kind == "NullTokenizer":
+        if not vocab_size:
+            raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
+        return NullTokenizer(vocab_size)
+    if kind == "HuggingFaceTokenizer":
+        path = _require(data_cfg.tokenizer_model, "--tokenizer-model")
+        if os.path.isdir(path):
+            path = _require(os.path.join(path, "tokenizer.json"), "--tokenizer-model")
+        try:
+            tok = HFTok.from_file(path)
+        except Exception as e:  # the library raises a bare Exception on malformed JSON
+            raise DataError(f"--tokenizer-model {path}: not a tokenizer.json ({str(e)[:120]})") from None
+        return HFTokenizer(tok, _hf_eod(tok, path), f"HF:{os.path.basename(path)}:{_file_digest(path)}")
+    if kind == "GPT2BPETokenizer":
+        vocab = _require(data_cfg.vocab_file, "--vocab-file")
+        merges = _require(data_cfg.merge_file, "--merge-file")
+        try:
+            tok = HFTok(models.BPE.from_file(vocab, merges))
+        except Exception as e:
+            raise DataError(f"--vocab-file {vocab} / --merge-file {merges}: unreadable ({str(e)[:120]})") from None
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        eod = tok.token_to_id(EOD)
+        if eod is None:
+            raise DataError(f"--vocab-file {vocab}: has no {EOD} token")
+        return HFTokenizer(tok, eod, f"GPT2BPE:{_file_digest(vocab, merges)}")
+    raise ConfigError(f"--tokenizer-type {kind!r} is not supported; use HuggingFaceTokenizer, "
+                      f"GPT2BPETokenizer or NullTokenizer")
+
+
+def train_bpe(source, vocab_size: int, output_path: str, json_keys=("text",)) -> Tokenizer:
+    """Train a byte-level BPE (GPT-2 style: byte alphabet, GPT-2 split regex) with the special
+    token ``<|endoftext|>`` as eod, and save it as a tokenizer.json at output_path (atomically).
+
+    source: an iterable of texts, or a list of files (jsonl read through json_keys, other files as
+    one text each). Returns the trained tokenizer as a HuggingFaceTokenizer.
+    """
+    from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
+
+    if isinstance(source, (list, tuple)) and source and all(
+            isinstance(p, (str, os.PathLike)) and os.path.isfile(p) for p in source):
+        from .preprocess import iter_texts
+        source = iter_texts([str(p) for p in source], json_keys)
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(source, trainer=trainer)
+    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
+    tok.save(output_path + ".tmp")
+    os.replace(output_path + ".tmp", output_path)
+    return HFTokenizer(tok, tok.token_to_id(EOD), f"HF:{os.path.basename(output_path)}:{_file_digest(output_path)}")
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``meshlm tokenizer train``."""
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="jsonl files (field --json-keys) or plain-text files (one text each)")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl fields to train on")
+    parser.add_argument("--vocab-size", type=int, default=32000, help="target vocabulary size")
+    parser.add_argument("--output", required=True, help="tokenizer.json to write")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """``meshlm tokenizer train``: train a byte-level BPE on the inputs; returns the exit status."""
+    for path in args.input:
+        if not os.path.isfile(path):
+            raise DataError(f"--input {path}: no such file")
+    if args.vocab_size < 257:
+        raise ConfigError(f"--vocab-size {args.vocab_size} is below the 256 byte tokens + {EOD}; use ≥ 257")
+    tok = train_bpe(list(args.input), args.vocab_size, args.output, tuple(args.json_keys))
+    print(f"wrote {args.output}: byte-level BPE, vocab {tok.vocab_size}, eod {EOD} = {tok.eod}")
+    return 0
+
+
+__all__ = ["Tokenizer", "HFTokenizer", "NullTokenizer", "build_tokenizer", "train_bpe",
+           "add_train_arguments", "run_train", "resolve_tokenizer_type", "EOD"]
+

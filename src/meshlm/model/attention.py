@@ -1,0 +1,104 @@
+"""Causal self-attention split over TP by whole heads: fused QKV, GQA, RoPE, SDPA.
+
+Full fused QKV weight layout (TP=1): rows [Q (a·d); K (g·d); V (g·d)], a query heads, g key/value
+groups (query_groups), d head_dim. (Megatron-core interleaves Q/K/V per group instead; the
+checkpoint converters reorder.) Rank r owns query heads [r·a/tp, (r+1)·a/tp) — the matching rows
+of Q and columns of the output projection — and:
+- g ≥ tp: the g/tp groups those heads read, i.e. their K and V rows; no extra communication.
+- g < tp: several ranks need the same group. Each rank holds a unique 1/tp of the [K; V] rows,
+  computes that slice of k/v, and the slices are all-gathered over TP (backward reduce-scatters
+  the grads, so each weight row gets the sum from every rank that used it). Every parameter stays
+  uniquely sharded, so gradient norms and optimizer sharding need no special case.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import head_dim, query_groups
+from ..errors import ConfigError
+from ..parallel import comm
+from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, contiguous_index
+
+
+def rope(x: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021, "RoFormer", §3.4), rotate-half (GPT-NeoX / HF)
+    convention. x: [s, b, n, d], positions 0..s-1; computed in fp32, returned in x.dtype."""
+    s, d = x.shape[0], x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * angles.cos() + rotated * angles.sin()).to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    """x [s, b, h] ([s/tp, b, h] under SP) → [s, b, h] (or [s/tp, b, h]); heads split over TP."""
+
+    def __init__(self, cfg, ps, layer: int, init, scaled_init, rng, *, sequence_parallel: bool,
+                 params_dtype):
+        super().__init__()
+        a, g, d, tp, r = cfg.num_attention_heads, query_groups(cfg), head_dim(cfg), ps.tp, ps.tp_rank
+        self.layer, self.rng, self.group = layer, rng, ps.tp_group
+        self.heads, self.groups, self.d = a // tp, g, d
+        self.first_head = r * self.heads
+        self.rope_base = cfg.rotary_base if cfg.position_embedding_type == "rope" else None
+        self.dropout = cfg.attention_dropout
+        q_rows = contiguous_index(a * d, tp, r)
+        if g >= tp:
+            self.kv_gather, self.local_groups = False, g // tp
+            k_rows = a * d + contiguous_index(g * d, tp, r)
+            kv_rows = torch.cat([k_rows, k_rows + g * d])
+        else:
+            if (2 * g * d) % tp:
+                raise ConfigError(f"--num-query-groups {g} × 2 × head dim {d} is not divisible by "
+                                  f"--tensor-model-parallel-size {tp}; change --kv-channels or TP")
+            self.kv_gather, self.local_groups = True, 1
+            self.group_of_rank = r // (tp // g)
+            kv_rows = a * d + contiguous_index(2 * g * d, tp, r)
+        bias = cfg.add_bias_linear
+        self.linear_qkv = ColumnParallelLinear(
+            cfg.hidden_size, (a + 2 * g) * d, ps, init("self_attention.linear_qkv.weight"), bias=bias,
+            sequence_parallel=sequence_parallel, rows=torch.cat([q_rows, kv_rows]), params_dtype=params_dtype)
+        self.linear_proj = RowParallelLinear(
+            a * d, cfg.hidden_size, ps, scaled_init("self_attention.linear_proj.weight"), bias=bias,
+            sequence_parallel=sequence_parallel, cols=q_rows, params_dtype=params_dtype)
+
+    def _split_qkv(self, qkv):
+        s, b, _ = qkv.shape
+        d, nq = self.d, self.heads
+        q, kv = qkv.split([nq * d, qkv.shape[-1] - nq * d], dim=-1)
+        if self.kv_gather:
+            kv = comm.gather_reduce_tp(kv, self.group)  # [s, b, 2·g·d], every group
+            k_start = self.group_of_rank * d
+            v_start = self.groups * d + k_start
+            k, v = kv[..., k_start:k_start + d], kv[..., v_start:v_start + d]
+        else:
+            k, v = kv.chunk(2, dim=-1)
+        nkv = self.local_groups
+        return q.reshape(s, b, nq, d), k.reshape(s, b, nkv, d), v.reshape(s, b, nkv, d)
+
+    def forward(self, x: torch.Tensor, call: int) -> torch.Tensor:
+        q, k, v = self._split_qkv(self.linear_qkv(x))
+        if self.rope_base is not None:
+            q, k = rope(q, self.rope_base), rope(k, self.rope_base)
+        s, b = q.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        p = self.dropout if self.training else 0.0
+        if p == 0.0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        else:
+            out = torch.cat([self._head_with_dropout(q, k, v, i, p, call) for i in range(self.heads)], dim=1)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.d)
+        return self.linear_proj(out)
+
+    def _head_with_dropout(self, q, k, v, i, p, call):
+        """Head i alone, its attention dropout drawn from its own keyed stream (parallel/random.py)."""
+        kv = i // (self.heads // k.shape[1])
+        with self.rng.fork(self.rng.head_stream(self.first_head + i), self.layer, "attention", call):
+            return F.scaled_dot_product_attention(q[:, i:i + 1], k[:, kv:kv + 1], v[:, kv:kv + 1],
+                                                  dropout_p=p, is_causal=True)

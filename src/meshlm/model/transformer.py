@@ -1,0 +1,200 @@
+"""GPTModel: a pre-norm decoder, GPT-2 or Llama flavoured by the ModelConfig fields.
+
+GPT: learned absolute positions, LayerNorm, GeLU, biases. Llama: --position-embedding-type rope,
+--normalization RMSNorm, --swiglu, --group-query-attention, --disable-bias-linear. Layout inside is
+[s, b, h] ([s/tp, b, h] between TP regions under sequence parallelism).
+
+Parameter names follow Megatron-core (embedding.word_embeddings, layers.<global index>.
+self_attention.linear_qkv, …, final_layernorm, output_layer) and are the same in every layout.
+
+Initialisation (Megatron): normal(0, init_method_std) for embeddings, linears and the output
+layer; the attention and MLP output projections use std / sqrt(2 · num_layers) (GPT-2 §2.3;
+Megatron "scaled_init_method_normal"); biases and norm shifts 0, norm scales 1. Each full weight is
+drawn from a generator keyed by (seed, global layer index, parameter name) and sliced (see
+parallel/tensor.py ShardedInit), so TP=1 and TP=k start identical.
+
+Dropout follows parallel/random.py: identical masks in every layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import max_positions, padded_vocab_size
+from ..errors import ConfigError
+from ..parallel import comm
+from ..parallel.random import RNGTracker
+from ..parallel.tensor import (ShardedInit, VocabParallelEmbedding, contiguous_index, mark_partitioned,
+                               vocab_parallel_cross_entropy)
+from .attention import SelfAttention
+from .mlp import MLP
+
+EMBEDDING_KEY = (-1, "embedding.word_embeddings.weight")  # (layer, name) of the word embedding
+
+
+class Norm(nn.Module):
+    """LayerNorm (weight, bias) or RMSNorm (weight; Zhang & Sennrich 2019) over the last dim.
+
+    Replicated over TP; under sequence parallelism each rank sees s/tp rows, so its parameters
+    carry ``sequence_parallel = True`` (grads all-reduced over TP by the DDP wrapper).
+    """
+
+    def __init__(self, cfg, sequence_parallel: bool, params_dtype, device):
+        super().__init__()
+        self.rms, self.eps = cfg.normalization == "RMSNorm", cfg.norm_epsilon
+        self.weight = nn.Parameter(torch.ones(cfg.hidden_size, dtype=params_dtype, device=device))
+        self.bias = None if self.rms else nn.Parameter(torch.zeros_like(self.weight))
+        for p in self.parameters():
+            p.no_weight_decay, p.sequence_parallel = True, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.rms:
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class SequenceSlice:
+    """Which rows of the full sequence this rank holds: all of them, or s/tp under SP."""
+
+    def __init__(self, ps, sequence_parallel: bool):
+        self.tp, self.rank = (ps.tp, ps.tp_rank) if sequence_parallel else (1, 0)
+
+    def rows(self, local_rows: int) -> tuple:
+        """(full sequence length, first row of this rank)."""
+        return local_rows * self.tp, local_rows * self.rank
+
+
+class TransformerLayer(nn.Module):
+    """x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))). x: [s, b, h] or [s/tp, b, h]."""
+
+    def __init__(self, cfg, ps, layer: int, init, scaled_init, rng, seq: SequenceSlice, *,
+                 sequence_parallel: bool, params_dtype):
+        super().__init__()
+        self.layer, self.rng, self.seq, self.p = layer, rng, seq, cfg.hidden_dropout
+        kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+        self.input_layernorm = Norm(cfg, sequence_parallel, params_dtype, ps.device)
+        self.self_attention = SelfAttention(cfg, ps, layer, init, scaled_init, rng, **kw)
+        self.pre_mlp_layernorm = Norm(cfg, sequence_parallel, params_dtype, ps.device)
+        self.mlp = MLP(cfg, ps, init, scaled_init, **kw)
+
+    def forward(self, x: torch.Tensor, call: int) -> torch.Tensor:
+        p = self.p if self.training else 0.0
+        full, offset = self.seq.rows(x.shape[0])
+        h = self.self_attention(self.input_layernorm(x), call)
+        x = x + self.rng.dropout(h, p, (self.layer, "attention_out", call), full, offset)
+        h = self.mlp(self.pre_mlp_layernorm(x))
+        return x + self.rng.dropout(h, p, (self.layer, "mlp_out", call), full, offset)
+
+
+class Embedding(nn.Module):
+    """tokens [b, s] → [s, b, h] ([s/tp, b, h] under SP): vocab-parallel words + learned positions."""
+
+    def __init__(self, cfg, ps, vocab_size, padded_vocab, init, rng, seq, *, sequence_parallel, params_dtype):
+        super().__init__()
+        self.rng, self.seq, self.p = rng, seq, cfg.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(
+            vocab_size, padded_vocab, cfg.hidden_size, ps, init(*EMBEDDING_KEY),
+            sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+        self.position_embeddings = None
+        if cfg.position_embedding_type == "learned_absolute":
+            n = max_positions(cfg)
+            w = init(-1, "embedding.position_embeddings.weight").weight(
+                (n, cfg.hidden_size), 0, torch.arange(n), params_dtype, ps.device)
+            self.position_embeddings = nn.Embedding.from_pretrained(w, freeze=False)
+            self.position_embeddings.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, tokens: torch.Tensor, call: int) -> torch.Tensor:
+        x = self.word_embeddings(tokens.t())
+        full, offset = self.seq.rows(x.shape[0])
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings.weight[offset:offset + x.shape[0]].unsqueeze(1)
+        p = self.p if self.training else 0.0
+        return self.rng.dropout(x, p, (-1, "embedding", call), full, offset)
+
+
+class GPTModel(nn.Module):
+    """One model chunk: the layers ``layer_ids`` (global indices), with the embedding if
+    pre_process and the final norm, output layer and loss if post_process. See docs/interfaces.md.
+
+    vocab_size: the tokenizer's vocabulary; the embedding and output are padded to
+    padded_vocab_size(vocab_size, --make-vocab-size-divisible-by, tp) rows, and the padded logits
+    are −inf (never predicted, never in the loss). recompute: re-run each layer's forward in
+    backward (torch.utils.checkpoint). use_cpu_initialization: see ShardedInit.
+
+    Raises ConfigError when a size does not split over TP (--seq-length under SP, --ffn-hidden-size,
+    query groups).
+    """
+
+    def __init__(self, cfg, ps, vocab_size: int, *, seed: int, layer_ids: range | None = None,
+                 pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
+                 params_dtype=torch.float32, recompute: bool = False, use_cpu_initialization: bool = True):
+        super().__init__()
+        if sequence_parallel and cfg.seq_length % ps.tp:
+            raise ConfigError(f"--seq-length {cfg.seq_length} is not divisible by --tensor-model-parallel-size "
+                              f"{ps.tp} (needed by --sequence-parallel)")
+        self.pre_process, self.post_process, self.recompute = pre_process, post_process, recompute
+        self.sequence_parallel, self.group = sequence_parallel, ps.tp_group
+        self.vocab_size = vocab_size
+        self.padded_vocab = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, ps.tp)
+        self.rng = RNGTracker(seed, ps.device)
+        seq = SequenceSlice(ps, sequence_parallel)
+
+        def init(layer, name, std=cfg.init_method_std):
+            return ShardedInit((seed, layer, name), std, use_cpu_initialization, ps.tp_rank)
+
+        scaled_std = cfg.init_method_std / math.sqrt(2 * cfg.num_layers)
+        kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+        if pre_process:
+            self.embedding = Embedding(cfg, ps, vocab_size, self.padded_vocab, init, self.rng, seq, **kw)
+        layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(cfg, ps, i, lambda name, i=i: init(i, name),
+                                     lambda name, i=i: init(i, name, scaled_std), self.rng, seq, **kw)
+            for i in layer_ids})
+        if post_process:
+            self.final_layernorm = Norm(cfg, sequence_parallel, params_dtype, ps.device)
+            rows = contiguous_index(self.padded_vocab, ps.tp, ps.tp_rank)
+            self.vocab_start = int(rows[0])
+            self.register_buffer("padded_logits", (rows >= vocab_size).to(ps.device), persistent=False)
+            tied = not cfg.untie_embeddings_and_output_weights
+            if not (tied and pre_process):
+                key = EMBEDDING_KEY if tied else (-1, "output_layer.weight")
+                w = init(*key).weight((vocab_size, cfg.hidden_size), 0, rows, params_dtype, ps.device)
+                self.output_layer = nn.Module()
+                self.output_layer.weight = nn.Parameter(w)
+                mark_partitioned(self.output_layer.weight, 0, rows, vocab_size)
+                self.output_layer.weight.shared_embedding = tied
+        if pre_process and not cfg.untie_embeddings_and_output_weights:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+
+    def output_weight(self) -> torch.Tensor:
+        """[V_padded/tp, h]: the output layer's weight (the word embedding when tied on this stage)."""
+        if hasattr(self, "output_layer"):
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(self, tokens, labels=None, hidden_states=None):
+        """See docs/interfaces.md: per-token loss [b, s] fp32, logits [b, s, V_padded/tp], or hidden
+        [s, b, h] ([s/tp, b, h] under SP) for the next pipeline stage."""
+        call = self.rng.next_call() if self.training else 0
+        x = self.embedding(tokens, call) if self.pre_process else hidden_states
+        for layer in self.layers.values():
+            if self.recompute and self.training:
+                x = checkpoint(layer, x, call, use_reentrant=False)
+            else:
+                x = layer(x, call)
+        if not self.post_process:
+            return x
+        x = self.final_layernorm(x)
+        x = comm.gather_from_sp(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
+        logits = F.linear(x, self.output_weight()).masked_fill(self.padded_logits, float("-inf"))  # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1)
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_start, self.group).t()
+

@@ -1,0 +1,92 @@
+"""ZeRO-1 distributed optimizer (Rajbhandari et al. 2020, "ZeRO", §5.1 P_os; Megatron's
+``--use-distributed-optimizer``).
+
+Every bucket of the DDP buffers is split into DP × CP equal shards (buckets are padded for
+this); rank r owns shard r of every bucket: its fp32 master weights and Adam moments exist only
+there. Per step: the DDP reduce-scatters each bucket's gradients into the owners' shards; each
+rank updates its shards (the grad norm and inf check are reduced over DP × CP as well); the
+updated params are all-gathered bucket by bucket back into every rank's param buffer.
+
+With ``--overlap-param-gather`` the all-gathers start right after the step (in forward order,
+last bucket first) and each is waited for by a forward pre-hook of the first module that uses a
+param of that bucket, so the gather hides behind the next forward. Anything that reads params
+outside a forward (checkpoint save, export) must call ``finish_param_sync()`` first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.data import all_gather_flat
+from .optimizer import MixedPrecisionOptimizer
+
+
+class DistributedOptimizer(MixedPrecisionOptimizer):
+    """MixedPrecisionOptimizer whose state is sharded over ``ps.dp_cp_group`` (see module doc).
+
+    Requires a DistributedDataParallel built with --use-distributed-optimizer (padded buckets,
+    reduce-scatter). Memory per parameter: see ``memory_report``.
+    """
+
+    def __init__(self, cfg, ps, chunks, ddp):
+        if not ddp.use_distributed_optimizer:
+            raise ValueError("DistributedOptimizer needs a DistributedDataParallel built with "
+                             "cfg.parallel.use_distributed_optimizer")
+        super().__init__(cfg, ps, chunks, ddp)
+        self.norm_groups = [ps.mp_group, ddp.group]
+        self.overlap_param_gather = cfg.parallel.overlap_param_gather
+        self._pending = {}  # id(bucket) → handle of its param all-gather
+        if self.overlap_param_gather:
+            for chunk in chunks:
+                for module in chunk.modules():
+                    if any(p.requires_grad for p in module.parameters(recurse=False)):
+                        module.register_forward_pre_hook(self._wait_for_params)
+
+    def _shard_range(self, bucket) -> tuple:
+        return bucket.shard(self.ddp.rank, self.ddp.size)
+
+    def _gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool):
+        """All-gather each rank's [n] shard into full [n × DP] (in place when shard aliases full)."""
+        if self.ddp.single_tensor_collectives:
+            return all_gather_flat(full, shard, group=self.ddp.group, async_op=async_op)
+        return dist.all_gather(list(full.chunk(self.ddp.size)), shard, group=self.ddp.group, async_op=async_op)
+
+    def _publish(self) -> None:
+        """Copy masters into this rank's param shards, then all-gather every bucket's params."""
+        super()._publish()
+        if self.ddp.group is None:
+            return
+        for s in reversed(self.shards):  # forward order: the first layers' bucket first
+            full = s.buf.param_data[s.bucket.start:s.bucket.end]
+            handle = self._gather(full, s.param, async_op=self.overlap_param_gather)
+            if self.overlap_param_gather:
+                self._pending[id(s.bucket)] = handle
+
+    def _wait_for_params(self, module, args) -> None:
+        """Forward pre-hook: wait for the all-gathers of the buckets holding module's params."""
+        if not self._pending:
+            return
+        for p in module.parameters(recurse=False):
+            if p.requires_grad:
+                handle = self._pending.pop(id(self.ddp.bucket_of(p)[1]), None)
+                if handle is not None:
+                    handle.wait()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather still in flight."""
+        for handle in self._pending.values():
+            handle.wait()
+        self._pending.clear()
+
+    def _bucket_state(self, shard) -> dict:
+        """All-gather the state shards over DP × CP into fresh flat [bucket size] fp32 tensors."""
+        out = {}
+        for key, t in shard.tensors().items():
+            full = torch.empty(shard.bucket.end - shard.bucket.start, dtype=t.dtype, device=t.device)
+            if self.ddp.group is None:
+                full.copy_(t)
+            else:
+                self._gather(full, t, async_op=False)
+            out[key] = full
+        return out

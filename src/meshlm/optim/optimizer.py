@@ -1,0 +1,293 @@
+"""Mixed-precision AdamW on fp32 master weights, with loss scaling and global-norm clipping.
+
+The optimizer works on *shards*: contiguous ranges of the DDP buffers (``parallel/data.py``).
+Under plain DP a shard is a whole bucket; under ZeRO-1 (``optim/distributed.py``) it is this
+rank's 1/DP of the bucket. Each shard holds fp32 ``master`` weights (the params themselves in
+fp32 training, else an fp32 copy of the bf16/fp16 params) and the Adam moments ``exp_avg`` and
+``exp_avg_sq``, all flat [n] fp32 tensors, so the update runs a few large kernels per bucket.
+
+One ``step()`` (Megatron's order):
+  1. unscale the main_grads by 1/loss_scale (fp16) and look for inf/NaN, reduced (MAX) over the
+     model-parallel and DP × CP groups so every rank decides alike;
+  2. on inf/NaN: skip the update and back off the loss scale (fp16); under bf16/fp32 there is
+     nothing to back off, so ``ok`` is False and the trainer stops with a message naming the
+     iteration and the last checkpoint, unless ``--skip-nan-steps``;
+  3. global gradient norm: squares summed over this rank's grads with each parameter counted
+     once (TP-replicated params on tp_rank 0 only; the last stage's copy of a tied embedding not
+     counted when PP > 1; under ZeRO-1 each rank's shard), all-reduced over TP × PP (and DP × CP
+     under ZeRO-1); grads scaled by clip_grad / (norm + 1e-6) when that is below 1;
+  4. AdamW (Loshchilov & Hutter 2019), the same arithmetic as torch.optim.AdamW; no weight
+     decay on params marked ``no_weight_decay``;
+  5. masters copied back to the model params (and all-gathered under ZeRO-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CheckpointError
+from .scaler import build_scaler
+from .schedule import LRScheduler
+
+
+@dataclass
+class StepResult:
+    """Outcome of one optimizer step.
+
+    ok: False when the run should not go on: inf/NaN gradients under bf16/fp32, or under fp16
+        with the loss scale already at --min-loss-scale. The trainer stops (naming the iteration
+        and last checkpoint) unless --skip-nan-steps.
+    grad_norm: global L2 norm of the unscaled gradients before clipping (0.0 when skipped).
+    loss_scale: the scale the step's backward used (1.0 unless fp16).
+    skipped: the update was not applied. found_inf: some gradient was inf/NaN.
+    """
+
+    ok: bool
+    grad_norm: float
+    loss_scale: float
+    skipped: bool
+    found_inf: bool = False
+
+
+def param_names(chunks) -> dict:
+    """param → name: the name in its chunk, prefixed ``chunk{i}.`` only if names clash across chunks."""
+    per_chunk = [dict((p, n) for n, p in c.named_parameters()) for c in chunks]
+    flat = [n for names in per_chunk for n in names.values()]
+    clash = len(flat) != len(set(flat))
+    return {p: (f"chunk{i}.{n}" if clash else n) for i, names in enumerate(per_chunk) for p, n in names.items()}
+
+
+def counts_in_norm(p: torch.Tensor, ps) -> bool:
+    """Whether this rank's copy of p enters the global grad norm (each param counted once)."""
+    if not getattr(p, "tensor_model_parallel", False) and ps.tp_rank != 0:
+        return False
+    return not (getattr(p, "shared_embedding", False) and ps.pp > 1 and not ps.is_first_stage)
+
+
+@dataclass
+class Fragment:
+    """Elements [lo, hi) of a shard are elements [p_lo, p_lo + hi - lo) of flattened param p."""
+
+    param: torch.Tensor
+    name: str
+    lo: int
+    hi: int
+    p_lo: int
+    decay: bool
+    counted: bool
+
+
+class Shard:
+    """This rank's range [start, end) of one bucket with its fp32 master and Adam moments, [n]."""
+
+    def __init__(self, buf, bucket, start: int, end: int, names: dict, ps):
+        self.buf, self.bucket, self.start, self.end = buf, bucket, start, end
+        self.param = buf.param_data[start:end]
+        self.grad = buf.grad_data[start:end]
+        self.separate_master = self.param.dtype != torch.float32
+        self.master = self.param.float() if self.separate_master else self.param
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.fragments = []
+        for p in bucket.params:
+            s, e = buf.index[p]
+            lo, hi = max(s, start), min(e, end)
+            if lo < hi:
+                self.fragments.append(Fragment(p, names[p], lo - start, hi - start, lo - s,
+                                               not getattr(p, "no_weight_decay", False),
+                                               counts_in_norm(p, ps)))
+
+    def tensors(self) -> dict:
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+
+class MixedPrecisionOptimizer:
+    """AdamW on fp32 masters for plain data parallelism (every DP rank holds the full state).
+
+    Built by ``build_optimizer``; see the module docstring for one step. ``lr`` is set by the
+    scheduler through ``set_lr``; it starts at the schedule's value for iteration 0.
+    """
+
+    def __init__(self, cfg, ps, chunks, ddp):
+        o = cfg.optimizer
+        self.ps, self.ddp = ps, ddp
+        self.weight_decay, self.clip_grad = o.weight_decay, o.clip_grad
+        self.betas, self.eps = (o.adam_beta1, o.adam_beta2), o.adam_eps
+        self.scaler = build_scaler(cfg.training)
+        self.lr = LRScheduler(o, cfg.training.train_iters).lr
+        self.step_count = 0
+        self.norm_groups = [ps.mp_group]
+        self.inf_groups = [ps.mp_group, ddp.group]
+        self.names = param_names(chunks)
+        self.shards = [Shard(buf, b, *self._shard_range(b), self.names, ps) for buf in ddp.buffers for b in buf.buckets]
+
+    def _shard_range(self, bucket) -> tuple:
+        return bucket.start, bucket.end
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the loss by this before backward (1.0 unless --fp16)."""
+        return self.scaler.scale
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = float(lr)
+
+    def step(self) -> StepResult:
+        """Unscale, check inf/NaN, clip, AdamW, publish the new params. Collective over all ranks.
+
+        Call after ``ddp.finish_grad_sync()``.
+        """
+        self.finish_param_sync()
+        grads = [s.grad.float() for s in self.shards]  # views when main_grad is fp32
+        scale = self.scaler.scale
+        found_inf = self._unscale_and_check(grads, 1.0 / scale)
+        if found_inf:
+            ok = self.scaler.dynamic and scale > self.scaler.min_scale
+            self.scaler.update(True)
+            return StepResult(ok=ok, grad_norm=0.0, loss_scale=scale, skipped=True, found_inf=True)
+        norm = self.grad_norm(grads)
+        if self.clip_grad > 0:
+            coeff = self.clip_grad / (norm + 1e-6)
+            if coeff < 1.0:
+                for g in grads:
+                    g.mul_(coeff)
+        self._adamw(grads)
+        self._publish()
+        self.scaler.update(False)
+        return StepResult(ok=True, grad_norm=norm, loss_scale=scale, skipped=False)
+
+    def finish_param_sync(self) -> None:
+        """Wait for parameter all-gathers still in flight (ZeRO-1 with --overlap-param-gather)."""
+
+    # ------------------------------------------------------------------ step parts
+    def _all_reduce(self, t: torch.Tensor, groups, op) -> None:
+        for g in groups:
+            if g is not None:
+                dist.all_reduce(t, op=op, group=g)
+
+    def _unscale_and_check(self, grads: list, inv_scale: float) -> bool:
+        """Multiply grads by inv_scale in place; True if any grad on any rank is inf/NaN."""
+        device = self.ps.device
+        found = torch.zeros(1, device=device)
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), inv_scale, device=device))
+        self._all_reduce(found, self.inf_groups, dist.ReduceOp.MAX)
+        return bool(found.item() > 0)
+
+    def grad_norm(self, grads: list) -> float:
+        """Global L2 norm of the gradients (see counts_in_norm), reduced over ``norm_groups``."""
+        views = [g[f.lo:f.hi] for s, g in zip(self.shards, grads) for f in s.fragments if f.counted]
+        sq = torch.zeros(1, device=self.ps.device)
+        if views:
+            sq += torch.stack(torch._foreach_norm(views)).double().pow(2).sum().float()
+        self._all_reduce(sq, self.norm_groups, dist.ReduceOp.SUM)
+        return float(sq.sqrt().item())
+
+    def _adamw(self, grads: list) -> None:
+        """One AdamW update of every shard: torch.optim.AdamW's arithmetic, bucket by bucket."""
+        self.step_count += 1
+        lr, (b1, b2), eps, wd = self.lr, self.betas, self.eps, self.weight_decay
+        bc1, bc2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
+        for s, g in zip(self.shards, grads):
+            if wd:
+                for f in s.fragments:
+                    if f.decay:
+                        s.master[f.lo:f.hi].mul_(1 - lr * wd)
+            s.exp_avg.lerp_(g, 1 - b1)
+            s.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (s.exp_avg_sq.sqrt() / bc2 ** 0.5).add_(eps)
+            s.master.addcdiv_(s.exp_avg, denom, value=-lr / bc1)
+
+    def _publish(self) -> None:
+        """Copy the updated masters into the model params (cast to their dtype)."""
+        for s in self.shards:
+            if s.separate_master:
+                s.param.copy_(s.master)
+
+    def _bucket_state(self, shard: Shard) -> dict:
+        """{"master", "exp_avg", "exp_avg_sq"}: flat fp32 [bucket size] state of the whole bucket."""
+        return shard.tensors()
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict:
+        """Tensors and plain numbers only (DCP-friendly):
+
+        ``{"step": int, "lr": float, "loss_scaler": {...numbers},
+           "params": {name: {"master", "exp_avg", "exp_avg_sq": fp32 tensors shaped like the param}}}``
+
+        Names come from ``param_names``; shapes are this rank's (TP/PP) local param shapes, the
+        same for every DP rank and for plain DP and ZeRO-1, so a checkpoint loads at any DP size.
+        Under plain DP the tensors are views of the live state (DCP can load into them in place).
+        """
+        self.finish_param_sync()
+        params = {}
+        for s in self.shards:
+            full = self._bucket_state(s)
+            for p in s.bucket.params:
+                a, b = (i - s.bucket.start for i in s.buf.index[p])
+                params[self.names[p]] = {
+                    k: t[a:b].view(p.shape) for k, t in full.items()}
+        return {"step": self.step_count, "lr": self.lr, "loss_scaler": self.scaler.state_dict(),
+                "params": params}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore from ``state_dict()`` output (possibly saved at another DP size or with ZeRO-1).
+
+        Raises CheckpointError naming the first parameter missing from, or shaped differently
+        in, the checkpoint.
+        """
+        self.finish_param_sync()
+        for s in self.shards:
+            mine = s.tensors()
+            for f in s.fragments:
+                entry = sd["params"].get(f.name)
+                if entry is None:
+                    raise CheckpointError(f"optimizer state has no entry for {f.name}: the checkpoint "
+                                          f"was saved from a different model; check --load")
+                for key, dst in mine.items():
+                    src = entry[key]
+                    if src.numel() != f.param.numel():
+                        raise CheckpointError(f"optimizer state of {f.name} has {src.numel()} elements, the "
+                                              f"model {f.param.numel()}: check --load and the model flags")
+                    dst[f.lo:f.hi].copy_(src.reshape(-1)[f.p_lo:f.p_lo + f.hi - f.lo])
+        self.step_count = int(sd["step"])
+        self.lr = float(sd["lr"])
+        self.scaler.load_state_dict(sd["loss_scaler"])
+        self._publish()
+
+    # ------------------------------------------------------------------ reporting
+    def memory_report(self) -> dict:
+        """Bytes this rank holds for weights, gradients and optimizer state, and per parameter.
+
+        weights = param buffers, grads = main_grad buffers, optimizer = fp32 masters (when the
+        params are not fp32) + exp_avg + exp_avg_sq over this rank's shards; padding included.
+        Per parameter this is the ZeRO paper's accounting (Rajbhandari et al. 2020, §3.1):
+        bf16 params with fp32 main_grads: 2 + 4 + 12 bytes, or 2 + 4 + 12/DP under ZeRO-1;
+        fp32: 4 + 4 + 8 (or 8/DP).
+        Returns {"num_params", "weights_bytes", "grads_bytes", "optimizer_bytes", "total_bytes",
+        "bytes_per_param": {"weights", "grads", "optimizer", "total"}}.
+        """
+        n = sum(p.numel() for buf in self.ddp.buffers for p in buf.params)
+        weights = sum(b.param_data.numel() * b.param_data.element_size() for b in self.ddp.buffers)
+        grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.ddp.buffers)
+        optim = sum(4 * s.master.numel() * (3 if s.separate_master else 2) for s in self.shards)
+        total = weights + grads + optim
+        per = {k: v / max(n, 1) for k, v in
+               (("weights", weights), ("grads", grads), ("optimizer", optim), ("total", total))}
+        return {"num_params": n, "weights_bytes": weights, "grads_bytes": grads, "optimizer_bytes": optim,
+                "total_bytes": total, "bytes_per_param": per}
+
+
+def build_optimizer(cfg, ps, chunks, ddp) -> MixedPrecisionOptimizer:
+    """DistributedOptimizer (ZeRO-1) under --use-distributed-optimizer, else MixedPrecisionOptimizer.
+
+    ddp must be the DistributedDataParallel built over the same chunks and cfg.
+    """
+    if cfg.parallel.use_distributed_optimizer:
+        from .distributed import DistributedOptimizer
+        return DistributedOptimizer(cfg, ps, chunks, ddp)
+    return MixedPrecisionOptimizer(cfg, ps, chunks, ddp)

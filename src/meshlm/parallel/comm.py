@@ -1,0 +1,241 @@
+"""Every tensor-/sequence-parallel collective, with its autograd rule beside it.
+
+The conjugate pairs of Megatron-LM (Shoeybi et al. 2019, §3 "f" and "g"; Korthikanti et al.
+2022, §4.2.2 "g" and "ḡ" for sequence parallelism). Activations are [s, b, h]; "TP" functions
+split or gather the last (hidden) dim, "SP" functions the sequence dim 0.
+
+    function               forward                     backward
+    copy_to_tp             identity                    all-reduce
+    reduce_from_tp         all-reduce                  identity
+    scatter_to_tp          keep this rank's last-dim   all-gather last dim
+    gather_from_tp         all-gather last dim         keep this rank's slice
+    scatter_to_sp          keep this rank's s/tp rows  all-gather dim 0
+    gather_from_sp         all-gather dim 0            reduce-scatter dim 0
+    reduce_scatter_to_sp   reduce-scatter dim 0        all-gather dim 0
+    gather_reduce_tp       all-gather last dim         reduce-scatter last dim
+
+All take the group (``ps.tp_group``) and are the identity when it is None or of size 1.
+
+Communication accounting: every collective adds to ``stats[op]`` (op ∈ all_reduce, all_gather,
+reduce_scatter) ``calls``, ``bytes`` = numel × element size of the tensor *entering* the
+collective on this rank (the full tensor for all-reduce and reduce-scatter, the local shard for
+all-gather), and ``ring_bytes`` = bytes this rank sends under a ring algorithm over p ranks:
+all-reduce 2(p−1)/p·bytes, reduce-scatter (p−1)/p·bytes, all-gather (p−1)·bytes. Read it with
+``snapshot_stats()``, clear it with ``reset_stats()``.
+
+gloo lacks reduce-scatter on older torch: ``reduce_scatter`` falls back to all-reduce + slice
+there (same result, recorded as one reduce-scatter); NCCL uses the native op.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+stats: dict = defaultdict(lambda: {"calls": 0, "bytes": 0, "ring_bytes": 0.0})
+
+_RING_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p,
+                "reduce_scatter": lambda p: (p - 1) / p,
+                "all_gather": lambda p: p - 1}
+
+
+def reset_stats() -> None:
+    """Forget every recorded collective on this process."""
+    stats.clear()
+
+
+def snapshot_stats() -> dict:
+    """A copy of the counters: {op: {"calls": int, "bytes": int, "ring_bytes": float}}."""
+    return copy.deepcopy(dict(stats))
+
+
+def _record(op: str, t: torch.Tensor, size: int) -> None:
+    nbytes = t.numel() * t.element_size()
+    s = stats[op]
+    s["calls"] += 1
+    s["bytes"] += nbytes
+    s["ring_bytes"] += _RING_FACTOR[op](size) * nbytes
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# ----------------------------------------------------------------------------- raw collectives
+
+def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of t over group (no-op on a group of one); returns t."""
+    size = group_size(group)
+    if size == 1:
+        return t
+    _record("all_reduce", t, size)
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def all_gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Concatenate every rank's t along dim (rank order): [.., n, ..] → [.., p·n, ..]."""
+    size = group_size(group)
+    if size == 1:
+        return t
+    _record("all_gather", t, size)
+    t = t.movedim(dim, 0).contiguous()
+    if dist.get_backend(group) == "nccl":
+        out = torch.empty((size * t.shape[0],) + t.shape[1:], dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t, group=group)
+    else:
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t, group=group)
+        out = torch.cat(parts)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Sum t over group and keep this rank's 1/p slice along dim: [.., p·n, ..] → [.., n, ..]."""
+    size = group_size(group)
+    if size == 1:
+        return t
+    _record("reduce_scatter", t, size)
+    t = t.movedim(dim, 0).contiguous()
+    if dist.get_backend(group) == "nccl":
+        out = torch.empty((t.shape[0] // size,) + t.shape[1:], dtype=t.dtype, device=t.device)
+        dist.reduce_scatter_tensor(out, t, group=group)
+    else:
+        t = t.clone()  # never sum into the caller's tensor
+        dist.all_reduce(t, group=group)
+        out = t.chunk(size)[group_rank(group)].contiguous()
+    return out.movedim(0, dim)
+
+
+def split(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's contiguous 1/p slice of t along dim (no communication)."""
+    size = group_size(group)
+    if size == 1:
+        return t
+    return t.chunk(size, dim)[group_rank(group)].contiguous()
+
+
+# ----------------------------------------------------------------------------- autograd pairs
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g.clone(memory_format=torch.contiguous_format), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Scatter(torch.autograd.Function):
+    """split forward / all-gather backward, along ctx.dim."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return split(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather(g, ctx.group, ctx.dim), None, None
+
+
+class _Gather(torch.autograd.Function):
+    """all-gather forward / split backward, along ctx.dim."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return split(g, ctx.group, ctx.dim), None, None
+
+
+class _GatherReduce(torch.autograd.Function):
+    """all-gather forward / reduce-scatter backward, along ctx.dim."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter(g, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """reduce-scatter forward / all-gather backward, along ctx.dim."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather(g, ctx.group, ctx.dim), None, None
+
+
+def _active(group) -> bool:
+    return group_size(group) > 1
+
+
+def copy_to_tp(x, group):
+    """Megatron f: identity forward, all-reduce of the grad. x: any shape, replicated over TP."""
+    return _CopyToTP.apply(x, group) if _active(group) else x
+
+
+def reduce_from_tp(x, group):
+    """Megatron g: all-reduce forward (sum of partial outputs), identity backward."""
+    return _ReduceFromTP.apply(x, group) if _active(group) else x
+
+
+def scatter_to_tp(x, group):
+    """[.., h] → [.., h/tp] this rank's slice; backward all-gathers the grad."""
+    return _Scatter.apply(x, group, -1) if _active(group) else x
+
+
+def gather_from_tp(x, group):
+    """[.., h/tp] → [.., h]; backward keeps this rank's slice of the grad."""
+    return _Gather.apply(x, group, -1) if _active(group) else x
+
+
+def gather_reduce_tp(x, group):
+    """[.., n/tp] → [.., n] where every rank then uses all of it: backward reduce-scatters."""
+    return _GatherReduce.apply(x, group, -1) if _active(group) else x
+
+
+def scatter_to_sp(x, group):
+    """[s, b, h] → [s/tp, b, h] this rank's rows; backward all-gathers the grad."""
+    return _Scatter.apply(x, group, 0) if _active(group) else x
+
+
+def gather_from_sp(x, group):
+    """[s/tp, b, h] → [s, b, h] before a TP-split op; backward reduce-scatters (Korthikanti §4.2.2 g)."""
+    return _GatherReduce.apply(x, group, 0) if _active(group) else x
+
+
+def reduce_scatter_to_sp(x, group):
+    """Partial sums [s, b, h] → summed rows [s/tp, b, h]; backward all-gathers (Korthikanti ḡ)."""
+    return _ReduceScatter.apply(x, group, 0) if _active(group) else x

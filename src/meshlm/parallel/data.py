@@ -1,0 +1,285 @@
+"""Data parallelism: contiguous gradient buffers, buckets, and their reduction over DP × CP.
+
+Every trainable parameter of every model chunk lives in a flat *param buffer* and accumulates
+its gradient into the matching slice of a flat *grad buffer* (``p.main_grad``, fp32 under
+``--accumulate-allreduce-grads-in-fp32``, the default). A post-accumulate-grad hook adds
+``p.grad`` into ``p.main_grad`` and frees ``p.grad``, so gradients of all micro-batches sum in
+place. Params enter the buffers in reverse order of creation, so buckets (ranges of about
+``--ddp-bucket-size`` elements) fill in the order backward produces gradients.
+
+Reduction (group ``ps.dp_cp_group``): each bucket is divided by the group size and then
+all-reduced, or reduce-scattered under ``--use-distributed-optimizer`` (each rank keeps 1/DP of
+every bucket: ZeRO-1, Rajbhandari et al. 2020 §5.1). With ``--overlap-grad-reduce`` a bucket's
+reduction starts during the last micro-batch's backward as soon as its last gradient arrives;
+otherwise ``finish_grad_sync`` runs them all. Buckets of one buffer always launch in order, so
+every DP rank issues the same collectives in the same order and results are bitwise identical
+with overlap on and off.
+
+After the DP reduction, ``finish_grad_sync`` all-reduces over TP the gradients of replicated
+params marked ``sequence_parallel`` (under ``--sequence-parallel``), and over the embedding
+group the ``shared_embedding`` params' gradients (tied embeddings, PP > 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .mesh import ParallelState
+
+# Flat-tensor collectives (torch >= 2.13 names, older names before): [n·size] → [n] and back.
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def supports_single_tensor_collectives(group) -> bool:
+    """Whether reduce_scatter/all_gather into one flat tensor work on this group's backend.
+
+    NCCL always; gloo only in recent torch. Probed once with a tiny collective (every rank of
+    the group must call this together).
+    """
+    if group is None or dist.get_backend(group) != "gloo":
+        return True
+    size = group_size(group)
+    try:
+        reduce_scatter_flat(torch.zeros(1), torch.zeros(size), group=group)
+        all_gather_flat(torch.zeros(size), torch.zeros(1), group=group)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+@dataclass
+class Bucket:
+    """Elements [start, end) of a buffer (end padded to a multiple of 64 × DP under ZeRO-1)."""
+
+    start: int
+    end: int
+    params: list
+    ready: set = field(default_factory=set)
+    handle: object = None
+    launched: bool = False
+
+    def shard(self, rank: int, size: int) -> tuple:
+        """Buffer range [s, e) of the rank-th of ``size`` equal shards of this bucket."""
+        n = (self.end - self.start) // size
+        return self.start + rank * n, self.start + (rank + 1) * n
+
+
+class ParamAndGradBuffer:
+    """Flat param and main_grad storage for one model chunk's trainable params of one dtype.
+
+    ``index[p] = (start, end)``: p's elements in both buffers. ``param_data`` has p's dtype,
+    ``grad_data`` is fp32 when ``grad_dtype`` says so. Each param's ``.data`` becomes a view into
+    ``param_data`` (so ZeRO-1 can all-gather a bucket in one call) and ``p.main_grad`` a view into
+    ``grad_data``.
+    """
+
+    def __init__(self, params: list, grad_dtype: torch.dtype, bucket_size: int, pad_to: int,
+                 own_bucket=lambda p: False):
+        self.params = params
+        self.index, self.buckets = {}, []
+        offset, current = 0, []
+
+        def close():
+            nonlocal offset, current
+            if current:
+                end = -(-offset // pad_to) * pad_to
+                self.buckets.append(Bucket(self.index[current[0]][0], end, current))
+                offset, current = end, []
+
+        for p in params:
+            if own_bucket(p):
+                close()
+            self.index[p] = (offset, offset + p.numel())
+            offset += p.numel()
+            current.append(p)
+            if own_bucket(p) or offset - self.index[current[0]][0] >= bucket_size:
+                close()
+        close()
+        device, dtype = params[0].device, params[0].dtype
+        self.param_data = torch.zeros(offset, dtype=dtype, device=device)
+        self.grad_data = torch.zeros(offset, dtype=grad_dtype, device=device)
+        for p in params:
+            s, e = self.index[p]
+            self.param_data[s:e].copy_(p.data.reshape(-1))
+            p.data = self.param_data[s:e].view(p.shape)
+            p.main_grad = self.grad_data[s:e].view(p.shape)
+
+
+@dataclass
+class GradSyncStats:
+    """Communication of the last ``finish_grad_sync``.
+
+    bytes_reduced: payload bytes handed to collectives (DP buckets + SP norms + embeddings).
+    exposed_s: seconds finish_grad_sync spent waiting (communication not hidden behind backward).
+    bucket_exposed_s: the wait on each DP bucket, seconds, in launch order.
+    """
+
+    bytes_reduced: int = 0
+    exposed_s: float = 0.0
+    bucket_exposed_s: list = field(default_factory=list)
+
+
+class DistributedDataParallel:
+    """Gradient buffers, hooks and DP reduction for a list of model chunks (see module doc).
+
+    chunks: the model chunks of this rank (1, or v under interleaved PP). ps: the ParallelState.
+    cfg: the Config (reads cfg.parallel and cfg.model.untie_embeddings_and_output_weights).
+    Attributes read by the optimizer: ``buffers`` (list of ParamAndGradBuffer), ``group``
+    (ps.dp_cp_group), ``use_distributed_optimizer``; ``stats`` (GradSyncStats) for metrics.
+    """
+
+    def __init__(self, chunks, ps: ParallelState, cfg):
+        p = cfg.parallel
+        self.ps, self.group = ps, ps.dp_cp_group
+        self.size, self.rank = group_size(self.group), group_rank(self.group)
+        self.use_distributed_optimizer = p.use_distributed_optimizer
+        self.overlap = p.overlap_grad_reduce
+        self.sequence_parallel = p.sequence_parallel and ps.tp > 1
+        self.tied_embeddings = ps.pp > 1 and not cfg.model.untie_embeddings_and_output_weights
+        self.bucket_size = p.ddp_bucket_size or max(40_000_000, 1_000_000 * ps.dp)
+        self.single_tensor_collectives = supports_single_tensor_collectives(self.group)
+        pad_to = 64 * self.size if self.use_distributed_optimizer else 1
+        # ZeRO-1 + tied embeddings: the shared weight gets its own bucket so the first and last
+        # stage shard it identically and the embedding all-reduce can follow the reduce-scatter.
+        own = (lambda q: getattr(q, "shared_embedding", False)) \
+            if self.use_distributed_optimizer and self.tied_embeddings else (lambda q: False)
+        self.buffers, self._where = [], {}
+        for chunk in reversed(list(chunks)):
+            params = [q for q in chunk.parameters() if q.requires_grad][::-1]
+            for dtype in dict.fromkeys(q.dtype for q in params):
+                group = [q for q in params if q.dtype == dtype]
+                grad_dtype = torch.float32 if p.accumulate_allreduce_grads_in_fp32 else dtype
+                buf = ParamAndGradBuffer(group, grad_dtype, self.bucket_size, pad_to, own)
+                buf.next_launch = 0
+                self.buffers.append(buf)
+                for b in buf.buckets:
+                    for q in b.params:
+                        self._where[q] = (buf, b)
+        for q in self._where:
+            q.register_post_accumulate_grad_hook(self._on_grad)
+        self._sync = True
+        self._bytes = 0  # payload of the reductions of the step in flight
+        self.stats = GradSyncStats()
+
+    def bucket_of(self, p: torch.Tensor) -> tuple:
+        """(ParamAndGradBuffer, Bucket) holding param p."""
+        return self._where[p]
+
+    # ------------------------------------------------------------------ backward side
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: fold p.grad into p.main_grad; maybe launch its bucket."""
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        if not (self._sync and self.overlap):
+            return
+        buf, bucket = self._where[p]
+        if bucket.launched:
+            raise RuntimeError("a gradient arrived after its bucket's DP reduction started: run every "
+                               "backward but the last micro-batch's inside ddp.no_sync()")
+        bucket.ready.add(p)
+        while buf.next_launch < len(buf.buckets):
+            nxt = buf.buckets[buf.next_launch]
+            if len(nxt.ready) < len(nxt.params):
+                break
+            self._launch(buf, nxt)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients only (every micro-batch's backward but the last)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _launch(self, buf: ParamAndGradBuffer, bucket: Bucket) -> None:
+        """Start the async reduction of one bucket: ÷ group size, then all-reduce/reduce-scatter."""
+        buf.next_launch += 1
+        bucket.launched = True
+        if self.group is None:
+            return
+        data = buf.grad_data[bucket.start:bucket.end]
+        data.div_(self.size)
+        if self.use_distributed_optimizer and self.single_tensor_collectives:
+            s, e = bucket.shard(self.rank, self.size)
+            bucket.handle = reduce_scatter_flat(buf.grad_data[s:e], data, group=self.group, async_op=True)
+        else:
+            bucket.handle = dist.all_reduce(data, group=self.group, async_op=True)
+        self._bytes += data.numel() * data.element_size()
+
+    # ------------------------------------------------------------------ after backward
+    def finish_grad_sync(self) -> None:
+        """Finish the DP reduction of every bucket, then the SP-norm and tied-embedding all-reduces.
+
+        Under ZeRO-1 only this rank's shard of each bucket holds the reduced gradient afterwards.
+        Records ``stats`` (bytes, exposed seconds). Collective over DP × CP, TP and the embedding
+        group: every rank calls it once per step.
+        """
+        stats = GradSyncStats()
+        t0 = time.perf_counter()
+        for buf in self.buffers:
+            while buf.next_launch < len(buf.buckets):
+                self._launch(buf, buf.buckets[buf.next_launch])
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                t = time.perf_counter()
+                if bucket.handle is not None:
+                    bucket.handle.wait()
+                    _sync_device(self.ps.device)
+                stats.bucket_exposed_s.append(time.perf_counter() - t)
+        if self.sequence_parallel:
+            self._all_reduce_marked("sequence_parallel", self.ps.tp_group)
+        if self.tied_embeddings and self.ps.embedding_group is not None:
+            self._all_reduce_marked("shared_embedding", self.ps.embedding_group)
+        _sync_device(self.ps.device)
+        stats.exposed_s = time.perf_counter() - t0
+        stats.bytes_reduced = self._bytes
+        self.stats = stats
+        self._reset()
+
+    def _all_reduce_marked(self, attr: str, group) -> None:
+        """Sum main_grad of the params carrying ``attr`` over ``group``, in one flat collective."""
+        grads = [q.main_grad for q in self._where if getattr(q, attr, False)]
+        if not grads or group is None:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+        self._bytes += flat.numel() * flat.element_size()
+
+    def _reset(self) -> None:
+        for buf in self.buffers:
+            buf.next_launch = 0
+            for bucket in buf.buckets:
+                bucket.ready.clear()
+                bucket.handle, bucket.launched = None, False
+        self._bytes = 0
+
+    def zero_grad(self) -> None:
+        """Zero every main_grad buffer (start of an iteration)."""
+        for buf in self.buffers:
+            buf.grad_data.zero_()
+        for q in self._where:
+            q.grad = None
+        self._reset()
+
+
+def _sync_device(device: torch.device) -> None:
+    """Block until queued GPU work is done, so measured waits are real (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

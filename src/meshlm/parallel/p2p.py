@@ -1,0 +1,72 @@
+"""Point-to-point transfer of activations and their gradients between pipeline stages.
+
+Every tensor that crosses a stage boundary has one shape known from the config,
+[s, b, h] (sequence-parallel: [s/tp, b, h]; context-parallel: s/cp), and the params dtype, so no
+shape is exchanged. One P2P step of a schedule is posted as one batch
+(``torch.distributed.batch_isend_irecv``: an NCCL group on GPUs, isend/irecv lists on gloo) and
+waited for as a whole.
+
+Memory: once a stage's output has been sent, only its autograd graph is needed; ``release``
+frees its storage (Megatron's ``deallocate_output_tensor``) and ``backward_from`` later runs the
+graph from that output with the received gradient, calling the autograd engine directly because
+``torch.autograd.backward`` would reject a gradient whose shape differs from the freed output's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd.variable import Variable
+
+from .mesh import ParallelState
+from .schedules import P2P
+
+
+class StageComm:
+    """Sends and receives of one pipeline rank.
+
+    shape: activation shape [s, b, h] (split dims already applied); dtype: params dtype;
+    v: model chunks per rank (the last rank's chunk c feeds rank 0's chunk c + 1).
+    """
+
+    def __init__(self, ps: ParallelState, shape: tuple, dtype: torch.dtype, v: int = 1):
+        self.ps, self.shape, self.dtype, self.v = ps, tuple(shape), dtype, v
+        self.next = ps.pp_ranks[(ps.pp_rank + 1) % ps.pp]
+        self.prev = ps.pp_ranks[(ps.pp_rank - 1) % ps.pp]
+
+    def run(self, step: P2P, outgoing: dict) -> dict:
+        """Post every op of ``step`` as one batch and wait for all of them.
+
+        outgoing: {Action(SEND_*): tensor} for the sends. Returns {Action(RECV_*): tensor} of
+        fresh buffers [s, b, h] filled by the peers.
+        """
+        ops, received = [], {}
+        for op in step.ops:
+            if op.kind.startswith("SEND"):
+                peer = self.next if op.kind == "SEND_F" else self.prev
+                ops.append(dist.P2POp(dist.isend, outgoing[op].contiguous(), peer, self.ps.pp_group))
+            else:
+                peer = self.prev if op.kind == "RECV_F" else self.next
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.ps.device)
+                received[op] = buf
+                ops.append(dist.P2POp(dist.irecv, buf, peer, self.ps.pp_group))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return received
+
+
+def release(output: torch.Tensor) -> None:
+    """Free a sent output's storage, keeping its grad_fn for backward (1-element placeholder).
+
+    Skipped for views (``output._base`` set): their storage belongs to the base tensor.
+    """
+    if output._base is None:
+        output.data = torch.empty((1,), dtype=output.dtype, device=output.device)
+
+
+def backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """Backpropagate ``grad`` [s, b, h] from ``output`` (possibly released) into the stage's
+    parameters and input, without the shape check of ``torch.autograd.backward``."""
+    Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
+        inputs=(), allow_unreachable=True, accumulate_grad=True)

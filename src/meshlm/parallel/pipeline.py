@@ -1,0 +1,311 @@
+"""Pipeline parallelism: stage partition, model chunks, and the forward/backward of one step.
+
+``forward_backward`` is the entry point every run uses, PP = 1 included: it builds this rank's
+instruction list (``schedules.build_schedule``: none, GPipe, 1F1B or interleaved 1F1B) and
+executes it — forwards and backwards of micro-batches on the local model chunks, and the P2P
+steps between them (``p2p.StageComm``).
+
+Partition (Megatron's rules): the layers are split evenly over the PP ranks, except that
+``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` fix the first /
+last rank's count and the rest is split evenly over the middle ranks. With v virtual stages
+(``--virtual-pipeline-model-parallel-size`` or ``--num-layers-per-virtual-pipeline-stage``) each
+rank's layers are split into v chunks, and local chunk c of rank r is model stage s = c·PP + r;
+model stages hold consecutive layers in stage order. Stage 0 holds the embedding, the last stage
+the final norm, output layer and loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config, num_microbatches as config_num_microbatches
+from ..errors import ConfigError
+from .mesh import ParallelState
+from .p2p import StageComm, backward_from, release
+from .schedules import Action, P2P, build_schedule, resolve_schedule, schedule_problem
+
+
+# ----------------------------------------------------------------------------- partition
+
+def virtual_size(cfg: Config) -> int:
+    """Model chunks per pipeline rank v: --virtual-pipeline-model-parallel-size, or
+    (num_layers / PP) / --num-layers-per-virtual-pipeline-stage, else 1."""
+    p = cfg.parallel
+    if p.virtual_pipeline_model_parallel_size:
+        return p.virtual_pipeline_model_parallel_size
+    if p.num_layers_per_virtual_pipeline_stage:
+        per_rank = cfg.model.num_layers // p.pipeline_model_parallel_size
+        return max(1, per_rank // p.num_layers_per_virtual_pipeline_stage)
+    return 1
+
+
+def _rank_layer_counts(cfg: Config) -> tuple[list, list]:
+    """(layers per PP rank, problems)."""
+    p, num_layers = cfg.parallel, cfg.model.num_layers
+    pp = p.pipeline_model_parallel_size
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    problems = []
+    if first is None and last is None:
+        if num_layers % pp:
+            problems.append(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
+                            f"{pp}; use a multiple of {pp} or set --decoder-first/last-pipeline-num-layers")
+        return [num_layers // pp] * pp, problems
+    if pp == 1:
+        problems.append("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+        return [num_layers], problems
+    fixed = {0: first, pp - 1: last}
+    fixed = {r: n for r, n in fixed.items() if n is not None}
+    for r, n in fixed.items():
+        if n < 0:
+            flag = "first" if r == 0 else "last"
+            problems.append(f"--decoder-{flag}-pipeline-num-layers must be ≥ 0, got {n}")
+    rest, middle = num_layers - sum(fixed.values()), pp - len(fixed)
+    if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+        problems.append(f"--num-layers {num_layers} minus --decoder-first/last-pipeline-num-layers "
+                        f"({first}, {last}) leaves {rest} layers for {middle} middle stage(s); "
+                        f"they must split evenly")
+        return [num_layers // pp] * pp, problems
+    each = rest // middle if middle else 0
+    return [fixed.get(r, each) for r in range(pp)], problems
+
+
+def validate_pipeline(cfg: Config, world: int) -> list:
+    """Every pipeline problem of this config as one-line messages (empty if none).
+
+    Checks Megatron's rules: v from at most one flag and only with PP > 1; layers per rank
+    (even split, or the uneven first/last split) divisible by v; the schedule fits the layout;
+    interleaving needs num_microbatches % PP == 0 (Megatron's rule with
+    microbatch_group_size_per_vp_stage = PP).
+    """
+    p = cfg.parallel
+    pp = p.pipeline_model_parallel_size
+    problems = []
+    if p.virtual_pipeline_model_parallel_size and p.num_layers_per_virtual_pipeline_stage:
+        problems.append("--virtual-pipeline-model-parallel-size and --num-layers-per-virtual-pipeline-stage "
+                        "are exclusive; set one")
+    for flag, value in [("--virtual-pipeline-model-parallel-size", p.virtual_pipeline_model_parallel_size),
+                        ("--num-layers-per-virtual-pipeline-stage", p.num_layers_per_virtual_pipeline_stage)]:
+        if value is not None and value < 1:
+            problems.append(f"{flag} must be a positive integer, got {value}")
+        elif value is not None and pp == 1:
+            problems.append(f"{flag} needs --pipeline-model-parallel-size > 1")
+    if problems:
+        return problems
+    n = p.num_layers_per_virtual_pipeline_stage
+    if n and (cfg.model.num_layers % pp or (cfg.model.num_layers // pp) % n):
+        problems.append(f"--num-layers-per-virtual-pipeline-stage {n} must divide the layers per pipeline "
+                        f"rank (--num-layers {cfg.model.num_layers} / PP {pp})")
+        return problems
+    v = virtual_size(cfg)
+    counts, count_problems = _rank_layer_counts(cfg)
+    problems += count_problems
+    if not count_problems and any(c % v for c in counts):
+        problems.append(f"layers per pipeline rank {counts} are not divisible by "
+                        f"--virtual-pipeline-model-parallel-size {v}")
+    name = resolve_schedule(p.pipeline_schedule, pp, v)
+    problem = schedule_problem(name, pp, v, config_num_microbatches(cfg, world))
+    if problem:
+        problems.append(problem)
+    return problems
+
+
+def stage_layers(cfg: Config) -> list:
+    """Global layer indices of every model stage, in stage order s = c·PP + r: list of range.
+
+    Raises ConfigError if the layers cannot be partitioned (see ``validate_pipeline``).
+    """
+    counts, problems = _rank_layer_counts(cfg)
+    pp, v = cfg.parallel.pipeline_model_parallel_size, virtual_size(cfg)
+    if not problems and any(c % v for c in counts):
+        problems.append(f"layers per pipeline rank {counts} are not divisible by v = {v}")
+    if problems:
+        raise ConfigError(problems)
+    ranges, start = [], 0
+    for s in range(pp * v):
+        size = counts[s % pp] // v
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def build_model_chunks(cfg: Config, ps: ParallelState, vocab_size: int,
+                       params_dtype: torch.dtype = torch.float32) -> list:
+    """This rank's model chunks: one GPTModel, or v with interleaving (chunk c = model stage c·PP + r).
+
+    Stage 0 gets the embedding (pre_process), the last stage the final norm, output layer and loss
+    (post_process). Weights depend only on the seed and global layer index, so any partition
+    starts from the same model. Raises ConfigError for an invalid partition.
+    """
+    from ..model.transformer import GPTModel
+
+    ranges = stage_layers(cfg)
+    v, last = virtual_size(cfg), len(ranges) - 1
+    chunks = []
+    for c in range(v):
+        s = c * ps.pp + ps.pp_rank
+        chunks.append(GPTModel(cfg.model, ps, vocab_size, seed=cfg.training.seed, layer_ids=ranges[s],
+                               pre_process=s == 0, post_process=s == last,
+                               sequence_parallel=cfg.parallel.sequence_parallel, params_dtype=params_dtype,
+                               recompute=cfg.training.recompute_activations))
+    return chunks
+
+
+def activation_shape(cfg: Config, ps: ParallelState) -> tuple:
+    """Shape of a tensor sent between stages: [s, b, h], s split over CP and (under SP) TP."""
+    s = cfg.model.seq_length // ps.cp
+    if cfg.parallel.sequence_parallel:
+        s //= ps.tp
+    return (s, cfg.training.micro_batch_size, cfg.model.hidden_size)
+
+
+# ----------------------------------------------------------------------------- execution
+
+def forward_backward(chunks: list, data_iter: Iterator[dict], *, ps: ParallelState, cfg: Config,
+                     num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
+                     no_sync: Callable = contextlib.nullcontext,
+                     timeline: Optional[list] = None) -> list:
+    """Run one step's forwards and backwards over ``num_microbatches`` micro-batches.
+
+    data_iter yields {"tokens", "labels": [b, s] int64, "loss_mask": [b, s] fp32}; every rank of a
+    pipeline draws the same ``num_microbatches`` of them. Each micro-batch's loss is
+    sum(loss·mask)/sum(mask)/num_microbatches, times ``loss_scale`` for backward, so gradients
+    equal those of one pass over the whole batch. Gradients accumulate into ``.grad`` /
+    ``main_grad`` of the chunks; ``no_sync()`` wraps every backward but this rank's last.
+
+    Returns on the last stage one {"lm_loss": detached fp32 scalar (micro-batch mean, unscaled),
+    "num_tokens": int} per micro-batch in order, [] elsewhere. timeline, if a list, receives
+    {"mb", "chunk", "kind": "F"|"B", "start", "end" (s, time.perf_counter), "in_flight": micro-batch
+    chunks held between their F and B after this action}; on CUDA each entry synchronizes.
+    Raises ConfigError if the schedule cannot run this layout.
+    """
+    name = resolve_schedule(cfg.parallel.pipeline_schedule, ps.pp, len(chunks))
+    steps = build_schedule(name, ps.pp, ps.pp_rank, num_microbatches, len(chunks), forward_only)
+    dtype = next(chunks[0].parameters()).dtype
+    comm = StageComm(ps, activation_shape(cfg, ps), dtype, len(chunks))
+    run = _Executor(chunks, data_iter, ps, comm, num_microbatches, forward_only, loss_scale, timeline)
+    last_b = max((i for i, s in enumerate(steps) if isinstance(s, Action) and s.kind == "B"), default=-1)
+    for i, step in enumerate(steps):
+        if isinstance(step, P2P):
+            run.p2p(step)
+        elif step.kind == "F":
+            run.forward(step)
+        else:
+            with no_sync() if i != last_b else contextlib.nullcontext():
+                run.backward(step)
+    return [run.losses[mb] for mb in range(num_microbatches)] if ps.is_last_stage else []
+
+
+class _Executor:
+    """State of one forward_backward call: micro-batches drawn, tensors received and to send,
+    and (input, output) of every micro-batch chunk awaiting its backward."""
+
+    def __init__(self, chunks, data_iter, ps, comm, num_microbatches, forward_only, loss_scale, timeline):
+        self.chunks, self.data_iter, self.ps, self.comm = chunks, data_iter, ps, comm
+        self.m, self.forward_only, self.loss_scale, self.timeline = (
+            num_microbatches, forward_only, loss_scale, timeline)
+        self.last_stage = ps.pp * len(chunks) - 1
+        self.batches, self.received, self.outgoing, self.held, self.losses = [], {}, {}, {}, {}
+
+    def _batch(self, mb: int) -> dict:
+        while len(self.batches) <= mb:
+            batch = next(self.data_iter)
+            self.batches.append({k: t.to(self.ps.device, non_blocking=True) for k, t in batch.items()})
+        return self.batches[mb]
+
+    @contextlib.contextmanager
+    def _record(self, a: Action):
+        if self.timeline is None:
+            yield
+            return
+        cuda = self.ps.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.ps.device)
+        start = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize(self.ps.device)
+        self.timeline.append({"mb": a.mb, "chunk": a.chunk, "kind": a.kind, "start": start,
+                              "end": time.perf_counter(), "in_flight": len(self.held)})
+
+    def p2p(self, step: P2P) -> None:
+        sends = {op: self.outgoing.pop(op) for op in step.ops if op.kind.startswith("SEND")}
+        self.received.update(self.comm.run(step, sends))
+        for op, tensor in sends.items():
+            if op.kind == "SEND_F" and not self.forward_only:
+                release(tensor)
+
+    def forward(self, a: Action) -> None:
+        stage = a.chunk * self.ps.pp + self.ps.pp_rank
+        first, last = stage == 0, stage == self.last_stage
+        batch = self._batch(a.mb)
+        x = None if first else self.received.pop(Action("RECV_F", a.mb, a.chunk))
+        if x is not None and not self.forward_only:
+            x.requires_grad_()
+        with self._record(a), torch.no_grad() if self.forward_only else contextlib.nullcontext():
+            out = self.chunks[a.chunk](batch["tokens"] if first else None,
+                                       labels=batch["labels"] if last else None, hidden_states=x)
+            if last:
+                mask = batch["loss_mask"].float()
+                lm = torch.where(mask > 0, out.float() * mask, 0.0).sum() / mask.sum().clamp(min=1)
+                self.losses[a.mb] = {"lm_loss": lm.detach(), "num_tokens": int(mask.sum().item())}
+                out = lm * (self.loss_scale / self.m)
+            if not self.forward_only:
+                self.held[(a.mb, a.chunk)] = (x, out)
+        if not last:
+            self.outgoing[Action("SEND_F", a.mb, a.chunk)] = out
+
+    def backward(self, a: Action) -> None:
+        stage = a.chunk * self.ps.pp + self.ps.pp_rank
+        x, out = self.held.pop((a.mb, a.chunk))
+        with self._record(a):
+            if stage == self.last_stage:
+                out.backward()
+            else:
+                backward_from(out, self.received.pop(Action("RECV_B", a.mb, a.chunk)))
+        if stage > 0:
+            self.outgoing[Action("SEND_B", a.mb, a.chunk)] = x.grad if x.grad is not None else torch.zeros_like(x)
+
+
+# ----------------------------------------------------------------------------- reporting
+
+def reduce_losses(losses: list, ps: ParallelState) -> float:
+    """Mean lm loss of one step, the same on every rank (collective over the PP and DP×CP groups).
+
+    The mean of the micro-batch means returned by ``forward_backward`` — the objective whose
+    gradient was taken — broadcast from the last stage over the pipeline, then averaged over
+    the DP×CP ranks. Every rank must call it.
+    """
+    value = sum(float(d["lm_loss"]) for d in losses) / len(losses) if losses else 0.0
+    t = torch.tensor([value], dtype=torch.float64, device=ps.device)
+    if ps.pp_group is not None:
+        dist.broadcast(t, src=ps.pp_ranks[-1], group=ps.pp_group)
+    if ps.dp_cp_group is not None:
+        dist.all_reduce(t, group=ps.dp_cp_group)
+        t /= ps.dp * ps.cp
+    return float(t.item())
+
+
+def bubble_fraction(timeline: list, window: Optional[tuple] = None) -> float:
+    """Measured pipeline bubble of one stage: idle time / wall time of the step.
+
+    Busy time is the union of the F/B intervals of ``timeline`` (entries from forward_backward);
+    wall time runs over ``window`` = (t0, t1) in perf_counter seconds, default from the stage's
+    first start to its last end. On the first stage (whose first F starts the step and whose
+    last B ends it) the default window equals the step, and with equal-cost stages the result
+    approaches ``schedules.analytic_bubble_fraction`` = (p − 1)/(v·m + p − 1) (Narayanan et al.
+    2021 §2.2). Pass the step's window to measure later stages the same way.
+    """
+    spans = sorted((e["start"], e["end"]) for e in timeline)
+    t0, t1 = window if window else (spans[0][0], max(e for _, e in spans))
+    busy, cursor = 0.0, t0
+    for s, e in spans:
+        s, e = max(s, cursor), min(e, t1)
+        if e > s:
+            busy += e - s
+            cursor = e
+    return 1.0 - busy / (t1 - t0)

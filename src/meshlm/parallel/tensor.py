@@ -1,0 +1,246 @@
+"""Tensor-parallel layers (Shoeybi et al. 2019, "Megatron-LM", §3) with sequence parallelism
+(Korthikanti et al. 2022, §4.2.2), vocab-parallel cross-entropy, and full-weight helpers.
+
+Activations are [s, b, h]. Under sequence parallelism (SP) the activations between TP regions
+are [s/tp, b, h] (this rank's rows); a column-parallel layer all-gathers them, a row-parallel
+layer reduce-scatters its output back to [s/tp, b, h].
+
+Weights are layout-independent: each full weight is drawn from a generator seeded by its own key
+(``ShardedInit``) and this rank keeps the rows (or columns) listed in ``partition_index``. Every
+TP-split parameter carries:
+  tensor_model_parallel = True, partition_dim (0 rows, 1 columns),
+  partition_index: LongTensor, which rows/columns of the full weight this rank holds
+                   (entries ≥ full_size are vocabulary padding, zero and never used),
+  full_size: size of the full (TP=1, unpadded) weight along partition_dim.
+``gather_full_state_dict`` and ``load_full_state_dict`` use them to convert between this rank's
+shards and the full weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from .random import derive_seed
+
+
+def contiguous_index(size: int, tp: int, rank: int) -> torch.Tensor:
+    """Rows [rank·size/tp, (rank+1)·size/tp) of a dim of length size (divisible by tp)."""
+    n = size // tp
+    return torch.arange(rank * n, (rank + 1) * n)
+
+
+@dataclass
+class ShardedInit:
+    """How a parallel layer draws its weight: normal(0, std) from a generator keyed by ``key``.
+
+    full (Megatron --use-cpu-initialization, default): draw the full weight on the CPU from
+    derive_seed(*key) and keep this rank's slice, so the weight never depends on TP/PP.
+    Otherwise draw only the local slice from derive_seed(*key, "tp_rank", tp_rank): faster and
+    lighter for large models, but the weights then depend on the TP degree.
+    """
+
+    key: tuple
+    std: float
+    full: bool = True
+    tp_rank: int = 0
+
+    def weight(self, full_shape, dim: int, index: torch.Tensor, dtype, device) -> torch.Tensor:
+        """The local weight: full_shape with dim replaced by len(index); padding rows are zero."""
+        if not self.full:
+            local = list(full_shape)
+            local[dim] = len(index)
+            g = torch.Generator(device=device).manual_seed(derive_seed(*self.key, "tp_rank", self.tp_rank))
+            w = torch.empty(local, dtype=torch.float32, device=device).normal_(0, self.std, generator=g)
+            padding = (index >= full_shape[dim]).nonzero().squeeze(1).to(device)
+            return w.index_fill_(dim, padding, 0.0).to(dtype)
+        g = torch.Generator().manual_seed(derive_seed(*self.key))
+        full = torch.empty(full_shape, dtype=torch.float32).normal_(0, self.std, generator=g)
+        return _take(full, dim, index).to(device=device, dtype=dtype)
+
+
+def _take(full: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """full.index_select(dim, index), where indices ≥ full.shape[dim] give zero (padding) rows."""
+    pad = list(full.shape)
+    pad[dim] = max(int(index.max()) + 1 - full.shape[dim], 0)
+    return torch.cat([full, full.new_zeros(pad)], dim).index_select(dim, index)
+
+
+def mark_partitioned(p: nn.Parameter, dim: int, index: torch.Tensor, full_size: int) -> nn.Parameter:
+    """Set the TP attributes of p (see the module docstring); returns p."""
+    p.tensor_model_parallel = True
+    p.partition_dim = dim
+    p.partition_index = index
+    p.full_size = full_size
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵀ + b with W's output rows split over TP: weight [out/tp, in], partition_dim 0.
+
+    x: [s, b, in] replicated (or [s/tp, b, in] under sequence_parallel: all-gathered first, its
+    grad reduce-scattered). Output [s, b, out/tp], or [s, b, out] with gather_output.
+    rows: which rows of the full [out, in] weight this rank holds (default: a contiguous 1/tp).
+    """
+
+    def __init__(self, input_size: int, output_size: int, ps, init: ShardedInit, *, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 rows: torch.Tensor | None = None, params_dtype=torch.float32):
+        super().__init__()
+        rows = contiguous_index(output_size, ps.tp, ps.tp_rank) if rows is None else rows
+        self.group, self.gather_output, self.sequence_parallel = ps.tp_group, gather_output, sequence_parallel
+        w = init.weight((output_size, input_size), 0, rows, params_dtype, ps.device)
+        self.weight = mark_partitioned(nn.Parameter(w), 0, rows, output_size)
+        self.bias = None
+        if bias:
+            self.bias = mark_partitioned(nn.Parameter(torch.zeros(len(rows), dtype=params_dtype, device=ps.device)),
+                              0, rows, output_size)
+            self.bias.no_weight_decay = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = comm.gather_from_sp(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return comm.gather_from_tp(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x Wᵀ + b with W's input columns split over TP: weight [out, in/tp], partition_dim 1.
+
+    x: [s, b, in/tp] (input_is_parallel) or [s, b, in] (then scattered). The partial products are
+    all-reduced to [s, b, out], or reduce-scattered to [s/tp, b, out] under sequence_parallel; the
+    replicated bias is added after the reduction (under SP its grad is partial: sequence_parallel).
+    """
+
+    def __init__(self, input_size: int, output_size: int, ps, init: ShardedInit, *, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 cols: torch.Tensor | None = None, params_dtype=torch.float32):
+        super().__init__()
+        cols = contiguous_index(input_size, ps.tp, ps.tp_rank) if cols is None else cols
+        self.group, self.input_is_parallel, self.sequence_parallel = ps.tp_group, input_is_parallel, sequence_parallel
+        w = init.weight((output_size, input_size), 1, cols, params_dtype, ps.device)
+        self.weight = mark_partitioned(nn.Parameter(w), 1, cols, input_size)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=ps.device))
+            self.bias.no_weight_decay = True
+            self.bias.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = comm.scatter_to_tp(x, self.group)
+        y = F.linear(x, self.weight)
+        y = comm.reduce_scatter_to_sp(y, self.group) if self.sequence_parallel else comm.reduce_from_tp(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Word embedding with vocabulary rows split over TP: weight [V_padded/tp, h], partition_dim 0.
+
+    Rank r holds rows [r·V_padded/tp, (r+1)·V_padded/tp); V_padded = config.padded_vocab_size(
+    vocab, make_vocab_size_divisible_by, tp). Ids outside the slice look up zeros; the partial
+    embeddings are all-reduced ([s, b, h]) or reduce-scattered under sequence_parallel ([s/tp, b, h]).
+    ids: [s, b] int64 < vocab_size.
+    """
+
+    def __init__(self, vocab_size: int, padded_vocab: int, hidden: int, ps, init: ShardedInit, *,
+                 sequence_parallel: bool = False, params_dtype=torch.float32):
+        super().__init__()
+        rows = contiguous_index(padded_vocab, ps.tp, ps.tp_rank)
+        self.group, self.sequence_parallel = ps.tp_group, sequence_parallel
+        self.vocab_start, self.local_vocab = int(rows[0]), len(rows)
+        w = init.weight((vocab_size, hidden), 0, rows, params_dtype, ps.device)
+        self.weight = mark_partitioned(nn.Parameter(w), 0, rows, vocab_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.local_vocab)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return comm.reduce_scatter_to_sp(out, self.group)
+        return comm.reduce_from_tp(out, self.group)
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, group):
+        logits = logits.float()
+        logits_max = comm.all_reduce(logits.max(dim=-1).values, group, op=torch.distributed.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+        local = target - vocab_start
+        outside = (local < 0) | (local >= logits.shape[-1])
+        local = local.masked_fill(outside, 0)
+        predicted = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        comm.all_reduce(predicted, group)
+        exp = shifted.exp()
+        sum_exp = comm.all_reduce(exp.sum(dim=-1), group)
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax on this rank's slice
+        ctx.save_for_backward(exp, local, outside)
+        return sum_exp.log() - predicted
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local, outside = ctx.saved_tensors
+        grad = softmax
+        hit = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1))
+        return grad * grad_loss.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
+                                 group) -> torch.Tensor:
+    """Per-token loss −log softmax(logits)[target], fp32, shape of target.
+
+    logits: [..., V_padded/tp], this rank's vocabulary slice starting at vocab_start, with padded
+    vocabulary columns already set to −inf (they get zero probability and zero grad). The full
+    logits are never materialised: the max, the sum of exponentials and the target logit are
+    all-reduced over group (Megatron-LM §3). Backward is softmax − one-hot on the local slice.
+    The softmax of the local slice is kept for backward (fp32, size of logits).
+    """
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, group)
+
+
+# ----------------------------------------------------------------------------- full weights
+
+@torch.no_grad()
+def gather_full_state_dict(model: nn.Module, ps) -> dict:
+    """{name: full (TP=1) fp32 CPU tensor} for every parameter, the same on every TP rank.
+
+    Collective over ps.tp_group. TP-split parameters are all-gathered and put back in full order
+    using partition_index (padding rows dropped); replicated ones are copied.
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        if not getattr(p, "tensor_model_parallel", False):
+            out[name] = p.detach().float().cpu().clone()
+            continue
+        dim = p.partition_dim
+        shards = comm.all_gather(p.detach().float().unsqueeze(0), ps.tp_group, 0).cpu()
+        index = comm.all_gather(p.partition_index.to(ps.device).unsqueeze(0), ps.tp_group, 0).cpu()
+        shape = list(p.shape)
+        shape[dim] = p.full_size
+        full = torch.zeros(shape)
+        for shard, idx in zip(shards, index):
+            keep = idx < p.full_size
+            full.index_copy_(dim, idx[keep], shard.index_select(dim, keep.nonzero().squeeze(1)))
+        out[name] = full
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, full: dict) -> None:
+    """Copy full (TP=1) weights into this rank's shards (inverse of gather_full_state_dict).
+
+    Raises KeyError for a parameter missing from ``full``. Padding rows are set to zero.
+    """
+    for name, p in model.named_parameters():
+        src = full[name].to(device=p.device, dtype=p.dtype)
+        if getattr(p, "tensor_model_parallel", False):
+            src = _take(src, p.partition_dim, p.partition_index.to(p.device))
+        p.copy_(src)

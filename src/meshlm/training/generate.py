@@ -1,0 +1,111 @@
+"""`meshlm generate`: sample text from a checkpoint in one process.
+
+The model is rebuilt from the run's ``config.json`` saved beside the checkpoint, at TP=1 / PP=1,
+and its weights are assembled from every rank of the checkpoint (``checkpoint.dist.
+full_model_state``): checkpoints written at any TP/PP layout load, because each TP shard was
+saved with the rows/columns of the full weight it holds and pipeline stages hold disjoint
+global layer names. Decoding re-runs the model on the whole (truncated) context for each new
+token — no KV cache: a tool for looking at a small model's output, not a serving engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+import torch
+
+from ..checkpoint import dist as ckpt
+from ..config import Config, max_positions
+from ..data.tokenizer import build_tokenizer
+from ..errors import CheckpointError, ConfigError
+from ..parallel.mesh import ParallelState
+from ..parallel.tensor import load_full_state_dict
+
+DEFAULT_PROMPT = "def "
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `meshlm generate`."""
+    parser.add_argument("--load", required=True, help="checkpoint directory (--save of a run, or one iter_XXXXXXX)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    parser.add_argument("--seed", type=int, default=1234, help="sampling seed")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load --load, continue --prompt, print prompt + continuation; return the exit status 0."""
+    if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise ConfigError("--max-new-tokens, --temperature and --top-k must be ≥ 0 and --top-p in (0, 1]")
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model, tokenizer = load_model(args.load, device=device)
+    text = sample_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    print(args.prompt + text)
+    return 0
+
+
+def load_model(path: str, device: Optional[torch.device] = None) -> tuple:
+    """(GPTModel at TP=1/PP=1 in eval mode, fp32 on ``device``; its tokenizer) from a checkpoint.
+
+    path: a --save directory (the tracker's iteration is used) or one iter_XXXXXXX folder.
+    Raises CheckpointError when the folder, its config.json or a weight is missing.
+    """
+    from ..model.transformer import GPTModel
+
+    folder = path if os.path.isfile(os.path.join(path, ckpt.MANIFEST)) else ckpt.checkpoint_dir(path)
+    cfg = Config.from_dict(ckpt.read_config(folder))
+    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
+    device = device or torch.device("cpu")
+    model = GPTModel(cfg.model, ParallelState.single(device), tokenizer.vocab_size, seed=cfg.training.seed)
+    try:
+        load_full_state_dict(model, ckpt.full_model_state(folder))
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint {folder} has no weight {e}: was it saved from this model?") from None
+    model.eval()
+    model.max_context = max_positions(cfg.model) if cfg.model.position_embedding_type != "rope" \
+        else cfg.model.seq_length
+    return model, tokenizer
+
+
+@torch.no_grad()
+def sample_text(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, temperature: float = 1.0,
+                top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None) -> str:
+    """Continue ``prompt`` with up to max_new_tokens tokens (stops at end-of-document); return the
+    continuation only. temperature 0 is greedy; top_k / top_p filter before sampling (Holtzman
+    et al. 2020 for nucleus sampling). The context is truncated to the model's training length.
+    """
+    device = next(model.parameters()).device
+    ids = tokenizer.encode(prompt) or [tokenizer.eod]
+    context = getattr(model, "max_context", len(ids) + max_new_tokens)
+    gen = torch.Generator(device=device)
+    if seed is not None:
+        gen.manual_seed(seed)
+    new = []
+    for _ in range(max_new_tokens):
+        x = torch.tensor([(ids + new)[-context:]], dtype=torch.long, device=device)
+        logits = model(x)[0, -1, :tokenizer.vocab_size].float()  # [V], padding dropped
+        nxt = int(logits.argmax()) if temperature == 0 else _sample(logits / temperature, top_k, top_p, gen)
+        if nxt == tokenizer.eod:
+            break
+        new.append(nxt)
+    return tokenizer.decode(new)
+
+
+def _sample(logits: torch.Tensor, top_k: int, top_p: float, gen: torch.Generator) -> int:
+    """Draw one id from softmax(logits) restricted to the top-k ids and the top-p probability mass."""
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        drop = sorted_p.cumsum(0) - sorted_p >= top_p  # keep the smallest prefix reaching top_p
+        probs = probs.clone()
+        probs[order[drop]] = 0.0
+        probs /= probs.sum()
+    return int(torch.multinomial(probs, 1, generator=gen))

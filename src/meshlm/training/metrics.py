@@ -1,0 +1,242 @@
+"""Training metrics: FLOPs per iteration, throughput, MFU, memory, and the Megatron log line.
+
+FLOPs per iteration (model FLOPs, the numerator of MFU) follow Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §5.1,
+generalised to grouped-query attention and SwiGLU. Per token and layer, forward, counting a
+multiply-add as 2 FLOPs (h hidden, a query heads, g key/value groups, d head dim, f MLP width,
+s the *training* sequence length, V the padded vocabulary):
+
+    QKV projection     2·h·d·(a + 2g)
+    attention core     4·s·a·d          (Q·Kᵀ and softmax·V over the full s×s, as in the paper)
+    output projection  2·a·d·h
+    MLP                2·h·f·2  (GeLU: fc1, fc2)   or  2·h·f·3  (SwiGLU: gate, up, down)
+    logits (once)      2·h·V
+
+    FLOPs/iteration = 3 · B · s · (L · per-layer + 2·h·V)     (backward = 2× forward)
+
+With a = g, a·d = h and f = 4h this is the paper's 72·B·s·L·h²·(1 + s/6h + V/12Lh). Activation
+recomputation is *not* counted (the paper's 96 variant counts it): MFU is model FLOPs over peak,
+as defined in PaLM (Chowdhery et al. 2022, appendix B). Norms, softmax and element-wise ops are
+ignored, as in Megatron.
+
+MFU is reported only where the dense bf16/fp16 tensor-core peak of the device is known
+(``PEAK_TFLOPS``); on CPU, on an unknown GPU or for an fp32 run it is None and printed "n/a".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+import torch
+
+from ..config import ModelConfig, ffn_hidden, head_dim, query_groups
+from ..errors import ConfigError
+
+# Dense (no sparsity) bf16/fp16 tensor-core peak, TFLOP/s, from NVIDIA's data sheets. Matched
+# against torch.cuda.get_device_name() in order: the first entry whose substrings all occur wins.
+PEAK_TFLOPS = [
+    (("H200", "NVL"), 835.0),
+    (("H200",), 989.4),
+    (("GH200",), 989.4),
+    (("H100", "PCIe"), 756.0),
+    (("H100", "NVL"), 835.0),
+    (("H100",), 989.4),            # SXM / HBM3
+    (("H800",), 989.4),
+    (("B200",), 2250.0),
+    (("A100",), 312.0),
+    (("A800",), 312.0),
+    (("L40S",), 362.0),
+    (("L4",), 121.0),
+    (("A10G",), 70.0),
+    (("A10",), 125.0),
+    (("V100",), 125.0),            # fp16 only
+]
+
+
+def peak_tflops(device_name: Optional[str], dtype: torch.dtype) -> Optional[float]:
+    """Dense tensor-core peak TFLOP/s for bf16/fp16 on ``device_name``; None when not known.
+
+    None for CPU (device_name None), for GPUs missing from PEAK_TFLOPS and for fp32 training
+    (its peak depends on TF32 settings we do not control), so MFU is never a made-up number.
+    """
+    if device_name is None or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    for needles, tflops in PEAK_TFLOPS:
+        if all(n in device_name for n in needles):
+            return tflops
+    return None
+
+
+def flops_per_iteration(m: ModelConfig, global_batch: int, padded_vocab: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward), formula in the module doc."""
+    h, s, L = m.hidden_size, m.seq_length, m.num_layers
+    a, g, d, f = m.num_attention_heads, query_groups(m), head_dim(m), ffn_hidden(m)
+    per_layer = 2 * h * d * (a + 2 * g) + 4 * s * a * d + 2 * a * d * h + 2 * h * f * (3 if m.swiglu else 2)
+    return 3.0 * global_batch * s * (L * per_layer + 2 * h * padded_vocab)
+
+
+def max_memory_gb() -> Optional[float]:
+    """Peak bytes allocated by torch on this rank's GPU, in GiB (2**30 bytes); None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.max_memory_allocated() / 2 ** 30
+
+
+def require_tensorboard():
+    """Return torch.utils.tensorboard.SummaryWriter; ConfigError if tensorboard is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError("--tensorboard-dir needs the tensorboard package: pip install tensorboard "
+                          "(or drop --tensorboard-dir)") from None
+    return SummaryWriter
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+class MetricsLogger:
+    """Accumulates per-iteration numbers; every ``log_interval`` prints Megatron's line and
+    appends one JSON object to ``<log_dir>/metrics.jsonl`` (logging rank only).
+
+    Values in a line are averages over the iterations since the previous line (loss over the
+    iterations that were not skipped), as in Megatron. ``mem_allocated_gb`` is the logging
+    rank's peak (GiB). Every rank may call the methods; only ``enabled`` ones print and write.
+    """
+
+    def __init__(self, *, enabled: bool, log_dir: Optional[str], train_iters: int, log_interval: int,
+                 global_batch: int, seq_length: int, flops_per_iter: float, world_size: int,
+                 dtype: torch.dtype, fp16: bool = False, tensorboard_dir: Optional[str] = None):
+        self.enabled, self.train_iters, self.log_interval = enabled, train_iters, log_interval
+        self.global_batch, self.seq_length = global_batch, seq_length
+        self.flops_per_iter, self.world_size, self.fp16 = flops_per_iter, world_size, fp16
+        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        self.peak = peak_tflops(device_name, dtype)
+        self.path = None
+        self.tb = None
+        if enabled and log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+            self.path = os.path.join(log_dir, "metrics.jsonl")
+        if enabled and tensorboard_dir:
+            self.tb = require_tensorboard()(log_dir=tensorboard_dir)
+        self.skipped_total = self.nan_total = 0
+        self._reset()
+
+    def _reset(self):
+        self._iters = self._loss_n = 0
+        self._loss_sum = self._time_s = self._comm_s = 0.0
+        self._grad_norm = None
+
+    def train_step(self, iteration: int, consumed_samples: int, *, lm_loss: Optional[float], lr: float,
+                   grad_norm: Optional[float], iter_s: float, loss_scale: float = 1.0,
+                   skipped: bool = False, nan: bool = False, comm_s: Optional[float] = None,
+                   bubble: Optional[float] = None, timeline: Optional[list] = None) -> Optional[dict]:
+        """Record one iteration (iter_s seconds); on a log iteration print/write and return the record.
+
+        comm_s: seconds spent waiting for the DP gradient reduction after backward (the exposed,
+        non-overlapped part). bubble: idle share of this rank's pipeline schedule (0–1);
+        timeline: this iteration's forward_backward events, written to metrics.jsonl.
+        """
+        self._iters += 1
+        self._time_s += iter_s
+        self._comm_s += comm_s or 0.0
+        self.skipped_total += int(skipped)
+        self.nan_total += int(nan)
+        if lm_loss is not None and not skipped and not nan:
+            self._loss_sum += lm_loss
+            self._loss_n += 1
+        if grad_norm is not None:
+            self._grad_norm = grad_norm
+        if iteration % self.log_interval and iteration != self.train_iters:
+            return None
+        rec = self._record(iteration, consumed_samples, lr, loss_scale, comm_s is not None,
+                           bubble, timeline)
+        self._reset()
+        if self.enabled:
+            print(self._line(rec), flush=True)
+            self._write(rec)
+        return rec
+
+    def _record(self, iteration, consumed, lr, loss_scale, has_comm, bubble, timeline) -> dict:
+        n, t = self._iters, self._time_s
+        tflops = self.flops_per_iter * n / t / self.world_size / 1e12 if t > 0 else None
+        rec = {
+            "iteration": iteration, "consumed_samples": consumed,
+            "lm_loss": self._loss_sum / self._loss_n if self._loss_n else None,
+            "lr": lr, "grad_norm": self._grad_norm, "iter_ms": 1000.0 * t / n,
+            "global_batch_size": self.global_batch,
+            "tokens_per_sec": self.global_batch * self.seq_length * n / t if t > 0 else None,
+            "tflops_per_gpu": tflops,
+            "mfu": tflops / self.peak if tflops is not None and self.peak else None,
+            "mem_allocated_gb": max_memory_gb(),
+            "skipped_iters": self.skipped_total, "nan_iters": self.nan_total,
+        }
+        if self.fp16:
+            rec["loss_scale"] = loss_scale
+        if has_comm and t > 0:
+            rec["exposed_comm_share"] = self._comm_s / t
+        if bubble is not None:
+            rec["bubble_fraction"] = bubble
+        if timeline:
+            t0 = min(e["start"] for e in timeline)
+            rec["pipeline_timeline"] = [dict(e, start=e["start"] - t0, end=e["end"] - t0) for e in timeline]
+        return rec
+
+    def _line(self, r: dict) -> str:
+        loss = "n/a" if r["lm_loss"] is None else f"{r['lm_loss']:.6E}"
+        parts = [f" iteration {r['iteration']:8d}/{self.train_iters:8d}",
+                 f"consumed samples: {r['consumed_samples']:12d}",
+                 f"elapsed time per iteration (ms): {r['iter_ms']:.1f}",
+                 f"learning rate: {r['lr']:.3E}",
+                 f"global batch size: {self.global_batch:5d}",
+                 f"lm loss: {loss}"]
+        if self.fp16:
+            parts.append(f"loss scale: {r['loss_scale']:.1f}")
+        parts += [f"grad norm: {_fmt(r['grad_norm'], '.3f')}",
+                  f"tokens/s: {_fmt(r['tokens_per_sec'], '.0f')}",
+                  f"TFLOP/s/GPU: {_fmt(r['tflops_per_gpu'], '.1f')}",
+                  "MFU: " + ("n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%")]
+        if r["mem_allocated_gb"] is not None:
+            parts.append(f"mem (GiB): {r['mem_allocated_gb']:.2f}")
+        if "bubble_fraction" in r:
+            parts.append(f"bubble: {100 * r['bubble_fraction']:.1f}%")
+        if "exposed_comm_share" in r:
+            parts.append(f"exposed DP comm: {100 * r['exposed_comm_share']:.1f}%")
+        if self.fp16 or r["skipped_iters"] or r["nan_iters"]:
+            parts += [f"number of skipped iterations: {r['skipped_iters']:3d}",
+                      f"number of nan iterations: {r['nan_iters']:3d}"]
+        return " | ".join(parts) + " |"
+
+    def evaluation(self, iteration: int, consumed_samples: int, val_loss: float) -> dict:
+        """Print Megatron's validation block and write {iteration, val_loss, val_ppl}."""
+        ppl = math.exp(min(20.0, val_loss))
+        rec = {"iteration": iteration, "consumed_samples": consumed_samples,
+               "val_loss": val_loss, "val_ppl": ppl}
+        if self.enabled:
+            line = f" validation loss at iteration {iteration} | lm loss value: {val_loss:.6E} | " \
+                   f"lm loss PPL: {ppl:.6E} |"
+            print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
+            self._write(rec)
+        return rec
+
+    def _write(self, rec: dict) -> None:
+        if self.path:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            it = rec["iteration"]
+            for key, tag in [("lm_loss", "lm loss"), ("lr", "learning-rate"), ("grad_norm", "grad-norm"),
+                             ("tokens_per_sec", "throughput/tokens-per-sec"),
+                             ("tflops_per_gpu", "throughput/tflops-per-gpu"), ("mfu", "throughput/mfu"),
+                             ("mem_allocated_gb", "memory/max-allocated-gib"),
+                             ("val_loss", "lm loss validation"), ("val_ppl", "lm loss validation ppl")]:
+                if rec.get(key) is not None:
+                    self.tb.add_scalar(tag, rec[key], it)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,295 @@
+"""The training loop: build everything, then step, evaluate, log, checkpoint, exit.
+
+``pretrain(cfg)`` runs in every worker after the launcher has validated the config. One
+iteration (DESIGN.md "One iteration, as data"): zero the main_grad buffers → draw this DP rank's
+``num_microbatches`` micro-batches from the sampler at ``consumed_samples`` → pipeline
+forward/backward (``no_sync`` for all but the last backward, loss scaled under fp16) → finish the
+DP gradient reduction → loss reduced over DP and broadcast over the pipeline → NaN/inf check →
+optimizer step → LR step (only after a step that was taken, as in Megatron) → ``consumed_samples
++= global batch``. Iterations, consumed samples, and optimizer/scheduler/RNG states round-trip
+through checkpoint/dist.py, so a resumed run repeats the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .. import config as C
+from ..checkpoint import dist as ckpt
+from ..data.gpt_dataset import build_datasets
+from ..data.sampler import micro_batches
+from ..data.tokenizer import NullTokenizer, build_tokenizer
+from ..errors import TrainingError
+from ..optim.optimizer import build_optimizer
+from ..optim.schedule import LRScheduler
+from ..parallel.data import DistributedDataParallel
+from ..parallel.mesh import ParallelState, init_distributed
+from ..parallel.pipeline import (bubble_fraction, build_model_chunks, forward_backward, reduce_losses,
+                                virtual_size)
+from .metrics import MetricsLogger, flops_per_iteration, require_tensorboard
+
+
+@dataclass
+class TrainState:
+    """Progress that a checkpoint must restore: optimizer steps done and samples consumed."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+@dataclass
+class Run:
+    """Everything one worker built for training (the loop's arguments, in one place)."""
+
+    cfg: C.Config
+    ps: ParallelState
+    tokenizer: object
+    train_ds: object
+    valid_ds: object
+    chunks: list
+    ddp: DistributedDataParallel
+    opt: object
+    sched: object
+    logger: MetricsLogger
+    global_batch: int
+    num_microbatches: int
+    last_checkpoint: Optional[str] = None
+
+
+def params_dtype(cfg: C.Config, device: torch.device) -> torch.dtype:
+    """bf16/fp16 parameters on GPU under --bf16/--fp16; fp32 on CPU (and without either flag)."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16 else torch.float32
+
+
+def pretrain(cfg: C.Config) -> dict:
+    """Train ``cfg`` in this worker (every rank calls it); return a summary for tests and the CLI:
+    {"iterations", "train_losses" (per iteration, None when skipped), "final_train_loss",
+    "val_losses" ([(iteration, loss)]), "first_val_loss", "last_val_loss", "last_checkpoint"}.
+
+    Raises TrainingError on a NaN/inf loss (naming the iteration and the last good checkpoint)
+    unless --skip-nan-steps, CheckpointError for a bad --load, ConfigError/DataError from builders.
+    """
+    run = build(cfg)
+    state = TrainState()
+    if cfg.checkpoint.load:
+        state = load_checkpoint(run)
+    try:
+        return train(run, state)
+    finally:
+        run.logger.close()
+
+
+def build(cfg: C.Config) -> Run:
+    """Process groups, seeds, tokenizer, datasets, model chunks, DDP, optimizer, scheduler, logger."""
+    t, p = cfg.training, cfg.parallel
+    init_distributed(p.distributed_timeout_minutes)
+    if cfg.logging.tensorboard_dir:
+        require_tensorboard()  # every rank fails alike, before any collective
+    ps = ParallelState.build(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                             p.context_parallel_size)
+    random.seed(t.seed)
+    np.random.seed(t.seed)
+    torch.manual_seed(t.seed)
+    dtype = params_dtype(cfg, ps.device)
+    if (t.bf16 or t.fp16) and dtype == torch.float32 and ps.rank == 0:
+        print("note: --bf16/--fp16 ignored on CPU; training in fp32", flush=True)
+    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
+    train_ds, valid_ds, _ = build_datasets(cfg, ps=ps)
+    chunks = build_model_chunks(cfg, ps, tokenizer.vocab_size, dtype)
+    ddp = DistributedDataParallel(chunks, ps, cfg)
+    opt = build_optimizer(cfg, ps, chunks, ddp)
+    sched = LRScheduler(cfg.optimizer, t.train_iters)
+    gb, nmb = C.global_batch(cfg, ps.world_size), C.num_microbatches(cfg, ps.world_size)
+    padded = C.padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, ps.tp)
+    log_dir = cfg.logging.log_dir or (os.path.join(cfg.logging.run_dir, "logs") if cfg.logging.run_dir else None)
+    logger = MetricsLogger(enabled=ps.is_logging_rank, log_dir=log_dir, train_iters=t.train_iters,
+                           log_interval=t.log_interval, global_batch=gb, seq_length=cfg.model.seq_length,
+                           flops_per_iter=flops_per_iteration(cfg.model, gb, padded),
+                           world_size=ps.world_size, dtype=dtype, fp16=t.fp16 and dtype == torch.float16,
+                           tensorboard_dir=cfg.logging.tensorboard_dir)
+    if ps.rank == 0:
+        n = sum(q.numel() for c in chunks for q in c.parameters())
+        print(f"meshlm: {ps.describe()} | {n:,} parameters on rank 0 | global batch {gb} = "
+              f"{nmb} micro-batches × {t.micro_batch_size} × DP {ps.dp}", flush=True)
+    return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb)
+
+
+def train(run: Run, state: TrainState) -> dict:
+    """The loop from ``state`` to --train-iters (or --exit-interval): step, log, evaluate, save."""
+    cfg, t = run.cfg, run.cfg.training
+    save_every = cfg.checkpoint.save_interval
+    losses, val_losses, saved_at = [], [], None
+    while state.iteration < t.train_iters:
+        loss = train_step(run, state)
+        losses.append(loss)
+        it = state.iteration
+        if t.eval_interval and it % t.eval_interval == 0 and run.valid_ds is not None:
+            val_losses.append((it, evaluate(run, state, it // t.eval_interval - 1)))
+        if cfg.checkpoint.save and save_every and it % save_every == 0:
+            save_checkpoint(run, state)
+            saved_at = it
+        if t.exit_interval and it % t.exit_interval == 0:
+            break
+    if run.valid_ds is not None and (not val_losses or val_losses[-1][0] != state.iteration):
+        val_losses.append((state.iteration, evaluate(run, state, state.iteration // max(t.eval_interval, 1))))
+    if cfg.checkpoint.save and saved_at != state.iteration:
+        save_checkpoint(run, state)
+    _print_sample(run)
+    done = [x for x in losses if x is not None]
+    return {"iterations": state.iteration, "train_losses": losses,
+            "final_train_loss": done[-1] if done else None, "val_losses": val_losses,
+            "first_val_loss": val_losses[0][1] if val_losses else None,
+            "last_val_loss": val_losses[-1][1] if val_losses else None,
+            "last_checkpoint": run.last_checkpoint}
+
+
+def train_step(run: Run, state: TrainState) -> Optional[float]:
+    """One optimizer step on one global batch; return its loss (None when the step was skipped)."""
+    cfg, ps, t = run.cfg, run.ps, run.cfg.training
+    it = state.iteration + 1
+    log_now = it % t.log_interval == 0 or it == t.train_iters
+    timeline = [] if log_now and ps.pp > 1 else None
+    start = time.perf_counter()
+    run.ddp.zero_grad()
+    data = micro_batches(run.train_ds, state.consumed_samples, t.micro_batch_size, ps.dp_rank, ps.dp)
+    outputs = forward_backward(run.chunks, data, ps=ps, cfg=cfg, num_microbatches=run.num_microbatches,
+                               loss_scale=run.opt.loss_scale, no_sync=run.ddp.no_sync, timeline=timeline)
+    schedule_end = time.perf_counter()
+    run.ddp.finish_grad_sync()
+    loss = reduce_losses(outputs, ps)
+    nan = not math.isfinite(loss)
+    lr, grad_norm, skipped = run.sched.lr, None, False
+    if nan and not run.logger.fp16:  # fp16: the loss scaler sees the overflow and skips the step
+        if not t.skip_nan_steps:
+            raise TrainingError(f"iteration {it}: lm loss is {loss}; last good checkpoint: "
+                                f"{run.last_checkpoint or 'none'}; resume from it with a lower --lr, "
+                                f"or pass --skip-nan-steps")
+        skipped = True
+    else:
+        result = run.opt.step()
+        grad_norm, skipped = result.grad_norm, result.skipped or not result.ok
+        if not skipped:
+            run.sched.step(run.opt)
+    state.iteration = it
+    state.consumed_samples += run.global_batch
+    bubble = bubble_fraction(timeline, (start, schedule_end)) if timeline else None
+    run.logger.train_step(it, state.consumed_samples, lm_loss=None if nan else loss, lr=lr,
+                          grad_norm=grad_norm, iter_s=time.perf_counter() - start,
+                          loss_scale=run.opt.loss_scale, skipped=skipped and not nan, nan=nan,
+                          comm_s=run.ddp.stats.exposed_s if ps.dp * ps.cp > 1 else None,
+                          bubble=bubble, timeline=timeline)
+    return None if skipped or nan else loss
+
+
+@torch.no_grad()
+def evaluate(run: Run, state: TrainState, index: int) -> float:
+    """Mean validation loss over --eval-iters global batches (forward only, dropout off).
+
+    index: which evaluation this is; evaluation k reads the k-th block of eval_iters × global
+    batch validation samples (Megatron's valid sample count), wrapping round if the split is short.
+    """
+    cfg, ps, t = run.cfg, run.ps, run.cfg.training
+    span = t.eval_iters * run.global_batch
+    offset = index * span if (index + 1) * span <= len(run.valid_ds) else 0
+    for chunk in run.chunks:
+        chunk.eval()
+    total = 0.0
+    for i in range(t.eval_iters):
+        data = micro_batches(run.valid_ds, offset + i * run.global_batch, t.micro_batch_size, ps.dp_rank, ps.dp)
+        outputs = forward_backward(run.chunks, data, ps=ps, cfg=cfg, num_microbatches=run.num_microbatches,
+                                   forward_only=True)
+        total += reduce_losses(outputs, ps)
+    for chunk in run.chunks:
+        chunk.train()
+    val = total / t.eval_iters
+    run.logger.evaluation(state.iteration, state.consumed_samples, val)
+    return val
+
+
+def _layout(ps: ParallelState, cfg: C.Config) -> dict:
+    """What a checkpoint's model and optimizer tensors depend on (DP size excluded: the optimizer
+    state is saved in parameter shapes, the same under plain DP and ZeRO-1)."""
+    return {"tp": ps.tp, "pp": ps.pp, "cp": ps.cp, "virtual_pipeline": virtual_size(cfg)}
+
+
+def _coords(ps: ParallelState) -> dict:
+    return {"tp": ps.tp_rank, "pp": ps.pp_rank, "cp": ps.cp_rank, "dp": ps.dp_rank}
+
+
+def save_checkpoint(run: Run, state: TrainState) -> str:
+    """Save model, optimizer, scheduler, RNG and progress to --save/iter_XXXXXXX (collective)."""
+    cfg, ps = run.cfg, run.ps
+    rng = ckpt.rng_state()
+    rng["dropout_calls"] = [chunk.rng.call for chunk in run.chunks]
+    tree = {**ckpt.model_state(run.chunks, ps),
+            f"optimizer/pp{ps.pp_rank}.tp{ps.tp_rank}": run.opt.state_dict(),
+            "scheduler": run.sched.state_dict(),
+            f"rng/rank{ps.rank}": rng,
+            "train": dataclasses.asdict(state)}
+    path = ckpt.save(cfg.checkpoint.save, state.iteration, tree, layout={**_layout(ps, cfg), "dp": ps.dp},
+                     config=_portable_config(cfg), coords=_coords(ps))
+    run.last_checkpoint = path
+    if ps.rank == 0:
+        print(f"saved checkpoint {path}", flush=True)
+    return path
+
+
+def load_checkpoint(run: Run) -> TrainState:
+    """Resume from --load. No tracker and --load == --save: a fresh start (Megatron's rule)."""
+    cfg, ps = run.cfg, run.ps
+    root = cfg.checkpoint.load
+    if ckpt.read_tracker(root) is None and os.path.abspath(root) == os.path.abspath(cfg.checkpoint.save or ""):
+        if ps.rank == 0:
+            print(f"--load {root}: no checkpoint yet, starting from scratch", flush=True)
+        return TrainState()
+    iteration, tree = ckpt.load(root, layout=_layout(ps, cfg), coords=_coords(ps))
+    ckpt.load_model_state(run.chunks, ps, tree["model"])
+    run.opt.load_state_dict(tree[f"optimizer/pp{ps.pp_rank}.tp{ps.tp_rank}"])
+    run.sched.load_state_dict(tree["scheduler"])
+    rng = next(v for k, v in tree.items() if k.startswith("rng/rank"))
+    ckpt.set_rng_state(rng)
+    for chunk, calls in zip(run.chunks, rng["dropout_calls"]):
+        chunk.rng.call = calls
+    run.last_checkpoint = ckpt.iteration_dir(root, iteration)
+    if ps.rank == 0:
+        print(f"loaded checkpoint {run.last_checkpoint} (iteration {iteration})", flush=True)
+    return TrainState(**tree["train"])
+
+
+def _portable_config(cfg: C.Config) -> dict:
+    """The config as a dict with tokenizer/data paths made absolute (read back by generate)."""
+    d = cfg.to_dict()
+    for key in ("tokenizer_model", "vocab_file", "merge_file"):
+        if d["data"][key]:
+            d["data"][key] = os.path.abspath(d["data"][key])
+    return d
+
+
+def _print_sample(run: Run) -> None:
+    """After a run on real text (not mock data) that saved a checkpoint, print a short sample
+    from it on rank 0 with a TP=1/PP=1 copy of the model; skipped for models over 1B params."""
+    from .generate import DEFAULT_PROMPT, load_model, sample_text
+    cfg = run.cfg
+    if isinstance(run.tokenizer, NullTokenizer) or run.last_checkpoint is None or run.ps.rank != 0:
+        return
+    if _approx_params(cfg.model, run.tokenizer.vocab_size) > 1e9:
+        return
+    model, tokenizer = load_model(run.last_checkpoint, device=run.ps.device)
+    text = sample_text(model, tokenizer, DEFAULT_PROMPT, max_new_tokens=48, temperature=0.8, top_k=40, seed=0)
+    print(f"sample from {run.last_checkpoint}:\n{DEFAULT_PROMPT}{text}", flush=True)
+
+
+def _approx_params(m: C.ModelConfig, vocab: int) -> float:
+    h, f = m.hidden_size, C.ffn_hidden(m)
+    return m.num_layers * (4 * h * h + (3 if m.swiglu else 2) * h * f) + vocab * h

@@ -1,0 +1,104 @@
+"""The `meshlm` command: help texts, and user errors as one line on stderr with exit status 2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from meshlm.cli import main, resolve_config, build_parser
+
+TINY = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16", "--nproc-per-node", "2"]
+
+
+def meshlm(*argv, cwd):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+    return subprocess.run([sys.executable, "-m", "meshlm", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_every_command(tmp_path):
+    out = meshlm("--help", cwd=tmp_path)
+    assert out.returncode == 0 and out.stderr == ""
+    for command in ("pretrain", "preprocess", "tokenizer", "generate"):
+        assert command in out.stdout
+
+
+@pytest.mark.parametrize("argv,expect", [(["pretrain"], "--tensor-model-parallel-size"),
+                                         (["preprocess"], "--output-prefix"),
+                                         (["tokenizer", "train"], "--vocab-size"),
+                                         (["generate"], "--")])
+def test_subcommand_help_is_clean(argv, expect, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    out = capsys.readouterr()
+    assert info.value.code == 0 and out.err == "" and expect in out.out
+
+
+def test_bad_global_batch_exits_2_with_one_line(tmp_path):
+    out = meshlm("pretrain", "--global-batch-size", "7", "--micro-batch-size", "2", *TINY, cwd=tmp_path)
+    assert out.returncode == 2
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("meshlm: error: --global-batch-size 7")
+    assert "--micro-batch-size 2" in lines[0] and "4 or 8" in lines[0]
+    assert "Traceback" not in out.stdout
+    assert not os.path.exists(tmp_path / "runs")  # nothing written for a config that fails
+
+
+def test_several_problems_are_listed_together(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = main(["pretrain", *TINY, "--global-batch-size", "7", "--micro-batch-size", "2",
+                 "--tensor-model-parallel-size", "3", "--save-interval", "5"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("meshlm: error: ") and "config errors" in err
+    for flag in ("--global-batch-size", "--tensor-model-parallel-size 3", "--save-interval"):
+        assert flag in err
+
+
+def test_unknown_yaml_key_exits_2(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("hiden_size: 64\n")
+    assert main(["pretrain", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"meshlm: error: {path}: unknown key 'hiden_size'\n"
+
+
+def test_argparse_errors_also_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["pretrain", "--num-layers", "two"])
+    assert info.value.code == 2 and "--num-layers" in capsys.readouterr().err
+
+
+def test_errors_of_delegated_commands_are_one_line(tmp_path, capsys):
+    code = main(["tokenizer", "train", "--input", str(tmp_path / "absent.jsonl"),
+                 "--output", str(tmp_path / "tok.json")])
+    assert code == 2
+    assert capsys.readouterr().err.startswith("meshlm: error: --input")
+
+
+def test_resolve_writes_the_config_workers_read_back(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = build_parser("pretrain").parse_args(["pretrain", *TINY, "--lr", "0.002"])
+    cfg = resolve_config(args)
+    assert cfg.logging.run_dir.startswith("runs" + os.sep)
+    path = os.path.join(cfg.logging.run_dir, "config.yaml")
+    saved = yaml.safe_load(open(path))
+    assert saved["optimizer"]["lr"] == 0.002 and saved["logging"]["run_dir"] == cfg.logging.run_dir
+    again = resolve_config(build_parser("pretrain").parse_args(["pretrain", "--config", path]))
+    assert again == cfg
+
+
+def test_two_runs_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = build_parser("pretrain").parse_args(["pretrain", *TINY])
+    first, second = resolve_config(args).logging.run_dir, resolve_config(args).logging.run_dir
+    assert first != second
+
+
+def test_python_dash_m_meshlm_runs_the_cli(tmp_path):
+    out = meshlm("--version", cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.startswith("meshlm ")

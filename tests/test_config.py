@@ -1,0 +1,382 @@
+"""Config: validation reports every problem at once, naming the flags; YAML and flag precedence;
+model presets."""
+
+import argparse
+
+import pytest
+import torch
+
+from meshlm.config import (Config, add_config_args, config_from_args, dump_yaml, head_dim,
+                           query_groups, validate)
+from meshlm.errors import ConfigError
+from meshlm.model.presets import PRESETS, apply_preset
+
+
+def small() -> Config:
+    """A valid config: tiny GPT on mock data, 1 process."""
+    cfg = Config()
+    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 32, 4
+    cfg.model.seq_length, cfg.model.vocab_size = 16, 128
+    cfg.data.mock_data = True
+    return cfg
+
+
+def problems_of(cfg, world=1, check_files=True) -> list:
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world, check_files=check_files)
+    return info.value.problems
+
+
+def test_small_config_is_valid():
+    validate(small(), world=1)
+
+
+# ----------------------------------------------------------------------------- one problem each
+
+def test_global_batch_not_divisible_names_both_flags_and_nearest_valid_values():
+    cfg = small()
+    cfg.training.global_batch_size, cfg.training.micro_batch_size = 7, 2
+    [msg] = problems_of(cfg, world=2)  # DP = 2: valid global batches are multiples of 4
+    assert "--global-batch-size 7" in msg and "--micro-batch-size 2" in msg and "DP 2" in msg
+    assert "4 or 8" in msg
+
+
+def test_global_batch_below_one_step_suggests_the_smallest_valid_value():
+    cfg = small()
+    cfg.training.global_batch_size, cfg.training.micro_batch_size = 3, 4
+    [msg] = problems_of(cfg, world=1)
+    assert msg.endswith(": 4")
+
+
+def test_heads_not_divisible_by_tp():
+    cfg = small()
+    cfg.model.num_attention_heads, cfg.model.hidden_size = 6, 48
+    cfg.parallel.tensor_model_parallel_size = 4
+    [msg] = problems_of(cfg, world=4)
+    assert "--num-attention-heads 6" in msg and "--tensor-model-parallel-size 4" in msg
+
+
+def test_layers_not_divisible_by_pp():
+    cfg = small()
+    cfg.model.num_layers = 3
+    cfg.parallel.pipeline_model_parallel_size = 2
+    msgs = problems_of(cfg, world=2)
+    assert any("--num-layers 3" in m and "--pipeline-model-parallel-size 2" in m for m in msgs)
+
+
+def test_query_groups_must_divide_heads():
+    cfg = small()
+    cfg.model.group_query_attention, cfg.model.num_query_groups = True, 3
+    [msg] = problems_of(cfg)
+    assert "--num-query-groups 3" in msg and "--num-attention-heads 4" in msg
+
+
+def test_query_groups_must_split_over_tp():
+    cfg = small()
+    cfg.model.num_attention_heads, cfg.model.hidden_size = 12, 48
+    cfg.model.group_query_attention, cfg.model.num_query_groups = True, 6
+    cfg.parallel.tensor_model_parallel_size = 4
+    [msg] = problems_of(cfg, world=4)
+    assert "--num-query-groups 6" in msg and "--tensor-model-parallel-size 4" in msg
+
+
+def test_gqa_flag_without_group_count():
+    cfg = small()
+    cfg.model.group_query_attention = True
+    [msg] = problems_of(cfg)
+    assert "--group-query-attention" in msg and "--num-query-groups" in msg
+
+
+def test_missing_data_files_name_the_file(tmp_path):
+    cfg = small()
+    cfg.data.mock_data = False
+    cfg.data.data_path = [str(tmp_path / "corpus_text_document")]
+    cfg.data.tokenizer_type = "NullTokenizer"
+    msgs = problems_of(cfg)
+    assert any("--data-path" in m and "corpus_text_document.bin" in m for m in msgs)
+    assert any("corpus_text_document.idx" in m for m in msgs)
+
+
+def test_no_data_source_at_all():
+    cfg = small()
+    cfg.data.mock_data = False
+    [msg] = problems_of(cfg)
+    assert "--data-path" in msg and "--mock-data" in msg
+
+
+def test_missing_tokenizer_file(tmp_path):
+    cfg = small()
+    cfg.data.tokenizer_type, cfg.data.tokenizer_model = "HuggingFaceTokenizer", str(tmp_path / "tok.json")
+    [msg] = problems_of(cfg)
+    assert "--tokenizer-model" in msg and "tok.json" in msg
+
+
+def test_file_checks_can_be_left_out(tmp_path):
+    cfg = small()
+    cfg.data.mock_data = False
+    validate(cfg, world=1, check_files=False)
+
+
+def test_sequence_longer_than_max_positions():
+    cfg = small()
+    cfg.model.seq_length, cfg.model.max_position_embeddings = 64, 32
+    [msg] = problems_of(cfg)
+    assert "--seq-length 64" in msg and "--max-position-embeddings 32" in msg
+
+
+def test_rope_has_no_position_table_limit():
+    cfg = small()
+    cfg.model.position_embedding_type = "rope"
+    cfg.model.seq_length, cfg.model.max_position_embeddings = 64, 32
+    validate(cfg, world=1)
+
+
+def test_mock_data_needs_vocab_size():
+    cfg = small()
+    cfg.model.vocab_size = None
+    [msg] = problems_of(cfg)
+    assert "--mock-data" in msg and "--vocab-size" in msg
+
+
+def test_fp16_needs_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = small()
+    cfg.training.fp16 = True
+    [msg] = problems_of(cfg)
+    assert "--fp16" in msg and "CUDA" in msg and "--bf16" in msg
+
+
+def test_bf16_is_allowed_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = small()
+    cfg.training.bf16 = True
+    validate(cfg, world=1)
+
+
+def test_bf16_and_fp16_are_exclusive(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = small()
+    cfg.training.bf16 = cfg.training.fp16 = True
+    [msg] = problems_of(cfg)
+    assert "--bf16" in msg and "--fp16" in msg
+
+
+def test_save_interval_needs_save():
+    cfg = small()
+    cfg.checkpoint.save_interval = 10
+    [msg] = problems_of(cfg)
+    assert "--save-interval 10" in msg and "--save" in msg
+
+
+def test_save_interval_with_save_is_fine(tmp_path):
+    cfg = small()
+    cfg.checkpoint.save_interval, cfg.checkpoint.save = 10, str(tmp_path / "ckpt")
+    validate(cfg, world=1)
+
+
+def test_eval_iters_zero_is_fine_but_negative_is_not():
+    cfg = small()
+    cfg.training.eval_iters = 0
+    validate(cfg, world=1)
+    cfg.training.eval_iters = -1
+    [msg] = problems_of(cfg)
+    assert "--eval-iters" in msg
+
+
+def test_negative_learning_rate():
+    cfg = small()
+    cfg.optimizer.lr = -1e-3
+    [msg] = problems_of(cfg)
+    assert "--lr -0.001" in msg
+
+
+def test_min_lr_above_lr():
+    cfg = small()
+    cfg.optimizer.lr, cfg.optimizer.min_lr = 1e-4, 1e-3
+    [msg] = problems_of(cfg)
+    assert "--min-lr" in msg and "--lr" in msg
+
+
+def test_warmup_longer_than_decay():
+    cfg = small()
+    cfg.training.train_iters, cfg.optimizer.lr_warmup_iters = 5, 10
+    [msg] = problems_of(cfg)
+    assert "--lr-warmup-iters 10" in msg and "--train-iters" in msg
+
+
+@pytest.mark.parametrize("split", ["1,2,3,4", "a,b,c", "0,0,0", "-1,1,1", ""])
+def test_bad_split(split):
+    cfg = small()
+    cfg.data.split = split
+    [msg] = problems_of(cfg)
+    assert "--split" in msg
+
+
+@pytest.mark.parametrize("split", ["969,30,1", "98/2/0", "969,30", "1"])
+def test_good_split(split):
+    cfg = small()
+    cfg.data.split = split
+    validate(cfg, world=1)
+
+
+def test_world_not_divisible_by_model_parallel_size():
+    cfg = small()
+    cfg.parallel.tensor_model_parallel_size = 2
+    cfg.parallel.pipeline_model_parallel_size = 2
+    msgs = problems_of(cfg, world=6)
+    assert any("world size 6" in m and "--nproc-per-node" in m and "multiple of 4" in m for m in msgs)
+
+
+def test_sequence_parallel_needs_tp():
+    cfg = small()
+    cfg.parallel.sequence_parallel = True
+    [msg] = problems_of(cfg)
+    assert "--sequence-parallel" in msg and "--tensor-model-parallel-size" in msg
+
+
+def test_virtual_pipeline_rules_come_from_the_pipeline_module():
+    cfg = small()
+    cfg.parallel.virtual_pipeline_model_parallel_size = 2  # needs PP > 1
+    msgs = problems_of(cfg)
+    assert any("--virtual-pipeline-model-parallel-size" in m for m in msgs)
+
+
+@pytest.mark.parametrize("flag,field", [("--micro-batch-size", ("training", "micro_batch_size")),
+                                        ("--num-layers", ("model", "num_layers")),
+                                        ("--tensor-model-parallel-size",
+                                         ("parallel", "tensor_model_parallel_size"))])
+def test_sizes_must_be_positive(flag, field):
+    cfg = small()
+    setattr(getattr(cfg, field[0]), field[1], 0)
+    [msg] = problems_of(cfg)
+    assert flag in msg and "positive" in msg
+
+
+def test_several_problems_are_reported_together():
+    cfg = small()
+    cfg.training.global_batch_size, cfg.training.micro_batch_size = 7, 2
+    cfg.model.num_attention_heads = 3                    # heads vs TP, hidden vs heads
+    cfg.parallel.tensor_model_parallel_size = 2
+    cfg.checkpoint.save_interval = 5
+    cfg.model.vocab_size = None
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world=4)
+    text = str(info.value)
+    for flag in ["--global-batch-size", "--num-attention-heads 3", "--hidden-size", "--save-interval",
+                 "--vocab-size"]:
+        assert flag in text
+    assert len(info.value.problems) >= 5 and text.startswith(f"{len(info.value.problems)} config errors")
+
+
+# ----------------------------------------------------------------------------- YAML and flags
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+def write(tmp_path, text):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_flat_keys_in_either_spelling(tmp_path):
+    cfg = parse(["--config", write(tmp_path, "num_layers: 3\nhidden-size: 96\ndisable_bias_linear: true\n")])
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.add_bias_linear) == (3, 96, False)
+
+
+def test_yaml_nested_by_section(tmp_path):
+    cfg = parse(["--config", write(tmp_path, "model:\n  num_layers: 3\ntraining:\n  micro_batch_size: 2\n"
+                                             "data:\n  data_path: [0.5, a, 0.5, b]\n")])
+    assert cfg.model.num_layers == 3 and cfg.training.micro_batch_size == 2
+    assert cfg.data.data_path == ["0.5", "a", "0.5", "b"]
+
+
+def test_yaml_unknown_key_is_an_error_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'num_layer'"):
+        parse(["--config", write(tmp_path, "num_layer: 3\n")])
+
+
+@pytest.mark.parametrize("text,key", [("num_layers: three\n", "num-layers"), ("swiglu: maybe\n", "swiglu"),
+                                      ("normalization: BatchNorm\n", "normalization"),
+                                      ("hidden_size: 2.5\n", "hidden-size")])
+def test_yaml_bad_value_is_an_error_naming_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError, match=key):
+        parse(["--config", write(tmp_path, text)])
+
+
+def test_yaml_missing_file_and_bad_syntax(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        parse(["--config", str(tmp_path / "absent.yaml")])
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        parse(["--config", write(tmp_path, "model: [\n")])
+
+
+def test_precedence_preset_then_yaml_then_flags(tmp_path):
+    path = write(tmp_path, "model: gpt2-125m\nnum_layers: 6\nhidden_size: 512\n")
+    cfg = parse(["--config", path, "--hidden-size", "256"])
+    gpt2 = PRESETS["gpt2-125m"]
+    assert cfg.model_preset == "gpt2-125m"
+    assert cfg.model.num_attention_heads == gpt2["num_attention_heads"]  # from the preset
+    assert cfg.model.num_layers == 6                                      # YAML over preset
+    assert cfg.model.hidden_size == 256                                   # flag over YAML
+
+
+def test_model_flag_preset_is_overridden_by_flags():
+    cfg = parse(["--model", "llama3-8b", "--num-layers", "2"])
+    assert cfg.model.num_layers == 2 and cfg.model.swiglu and cfg.model.num_query_groups == 8
+
+
+def test_base_mapping_sits_below_flags():
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    cfg = config_from_args(parser.parse_args(["--lr", "0.01"]), base={"lr": 0.5, "train_iters": 7})
+    assert cfg.optimizer.lr == 0.01 and cfg.training.train_iters == 7
+
+
+def test_bool_flag_without_switch_parses_true_and_false():
+    assert parse(["--use-cpu-initialization", "false"]).parallel.use_cpu_initialization is False
+    assert parse(["--use-cpu-initialization", "yes"]).parallel.use_cpu_initialization is True
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = parse(["--model", "llama-1b", "--num-layers", "2", "--mock-data", "--vocab-size", "300",
+                 "--data-path", "0.3", "a", "0.7", "b"])
+    path = str(tmp_path / "config.yaml")
+    dump_yaml(cfg, path)
+    again = parse(["--config", path])
+    assert again == cfg
+
+
+# ----------------------------------------------------------------------------- presets
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_is_a_valid_config(name):
+    cfg = Config()
+    apply_preset(cfg, name)
+    cfg.data.mock_data, cfg.model.vocab_size = True, 32000
+    validate(cfg, world=1)
+    assert cfg.model_preset == name
+
+
+def test_unknown_preset_lists_the_choices():
+    with pytest.raises(ConfigError) as info:
+        apply_preset(Config(), "gpt5")
+    assert "--model 'gpt5'" in str(info.value) and "llama3-8b" in str(info.value)
+
+
+def test_preset_shapes_match_the_published_models():
+    cfg = Config()
+    apply_preset(cfg, "llama-1b")  # Llama-3.2-1B
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, query_groups(m), m.ffn_hidden_size) == \
+        (16, 2048, 32, 8, 8192)
+    assert head_dim(m) == 64 and m.rotary_base == 500000.0 and m.normalization == "RMSNorm"
+    assert m.swiglu and not m.add_bias_linear and not m.untie_embeddings_and_output_weights
+    apply_preset(cfg, "gpt2-125m")  # over the Llama shape: nothing of it may remain
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (12, 768, 12, 1024)
+    assert m.position_embedding_type == "learned_absolute" and m.normalization == "LayerNorm"
+    assert not m.swiglu and m.add_bias_linear and query_groups(m) == 12 and m.ffn_hidden_size is None

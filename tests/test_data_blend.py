@@ -1,0 +1,109 @@
+"""Blending several --data-path prefixes by weight, as megatron-core's BlendedDataset does."""
+
+import os
+import types
+import warnings
+
+import numpy as np
+import pytest
+
+from meshlm.config import Config
+from meshlm.data.blend import BlendedDataset, build_blending_indices, parse_data_path, samples_per_dataset
+from meshlm.data.gpt_dataset import build_datasets
+from meshlm.data.indexed import IndexedDatasetWriter
+from meshlm.errors import DataError
+
+VOCAB, SEQ = 500, 16
+
+
+def test_every_prefix_of_the_blend_keeps_the_weights():
+    weights = [0.2, 0.5, 0.3]
+    which, local = build_blending_indices(weights, 1000)
+    counts = np.zeros(3)
+    for s, i in enumerate(which):
+        assert local[s] == counts[i]  # each dataset's samples are taken in order
+        counts[i] += 1
+        assert np.all(np.abs(counts - np.array(weights) * (s + 1)) <= 1.0 + 1e-9)
+    assert counts.tolist() == [200, 500, 300]
+
+
+def test_first_choice_breaks_ties_toward_the_first_dataset():
+    which, _ = build_blending_indices([0.5, 0.5], 4)
+    assert which.tolist() == [0, 1, 0, 1]
+
+
+def test_blending_indices_equal_megatron_core():
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    try:
+        from megatron.core.datasets import helpers
+    except ImportError as e:
+        pytest.skip(f"megatron-core's compiled dataset helpers are unavailable: {e}")
+    weights = [0.13, 0.61, 0.26]
+    size = 5000
+    their_which = np.zeros(size, dtype=np.int16)
+    their_local = np.zeros(size, dtype=np.int64)
+    helpers.build_blending_indices(their_which, their_local, np.array(weights), len(weights), size, False)
+    which, local = build_blending_indices(weights, size)
+    np.testing.assert_array_equal(which, their_which)
+    np.testing.assert_array_equal(local, their_local)
+
+
+def test_samples_per_dataset_has_a_half_percent_surplus():
+    assert samples_per_dataset([0.3, 0.7], 1000) == [300, 700]
+    assert samples_per_dataset([0.3, 0.7], 1000, 0.005) == [302, 704]
+
+
+def test_weighted_data_path_is_normalised():
+    assert parse_data_path(["3", "A", "1", "B"]) == [(0.75, "A"), (0.25, "B")]
+    assert parse_data_path(["A", "B"]) == [(0.5, "A"), (0.5, "B")]
+
+
+def test_a_dataset_that_cannot_supply_its_share_is_a_data_error():
+    small, large = list(range(10)), list(range(1000))
+    BlendedDataset([small, large], [0.1, 0.9], 100, ["small", "large"])
+    with pytest.raises(DataError, match="--data-path small: .* asks for 50 samples but it holds 10"):
+        BlendedDataset([small, large], [0.5, 0.5], 100, ["small", "large"])
+
+
+def test_blended_items_come_from_the_chosen_dataset_in_order():
+    a, b = [f"a{i}" for i in range(100)], [f"b{i}" for i in range(100)]
+    blend = BlendedDataset([a, b], [1, 3], 8, ["a", "b"])
+    # by hand: s=0 errors (.25, .75) → b; s=1 (.25, -.25) → a; s=4 (0, 0) tie → a; ...
+    assert [blend[i] for i in range(8)] == ["b0", "a0", "b1", "b2", "a1", "b3", "b4", "b5"]
+
+
+def write_corpora(folder):
+    rng = np.random.default_rng(0)
+    prefixes = []
+    for name, n in (("a", 200), ("b", 60)):
+        writer = IndexedDatasetWriter(os.path.join(folder, name), np.uint16)
+        for _ in range(n):
+            writer.add_document(rng.integers(0, VOCAB, rng.integers(1, 40)))
+        writer.finalize()
+        prefixes.append(os.path.join(folder, name))
+    return prefixes
+
+
+def test_blended_build_datasets_equals_megatron_core(tmp_path):
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    builder = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    a, b = write_corpora(str(tmp_path))
+    cfg = Config()
+    cfg.data.data_path, cfg.data.split = ["0.3", a, "0.7", b], "90,8,2"
+    cfg.data.tokenizer_type, cfg.model.vocab_size, cfg.model.seq_length = "NullTokenizer", VOCAB, SEQ
+    cfg.training.seed, cfg.training.train_iters, cfg.training.micro_batch_size = 7, 50, 4
+    cfg.training.eval_interval, cfg.training.eval_iters = 10, 3
+    ours = build_datasets(cfg)
+    tok = types.SimpleNamespace(eod=VOCAB - 1, vocab_size=VOCAB, pad=-1, unique_identifiers={"class": "t"})
+    mcfg = GPTDatasetConfig(random_seed=7, sequence_length=SEQ, blend=([a, b], [0.3, 0.7]), split="90,8,2",
+                            tokenizer=tok, reset_position_ids=False, reset_attention_mask=False,
+                            eod_mask_loss=False)  # no cache path: megatron then needs no process group
+    sizes = [50 * 4, (50 // 10 + 1) * 3 * 4, 3 * 4]
+    theirs = builder.BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, mcfg).build()
+    for o, t in zip(ours, theirs):
+        assert len(o) == len(t)
+        np.testing.assert_array_equal(o.dataset_index, t.dataset_index)
+        np.testing.assert_array_equal(o.dataset_sample_index, t.dataset_sample_index)
+        for i in range(len(t)):
+            assert o[i]["tokens"].tolist() == t[i]["tokens"].tolist()

@@ -1,0 +1,120 @@
+"""The .bin/.idx format: our writer and reader agree with each other and with megatron-core."""
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from meshlm.data.indexed import IndexedDataset, IndexedDatasetWriter, check_token_ids, token_dtype
+from meshlm.errors import DataError
+
+
+def random_documents(seed=0, n=50, vocab=600, max_len=40):
+    """Documents of random ids, some empty (an empty document still gets an entry)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, rng.integers(0, max_len)) for _ in range(n)]
+
+
+def write(prefix, docs, dtype=np.uint16):
+    writer = IndexedDatasetWriter(prefix, dtype)
+    for d in docs:
+        writer.add_document(d)
+    writer.finalize()
+
+
+def megatron_indexed():
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    mc = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    return mc
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_round_trip_keeps_every_document_and_length(tmp_path, dtype):
+    docs = random_documents()
+    prefix = str(tmp_path / "ds")
+    write(prefix, docs, dtype)
+    ds = IndexedDataset(prefix)
+    assert len(ds) == len(docs)
+    assert ds.dtype == np.dtype(dtype)
+    assert ds.sequence_lengths.tolist() == [len(d) for d in docs]
+    assert ds.document_indices.tolist() == list(range(len(docs) + 1))
+    for i, d in enumerate(docs):
+        assert ds[i].tolist() == d.tolist()
+    longest = int(np.argmax([len(d) for d in docs]))
+    assert ds.get(longest, 3, 5).tolist() == docs[longest][3:8].tolist()
+    assert os.path.getsize(prefix + ".bin") == sum(len(d) for d in docs) * np.dtype(dtype).itemsize
+
+
+def test_writer_leaves_no_final_files_before_finalize(tmp_path):
+    prefix = str(tmp_path / "ds")
+    writer = IndexedDatasetWriter(prefix)
+    writer.add_document([1, 2, 3])
+    assert not os.path.exists(prefix + ".bin") and not os.path.exists(prefix + ".idx")
+    writer.finalize()
+    assert os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")
+
+
+def test_token_dtype_follows_megatron_threshold():
+    assert token_dtype(50257) == np.uint16
+    assert token_dtype(65499) == np.uint16
+    assert token_dtype(65500) == np.int32
+    assert token_dtype(128256) == np.int32
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_megatron_reads_our_files(tmp_path, dtype):
+    mc = megatron_indexed()
+    docs = random_documents(seed=1)
+    prefix = str(tmp_path / "ours")
+    write(prefix, docs, dtype)
+    theirs = mc.IndexedDataset(prefix, multimodal=False, mmap=True)
+    assert len(theirs) == len(docs)
+    assert theirs.sequence_lengths.tolist() == [len(d) for d in docs]
+    assert theirs.document_indices.tolist() == list(range(len(docs) + 1))
+    for i, d in enumerate(docs):
+        assert theirs[i].tolist() == d.tolist()
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_we_read_megatron_files(tmp_path, dtype):
+    mc = megatron_indexed()
+    docs = random_documents(seed=2)
+    prefix = str(tmp_path / "theirs")
+    builder = mc.IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    for d in docs:
+        builder.add_item(torch.tensor(d.astype(np.int64)))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    ours = IndexedDataset(prefix)
+    assert ours.dtype == np.dtype(dtype)
+    assert ours.sequence_lengths.tolist() == [len(d) for d in docs]
+    assert ours.document_indices.tolist() == list(range(len(docs) + 1))
+    for i, d in enumerate(docs):
+        assert ours[i].tolist() == d.tolist()
+
+
+def test_missing_and_truncated_files_raise_data_error(tmp_path):
+    with pytest.raises(DataError, match="nothing.idx does not exist"):
+        IndexedDataset(str(tmp_path / "nothing"))
+    prefix = str(tmp_path / "ds")
+    write(prefix, [[1, 2, 3], [4, 5, 6, 7]])
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(6)
+    with pytest.raises(DataError, match=r"ds.bin is truncated"):
+        IndexedDataset(prefix)
+    with open(prefix + ".idx", "wb") as f:
+        f.write(b"not an index at all, clearly")
+    with pytest.raises(DataError, match="bad magic"):
+        IndexedDataset(prefix)
+
+
+def test_check_token_ids_names_the_file_and_the_largest_id(tmp_path):
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    write(good, [[0, 5, 99]])
+    write(bad, [[1, 2], [300, 7], [150]])
+    check_token_ids([good], vocab_size=100)
+    with pytest.raises(DataError) as err:
+        check_token_ids([good, bad], vocab_size=100)
+    assert "bad.bin" in str(err.value) and "300" in str(err.value)

@@ -1,0 +1,102 @@
+"""Tokenizers by --tokenizer-type, and byte-level BPE training (meshlm tokenizer train)."""
+
+import argparse
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from meshlm.data.tokenizer import (EOD, add_train_arguments, build_tokenizer, run_train, train_bpe)
+from meshlm.errors import ConfigError, DataError
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n",
+    "Tensor parallelism splits each weight matrix across GPUs; pipeline parallelism splits layers.",
+    "Unicode survives the round trip: naïve café, Ελληνικά, 日本語, emoji 🚀\ttab\n\nblank lines",
+] * 20
+
+
+def tok_cfg(**kw):
+    fields = dict(tokenizer_type=None, tokenizer_model=None, vocab_file=None, merge_file=None)
+    fields.update(kw)
+    return SimpleNamespace(**fields)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+    train_bpe(TEXTS, 320, path)
+    return path
+
+
+def test_trained_bpe_round_trips_any_text(trained):
+    tok = build_tokenizer(tok_cfg(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=trained))
+    assert tok.vocab_size == 320
+    assert tok.decode([tok.eod]) == EOD
+    unseen = "Zebra quokka ∑ 🐍 — never in the training text\r\n"
+    for text in TEXTS[:4] + [unseen, ""]:
+        ids = tok.encode(text)
+        assert all(0 <= i < tok.vocab_size for i in ids)
+        assert tok.decode(ids) == text
+    assert len(tok.encode(TEXTS[0])) < len(TEXTS[0].encode())  # merges were learned
+    assert tok.encode_batch(TEXTS[:3]) == [tok.encode(t) for t in TEXTS[:3]]
+
+
+def test_tokenizer_folder_and_type_inferred_from_model(trained):
+    tok = build_tokenizer(tok_cfg(tokenizer_model=os.path.dirname(trained)))
+    assert tok.identity.startswith("HF:tokenizer.json:")
+    assert tok.decode(tok.encode("x = 1")) == "x = 1"
+
+
+def test_gpt2_vocab_and_merges_match_the_same_bpe(trained, tmp_path):
+    from tokenizers import Tokenizer
+    vocab, merges = Tokenizer.from_file(trained).model.save(str(tmp_path))
+    hf = build_tokenizer(tok_cfg(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=trained))
+    gpt2 = build_tokenizer(tok_cfg(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges))
+    assert gpt2.eod == hf.eod and gpt2.vocab_size == hf.vocab_size
+    for text in TEXTS[:4]:
+        assert gpt2.encode(text) == hf.encode(text)
+        assert gpt2.decode(gpt2.encode(text)) == text
+
+
+def test_null_tokenizer_reads_ids():
+    tok = build_tokenizer(tok_cfg(tokenizer_type="NullTokenizer"), vocab_size=100)
+    assert tok.eod == 99 and tok.vocab_size == 100
+    assert tok.encode(" 5 17\n3 ") == [5, 17, 3]
+    assert tok.decode([5, 17, 3]) == "5 17 3"
+    with pytest.raises(ValueError):
+        tok.encode("5 x")
+
+
+def test_tokenizer_mistakes_name_the_flag(tmp_path):
+    with pytest.raises(ConfigError, match="--vocab-size"):
+        build_tokenizer(tok_cfg(tokenizer_type="NullTokenizer"))
+    with pytest.raises(ConfigError, match="--tokenizer-type"):
+        build_tokenizer(tok_cfg())
+    with pytest.raises(DataError, match="--tokenizer-model .*missing.json: no such file"):
+        build_tokenizer(tok_cfg(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "missing.json")))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(DataError, match="not a tokenizer.json"):
+        build_tokenizer(tok_cfg(tokenizer_model=str(bad)))
+
+
+def test_train_cli_reads_jsonl_keys_and_plain_text(tmp_path):
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"body": t}) for t in TEXTS) + "\n{broken\n")
+    txt = tmp_path / "b.txt"
+    txt.write_text("plain text file, one document\n")
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    out = str(tmp_path / "out" / "tokenizer.json")
+    args = parser.parse_args(["--input", str(jsonl), str(txt), "--json-keys", "body", "--vocab-size", "300",
+                              "--output", out])
+    assert run_train(args) == 0
+    tok = build_tokenizer(tok_cfg(tokenizer_model=out))
+    assert tok.vocab_size == 300
+    assert tok.decode(tok.encode(TEXTS[1])) == TEXTS[1]
+    missing = parser.parse_args(["--input", str(tmp_path / "nope.jsonl"), "--output", out])
+    with pytest.raises(DataError, match="nope.jsonl"):
+        run_train(missing)

@@ -1,0 +1,149 @@
+"""Launching: `meshlm pretrain` starts its workers, each logs to its own file, and a failing worker
+is reported as one line naming its rank, not as the elastic agent's tracebacks."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import types
+
+import pytest
+import yaml
+
+from meshlm import launch
+from meshlm.config import Config
+from meshlm.errors import DataError
+
+TINY = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+        "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "1", "--eval-iters", "1"]
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", launch.WORKER_ENV)}
+    env.update(extra)
+    return env
+
+
+def meshlm(*argv, cwd):
+    return subprocess.run([sys.executable, "-m", "meshlm", *argv], cwd=cwd, env=clean_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_pretrain_on_two_cpu_workers_end_to_end(tmp_path):
+    out = meshlm("pretrain", *TINY, "--train-iters", "2", "--nproc-per-node", "2", "--run-dir", "run",
+                 cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[0] == "meshlm: run directory run"
+    assert "DP=2" in out.stdout and "validation loss at iteration 2" in out.stdout
+    saved = yaml.safe_load(open(tmp_path / "run" / "config.yaml"))
+    assert saved["training"]["train_iters"] == 2 and saved["logging"]["run_dir"] == "run"
+    for rank in (0, 1):
+        assert (tmp_path / "run" / "logs" / f"rank{rank}.log").exists()
+    records = [json.loads(line) for line in open(tmp_path / "run" / "logs" / "metrics.jsonl")]
+    assert max(r.get("iteration", 0) for r in records) == 2
+    assert "Traceback" not in out.stderr
+
+
+def test_a_data_error_inside_a_worker_is_one_line_naming_the_rank(tmp_path):
+    # files that exist (so validation passes) but are not an indexed dataset
+    (tmp_path / "bad.bin").write_bytes(b"")
+    (tmp_path / "bad.idx").write_bytes(b"not an index")
+    out = meshlm("pretrain", *[a for a in TINY if a != "--mock-data"], "--data-path", str(tmp_path / "bad"),
+                 "--tokenizer-type", "NullTokenizer", "--train-iters", "2", "--nproc-per-node", "2",
+                 "--run-dir", "run", cwd=tmp_path)
+    assert out.returncode == 2
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("meshlm: error: rank ") and "bad" in lines[0]
+
+
+def test_a_crashed_worker_is_reported_by_rank_with_its_log_tail(tmp_path):
+    # a config file the workers cannot read: each worker exits with status 2 before training
+    code = ("import sys; from meshlm import launch; from meshlm.config import Config\n"
+            "cfg = Config(); cfg.logging.run_dir = sys.argv[1]\n"
+            "sys.exit(launch.launch_local(cfg, sys.argv[2], 2))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run"), str(tmp_path / "absent.yaml")],
+                         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert "meshlm: error: worker rank " in out.stderr and "exited with code 2" in out.stderr
+    assert "ChildFailedError" not in out.stderr and "Traceback" not in out.stderr
+
+
+# ----------------------------------------------------------------------------- in-process pieces
+
+@pytest.fixture
+def world_of_one(monkeypatch, tmp_path):
+    """Environment of rank 0 of a one-process job launched by meshlm; a Config with a run dir."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port), **{launch.WORKER_ENV: "1"}).items():
+        monkeypatch.setenv(key, value)
+    cfg = Config()
+    cfg.logging.run_dir = str(tmp_path / "run")
+    return cfg
+
+
+def fake_trainer(monkeypatch, pretrain):
+    module = types.ModuleType("meshlm.training.trainer")
+    module.pretrain = pretrain
+    monkeypatch.setitem(sys.modules, "meshlm.training.trainer", module)
+
+
+def test_worker_output_and_user_errors_go_to_its_log(world_of_one, monkeypatch):
+    def pretrain(cfg):
+        print("step 1 done")
+        raise DataError("--data-path x: truncated index")
+    fake_trainer(monkeypatch, pretrain)
+    assert launch.run_worker(world_of_one) == 2
+    log = open(launch.worker_log_path(world_of_one, 0)).read()
+    assert "step 1 done\n" in log and log.endswith("meshlm: error: --data-path x: truncated index\n")
+
+
+def test_worker_bug_keeps_its_traceback_in_the_log(world_of_one, monkeypatch):
+    def pretrain(cfg):
+        raise RuntimeError("shape mismatch in layer 3")
+    fake_trainer(monkeypatch, pretrain)
+    assert launch.run_worker(world_of_one) == 1
+    log = open(launch.worker_log_path(world_of_one, 0)).read()
+    assert "Traceback" in log and "RuntimeError: shape mismatch in layer 3" in log
+
+
+def test_outside_a_launched_worker_errors_propagate(world_of_one, monkeypatch):
+    monkeypatch.delenv(launch.WORKER_ENV)
+    def pretrain(cfg):
+        raise DataError("--data-path x: truncated index")
+    fake_trainer(monkeypatch, pretrain)
+    with pytest.raises(DataError):
+        launch.run_worker(world_of_one)
+
+
+def test_threads_per_worker_share_the_cores():
+    cores = len(os.sched_getaffinity(0))
+    assert launch.worker_threads(1) == cores
+    assert launch.worker_threads(cores * 4) == 1
+
+
+def test_workers_get_nvls_off_and_the_worker_marker(tmp_path, monkeypatch):
+    # the environment the launcher hands to its workers, seen through a worker that prints it
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    seen = {}
+
+    def fake_launch(config, entrypoint):
+        def run(*argv):
+            seen.update(os.environ)
+            seen["argv"] = argv
+        return run
+    import torch.distributed.launcher.api as api
+    monkeypatch.setattr(api, "elastic_launch", fake_launch)
+    cfg = Config()
+    cfg.logging.run_dir = str(tmp_path)
+    assert launch.launch_local(cfg, "run/config.yaml", 2) == 0
+    assert seen["NCCL_NVLS_ENABLE"] == "0" and seen[launch.WORKER_ENV] == "1"
+    assert int(seen["OMP_NUM_THREADS"]) == launch.worker_threads(2)
+    assert list(seen["argv"][-3:]) == ["pretrain", "--config", "run/config.yaml"]
+    assert launch.WORKER_ENV not in os.environ  # restored in the launcher

@@ -1,0 +1,168 @@
+"""Mixed-precision AdamW, loss scaling, clipping, NaN handling, state dicts (optim/optimizer.py)."""
+
+import copy
+
+import pytest
+import torch
+
+from meshlm.optim.optimizer import build_optimizer
+from meshlm.parallel.data import DistributedDataParallel
+from meshlm.parallel.mesh import ParallelState
+from test_ddp import Toy, batch, make_cfg
+
+
+def setup(dtype=torch.float32, clip=0.0, wd=0.1, lr=1e-2, **training):
+    cfg = make_cfg(ddp_bucket_size=300)
+    o = cfg.optimizer
+    o.clip_grad, o.weight_decay, o.lr, o.lr_warmup_iters = clip, wd, lr, 0
+    o.lr_decay_style = "constant"
+    for k, v in training.items():
+        setattr(cfg.training, k, v)
+    cfg.training.bf16 = dtype == torch.bfloat16
+    cfg.training.fp16 = dtype == torch.float16
+    model = Toy(dtype=dtype)
+    ps = ParallelState.single()
+    ddp = DistributedDataParallel([model], ps, cfg)
+    return model, ddp, build_optimizer(cfg, ps, [model], ddp)
+
+
+def train_step(model, ddp, opt, seed):
+    tokens, labels = batch(4, seed)
+    ddp.zero_grad()
+    loss = model(tokens, labels)
+    (loss * opt.loss_scale).backward()
+    ddp.finish_grad_sync()
+    return float(loss.detach()), opt.step()
+
+
+def test_adamw_matches_torch_adamw_with_no_decay_on_biases_and_norms():
+    model, ddp, opt = setup(wd=0.1)
+    ref = Toy()
+    groups = [{"params": [p for n, p in ref.named_parameters() if not getattr(p, "no_weight_decay", False)]},
+              {"params": [p for n, p in ref.named_parameters() if getattr(p, "no_weight_decay", False)],
+               "weight_decay": 0.0}]
+    torch_opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    for step in range(3):
+        train_step(model, ddp, opt, seed=step)
+        torch_opt.zero_grad()
+        ref(*batch(4, step)).backward()
+        torch_opt.step()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_weight_decay_skips_no_weight_decay_params():
+    model, ddp, opt = setup(wd=0.5, lr=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ddp.zero_grad()  # zero gradients: only weight decay moves the params
+    assert opt.step().ok
+    for n, p in model.named_parameters():
+        factor = 1.0 if getattr(p, "no_weight_decay", False) else 1 - 0.1 * 0.5
+        torch.testing.assert_close(p, before[n] * factor, msg=n)
+
+
+def test_clipping_matches_torch_clip_grad_norm():
+    model, ddp, opt = setup(clip=0.05, wd=0.0, lr=0.0)
+    ref = Toy()
+    ref(*batch(4, 0)).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    _, res = train_step(model, ddp, opt, seed=0)
+    assert res.grad_norm == pytest.approx(float(want), rel=1e-5)
+    assert res.grad_norm > 0.05, "the test must clip"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.main_grad, q.grad, rtol=1e-5, atol=1e-8)
+
+
+def test_fp16_overflow_skips_exactly_that_step_and_halves_the_scale():
+    model, ddp, opt = setup(torch.float16, initial_loss_scale=1024.0, hysteresis=1, loss_scale_window=100)
+    _, first = train_step(model, ddp, opt, seed=0)
+    assert first.ok and not first.skipped and first.loss_scale == 1024.0
+    before = [p.detach().clone() for p in model.parameters()]
+    master_before = [s.master.clone() for s in opt.shards]
+    ddp.zero_grad()
+    (model(*batch(4, 1)) * opt.loss_scale).backward()
+    ddp.finish_grad_sync()
+    model.fc1.weight.main_grad[0, 0] = float("inf")  # forced overflow
+    res = opt.step()
+    assert res.skipped and res.found_inf and res.ok and res.loss_scale == 1024.0
+    assert opt.loss_scale == 512.0
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(torch.equal(s.master, m) for s, m in zip(opt.shards, master_before))
+    _, third = train_step(model, ddp, opt, seed=2)
+    assert not third.skipped and third.loss_scale == 512.0
+
+
+def test_fp16_hysteresis_and_growth_window():
+    model, ddp, opt = setup(torch.float16, initial_loss_scale=64.0, hysteresis=2, loss_scale_window=2)
+    for expected_scale in (64.0, 64.0):  # two overflows: the first is tolerated, the second halves
+        ddp.zero_grad()
+        model.out.weight.main_grad.fill_(float("nan"))
+        assert opt.step().skipped
+    assert opt.loss_scale == 32.0
+    train_step(model, ddp, opt, seed=0)
+    train_step(model, ddp, opt, seed=1)
+    assert opt.loss_scale == 64.0
+
+
+def test_fp16_unscales_gradients_before_the_update():
+    model, ddp, opt = setup(torch.float16, initial_loss_scale=256.0, clip=0.0)
+    ref = Toy()
+    ref(*batch(4, 0)).backward()
+    _, res = train_step(model, ddp, opt, seed=0)
+    assert res.ok and not res.skipped
+    want = torch.sqrt(sum(q.grad.float().pow(2).sum() for q in ref.parameters()))
+    assert res.grad_norm == pytest.approx(float(want), rel=2e-2)  # fp16 forward vs fp32 reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_gradient_in_bf16_or_fp32_is_reported_not_trained_on(dtype):
+    model, ddp, opt = setup(dtype)
+    before = [p.detach().clone() for p in model.parameters()]
+    ddp.zero_grad()
+    model.norm.weight.main_grad[0] = float("nan")
+    res = opt.step()
+    assert not res.ok and res.skipped and res.found_inf
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_dict_round_trip_resumes_identically(dtype):
+    model, ddp, opt = setup(dtype, clip=1.0)
+    for s in range(2):
+        train_step(model, ddp, opt, seed=s)
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    assert all(isinstance(v, (int, float)) for v in saved_opt["loss_scaler"].values())
+    for s in range(2, 4):
+        train_step(model, ddp, opt, seed=s)
+
+    model2, ddp2, opt2 = setup(dtype, clip=1.0)
+    model2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    for s in range(2, 4):
+        train_step(model2, ddp2, opt2, seed=s)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    assert opt2.step_count == opt.step_count == 4
+
+
+def test_bf16_loss_curve_tracks_fp32():
+    curves = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model, ddp, opt = setup(dtype, clip=1.0, lr=3e-3)
+        curves[dtype] = [train_step(model, ddp, opt, seed=s % 2)[0] for s in range(12)]
+    fp32, bf16 = curves[torch.float32], curves[torch.bfloat16]
+    assert fp32[-1] < fp32[0] - 0.1, "the test must train"
+    for a, b in zip(fp32, bf16):
+        assert abs(a - b) / a < 1e-2
+
+
+def test_memory_report_counts_bytes_per_parameter():
+    for dtype, weights, optim in ((torch.bfloat16, 2, 12), (torch.float32, 4, 8)):
+        model, ddp, opt = setup(dtype)
+        rep = opt.memory_report()
+        n = sum(p.numel() for p in model.parameters())
+        assert rep["num_params"] == n
+        assert rep["bytes_per_param"] == {"weights": weights, "grads": 4, "optimizer": optim,
+                                          "total": weights + 4 + optim}
+        assert rep["total_bytes"] == n * (weights + 4 + optim)

@@ -1,0 +1,71 @@
+"""LR schedule: warm-up from 0, then constant/linear/cosine decay to min_lr (optim/schedule.py)."""
+
+import math
+import types
+import warnings
+
+import pytest
+
+from meshlm.config import OptimizerConfig
+from meshlm.optim.schedule import LRScheduler
+
+
+def sched(style, warmup=10, decay=None, train_iters=110, lr=1e-3, min_lr=1e-4):
+    cfg = OptimizerConfig(lr=lr, min_lr=min_lr, lr_decay_style=style, lr_warmup_iters=warmup,
+                          lr_decay_iters=decay)
+    return LRScheduler(cfg, train_iters)
+
+
+def test_warmup_rises_linearly_from_zero_to_peak():
+    s = sched("cosine")
+    assert s.lr_at(0) == 0.0
+    assert s.lr_at(5) == pytest.approx(0.5e-3)
+    assert s.lr_at(10) == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("style,mid", [("linear", 0.55e-3), ("cosine", 0.55e-3), ("constant", 1e-3)])
+def test_decay_midpoint_and_end(style, mid):
+    s = sched(style)  # decay over iterations 10..110, midpoint 60
+    assert s.lr_at(60) == pytest.approx(mid)
+    end = 1e-3 if style == "constant" else 1e-4
+    assert s.lr_at(110) == pytest.approx(end)
+    assert s.lr_at(500) == pytest.approx(end)
+
+
+def test_cosine_quarter_point():
+    s = sched("cosine")
+    want = 1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 0.25))
+    assert s.lr_at(35) == pytest.approx(want)
+
+
+def test_lr_decay_iters_overrides_train_iters():
+    assert sched("linear", decay=20).lr_at(20) == pytest.approx(1e-4)
+
+
+def test_step_sets_the_next_lr_on_the_optimizer_and_state_round_trips():
+    seen = []
+    opt = types.SimpleNamespace(set_lr=seen.append)
+    s = sched("cosine")
+    for _ in range(15):
+        s.step(opt)
+    assert seen[-1] == s.lr == s.lr_at(15)
+    t = sched("cosine")
+    t.load_state_dict(s.state_dict())
+    assert t.lr == s.lr
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine"])
+def test_matches_megatron_core_scheduler(style):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    group = {}
+    opt = types.SimpleNamespace(param_groups=[group])
+    ref = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=10,
+                                  lr_decay_steps=110, lr_decay_style=style, start_wd=0.1, end_wd=0.1,
+                                  wd_incr_steps=110, wd_incr_style="constant")
+    ours = sched(style)
+    for _ in range(130):
+        assert ours.lr == pytest.approx(group["lr"], rel=1e-12, abs=1e-15)
+        ref.step(1)
+        ours.step()

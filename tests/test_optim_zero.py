@@ -1,0 +1,146 @@
+"""ZeRO-1 distributed optimizer and the global grad norm across TP, PP and DP (optim/distributed.py)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from distributed import run_distributed
+from meshlm.optim.distributed import DistributedOptimizer
+from meshlm.optim.optimizer import MixedPrecisionOptimizer, build_optimizer
+from meshlm.parallel.data import DistributedDataParallel
+from meshlm.parallel.mesh import ParallelState
+from test_ddp import Toy, batch, dp_backward, make_cfg
+
+STEPS = 5
+VARIANTS = {  # name: (use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, flat collectives)
+    "plain": (False, False, False, True),
+    "zero1": (True, False, False, True),
+    "zero1-overlap": (True, True, True, True),
+    "zero1-gloo-fallback": (True, True, False, False),
+}
+
+
+def _train(ps, variant):
+    dist_opt, overlap_grad, overlap_param, flat = VARIANTS[variant]
+    cfg = make_cfg(ddp_bucket_size=300, use_distributed_optimizer=dist_opt, overlap_grad_reduce=overlap_grad,
+                   overlap_param_gather=overlap_param)
+    cfg.optimizer.clip_grad, cfg.optimizer.lr, cfg.optimizer.lr_warmup_iters = 0.5, 1e-2, 0
+    model = Toy()
+    ddp = DistributedDataParallel([model], ps, cfg)
+    ddp.single_tensor_collectives = flat
+    opt = build_optimizer(cfg, ps, [model], ddp)
+    assert isinstance(opt, DistributedOptimizer) == dist_opt
+    losses, norms = [], []
+    for step in range(STEPS):
+        tokens, labels = batch(8, seed=step)
+        ddp.zero_grad()
+        mine = tokens.chunk(ps.dp)[ps.dp_rank], labels.chunk(ps.dp)[ps.dp_rank]
+        losses.append(float(model(*mine).detach()))
+        dp_backward(model, ddp, tokens, labels, ps.dp_rank, ps.dp, micro=2)
+        res = opt.step()
+        assert res.ok and not res.skipped
+        norms.append(res.grad_norm)
+    opt.finish_param_sync()
+    return model, opt, {"losses": losses, "norms": norms,
+                        "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _zero_vs_plain(rank, world):
+    ps = ParallelState.build()
+    runs, opts = {}, {}
+    for variant in VARIANTS:
+        _, opts[variant], runs[variant] = _train(ps, variant)
+    plain_sd, zero_sd = opts["plain"].state_dict(), opts["zero1"].state_dict()
+    # a ZeRO-1 optimizer loads the plain-DP state (another sharding) and hands back the same state
+    _, fresh, _ = _train(ps, "zero1")
+    fresh.load_state_dict(plain_sd)
+    reloaded = fresh.state_dict()
+    runs["state_match"] = all(
+        torch.allclose(zero_sd["params"][n][k], plain_sd["params"][n][k], rtol=1e-6, atol=1e-9)
+        and torch.equal(reloaded["params"][n][k], plain_sd["params"][n][k])
+        for n in plain_sd["params"] for k in ("master", "exp_avg", "exp_avg_sq"))
+    runs["memory"] = opts["zero1"].memory_report()
+    runs["shard_sizes"] = [s.end - s.start for s in opts["zero1"].shards]
+    return runs
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero1_matches_plain_dp_over_five_steps(dp):
+    for runs in run_distributed(_zero_vs_plain, dp):
+        ref = runs["plain"]
+        for variant in ("zero1", "zero1-overlap", "zero1-gloo-fallback"):
+            got = runs[variant]
+            assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+            assert got["norms"] == pytest.approx(ref["norms"], rel=1e-6)
+            assert min(ref["norms"]) > 0.5, "clipping must be active"
+            for n, p in ref["params"].items():
+                torch.testing.assert_close(got["params"][n], p, rtol=1e-6, atol=1e-9, msg=f"{variant} {n}")
+        assert runs["state_match"]
+        mem, shard = runs["memory"], sum(runs["shard_sizes"])
+        assert mem["optimizer_bytes"] == 8 * shard  # fp32: masters are the params; 2 moments
+        assert shard * dp >= mem["num_params"] > (shard - 64 * len(runs["shard_sizes"])) * dp
+
+
+def test_zero1_memory_report_bf16_is_2_4_12_over_dp():
+    model = Toy(dtype=torch.bfloat16)
+    cfg = make_cfg(use_distributed_optimizer=True)
+    cfg.training.bf16 = True
+    ddp = DistributedDataParallel([model], ParallelState.single(), cfg)
+    ddp.rank, ddp.size = 1, 4  # pretend to be DP rank 1 of 4 (layout only, no collective)
+    rep = DistributedOptimizer(cfg, ParallelState.single(), [model], ddp).memory_report()
+    padded = ddp.buffers[0].grad_data.numel()
+    assert padded % 256 == 0
+    assert (rep["weights_bytes"], rep["grads_bytes"], rep["optimizer_bytes"]) == (2 * padded, 4 * padded,
+                                                                                  12 * padded // 4)
+
+
+# ----------------------------------------------------------------------------- grad norm, TP × PP
+
+class Stage(nn.Module):
+    """One pipeline stage's params: a TP-split weight, a replicated norm, the shared embedding."""
+
+    def __init__(self, tp):
+        super().__init__()
+        self.emb = nn.Parameter(torch.zeros(5, 6))
+        self.w = nn.Parameter(torch.zeros(8 // tp, 6))
+        self.norm = nn.Parameter(torch.zeros(6))
+        self.emb.shared_embedding = True
+        self.w.tensor_model_parallel, self.w.partition_dim = True, 0
+        self.norm.sequence_parallel = self.norm.no_weight_decay = True
+
+
+def full_grads(stage):
+    g = torch.Generator().manual_seed(stage)
+    emb = torch.randn(5, 6, generator=torch.Generator().manual_seed(99))  # same on both stages
+    return {"emb": emb, "w": torch.randn(8, 6, generator=g), "norm": torch.randn(6, generator=g)}
+
+
+def _tp_pp_norm(rank, world, dist_opt):
+    ps = ParallelState.build(tp=2, pp=2)
+    cfg = make_cfg(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, use_distributed_optimizer=dist_opt)
+    cfg.optimizer.clip_grad = 1e9
+    stage = Stage(tp=2)
+    ddp = DistributedDataParallel([stage], ps, cfg)
+    opt = build_optimizer(cfg, ps, [stage], ddp)
+    full = full_grads(ps.pp_rank)
+    stage.emb.main_grad.copy_(full["emb"])  # the grads as they are after finish_grad_sync
+    stage.norm.main_grad.copy_(full["norm"])
+    stage.w.main_grad.copy_(full["w"].chunk(2, dim=0)[ps.tp_rank])
+    return opt.step().grad_norm
+
+
+@pytest.mark.parametrize("dist_opt", [False, True])
+def test_grad_norm_under_tp2_pp2_counts_each_param_once(dist_opt):
+    grads = [full_grads(0), full_grads(1)]
+    want = torch.sqrt(grads[0]["emb"].pow(2).sum()
+                      + sum(g["w"].pow(2).sum() + g["norm"].pow(2).sum() for g in grads))
+    for norm in run_distributed(_tp_pp_norm, 4, dist_opt):
+        assert norm == pytest.approx(float(want), rel=1e-6)
+
+
+def test_build_optimizer_picks_the_class_from_the_flag():
+    for flag, cls in ((False, MixedPrecisionOptimizer), (True, DistributedOptimizer)):
+        cfg = make_cfg(use_distributed_optimizer=flag)
+        model = Toy()
+        ddp = DistributedDataParallel([model], ParallelState.single(), cfg)
+        assert type(build_optimizer(cfg, ParallelState.single(), [model], ddp)) is cls

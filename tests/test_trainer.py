@@ -1,0 +1,173 @@
+"""pretrain(cfg): exact resume, invariance to DP size and micro-batch size, metrics, NaN handling.
+
+Every run is a tiny GPT on --mock-data over gloo in fp32, so layouts can be compared to 1e-5.
+"""
+
+import json
+import math
+import os
+
+import pytest
+
+from distributed import run_distributed
+from meshlm.config import Config
+from meshlm.training import trainer
+
+
+def tiny_config(tmp, *, tp=1, pp=1, micro=2, global_batch=4, iters=6, dropout=0.0, **training) -> Config:
+    cfg = Config()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 2, 32, 4, 16, 100
+    m.hidden_dropout = m.attention_dropout = dropout
+    m.make_vocab_size_divisible_by = 16
+    t = cfg.training
+    t.micro_batch_size, t.global_batch_size, t.train_iters = micro, global_batch, iters
+    t.log_interval, t.eval_interval, t.eval_iters = 1, 3, 2
+    for key, value in training.items():
+        setattr(t, key, value)
+    cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
+    cfg.optimizer.lr, cfg.optimizer.lr_warmup_iters = 1e-2, 1
+    cfg.data.mock_data = True
+    cfg.logging.log_dir = os.path.join(tmp, "logs")
+    return cfg
+
+
+def _rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+# ----------------------------------------------------------------------------- exact resume
+
+def _uninterrupted_then_interrupted(rank, world, tmp):
+    full = trainer.pretrain(tiny_config(os.path.join(tmp, "full"), tp=2, dropout=0.1))
+    cfg = tiny_config(os.path.join(tmp, "part"), tp=2, dropout=0.1, exit_interval=3)
+    cfg.checkpoint.save = os.path.join(tmp, "ckpt")
+    first = trainer.pretrain(cfg)
+    return full, first
+
+
+def _resumed(rank, world, tmp):
+    cfg = tiny_config(os.path.join(tmp, "resumed"), tp=2, dropout=0.1)
+    cfg.checkpoint.load = cfg.checkpoint.save = os.path.join(tmp, "ckpt")
+    return trainer.pretrain(cfg)
+
+
+def test_interrupted_and_resumed_run_repeats_the_uninterrupted_one(tmp_path):
+    """TP=2 with dropout: save at iteration 3, resume in a new process group, same losses."""
+    (full, first), _ = run_distributed(_uninterrupted_then_interrupted, 2, str(tmp_path))
+    assert first["iterations"] == 3
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    resumed = run_distributed(_resumed, 2, str(tmp_path))[0]
+    assert resumed["iterations"] == 6
+    assert len(resumed["train_losses"]) == 3
+    for a, b in zip(first["train_losses"] + resumed["train_losses"], full["train_losses"]):
+        assert _rel(a, b) < 1e-6, (a, b)
+    assert _rel(resumed["last_val_loss"], full["last_val_loss"]) < 1e-6
+    # the losses move: a resume that silently restarted from scratch would not match
+    assert full["train_losses"][0] != full["train_losses"][-1]
+
+
+# ----------------------------------------------------------------------------- DP / micro-batch invariance
+
+def _dp_micro_runs(rank, world, tmp):
+    if world == 1:
+        return [trainer.pretrain(tiny_config(os.path.join(tmp, "dp1"), micro=4))]
+    return [trainer.pretrain(tiny_config(os.path.join(tmp, "dp2m2"), micro=2)),
+            trainer.pretrain(tiny_config(os.path.join(tmp, "dp2m1"), micro=1))]  # 2 micro-batches each
+
+
+def test_loss_curve_is_invariant_to_dp_and_micro_batch_for_a_fixed_global_batch(tmp_path):
+    """Global batch 4: DP=1 × micro 4, DP=2 × micro 2, DP=2 × micro 1 with accumulation (fp32)."""
+    ref = run_distributed(_dp_micro_runs, 1, str(tmp_path))[0][0]
+    dp2_m2, dp2_m1 = run_distributed(_dp_micro_runs, 2, str(tmp_path))[0]
+    for other in (dp2_m2, dp2_m1):
+        for a, b in zip(other["train_losses"], ref["train_losses"]):
+            assert _rel(a, b) < 1e-5, (a, b)
+        assert _rel(other["last_val_loss"], ref["last_val_loss"]) < 1e-5
+    assert ref["train_losses"][0] != ref["train_losses"][-1]
+
+
+# ----------------------------------------------------------------------------- metrics.jsonl
+
+def _single_run(rank, world, tmp):
+    cfg = tiny_config(tmp, iters=4)
+    cfg.training.log_interval = 2
+    return trainer.pretrain(cfg)
+
+
+def test_metrics_jsonl_has_one_record_per_log_and_eval_line(tmp_path):
+    summary = run_distributed(_single_run, 1, str(tmp_path))[0]
+    lines = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if "lm_loss" in r]
+    evals = [r for r in lines if "val_loss" in r]
+    assert [r["iteration"] for r in train] == [2, 4]
+    required = {"iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "iter_ms", "tokens_per_sec",
+                "tflops_per_gpu", "mfu", "mem_allocated_gb"}
+    for r in train:
+        assert required <= set(r)
+        assert r["mfu"] is None and r["mem_allocated_gb"] is None  # CPU: unknown, never invented
+        assert r["tokens_per_sec"] > 0 and r["grad_norm"] > 0
+    assert train[1]["consumed_samples"] == 16
+    # the logged loss is the mean over the interval's iterations, as in Megatron
+    assert _rel(train[1]["lm_loss"], sum(summary["train_losses"][2:4]) / 2) < 1e-9
+    assert [r["iteration"] for r in evals] == [3, 4]
+    assert all(math.isclose(r["val_ppl"], math.exp(r["val_loss"])) for r in evals)
+
+
+# ----------------------------------------------------------------------------- NaN handling
+
+def _nan_at_iteration_2(rank, world, tmp, skip):
+    real = trainer.reduce_losses
+    calls = {"n": 0}
+
+    def poisoned(outputs, ps):
+        calls["n"] += 1
+        return float("nan") if calls["n"] == 2 else real(outputs, ps)  # 2nd call = iteration 2's loss
+
+    trainer.reduce_losses = poisoned
+    cfg = tiny_config(tmp, iters=3, skip_nan_steps=skip)
+    cfg.training.eval_interval = 100
+    cfg.checkpoint.save, cfg.checkpoint.save_interval = os.path.join(tmp, "ckpt"), 1
+    try:
+        return trainer.pretrain(cfg)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_nan_loss_stops_naming_the_iteration_and_the_last_checkpoint(tmp_path):
+    out = run_distributed(_nan_at_iteration_2, 1, str(tmp_path), False)[0]
+    assert out.startswith("TrainingError: iteration 2:") and "iter_0000001" in out
+
+
+def test_skip_nan_steps_skips_the_update_and_counts_it(tmp_path):
+    out = run_distributed(_nan_at_iteration_2, 1, str(tmp_path), True)[0]
+    assert out["iterations"] == 3 and out["train_losses"][1] is None
+    lines = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["nan_iters"] for r in lines if "lm_loss" in r] == [0, 1, 1]
+
+
+# ----------------------------------------------------------------------------- --load == --save, fresh
+
+def _fresh_with_load_equal_save(rank, world, tmp):
+    cfg = tiny_config(tmp, iters=2)
+    cfg.checkpoint.load = cfg.checkpoint.save = os.path.join(tmp, "ckpt")
+    return trainer.pretrain(cfg)
+
+
+def test_load_equal_to_save_without_checkpoint_starts_fresh(tmp_path):
+    out = run_distributed(_fresh_with_load_equal_save, 1, str(tmp_path))[0]
+    assert out["iterations"] == 2
+    assert (tmp_path / "ckpt" / "iter_0000002").is_dir()
+
+
+def test_load_of_a_folder_without_checkpoint_is_an_error(tmp_path):
+    def_dir = tmp_path / "empty"
+    def_dir.mkdir()
+    with pytest.raises(AssertionError, match="CheckpointError.*empty"):
+        run_distributed(_load_only, 1, str(tmp_path), str(def_dir))
+
+
+def _load_only(rank, world, tmp, load):
+    cfg = tiny_config(tmp, iters=1)
+    cfg.checkpoint.load = load
+    return trainer.pretrain(cfg)
