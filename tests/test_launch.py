@@ -147,3 +147,23 @@ def test_workers_get_nvls_off_and_the_worker_marker(tmp_path, monkeypatch):
     assert int(seen["OMP_NUM_THREADS"]) == launch.worker_threads(2)
     assert list(seen["argv"][-3:]) == ["pretrain", "--config", "run/config.yaml"]
     assert launch.WORKER_ENV not in os.environ  # restored in the launcher
+
+
+def torchrun(*argv, cwd):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           "2", "-m", "meshlm", *argv], cwd=cwd, env=clean_env(OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_under_torchrun_rank0_resolves_one_run_for_all_ranks(tmp_path):
+    out = torchrun("pretrain", *TINY, "--train-iters", "1", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [run] = os.listdir(tmp_path / "runs")  # one run directory, although every rank started alike
+    assert out.stdout.count("meshlm: run directory") == 1
+    assert sorted(os.listdir(tmp_path / "runs" / run / "logs")) == ["metrics.jsonl", "rank0.log", "rank1.log"]
+
+
+def test_under_torchrun_a_config_error_is_printed_once(tmp_path):
+    out = torchrun("pretrain", *TINY, "--global-batch-size", "7", cwd=tmp_path)
+    assert out.returncode != 0
+    assert out.stderr.count("meshlm: error:") == 1 and "--global-batch-size 7" in out.stderr

@@ -13,7 +13,7 @@ from distributed import run_distributed
 from meshlm.config import ModelConfig
 from meshlm.parallel import comm
 from meshlm.parallel.mesh import ParallelState
-from meshlm.parallel.tensor import gather_full_state_dict
+from meshlm.parallel.tensor import gather_full_state_dict, vocab_parallel_cross_entropy
 from meshlm.model.transformer import GPTModel
 
 SEED, STEPS, BATCH, SEQ = 7, 3, 2, 16
@@ -74,21 +74,27 @@ def _rel_err(a, b):
 
 
 def _parity_worker(rank, world, model_kw, vocab, tp, sp):
+    """Train TP (× DP) and, on rank 0, the single-process reference; compare there."""
     cfg = ModelConfig(**model_kw)
     batches = _batches(vocab, world // tp)
-    single = ParallelState.single()
-    ref = GPTModel(cfg, single, vocab, seed=SEED)
-    ref_losses, _ = _train(ref, single, batches)
-    ref_full = gather_full_state_dict(ref, single)
-
     ps = ParallelState.build(tp=tp)
     model = GPTModel(cfg, ps, vocab, seed=SEED, sequence_parallel=sp)
     losses, norm_grads_equal = _train(model, ps, batches, ps.dp_rank, sp)
     full = gather_full_state_dict(model, ps)
-    errors = {n: _rel_err(full[n], ref_full[n]) for n in ref_full}
-    assert full.keys() == ref_full.keys()
-    return {"losses": losses, "ref_losses": ref_losses, "errors": errors,
-            "norm_grads_equal": norm_grads_equal, "model": model_state(model)}
+    out = {"losses": losses, "norm_grads_equal": norm_grads_equal, "model": model_state(model)}
+    if rank == 0:
+        ref_losses, ref_full = _reference(cfg, vocab, batches)
+        assert full.keys() == ref_full.keys()
+        out.update(ref_losses=ref_losses, errors={n: _rel_err(full[n], ref_full[n]) for n in ref_full})
+    return out
+
+
+def _reference(cfg, vocab, batches):
+    """The single-process run: losses and full weights after the steps."""
+    single = ParallelState.single()
+    ref = GPTModel(cfg, single, vocab, seed=SEED)
+    ref_losses, _ = _train(ref, single, batches)
+    return ref_losses, gather_full_state_dict(ref, single)
 
 
 def model_state(model):
@@ -101,11 +107,12 @@ def model_state(model):
 
 
 def _check_parity(results):
+    ref_losses = results[0]["ref_losses"]
     for r in results:
-        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
-        bad = {n: e for n, e in r["errors"].items() if e > 1e-5}
-        assert not bad, f"weights differ from the single-process run: {bad}"
-    assert results[0]["ref_losses"][-1] < results[0]["ref_losses"][0]  # the steps did train
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    bad = {n: e for n, e in results[0]["errors"].items() if e > 1e-5}
+    assert not bad, f"weights differ from the single-process run: {bad}"
+    assert ref_losses[-1] < ref_losses[0]  # the steps did train
 
 
 def test_gpt_tp2_matches_single_process():
@@ -153,8 +160,9 @@ def test_dropout_tp2_reproduces_single_process_masks():
     kw = dict(GPT, hidden_dropout=0.2, attention_dropout=0.2)
     results = run_distributed(_parity_worker, 2, kw, 100, 2, True)
     _check_parity(results)
-    without = run_distributed(_parity_worker, 1, GPT, 100, 1, False)[0]
-    assert results[0]["ref_losses"][0] != pytest.approx(without["ref_losses"][0], rel=1e-3)  # dropout is on
+    without, _ = _reference(ModelConfig(**GPT), 100, _batches(100))
+    for with_dropout, plain in zip(results[0]["ref_losses"], without):  # dropout really is on
+        assert with_dropout != pytest.approx(plain, rel=1e-5)
 
 
 def test_tp2_dp2_matches_single_process():
@@ -191,3 +199,29 @@ def test_layer_communication_matches_korthikanti_count():
     assert sp_stats["reduce_scatter"]["bytes"] == 4 * sbh
     sp_ring = sp_stats["all_gather"]["ring_bytes"] + sp_stats["reduce_scatter"]["ring_bytes"]
     assert sp_ring == pytest.approx(tp_stats["all_reduce"]["ring_bytes"])
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+
+def _cross_entropy_worker(rank, world):
+    """Vocabulary 10 padded to 12 over TP=2: loss and grad equal F.cross_entropy on the full logits."""
+    ps = ParallelState.build(tp=world)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 2, 10, generator=g, dtype=torch.float64)
+    target = torch.randint(0, 10, (3, 2), generator=g)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 10), target.reshape(-1), reduction="none")
+    padded = torch.cat([logits, torch.full((3, 2, 2), float("-inf"), dtype=torch.float64)], dim=-1)
+    local = padded.chunk(world, -1)[rank].clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(local, target, 6 * rank, ps.tp_group)
+    weights = torch.arange(6, dtype=torch.float64).view(3, 2)
+    (loss * weights).sum().backward()
+    full = logits.clone().requires_grad_(True)
+    (torch.nn.functional.cross_entropy(full.reshape(-1, 10), target.reshape(-1), reduction="none")
+     * weights.reshape(-1)).sum().backward()
+    expected_grad = torch.cat([full.grad, torch.zeros(3, 2, 2, dtype=torch.float64)], -1).chunk(world, -1)[rank]
+    return (torch.allclose(loss.float(), expected.view(3, 2).float(), rtol=1e-6),
+            torch.allclose(local.grad, expected_grad, rtol=1e-6, atol=1e-12))
+
+
+def test_vocab_parallel_cross_entropy_matches_full_softmax():
+    assert run_distributed(_cross_entropy_worker, 2) == [(True, True), (True, True)]

@@ -27,9 +27,9 @@ from .errors import MeshlmError
 EMBEDDED_DEFAULT = {
     "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 128,
     "hidden_dropout": 0.0, "attention_dropout": 0.0,
-    "micro_batch_size": 8, "train_iters": 300,
-    "lr": 1e-3, "min_lr": 1e-4, "lr_warmup_iters": 30, "lr_decay_style": "cosine",
-    "log_interval": 10, "eval_interval": 50, "eval_iters": 10, "split": "98,2,0",
+    "micro_batch_size": 8, "train_iters": 500,
+    "lr": 2e-3, "min_lr": 2e-4, "lr_warmup_iters": 10, "lr_decay_style": "cosine",
+    "log_interval": 10, "eval_interval": 10, "eval_iters": 4, "split": "98,2,0",
 }
 EMBEDDED_DEFAULT_CPU_WORKERS = 2  # DP=2 on CPU; on CUDA one worker per GPU
 
@@ -61,8 +61,9 @@ def _new_run_dir() -> str:
 def resolve_config(args: argparse.Namespace):
     """Flags → validated Config with a run directory and data, written to <run_dir>/config.yaml.
 
-    Without --data-path/--mock-data the embedded default settings apply and its corpus is prepared
-    in the run directory (after the shape checks, so a bad flag fails in a second, not a minute).
+    Without --data-path/--mock-data the embedded default settings apply, its corpus is prepared in
+    the run directory (after the shape checks, so a bad flag fails in a second, not a minute) and
+    the model is saved to <run_dir>/checkpoints (unless --save), so the run ends with a sample.
     Raises ConfigError listing every problem, DataError for an unusable corpus.
     """
     from .config import config_from_args, dump_yaml, validate, world_size_of
@@ -83,6 +84,7 @@ def resolve_config(args: argparse.Namespace):
         cfg.data.data_path = list(corpus["data_path"])
         cfg.data.tokenizer_type = "HuggingFaceTokenizer"
         cfg.data.tokenizer_model = corpus["tokenizer_model"]
+        cfg.checkpoint.save = cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "checkpoints")
     validate(cfg, world)
     os.makedirs(cfg.logging.run_dir, exist_ok=True)
     path = os.path.join(cfg.logging.run_dir, "config.yaml")

@@ -186,14 +186,13 @@ def _agent_log(path: str):
     logger = logging.getLogger("torch.distributed")
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    old = logger.propagate
-    logger.addHandler(handler)
+    saved = logger.handlers[:], logger.propagate  # torch's own handler prints to stderr
+    logger.handlers[:] = [handler]
     logger.propagate = False
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        logger.propagate = old
+        logger.handlers[:], logger.propagate = saved
         handler.close()
 
 

@@ -131,7 +131,8 @@ class GPTDataset:
     ``ds[i]`` → {"tokens": int64 [s], "labels": int64 [s], "loss_mask": float32 [s]}.
     Indices are read from / written to ``cache_dir`` (default ``<data dir>/cache/GPTDataset_indices``)
     under an md5 of :attr:`description`; only global rank 0 builds them, other ranks wait on a
-    barrier and load. Raises DataError if the range holds no tokens or the cache is not writable.
+    barrier and load, so on several nodes the cache folder must be shared (as in Megatron).
+    Raises DataError if the range holds no tokens or the cache is not writable.
     """
 
     def __init__(self, indexed: IndexedDataset, split: str, doc_range: tuple, num_samples: int,

@@ -124,6 +124,7 @@ class IndexedDataset:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens in all sequences."""
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
 

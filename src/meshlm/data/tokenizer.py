@@ -36,9 +36,11 @@ class Tokenizer:
         self.identity = identity
 
     def encode(self, text: str) -> list:
+        """Token ids of text (no eod appended)."""
         raise NotImplementedError
 
     def decode(self, ids) -> str:
+        """Text of a sequence of ids."""
         raise NotImplementedError
 
     def encode_batch(self, texts: list) -> list:

@@ -99,6 +99,21 @@ class SelfAttention(nn.Module):
     def _head_with_dropout(self, q, k, v, i, p, call):
         """Head i alone, its attention dropout drawn from its own keyed stream (parallel/random.py)."""
         kv = i // (self.heads // k.shape[1])
+        # contiguous: same memory layout in every TP layout, so SDPA picks the same kernel (and mask)
+        q, k, v = (t[:, j:j + 1].contiguous() for t, j in ((q, i), (k, kv), (v, kv)))
         with self.rng.fork(self.rng.head_stream(self.first_head + i), self.layer, "attention", call):
-            return F.scaled_dot_product_attention(q[:, i:i + 1], k[:, kv:kv + 1], v[:, kv:kv + 1],
-                                                  dropout_p=p, is_causal=True)
+            return _ContiguousGrad.apply(F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the grad contiguous: CUDA flash attention's dropout backward
+    (torch 2.11) gives different results for differently strided grads, and the stride of a head's
+    grad slice depends on how many heads this rank holds."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()

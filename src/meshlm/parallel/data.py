@@ -90,7 +90,7 @@ class ParamAndGradBuffer:
     def __init__(self, params: list, grad_dtype: torch.dtype, bucket_size: int, pad_to: int,
                  own_bucket=lambda p: False):
         self.params = params
-        self.index, self.buckets = {}, []
+        self.index, self.buckets, self.next_launch = {}, [], 0
         offset, current = 0, []
 
         def close():
@@ -164,7 +164,6 @@ class DistributedDataParallel:
                 group = [q for q in params if q.dtype == dtype]
                 grad_dtype = torch.float32 if p.accumulate_allreduce_grads_in_fp32 else dtype
                 buf = ParamAndGradBuffer(group, grad_dtype, self.bucket_size, pad_to, own)
-                buf.next_launch = 0
                 self.buffers.append(buf)
                 for b in buf.buckets:
                     for q in b.params:

@@ -124,7 +124,7 @@ class ParallelState:
         pp_g, pp_ranks = groups(grid.permute(1, 2, 3, 0).reshape(-1, pp))
         mp_g, _ = groups(grid.permute(1, 2, 0, 3).reshape(-1, pp * tp))
         emb = groups([[r[0], r[-1]] if pp > 1 else [r[0]] for r in grid.permute(1, 2, 3, 0).reshape(-1, pp)])
-        emb_g = emb[0] if pp > 1 else None
+        emb_g = emb[0] if emb is not None else None  # middle stages belong to no embedding group
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         return cls(world_size=world, rank=rank, tp=tp, cp=cp, dp=dp, pp=pp, tp_rank=tp_r, cp_rank=cp_r,

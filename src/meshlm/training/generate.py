@@ -76,7 +76,7 @@ def load_model(path: str, device: Optional[torch.device] = None) -> tuple:
 def sample_text(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, temperature: float = 1.0,
                 top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None) -> str:
     """Continue ``prompt`` with up to max_new_tokens tokens (stops at end-of-document); return the
-    continuation only. temperature 0 is greedy; top_k / top_p filter before sampling (Holtzman
+    continuation only (the text that follows the decoded prompt, so ``prompt + result`` reads on). temperature 0 is greedy; top_k / top_p filter before sampling (Holtzman
     et al. 2020 for nucleus sampling). The context is truncated to the model's training length.
     """
     device = next(model.parameters()).device
@@ -93,7 +93,8 @@ def sample_text(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, temp
         if nxt == tokenizer.eod:
             break
         new.append(nxt)
-    return tokenizer.decode(new)
+    prompt_ids = tokenizer.encode(prompt)
+    return tokenizer.decode(prompt_ids + new)[len(tokenizer.decode(prompt_ids)):]
 
 
 def _sample(logits: torch.Tensor, top_k: int, top_p: float, gen: torch.Generator) -> int:

@@ -1,0 +1,117 @@
+"""training.metrics: the FLOPs formula, the MFU peak table, the log line, TensorBoard's absence."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from meshlm.config import Config, padded_vocab_size
+from meshlm.errors import ConfigError
+from meshlm.model.transformer import GPTModel
+from meshlm.parallel.mesh import ParallelState
+from meshlm.training import metrics
+
+
+def _model_cfg(**kw):
+    m = Config().model
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 64, 4, 32
+    m.hidden_dropout = m.attention_dropout = 0.0
+    m.make_vocab_size_divisible_by = 16
+    for k, v in kw.items():
+        setattr(m, k, v)
+    return m
+
+
+def test_flops_equal_narayanan_formula_for_gpt():
+    """a = g, f = 4h: 72·B·s·L·h²·(1 + s/6h + V/12Lh) (Narayanan et al. 2021 §5.1, no recompute)."""
+    m = _model_cfg(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048)
+    B, V, L, h, s = 512, 51200, 24, 2048, 2048
+    paper = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    assert metrics.flops_per_iteration(m, B, V) == pytest.approx(paper, rel=1e-12)
+
+
+@pytest.mark.parametrize("kw", [{}, {"swiglu": True, "group_query_attention": True, "num_query_groups": 2}])
+def test_flops_match_the_matmuls_torch_counts_in_forward_and_backward(kw):
+    """GeLU/MHA and SwiGLU/GQA: torch's FLOP counter over one forward+backward of the real model,
+    plus the attention core (SDPA, not counted by torch on CPU) 3·B·L·4·s²·a·d, equals the formula."""
+    m = _model_cfg(**kw)
+    B, vocab = 3, 100
+    model = GPTModel(m, ParallelState.single(), vocab, seed=1)
+    tokens = torch.randint(0, vocab, (B, m.seq_length))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens, labels=tokens).sum().backward()
+    d = m.hidden_size // m.num_attention_heads
+    core = 3 * B * m.num_layers * 4 * m.seq_length ** 2 * m.num_attention_heads * d
+    expected = counter.get_total_flops() + core
+    assert metrics.flops_per_iteration(m, B, padded_vocab_size(vocab, 16, 1)) == expected
+
+
+def test_peak_table_knows_h100_h200_a100_and_refuses_to_guess():
+    assert metrics.peak_tflops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4
+    assert metrics.peak_tflops("NVIDIA H200", torch.bfloat16) == 989.4
+    assert metrics.peak_tflops("NVIDIA H100 PCIe", torch.float16) == 756.0
+    assert metrics.peak_tflops("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312.0
+    assert metrics.peak_tflops("NVIDIA GeForce RTX 4090", torch.bfloat16) is None
+    assert metrics.peak_tflops(None, torch.bfloat16) is None  # CPU
+    assert metrics.peak_tflops("NVIDIA H100 80GB HBM3", torch.float32) is None
+
+
+def _logger(tmp_path, **kw):
+    args = dict(enabled=True, log_dir=str(tmp_path), train_iters=100, log_interval=10, global_batch=32,
+                seq_length=1024, flops_per_iter=4e12, world_size=4, dtype=torch.float32)
+    args.update(kw)
+    return metrics.MetricsLogger(**args)
+
+
+def test_log_line_averages_the_interval_and_prints_na_for_unknown_mfu(tmp_path, capsys):
+    log = _logger(tmp_path)
+    for it in range(1, 11):
+        rec = log.train_step(it, 32 * it, lm_loss=float(it), lr=3e-4, grad_norm=1.5, iter_s=0.5)
+    line = capsys.readouterr().out
+    assert line.startswith(" iteration       10/     100 | consumed samples:          320 |")
+    assert "elapsed time per iteration (ms): 500.0" in line and "lm loss: 5.500000E+00" in line
+    assert "MFU: n/a" in line and "learning rate: 3.000E-04" in line
+    assert rec["tokens_per_sec"] == pytest.approx(32 * 1024 / 0.5)
+    assert rec["tflops_per_gpu"] == pytest.approx(4e12 / 0.5 / 4 / 1e12)
+    written = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert written["lm_loss"] == 5.5 and written["mfu"] is None
+
+
+def test_mfu_is_throughput_over_the_known_peak(tmp_path, capsys):
+    log = _logger(tmp_path, dtype=torch.bfloat16)
+    log.peak = 989.4  # as on an H100/H200
+    rec = None
+    for it in range(1, 11):
+        rec = log.train_step(it, 32 * it, lm_loss=1.0, lr=1e-4, grad_norm=None, iter_s=0.001)
+    assert rec["mfu"] == pytest.approx(rec["tflops_per_gpu"] / 989.4)
+    assert f"MFU: {100 * rec['mfu']:.1f}%" in capsys.readouterr().out
+
+
+def test_only_the_logging_rank_writes(tmp_path, capsys):
+    log = _logger(tmp_path, enabled=False, log_interval=1)
+    log.train_step(1, 32, lm_loss=1.0, lr=1e-4, grad_norm=1.0, iter_s=0.1)
+    assert capsys.readouterr().out == "" and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_fp16_line_shows_loss_scale_and_skipped_iterations(tmp_path, capsys):
+    log = _logger(tmp_path, log_interval=2, fp16=True, dtype=torch.float16)
+    log.train_step(1, 32, lm_loss=2.0, lr=1e-4, grad_norm=None, iter_s=0.1, loss_scale=65536.0, skipped=True)
+    rec = log.train_step(2, 64, lm_loss=3.0, lr=1e-4, grad_norm=1.0, iter_s=0.1, loss_scale=32768.0)
+    out = capsys.readouterr().out
+    assert "loss scale: 32768.0" in out and "number of skipped iterations:   1" in out
+    assert rec["lm_loss"] == 3.0  # the skipped iteration's loss is not averaged in
+
+
+def test_tensorboard_dir_without_tensorboard_is_a_clear_config_error(tmp_path, monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *a, **k):
+        if name.startswith("torch.utils.tensorboard") or name == "tensorboard":
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    with pytest.raises(ConfigError, match="--tensorboard-dir.*pip install tensorboard"):
+        _logger(tmp_path, tensorboard_dir=str(tmp_path / "tb"))
