@@ -2,6 +2,9 @@
 model presets."""
 
 import argparse
+import glob
+import os
+import re
 
 import pytest
 import torch
@@ -380,3 +383,18 @@ def test_preset_shapes_match_the_published_models():
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (12, 768, 12, 1024)
     assert m.position_embedding_type == "learned_absolute" and m.normalization == "LayerNorm"
     assert not m.swiglu and m.add_bias_linear and query_groups(m) == 12 and m.ffn_hidden_size is None
+
+
+# ----------------------------------------------------------------------------- examples
+
+EXAMPLES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "examples", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=os.path.basename)
+def test_example_configs_are_valid_for_the_world_they_state(path):
+    world = int(re.search(r"^# world: (\d+)$", open(path).read(), re.M).group(1))
+    validate(parse(["--config", path]), world, check_files=False)
+
+
+def test_there_are_examples():
+    assert len(EXAMPLES) >= 3

@@ -82,3 +82,14 @@ def test_top_k_1_and_tiny_top_p_sample_the_greedy_token(trained):
     assert generate.sample_text(model, tok, "1 2 3", max_new_tokens=5, top_p=1e-6, seed=7) == greedy
     a = generate.sample_text(model, tok, "1 2 3", max_new_tokens=5, temperature=2.0, seed=11)
     assert a == generate.sample_text(model, tok, "1 2 3", max_new_tokens=5, temperature=2.0, seed=11)
+
+
+def test_the_pipeline_run_logged_its_bubble_and_timeline(trained):
+    """Side check on the PP=2 training run above: metrics.jsonl carries the schedule's bubble."""
+    import json
+    tmp, _ = trained
+    path = os.path.join(tmp, "pp2", "logs", "metrics.jsonl")
+    train = [json.loads(x) for x in open(path) if "lm_loss" in x]
+    assert train and all(0.0 <= r["bubble_fraction"] < 1.0 for r in train)
+    kinds = {e["kind"] for e in train[-1]["pipeline_timeline"]}
+    assert kinds == {"F", "B"}

@@ -52,7 +52,7 @@ class ToyStage(nn.Module):
         self.tied = tied
         if pre_process:
             self.embedding = nn.Parameter(embedding.clone())
-            self.embedding.shared_embedding = True
+            self.embedding.shared_embedding = tied
         if post_process:
             if tied and pre_process:
                 self.output = self.embedding
@@ -101,7 +101,7 @@ from meshlm.parallel.schedules import analytic_bubble_fraction  # noqa: E402
 VOCAB, HIDDEN, SEQ, MICRO, STEPS = 64, 16, 8, 2, 3
 
 
-def _config(pp=1, dp=1, layers=4, schedule="auto", v=None, first=None, last=None) -> Config:
+def _config(pp=1, layers=4, schedule="auto", v=None, first=None, last=None) -> Config:
     cfg = Config()
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length = layers, HIDDEN, SEQ
     cfg.training.micro_batch_size = MICRO
@@ -112,9 +112,9 @@ def _config(pp=1, dp=1, layers=4, schedule="auto", v=None, first=None, last=None
     return cfg
 
 
-def _micro_batches(step: int, count: int) -> list:
-    """The step's global batch as ``count`` micro-batches (some tokens masked out)."""
-    g = torch.Generator().manual_seed(100 + step)
+def _micro_batches(count: int) -> list:
+    """The global batch of every step as ``count`` micro-batches (some tokens masked out)."""
+    g = torch.Generator().manual_seed(100)
     return [{"tokens": torch.randint(0, VOCAB, (MICRO, SEQ), generator=g),
              "labels": torch.randint(0, VOCAB, (MICRO, SEQ), generator=g),
              "loss_mask": (torch.rand(MICRO, SEQ, generator=g) > 0.25).float()} for _ in range(count)]
@@ -135,7 +135,7 @@ def _train(cfg: Config, ps: ParallelState, m: int, tied: bool) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     losses, timelines = [], []
     for step in range(STEPS):
-        mine = _micro_batches(step, m * ps.dp)[ps.dp_rank * m:(ps.dp_rank + 1) * m]
+        mine = _micro_batches(m * ps.dp)[ps.dp_rank * m:(ps.dp_rank + 1) * m]
         timeline = []
         out = forward_backward(chunks, iter(mine), ps=ps, cfg=cfg, num_microbatches=m, timeline=timeline)
         if ps.embedding_group is not None:
@@ -160,7 +160,7 @@ def _reference(layers: int, m: int, tied: bool) -> dict:
 
 def _pipelined(rank, world, layout: dict, m: int, tied: bool) -> dict:
     ps = ParallelState.build(pp=layout["pp"])
-    cfg = _config(**layout)
+    cfg = _config(**{k: v for k, v in layout.items() if k != "dp"})
     return _train(cfg, ps, m, tied)
 
 
@@ -190,7 +190,7 @@ def test_no_pipelining_matches_one_pass_over_the_whole_batch():
     """PP=1, schedule none: grads of m micro-batches = grad of the mean of their losses."""
     cfg, ps = _config(), ParallelState.single()
     (model,) = _build(cfg, ps, tied=True)
-    batches = _micro_batches(0, 4)
+    batches = _micro_batches(4)
     scaled = []
     out = forward_backward([model], iter(batches), ps=ps, cfg=cfg, num_microbatches=4, loss_scale=8.0,
                            no_sync=lambda: _count(scaled))

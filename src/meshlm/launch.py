@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import traceback
 import uuid
@@ -239,7 +240,9 @@ def launch_local(cfg: Config, config_path: str, nproc: int) -> int:
         with _environ(**env), _agent_log(os.path.join(log_dir, "launcher.log")):
             elastic_launch(launch_cfg, sys.executable)(*argv)
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+        # the first rank that failed by itself, not one the agent then stopped with SIGTERM
+        rank, failure = min(e.failures.items(), key=lambda kv: (
+            kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0]))
         log = worker_log_path(cfg, rank)
         message = _last_error_line(log)
         if message is not None:

@@ -37,7 +37,11 @@ def rope(x: torch.Tensor, base: float) -> torch.Tensor:
 
 
 class SelfAttention(nn.Module):
-    """x [s, b, h] ([s/tp, b, h] under SP) → [s, b, h] (or [s/tp, b, h]); heads split over TP."""
+    """x [s, b, h] ([s/tp, b, h] under SP) → [s, b, h] (or [s/tp, b, h]); heads split over TP.
+
+    With --attention-dropout > 0 in training, each head is one SDPA call with its own keyed dropout
+    stream (masks independent of TP); that is slower than the single fused call used otherwise.
+    """
 
     def __init__(self, cfg, ps, layer: int, init, scaled_init, rng, *, sequence_parallel: bool,
                  params_dtype):
