@@ -237,3 +237,45 @@ def test_uneven_first_stage_matches_single_process():
 
 def test_tied_embeddings_across_pp2_match_single_process():
     _assert_parity({"pp": 2}, m=4, tied=True)
+
+
+def test_pp2_dp2_matches_single_process():
+    """Ranks (pp, dp): each DP replica runs its half of the micro-batches through its pipeline."""
+    _assert_parity({"pp": 2, "dp": 2}, m=2)
+
+
+# ----------------------------------------------------------------------------- memory and bubble
+
+def _peak_in_flight(rank, world, schedule: str, m: int) -> int:
+    ps = ParallelState.build(pp=world)
+    cfg = _config(pp=world, schedule=schedule)
+    timeline = []
+    forward_backward(_build(cfg, ps, tied=False), iter(_micro_batches(m)), ps=ps, cfg=cfg,
+                     num_microbatches=m, timeline=timeline)
+    return max(e["in_flight"] for e in timeline)
+
+
+def test_1f1b_first_stage_holds_at_most_pp_microbatches_gpipe_holds_all():
+    pp, m = 2, 6
+    assert run_distributed(_peak_in_flight, pp, "1f1b", m) == [2, 1]
+    assert run_distributed(_peak_in_flight, pp, "gpipe", m) == [m, m]
+
+
+def _measured_bubble(rank, world, layout: dict, m: int, cost: float) -> float:
+    ps = ParallelState.build(pp=world)
+    cfg = _config(**layout)
+    v = layout.get("v") or 1
+    chunks = _build(cfg, ps, tied=False, sleep=(cost / v, cost / v))
+    timeline = []
+    dist.barrier()
+    forward_backward(chunks, iter(_micro_batches(m)), ps=ps, cfg=cfg, num_microbatches=m, timeline=timeline)
+    return bubble_fraction(timeline)
+
+
+@pytest.mark.parametrize("layout,m", [({"pp": 4}, 4), ({"pp": 2, "v": 2}, 2)])
+def test_measured_bubble_of_equal_cost_stages_matches_analytic(layout, m):
+    """Stages that sleep 40 ms per forward and per backward: the first stage idles (p−1)/(v·m+p−1)."""
+    pp, v = layout["pp"], layout.get("v") or 1
+    measured = run_distributed(_measured_bubble, pp, layout, m, 0.04)[0]
+    expected = analytic_bubble_fraction(pp, m, v)
+    assert abs(measured - expected) < 0.05, (measured, expected)

@@ -44,11 +44,6 @@ def embedded_default() -> dict:
 
 # ----------------------------------------------------------------------------- pretrain
 
-def _add_pretrain_arguments(parser: argparse.ArgumentParser) -> None:
-    from .config import add_config_args
-    add_config_args(parser)
-
-
 def _new_run_dir() -> str:
     """runs/<YYYYmmdd-HHMMSS>, with a -N suffix if that folder already exists."""
     base = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
@@ -115,7 +110,8 @@ def _run_pretrain(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- other commands
 
 def _delegate(module: str, add: str, run: str):
-    """(add-arguments function, run function) of a subcommand implemented in ``module``."""
+    """A subcommand implemented in ``module``: the returned function adds its flags (``add``) and
+    sets ``_run`` to the module's ``run`` function."""
     def add_arguments(parser):
         getattr(import_module(module, __package__), add)(parser)
         parser.set_defaults(_run=lambda args: getattr(import_module(module, __package__), run)(args))
@@ -130,7 +126,8 @@ def _add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_pretrain(parser: argparse.ArgumentParser) -> None:
-    _add_pretrain_arguments(parser)
+    from .config import add_config_args
+    add_config_args(parser)
     parser.set_defaults(_run=_run_pretrain)
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import pickle
 import shutil
 import warnings

@@ -171,13 +171,12 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     nan = not math.isfinite(loss)
     lr, grad_norm, skipped = run.sched.lr, None, False
     if nan and not run.logger.fp16:  # fp16: the loss scaler sees the overflow and skips the step
-        if not t.skip_nan_steps:
-            raise TrainingError(f"iteration {it}: lm loss is {loss}; last good checkpoint: "
-                                f"{run.last_checkpoint or 'none'}; resume from it with a lower --lr, "
-                                f"or pass --skip-nan-steps")
+        _stop_unless_skipping(run, it, f"lm loss is {loss}")
         skipped = True
     else:
         result = run.opt.step()
+        if not result.ok:  # inf/NaN gradients under bf16/fp32, or fp16 at --min-loss-scale
+            _stop_unless_skipping(run, it, "gradients are inf/NaN")
         grad_norm, skipped = result.grad_norm, result.skipped or not result.ok
         if not skipped:
             run.sched.step(run.opt)
@@ -190,6 +189,14 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
                           comm_s=run.ddp.stats.exposed_s if ps.dp * ps.cp > 1 else None,
                           bubble=bubble, timeline=timeline)
     return None if skipped or nan else loss
+
+
+def _stop_unless_skipping(run: Run, iteration: int, what: str) -> None:
+    """Raise TrainingError naming the iteration and the last good checkpoint, unless --skip-nan-steps."""
+    if not run.cfg.training.skip_nan_steps:
+        raise TrainingError(f"iteration {iteration}: {what}; last good checkpoint: "
+                            f"{run.last_checkpoint or 'none'}; resume from it with a lower --lr, "
+                            f"or pass --skip-nan-steps")
 
 
 @torch.no_grad()
