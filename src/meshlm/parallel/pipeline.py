@@ -151,7 +151,8 @@ def build_model_chunks(cfg: Config, ps: ParallelState, vocab_size: int,
         chunks.append(GPTModel(cfg.model, ps, vocab_size, seed=cfg.training.seed, layer_ids=ranges[s],
                                pre_process=s == 0, post_process=s == last,
                                sequence_parallel=cfg.parallel.sequence_parallel, params_dtype=params_dtype,
-                               recompute=cfg.training.recompute_activations))
+                               recompute=cfg.training.recompute_activations,
+                               use_cpu_initialization=cfg.parallel.use_cpu_initialization))
     return chunks
 
 

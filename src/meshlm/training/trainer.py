@@ -237,6 +237,7 @@ def _coords(ps: ParallelState) -> dict:
 def save_checkpoint(run: Run, state: TrainState) -> str:
     """Save model, optimizer, scheduler, RNG and progress to --save/iter_XXXXXXX (collective)."""
     cfg, ps = run.cfg, run.ps
+    run.opt.finish_param_sync()  # ZeRO-1 --overlap-param-gather: weights must be complete first
     rng = ckpt.rng_state()
     rng["dropout_calls"] = [chunk.rng.call for chunk in run.chunks]
     tree = {**ckpt.model_state(run.chunks, ps),
