@@ -124,7 +124,7 @@ class OptimizerConfig:
     lr: float = opt(6e-4, "peak learning rate")
     min_lr: float = opt(6e-5, "learning rate at the end of decay")
     lr_decay_style: str = opt("cosine", "decay after warm-up", choices=["constant", "linear", "cosine"])
-    lr_warmup_iters: int = opt(10, "linear warm-up iterations")
+    lr_warmup_iters: int = opt(0, "linear warm-up iterations")
     lr_decay_iters: Optional[int] = opt(None, "decay iterations (default: train iters)")
     weight_decay: float = opt(0.1, "AdamW weight decay (not on biases and norms)")
     clip_grad: float = opt(1.0, "global gradient norm clip (0 = off)")

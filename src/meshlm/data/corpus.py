@@ -1,7 +1,7 @@
 """The embedded default corpus: the running interpreter's standard-library sources.
 
 Every machine with Python has this real, non-synthetic text. ``prepare_default_corpus`` takes the
-``.py`` files under ``sysconfig.get_paths()["stdlib"]`` in sorted path order (skipping
+``.py`` files under ``sysconfig.get_paths()["stdlib"]`` in a fixed shuffled order (skipping
 site-packages, test folders and files that are not UTF-8) up to :data:`MAX_CORPUS_BYTES`, cuts
 each at blank lines into documents of about :data:`DOC_BYTES` (so that even the 0.1 % test share of
 ``--split 969,30,1`` gets a few documents), writes them as ``data/corpus.jsonl``, trains a byte-level BPE of :data:`DEFAULT_VOCAB` ids on them and
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sysconfig
 import time
 from types import SimpleNamespace
@@ -27,26 +28,31 @@ DOC_BYTES = 4096  # a file is cut at the first blank line after this many charac
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
-def stdlib_sources(max_bytes: int = MAX_CORPUS_BYTES):
-    """Yield (path relative to the stdlib, text) in sorted order until max_bytes (UTF-8) are taken."""
+def stdlib_sources(max_bytes: int = MAX_CORPUS_BYTES, seed: int = 1234):
+    """Yield (path relative to the stdlib, text) until max_bytes (UTF-8) are taken.
+
+    Files are taken in a fixed pseudo-random order (sorted, then shuffled with ``seed``), so the
+    corpus samples the whole library and the train/valid/test splits — contiguous ranges of
+    documents — come from the same distribution on every machine with the same Python.
+    """
     root = sysconfig.get_paths()["stdlib"]
-    taken = 0
+    paths = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-        for name in sorted(filenames):
-            if not name.endswith(".py"):
-                continue
-            path = os.path.join(dirpath, name)
-            try:
-                with open(path, "rb") as f:
-                    raw = f.read()
-                text = raw.decode("utf-8")
-            except (OSError, UnicodeDecodeError):
-                continue
-            if taken + len(raw) > max_bytes:
-                return
-            taken += len(raw)
-            yield os.path.relpath(path, root), text
+        paths.extend(os.path.join(dirpath, n) for n in sorted(filenames) if n.endswith(".py"))
+    random.Random(seed).shuffle(paths)
+    taken = 0
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+            text = raw.decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if taken + len(raw) > max_bytes:
+            continue
+        taken += len(raw)
+        yield os.path.relpath(path, root), text
 
 
 def cut_documents(text: str, size: int = DOC_BYTES) -> list:
