@@ -42,9 +42,9 @@ def _train(cfg: Config, ps: ParallelState, m: int) -> dict:
     chunks = build_model_chunks(cfg, ps, VOCAB, torch.float32)
     params = [p for c in chunks for p in c.parameters()]
     # Adam divides each grad element by its own magnitude, so the ~1e-7 relative round-off of the
-    # gradients (checked equal to that) grows by max|g|/|g| on small elements: lr 1e-3 and eps 1e-6
-    # keep that below the 1e-5 tolerance on the weights
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-6)
+    # gradients grows by max|g|/(|g| + eps) on small elements (weights after 3 SGD steps agree to
+    # 4e-7); eps 1e-4 (grads here are up to ~1e-2) bounds that growth below the 1e-5 tolerance
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)
     losses = []
     for _ in range(STEPS):
         mine = _micro_batches(m * ps.dp)[ps.dp_rank * m:(ps.dp_rank + 1) * m]

@@ -130,7 +130,7 @@ def _build(cfg: Config, ps: ParallelState, tied: bool, sleep=(0.0, 0.0)) -> list
 
 def _train(cfg: Config, ps: ParallelState, m: int, tied: bool) -> dict:
     """STEPS AdamW steps; grads of tied copies summed over the embedding group, averaged over DP."""
-    chunks = _build(cfg, ps, tied)
+    chunks = [c.to(ps.device) for c in _build(cfg, ps, tied)]
     params = [p for c in chunks for p in c.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     losses, timelines = [], []
@@ -150,7 +150,7 @@ def _train(cfg: Config, ps: ParallelState, m: int, tied: bool) -> dict:
         opt.zero_grad()
         losses.append(reduce_losses(out, ps))
         timelines.append(timeline)
-    weights = {n: p.detach().clone() for c in chunks for n, p in c.named_global().items()}
+    weights = {n: p.detach().cpu().clone() for c in chunks for n, p in c.named_global().items()}
     return {"losses": losses, "weights": weights, "timelines": timelines}
 
 

@@ -33,6 +33,9 @@ class StageComm:
         self.ps, self.shape, self.dtype, self.v = ps, tuple(shape), dtype, v
         self.next = ps.pp_ranks[(ps.pp_rank + 1) % ps.pp]
         self.prev = ps.pp_ranks[(ps.pp_rank - 1) % ps.pp]
+        if ps.pp_group is not None and dist.get_backend(ps.pp_group) == "nccl":
+            # NCCL: the first op in a group must involve all its ranks (batch_isend_irecv's note)
+            dist.all_reduce(torch.zeros(1, device=ps.device), group=ps.pp_group)
 
     def run(self, step: P2P, outgoing: dict) -> dict:
         """Post every op of ``step`` as one batch and wait for all of them.
