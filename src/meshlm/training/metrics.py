@@ -85,6 +85,14 @@ def max_memory_gb() -> Optional[float]:
     return torch.cuda.max_memory_allocated() / 2 ** 30
 
 
+def memory_gb() -> Optional[float]:
+    """Bytes allocated by torch on this rank's GPU now (between steps: weights, gradients and
+    optimizer state, the part the bytes-per-parameter estimate covers), in GiB; None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.memory_allocated() / 2 ** 30
+
+
 def require_tensorboard():
     """Return torch.utils.tensorboard.SummaryWriter; ConfigError if tensorboard is missing."""
     try:
@@ -105,7 +113,7 @@ class MetricsLogger:
 
     Values in a line are averages over the iterations since the previous line (loss over the
     iterations that were not skipped), as in Megatron. ``mem_allocated_gb`` is the logging
-    rank's peak (GiB). Every rank may call the methods; only ``enabled`` ones print and write.
+    rank's memory in use after the step, ``mem_max_allocated_gb`` its peak (GiB). Every rank may call the methods; only ``enabled`` ones print and write.
     """
 
     def __init__(self, *, enabled: bool, log_dir: Optional[str], train_iters: int, log_interval: int,
@@ -172,7 +180,7 @@ class MetricsLogger:
             "tokens_per_sec": self.global_batch * self.seq_length * n / t if t > 0 else None,
             "tflops_per_gpu": tflops,
             "mfu": tflops / self.peak if tflops is not None and self.peak else None,
-            "mem_allocated_gb": max_memory_gb(),
+            "mem_allocated_gb": memory_gb(), "mem_max_allocated_gb": max_memory_gb(),
             "skipped_iters": self.skipped_total, "nan_iters": self.nan_total,
         }
         if self.fp16:
@@ -201,7 +209,7 @@ class MetricsLogger:
                   f"TFLOP/s/GPU: {_fmt(r['tflops_per_gpu'], '.1f')}",
                   "MFU: " + ("n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%")]
         if r["mem_allocated_gb"] is not None:
-            parts.append(f"mem (GiB): {r['mem_allocated_gb']:.2f}")
+            parts.append(f"mem (GiB): {r['mem_allocated_gb']:.2f} (peak {r['mem_max_allocated_gb']:.2f})")
         if "bubble_fraction" in r:
             parts.append(f"bubble: {100 * r['bubble_fraction']:.1f}%")
         if "exposed_comm_share" in r:
@@ -232,7 +240,8 @@ class MetricsLogger:
             for key, tag in [("lm_loss", "lm loss"), ("lr", "learning-rate"), ("grad_norm", "grad-norm"),
                              ("tokens_per_sec", "throughput/tokens-per-sec"),
                              ("tflops_per_gpu", "throughput/tflops-per-gpu"), ("mfu", "throughput/mfu"),
-                             ("mem_allocated_gb", "memory/max-allocated-gib"),
+                             ("mem_allocated_gb", "memory/allocated-gib"),
+                             ("mem_max_allocated_gb", "memory/max-allocated-gib"),
                              ("val_loss", "lm loss validation"), ("val_ppl", "lm loss validation ppl")]:
                 if rec.get(key) is not None:
                     self.tb.add_scalar(tag, rec[key], it)

@@ -25,10 +25,12 @@ import torch
 
 from .. import config as C
 from ..checkpoint import dist as ckpt
+from ..data.blend import parse_data_path
 from ..data.gpt_dataset import build_datasets
+from ..data.indexed import check_token_ids
 from ..data.sampler import micro_batches
 from ..data.tokenizer import NullTokenizer, build_tokenizer
-from ..errors import TrainingError
+from ..errors import DataError, TrainingError
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import LRScheduler
 from ..parallel.data import DistributedDataParallel
@@ -105,6 +107,7 @@ def build(cfg: C.Config) -> Run:
     if (t.bf16 or t.fp16) and dtype == torch.float32 and ps.rank == 0:
         print("note: --bf16/--fp16 ignored on CPU; training in fp32", flush=True)
     tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
+    check_data_vocab(cfg, tokenizer.vocab_size, ps)
     train_ds, valid_ds, _ = build_datasets(cfg, ps=ps)
     chunks = build_model_chunks(cfg, ps, tokenizer.vocab_size, dtype)
     ddp = DistributedDataParallel(chunks, ps, cfg)
@@ -122,7 +125,47 @@ def build(cfg: C.Config) -> Run:
         n = sum(q.numel() for c in chunks for q in c.parameters())
         print(f"meshlm: {ps.describe()} | {n:,} parameters on rank 0 | global batch {gb} = "
               f"{nmb} micro-batches × {t.micro_batch_size} × DP {ps.dp}", flush=True)
+    report_memory(opt.memory_report(), ps)
     return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb)
+
+
+def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
+    """Global rank 0 scans the --data-path .bin files for ids ≥ vocab_size; every rank raises the
+    same DataError (naming the file and the largest id) so none is left waiting in a collective."""
+    prefixes = [prefix for _, prefix in parse_data_path(cfg.data.data_path)]
+    if not prefixes:
+        return
+    problem = [None]
+    if ps.rank == 0:
+        try:
+            check_token_ids(prefixes, vocab_size)
+        except DataError as e:
+            problem[0] = str(e)
+    if ps.world_size > 1:
+        torch.distributed.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise DataError(problem[0])
+
+
+def report_memory(report: dict, ps: ParallelState) -> None:
+    """Print, on rank 0, each rank's bytes for weights, gradients and optimizer state (and per
+    parameter) from the optimizer's memory_report(): the ZeRO-paper accounting, before activations."""
+    reports = [report]
+    if ps.world_size > 1:
+        reports = [None] * ps.world_size
+        torch.distributed.all_gather_object(reports, report)
+    if ps.rank != 0:
+        return
+    def size(n):
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+    shown = reports if len(reports) <= 8 else [max(reports, key=lambda r: r["total_bytes"])]
+    for rank, r in enumerate(shown):
+        b = r["bytes_per_param"]
+        who = f"rank {rank}" if len(reports) <= 8 else "largest rank"
+        print(f"meshlm: memory {who}: {r['num_params']:,} params | weights {size(r['weights_bytes'])} "
+              f"+ grads {size(r['grads_bytes'])} + optimizer {size(r['optimizer_bytes'])} "
+              f"= {size(r['total_bytes'])} | bytes/param {b['weights']:.1f} + {b['grads']:.1f} "
+              f"+ {b['optimizer']:.1f} = {b['total']:.1f}", flush=True)
 
 
 def train(run: Run, state: TrainState) -> dict:
