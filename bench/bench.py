@@ -5,7 +5,8 @@ Usage (on the lent H200 machine, from the repository root):
 
 Each case is a pretrain command line on --mock-data (so data loading is not measured); the table
 gives, per case, the median of the logged iterations after the first two (warm-up):
-elapsed ms per iteration, tokens/s (whole job), TFLOP/s per GPU, MFU, and peak memory per GPU.
+elapsed ms per iteration, tokens/s (whole job), TFLOP/s per GPU, MFU, and peak memory per GPU, and the memory in use between steps
+(weights, grads, optimizer state) next to the start-up bytes-per-parameter estimate.
 Results go to <out>/bench.json and <out>/bench.md; copy the table into bench/RESULTS.md with the
 date and the GPU.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -63,10 +65,15 @@ def run_case(name: str, out: str, iters: int) -> dict:
         vals = [r[key] for r in rows if r.get(key) is not None]
         return statistics.median(vals) if vals else None
 
-    return {"case": name, "gpus": ngpu, "iter_ms": med("iter_ms"), "tokens_per_sec": med("tokens_per_sec"),
+    estimate = None  # weights + grads + optimizer bytes of rank 0, from the start-up memory report
+    for line in proc.stdout.splitlines():
+        m = re.search(r"memory rank 0: .*= ([0-9.]+) (GiB|MiB)", line)
+        if m:
+            estimate = float(m.group(1)) / (1024 if m.group(2) == "MiB" else 1)
+    return {"case": name, "gpus": ngpu, "iter_ms": med("iter_ms"), "state_estimate_gb": estimate,
+            "state_measured_gb": med("mem_allocated_gb"), "tokens_per_sec": med("tokens_per_sec"),
             "tflops_per_gpu": med("tflops_per_gpu"), "mfu": med("mfu"),
-            "mem_gb": max((r.get("mem_max_allocated_gb") or r.get("mem_allocated_gb") or 0) for r in rows)
-            if rows else None, "exposed_comm_share": med("exposed_comm_share"),
+            "mem_gb": max((r.get("mem_max_allocated_gb") or 0) for r in rows) if rows else None, "exposed_comm_share": med("exposed_comm_share"),
             "bubble_fraction": med("bubble_fraction"), "last_loss": rows[-1]["lm_loss"] if rows else None,
             "wall_s": round(wall, 1)}
 
@@ -85,14 +92,15 @@ def main() -> None:
     results = [run_case(c, args.out, args.iters) for c in args.cases]
     with open(os.path.join(args.out, "bench.json"), "w") as fh:
         json.dump(results, fh, indent=1)
-    lines = ["| case | GPUs | ms/iter | tokens/s | TFLOP/s/GPU | MFU | peak mem GB | exposed comm | bubble | loss |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | GPUs | ms/iter | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB | state GiB measured / estimated "
+             "| exposed comm | bubble | loss |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['case']} | error: {r['error']} |")
             continue
         lines.append(f"| {r['case']} | {r['gpus']} | {fmt(r['iter_ms'], '.1f')} | {fmt(r['tokens_per_sec'], ',.0f')} "
                      f"| {fmt(r['tflops_per_gpu'], '.1f')} | {fmt(r['mfu'], '.1%')} | {fmt(r['mem_gb'], '.2f')} "
+                     f"| {fmt(r['state_measured_gb'], '.2f')} / {fmt(r['state_estimate_gb'], '.2f')} "
                      f"| {fmt(r['exposed_comm_share'], '.1%')} | {fmt(r['bubble_fraction'], '.1%')} "
                      f"| {fmt(r['last_loss'], '.3f')} |")
     table = "\n".join(lines)

@@ -17,8 +17,6 @@ pytestmark = pytest.mark.gpu
 def _worker(rank, world, port, layout, m, out):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
-    import faulthandler, sys
-    faulthandler.dump_traceback_later(90, exit=True, file=sys.stderr)
     dist.init_process_group("nccl", rank=rank, world_size=world)
     try:
         ps = ParallelState.build(pp=world)

@@ -87,7 +87,6 @@ class ToyStage(nn.Module):
 
 # ----------------------------------------------------------------------------- parity harness
 
-import math  # noqa: E402
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -279,3 +278,22 @@ def test_measured_bubble_of_equal_cost_stages_matches_analytic(layout, m):
     measured = run_distributed(_measured_bubble, pp, layout, m, 0.1)[0]
     expected = analytic_bubble_fraction(pp, m, v)
     assert abs(measured - expected) < 0.05, (measured, expected)
+
+
+def _forward_only_vs_training(rank, world) -> tuple:
+    ps = ParallelState.build(pp=world)
+    cfg = _config(pp=world)
+    chunks = _build(cfg, ps, tied=False)
+    evaluated = forward_backward(chunks, iter(_micro_batches(3)), ps=ps, cfg=cfg, num_microbatches=3,
+                                 forward_only=True)
+    no_grads = all(p.grad is None for c in chunks for p in c.parameters())
+    trained = forward_backward(chunks, iter(_micro_batches(3)), ps=ps, cfg=cfg, num_microbatches=3)
+    return [float(d["lm_loss"]) for d in evaluated], [float(d["lm_loss"]) for d in trained], no_grads
+
+
+def test_forward_only_pipeline_gives_the_training_losses_and_no_grads():
+    first, last = run_distributed(_forward_only_vs_training, 2)
+    assert first == ([], [], True)
+    evaluated, trained, no_grads = last
+    assert no_grads and len(evaluated) == 3
+    assert evaluated == pytest.approx(trained, rel=1e-6)

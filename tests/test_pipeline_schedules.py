@@ -1,7 +1,5 @@
 """Pipeline schedules as data and the stage partition: no processes, no model."""
 
-from collections import Counter
-
 import pytest
 
 from meshlm.config import Config

@@ -21,21 +21,40 @@ from torch.autograd.variable import Variable
 from .mesh import ParallelState
 from .schedules import P2P
 
+# Pipeline groups whose neighbour connections are set up (see StageComm._connect): once per group.
+_CONNECTED: set = set()
+
 
 class StageComm:
     """Sends and receives of one pipeline rank.
 
-    shape: activation shape [s, b, h] (split dims already applied); dtype: params dtype;
-    v: model chunks per rank (the last rank's chunk c feeds rank 0's chunk c + 1).
+    shape: activation shape [s, b, h] (split dims already applied); dtype: params dtype.
+    Neighbours wrap around (the last rank's chunk c feeds rank 0's chunk c + 1 when interleaved).
     """
 
-    def __init__(self, ps: ParallelState, shape: tuple, dtype: torch.dtype, v: int = 1):
-        self.ps, self.shape, self.dtype, self.v = ps, tuple(shape), dtype, v
+    def __init__(self, ps: ParallelState, shape: tuple, dtype: torch.dtype):
+        self.ps, self.shape, self.dtype = ps, tuple(shape), dtype
         self.next = ps.pp_ranks[(ps.pp_rank + 1) % ps.pp]
         self.prev = ps.pp_ranks[(ps.pp_rank - 1) % ps.pp]
-        if ps.pp_group is not None and dist.get_backend(ps.pp_group) == "nccl":
-            # NCCL: the first op in a group must involve all its ranks (batch_isend_irecv's note)
-            dist.all_reduce(torch.zeros(1, device=ps.device), group=ps.pp_group)
+        if ps.pp > 1 and id(ps.pp_group) not in _CONNECTED:
+            self._connect()
+            _CONNECTED.add(id(ps.pp_group))
+
+    def _connect(self) -> None:
+        """Exchange one tensor with both neighbours, in one batch on every rank of the pipeline.
+
+        NCCL sets up a p2p connection on first use, blocking the host in the group launch until
+        the peer uses it too; a schedule whose first send in some direction is batched with a
+        receive that the peer posts separately (GPipe, interleaved) would deadlock there. Also
+        satisfies batch_isend_irecv's rule that the first op in a group involves all its ranks.
+        """
+        bufs = [torch.zeros(self.shape, dtype=self.dtype, device=self.ps.device) for _ in range(4)]
+        ops = [dist.P2POp(dist.isend, bufs[0], self.next, self.ps.pp_group),
+               dist.P2POp(dist.irecv, bufs[1], self.prev, self.ps.pp_group),
+               dist.P2POp(dist.isend, bufs[2], self.prev, self.ps.pp_group),
+               dist.P2POp(dist.irecv, bufs[3], self.next, self.ps.pp_group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
     def run(self, step: P2P, outgoing: dict) -> dict:
         """Post every op of ``step`` as one batch and wait for all of them.

@@ -187,7 +187,7 @@ def forward_backward(chunks: list, data_iter: Iterator[dict], *, ps: ParallelSta
     name = resolve_schedule(cfg.parallel.pipeline_schedule, ps.pp, len(chunks))
     steps = build_schedule(name, ps.pp, ps.pp_rank, num_microbatches, len(chunks), forward_only)
     dtype = next(chunks[0].parameters()).dtype
-    comm = StageComm(ps, activation_shape(cfg, ps), dtype, len(chunks))
+    comm = StageComm(ps, activation_shape(cfg, ps), dtype)
     run = _Executor(chunks, data_iter, ps, comm, num_microbatches, forward_only, loss_scale, timeline)
     last_b = max((i for i, s in enumerate(steps) if isinstance(s, Action) and s.kind == "B"), default=-1)
     for i, step in enumerate(steps):

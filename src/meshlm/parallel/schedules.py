@@ -23,7 +23,7 @@ for every schedule here under NCCL's rules (in-order matching per rank pair, tag
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Union
+from typing import Iterable, NamedTuple
 
 from ..errors import ConfigError
 
@@ -52,9 +52,6 @@ class P2P(NamedTuple):
 
     def __str__(self) -> str:
         return "[" + " ".join(str(op) for op in self.ops) + "]"
-
-
-Step = Union[Action, P2P]
 
 
 def resolve_schedule(name: str, pp: int, v: int) -> str:
