@@ -5,8 +5,10 @@ Usage (on the lent H200 machine, from the repository root):
 
 Each case is a pretrain command line on --mock-data (so data loading is not measured); the table
 gives, per case, the median of the logged iterations after the first two (warm-up):
-elapsed ms per iteration, tokens/s (whole job), TFLOP/s per GPU, MFU, and peak memory per GPU, and the memory in use between steps
-(weights, grads, optimizer state) next to the start-up bytes-per-parameter estimate.
+elapsed ms per iteration, tokens/s (whole job), TFLOP/s per GPU, MFU, peak memory per GPU, the
+memory in use between steps (weights, grads, optimizer state) next to the start-up
+bytes-per-parameter estimate, and — since every layout sees the same global batches from the
+same weights — the largest relative difference of its loss curve from the first case's (parity).
 Results go to <out>/bench.json and <out>/bench.md; copy the table into bench/RESULTS.md with the
 date and the GPU.
 """
@@ -59,7 +61,9 @@ def run_case(name: str, out: str, iters: int) -> dict:
         return {"case": name, "error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "logs", "metrics.jsonl"))
             if line.strip()]
-    rows = [r for r in rows if r.get("iter_ms") is not None][2:]
+    rows = [r for r in rows if r.get("iter_ms") is not None]
+    losses = [r["lm_loss"] for r in rows]
+    rows = rows[2:]
 
     def med(key):
         vals = [r[key] for r in rows if r.get(key) is not None]
@@ -74,7 +78,7 @@ def run_case(name: str, out: str, iters: int) -> dict:
             "state_measured_gb": med("mem_allocated_gb"), "tokens_per_sec": med("tokens_per_sec"),
             "tflops_per_gpu": med("tflops_per_gpu"), "mfu": med("mfu"),
             "mem_gb": max((r.get("mem_max_allocated_gb") or 0) for r in rows) if rows else None, "exposed_comm_share": med("exposed_comm_share"),
-            "bubble_fraction": med("bubble_fraction"), "last_loss": rows[-1]["lm_loss"] if rows else None,
+            "bubble_fraction": med("bubble_fraction"), "last_loss": rows[-1]["lm_loss"] if rows else None, "losses": losses,
             "wall_s": round(wall, 1)}
 
 
@@ -90,10 +94,16 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = [run_case(c, args.out, args.iters) for c in args.cases]
+    # parity: every layout trains the same function on the same global batches (bf16 tolerance 1e-2)
+    ref = next((r["losses"] for r in results if "losses" in r), None)
+    for r in results:
+        if "losses" in r and ref:
+            r["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
     with open(os.path.join(args.out, "bench.json"), "w") as fh:
         json.dump(results, fh, indent=1)
     lines = ["| case | GPUs | ms/iter | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB | state GiB measured / estimated "
-             "| exposed comm | bubble | loss |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| exposed comm | bubble | loss | max rel. loss diff vs first case |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['case']} | error: {r['error']} |")
@@ -102,7 +112,7 @@ def main() -> None:
                      f"| {fmt(r['tflops_per_gpu'], '.1f')} | {fmt(r['mfu'], '.1%')} | {fmt(r['mem_gb'], '.2f')} "
                      f"| {fmt(r['state_measured_gb'], '.2f')} / {fmt(r['state_estimate_gb'], '.2f')} "
                      f"| {fmt(r['exposed_comm_share'], '.1%')} | {fmt(r['bubble_fraction'], '.1%')} "
-                     f"| {fmt(r['last_loss'], '.3f')} |")
+                     f"| {fmt(r['last_loss'], '.3f')} | {fmt(r.get('max_rel_loss_diff'), '.1e')} |")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "bench.md"), "w") as fh:
         fh.write(table + "\n")

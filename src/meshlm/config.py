@@ -114,6 +114,8 @@ class TrainingConfig:
     log_interval: int = opt(10, "iterations between log lines")
     eval_interval: int = opt(100, "iterations between validation runs")
     eval_iters: int = opt(10, "validation iterations per evaluation")
+    eval_at_start: bool = opt(False, "evaluate once before the first step (the untrained validation loss)",
+                              action="store_true")
     exit_interval: Optional[int] = opt(None, "stop after this iteration (checkpointing first)")
 
 

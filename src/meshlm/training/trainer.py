@@ -173,6 +173,8 @@ def train(run: Run, state: TrainState) -> dict:
     cfg, t = run.cfg, run.cfg.training
     save_every = cfg.checkpoint.save_interval
     losses, val_losses, saved_at = [], [], None
+    if t.eval_at_start and state.iteration == 0 and run.valid_ds is not None:
+        val_losses.append((0, evaluate(run, state, 0)))
     while state.iteration < t.train_iters:
         loss = train_step(run, state)
         losses.append(loss)
