@@ -25,7 +25,8 @@ from .tokenizer import train_bpe
 MAX_CORPUS_BYTES = 8 << 20  # 8 MiB of source text: about 2.5M tokens, prepared in seconds on 2 cores
 DEFAULT_VOCAB = 4096
 DOC_BYTES = 4096  # a file is cut at the first blank line after this many characters
-SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__",
+             "encodings"}  # encodings: generated codec tables, not prose-like code
 
 
 def stdlib_sources(max_bytes: int = MAX_CORPUS_BYTES, seed: int = 1234):
