@@ -91,5 +91,9 @@ def test_the_pipeline_run_logged_its_bubble_and_timeline(trained):
     path = os.path.join(tmp, "pp2", "logs", "metrics.jsonl")
     train = [json.loads(x) for x in open(path) if "lm_loss" in x]
     assert train and all(0.0 <= r["bubble_fraction"] < 1.0 for r in train)
-    kinds = {e["kind"] for e in train[-1]["pipeline_timeline"]}
-    assert kinds == {"F", "B"}
+    events = train[-1]["pipeline_timeline"]
+    assert {e["kind"] for e in events} == {"F", "B"}
+    assert {e["stage"] for e in events} == {0, 1}  # every stage's events, not only the logging one
+    for stage in (0, 1):  # each stage ran one F and one B per micro-batch
+        mine = [e for e in events if e["stage"] == stage]
+        assert sorted(e["mb"] for e in mine if e["kind"] == "F") == sorted(e["mb"] for e in mine if e["kind"] == "B")

@@ -171,3 +171,34 @@ def _load_only(rank, world, tmp, load):
     cfg = tiny_config(tmp, iters=1)
     cfg.checkpoint.load = load
     return trainer.pretrain(cfg)
+
+
+# ----------------------------------------------------------------------------- token ids vs vocabulary
+
+def _train_on(rank, world, tmp, prefix):
+    cfg = tiny_config(tmp, iters=1)
+    cfg.data.mock_data = False
+    cfg.data.data_path = [prefix]
+    cfg.data.tokenizer_type = "NullTokenizer"
+    return trainer.pretrain(cfg)
+
+
+def test_token_id_beyond_the_vocabulary_stops_before_training_naming_file_and_id(tmp_path):
+    """A corpus preprocessed with a larger vocabulary: every rank raises one DataError naming the
+    .bin file and its largest id, before any step."""
+    import numpy as np
+    from meshlm.data.indexed import IndexedDatasetWriter
+    prefix = str(tmp_path / "big_vocab_text_document")
+    writer = IndexedDatasetWriter(prefix, np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        writer.add_document(rng.integers(0, 90, size=40))
+    writer.add_document([5, 6, 345, 7])  # 345 ≥ --vocab-size 100
+    writer.finalize()
+    with pytest.raises(AssertionError) as err:
+        run_distributed(_train_on, 2, str(tmp_path / "run"), prefix)
+    msg = str(err.value)
+    assert "rank 0:" in msg and "rank 1:" in msg  # both ranks raised; none was left waiting
+    assert msg.count("meshlm.errors.DataError: ") == 2
+    assert f"{prefix}.bin holds token id 345" in msg and "100" in msg
+    assert not os.path.exists(tmp_path / "run" / "logs" / "metrics.jsonl")  # no step was taken

@@ -146,7 +146,7 @@ class MetricsLogger:
         """Record one iteration (iter_s seconds); on a log iteration print/write and return the record.
 
         comm_s: seconds spent waiting for the DP gradient reduction after backward (the exposed,
-        non-overlapped part). bubble: idle share of this rank's pipeline schedule (0–1);
+        non-overlapped part). bubble: idle share of the pipeline schedule, averaged over the stages (0–1);
         timeline: this iteration's forward_backward events, written to metrics.jsonl.
         """
         self._iters += 1

@@ -227,13 +227,27 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
             run.sched.step(run.opt)
     state.iteration = it
     state.consumed_samples += run.global_batch
-    bubble = bubble_fraction(timeline, (start, schedule_end)) if timeline else None
+    bubble = None
+    if timeline is not None:
+        timeline, bubble = _pipeline_timeline(ps, timeline, (start, schedule_end))
     run.logger.train_step(it, state.consumed_samples, lm_loss=None if nan else loss, lr=lr,
                           grad_norm=grad_norm, iter_s=time.perf_counter() - start,
                           loss_scale=run.opt.loss_scale, skipped=skipped and not nan, nan=nan,
                           comm_s=run.ddp.stats.exposed_s if ps.dp * ps.cp > 1 else None,
                           bubble=bubble, timeline=timeline)
     return None if skipped or nan else loss
+
+
+def _pipeline_timeline(ps: ParallelState, timeline: list, window: tuple) -> tuple:
+    """Every stage's F/B events of this step, each tagged with its "stage", gathered over the
+    pipeline group (perf_counter is CLOCK_MONOTONIC: one clock for the processes of a node), and
+    the bubble fraction averaged over the stages, each measured over its own step window."""
+    own = {"events": [dict(e, stage=ps.pp_rank) for e in timeline],
+           "bubble": bubble_fraction(timeline, window)}
+    stages = [None] * ps.pp
+    torch.distributed.all_gather_object(stages, own, group=ps.pp_group)
+    events = [e for st in stages for e in st["events"]]
+    return events, sum(st["bubble"] for st in stages) / ps.pp
 
 
 def _stop_unless_skipping(run: Run, iteration: int, what: str) -> None:
