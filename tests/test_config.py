@@ -398,3 +398,14 @@ def test_example_configs_are_valid_for_the_world_they_state(path):
 
 def test_there_are_examples():
     assert len(EXAMPLES) >= 3
+
+
+def test_context_parallel_is_refused_until_it_trains():
+    """--context-parallel-size only builds groups for now: training with it must be refused."""
+    from meshlm.config import Config, validate
+    from meshlm.errors import ConfigError
+    cfg = Config()
+    cfg.data.mock_data, cfg.model.vocab_size = True, 128
+    cfg.parallel.context_parallel_size = 2
+    with pytest.raises(ConfigError, match="--context-parallel-size 2"):
+        validate(cfg, world=2)
