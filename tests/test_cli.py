@@ -102,3 +102,12 @@ def test_two_runs_in_the_same_second_get_their_own_directories(tmp_path, monkeyp
 def test_python_dash_m_meshlm_runs_the_cli(tmp_path):
     out = meshlm("--version", cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.startswith("meshlm ")
+
+
+def test_abbreviated_flags_are_errors_as_in_megatron(capsys):
+    """--lr-warmup is not silently taken as --lr-warmup-iters (Megatron sets allow_abbrev=False)."""
+    from meshlm.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["pretrain", "--mock-data", "--vocab-size", "100", "--lr-warmup", "5"])
+    assert e.value.code == 2
+    assert "--lr-warmup" in capsys.readouterr().err

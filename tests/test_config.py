@@ -409,3 +409,19 @@ def test_context_parallel_is_refused_until_it_trains():
     cfg.parallel.context_parallel_size = 2
     with pytest.raises(ConfigError, match="--context-parallel-size 2"):
         validate(cfg, world=2)
+
+
+def test_files_of_an_unused_tokenizer_are_not_required(tmp_path):
+    """A YAML naming GPT-2 vocab/merges, switched to a HuggingFace tokenizer by flags, validates."""
+    from meshlm.config import Config, validate
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    cfg = Config()
+    cfg.data.mock_data, cfg.model.vocab_size = True, 128
+    cfg.data.vocab_file, cfg.data.merge_file = "gpt2-vocab.json", "gpt2-merges.txt"  # absent
+    cfg.data.tokenizer_type, cfg.data.tokenizer_model = "HuggingFaceTokenizer", str(tok)
+    validate(cfg, world=1)
+    cfg.data.tokenizer_type = "GPT2BPETokenizer"  # now they are read: both named
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world=1)
+    assert "--vocab-file gpt2-vocab.json" in str(e.value) and "--merge-file gpt2-merges.txt" in str(e.value)

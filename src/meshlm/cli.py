@@ -123,7 +123,8 @@ def _delegate(module: str, add: str, run: str):
 def _add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="tokenizer_command", metavar="ACTION", required=True)
     train = sub.add_parser("train", help="train a byte-level BPE tokenizer (tokenizer.json) on a corpus",
-                           description="Train a byte-level BPE tokenizer (tokenizer.json) on a corpus.")
+                           description="Train a byte-level BPE tokenizer (tokenizer.json) on a corpus.",
+                           allow_abbrev=False)
     _delegate(".data.tokenizer", "add_train_arguments", "run_train")(train)
 
 
@@ -147,12 +148,13 @@ COMMANDS = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``meshlm`` parser; only ``command``'s own flags are built (they import their module)."""
     parser = argparse.ArgumentParser(
-        prog="meshlm", description="Megatron-style 3D-parallel LLM training on torch.distributed "
+        prog="meshlm", allow_abbrev=False, description="Megatron-style 3D-parallel LLM training on torch.distributed "
         "(gloo on CPU, NCCL on GPUs).", epilog="`meshlm COMMAND --help` shows a command's flags.")
     parser.add_argument("--version", action="version", version=f"meshlm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (help_text, add_arguments) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+        p = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
+                           allow_abbrev=False)  # as Megatron: a truncated flag is an error, not a guess
         if name == command:
             add_arguments(p)
     return parser

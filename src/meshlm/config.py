@@ -608,8 +608,11 @@ def _file_problems(cfg: Config) -> list:
                                     f"(run `meshlm preprocess` to make it)")
     except ConfigError as e:
         problems.extend(e.problems)
-    for flag, path in [("--tokenizer-model", d.tokenizer_model), ("--vocab-file", d.vocab_file),
-                       ("--merge-file", d.merge_file)]:
+    # only the files the chosen tokenizer reads: a YAML's GPT-2 files do not block a switch to
+    # --tokenizer-type HuggingFaceTokenizer on the command line
+    used = {"HuggingFaceTokenizer": [("--tokenizer-model", d.tokenizer_model)],
+            "GPT2BPETokenizer": [("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)]}
+    for flag, path in used.get(d.tokenizer_type, []):
         if path and not os.path.exists(path):
             problems.append(f"{flag} {path}: no such file")
     load = cfg.checkpoint.load

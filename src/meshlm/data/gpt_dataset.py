@@ -218,13 +218,59 @@ class MockGPTDataset:
         return _item(rng.integers(0, self.vocab_size, self.seq_length + EXTRA), self.seq_length)
 
 
+def _has_tokens(indexed: IndexedDataset, doc_range) -> bool:
+    return doc_range is not None and bool(indexed.sequence_lengths[doc_range[0]:doc_range[1]].any())
+
+
+def suggest_split(split: str, indexed: list, needed: list) -> str | None:
+    """A ``--split`` in sequence counts of the first dataset: ``split``'s ranges with one sequence
+    moved from the largest split into train and valid where ``needed`` and empty. None when even
+    that leaves the needed train/valid split of some dataset without tokens."""
+    counts = [0 if r is None else r[1] - r[0] for r in split_ranges(split, len(indexed[0]))]
+    for s in (0, 1):
+        if needed[s] and not counts[s]:
+            counts[int(np.argmax(counts))] -= 1
+            counts[s] = 1
+    candidate = ",".join(str(c) for c in counts)
+    ok = min(counts) >= 0 and all(_has_tokens(ds, r) for ds in indexed
+                                  for r, need in zip(split_ranges(candidate, len(ds))[:2], needed) if need)
+    return candidate if ok else None
+
+
+def _drop_empty_splits(d, indexed: list, ranges: list, needed: list) -> list:
+    """Which splits to build. Train (and valid while evaluating) must hold tokens in every dataset,
+    else DataError naming --split; an empty test split is not built (one note on rank 0)."""
+    build = list(needed)
+    for s, name in enumerate(SPLITS):
+        empty = [k for k, ds in enumerate(indexed) if needed[s] and not _has_tokens(ds, ranges[k][s])]
+        if not empty:
+            continue
+        ds, (lo, hi) = indexed[empty[0]], ranges[empty[0]][s]
+        where = (f"--data-path {ds.prefix}: --split {d.split} leaves the {name} split "
+                 f"(sequences [{lo}, {hi}) of {len(ds)})")
+        if name == "test":
+            build[s] = False
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                print(f"note: {where} without tokens; no test split is built (training never reads it)")
+            continue
+        fix = suggest_split(d.split, indexed, needed)
+        why = " (--eval-iters > 0 evaluates on it)" if name == "valid" else ""
+        raise DataError(f"{where} without tokens{why}; "
+                        + (f"use e.g. --split {fix}" if fix else "add documents to the dataset")
+                        + (" or --eval-iters 0" if name == "valid" else ""))
+    return build
+
+
 def build_datasets(cfg, world_size: int | None = None, ps=None) -> tuple:
-    """(train, valid, test) datasets for ``cfg``; None for a split of weight 0 or 0 samples.
+    """(train, valid, test) datasets for ``cfg``; None for a split the run does not need: weight 0,
+    0 samples (valid and test with --eval-iters 0), or a test split that holds no tokens.
 
     Sizes follow Megatron (see :func:`num_samples_per_split`), with the global batch for
     ``ps.world_size`` (else ``world_size``, else 1) ranks. One --data-path prefix gives GPTDatasets;
     several give BlendedDatasets over GPTDatasets of each prefix. Collective when torch.distributed
-    is initialised (every rank must call it). Raises ConfigError / DataError on bad flags or files.
+    is initialised (every rank must call it). Raises ConfigError / DataError on bad flags or files,
+    and DataError naming --split when the train split (or the valid split, while evaluating) of a
+    dataset holds no tokens.
     """
     world = ps.world_size if ps is not None else (world_size or 1)
     sizes = num_samples_per_split(cfg, world)
@@ -241,13 +287,14 @@ def build_datasets(cfg, world_size: int | None = None, ps=None) -> tuple:
     identity = build_tokenizer(d, cfg.model.vocab_size).identity
     indexed = [IndexedDataset(prefix) for _, prefix in blend]
     ranges = [split_ranges(d.split, len(ds)) for ds in indexed]
+    build = _drop_empty_splits(d, indexed, ranges, [w > 0 and n > 0 for w, n in zip(weights, sizes)])
 
     def gpt(k, s, n):
         return GPTDataset(indexed[k], SPLITS[s], ranges[k][s], n, seq, seed, d.split, d.data_cache_path, identity)
 
     out = []
     for s, n in enumerate(sizes):
-        if ranges[0][s] is None or n == 0:
+        if not build[s]:
             out.append(None)
         elif len(blend) == 1:
             out.append(gpt(0, s, n))

@@ -24,6 +24,12 @@ CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 _HEADER = len(MAGIC) + 8 + 1 + 8 + 8
 
 
+def _malformed(path: str, why: str) -> DataError:
+    """The one-line error for a .bin/.idx that cannot be used as it is."""
+    return DataError(f"{path} {why}: not a valid Megatron indexed dataset; "
+                     f"re-run `meshlm preprocess` to rebuild it")
+
+
 def token_dtype(vocab_size: int) -> type:
     """Megatron's preprocessing convention: uint16 below 65,500 ids, else int32."""
     return np.uint16 if vocab_size < 65500 else np.int32
@@ -82,8 +88,9 @@ class IndexedDataset:
 
     ``len(ds)`` = number of sequences; ``ds[i]`` = sequence i as a numpy array of the file's
     dtype. Attributes: ``sequence_lengths`` int32[N] (tokens), ``sequence_pointers`` int64[N]
-    (bytes), ``document_indices`` int64[D], ``dtype``. Raises DataError if a file is missing,
-    is not an indexed dataset, or the .bin is shorter than the .idx says.
+    (bytes), ``document_indices`` int64[D], ``dtype``. Raises a one-line DataError naming the file
+    if either file is missing, unreadable, empty, truncated or not an indexed dataset, or if the
+    .bin size (bytes) differs from the end of the last sequence the .idx points at.
     """
 
     def __init__(self, prefix: str):
@@ -91,23 +98,51 @@ class IndexedDataset:
         for ext in (".idx", ".bin"):
             if not os.path.isfile(prefix + ext):
                 raise DataError(f"{prefix + ext} does not exist (run `meshlm preprocess` to make it)")
-        idx = np.memmap(prefix + ".idx", dtype=np.uint8, mode="r")
-        if idx.size < _HEADER or bytes(idx[:len(MAGIC)]) != MAGIC:
-            raise DataError(f"{prefix}.idx is not a Megatron indexed-dataset index (bad magic)")
+        try:
+            self._read_index(prefix + ".idx")
+            nbytes = os.path.getsize(prefix + ".bin")
+            self._check_bin(prefix + ".bin", nbytes)
+            self._bin = np.memmap(prefix + ".bin", dtype=np.uint8, mode="r") if nbytes else np.zeros(0, np.uint8)
+        except OSError as e:
+            raise DataError(f"{e.filename}: cannot read it ({e.strerror})") from None
+
+    def _read_index(self, path: str) -> None:
+        """Memory-map and validate the .idx; set dtype and the three index arrays."""
+        size = os.path.getsize(path)
+        if size == 0:
+            raise _malformed(path, "is empty")
+        if size < _HEADER:
+            raise _malformed(path, f"is truncated ({size} bytes, shorter than the {_HEADER}-byte header)")
+        idx = np.memmap(path, dtype=np.uint8, mode="r")
+        if bytes(idx[:len(MAGIC)]) != MAGIC:
+            raise _malformed(path, "has a bad magic (expected MMIDIDX)")
         version, code, n, d = struct.unpack("<QBQQ", bytes(idx[len(MAGIC):_HEADER]))
         if version != VERSION or code not in DTYPE_CODES:
-            raise DataError(f"{prefix}.idx: unsupported version {version} or dtype code {code}")
-        if idx.size < _HEADER + 12 * n + 8 * d:
-            raise DataError(f"{prefix}.idx is truncated ({idx.size} bytes for {n} sequences)")
+            raise _malformed(path, f"has unsupported version {version} or dtype code {code}")
+        expected = _HEADER + 12 * n + 8 * d
+        if size != expected:
+            what = "is truncated" if size < expected else "is longer than its header says"
+            raise _malformed(path, f"{what} ({size} bytes; {n} sequences and {d} document bounds need {expected})")
         self.dtype = np.dtype(DTYPE_CODES[code])
         self.sequence_lengths = np.frombuffer(idx, np.int32, n, _HEADER)
         self.sequence_pointers = np.frombuffer(idx, np.int64, n, _HEADER + 4 * n)
         self.document_indices = np.frombuffer(idx, np.int64, d, _HEADER + 12 * n)
-        nbytes = os.path.getsize(prefix + ".bin")
-        need = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize if n else 0
-        if nbytes < need:
-            raise DataError(f"{prefix}.bin is truncated: {nbytes} bytes, the .idx needs {need}")
-        self._bin = np.memmap(prefix + ".bin", dtype=np.uint8, mode="r") if nbytes else np.zeros(0, np.uint8)
+        if n and (self.sequence_lengths.min() < 0 or self.sequence_pointers.min() < 0):
+            raise _malformed(path, "has a negative sequence length or pointer")
+        di = self.document_indices
+        if d == 0 or di[0] != 0 or di[-1] != n or (np.diff(di) < 0).any():
+            raise _malformed(path, f"has a document index that does not cover sequences [0, {n}) in order")
+
+    def _check_bin(self, path: str, nbytes: int) -> None:
+        """The .bin must end exactly where the last-ending sequence of the .idx ends (bytes)."""
+        ends = self.sequence_pointers + self.sequence_lengths.astype(np.int64) * self.dtype.itemsize
+        need = int(ends.max()) if ends.size else 0
+        if nbytes == need:
+            return
+        if nbytes == 0:
+            raise _malformed(path, f"is empty but its .idx points at {need} bytes")
+        what = "is truncated" if nbytes < need else "is longer than its .idx says"
+        raise _malformed(path, f"{what} ({nbytes} bytes, the .idx needs {need}): .bin and .idx do not match")
 
     def __len__(self) -> int:
         return self.sequence_lengths.size

@@ -1,4 +1,4 @@
-"""Randomness that depends on the seed and on *what* is drawn, never on the parallel layout.
+"""Dropout randomness that depends on the seed and on *what* is drawn, not on TP, SP or PP.
 
 Megatron-LM's rule (``model_parallel_cuda_manual_seed``): dropout inside TP-split regions
 (attention probabilities) draws from a "model-parallel" RNG state seeded with
@@ -16,6 +16,10 @@ We keep that rule at a finer grain, so that a TP=1 run reproduces a TP=k run *ex
 - Every draw is keyed by (stream seed, global layer index, site, call), where ``call`` counts the
   training forwards of the model. Keys, unlike advancing states, do not depend on which pipeline
   stage holds a layer and replay identically when a layer is recomputed in backward.
+
+Data parallelism is the exception, as in Megatron: ``call`` counts this rank's forwards and a
+micro-batch's mask has the micro-batch's shape, so DP replicas draw the same masks for different
+samples, and DP=2 and DP=1 runs with dropout on differ (with dropout 0 they agree to round-off).
 
 ``RNGTracker.fork(*key)`` swaps the device's default generator (torch.get_rng_state /
 torch.cuda.get_rng_state) for one seeded from the key, and restores it on exit, so library

@@ -134,6 +134,21 @@ class MetricsLogger:
         self.skipped_total = self.nan_total = 0
         self._reset()
 
+    def begin(self, iteration: int) -> None:
+        """Start logging after ``iteration``: a fresh run (0) empties an old metrics.jsonl in the
+        same log dir; a resumed run keeps the records up to its checkpoint's iteration and drops
+        later ones (written by the run that crashed after that checkpoint), so no iteration
+        appears twice."""
+        if self.path is None or not os.path.exists(self.path):
+            return
+        kept = []
+        if iteration > 0:
+            with open(self.path) as fh:
+                kept = [line for line in fh if line.strip() and json.loads(line).get("iteration", 0) <= iteration]
+        with open(self.path + ".tmp", "w") as fh:
+            fh.writelines(kept)
+        os.replace(self.path + ".tmp", self.path)
+
     def _reset(self):
         self._iters = self._loss_n = 0
         self._loss_sum = self._time_s = self._comm_s = 0.0

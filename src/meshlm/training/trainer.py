@@ -86,6 +86,7 @@ def pretrain(cfg: C.Config) -> dict:
     state = TrainState()
     if cfg.checkpoint.load:
         state = load_checkpoint(run)
+    run.logger.begin(state.iteration)
     try:
         return train(run, state)
     finally:
