@@ -156,3 +156,129 @@ def test_rng_states_round_trip_through_a_checkpoint(tmp_path):
     random.seed(9); np.random.seed(9); torch.manual_seed(9)
     ckpt.set_rng_state(ckpt.load(str(tmp_path))[1]["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1).item(), random.gauss(0, 1)) == expected
+
+
+# ----------------------------------------------------------------------------- damaged files: one line
+
+def _truncate(file):
+    data = open(file, "rb").read()
+    open(file, "wb").write(data[: len(data) // 2])
+
+
+DAMAGE = {
+    "missing .distcp": (lambda p: os.remove(p / "__0_0.distcp"), "__0_0.distcp is missing"),
+    "truncated .distcp": (lambda p: _truncate(p / "__0_0.distcp"), "__0_0.distcp is truncated"),
+    "rank JSON is '{'": (lambda p: (p / "rank_00000.json").write_text("{"), "rank_00000.json is not valid JSON"),
+    "rank JSON without state": (lambda p: (p / "rank_00000.json").write_text("{}"), "'state'"),
+    "manifest is '{'": (lambda p: (p / "checkpoint.json").write_text("{"), "checkpoint.json is not valid JSON"),
+    "truncated .metadata": (lambda p: _truncate(p / ".metadata"), ".metadata is truncated"),
+    "unreadable .distcp": (lambda p: (p / "__0_0.distcp").write_bytes(b"x" * os.path.getsize(p / "__0_0.distcp")),
+                           "RuntimeError"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_checkpoint_is_one_checkpoint_error_naming_load_and_iteration(tmp_path, damage):
+    ckpt.save(str(tmp_path), 10, {"w": torch.randn(64, 64), "meta": {"note": "x"}}, config={"model": {}})
+    damage_fn, reason = DAMAGE[damage]
+    damage_fn(tmp_path / "iter_0000010")
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load(str(tmp_path))
+    msg = str(err.value)
+    assert "\n" not in msg and reason in msg
+    assert msg.startswith(f"--load {tmp_path}: checkpoint iter_0000010 is damaged or incomplete (")
+    assert msg.endswith("load an earlier iteration or re-save")
+    if damage != "rank JSON without state":  # full_model_state (generate's path) reads the same files
+        with pytest.raises(CheckpointError, match="iter_0000010 is damaged or incomplete"):
+            ckpt.full_model_state(str(tmp_path / "iter_0000010"))
+
+
+def test_a_forbidden_class_in_metadata_is_still_refused_not_called_damage(tmp_path):
+    ckpt.save(str(tmp_path), 1, {"w": torch.zeros(2)})
+    with open(tmp_path / "iter_0000001" / ".metadata", "wb") as fh:
+        pickle.dump(Evil(), fh)
+    with pytest.raises(CheckpointError, match="not allowed") as err:
+        ckpt.load(str(tmp_path))
+    assert "damaged" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- --load before workers start
+
+def test_check_loadable_names_what_is_wrong_with_load(tmp_path):
+    save = tmp_path / "save"
+    ckpt.save(str(save), 3, {"w": torch.zeros(2)})
+    assert ckpt.check_loadable(str(save), None) == []
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("hi")
+    assert ckpt.check_loadable(str(other), None) == [
+        f"--load {other} is not a meshlm checkpoint directory (no latest_checkpointed_iteration.txt); "
+        f"point --load at a run's --save directory, or give --save {other} too to start fresh there"]
+    assert ckpt.check_loadable(str(other), str(other)) == []  # --load == --save: fresh start
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "is empty" in ckpt.check_loadable(str(empty), str(save))[0]
+    [problem] = ckpt.check_loadable(str(save / "iter_0000003"), None)
+    assert "one checkpoint's folder" in problem and str(save) in problem
+    (save / "latest_checkpointed_iteration.txt").write_text("7\n")
+    [problem] = ckpt.check_loadable(str(save), None)
+    assert "iteration 7" in problem and "iter_0000007 does not exist" in problem
+    (save / "latest_checkpointed_iteration.txt").write_text("{")
+    assert "expected an iteration number" in ckpt.check_loadable(str(save), None)[0]
+    assert ckpt.check_loadable(str(tmp_path / "missing"), None) == []  # left to config.validate
+
+
+# ----------------------------------------------------------------------------- another model
+
+def _model(**kw):
+    from meshlm.config import ModelConfig
+    m = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100)
+    for k, v in kw.items():
+        setattr(m, k, v)
+    return m
+
+
+def test_model_config_differences_are_listed_as_flags_in_one_line(tmp_path):
+    from meshlm.config import Config
+    cfg = Config()
+    cfg.model = _model()
+    ckpt.save(str(tmp_path), 10, {"w": torch.zeros(2)}, config=cfg.to_dict())
+    path = str(tmp_path / "iter_0000010")
+    # what may change on resume is not compared; an explicit value equal to the default is the same model
+    ckpt.check_model_config(path, _model(hidden_dropout=0.0, attention_dropout=0.3, init_method_std=0.1,
+                                         ffn_hidden_size=128, kv_channels=8))
+    with pytest.raises(CheckpointError) as err:
+        ckpt.check_model_config(path, _model(num_layers=2, num_attention_heads=8, normalization="RMSNorm",
+                                             add_bias_linear=False), load=str(tmp_path))
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"--load {tmp_path}: checkpoint iter_0000010")
+    for diff in ("--num-layers saved=4 now=2", "--num-attention-heads saved=4 now=8",
+                 "--normalization saved=LayerNorm now=RMSNorm", "--disable-bias-linear saved=False now=True",
+                 "--kv-channels saved=8 now=4", "--num-query-groups saved=4 now=8"):
+        assert diff in msg, diff
+    with pytest.raises(CheckpointError, match="--position-embedding-type saved=learned_absolute now=rope"):
+        ckpt.check_model_config(path, _model(position_embedding_type="rope"))
+    with pytest.raises(CheckpointError, match="--max-position-embeddings saved=16 now=32"):
+        ckpt.check_model_config(path, _model(seq_length=32))
+
+
+def test_model_config_check_without_config_json_is_damage(tmp_path):
+    ckpt.save(str(tmp_path), 10, {"w": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match="iter_0000010 is damaged or incomplete \\(config.json is missing\\)"):
+        ckpt.check_model_config(str(tmp_path / "iter_0000010"), _model())
+
+
+def test_model_tensors_the_model_does_not_use_or_lacks_are_refused_before_copying():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    saved = {k: torch.ones_like(v) for k, v in model.state_dict().items()}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="not used by the model 1: 2.running_mean"):
+        ckpt.load_model_state([model], None, {**saved, "2.running_mean": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match="missing 1: 1.bias"):
+        ckpt.load_model_state([model], None, {k: v for k, v in saved.items() if k != "1.bias"})
+    with pytest.raises(CheckpointError, match=r"another shape.*0.weight \(3, 3\) vs \(2, 3\)"):
+        ckpt.load_model_state([model], None, {**saved, "0.weight": torch.zeros(3, 3)})
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])  # nothing copied by a refused load
+    ckpt.load_model_state([model], None, saved)
+    assert all(torch.equal(v, torch.ones_like(v)) for v in model.state_dict().values())

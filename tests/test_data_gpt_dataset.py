@@ -136,10 +136,44 @@ def test_build_datasets_single_prefix_sizes_and_zero_weight_split(tmp_path):
     assert build_datasets(cfg, world_size=2)[0].cache_hit
 
 
-def test_build_datasets_empty_split_is_a_data_error(tmp_path):
+def test_an_empty_test_split_is_not_built_and_noted_in_one_line(tmp_path, capsys):
+    make_dataset(tmp_path / "d", n_docs=292)  # 969,30,1 → test = sequences [292, 292)
+    train, valid, test = build_datasets(config([str(tmp_path / "d")], split="969,30,1"))
+    assert test is None and len(train) > 0 and len(valid) > 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line]
+    assert len(notes) == 1 and "test split" in notes[0] and "--split 969,30,1" in notes[0]
+
+
+def test_an_empty_valid_split_is_not_built_without_evaluation(tmp_path):
+    make_dataset(tmp_path / "d", n_docs=10)  # 969,30,1 → valid = sequences [10, 10)
+    train, valid, test = build_datasets(config([str(tmp_path / "d")], split="969,30,1", eval_iters=0))
+    assert len(train) > 0 and valid is None and test is None
+
+
+def suggested_split(message):
+    return message.split("--split ")[-1].split()[0]
+
+
+@pytest.mark.parametrize("split, empty", [("969,30,1", "valid"), ("0.001,99,1", "train")])
+def test_an_empty_needed_split_names_split_and_suggests_one_that_works(tmp_path, split, empty):
     make_dataset(tmp_path / "d", n_docs=10)
-    with pytest.raises(DataError, match=r"the valid split \(sequences \[10, 10\) of 10\) holds no tokens"):
-        build_datasets(config([str(tmp_path / "d")], split="969,30,1"))
+    cfg = config([str(tmp_path / "d")], split=split)
+    with pytest.raises(DataError) as err:
+        build_datasets(cfg)
+    msg = str(err.value)
+    assert f"--split {split} leaves the {empty} split" in msg and "\n" not in msg
+    cfg.data.split = suggested_split(msg)
+    assert cfg.data.split != split
+    train, valid, _ = build_datasets(cfg)
+    assert len(train) > 0 and len(valid) > 0
+
+
+def test_an_empty_split_of_one_blended_dataset_names_that_dataset(tmp_path):
+    make_dataset(tmp_path / "big", n_docs=300)
+    make_dataset(tmp_path / "small", n_docs=10, seed=1)
+    cfg = config([str(tmp_path / "big"), str(tmp_path / "small")], split="969,30,1")
+    with pytest.raises(DataError, match=r"--data-path \S*small: --split 969,30,1 leaves the valid split"):
+        build_datasets(cfg)
 
 
 def test_build_datasets_without_data_names_the_flags(tmp_path):

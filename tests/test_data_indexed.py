@@ -118,3 +118,57 @@ def test_check_token_ids_names_the_file_and_the_largest_id(tmp_path):
     with pytest.raises(DataError) as err:
         check_token_ids([good, bad], vocab_size=100)
     assert "bad.bin" in str(err.value) and "300" in str(err.value)
+
+
+def _corrupt(prefix, how):
+    """Damage a good two-document dataset (3 + 4 uint16 tokens) the way ``how`` names."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    body = open(idx, "rb").read()
+    if how == "both files empty":
+        open(idx, "wb").close()
+        open(bin_, "wb").close()
+    elif how == "idx empty":
+        open(idx, "wb").close()
+    elif how == "idx header cut":
+        open(idx, "wb").write(body[:20])
+    elif how == "idx arrays cut":
+        open(idx, "wb").write(body[:-5])
+    elif how == "idx extra bytes":
+        open(idx, "ab").write(b"\0" * 8)
+    elif how == "wrong magic":
+        open(idx, "wb").write(b"XXIDIDX\0\0" + body[9:])
+    elif how == "unknown dtype code":
+        open(idx, "wb").write(body[:17] + bytes([42]) + body[18:])
+    elif how == "document index out of order":
+        open(idx, "wb").write(body[:-24] + np.array([0, 2, 1], np.int64).tobytes())
+    elif how == "bin empty":
+        open(bin_, "wb").close()
+    elif how == "bin longer than idx says":
+        open(bin_, "ab").write(b"\0\0")
+    elif how == "bin truncated":
+        open(bin_, "r+b").truncate(6)
+
+
+@pytest.mark.parametrize("how, bad_file", [
+    ("both files empty", "idx"), ("idx empty", "idx"), ("idx header cut", "idx"), ("idx arrays cut", "idx"),
+    ("idx extra bytes", "idx"), ("wrong magic", "idx"), ("unknown dtype code", "idx"),
+    ("document index out of order", "idx"), ("bin empty", "bin"), ("bin longer than idx says", "bin"),
+    ("bin truncated", "bin")])
+def test_any_malformed_file_is_a_one_line_data_error_naming_it(tmp_path, how, bad_file):
+    prefix = str(tmp_path / "e_text_document")
+    write(prefix, [[1, 2, 3], [4, 5, 6, 7]])
+    IndexedDataset(prefix)  # intact: opens
+    _corrupt(prefix, how)
+    with pytest.raises(DataError) as err:
+        IndexedDataset(prefix)
+    msg = str(err.value)
+    assert f"e_text_document.{bad_file} " in msg and "\n" not in msg
+    assert "not a valid Megatron indexed dataset" in msg and "meshlm preprocess" in msg
+
+
+def test_a_dataset_of_empty_documents_with_an_empty_bin_still_opens(tmp_path):
+    prefix = str(tmp_path / "ds")
+    write(prefix, [[], []])
+    assert os.path.getsize(prefix + ".bin") == 0
+    ds = IndexedDataset(prefix)
+    assert len(ds) == 2 and ds.num_tokens == 0

@@ -94,3 +94,22 @@ def test_missing_input_and_nothing_usable_raise_data_error(tmp_path):
     with pytest.raises(DataError, match="no usable record"):
         preprocess_files([str(bad)], str(tmp_path / "out"), null_cfg(), VOCAB, quiet=True)
     assert not list(tmp_path.glob("out*"))
+
+
+@pytest.mark.parametrize("append_eod", [False, True])
+def test_records_that_are_all_empty_write_nothing(tmp_path, append_eod):
+    path = tmp_path / "blank.jsonl"
+    path.write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": ""}) + "\n")
+    argv = ["--input", str(path), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", str(VOCAB)] + (["--append-eod"] if append_eod else [])
+    with pytest.raises(DataError, match=r"blank.jsonl: 0 tokens written: every record's 'text' was empty"):
+        run(parse(argv))
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_one_key_whose_records_are_all_empty_is_named_and_nothing_written(tmp_path):
+    path = tmp_path / "two.jsonl"
+    path.write_text(json.dumps({"a": "1 2", "b": ""}) + "\n" + json.dumps({"a": "3", "b": ""}) + "\n")
+    with pytest.raises(DataError, match=r"every record's 'b' was empty"):
+        preprocess_files([str(path)], str(tmp_path / "out"), null_cfg(), VOCAB, json_keys=("a", "b"), quiet=True)
+    assert not list(tmp_path.glob("out*"))

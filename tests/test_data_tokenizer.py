@@ -100,3 +100,23 @@ def test_train_cli_reads_jsonl_keys_and_plain_text(tmp_path):
     missing = parser.parse_args(["--input", str(tmp_path / "nope.jsonl"), "--output", out])
     with pytest.raises(DataError, match="nope.jsonl"):
         run_train(missing)
+
+
+@pytest.mark.parametrize("content", ["", json.dumps({"text": ""}) + "\n" + json.dumps({"text": ""}) + "\n",
+                                     "{broken\n" + json.dumps({"body": "text under another key"}) + "\n"])
+def test_train_cli_without_any_text_is_a_data_error_and_writes_nothing(tmp_path, content):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(content)
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    out = tmp_path / "t.json"
+    args = parser.parse_args(["--input", str(empty), "--vocab-size", "500", "--output", str(out)])
+    with pytest.raises(DataError, match=r"no text to train on in \S*empty.jsonl"):
+        run_train(args)
+    assert not out.exists() and not list(tmp_path.glob("t.json*"))
+
+
+def test_train_bpe_on_no_texts_is_a_data_error(tmp_path):
+    with pytest.raises(DataError, match="no text to train on"):
+        train_bpe(["", ""], 300, str(tmp_path / "t.json"))
+    assert not (tmp_path / "t.json").exists()

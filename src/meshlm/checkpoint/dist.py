@@ -24,25 +24,34 @@ Safe load: DCP unpickles ``.metadata`` with plain ``pickle.load`` and non-tensor
 DCP's metadata classes, no non-tensor value is stored in DCP, tensors are read with
 ``weights_only=True`` and non-tensor values come from JSON: loading never unpickles an
 arbitrary object.
+
+Damage: any OSError/RuntimeError/ValueError/JSON/pickle error while reading a checkpoint's files
+becomes one CheckpointError line (``reading``); before DCP reads tensors, every ``.distcp`` file
+they live in is checked to exist and to be long enough (a stat, no read).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import errno
 import json
 import os
 import pickle
 import shutil
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..errors import CheckpointError
+from .. import config as C
+from ..errors import CheckpointError, ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "checkpoint.json"
@@ -98,25 +107,35 @@ _ALLOWED = {
      ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
 
 
+class _ForbiddenClass(pickle.UnpicklingError):
+    pass
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Admits only the classes DCP's .metadata of a tensor-only checkpoint contains."""
 
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a meshlm checkpoint's .metadata")
+        raise _ForbiddenClass(f"{module}.{name} is not allowed in a meshlm checkpoint's .metadata")
 
 
 class SafeReader(FileSystemReader):
-    """FileSystemReader whose .metadata is read by the allow-list unpickler above."""
+    """FileSystemReader whose .metadata is read by the allow-list unpickler above.
+
+    Raises CheckpointError for a class outside the allow-list; a truncated file raises _Corrupt,
+    which ``reading`` reports as damage.
+    """
 
     def read_metadata(self, *args, **kwargs):
         path = os.path.join(str(self.path), ".metadata")
         try:
             with open(path, "rb") as fh:
                 metadata = _MetadataUnpickler(fh).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError) as e:
+        except _ForbiddenClass as e:
             raise CheckpointError(f"{path}: not a valid meshlm checkpoint metadata file ({e})") from None
+        except (EOFError, pickle.UnpicklingError) as e:
+            raise _Corrupt(f".metadata is truncated or corrupt ({e})") from None
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -128,6 +147,79 @@ class _TensorOnlyPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value):
         raise CheckpointError(f"checkpoint value {read_item.dest_index.fqn!r} is a pickled object; "
                               f"meshlm checkpoints hold tensors only")
+
+
+# ----------------------------------------------------------------------------- damaged files
+
+_DAMAGE = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError)  # ValueError ⊇ JSON
+
+
+class _Corrupt(ValueError):
+    """A checkpoint file that is truncated or unparsable; the message names the file."""
+
+
+def _load_json(file: str) -> Any:
+    """json.load of ``file``; _Corrupt naming the file when it is not JSON."""
+    with open(file) as fh:
+        try:
+            return json.load(fh)
+        except json.JSONDecodeError as e:
+            raise _Corrupt(f"{os.path.basename(file)} is not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def _reason(e: BaseException) -> str:
+    """A short phrase for what was wrong with a checkpoint file."""
+    if isinstance(e, FileNotFoundError) and e.filename:
+        return f"{os.path.basename(str(e.filename))} is missing"
+    if isinstance(e, KeyError):
+        return f"entry {e} is missing"
+    text = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:120]
+    return text if isinstance(e, _Corrupt) else f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def damaged(folder: str, e: BaseException, load: Optional[str] = None) -> CheckpointError:
+    """The one-line CheckpointError for a checkpoint folder whose files could not be read.
+
+    load: the --load argument to name (default: the folder's parent, the --save directory).
+    """
+    load = load or os.path.dirname(os.path.normpath(folder))
+    return CheckpointError(f"--load {load}: checkpoint {os.path.basename(os.path.normpath(folder))} is damaged "
+                           f"or incomplete ({_reason(e)}); load an earlier iteration or re-save")
+
+
+@contextlib.contextmanager
+def reading(folder: str, load: Optional[str] = None) -> Iterator[None]:
+    """Turn any error of reading ``folder``'s files (OSError, RuntimeError, ValueError incl. JSON,
+    KeyError, truncated pickle; DCP wraps them in CheckpointException) into ``damaged(...)``.
+    A CheckpointError raised inside passes through unchanged."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except CheckpointException as e:  # DCP's wrapper (a BaseException) of each rank's failure
+        inner = next(iter(e.failures.values()))[0] if e.failures else e
+        if isinstance(inner, CheckpointError):
+            raise inner from None
+        raise damaged(folder, inner, load) from None
+    except _DAMAGE as e:
+        raise damaged(folder, e, load) from None
+
+
+def _check_storage(path: str, metadata, keys) -> None:
+    """Raise FileNotFoundError / _Corrupt when a .distcp file holding one of ``keys`` is missing
+    or shorter than the byte range .metadata gives for it (a stat per file, no read)."""
+    wanted, sizes = set(keys), {}
+    for index, info in (metadata.storage_data or {}).items():
+        if index.fqn not in wanted:
+            continue
+        file = os.path.join(path, info.relative_path)
+        if file not in sizes:
+            if not os.path.isfile(file):
+                raise FileNotFoundError(errno.ENOENT, "No such file", file)
+            sizes[file] = os.path.getsize(file)
+        if sizes[file] < info.offset + info.length:
+            raise _Corrupt(f"{info.relative_path} is truncated ({sizes[file]} bytes, "
+                             f"its tensors need {info.offset + info.length})")
 
 
 # ----------------------------------------------------------------------------- files
@@ -243,17 +335,48 @@ def checkpoint_dir(root: str, iteration: Optional[int] = None) -> str:
         if iteration is None:
             raise CheckpointError(f"--load {root}: no {TRACKER}; point --load at a folder written by --save")
     path = iteration_dir(root, iteration)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but {path} does not "
+                              f"exist; write the iteration of a complete iter_XXXXXXX folder into it")
     for name in (MANIFEST, ".metadata"):
         if not os.path.isfile(os.path.join(path, name)):
-            raise CheckpointError(f"checkpoint {path} is incomplete or missing ({name} not found); "
+            raise CheckpointError(f"checkpoint {path} is incomplete ({name} not found); "
                                   f"load another iteration or start without --load")
     return path
 
 
+def check_loadable(load: Optional[str], save: Optional[str] = None) -> list:
+    """Problems with ``--load load`` found from the file system alone (no tensor is read), one line
+    each; [] when it can be loaded, or when it is the --save directory without a checkpoint yet
+    (a fresh start). A --load that does not exist is left to config.validate.
+
+    Meant to run before workers start (config.validate) and again in the trainer.
+    """
+    if not load or not os.path.isdir(load):
+        return []
+    try:
+        iteration = read_tracker(load)
+    except (CheckpointError, OSError) as e:
+        return [str(e) if isinstance(e, CheckpointError) else f"--load {load}: {TRACKER} unreadable ({e})"]
+    if iteration is None:
+        if os.path.isfile(os.path.join(load, MANIFEST)):
+            return [f"--load {load} is one checkpoint's folder; point --load at its parent "
+                    f"{os.path.dirname(os.path.normpath(load))} (the run's --save directory)"]
+        if save and os.path.abspath(load) == os.path.abspath(save):
+            return []
+        what = "is empty" if not os.listdir(load) else "is not a meshlm checkpoint directory"
+        return [f"--load {load} {what} (no {TRACKER}); point --load at a run's --save directory, "
+                f"or give --save {load} too to start fresh there"]
+    try:
+        checkpoint_dir(load, iteration)
+    except CheckpointError as e:
+        return [str(e)]
+    return []
+
+
 def read_manifest(path: str) -> dict:
     """checkpoint.json of a checkpoint folder (iteration, world_size, layout)."""
-    with open(os.path.join(path, MANIFEST)) as fh:
-        return json.load(fh)
+    return _load_json(os.path.join(path, MANIFEST))
 
 
 def read_config(path: str) -> dict:
@@ -261,15 +384,15 @@ def read_config(path: str) -> dict:
     file = os.path.join(path, CONFIG)
     if not os.path.isfile(file):
         raise CheckpointError(f"{file} not found: the checkpoint was saved without its config")
-    with open(file) as fh:
-        return json.load(fh)
+    return _load_json(file)
 
 
 def read_tensors(path: str, keys: list) -> dict:
     """Load the tensors ``keys`` of a checkpoint folder into new CPU tensors, without collectives.
 
     Shapes and dtypes come from the DCP metadata (read with the allow-list unpickler).
-    Raises CheckpointError naming the first key the checkpoint does not hold.
+    Raises CheckpointError naming the first key the checkpoint does not hold; damaged files raise
+    their own errors (FileNotFoundError, _Corrupt, RuntimeError...), for ``reading`` to report.
     """
     metadata = SafeReader(path).read_metadata()
     out = {}
@@ -278,6 +401,7 @@ def read_tensors(path: str, keys: list) -> dict:
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointError(f"checkpoint {path} has no tensor {key!r}")
         out[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    _check_storage(path, metadata, keys)
     if out:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -297,8 +421,7 @@ def _rank_file(path: str, world_saved: int, coords: Optional[dict]) -> str:
     fallback = None
     for name in sorted(os.listdir(path)):
         if name.startswith("rank_") and name.endswith(".json"):
-            with open(os.path.join(path, name)) as fh:
-                saved = json.load(fh).get("coords") or {}
+            saved = _load_json(os.path.join(path, name)).get("coords") or {}
             if saved == coords:
                 return os.path.join(path, name)
             if fallback is None and {k: v for k, v in saved.items() if k != "dp"} == loose:
@@ -315,20 +438,68 @@ def load(root: str, *, layout: Optional[dict] = None, coords: Optional[dict] = N
     Returns (iteration, state) with state the nested dict the matching rank passed to ``save``
     (tensors on CPU). Without ``coords`` that is the rank with this rank's number (same world size
     required); with ``coords``, the saved rank at the same place (see ``_rank_file``). Each rank
-    reads only what it needs (no collective). Raises CheckpointError if the checkpoint is missing
-    or incomplete, or any key of ``layout`` differs from the saved layout (resharding to another
-    TP/PP layout is not supported yet).
+    reads only what it needs (no collective). Raises CheckpointError if the checkpoint is missing,
+    incomplete or damaged (one line, see ``reading``), or any key of ``layout`` differs from the
+    saved layout (resharding to another TP/PP layout is not supported yet).
     """
     path = checkpoint_dir(root, iteration)
-    manifest = read_manifest(path)
-    saved = manifest.get("layout", {})
-    if layout is not None and {k: saved.get(k) for k in layout} != layout:
-        raise CheckpointError(f"checkpoint {path} was saved with layout {saved}; this run has {layout}: "
-                              f"resume with the saved layout (resharding on load is not supported yet)")
-    with open(_rank_file(path, manifest["world_size"], coords)) as fh:
-        tree = json.load(fh)["state"]
-    tensors = read_tensors(path, _tensor_keys(tree))
-    return manifest["iteration"], _unflatten(tree, tensors)
+    with reading(path, root):
+        manifest = read_manifest(path)
+        saved = manifest.get("layout", {})
+        if layout is not None and {k: saved.get(k) for k in layout} != layout:
+            raise CheckpointError(f"checkpoint {path} was saved with layout {saved}; this run has {layout}: "
+                                  f"resume with the saved layout (resharding on load is not supported yet)")
+        tree = _load_json(_rank_file(path, manifest["world_size"], coords))["state"]
+        tensors = read_tensors(path, _tensor_keys(tree))
+        return manifest["iteration"], _unflatten(tree, tensors)
+
+
+# ----------------------------------------------------------------------------- model config
+
+def _architecture(m: C.ModelConfig) -> dict:
+    """{field name: effective value} of the ModelConfig fields that decide the model's function and
+    tensor shapes (defaults resolved, e.g. --ffn-hidden-size None → 4h). Dropout, init, sequence
+    length (except as the learned position table size) may change on resume and are left out."""
+    arch = {name: getattr(m, name) for name in (
+        "num_layers", "hidden_size", "num_attention_heads", "normalization", "swiglu",
+        "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
+        "vocab_size", "make_vocab_size_divisible_by")}
+    arch.update(num_query_groups=C.query_groups(m), ffn_hidden_size=C.ffn_hidden(m), kv_channels=C.head_dim(m))
+    if m.position_embedding_type == "rope":
+        arch["rotary_base"] = m.rotary_base
+    else:
+        arch["max_position_embeddings"] = C.max_positions(m)
+    return arch
+
+
+def check_model_config(path: str, model: C.ModelConfig, load: Optional[str] = None) -> None:
+    """Compare ``model`` with the model section of the checkpoint folder's config.json.
+
+    Raises CheckpointError, one line listing every differing architecture field as
+    ``--flag saved=X now=Y`` (``--disable-bias-linear`` shown as the flag's own sense), or
+    ``damaged`` when config.json is missing or unreadable.
+    """
+    with reading(path, load):
+        if not os.path.isfile(os.path.join(path, CONFIG)):
+            raise FileNotFoundError(errno.ENOENT, "No such file", os.path.join(path, CONFIG))
+        try:
+            saved_model = C.Config.from_dict({"model": read_config(path)["model"]}).model
+        except ConfigError as e:
+            raise ValueError(f"{CONFIG}: {e}") from None
+    saved, now = _architecture(saved_model), _architecture(model)
+    fields = {f.name: f for f in dataclasses.fields(C.ModelConfig)}
+    diffs = []
+    for name in (n for n in now if n in saved):  # position fields differ with the position type
+        a, b = saved[name], now[name]
+        if a != b:
+            f = fields[name]
+            if f.metadata.get("action") == "store_false":
+                a, b = not a, not b
+            diffs.append(f"{C.flag_of(f)} saved={a} now={b}")
+    if diffs:
+        raise CheckpointError(f"--load {load or os.path.dirname(os.path.normpath(path))}: checkpoint "
+                              f"{os.path.basename(os.path.normpath(path))} is of another model: {', '.join(diffs)}; "
+                              f"pass the saved values or start without --load")
 
 
 # ----------------------------------------------------------------------------- RNG states
@@ -392,31 +563,41 @@ def model_state(chunks, ps) -> dict:
 def load_model_state(chunks, ps, params: dict) -> None:
     """Copy ``params`` (the "model" subtree of a loaded state) into the chunks in place.
 
-    Raises CheckpointError naming the first tensor that is missing or has another shape.
+    Raises CheckpointError, before copying anything, when the checkpoint lacks a tensor the model
+    has, holds one the model does not use, or holds one of another shape (names the first few).
     """
-    for chunk in chunks:
-        for name, t in chunk.state_dict(keep_vars=True).items():
-            key = _model_key(name, t, ps)
-            src = params.get(key)
-            if src is None or src.shape != t.shape:
-                found = "missing" if src is None else f"shape {tuple(src.shape)}"
-                raise CheckpointError(f"checkpoint tensor {key!r} is {found}, the model needs "
-                                      f"{tuple(t.shape)}: was it saved with another model config?")
-            t.copy_(src)
+    targets = {_model_key(name, t, ps): t for chunk in chunks for name, t in chunk.state_dict(keep_vars=True).items()}
+    missing = [k for k in targets if k not in params]
+    unexpected = [k for k in params if k not in targets]
+    shapes = [f"{k} {tuple(params[k].shape)} vs {tuple(t.shape)}" for k, t in targets.items()
+              if k in params and params[k].shape != t.shape]
+    problems = [f"{what} {len(keys)}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
+                for what, keys in (("missing", missing), ("not used by the model", unexpected),
+                                   ("of another shape (saved vs model)", shapes)) if keys]
+    if problems:
+        raise CheckpointError(f"checkpoint model tensors do not match the model ({'; '.join(problems)}): "
+                              f"was it saved with another model config?")
+    for key, t in targets.items():
+        t.copy_(params[key])
 
 
-def full_model_state(path: str) -> dict:
+def full_model_state(path: str, load: Optional[str] = None) -> dict:
     """{global name: full (TP=1) fp32 tensor} rebuilt from every rank of a checkpoint folder.
 
     Works for any TP/PP layout the checkpoint was saved with: TP shards are put back with their
     saved partition index (vocabulary padding dropped), PP stages hold disjoint global names.
-    Reads rank JSONs and tensors only (no collective).
+    Reads rank JSONs and tensors only (no collective). Damaged files raise ``damaged(path, e,
+    load)``, one line naming ``load`` (the --load argument; default the folder's parent).
     """
+    with reading(path, load):
+        return _full_model_state(path)
+
+
+def _full_model_state(path: str) -> dict:
     trees = []
     for name in sorted(os.listdir(path)):
         if name.startswith("rank_") and name.endswith(".json"):
-            with open(os.path.join(path, name)) as fh:
-                tree = dict(json.load(fh)["state"]["d"])
+            tree = dict(_load_json(os.path.join(path, name))["state"]["d"])
             trees.append({"model": tree["model"], "model_shards": tree.get("model_shards", {"d": []})})
     keys = sorted({k for tree in trees for sub in tree.values() for k in _tensor_keys(sub)})
     tensors = read_tensors(path, keys)

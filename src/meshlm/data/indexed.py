@@ -111,12 +111,14 @@ class IndexedDataset:
         size = os.path.getsize(path)
         if size == 0:
             raise _malformed(path, "is empty")
+        with open(path, "rb") as f:
+            head = f.read(_HEADER)
+        if head[:len(MAGIC)] != MAGIC[:len(head)]:
+            raise _malformed(path, "has a bad magic (expected MMIDIDX)")
         if size < _HEADER:
             raise _malformed(path, f"is truncated ({size} bytes, shorter than the {_HEADER}-byte header)")
         idx = np.memmap(path, dtype=np.uint8, mode="r")
-        if bytes(idx[:len(MAGIC)]) != MAGIC:
-            raise _malformed(path, "has a bad magic (expected MMIDIDX)")
-        version, code, n, d = struct.unpack("<QBQQ", bytes(idx[len(MAGIC):_HEADER]))
+        version, code, n, d = struct.unpack("<QBQQ", head[len(MAGIC):])
         if version != VERSION or code not in DTYPE_CODES:
             raise _malformed(path, f"has unsupported version {version} or dtype code {code}")
         expected = _HEADER + 12 * n + 8 * d

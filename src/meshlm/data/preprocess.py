@@ -8,7 +8,8 @@ else int32, one document = one sequence; ``--append-eod`` appends the tokenizer'
 Bad records (invalid JSON, not an object, a missing key, a non-string value, bytes that are not
 UTF-8, NullTokenizer text that is not integers) are skipped, counted and reported as
 ``file:line: reason`` (the first :data:`SHOW_BAD` shown); a record is kept only if every key is
-good, so the datasets of several keys stay aligned. Blank jsonl lines are ignored.
+good, so the datasets of several keys stay aligned. Blank jsonl lines are ignored. When no record
+is usable, or every usable record's text is empty for some key, nothing is written (DataError).
 """
 
 from __future__ import annotations
@@ -105,9 +106,10 @@ def _init_worker(tok_cfg, vocab_size, keys, append_eod, tokenizer=None):
 
 
 def _encode_chunk(chunk):
-    """Tokenize a chunk of records → (list of per-key id lists of good records, bad messages, bytes)."""
+    """Tokenize a chunk of records → (list of per-key id lists of good records, bad messages, bytes,
+    per-key text tokens: the ids before any appended eod)."""
     tok, keys, append_eod = _worker_state["tok"], _worker_state["keys"], _worker_state["append_eod"]
-    good, bad, nbytes = [], [], 0
+    good, bad, nbytes, text_tokens = [], [], 0, [0] * len(keys)
     for path, line, raw, is_json in chunk:
         nbytes += len(raw)
         try:
@@ -116,10 +118,11 @@ def _encode_chunk(chunk):
         except (BadRecord, ValueError) as e:
             bad.append(f"{path}:{line}: {e}")
             continue
+        text_tokens = [t + len(x) for t, x in zip(text_tokens, ids)]
         if append_eod:
             ids = [x + [tok.eod] for x in ids]
         good.append(ids)
-    return good, bad, nbytes
+    return good, bad, nbytes, text_tokens
 
 
 def _chunks(records):
@@ -152,7 +155,8 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
 
     tok_cfg: tokenizer fields (tokenizer_type, tokenizer_model, vocab_file, merge_file), e.g. a
     DataConfig. workers > 1 tokenizes in a process pool (order of documents is kept).
-    Raises DataError when an input is missing or no record at all is usable.
+    Raises DataError (and writes nothing) when an input is missing, no record at all is usable, or
+    every usable record's text is empty for some key.
     """
     for path in inputs:
         if not os.path.isfile(path):
@@ -166,6 +170,7 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
     stats = PreprocessStats()
     start = time.perf_counter()
     progress, task = _progress(sum(os.path.getsize(p) for p in inputs), quiet)
+    text_tokens = [0] * len(keys)
     pool = None
     if workers > 1:
         pool = multiprocessing.get_context().Pool(workers, _init_worker,
@@ -176,7 +181,8 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
         results = map(_encode_chunk, _chunks(iter_records(inputs)))
     try:
         with progress:
-            for good, bad, nbytes in results:
+            for good, bad, nbytes, chunk_tokens in results:
+                text_tokens = [t + c for t, c in zip(text_tokens, chunk_tokens)]
                 for ids in good:
                     for writer, doc in zip(writers, ids):
                         writer.add_document(doc)
@@ -192,11 +198,17 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
         if pool is not None:
             pool.terminate()
     stats.seconds = time.perf_counter() - start
-    if stats.documents == 0:
+    empty_keys = [key for key, t in zip(keys, text_tokens) if t == 0]
+    if stats.documents == 0 or empty_keys:
         for writer in writers:
             writer.abort()
+    if stats.documents == 0:
         raise DataError(f"--input {' '.join(inputs)}: no usable record ({stats.bad} bad); "
                         f"first: {stats.bad_messages[0] if stats.bad_messages else 'the inputs are empty'}")
+    if empty_keys:
+        raise DataError(f"--input {' '.join(inputs)}: 0 tokens written: every record's "
+                        f"{', '.join(repr(k) for k in empty_keys)} was empty, so nothing was written; "
+                        f"give files with text (or other --json-keys)")
     for writer in writers:
         writer.finalize()
     stats.outputs = prefixes

@@ -173,20 +173,34 @@ def train_bpe(source, vocab_size: int, output_path: str, json_keys=("text",)) ->
     token ``<|endoftext|>`` as eod, and save it as a tokenizer.json at output_path (atomically).
 
     source: an iterable of texts, or a list of files (jsonl read through json_keys, other files as
-    one text each). Returns the trained tokenizer as a HuggingFaceTokenizer.
+    one text each). Returns the trained tokenizer as a HuggingFaceTokenizer. Raises DataError, and
+    writes nothing, when the source holds no non-empty text.
     """
     from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
 
     if isinstance(source, (list, tuple)) and source and all(
             isinstance(p, (str, os.PathLike)) and os.path.isfile(p) for p in source):
         from .preprocess import iter_texts
+        where = (" ".join(str(p) for p in source) + " (every record empty, unusable or without "
+                 f"--json-keys {' '.join(json_keys)})")
         source = iter_texts([str(p) for p in source], json_keys)
+    else:
+        where = "the given texts"
+    seen = [0]  # non-empty texts the trainer consumed
+
+    def counted(texts):
+        for text in texts:
+            seen[0] += bool(text)
+            yield text
+
     tok = HFTok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(source, trainer=trainer)
+    tok.train_from_iterator(counted(source), trainer=trainer)
+    if not seen[0]:
+        raise DataError(f"no text to train on in {where}; give inputs with non-empty text")
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     tok.save(output_path + ".tmp")
     os.replace(output_path + ".tmp", output_path)

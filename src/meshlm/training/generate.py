@@ -53,17 +53,21 @@ def load_model(path: str, device: Optional[torch.device] = None) -> tuple:
     """(GPTModel at TP=1/PP=1 in eval mode, fp32 on ``device``; its tokenizer) from a checkpoint.
 
     path: a --save directory (the tracker's iteration is used) or one iter_XXXXXXX folder.
-    Raises CheckpointError when the folder, its config.json or a weight is missing.
+    Raises CheckpointError when the folder, its config.json or a weight is missing, and one line
+    (checkpoint.dist.damaged) when any of its files cannot be read.
     """
     from ..model.transformer import GPTModel
 
     folder = path if os.path.isfile(os.path.join(path, ckpt.MANIFEST)) else ckpt.checkpoint_dir(path)
-    cfg = Config.from_dict(ckpt.read_config(folder))
+    with ckpt.reading(folder, load=path):
+        saved = ckpt.read_config(folder)
+    cfg = Config.from_dict(saved)
     tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
     device = device or torch.device("cpu")
     model = GPTModel(cfg.model, ParallelState.single(device), tokenizer.vocab_size, seed=cfg.training.seed)
+    full = ckpt.full_model_state(folder, load=path)
     try:
-        load_full_state_dict(model, ckpt.full_model_state(folder))
+        load_full_state_dict(model, full)
     except KeyError as e:
         raise CheckpointError(f"checkpoint {folder} has no weight {e}: was it saved from this model?") from None
     model.eval()

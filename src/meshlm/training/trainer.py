@@ -30,7 +30,7 @@ from ..data.gpt_dataset import build_datasets
 from ..data.indexed import check_token_ids
 from ..data.sampler import micro_batches
 from ..data.tokenizer import NullTokenizer, build_tokenizer
-from ..errors import DataError, TrainingError
+from ..errors import CheckpointError, DataError, TrainingError
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import LRScheduler
 from ..parallel.data import DistributedDataParallel
@@ -314,15 +314,27 @@ def save_checkpoint(run: Run, state: TrainState) -> str:
 
 
 def load_checkpoint(run: Run) -> TrainState:
-    """Resume from --load. No tracker and --load == --save: a fresh start (Megatron's rule)."""
+    """Resume from --load. No tracker and --load == --save: a fresh start (Megatron's rule).
+
+    Raises CheckpointError, the same line on every rank (agreed before any rank goes on, so none
+    is left waiting in a collective), when --load is not a checkpoint, is damaged, or holds another
+    model (config.json's architecture fields, then the model tensors' names and shapes).
+    """
     cfg, ps = run.cfg, run.ps
     root = cfg.checkpoint.load
-    if ckpt.read_tracker(root) is None and os.path.abspath(root) == os.path.abspath(cfg.checkpoint.save or ""):
+    loaded, problem = None, None
+    try:
+        loaded = _read_checkpoint(run)
+    except CheckpointError as e:
+        problem = str(e)
+    problem = _first_problem(problem, ps)
+    if problem:
+        raise CheckpointError(problem)
+    if loaded is None:
         if ps.rank == 0:
             print(f"--load {root}: no checkpoint yet, starting from scratch", flush=True)
         return TrainState()
-    iteration, tree = ckpt.load(root, layout=_layout(ps, cfg), coords=_coords(ps))
-    ckpt.load_model_state(run.chunks, ps, tree["model"])
+    iteration, tree = loaded
     run.opt.load_state_dict(tree[f"optimizer/pp{ps.pp_rank}.tp{ps.tp_rank}"])
     run.sched.load_state_dict(tree["scheduler"])
     rng = next(v for k, v in tree.items() if k.startswith("rng/rank"))
@@ -333,6 +345,31 @@ def load_checkpoint(run: Run) -> TrainState:
     if ps.rank == 0:
         print(f"loaded checkpoint {run.last_checkpoint} (iteration {iteration})", flush=True)
     return TrainState(**tree["train"])
+
+
+def _read_checkpoint(run: Run) -> Optional[tuple]:
+    """This rank's part of load_checkpoint that has no collective: check --load, compare the
+    saved model config, read the state and copy the model tensors. None for a fresh start."""
+    cfg, ps = run.cfg, run.ps
+    root = cfg.checkpoint.load
+    problems = ckpt.check_loadable(root, cfg.checkpoint.save)
+    if problems:
+        raise CheckpointError(problems[0])
+    if ckpt.read_tracker(root) is None and os.path.abspath(root) == os.path.abspath(cfg.checkpoint.save or ""):
+        return None
+    ckpt.check_model_config(ckpt.checkpoint_dir(root), cfg.model, load=root)
+    iteration, tree = ckpt.load(root, layout=_layout(ps, cfg), coords=_coords(ps))
+    ckpt.load_model_state(run.chunks, ps, tree["model"])
+    return iteration, tree
+
+
+def _first_problem(problem: Optional[str], ps: ParallelState) -> Optional[str]:
+    """The lowest rank's problem (None if no rank has one), known to every rank."""
+    if ps.world_size == 1:
+        return problem
+    problems = [None] * ps.world_size
+    torch.distributed.all_gather_object(problems, problem)
+    return next((p for p in problems if p), None)
 
 
 def _portable_config(cfg: C.Config) -> dict:
@@ -346,16 +383,29 @@ def _portable_config(cfg: C.Config) -> dict:
 
 def _print_sample(run: Run) -> None:
     """After a run on real text (not mock data) that saved a checkpoint, print a short sample
-    from it on rank 0 with a TP=1/PP=1 copy of the model; skipped for models over 1B params."""
+    from it on rank 0 with a TP=1/PP=1 copy of the model; skipped for models over 1B params.
+    A run without --save prints one line instead: a checkpoint it only loaded is the old model."""
     from .generate import DEFAULT_PROMPT, load_model, sample_text
     cfg = run.cfg
-    if isinstance(run.tokenizer, NullTokenizer) or run.last_checkpoint is None or run.ps.rank != 0:
+    if isinstance(run.tokenizer, NullTokenizer) or run.ps.rank != 0:
+        return
+    if not _saved_by_this_run(run):
+        print("no sample printed: this run saved no checkpoint (pass --save to sample the trained model)",
+              flush=True)
         return
     if _approx_params(cfg.model, run.tokenizer.vocab_size) > 1e9:
         return
     model, tokenizer = load_model(run.last_checkpoint, device=run.ps.device)
     text = sample_text(model, tokenizer, DEFAULT_PROMPT, max_new_tokens=48, temperature=0.8, top_k=40, seed=0)
     print(f"sample from {run.last_checkpoint}:\n{DEFAULT_PROMPT}{text}", flush=True)
+
+
+def _saved_by_this_run(run: Run) -> bool:
+    """True when run.last_checkpoint lies in --save: train() saves there at the final iteration
+    whenever --save is given, so it is this run's model (not the checkpoint --load read)."""
+    save = run.cfg.checkpoint.save
+    return bool(save and run.last_checkpoint) and \
+        os.path.dirname(os.path.abspath(run.last_checkpoint)) == os.path.abspath(save)
 
 
 def _approx_params(m: C.ModelConfig, vocab: int) -> float:
