@@ -173,7 +173,7 @@ DAMAGE = {
     "manifest is '{'": (lambda p: (p / "checkpoint.json").write_text("{"), "checkpoint.json is not valid JSON"),
     "truncated .metadata": (lambda p: _truncate(p / ".metadata"), ".metadata is truncated"),
     "unreadable .distcp": (lambda p: (p / "__0_0.distcp").write_bytes(b"x" * os.path.getsize(p / "__0_0.distcp")),
-                           "RuntimeError"),
+                           "a .distcp file is unreadable"),
 }
 
 

@@ -222,3 +222,92 @@ def test_metrics_jsonl_holds_each_iteration_once_across_fresh_and_resumed_runs(t
     rows = [json.loads(x) for x in open(tmp_path / "logs" / "metrics.jsonl")]
     train_iters = [r["iteration"] for r in rows if "lm_loss" in r]
     assert train_iters == [1, 2, 3, 4]
+
+
+# ----------------------------------------------------------------------------- --load refusals, every rank alike
+
+def _save_two_ranks(rank, world, tmp):
+    cfg = tiny_config(tmp, iters=1)
+    cfg.checkpoint.save = os.path.join(tmp, "ckpt")
+    return trainer.pretrain(cfg)
+
+
+def _resume_catching(rank, world, tmp, load, model_changes):
+    cfg = tiny_config(os.path.join(tmp, f"resume{rank}"), iters=2)
+    cfg.checkpoint.load = load
+    for key, value in model_changes.items():
+        setattr(cfg.model, key, value)
+    try:
+        trainer.pretrain(cfg)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "resumed"
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    run_distributed(_save_two_ranks, 2, str(tmp))
+    return tmp / "ckpt"
+
+
+def test_load_of_another_model_is_refused_on_every_rank_listing_each_flag(two_rank_checkpoint, tmp_path):
+    changes = {"num_layers": 1, "num_attention_heads": 8, "normalization": "RMSNorm", "add_bias_linear": False}
+    outs = run_distributed(_resume_catching, 2, str(tmp_path), str(two_rank_checkpoint), changes)
+    assert outs[0] == outs[1]  # both ranks raised, the same line
+    assert outs[0].startswith(f"CheckpointError: --load {two_rank_checkpoint}: checkpoint iter_0000001")
+    for diff in ("--num-layers saved=2 now=1", "--num-attention-heads saved=4 now=8",
+                 "--normalization saved=LayerNorm now=RMSNorm", "--disable-bias-linear saved=False now=True"):
+        assert diff in outs[0], diff
+    # dropout may change on resume
+    assert run_distributed(_resume_catching, 2, str(tmp_path), str(two_rank_checkpoint),
+                           {"hidden_dropout": 0.2}) == ["resumed", "resumed"]
+
+
+def test_a_file_only_rank_1_reads_damaged_stops_both_ranks_with_one_line(two_rank_checkpoint, tmp_path):
+    import shutil
+    load = tmp_path / "ckpt"
+    shutil.copytree(two_rank_checkpoint, load)
+    os.remove(load / "iter_0000001" / "__1_0.distcp")  # rank 1's own RNG state lives there
+    outs = run_distributed(_resume_catching, 2, str(tmp_path), str(load), {})
+    assert outs[0] == outs[1] == (f"CheckpointError: --load {load}: checkpoint iter_0000001 is damaged or "
+                                  f"incomplete (__1_0.distcp is missing); load an earlier iteration or re-save")
+
+
+def test_generate_on_a_damaged_checkpoint_is_one_line(two_rank_checkpoint, tmp_path):
+    import shutil
+    from meshlm.errors import CheckpointError
+    from meshlm.training import generate
+    load = tmp_path / "ckpt"
+    shutil.copytree(two_rank_checkpoint, load)
+    for name in os.listdir(load / "iter_0000001"):
+        if name.endswith(".distcp"):
+            data = (load / "iter_0000001" / name).read_bytes()
+            (load / "iter_0000001" / name).write_bytes(data[:100])
+    with pytest.raises(CheckpointError) as err:
+        generate.load_model(str(load))
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith(f"--load {load}: checkpoint iter_0000001 is damaged or incomplete (__")
+    (load / "iter_0000001" / "config.json").write_text("{")
+    with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
+        generate.load_model(str(load))
+
+
+def test_a_run_that_only_loaded_prints_no_sample_of_the_old_checkpoint(monkeypatch, capsys, tmp_path):
+    """--load without --save: the checkpoint in run.last_checkpoint is the old model."""
+    import types
+    import torch
+    from meshlm.training import generate
+
+    def must_not_load(*a, **k):
+        raise AssertionError("sampled from the loaded checkpoint")
+
+    monkeypatch.setattr(generate, "load_model", must_not_load)
+    cfg = tiny_config(str(tmp_path))
+    cfg.checkpoint.load = str(tmp_path / "old")
+    run = types.SimpleNamespace(cfg=cfg, tokenizer=types.SimpleNamespace(vocab_size=100),
+                                ps=types.SimpleNamespace(rank=0, device=torch.device("cpu")),
+                                last_checkpoint=str(tmp_path / "old" / "iter_0000010"))
+    trainer._print_sample(run)
+    assert capsys.readouterr().out == ("no sample printed: this run saved no checkpoint "
+                                       "(pass --save to sample the trained model)\n")

@@ -618,4 +618,7 @@ def _file_problems(cfg: Config) -> list:
     load = cfg.checkpoint.load
     if load and not os.path.isdir(load) and load != cfg.checkpoint.save:
         problems.append(f"--load {load}: no such directory (with --save {load} too, a fresh run starts there)")
+    if load:
+        from .checkpoint.dist import check_loadable
+        problems += check_loadable(load, cfg.checkpoint.save)
     return problems

@@ -200,6 +200,8 @@ def reading(folder: str, load: Optional[str] = None) -> Iterator[None]:
         inner = next(iter(e.failures.values()))[0] if e.failures else e
         if isinstance(inner, CheckpointError):
             raise inner from None
+        if not isinstance(inner, FileNotFoundError):
+            inner = _Corrupt(f"a .distcp file is unreadable: {_reason(inner)}")
         raise damaged(folder, inner, load) from None
     except _DAMAGE as e:
         raise damaged(folder, e, load) from None
