@@ -38,26 +38,35 @@ def _rel(a, b):
 
 # ----------------------------------------------------------------------------- exact resume
 
-def _uninterrupted_then_interrupted(rank, world, tmp):
-    full = trainer.pretrain(tiny_config(os.path.join(tmp, "full"), tp=2, dropout=0.1, iters=4))
-    cfg = tiny_config(os.path.join(tmp, "part"), tp=2, dropout=0.1, iters=4, exit_interval=2)
+def _layout_config(tmp, layout, **kw):
+    cfg = tiny_config(tmp, tp=layout.get("tp", 1), dropout=layout.get("dropout", 0.0), **kw)
+    cfg.parallel.use_distributed_optimizer = layout.get("zero", False)
+    return cfg
+
+
+def _uninterrupted_then_interrupted(rank, world, tmp, layout):
+    full = trainer.pretrain(_layout_config(os.path.join(tmp, "full"), layout, iters=4))
+    cfg = _layout_config(os.path.join(tmp, "part"), layout, iters=4, exit_interval=2)
     cfg.checkpoint.save = os.path.join(tmp, "ckpt")
     first = trainer.pretrain(cfg)
     return full, first
 
 
-def _resumed(rank, world, tmp):
-    cfg = tiny_config(os.path.join(tmp, "resumed"), tp=2, dropout=0.1, iters=4)
+def _resumed(rank, world, tmp, layout):
+    cfg = _layout_config(os.path.join(tmp, "resumed"), layout, iters=4)
     cfg.checkpoint.load = cfg.checkpoint.save = os.path.join(tmp, "ckpt")
     return trainer.pretrain(cfg)
 
 
-def test_interrupted_and_resumed_run_repeats_the_uninterrupted_one(tmp_path):
-    """TP=2 with dropout: save at iteration 2, resume in a new process group, same losses."""
-    (full, first), _ = run_distributed(_uninterrupted_then_interrupted, 2, str(tmp_path))
+@pytest.mark.parametrize("layout", [{"tp": 2, "dropout": 0.1}, {"zero": True}],
+                         ids=["tp2-dropout", "zero1-dp2"])
+def test_interrupted_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, layout):
+    """Save at iteration 2, resume in a new process group, same losses: TP=2 with dropout (RNG
+    restored), and ZeRO-1 over DP=2 (sharded optimizer state saved and restored)."""
+    (full, first), _ = run_distributed(_uninterrupted_then_interrupted, 2, str(tmp_path), layout)
     assert first["iterations"] == 2
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    resumed = run_distributed(_resumed, 2, str(tmp_path))[0]
+    resumed = run_distributed(_resumed, 2, str(tmp_path), layout)[0]
     assert resumed["iterations"] == 4
     assert len(resumed["train_losses"]) == 2
     for a, b in zip(first["train_losses"] + resumed["train_losses"], full["train_losses"]):
@@ -65,6 +74,31 @@ def test_interrupted_and_resumed_run_repeats_the_uninterrupted_one(tmp_path):
     assert _rel(resumed["last_val_loss"], full["last_val_loss"]) < 1e-6
     # the losses move: a resume that silently restarted from scratch would not match
     assert full["train_losses"][0] != full["train_losses"][-1]
+
+
+def _zero1_3d(rank, world, tmp):
+    cfg = tiny_config(os.path.join(tmp, "3d"), tp=2, pp=2, micro=1, global_batch=4, iters=3)
+    cfg.parallel.use_distributed_optimizer = cfg.parallel.overlap_grad_reduce = True
+    cfg.parallel.sequence_parallel = True
+    return trainer.pretrain(cfg)
+
+
+def _single(rank, world, tmp):
+    return trainer.pretrain(tiny_config(os.path.join(tmp, "one"), micro=1, global_batch=4, iters=3))
+
+
+def test_zero1_with_tp2_pp2_sp_and_overlap_trains_like_one_process(tmp_path):
+    """ZeRO-1 over DP=2 combined with TP=2 (SP) and PP=2 (8 processes): the same loss curve and
+    validation loss as the single-process run (fp32, 1e-5)."""
+    one = run_distributed(_single, 1, str(tmp_path))[0]
+    results = run_distributed(_zero1_3d, 8, str(tmp_path))
+    logged = [r for r in results if r["train_losses"] and r["train_losses"][0] is not None]
+    assert logged
+    for r in logged:
+        for a, b in zip(r["train_losses"], one["train_losses"]):
+            assert _rel(a, b) < 1e-5, (r["train_losses"], one["train_losses"])
+        assert _rel(r["last_val_loss"], one["last_val_loss"]) < 1e-5
+    assert one["train_losses"][0] != one["train_losses"][-1]
 
 
 # ----------------------------------------------------------------------------- DP / micro-batch invariance
