@@ -32,6 +32,7 @@ MODEL = ["--model", "gpt2-125m", "--seq-length", "1024", "--max-position-embeddi
 CASES = {
     # name: (number of GPUs, extra flags)
     "1gpu":          (1, ["--micro-batch-size", "8", "--global-batch-size", "32"]),
+    "1gpu-mb16":     (1, ["--micro-batch-size", "16", "--global-batch-size", "32"]),
     "dp2":           (2, ["--micro-batch-size", "8", "--global-batch-size", "32"]),
     "dp2-overlap":   (2, ["--micro-batch-size", "8", "--global-batch-size", "32", "--overlap-grad-reduce"]),
     "dp2-zero1":     (2, ["--micro-batch-size", "8", "--global-batch-size", "32",

@@ -11,8 +11,12 @@ import torch
 
 
 def collate(samples: list) -> dict:
-    """Stack sample dicts of [s] tensors into one micro-batch dict of [b, s] tensors."""
-    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    """Stack sample dicts of [s] tensors into one micro-batch dict of [b, s] tensors; in pinned
+    memory when CUDA is up, so the schedule's non_blocking copy to the GPU does not stall the host."""
+    batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    if torch.cuda.is_available():
+        batch = {key: t.pin_memory() for key, t in batch.items()}
+    return batch
 
 
 def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int):

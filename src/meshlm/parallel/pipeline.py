@@ -179,7 +179,7 @@ def forward_backward(chunks: list, data_iter: Iterator[dict], *, ps: ParallelSta
     ``main_grad`` of the chunks; ``no_sync()`` wraps every backward but this rank's last.
 
     Returns on the last stage one {"lm_loss": detached fp32 scalar (micro-batch mean, unscaled),
-    "num_tokens": int} per micro-batch in order, [] elsewhere. timeline, if a list, receives
+    "num_tokens": 0-dim tensor} per micro-batch in order, [] elsewhere. timeline, if a list, receives
     {"mb", "chunk", "kind": "F"|"B", "start", "end" (s, time.perf_counter), "in_flight": micro-batch
     chunks held between their F and B after this action}; on CUDA each entry synchronizes.
     Raises ConfigError if the schedule cannot run this layout.
@@ -253,7 +253,8 @@ class _Executor:
             if last:
                 mask = batch["loss_mask"].float()
                 lm = torch.where(mask > 0, out.float() * mask, 0.0).sum() / mask.sum().clamp(min=1)
-                self.losses[a.mb] = {"lm_loss": lm.detach(), "num_tokens": int(mask.sum().item())}
+                # tensors, not numbers: a host sync here would drain the GPU queue every micro-batch
+                self.losses[a.mb] = {"lm_loss": lm.detach(), "num_tokens": mask.sum().detach()}
                 out = lm * (self.loss_scale / self.m)
             if not self.forward_only:
                 self.held[(a.mb, a.chunk)] = (x, out)
@@ -281,8 +282,9 @@ def reduce_losses(losses: list, ps: ParallelState) -> float:
     gradient was taken — broadcast from the last stage over the pipeline, then averaged over
     the DP×CP ranks. Every rank must call it.
     """
-    value = sum(float(d["lm_loss"]) for d in losses) / len(losses) if losses else 0.0
-    t = torch.tensor([value], dtype=torch.float64, device=ps.device)
+    t = torch.zeros(1, dtype=torch.float64, device=ps.device)
+    if losses:  # one host sync per step, at the end
+        t += torch.stack([d["lm_loss"].to(torch.float64) for d in losses]).mean()
     if ps.pp_group is not None:
         dist.broadcast(t, src=ps.pp_ranks[-1], group=ps.pp_group)
     if ps.dp_cp_group is not None:
