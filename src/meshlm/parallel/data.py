@@ -124,7 +124,9 @@ class GradSyncStats:
     """Communication of the last ``finish_grad_sync``.
 
     bytes_reduced: payload bytes handed to collectives (DP buckets + SP norms + embeddings).
-    exposed_s: seconds finish_grad_sync spent waiting (communication not hidden behind backward).
+    exposed_s: seconds the step waited for gradient communication after backward (not hidden
+        behind it): wall time on CPU; on CUDA the time between the backward's last kernel and the
+        last reduction's end on the compute stream (CUDA events), so queued compute is not counted.
     bucket_exposed_s: the wait on each DP bucket, seconds, in launch order.
     """
 
@@ -229,23 +231,24 @@ class DistributedDataParallel:
         group: every rank calls it once per step.
         """
         stats = GradSyncStats()
-        t0 = time.perf_counter()
+        t0 = _mark(self.ps.device)  # on CUDA: fires when the backward's kernels are done
         for buf in self.buffers:
             while buf.next_launch < len(buf.buckets):
                 self._launch(buf, buf.buckets[buf.next_launch])
+        spans = []
         for buf in self.buffers:
             for bucket in buf.buckets:
-                t = time.perf_counter()
+                t = _mark(self.ps.device)
                 if bucket.handle is not None:
                     bucket.handle.wait()
-                    _sync_device(self.ps.device)
-                stats.bucket_exposed_s.append(time.perf_counter() - t)
+                spans.append((t, _mark(self.ps.device)))
         if self.sequence_parallel:
             self._all_reduce_marked("sequence_parallel", self.ps.tp_group)
         if self.tied_embeddings and self.ps.embedding_group is not None:
             self._all_reduce_marked("shared_embedding", self.ps.embedding_group)
-        _sync_device(self.ps.device)
-        stats.exposed_s = time.perf_counter() - t0
+        end = _mark(self.ps.device)
+        stats.exposed_s = _elapsed(t0, end)
+        stats.bucket_exposed_s = [_elapsed(a, b) for a, b in spans]
         stats.bytes_reduced = self._bytes
         self.stats = stats
         self._reset()
@@ -278,7 +281,20 @@ class DistributedDataParallel:
         self._reset()
 
 
-def _sync_device(device: torch.device) -> None:
-    """Block until queued GPU work is done, so measured waits are real (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+def _mark(device: torch.device):
+    """A point in time on this rank's compute timeline: perf_counter on CPU; on CUDA an event on
+    the current stream, which fires when the work queued before it (backward, or a bucket's
+    reduction once waited on) is done — so spans measure what the GPU waited, with no host sync."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _elapsed(a, b) -> float:
+    """Seconds from mark a to mark b (on CUDA, waits for b to fire)."""
+    if isinstance(a, float):
+        return b - a
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
