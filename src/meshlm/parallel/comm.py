@@ -124,77 +124,27 @@ def split(t: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- autograd pairs
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+def _identity(t, group, dim):
+    return t
+
+
+def _summed(t, group, dim):
+    """All-reduce of a copy (autograd must not see its input modified in place)."""
+    return all_reduce(t.clone(memory_format=torch.contiguous_format), group)
+
+
+class _Conjugate(torch.autograd.Function):
+    """One row of the table above: ``fwd(x, group, dim)`` forward, ``bwd(grad, group, dim)``
+    backward, each one of _identity, _summed, split, all_gather, reduce_scatter."""
 
     @staticmethod
-    def backward(ctx, g):
-        return all_reduce(g.clone(memory_format=torch.contiguous_format), ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _Scatter(torch.autograd.Function):
-    """split forward / all-gather backward, along ctx.dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return split(x, group, dim)
+    def forward(ctx, x, group, dim, fwd, bwd):
+        ctx.group, ctx.dim, ctx.bwd = group, dim, bwd
+        return fwd(x, group, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return all_gather(g, ctx.group, ctx.dim), None, None
-
-
-class _Gather(torch.autograd.Function):
-    """all-gather forward / split backward, along ctx.dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return split(g, ctx.group, ctx.dim), None, None
-
-
-class _GatherReduce(torch.autograd.Function):
-    """all-gather forward / reduce-scatter backward, along ctx.dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return reduce_scatter(g, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """reduce-scatter forward / all-gather backward, along ctx.dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather(g, ctx.group, ctx.dim), None, None
+        return ctx.bwd(g, ctx.group, ctx.dim), None, None, None, None
 
 
 def _active(group) -> bool:
@@ -203,39 +153,39 @@ def _active(group) -> bool:
 
 def copy_to_tp(x, group):
     """Megatron f: identity forward, all-reduce of the grad. x: any shape, replicated over TP."""
-    return _CopyToTP.apply(x, group) if _active(group) else x
+    return _Conjugate.apply(x, group, -1, _identity, _summed) if _active(group) else x
 
 
 def reduce_from_tp(x, group):
     """Megatron g: all-reduce forward (sum of partial outputs), identity backward."""
-    return _ReduceFromTP.apply(x, group) if _active(group) else x
+    return _Conjugate.apply(x, group, -1, _summed, _identity) if _active(group) else x
 
 
 def scatter_to_tp(x, group):
     """[.., h] → [.., h/tp] this rank's slice; backward all-gathers the grad."""
-    return _Scatter.apply(x, group, -1) if _active(group) else x
+    return _Conjugate.apply(x, group, -1, split, all_gather) if _active(group) else x
 
 
 def gather_from_tp(x, group):
     """[.., h/tp] → [.., h]; backward keeps this rank's slice of the grad."""
-    return _Gather.apply(x, group, -1) if _active(group) else x
+    return _Conjugate.apply(x, group, -1, all_gather, split) if _active(group) else x
 
 
 def gather_reduce_tp(x, group):
     """[.., n/tp] → [.., n] where every rank then uses all of it: backward reduce-scatters."""
-    return _GatherReduce.apply(x, group, -1) if _active(group) else x
+    return _Conjugate.apply(x, group, -1, all_gather, reduce_scatter) if _active(group) else x
 
 
 def scatter_to_sp(x, group):
     """[s, b, h] → [s/tp, b, h] this rank's rows; backward all-gathers the grad."""
-    return _Scatter.apply(x, group, 0) if _active(group) else x
+    return _Conjugate.apply(x, group, 0, split, all_gather) if _active(group) else x
 
 
 def gather_from_sp(x, group):
     """[s/tp, b, h] → [s, b, h] before a TP-split op; backward reduce-scatters (Korthikanti §4.2.2 g)."""
-    return _GatherReduce.apply(x, group, 0) if _active(group) else x
+    return _Conjugate.apply(x, group, 0, all_gather, reduce_scatter) if _active(group) else x
 
 
 def reduce_scatter_to_sp(x, group):
     """Partial sums [s, b, h] → summed rows [s/tp, b, h]; backward all-gathers (Korthikanti ḡ)."""
-    return _ReduceScatter.apply(x, group, 0) if _active(group) else x
+    return _Conjugate.apply(x, group, 0, reduce_scatter, all_gather) if _active(group) else x
