@@ -29,19 +29,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .comm import group_rank, group_size
 from .mesh import ParallelState
 
 # Flat-tensor collectives (torch >= 2.13 names, older names before): [n·size] → [n] and back.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 def supports_single_tensor_collectives(group) -> bool:
