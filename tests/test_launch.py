@@ -3,7 +3,6 @@ is reported as one line naming its rank, not as the elastic agent's tracebacks."
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import types
@@ -11,6 +10,7 @@ import types
 import pytest
 import yaml
 
+from distributed import _free_port
 from meshlm import launch
 from meshlm.config import Config
 from meshlm.errors import DataError
@@ -77,9 +77,7 @@ def test_a_crashed_worker_is_reported_by_rank_with_its_log_tail(tmp_path):
 @pytest.fixture
 def world_of_one(monkeypatch, tmp_path):
     """Environment of rank 0 of a one-process job launched by meshlm; a Config with a run dir."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(port), **{launch.WORKER_ENV: "1"}).items():
         monkeypatch.setenv(key, value)
