@@ -136,16 +136,15 @@ def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
     prefixes = [prefix for _, prefix in parse_data_path(cfg.data.data_path)]
     if not prefixes:
         return
-    problem = [None]
+    problem = None
     if ps.rank == 0:
         try:
             check_token_ids(prefixes, vocab_size)
         except DataError as e:
-            problem[0] = str(e)
-    if ps.world_size > 1:
-        torch.distributed.broadcast_object_list(problem, src=0)
-    if problem[0]:
-        raise DataError(problem[0])
+            problem = str(e)
+    problem = _first_problem(problem, ps)
+    if problem:
+        raise DataError(problem)
 
 
 def report_memory(report: dict, ps: ParallelState) -> None:
