@@ -1,4 +1,4 @@
-"""checkpoint.dist: layout, round trip, atomicity, refusal to unpickle, clear errors."""
+"""checkpoint.dist, .safe_read, .state: layout, round trip, atomicity, refusal to unpickle, clear errors."""
 
 import os
 import pickle
@@ -10,6 +10,7 @@ import torch
 
 from distributed import run_distributed
 from meshlm.checkpoint import dist as ckpt
+from meshlm.checkpoint.state import check_model_config, full_model_state, load_model_state, rng_state, set_rng_state
 from meshlm.errors import CheckpointError
 
 
@@ -151,10 +152,10 @@ def test_other_layout_is_refused_with_a_clear_error(tmp_path):
 def test_rng_states_round_trip_through_a_checkpoint(tmp_path):
     random.seed(1); np.random.seed(2); torch.manual_seed(3)
     random.gauss(0, 1)  # leaves a cached gaussian in python's state
-    ckpt.save(str(tmp_path), 1, {"rng": ckpt.rng_state()})
+    ckpt.save(str(tmp_path), 1, {"rng": rng_state()})
     expected = (random.random(), np.random.rand(), torch.rand(1).item(), random.gauss(0, 1))
     random.seed(9); np.random.seed(9); torch.manual_seed(9)
-    ckpt.set_rng_state(ckpt.load(str(tmp_path))[1]["rng"])
+    set_rng_state(ckpt.load(str(tmp_path))[1]["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1).item(), random.gauss(0, 1)) == expected
 
 
@@ -190,7 +191,7 @@ def test_a_damaged_checkpoint_is_one_checkpoint_error_naming_load_and_iteration(
     assert msg.endswith("load an earlier iteration or re-save")
     if damage != "rank JSON without state":  # full_model_state (generate's path) reads the same files
         with pytest.raises(CheckpointError, match="iter_0000010 is damaged or incomplete"):
-            ckpt.full_model_state(str(tmp_path / "iter_0000010"))
+            full_model_state(str(tmp_path / "iter_0000010"))
 
 
 def test_a_forbidden_class_in_metadata_is_still_refused_not_called_damage(tmp_path):
@@ -225,7 +226,7 @@ def test_check_loadable_names_what_is_wrong_with_load(tmp_path):
     assert "iteration 7" in problem and "iter_0000007 does not exist" in problem
     (save / "latest_checkpointed_iteration.txt").write_text("{")
     assert "expected an iteration number" in ckpt.check_loadable(str(save), None)[0]
-    assert ckpt.check_loadable(str(tmp_path / "missing"), None) == []  # left to config.validate
+    assert ckpt.check_loadable(str(tmp_path / "missing"), None) == []  # left to meshlm.validate
 
 
 # ----------------------------------------------------------------------------- another model
@@ -245,11 +246,11 @@ def test_model_config_differences_are_listed_as_flags_in_one_line(tmp_path):
     ckpt.save(str(tmp_path), 10, {"w": torch.zeros(2)}, config=cfg.to_dict())
     path = str(tmp_path / "iter_0000010")
     # what may change on resume is not compared; an explicit value equal to the default is the same model
-    ckpt.check_model_config(path, _model(hidden_dropout=0.0, attention_dropout=0.3, init_method_std=0.1,
-                                         ffn_hidden_size=128, kv_channels=8))
+    check_model_config(path, _model(hidden_dropout=0.0, attention_dropout=0.3, init_method_std=0.1,
+                                    ffn_hidden_size=128, kv_channels=8))
     with pytest.raises(CheckpointError) as err:
-        ckpt.check_model_config(path, _model(num_layers=2, num_attention_heads=8, normalization="RMSNorm",
-                                             add_bias_linear=False), load=str(tmp_path))
+        check_model_config(path, _model(num_layers=2, num_attention_heads=8, normalization="RMSNorm",
+                                        add_bias_linear=False), load=str(tmp_path))
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(f"--load {tmp_path}: checkpoint iter_0000010")
     for diff in ("--num-layers saved=4 now=2", "--num-attention-heads saved=4 now=8",
@@ -257,15 +258,15 @@ def test_model_config_differences_are_listed_as_flags_in_one_line(tmp_path):
                  "--kv-channels saved=8 now=4", "--num-query-groups saved=4 now=8"):
         assert diff in msg, diff
     with pytest.raises(CheckpointError, match="--position-embedding-type saved=learned_absolute now=rope"):
-        ckpt.check_model_config(path, _model(position_embedding_type="rope"))
+        check_model_config(path, _model(position_embedding_type="rope"))
     with pytest.raises(CheckpointError, match="--max-position-embeddings saved=16 now=32"):
-        ckpt.check_model_config(path, _model(seq_length=32))
+        check_model_config(path, _model(seq_length=32))
 
 
 def test_model_config_check_without_config_json_is_damage(tmp_path):
     ckpt.save(str(tmp_path), 10, {"w": torch.zeros(2)})
     with pytest.raises(CheckpointError, match="iter_0000010 is damaged or incomplete \\(config.json is missing\\)"):
-        ckpt.check_model_config(str(tmp_path / "iter_0000010"), _model())
+        check_model_config(str(tmp_path / "iter_0000010"), _model())
 
 
 def test_model_tensors_the_model_does_not_use_or_lacks_are_refused_before_copying():
@@ -273,12 +274,12 @@ def test_model_tensors_the_model_does_not_use_or_lacks_are_refused_before_copyin
     saved = {k: torch.ones_like(v) for k, v in model.state_dict().items()}
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(CheckpointError, match="not used by the model 1: 2.running_mean"):
-        ckpt.load_model_state([model], None, {**saved, "2.running_mean": torch.zeros(2)})
+        load_model_state([model], None, {**saved, "2.running_mean": torch.zeros(2)})
     with pytest.raises(CheckpointError, match="missing 1: 1.bias"):
-        ckpt.load_model_state([model], None, {k: v for k, v in saved.items() if k != "1.bias"})
+        load_model_state([model], None, {k: v for k, v in saved.items() if k != "1.bias"})
     with pytest.raises(CheckpointError, match=r"another shape.*0.weight \(3, 3\) vs \(2, 3\)"):
-        ckpt.load_model_state([model], None, {**saved, "0.weight": torch.zeros(3, 3)})
+        load_model_state([model], None, {**saved, "0.weight": torch.zeros(3, 3)})
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])  # nothing copied by a refused load
-    ckpt.load_model_state([model], None, saved)
+    load_model_state([model], None, saved)
     assert all(torch.equal(v, torch.ones_like(v)) for v in model.state_dict().values())

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from meshlm.config import (Config, add_config_args, config_from_args, dump_yaml, head_dim,
-                           query_groups, validate)
+                           query_groups)
 from meshlm.errors import ConfigError
 from meshlm.model.presets import PRESETS, apply_preset
+from meshlm.validate import validate
 
 
 def small() -> Config:
@@ -402,7 +403,8 @@ def test_there_are_examples():
 
 def test_context_parallel_is_refused_until_it_trains():
     """--context-parallel-size only builds groups for now: training with it must be refused."""
-    from meshlm.config import Config, validate
+    from meshlm.config import Config
+    from meshlm.validate import validate
     from meshlm.errors import ConfigError
     cfg = Config()
     cfg.data.mock_data, cfg.model.vocab_size = True, 128
@@ -413,7 +415,8 @@ def test_context_parallel_is_refused_until_it_trains():
 
 def test_files_of_an_unused_tokenizer_are_not_required(tmp_path):
     """A YAML naming GPT-2 vocab/merges, switched to a HuggingFace tokenizer by flags, validates."""
-    from meshlm.config import Config, validate
+    from meshlm.config import Config
+    from meshlm.validate import validate
     tok = tmp_path / "tokenizer.json"
     tok.write_text("{}")
     cfg = Config()

@@ -63,7 +63,8 @@ def resolve_config(args: argparse.Namespace):
     the model is saved to <run_dir>/checkpoints (unless --save), so the run ends with a sample.
     Raises ConfigError listing every problem, DataError for an unusable corpus.
     """
-    from .config import config_from_args, dump_yaml, validate, world_size_of
+    from .config import config_from_args, dump_yaml, world_size_of
+    from .validate import validate
 
     cfg = config_from_args(args)
     embedded = not cfg.data.data_path and not cfg.data.mock_data

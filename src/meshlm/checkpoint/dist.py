@@ -19,39 +19,26 @@ manifest, renames the folder to ``iter_XXXXXXX`` and then replaces the tracker t
 file + ``os.replace``. A crash at any point leaves the tracker naming the previous complete
 checkpoint.
 
-Safe load: DCP unpickles ``.metadata`` with plain ``pickle.load`` and non-tensor values with
-``torch.load(weights_only=False)``. Here ``.metadata`` is read by an unpickler that admits only
-DCP's metadata classes, no non-tensor value is stored in DCP, tensors are read with
-``weights_only=True`` and non-tensor values come from JSON: loading never unpickles an
-arbitrary object.
-
-Damage: any OSError/RuntimeError/ValueError/JSON/pickle error while reading a checkpoint's files
-becomes one CheckpointError line (``reading``); before DCP reads tensors, every ``.distcp`` file
-they live in is checked to exist and to be long enough (a stat, no read).
+Reading the files (allow-listed ``.metadata``, tensors only, damage as one line) is
+safe_read.py; what a training state puts into a checkpoint is state.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import errno
 import json
 import os
-import pickle
 import shutil
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .. import config as C
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError
+from .safe_read import SafeReader, _TensorOnlyPlanner, _check_storage, _load_json, reading
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "checkpoint.json"
@@ -95,133 +82,6 @@ def _tensor_keys(tree: dict) -> list:
         return [tree["t"]]
     children = [v for _, v in tree["d"]] if "d" in tree else tree.get("l", [])
     return [k for c in children for k in _tensor_keys(c)]
-
-
-# ----------------------------------------------------------------------------- safe DCP reading
-
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {
-    (_DCP_METADATA, n) for n in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",
-                                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
-
-
-class _ForbiddenClass(pickle.UnpicklingError):
-    pass
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only the classes DCP's .metadata of a tensor-only checkpoint contains."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise _ForbiddenClass(f"{module}.{name} is not allowed in a meshlm checkpoint's .metadata")
-
-
-class SafeReader(FileSystemReader):
-    """FileSystemReader whose .metadata is read by the allow-list unpickler above.
-
-    Raises CheckpointError for a class outside the allow-list; a truncated file raises _Corrupt,
-    which ``reading`` reports as damage.
-    """
-
-    def read_metadata(self, *args, **kwargs):
-        path = os.path.join(str(self.path), ".metadata")
-        try:
-            with open(path, "rb") as fh:
-                metadata = _MetadataUnpickler(fh).load()
-        except _ForbiddenClass as e:
-            raise CheckpointError(f"{path}: not a valid meshlm checkpoint metadata file ({e})") from None
-        except (EOFError, pickle.UnpicklingError) as e:
-            raise _Corrupt(f".metadata is truncated or corrupt ({e})") from None
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _TensorOnlyPlanner(DefaultLoadPlanner):
-    """Refuses pickled (BYTE_IO) values instead of torch.load(weights_only=False)-ing them."""
-
-    def load_bytes(self, read_item, value):
-        raise CheckpointError(f"checkpoint value {read_item.dest_index.fqn!r} is a pickled object; "
-                              f"meshlm checkpoints hold tensors only")
-
-
-# ----------------------------------------------------------------------------- damaged files
-
-_DAMAGE = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError)  # ValueError ⊇ JSON
-
-
-class _Corrupt(ValueError):
-    """A checkpoint file that is truncated or unparsable; the message names the file."""
-
-
-def _load_json(file: str) -> Any:
-    """json.load of ``file``; _Corrupt naming the file when it is not JSON."""
-    with open(file) as fh:
-        try:
-            return json.load(fh)
-        except json.JSONDecodeError as e:
-            raise _Corrupt(f"{os.path.basename(file)} is not valid JSON ({e.msg} at line {e.lineno})") from None
-
-
-def _reason(e: BaseException) -> str:
-    """A short phrase for what was wrong with a checkpoint file."""
-    if isinstance(e, FileNotFoundError) and e.filename:
-        return f"{os.path.basename(str(e.filename))} is missing"
-    if isinstance(e, KeyError):
-        return f"entry {e} is missing"
-    text = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:120]
-    return text if isinstance(e, _Corrupt) else f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def damaged(folder: str, e: BaseException, load: Optional[str] = None) -> CheckpointError:
-    """The one-line CheckpointError for a checkpoint folder whose files could not be read.
-
-    load: the --load argument to name (default: the folder's parent, the --save directory).
-    """
-    load = load or os.path.dirname(os.path.normpath(folder))
-    return CheckpointError(f"--load {load}: checkpoint {os.path.basename(os.path.normpath(folder))} is damaged "
-                           f"or incomplete ({_reason(e)}); load an earlier iteration or re-save")
-
-
-@contextlib.contextmanager
-def reading(folder: str, load: Optional[str] = None) -> Iterator[None]:
-    """Turn any error of reading ``folder``'s files (OSError, RuntimeError, ValueError incl. JSON,
-    KeyError, truncated pickle; DCP wraps them in CheckpointException) into ``damaged(...)``.
-    A CheckpointError raised inside passes through unchanged."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except CheckpointException as e:  # DCP's wrapper (a BaseException) of each rank's failure
-        inner = next(iter(e.failures.values()))[0] if e.failures else e
-        if isinstance(inner, CheckpointError):
-            raise inner from None
-        if not isinstance(inner, FileNotFoundError):
-            inner = _Corrupt(f"a .distcp file is unreadable: {_reason(inner)}")
-        raise damaged(folder, inner, load) from None
-    except _DAMAGE as e:
-        raise damaged(folder, e, load) from None
-
-
-def _check_storage(path: str, metadata, keys) -> None:
-    """Raise FileNotFoundError / _Corrupt when a .distcp file holding one of ``keys`` is missing
-    or shorter than the byte range .metadata gives for it (a stat per file, no read)."""
-    wanted, sizes = set(keys), {}
-    for index, info in (metadata.storage_data or {}).items():
-        if index.fqn not in wanted:
-            continue
-        file = os.path.join(path, info.relative_path)
-        if file not in sizes:
-            if not os.path.isfile(file):
-                raise FileNotFoundError(errno.ENOENT, "No such file", file)
-            sizes[file] = os.path.getsize(file)
-        if sizes[file] < info.offset + info.length:
-            raise _Corrupt(f"{info.relative_path} is truncated ({sizes[file]} bytes, "
-                             f"its tensors need {info.offset + info.length})")
 
 
 # ----------------------------------------------------------------------------- files
@@ -350,9 +210,9 @@ def checkpoint_dir(root: str, iteration: Optional[int] = None) -> str:
 def check_loadable(load: Optional[str], save: Optional[str] = None) -> list:
     """Problems with ``--load load`` found from the file system alone (no tensor is read), one line
     each; [] when it can be loaded, or when it is the --save directory without a checkpoint yet
-    (a fresh start). A --load that does not exist is left to config.validate.
+    (a fresh start). A --load that does not exist is left to meshlm.validate.
 
-    Meant to run before workers start (config.validate) and again in the trainer.
+    Meant to run before workers start (meshlm.validate) and again in the trainer.
     """
     if not load or not os.path.isdir(load):
         return []
@@ -454,170 +314,3 @@ def load(root: str, *, layout: Optional[dict] = None, coords: Optional[dict] = N
         tree = _load_json(_rank_file(path, manifest["world_size"], coords))["state"]
         tensors = read_tensors(path, _tensor_keys(tree))
         return manifest["iteration"], _unflatten(tree, tensors)
-
-
-# ----------------------------------------------------------------------------- model config
-
-def _architecture(m: C.ModelConfig) -> dict:
-    """{field name: effective value} of the ModelConfig fields that decide the model's function and
-    tensor shapes (defaults resolved, e.g. --ffn-hidden-size None → 4h). Dropout, init, sequence
-    length (except as the learned position table size) may change on resume and are left out."""
-    arch = {name: getattr(m, name) for name in (
-        "num_layers", "hidden_size", "num_attention_heads", "normalization", "swiglu",
-        "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
-        "vocab_size", "make_vocab_size_divisible_by")}
-    arch.update(num_query_groups=C.query_groups(m), ffn_hidden_size=C.ffn_hidden(m), kv_channels=C.head_dim(m))
-    if m.position_embedding_type == "rope":
-        arch["rotary_base"] = m.rotary_base
-    else:
-        arch["max_position_embeddings"] = C.max_positions(m)
-    return arch
-
-
-def check_model_config(path: str, model: C.ModelConfig, load: Optional[str] = None) -> None:
-    """Compare ``model`` with the model section of the checkpoint folder's config.json.
-
-    Raises CheckpointError, one line listing every differing architecture field as
-    ``--flag saved=X now=Y`` (``--disable-bias-linear`` shown as the flag's own sense), or
-    ``damaged`` when config.json is missing or unreadable.
-    """
-    with reading(path, load):
-        if not os.path.isfile(os.path.join(path, CONFIG)):
-            raise FileNotFoundError(errno.ENOENT, "No such file", os.path.join(path, CONFIG))
-        try:
-            saved_model = C.Config.from_dict({"model": read_config(path)["model"]}).model
-        except ConfigError as e:
-            raise ValueError(f"{CONFIG}: {e}") from None
-    saved, now = _architecture(saved_model), _architecture(model)
-    fields = {f.name: f for f in dataclasses.fields(C.ModelConfig)}
-    diffs = []
-    for name in (n for n in now if n in saved):  # position fields differ with the position type
-        a, b = saved[name], now[name]
-        if a != b:
-            f = fields[name]
-            if f.metadata.get("action") == "store_false":
-                a, b = not a, not b
-            diffs.append(f"{C.flag_of(f)} saved={a} now={b}")
-    if diffs:
-        raise CheckpointError(f"--load {load or os.path.dirname(os.path.normpath(path))}: checkpoint "
-                              f"{os.path.basename(os.path.normpath(path))} is of another model: {', '.join(diffs)}; "
-                              f"pass the saved values or start without --load")
-
-
-# ----------------------------------------------------------------------------- RNG states
-
-def rng_state() -> dict:
-    """This process's RNG states (python, numpy, torch CPU, CUDA) as tensors and JSON values."""
-    import random
-
-    import numpy as np
-    version, mt, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": {"version": version, "mt": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
-             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-             "torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what rng_state() returned (after a save/load round trip)."""
-    import random
-
-    import numpy as np
-    py, npy = state["python"], state["numpy"]
-    random.setstate((py["version"], tuple(int(x) for x in py["mt"].tolist()), py["gauss"]))
-    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
-                         npy["has_gauss"], npy["cached_gaussian"]))
-    torch.set_rng_state(state["torch_cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-# ----------------------------------------------------------------------------- model state
-
-def _model_key(name: str, t: torch.Tensor, ps) -> str:
-    """Checkpoint key of a model tensor: its global name (``layers.<global index>.…``, the same
-    in every layout), suffixed ``@tp<rank>of<tp>`` when the tensor is split over TP."""
-    if getattr(t, "tensor_model_parallel", False):
-        return f"{name}@tp{ps.tp_rank}of{ps.tp}"
-    return name
-
-
-def model_state(chunks, ps) -> dict:
-    """This rank's model tensors for ``save``: {"model": {key: tensor}, "model_shards": {key:
-    {"dim", "full_size", "index"}}} — for each TP-split tensor, which rows/columns of the full
-    weight it holds (parallel/tensor.py's partition_index), so a full weight can be rebuilt."""
-    params, shards = {}, {}
-    for chunk in chunks:
-        for name, t in chunk.state_dict(keep_vars=True).items():
-            key = _model_key(name, t, ps)
-            params[key] = t.detach()
-            if getattr(t, "tensor_model_parallel", False):
-                shards[key] = {"dim": t.partition_dim, "full_size": t.full_size,
-                               "index": t.partition_index.detach().cpu()}
-    return {"model": params, "model_shards": shards}
-
-
-@torch.no_grad()
-def load_model_state(chunks, ps, params: dict) -> None:
-    """Copy ``params`` (the "model" subtree of a loaded state) into the chunks in place.
-
-    Raises CheckpointError, before copying anything, when the checkpoint lacks a tensor the model
-    has, holds one the model does not use, or holds one of another shape (names the first few).
-    """
-    targets = {_model_key(name, t, ps): t for chunk in chunks for name, t in chunk.state_dict(keep_vars=True).items()}
-    missing = [k for k in targets if k not in params]
-    unexpected = [k for k in params if k not in targets]
-    shapes = [f"{k} {tuple(params[k].shape)} vs {tuple(t.shape)}" for k, t in targets.items()
-              if k in params and params[k].shape != t.shape]
-    problems = [f"{what} {len(keys)}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
-                for what, keys in (("missing", missing), ("not used by the model", unexpected),
-                                   ("of another shape (saved vs model)", shapes)) if keys]
-    if problems:
-        raise CheckpointError(f"checkpoint model tensors do not match the model ({'; '.join(problems)}): "
-                              f"was it saved with another model config?")
-    for key, t in targets.items():
-        t.copy_(params[key])
-
-
-def full_model_state(path: str, load: Optional[str] = None) -> dict:
-    """{global name: full (TP=1) fp32 tensor} rebuilt from every rank of a checkpoint folder.
-
-    Works for any TP/PP layout the checkpoint was saved with: TP shards are put back with their
-    saved partition index (vocabulary padding dropped), PP stages hold disjoint global names.
-    Reads rank JSONs and tensors only (no collective). Damaged files raise ``damaged(path, e,
-    load)``, one line naming ``load`` (the --load argument; default the folder's parent).
-    """
-    with reading(path, load):
-        return _full_model_state(path)
-
-
-def _full_model_state(path: str) -> dict:
-    trees = []
-    for name in sorted(os.listdir(path)):
-        if name.startswith("rank_") and name.endswith(".json"):
-            tree = dict(_load_json(os.path.join(path, name))["state"]["d"])
-            trees.append({"model": tree["model"], "model_shards": tree.get("model_shards", {"d": []})})
-    keys = sorted({k for tree in trees for sub in tree.values() for k in _tensor_keys(sub)})
-    tensors = read_tensors(path, keys)
-    params, shards = {}, {}
-    for tree in trees:
-        params.update(_unflatten(tree["model"], tensors))
-        shards.update(_unflatten(tree["model_shards"], tensors))
-    full = {}
-    for key, t in sorted(params.items()):
-        name, t = key.split("@tp")[0], t.float()
-        if key not in shards:
-            full[name] = t
-            continue
-        dim, size, idx = shards[key]["dim"], shards[key]["full_size"], shards[key]["index"]
-        if name not in full:
-            shape = list(t.shape)
-            shape[dim] = size
-            full[name] = torch.zeros(shape)
-        keep = idx < size
-        full[name].index_copy_(dim, idx[keep], t.index_select(dim, keep.nonzero().squeeze(1)))
-    return full

@@ -1,7 +1,7 @@
 """`meshlm generate`: sample text from a checkpoint in one process.
 
 The model is rebuilt from the run's ``config.json`` saved beside the checkpoint, at TP=1 / PP=1,
-and its weights are assembled from every rank of the checkpoint (``checkpoint.dist.
+and its weights are assembled from every rank of the checkpoint (``checkpoint.state.
 full_model_state``): checkpoints written at any TP/PP layout load, because each TP shard was
 saved with the rows/columns of the full weight it holds and pipeline stages hold disjoint
 global layer names. Decoding re-runs the model on the whole (truncated) context for each new
@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 
 from ..checkpoint import dist as ckpt
+from ..checkpoint.safe_read import reading
+from ..checkpoint.state import full_model_state
 from ..config import Config, max_positions
 from ..data.tokenizer import build_tokenizer
 from ..errors import CheckpointError, ConfigError
@@ -54,18 +56,18 @@ def load_model(path: str, device: Optional[torch.device] = None) -> tuple:
 
     path: a --save directory (the tracker's iteration is used) or one iter_XXXXXXX folder.
     Raises CheckpointError when the folder, its config.json or a weight is missing, and one line
-    (checkpoint.dist.damaged) when any of its files cannot be read.
+    (checkpoint.safe_read.damaged) when any of its files cannot be read.
     """
     from ..model.transformer import GPTModel
 
     folder = path if os.path.isfile(os.path.join(path, ckpt.MANIFEST)) else ckpt.checkpoint_dir(path)
-    with ckpt.reading(folder, load=path):
+    with reading(folder, load=path):
         saved = ckpt.read_config(folder)
     cfg = Config.from_dict(saved)
     tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
     device = device or torch.device("cpu")
     model = GPTModel(cfg.model, ParallelState.single(device), tokenizer.vocab_size, seed=cfg.training.seed)
-    full = ckpt.full_model_state(folder, load=path)
+    full = full_model_state(folder, load=path)
     try:
         load_full_state_dict(model, full)
     except KeyError as e:

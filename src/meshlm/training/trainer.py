@@ -7,7 +7,8 @@ forward/backward (``no_sync`` for all but the last backward, loss scaled under f
 DP gradient reduction → loss reduced over DP and broadcast over the pipeline → NaN/inf check →
 optimizer step → LR step (only after a step that was taken, as in Megatron) → ``consumed_samples
 += global batch``. Iterations, consumed samples, and optimizer/scheduler/RNG states round-trip
-through checkpoint/dist.py, so a resumed run repeats the uninterrupted one.
+through checkpoint/dist.py (what goes in: checkpoint/state.py), so a resumed run repeats the
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from .. import config as C
 from ..checkpoint import dist as ckpt
+from ..checkpoint.state import check_model_config, load_model_state, model_state, rng_state, set_rng_state
 from ..data.blend import parse_data_path
 from ..data.gpt_dataset import build_datasets
 from ..data.indexed import check_token_ids
@@ -297,9 +299,9 @@ def save_checkpoint(run: Run, state: TrainState) -> str:
     """Save model, optimizer, scheduler, RNG and progress to --save/iter_XXXXXXX (collective)."""
     cfg, ps = run.cfg, run.ps
     run.opt.finish_param_sync()  # ZeRO-1 --overlap-param-gather: weights must be complete first
-    rng = ckpt.rng_state()
+    rng = rng_state()
     rng["dropout_calls"] = [chunk.rng.call for chunk in run.chunks]
-    tree = {**ckpt.model_state(run.chunks, ps),
+    tree = {**model_state(run.chunks, ps),
             f"optimizer/pp{ps.pp_rank}.tp{ps.tp_rank}": run.opt.state_dict(),
             "scheduler": run.sched.state_dict(),
             f"rng/rank{ps.rank}": rng,
@@ -337,7 +339,7 @@ def load_checkpoint(run: Run) -> TrainState:
     run.opt.load_state_dict(tree[f"optimizer/pp{ps.pp_rank}.tp{ps.tp_rank}"])
     run.sched.load_state_dict(tree["scheduler"])
     rng = next(v for k, v in tree.items() if k.startswith("rng/rank"))
-    ckpt.set_rng_state(rng)
+    set_rng_state(rng)
     for chunk, calls in zip(run.chunks, rng["dropout_calls"]):
         chunk.rng.call = calls
     run.last_checkpoint = ckpt.iteration_dir(root, iteration)
@@ -356,9 +358,9 @@ def _read_checkpoint(run: Run) -> Optional[tuple]:
         raise CheckpointError(problems[0])
     if ckpt.read_tracker(root) is None and os.path.abspath(root) == os.path.abspath(cfg.checkpoint.save or ""):
         return None
-    ckpt.check_model_config(ckpt.checkpoint_dir(root), cfg.model, load=root)
+    check_model_config(ckpt.checkpoint_dir(root), cfg.model, load=root)
     iteration, tree = ckpt.load(root, layout=_layout(ps, cfg), coords=_coords(ps))
-    ckpt.load_model_state(run.chunks, ps, tree["model"])
+    load_model_state(run.chunks, ps, tree["model"])
     return iteration, tree
 
 
