@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from .. import config as C
+from ..dtypes import at_least_fp32
 from ..errors import CheckpointError, ConfigError
 from .dist import CONFIG, _tensor_keys, _unflatten, read_config, read_tensors
 from .safe_read import _load_json, reading
@@ -169,7 +170,7 @@ def _full_model_state(path: str) -> dict:
         shards.update(_unflatten(tree["model_shards"], tensors))
     full = {}
     for key, t in sorted(params.items()):
-        name, t = key.split("@tp")[0], t.float()
+        name, t = key.split("@tp")[0], at_least_fp32(t)
         if key not in shards:
             full[name] = t
             continue
@@ -177,7 +178,7 @@ def _full_model_state(path: str) -> dict:
         if name not in full:
             shape = list(t.shape)
             shape[dim] = size
-            full[name] = torch.zeros(shape)
+            full[name] = torch.zeros(shape, dtype=t.dtype)
         keep = idx < size
         full[name].index_copy_(dim, idx[keep], t.index_select(dim, keep.nonzero().squeeze(1)))
     return full

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import head_dim, query_groups
+from ..dtypes import at_least_fp32
 from ..errors import ConfigError
 from ..parallel import comm
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, contiguous_index
@@ -25,12 +26,12 @@ from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, contiguou
 
 def rope(x: torch.Tensor, base: float) -> torch.Tensor:
     """Rotary position embedding (Su et al. 2021, "RoFormer", §3.4), rotate-half (GPT-NeoX / HF)
-    convention. x: [s, b, n, d], positions 0..s-1; computed in fp32, returned in x.dtype."""
+    convention. x: [s, b, n, d], positions 0..s-1; computed in at least fp32, returned in x.dtype."""
     s, d = x.shape[0], x.shape[-1]
-    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv_freq)
+    xf = at_least_fp32(x)
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, device=x.device, dtype=xf.dtype) / d)
+    angles = torch.outer(torch.arange(s, device=x.device, dtype=xf.dtype), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
-    xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (xf * angles.cos() + rotated * angles.sin()).to(x.dtype)

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import max_positions, padded_vocab_size
+from ..dtypes import at_least_fp32
 from ..errors import ConfigError
 from ..parallel import comm
 from ..parallel.random import RNGTracker
@@ -55,7 +56,7 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.rms:
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
-        xf = x.float()
+        xf = at_least_fp32(x)
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..dtypes import HALF, wide
 from ..errors import CheckpointError
 from .scaler import build_scaler
 from .schedule import LRScheduler
@@ -87,8 +88,8 @@ class Shard:
         self.buf, self.bucket, self.start, self.end = buf, bucket, start, end
         self.param = buf.param_data[start:end]
         self.grad = buf.grad_data[start:end]
-        self.separate_master = self.param.dtype != torch.float32
-        self.master = self.param.float() if self.separate_master else self.param
+        self.separate_master = self.param.dtype in HALF
+        self.master = self.param.to(wide(self.param.dtype)) if self.separate_master else self.param
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.fragments = []
@@ -142,7 +143,7 @@ class MixedPrecisionOptimizer:
         Call after ``ddp.finish_grad_sync()``.
         """
         self.finish_param_sync()
-        grads = [s.grad.float() for s in self.shards]  # views when main_grad is fp32
+        grads = [s.grad.to(s.master.dtype) for s in self.shards]  # views when dtypes match
         scale = self.scaler.scale
         found_inf = self._unscale_and_check(grads, 1.0 / scale)
         if found_inf:
@@ -181,9 +182,9 @@ class MixedPrecisionOptimizer:
     def grad_norm(self, grads: list) -> float:
         """Global L2 norm of the gradients (see counts_in_norm), reduced over ``norm_groups``."""
         views = [g[f.lo:f.hi] for s, g in zip(self.shards, grads) for f in s.fragments if f.counted]
-        sq = torch.zeros(1, device=self.ps.device)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.ps.device)
         if views:
-            sq += torch.stack(torch._foreach_norm(views)).double().pow(2).sum().float()
+            sq += torch.stack(torch._foreach_norm(views)).double().pow(2).sum()
         self._all_reduce(sq, self.norm_groups, dist.ReduceOp.SUM)
         return float(sq.sqrt().item())
 

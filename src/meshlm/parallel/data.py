@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..dtypes import wide
 from .comm import group_rank, group_size
 from .mesh import ParallelState
 
@@ -157,7 +158,7 @@ class DistributedDataParallel:
             params = [q for q in chunk.parameters() if q.requires_grad][::-1]
             for dtype in dict.fromkeys(q.dtype for q in params):
                 group = [q for q in params if q.dtype == dtype]
-                grad_dtype = torch.float32 if p.accumulate_allreduce_grads_in_fp32 else dtype
+                grad_dtype = wide(dtype) if p.accumulate_allreduce_grads_in_fp32 else dtype
                 buf = ParamAndGradBuffer(group, grad_dtype, self.bucket_size, pad_to, own)
                 self.buffers.append(buf)
                 for b in buf.buckets:

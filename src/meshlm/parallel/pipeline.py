@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, num_microbatches as config_num_microbatches
+from ..dtypes import at_least_fp32
 from ..errors import ConfigError
 from .mesh import ParallelState
 from .p2p import StageComm, backward_from, release
@@ -252,7 +253,7 @@ class _Executor:
                                        labels=batch["labels"] if last else None, hidden_states=x)
             if last:
                 mask = batch["loss_mask"].float()
-                lm = torch.where(mask > 0, out.float() * mask, 0.0).sum() / mask.sum().clamp(min=1)
+                lm = torch.where(mask > 0, at_least_fp32(out) * mask, 0.0).sum() / mask.sum().clamp(min=1)
                 # tensors, not numbers: a host sync here would drain the GPU queue every micro-batch
                 self.losses[a.mb] = {"lm_loss": lm.detach(), "num_tokens": mask.sum().detach()}
                 out = lm * (self.loss_scale / self.m)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..dtypes import at_least_fp32
 from . import comm
 from .random import derive_seed
 
@@ -170,7 +171,7 @@ class VocabParallelEmbedding(nn.Module):
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start, group):
-        logits = logits.float()
+        logits = at_least_fp32(logits)
         logits_max = comm.all_reduce(logits.max(dim=-1).values, group, op=torch.distributed.ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
         local = target - vocab_start
@@ -210,7 +211,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
 
 @torch.no_grad()
 def gather_full_state_dict(model: nn.Module, ps) -> dict:
-    """{name: full (TP=1) fp32 CPU tensor} for every parameter, the same on every TP rank.
+    """{name: full (TP=1) CPU tensor, at least fp32} for every parameter, the same on every TP rank.
 
     Collective over ps.tp_group. TP-split parameters are all-gathered and put back in full order
     using partition_index (padding rows dropped); replicated ones are copied.
@@ -218,14 +219,14 @@ def gather_full_state_dict(model: nn.Module, ps) -> dict:
     out = {}
     for name, p in model.named_parameters():
         if not getattr(p, "tensor_model_parallel", False):
-            out[name] = p.detach().float().cpu().clone()
+            out[name] = at_least_fp32(p.detach()).cpu().clone()
             continue
         dim = p.partition_dim
-        shards = comm.all_gather(p.detach().float().unsqueeze(0), ps.tp_group, 0).cpu()
+        shards = comm.all_gather(at_least_fp32(p.detach()).unsqueeze(0), ps.tp_group, 0).cpu()
         index = comm.all_gather(p.partition_index.to(ps.device).unsqueeze(0), ps.tp_group, 0).cpu()
         shape = list(p.shape)
         shape[dim] = p.full_size
-        full = torch.zeros(shape)
+        full = torch.zeros(shape, dtype=shards.dtype)
         for shard, idx in zip(shards, index):
             keep = idx < p.full_size
             full.index_copy_(dim, idx[keep], shard.index_select(dim, keep.nonzero().squeeze(1)))

@@ -95,8 +95,12 @@ def pretrain(cfg: C.Config) -> dict:
         run.logger.close()
 
 
-def build(cfg: C.Config) -> Run:
-    """Process groups, seeds, tokenizer, datasets, model chunks, DDP, optimizer, scheduler, logger."""
+def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
+    """Process groups, seeds, tokenizer, datasets, model chunks, DDP, optimizer, scheduler, logger.
+
+    dtype: the params' dtype; None picks it from the flags (``params_dtype``). The parity tests
+    pass torch.float64 to train the production path in double precision.
+    """
     t, p = cfg.training, cfg.parallel
     init_distributed(p.distributed_timeout_minutes)
     if cfg.logging.tensorboard_dir:
@@ -106,7 +110,7 @@ def build(cfg: C.Config) -> Run:
     random.seed(t.seed)
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
-    dtype = params_dtype(cfg, ps.device)
+    dtype = dtype or params_dtype(cfg, ps.device)
     if (t.bf16 or t.fp16) and dtype == torch.float32 and ps.rank == 0:
         print("note: --bf16/--fp16 ignored on CPU; training in fp32", flush=True)
     tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
