@@ -113,10 +113,31 @@ class Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor, call: int) -> torch.Tensor:
         x = self.word_embeddings(tokens.t())
         full, offset = self.seq.rows(x.shape[0])
-        if self.position_embeddings is not None:
-            x = x + self.position_embeddings.weight[offset:offset + x.shape[0]].unsqueeze(1)
+        if self.position_embeddings is not None:  # read through the module: see OutputLayer
+            rows = torch.arange(offset, offset + x.shape[0], device=x.device)
+            x = x + self.position_embeddings(rows).unsqueeze(1)
         p = self.p if self.training else 0.0
         return self.rng.dropout(x, p, (-1, "embedding", call), full, offset)
+
+
+class OutputLayer(nn.Module):
+    """x [s, b, h] → logits [s, b, V_padded/tp] with the padded vocabulary columns at −inf.
+
+    Owns the output weight [V_padded/tp, h] (untied, or the last stage's copy of a tied embedding
+    when PP > 1); with tied embeddings on one stage the word embedding is passed in. Every parameter
+    is read inside the forward of the module that owns it, so a forward pre-hook on that module
+    is a safe place to wait for the parameter (ZeRO-1 --overlap-param-gather waits there).
+    """
+
+    def __init__(self, weight: torch.Tensor | None, padded_logits: torch.Tensor):
+        super().__init__()
+        if weight is not None:
+            self.weight = nn.Parameter(weight)
+        self.register_buffer("padded_logits", padded_logits, persistent=False)
+
+    def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.weight if tied_weight is None else tied_weight
+        return F.linear(x, w).masked_fill(self.padded_logits, float("-inf"))
 
 
 class GPTModel(nn.Module):
@@ -162,13 +183,13 @@ class GPTModel(nn.Module):
             self.final_layernorm = Norm(cfg, sequence_parallel, params_dtype, ps.device)
             rows = contiguous_index(self.padded_vocab, ps.tp, ps.tp_rank)
             self.vocab_start = int(rows[0])
-            self.register_buffer("padded_logits", (rows >= vocab_size).to(ps.device), persistent=False)
             tied = not cfg.untie_embeddings_and_output_weights
+            w = None
             if not (tied and pre_process):
                 key = EMBEDDING_KEY if tied else (-1, "output_layer.weight")
                 w = init(*key).weight((vocab_size, cfg.hidden_size), 0, rows, params_dtype, ps.device)
-                self.output_layer = nn.Module()
-                self.output_layer.weight = nn.Parameter(w)
+            self.output_layer = OutputLayer(w, (rows >= vocab_size).to(ps.device))
+            if w is not None:
                 mark_partitioned(self.output_layer.weight, 0, rows, vocab_size)
                 self.output_layer.weight.shared_embedding = tied
         if pre_process and not cfg.untie_embeddings_and_output_weights:
@@ -176,7 +197,7 @@ class GPTModel(nn.Module):
 
     def output_weight(self) -> torch.Tensor:
         """[V_padded/tp, h]: the output layer's weight (the word embedding when tied on this stage)."""
-        if hasattr(self, "output_layer"):
+        if hasattr(self.output_layer, "weight"):
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
 
@@ -194,7 +215,8 @@ class GPTModel(nn.Module):
             return x
         x = self.final_layernorm(x)
         x = comm.gather_from_sp(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
-        logits = F.linear(x, self.output_weight()).masked_fill(self.padded_logits, float("-inf"))  # [s, b, V/tp]
+        tied = None if hasattr(self.output_layer, "weight") else self.embedding.word_embeddings.weight
+        logits = self.output_layer(x, tied)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
         return vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_start, self.group).t()

@@ -8,9 +8,12 @@ rank updates its shards (the grad norm and inf check are reduced over DP × CP a
 updated params are all-gathered bucket by bucket back into every rank's param buffer.
 
 With ``--overlap-param-gather`` the all-gathers start right after the step (in forward order,
-last bucket first) and each is waited for by a forward pre-hook of the first module that uses a
-param of that bucket, so the gather hides behind the next forward. Anything that reads params
-outside a forward (checkpoint save, export) must call ``finish_param_sync()`` first.
+last bucket first) and each is waited for by a forward pre-hook of the first module that owns a
+param of that bucket, so the gather hides behind the next forward. This is safe because the model
+reads every parameter only inside the forward of the module that owns it (the position table and
+the output layer are modules for that reason; tests/test_parity_matrix.py poisons every pending
+gather with NaN to prove it). Anything that reads params outside a forward (checkpoint save,
+export, the end of training) calls ``finish_param_sync()`` first.
 """
 
 from __future__ import annotations

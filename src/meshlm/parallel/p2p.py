@@ -22,7 +22,9 @@ from .mesh import ParallelState
 from .schedules import P2P
 
 # Pipeline groups whose neighbour connections are set up (see StageComm._connect): once per group.
-_CONNECTED: set = set()
+# The group objects themselves are kept (compared by identity): an id() can be reused by a new
+# group once an old one is freed, which would skip the new group's warm-up.
+_CONNECTED: list = []
 
 
 class StageComm:
@@ -36,9 +38,9 @@ class StageComm:
         self.ps, self.shape, self.dtype = ps, tuple(shape), dtype
         self.next = ps.pp_ranks[(ps.pp_rank + 1) % ps.pp]
         self.prev = ps.pp_ranks[(ps.pp_rank - 1) % ps.pp]
-        if ps.pp > 1 and id(ps.pp_group) not in _CONNECTED:
+        if ps.pp > 1 and not any(g is ps.pp_group for g in _CONNECTED):
             self._connect()
-            _CONNECTED.add(id(ps.pp_group))
+            _CONNECTED.append(ps.pp_group)
 
     def _connect(self) -> None:
         """Exchange one tensor with both neighbours, in one batch on every rank of the pipeline.

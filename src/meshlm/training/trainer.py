@@ -192,6 +192,7 @@ def train(run: Run, state: TrainState) -> dict:
             saved_at = it
         if t.exit_interval and it % t.exit_interval == 0:
             break
+    run.opt.finish_param_sync()  # no all-gather may still be in flight when the process ends
     if run.valid_ds is not None and (not val_losses or val_losses[-1][0] != state.iteration):
         val_losses.append((state.iteration, evaluate(run, state, state.iteration // max(t.eval_interval, 1))))
     if cfg.checkpoint.save and saved_at != state.iteration:

@@ -1,0 +1,97 @@
+"""Pairwise combinations of every flag that changes how a training step is computed.
+
+``FACTORS`` lists each flag (or group of flags that only make sense together, like a pipeline
+schedule and its sizes) with its levels. ``pairwise_cases()`` returns a small list of parity
+Cases in which every pair of levels of two factors that some valid layout allows appears at least
+once (a covering array of strength 2, built greedily as in Cohen et al. 1997, "The AETG
+System"), deterministic for a given seed. ``possible`` states which combinations a layout
+cannot have; meshlm's own validation must accept every generated case (the test checks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from parity import Case
+
+MAX_WORLD = 8  # processes one CPU test may spawn
+
+PIPELINES = {  # name: the Case fields of that pipeline layout (4 layers)
+    "pp1": dict(pp=1),
+    "1f1b": dict(pp=2, schedule="1f1b"),
+    "gpipe": dict(pp=2, schedule="gpipe"),
+    "interleaved": dict(pp=2, vpp=2),
+    "first-1": dict(pp=2, first=1),
+    "last-1": dict(pp=2, last=1),
+    "pp4": dict(pp=4, schedule="1f1b"),
+}
+
+FACTORS = {
+    "tp": [1, 2, 4],
+    "sp": [False, True],
+    "pipeline": list(PIPELINES),
+    "dp": [1, 2, 4],
+    "dist_opt": [False, True],
+    "overlap_grad": [False, True],
+    "overlap_param": [False, True],
+    "bucket": [1, None],
+    "tied": [True, False],
+    "pos": ["learned_absolute", "rope"],
+    "norm": ["LayerNorm", "RMSNorm"],
+    "swiglu": [False, True],
+    "groups": [None, 1, 2],
+    "recompute": [False, True],
+    "micro": [1, 2],
+}
+
+
+def to_case(a: dict) -> Case:
+    fields = {k: v for k, v in a.items() if k != "pipeline"}
+    return Case(**fields, **PIPELINES[a["pipeline"]])
+
+
+def possible(a: dict) -> bool:
+    """Whether assignment ``a`` (factor → level) is a layout meshlm accepts, within MAX_WORLD."""
+    c = to_case(a)
+    microbatches = 8 // (c.micro * c.dp)
+    return (c.world <= MAX_WORLD
+            and not (c.sp and c.tp == 1)
+            and not (c.overlap_param and not c.dist_opt)
+            and not (c.vpp and microbatches % c.pp))
+
+
+def _pairs(a: dict) -> set:
+    return {((f, a[f]), (g, a[g])) for f, g in itertools.combinations(FACTORS, 2)}
+
+
+def pairwise_cases(seed: int = 0, tries: int = 30) -> tuple:
+    """(cases, impossible): a deterministic list of Cases covering every possible pair of factor
+    levels (see module doc), and the pairs no possible layout has."""
+    rng = random.Random(seed)
+    wanted = {((f, x), (g, y)) for f, g in itertools.combinations(FACTORS, 2)
+              for x in FACTORS[f] for y in FACTORS[g]}
+    chosen, impossible = [], set()
+    while wanted:
+        target = min(wanted, key=repr)  # deterministic choice of the next pair to cover
+        best, best_gain = None, 0
+        for _ in range(tries):
+            a = {f: rng.choice(levels) for f, levels in FACTORS.items()}
+            a.update(dict(target))
+            fixed = {k for k, _ in target}
+            for f in rng.sample(list(FACTORS), len(FACTORS)):
+                if f in fixed:
+                    continue
+                scores = [(len(_pairs({**a, f: v}) & wanted), v) for v in FACTORS[f] if possible({**a, f: v})]
+                if scores:
+                    a[f] = max(scores, key=lambda s: s[0])[1]
+            gain = len(_pairs(a) & wanted)
+            if possible(a) and gain > best_gain:
+                best, best_gain = dict(a), gain
+        if best is None:
+            wanted.discard(target)  # no layout has this pair (e.g. TP=4 with PP=4 within 8 ranks)
+            impossible.add(target)
+            continue
+        wanted -= _pairs(best)
+        chosen.append(best)
+    return [to_case(a) for a in chosen], impossible

@@ -1,0 +1,240 @@
+"""The parity harness: train a layout through the production path in float64 and compare it with
+one process (DESIGN.md, "Correctness rule").
+
+``train_layout(case)`` runs in every worker: it builds the run exactly as ``meshlm pretrain`` does
+(``trainer.build``: process groups, model chunks, DP buffers and buckets, the (distributed)
+optimizer, LR schedule, logger) with float64 params, feeds it the synthetic ``MaskedData``
+(random tokens, loss masks that differ between samples, one fully masked sample) and calls
+``trainer.train_step`` STEPS times. It returns the losses, the grad norms and every parameter as a
+full (TP=1) float64 tensor under its global name — from every rank, so DP replicas are checked too.
+
+``reference(case)`` is the same run as one process (every parallel size 1), cached per model.
+``assert_parity`` compares them at 1e-10 relative: rounding in float64 stays near 1e-15, a real
+fault (a missing reduction, a wrong shard, a stale parameter) lands near 1e-3.
+
+``poison_pending_gathers`` makes ZeRO-1's overlapped parameter all-gathers deterministic race
+detectors: until a gather is waited for, the bucket's parameters read NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from distributed import run_distributed
+
+STEPS = 3
+TOL = 1e-10
+VOCAB, SEQ, GLOBAL_BATCH = 50, 8, 8
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layout and the model flags it runs with (every field a meshlm flag's value)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sp: bool = False
+    schedule: str = "auto"
+    vpp: Optional[int] = None
+    first: Optional[int] = None  # --decoder-first-pipeline-num-layers
+    last: Optional[int] = None   # --decoder-last-pipeline-num-layers
+    dist_opt: bool = False
+    overlap_grad: bool = False
+    overlap_param: bool = False
+    bucket: Optional[int] = 1    # --ddp-bucket-size: 1 puts every parameter in its own bucket
+    tied: bool = True
+    pos: str = "learned_absolute"  # --position-embedding-type: learned_absolute or rope
+    norm: str = "LayerNorm"        # --normalization
+    swiglu: bool = False
+    groups: Optional[int] = None   # --num-query-groups (GQA)
+    recompute: bool = False
+    micro: int = 1               # --micro-batch-size
+    layers: int = 4
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def model_key(self) -> tuple:
+        """What the single-process reference depends on."""
+        return (self.tied, self.pos, self.norm, self.swiglu, self.groups, self.micro, self.layers)
+
+    def __str__(self) -> str:
+        default = Case()
+        return "-".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                        if getattr(self, f.name) != getattr(default, f.name)) or "single"
+
+
+def config(case: Case):
+    """The Config that ``meshlm pretrain`` would build from the case's flags (validated)."""
+    from meshlm.config import Config
+    from meshlm.validate import validate
+
+    cfg = Config()
+    m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = case.layers, 16, 4, SEQ
+    m.vocab_size, m.make_vocab_size_divisible_by = VOCAB, 4
+    m.hidden_dropout = m.attention_dropout = 0.0
+    m.untie_embeddings_and_output_weights = not case.tied
+    m.normalization, m.position_embedding_type, m.swiglu = case.norm, case.pos, case.swiglu
+    if case.swiglu:
+        m.ffn_hidden_size = 24
+    if case.groups:
+        m.group_query_attention, m.num_query_groups = True, case.groups
+    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = case.tp, case.pp
+    p.sequence_parallel, p.pipeline_schedule = case.sp, case.schedule
+    p.virtual_pipeline_model_parallel_size = case.vpp
+    p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers = case.first, case.last
+    p.use_distributed_optimizer, p.ddp_bucket_size = case.dist_opt, case.bucket
+    p.overlap_grad_reduce, p.overlap_param_gather = case.overlap_grad, case.overlap_param
+    t.micro_batch_size, t.global_batch_size, t.train_iters = case.micro, GLOBAL_BATCH, STEPS
+    t.recompute_activations, t.log_interval, t.eval_interval = case.recompute, 1, 1000
+    cfg.data.mock_data, cfg.data.split = True, "1,0,0"
+    o.lr, o.min_lr, o.lr_warmup_iters, o.clip_grad = 1e-2, 1e-3, 1, 0.5
+    validate(cfg, world=case.world, check_files=False)
+    return cfg
+
+
+class MaskedData:
+    """GLOBAL_BATCH × STEPS samples of random ids; each sample masks a different random subset of
+    its tokens, and sample 3 is fully masked (its micro-batch adds zero loss)."""
+
+    def __len__(self) -> int:
+        return GLOBAL_BATCH * STEPS
+
+    def __getitem__(self, i: int) -> dict:
+        rng = np.random.default_rng([7, i])
+        ids = torch.from_numpy(rng.integers(0, VOCAB, SEQ + 1))
+        mask = torch.from_numpy((rng.random(SEQ) < 0.7).astype(np.float32))
+        if i == 3:
+            mask.zero_()
+        return {"tokens": ids[:-1], "labels": ids[1:], "loss_mask": mask}
+
+
+def poison_pending_gathers(opt) -> None:
+    """Defer every asynchronous parameter all-gather of a DistributedOptimizer to its wait(), and
+    fill the bucket with NaN until then: a parameter read before its gather is waited for is NaN,
+    so a race shows as a NaN loss or a parity failure on every run, not by chance."""
+    original = opt._gather
+
+    class Deferred:
+        def __init__(self, full, shard):
+            self.full, self.shard = full, shard.clone()
+            full.fill_(float("nan"))
+
+        def wait(self):
+            original(self.full, self.shard, async_op=False)
+
+    opt._gather = lambda full, shard, async_op: (Deferred(full, shard) if async_op
+                                                 else original(full, shard, async_op=False))
+
+
+def _full_params(run) -> dict:
+    """{global name: full float64 tensor} of this rank's chunks (collective over TP)."""
+    from meshlm.parallel.tensor import gather_full_state_dict
+
+    out = {}
+    for chunk in run.chunks:
+        for name, t in gather_full_state_dict(chunk, run.ps).items():
+            if name == "output_layer.weight" and not run.cfg.model.untie_embeddings_and_output_weights:
+                name = "embedding.word_embeddings.weight (last stage copy)"
+            out[name] = t
+    return out
+
+
+def train_layout(case: Case, poison: bool = True) -> dict:
+    """Train ``case`` for STEPS steps in this worker; {"losses", "norms", "params"} (see module doc)."""
+    from meshlm.training import trainer
+
+    run = trainer.build(config(case), dtype=torch.float64)
+    run.train_ds = MaskedData()
+    if poison and case.overlap_param and run.ps.dp > 1:
+        poison_pending_gathers(run.opt)
+    norms, step = [], run.opt.step
+
+    def recording_step():
+        result = step()
+        norms.append(result.grad_norm)
+        return result
+
+    run.opt.step = recording_step
+    state = trainer.TrainState()
+    losses = [trainer.train_step(run, state) for _ in range(STEPS)]
+    run.opt.finish_param_sync()
+    return {"losses": losses, "norms": norms, "params": _full_params(run)}
+
+
+def _worker(rank: int, world: int, cases: list, poison: bool) -> list:
+    """train_layout of each case in turn (one process start for several cases)."""
+    out = []
+    for case in cases:
+        try:
+            out.append(train_layout(case, poison))
+        except Exception as e:
+            raise RuntimeError(f"{case}: {e}") from e
+    return out
+
+
+_REFERENCES: dict = {}
+
+
+def _single(case: Case) -> Case:
+    return Case(tied=case.tied, pos=case.pos, norm=case.norm, swiglu=case.swiglu, groups=case.groups,
+                micro=case.micro, layers=case.layers)
+
+
+def references(cases: list) -> list:
+    """The single-process run of each case's model (computed in one process, cached per model)."""
+    todo = list({c.model_key(): _single(c) for c in cases if c.model_key() not in _REFERENCES}.values())
+    if todo:
+        (runs,) = run_distributed(_worker, 1, todo, False)
+        _REFERENCES.update({c.model_key(): r for c, r in zip(todo, runs)})
+    return [_REFERENCES[c.model_key()] for c in cases]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ over the whole tensor."""
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def run_layouts(cases: list, poison: bool = True) -> list:
+    """For each case (all of one world size), every rank's result of training it (see train_layout)."""
+    per_rank = run_distributed(_worker, cases[0].world, cases, poison)
+    return [list(results) for results in zip(*per_rank)]
+
+
+def parity_errors(case: Case, results: list, ref: dict) -> list:
+    """Lines naming each loss, grad norm or parameter that differs from ``ref`` by more than TOL."""
+    bad = []
+    for rank, r in enumerate(results):
+        for what in ("losses", "norms"):
+            for i, (a, b) in enumerate(zip(r[what], ref[what])):
+                if a is None or abs(a - b) > TOL * abs(b):
+                    bad.append(f"rank {rank} step {i + 1} {what[:-1]}: {a} vs {b}")
+        for name, t in r["params"].items():
+            want = ref["params"][name.split(" (")[0]]
+            err = rel_err(t, want)
+            if not err <= TOL:
+                bad.append(f"rank {rank} {name}: relative error {err:.2e}")
+    return bad
+
+
+def assert_parity(*cases: Case, poison: bool = True) -> None:
+    """Train each case (all of one world size, in one set of processes) and its single-process
+    reference; fail naming every loss, norm or parameter that differs by more than TOL."""
+    assert len({c.world for c in cases}) == 1, "cases of one call share a world size"
+    refs = references(list(cases))
+    report = []
+    for case, results, ref in zip(cases, run_layouts(list(cases), poison), refs):
+        assert max(ref["norms"]) > 0.5, "clipping (--clip-grad 0.5) must be active in the reference"
+        covered = {n.split(" (")[0] for r in results for n in r["params"]}
+        bad = [f"parameters missing: {sorted(set(ref['params']) - covered)}"] if covered != set(ref["params"]) else []
+        bad += parity_errors(case, results, ref)
+        report += [f"{case}:"] + bad[:20] if bad else []
+    assert not report, "\n".join(report)

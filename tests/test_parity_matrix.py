@@ -1,0 +1,44 @@
+"""Every layout computes the function of one process: the production training step (trainer.build
+and trainer.train_step) of each pairwise combination of the step-changing flags (tests/matrix.py),
+trained in float64 over gloo, against the single-process run at 1e-10 relative (tests/parity.py).
+With ZeRO-1 --overlap-param-gather every pending parameter all-gather reads NaN until waited for."""
+
+import itertools
+
+import pytest
+
+from matrix import MAX_WORLD, pairwise_cases
+from parity import assert_parity, config
+
+CASES, IMPOSSIBLE = pairwise_cases()
+BATCH = 4  # cases per set of processes: one process start serves several cases
+
+
+def _batches(cases: list) -> list:
+    out = []
+    for _, group in itertools.groupby(sorted(cases, key=lambda c: c.world), key=lambda c: c.world):
+        group = list(group)
+        out += [group[i:i + BATCH] for i in range(0, len(group), BATCH)]
+    return out
+
+
+BATCHES = _batches(CASES)
+
+
+def test_only_pairs_no_layout_allows_are_left_out_and_meshlm_accepts_every_case():
+    pipelines_of_4 = {("pipeline", "pp4")}
+    assert IMPOSSIBLE == {
+        (("tp", 1), ("sp", True)),                       # SP needs TP > 1
+        (("dist_opt", False), ("overlap_param", True)),  # the param gather is ZeRO-1's
+        *((("tp", 4), p) for p in pipelines_of_4),       # TP 4 × PP 4 > MAX_WORLD
+        (("tp", 4), ("dp", 4)),
+        *((p, ("dp", 4)) for p in pipelines_of_4),
+    }
+    assert len(CASES) <= 30 and all(c.world <= MAX_WORLD for c in CASES)
+    for case in CASES:
+        config(case)  # meshlm's own validation accepts the layout (raises ConfigError if not)
+
+
+@pytest.mark.parametrize("cases", BATCHES, ids=[f"world{b[0].world}-{i}" for i, b in enumerate(BATCHES)])
+def test_pairwise_layouts_match_single_process_in_float64(cases):
+    assert_parity(*cases)
