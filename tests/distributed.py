@@ -1,6 +1,6 @@
 """Run a function in N CPU processes over gloo: the harness of every multi-process test.
 
-``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises gloo on
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises gloo (or NCCL) on
 a free port, calls ``fn(rank, world_size, *args)`` in each and returns the list of their return
 values (rank order). An exception in any worker fails the caller with that worker's traceback.
 Return values must be picklable (move tensors to CPU; prefer plain floats/lists/tensors).
@@ -24,13 +24,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, outdir):
+def _worker(rank, world_size, port, fn, args, outdir, backend):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     result_path = os.path.join(outdir, f"{rank}.pt")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
         torch.save({"ok": out}, result_path)
     except BaseException:
@@ -41,12 +43,14 @@ def _worker(rank, world_size, port, fn, args, outdir):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args):
-    """Spawn world_size gloo processes running fn(rank, world_size, *args); return their results."""
+def run_distributed(fn, world_size: int, *args, backend: str = "gloo"):
+    """Spawn world_size processes running fn(rank, world_size, *args); return their results.
+
+    backend "nccl": rank r uses GPU r (the GPU tests)."""
     with tempfile.TemporaryDirectory() as outdir:
         port = _free_port()
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, outdir))
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, outdir, backend))
                  for r in range(world_size)]
         for p in procs:
             p.start()

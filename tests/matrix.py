@@ -17,12 +17,12 @@ from parity import Case
 
 MAX_WORLD = 8  # processes one CPU test may spawn
 
-PIPELINES = {  # name: the Case fields of that pipeline layout (4 layers)
+PIPELINES = {  # name: the Case fields of that pipeline layout (4 layers unless said)
     "pp1": dict(pp=1),
     "1f1b": dict(pp=2, schedule="1f1b"),
     "gpipe": dict(pp=2, schedule="gpipe"),
     "interleaved": dict(pp=2, vpp=2),
-    "first-1": dict(pp=2, first=1),
+    "pp3-first-1": dict(pp=3, first=1, layers=5),  # 1, 2, 2 layers
     "last-1": dict(pp=2, last=1),
     "pp4": dict(pp=4, schedule="1f1b"),
 }

@@ -136,7 +136,7 @@ def poison_pending_gathers(opt) -> None:
 
 
 def _full_params(run) -> dict:
-    """{global name: full float64 tensor} of this rank's chunks (collective over TP)."""
+    """{global name: full float64 CPU tensor} of this rank's chunks (collective over TP)."""
     from meshlm.parallel.tensor import gather_full_state_dict
 
     out = {}
@@ -149,7 +149,9 @@ def _full_params(run) -> dict:
 
 
 def train_layout(case: Case, poison: bool = True) -> dict:
-    """Train ``case`` for STEPS steps in this worker; {"losses", "norms", "params"} (see module doc)."""
+    """Train ``case`` for STEPS steps in this worker; {"losses", "norms", "params"} (see module doc).
+
+    Runs on the worker's device (CPU over gloo; its GPU over NCCL), always in float64."""
     from meshlm.training import trainer
 
     run = trainer.build(config(case), dtype=torch.float64)

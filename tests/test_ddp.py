@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from distributed import run_distributed
 from meshlm.config import Config
+from meshlm.dtypes import at_least_fp32
 from meshlm.parallel.data import DistributedDataParallel
 from meshlm.parallel.mesh import ParallelState
 
@@ -18,9 +19,10 @@ VOCAB, HIDDEN, SEQ = 48, 16, 8
 
 
 class Toy(nn.Module):
-    """Embedding → LayerNorm → MLP (residual) → output layer → per-token cross-entropy."""
+    """Embedding → LayerNorm → MLP (residual) → output layer → per-token cross-entropy; float64
+    unless told (the tests compare with one process at float64 rounding)."""
 
-    def __init__(self, seed: int = 0, dtype=torch.float32):
+    def __init__(self, seed: int = 0, dtype=torch.float64):
         super().__init__()
         torch.manual_seed(seed)
         self.emb = nn.Embedding(VOCAB, HIDDEN)
@@ -36,7 +38,7 @@ class Toy(nn.Module):
     def forward(self, tokens, labels):
         x = self.emb(tokens)
         x = x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-        logits = self.out(x).float()
+        logits = at_least_fp32(self.out(x))
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
@@ -104,10 +106,10 @@ def test_dp2_average_equals_single_process_full_batch_gradient_plain_and_zero1()
     zero_covered = 0
     for plain, zero in run_distributed(_dp_grads, 2, [(True, False), (True, True)]):
         assert plain["buckets"] >= 3, "the test must span several buckets"
-        assert plain["bytes"] == sum(g.numel() * 4 for g in ref.values())
+        assert plain["bytes"] == sum(g.numel() * 8 for g in ref.values())
         for run in (plain, zero):
             for name, off, values in run["frags"]:
-                torch.testing.assert_close(values, ref[name][off:off + len(values)], rtol=1e-5, atol=1e-7)
+                torch.testing.assert_close(values, ref[name][off:off + len(values)], rtol=1e-12, atol=1e-15)
         zero_covered += sum(len(v) for _, _, v in zero["frags"])
     assert zero_covered == sum(g.numel() for g in ref.values()), "ZeRO-1 shards partition the params"
 
@@ -134,7 +136,7 @@ def test_buckets_follow_backward_order_and_cover_every_param():
         s, e = buf.index[p]
         assert p.main_grad.data_ptr() == buf.grad_data[s:e].data_ptr()
         assert p.data_ptr() == buf.param_data[s:e].data_ptr()
-        assert p.main_grad.dtype == torch.float32
+        assert p.main_grad.dtype == torch.float64  # float64 params keep float64 grads
 
 
 def test_zero1_buckets_are_padded_to_equal_shards():
@@ -158,7 +160,7 @@ def test_hook_accumulates_micro_batches_into_main_grad_and_frees_grad():
     (ref(tokens[:2], labels[:2]) + ref(tokens[2:], labels[2:])).backward()
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.grad is None
-        torch.testing.assert_close(p.main_grad, q.grad, rtol=1e-6, atol=1e-7, msg=n)
+        torch.testing.assert_close(p.main_grad, q.grad, rtol=1e-12, atol=1e-15, msg=n)
     ddp.zero_grad()
     assert all(float(b.grad_data.abs().sum()) == 0 for b in ddp.buffers)
 

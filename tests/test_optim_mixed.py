@@ -11,7 +11,7 @@ from meshlm.parallel.mesh import ParallelState
 from test_ddp import Toy, batch, make_cfg
 
 
-def setup(dtype=torch.float32, clip=0.0, wd=0.1, lr=1e-2, **training):
+def setup(dtype=torch.float64, clip=0.0, wd=0.1, lr=1e-2, **training):
     cfg = make_cfg(ddp_bucket_size=300)
     o = cfg.optimizer
     o.clip_grad, o.weight_decay, o.lr, o.lr_warmup_iters = clip, wd, lr, 0
@@ -37,7 +37,7 @@ def train_step(model, ddp, opt, seed):
 
 def test_adamw_matches_torch_adamw_with_no_decay_on_biases_and_norms():
     model, ddp, opt = setup(wd=0.1)
-    ref = Toy()
+    ref = Toy(dtype=torch.float64)
     groups = [{"params": [p for n, p in ref.named_parameters() if not getattr(p, "no_weight_decay", False)]},
               {"params": [p for n, p in ref.named_parameters() if getattr(p, "no_weight_decay", False)],
                "weight_decay": 0.0}]
@@ -48,7 +48,7 @@ def test_adamw_matches_torch_adamw_with_no_decay_on_biases_and_norms():
         ref(*batch(4, step)).backward()
         torch_opt.step()
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=n)
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-15, msg=n)
 
 
 def test_weight_decay_skips_no_weight_decay_params():
@@ -63,14 +63,14 @@ def test_weight_decay_skips_no_weight_decay_params():
 
 def test_clipping_matches_torch_clip_grad_norm():
     model, ddp, opt = setup(clip=0.05, wd=0.0, lr=0.0)
-    ref = Toy()
+    ref = Toy(dtype=torch.float64)
     ref(*batch(4, 0)).backward()
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
     _, res = train_step(model, ddp, opt, seed=0)
-    assert res.grad_norm == pytest.approx(float(want), rel=1e-5)
+    assert res.grad_norm == pytest.approx(float(want), rel=1e-12)
     assert res.grad_norm > 0.05, "the test must clip"
     for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.main_grad, q.grad, rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(p.main_grad, q.grad, rtol=1e-12, atol=1e-15)
 
 
 def test_fp16_overflow_skips_exactly_that_step_and_halves_the_scale():
@@ -106,7 +106,7 @@ def test_fp16_hysteresis_and_growth_window():
 
 def test_fp16_unscales_gradients_before_the_update():
     model, ddp, opt = setup(torch.float16, initial_loss_scale=256.0, clip=0.0)
-    ref = Toy()
+    ref = Toy(dtype=torch.float64)
     ref(*batch(4, 0)).backward()
     _, res = train_step(model, ddp, opt, seed=0)
     assert res.ok and not res.skipped

@@ -275,7 +275,8 @@ class MixedPrecisionOptimizer:
         n = sum(p.numel() for buf in self.ddp.buffers for p in buf.params)
         weights = sum(b.param_data.numel() * b.param_data.element_size() for b in self.ddp.buffers)
         grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.ddp.buffers)
-        optim = sum(4 * s.master.numel() * (3 if s.separate_master else 2) for s in self.shards)
+        optim = sum(t.numel() * t.element_size() for s in self.shards for k, t in s.tensors().items()
+                    if s.separate_master or k != "master")
         total = weights + grads + optim
         per = {k: v / max(n, 1) for k, v in
                (("weights", weights), ("grads", grads), ("optimizer", optim), ("total", total))}
