@@ -76,15 +76,16 @@ def params_dtype(cfg: C.Config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16 else torch.float32
 
 
-def pretrain(cfg: C.Config) -> dict:
+def pretrain(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> dict:
     """Train ``cfg`` in this worker (every rank calls it); return a summary for tests and the CLI:
     {"iterations", "train_losses" (per iteration, None when skipped), "final_train_loss",
     "val_losses" ([(iteration, loss)]), "first_val_loss", "last_val_loss", "last_checkpoint"}.
 
+    dtype: the params' dtype, None to pick it from the flags (see ``build``).
     Raises TrainingError on a NaN/inf loss (naming the iteration and the last good checkpoint)
     unless --skip-nan-steps, CheckpointError for a bad --load, ConfigError/DataError from builders.
     """
-    run = build(cfg)
+    run = build(cfg, dtype)
     state = TrainState()
     if cfg.checkpoint.load:
         state = load_checkpoint(run)
