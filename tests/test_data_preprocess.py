@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from meshlm.data.indexed import IndexedDataset
-from meshlm.data.preprocess import SHOW_BAD, add_arguments, preprocess_files, run
+from meshlm.data.preprocess import add_arguments, preprocess_files, run
+from meshlm.data.records import SHOW_BAD
 from meshlm.errors import DataError
 
 VOCAB = 100  # NullTokenizer: text is ids, eod = 99
@@ -53,8 +54,8 @@ def test_only_the_first_bad_records_are_shown_but_all_are_counted(tmp_path):
     path = tmp_path / "many.jsonl"
     path.write_text("{bad\n" * (SHOW_BAD + 5) + json.dumps({"text": "1"}) + "\n")
     stats = preprocess_files([str(path)], str(tmp_path / "out"), null_cfg(), VOCAB, quiet=True)
-    assert stats.bad == SHOW_BAD + 5
-    assert len(stats.bad_messages) == SHOW_BAD
+    assert stats.bad.count == SHOW_BAD + 5
+    assert len(stats.bad.messages) == SHOW_BAD
     assert stats.documents == 1
 
 
@@ -65,7 +66,7 @@ def test_plain_text_file_is_one_document_and_several_keys_stay_aligned(tmp_path)
     jsonl.write_text(json.dumps({"a": "5", "b": "6 7"}) + "\n" + json.dumps({"a": "8"}) + "\n")
     stats = preprocess_files([str(txt), str(jsonl)], str(tmp_path / "out"), null_cfg(), VOCAB,
                              json_keys=("a", "b"), quiet=True)
-    assert stats.bad == 1  # the record without "b" is dropped from both keys
+    assert stats.bad.count == 1  # the record without "b" is dropped from both keys
     a = IndexedDataset(str(tmp_path / "out_a_document"))
     b = IndexedDataset(str(tmp_path / "out_b_document"))
     assert [a[i].tolist() for i in range(len(a))] == [[1, 2, 3, 4], [5]]
