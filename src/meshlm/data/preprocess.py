@@ -26,7 +26,7 @@ from types import SimpleNamespace
 from ..errors import ConfigError, DataError
 from .indexed import IndexedDatasetWriter, token_dtype
 from .outputs import check_output_file
-from .records import BadRecords, check_json_keys, iter_records, parse_record
+from .records import BadRecords, check_inputs, check_json_keys, iter_records, parse_record
 from .tokenizer import build_tokenizer
 
 CHUNK_BYTES = 1 << 20  # records are sent to workers in chunks of about this many bytes
@@ -107,9 +107,7 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
     is missing, no record at all is usable, or every usable record's text is empty for some key; on
     any error nothing is written and no temporary file is left.
     """
-    for path in inputs:
-        if not os.path.isfile(path):
-            raise DataError(f"--input {path}: no such file")
+    check_inputs(inputs)
     keys = check_json_keys(json_keys)
     if workers < 1:
         raise ConfigError(f"--workers {workers}: use 1 or more tokenizer processes")

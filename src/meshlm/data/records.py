@@ -10,6 +10,7 @@ commands skip it, count it in :class:`BadRecords` and report it as ``file:line: 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -42,6 +43,15 @@ class BadRecords:
             print(f"bad record: {msg}", file=sys.stderr)
         if self.count > len(self.messages):
             print(f"... and {self.count - len(self.messages):,} more bad records", file=sys.stderr)
+
+
+def check_inputs(paths) -> None:
+    """DataError naming the first --input that is not an existing file."""
+    for path in paths:
+        if os.path.isdir(path):
+            raise DataError(f"--input {path} is a directory; give the files in it")
+        if not os.path.isfile(path):
+            raise DataError(f"--input {path}: no such file")
 
 
 def check_json_keys(keys) -> tuple:

@@ -22,7 +22,7 @@ from typing import Optional
 
 from ..errors import ConfigError, DataError
 from .outputs import check_output_file, replacing
-from .records import BadRecords, check_json_keys, iter_texts
+from .records import BadRecords, check_inputs, check_json_keys, iter_texts
 
 EOD = "<|endoftext|>"
 EOD_CANDIDATES = (EOD, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
@@ -255,9 +255,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """``meshlm tokenizer train``: train a byte-level BPE on the inputs; returns the exit status."""
-    for path in args.input:
-        if not os.path.isfile(path):
-            raise DataError(f"--input {path}: no such file")
+    check_inputs(args.input)
     if args.vocab_size < 257:
         raise ConfigError(f"--vocab-size {args.vocab_size} is below the 256 byte tokens + {EOD}; use ≥ 257")
     keys = check_json_keys(args.json_keys)
