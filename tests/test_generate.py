@@ -126,6 +126,7 @@ def test_a_prompt_the_null_tokenizer_cannot_take_is_a_one_line_error(trained, ca
     ("top-p", "1.5", "--top-p 1.5: use a number in (0, 1]"),
     ("max-new-tokens", "-1", "--max-new-tokens -1 is negative"),
     ("seed", str(2**64), f"--seed {2**64} is out of range"),
+    ("seed", "-1", "--seed -1 is out of range; use 0 ≤ seed < 2^64"),
 ])
 def test_numeric_flags_are_checked_before_loading(tmp_path, capsys, flag, value, message):
     from meshlm.cli import main
@@ -141,3 +142,11 @@ def test_several_bad_sampling_flags_are_listed_together(tmp_path):
         generate.run(_args(str(tmp_path), temperature="nan", top_k=-2))
     assert e.value.problems == ["--temperature nan: use a finite number ≥ 0 (0 = greedy)",
                                 "--top-k -2 is negative; use 0 (all tokens) or more"]
+
+
+def test_a_prompt_that_is_not_unicode_is_refused_for_any_tokenizer():
+    from meshlm.data.tokenizer import NullTokenizer
+    from meshlm.errors import ConfigError
+    with pytest.raises(ConfigError, match="--prompt 'a\\\\udcff' is not valid UTF-8 text"):
+        generate.check_prompt(NullTokenizer(100), "a\udcff")  # an undecodable byte of argv
+    generate.check_prompt(NullTokenizer(100), "0 99")

@@ -51,7 +51,7 @@ def check_sampling_flags(args: argparse.Namespace) -> None:
         problems.append(f"--top-k {args.top_k} is negative; use 0 (all tokens) or more")
     if not 0 < args.top_p <= 1:  # false for nan too
         problems.append(f"--top-p {args.top_p}: use a number in (0, 1] (1 = off)")
-    if not -2**63 <= args.seed < 2**64:
+    if not 0 <= args.seed < 2**64:
         problems.append(f"--seed {args.seed} is out of range; use 0 ≤ seed < 2^64")
     if problems:
         raise ConfigError(problems)
