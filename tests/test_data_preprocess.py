@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from meshlm.data.indexed import IndexedDataset
-from meshlm.data.preprocess import SHOW_BAD, add_arguments, preprocess_files, run
+from meshlm.data.preprocess import add_arguments, preprocess_files, run
+from meshlm.data.records import SHOW_BAD
 from meshlm.errors import DataError
 
 VOCAB = 100  # NullTokenizer: text is ids, eod = 99
@@ -53,8 +54,8 @@ def test_only_the_first_bad_records_are_shown_but_all_are_counted(tmp_path):
     path = tmp_path / "many.jsonl"
     path.write_text("{bad\n" * (SHOW_BAD + 5) + json.dumps({"text": "1"}) + "\n")
     stats = preprocess_files([str(path)], str(tmp_path / "out"), null_cfg(), VOCAB, quiet=True)
-    assert stats.bad == SHOW_BAD + 5
-    assert len(stats.bad_messages) == SHOW_BAD
+    assert stats.bad.count == SHOW_BAD + 5
+    assert len(stats.bad.messages) == SHOW_BAD
     assert stats.documents == 1
 
 
@@ -65,7 +66,7 @@ def test_plain_text_file_is_one_document_and_several_keys_stay_aligned(tmp_path)
     jsonl.write_text(json.dumps({"a": "5", "b": "6 7"}) + "\n" + json.dumps({"a": "8"}) + "\n")
     stats = preprocess_files([str(txt), str(jsonl)], str(tmp_path / "out"), null_cfg(), VOCAB,
                              json_keys=("a", "b"), quiet=True)
-    assert stats.bad == 1  # the record without "b" is dropped from both keys
+    assert stats.bad.count == 1  # the record without "b" is dropped from both keys
     a = IndexedDataset(str(tmp_path / "out_a_document"))
     b = IndexedDataset(str(tmp_path / "out_b_document"))
     assert [a[i].tolist() for i in range(len(a))] == [[1, 2, 3, 4], [5]]
@@ -113,3 +114,147 @@ def test_one_key_whose_records_are_all_empty_is_named_and_nothing_written(tmp_pa
     with pytest.raises(DataError, match=r"every record's 'b' was empty"):
         preprocess_files([str(path)], str(tmp_path / "out"), null_cfg(), VOCAB, json_keys=("a", "b"), quiet=True)
     assert not list(tmp_path.glob("out*"))
+
+
+# ----------------------------------------------------------------------------- bad records, no leftovers
+
+def _leftovers(folder):
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("out"))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_kind_of_bad_record_is_skipped_by_the_cli_and_the_rest_kept(tmp_path, capsys, workers):
+    from meshlm.cli import main
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join([
+        '{"text": "1 2"}',          # 1 good
+        '{"text": "a\\ud800b"}',     # 2 lone surrogate (bad unicode)
+        '{"text": ["3"]}',          # 3 not a string
+        '{"body": "4"}',            # 4 missing key
+        '"5"',                      # 5 not an object
+        '{"text": "6 70000"}',      # 6 id outside the vocabulary (uint16 would overflow)
+        '{"text": "-1"}',           # 7 negative id
+        '{"text": "7 8"}',          # 8 good
+    ]) + "\n")
+    code = main(["preprocess", "--input", str(path), "--output-prefix", str(tmp_path / "out"),
+                 "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--workers", str(workers)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    for line, reason in [(2, "'text' holds a lone surrogate '\\ud800' at character 1, which is not valid Unicode"),
+                         (3, "'text' is list, not a string"), (4, "missing key 'text'"),
+                         (5, "expected a JSON object, got str"), (6, f"token id 70000 outside [0, {VOCAB})"),
+                         (7, f"token id -1 outside [0, {VOCAB})")]:
+        assert f"bad record: {path}:{line}: {reason}\n" in captured.err
+    assert "2 documents" in captured.out and "skipped 6 bad records" in captured.out
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2], [7, 8]]
+    assert _leftovers(tmp_path) == ["out_text_document.bin", "out_text_document.idx"]
+
+
+def test_null_tokenizer_ids_beyond_uint16_are_checked_against_the_vocabulary(tmp_path):
+    path = tmp_path / "big.jsonl"
+    path.write_text(json.dumps({"text": "1 70000"}) + "\n" + json.dumps({"text": "65535 3"}) + "\n")
+    stats = preprocess_files([str(path)], str(tmp_path / "out"), null_cfg(), 65536, quiet=True)
+    assert stats.bad.messages == [f"{path}:1: token id 70000 outside [0, 65536)"]
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert ds.dtype == np.int32 and ds[0].tolist() == [65535, 3]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    from meshlm.data.tokenizer import train_bpe
+    path = str(tmp_path_factory.mktemp("bpe") / "tokenizer.json")
+    train_bpe(["hello world, some text to learn from"] * 4, 270, path)
+    return argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path, vocab_file=None,
+                              merge_file=None)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_lone_surrogate_does_not_reach_a_real_tokenizer(tmp_path, bpe, workers):
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"text": "hello"}\n{"text": "a\\ud800b"}\n{"text": "world"}\n')
+    stats = preprocess_files([str(path)], str(tmp_path / "out"), bpe, workers=workers, quiet=True)
+    assert (stats.documents, stats.bad.count) == (2, 1)
+    assert stats.bad.messages[0].startswith(f"{path}:2: 'text' holds a lone surrogate")
+    assert _leftovers(tmp_path) == ["out_text_document.bin", "out_text_document.idx"]
+
+
+def _corpus(tmp_path, n=50):
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": f"{i % VOCAB} 1"}) + "\n" for i in range(n)))
+    return path
+
+
+def test_keyboard_interrupt_while_writing_leaves_no_file(tmp_path, monkeypatch):
+    from meshlm.data.indexed import IndexedDatasetWriter
+    calls = []
+
+    def interrupted(self, ids):
+        calls.append(ids)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return add(self, ids)
+
+    add = IndexedDatasetWriter.add_document
+    monkeypatch.setattr(IndexedDatasetWriter, "add_document", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        preprocess_files([str(_corpus(tmp_path))], str(tmp_path / "out"), null_cfg(), VOCAB,
+                         json_keys=("text",), quiet=True)
+    assert _leftovers(tmp_path) == []
+
+
+def test_an_error_in_a_worker_process_leaves_no_file(tmp_path, monkeypatch):
+    import multiprocessing
+    from meshlm.data.tokenizer import NullTokenizer
+    if multiprocessing.get_start_method() != "fork":
+        pytest.skip("the patched tokenizer reaches the workers only through fork")
+
+    def broken(self, texts):
+        raise RuntimeError("worker failed")
+
+    monkeypatch.setattr(NullTokenizer, "encode_batch", broken)
+    with pytest.raises(RuntimeError, match="worker failed"):
+        preprocess_files([str(_corpus(tmp_path))], str(tmp_path / "out"), null_cfg(), VOCAB, workers=2, quiet=True)
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_failure_while_finalizing_leaves_no_file(tmp_path, monkeypatch):
+    import os
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError):
+        preprocess_files([str(_corpus(tmp_path))], str(tmp_path / "out"), null_cfg(), VOCAB,
+                         json_keys=("text",), quiet=True)
+    assert _leftovers(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- flags checked up front
+
+def test_duplicate_json_keys_and_zero_workers_are_one_line_errors(tmp_path, capsys):
+    from meshlm.cli import main
+    path = _corpus(tmp_path, 2)
+    base = ["preprocess", "--input", str(path), "--output-prefix", str(tmp_path / "out"),
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
+    for extra, message in [(["--json-keys", "text", "text"], "--json-keys text text: 'text' is named twice"),
+                           (["--workers", "0"], "--workers 0: use 1 or more")]:
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("meshlm: error: ") and message in err and err.count("\n") == 1
+    assert _leftovers(tmp_path) == []
+
+
+def test_an_output_prefix_that_cannot_be_written_is_refused_before_tokenizing(tmp_path, monkeypatch):
+    from meshlm.errors import ConfigError
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr("meshlm.data.preprocess._write", lambda *a: pytest.fail("tokenized before the check"))
+    with pytest.raises(ConfigError, match=f"--output-prefix {blocker}/out: {blocker} is a file, not a folder"):
+        preprocess_files([str(_corpus(tmp_path))], str(blocker / "out"), null_cfg(), VOCAB, quiet=True)
+
+
+def test_a_directory_given_as_input_is_named(tmp_path):
+    with pytest.raises(DataError, match=f"--input {tmp_path} is a directory; give the files in it"):
+        preprocess_files([str(tmp_path)], str(tmp_path / "out"), null_cfg(), VOCAB)

@@ -120,3 +120,87 @@ def test_train_bpe_on_no_texts_is_a_data_error(tmp_path):
     with pytest.raises(DataError, match="no text to train on"):
         train_bpe(["", ""], 300, str(tmp_path / "t.json"))
     assert not (tmp_path / "t.json").exists()
+
+
+def test_null_tokenizer_refuses_ids_outside_the_vocabulary():
+    tok = build_tokenizer(tok_cfg(tokenizer_type="NullTokenizer"), vocab_size=100)
+    with pytest.raises(ValueError, match=r"^token id 100 outside \[0, 100\)$"):
+        tok.encode("5 100")
+    with pytest.raises(ValueError, match=r"^token id -3 outside \[0, 100\)$"):
+        tok.encode("-3")
+    with pytest.raises(ValueError, match=r"^'def' is not an integer token id$"):
+        tok.encode("def ")
+    with pytest.raises(ConfigError, match="--vocab-size -5"):
+        build_tokenizer(tok_cfg(tokenizer_type="NullTokenizer"), vocab_size=-5)
+
+
+def test_train_cli_skips_and_reports_bad_records(tmp_path, capsys):
+    from meshlm.cli import main
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text("\n".join([json.dumps({"text": t}) for t in TEXTS[:8]]
+                               + ['{"text": "a\\ud800b"}', '{"text": 5}', '["text"]', '{"body": "x"}']) + "\n")
+    out = tmp_path / "tokenizer.json"
+    assert main(["tokenizer", "train", "--input", str(jsonl), "--vocab-size", "300", "--output", str(out)]) == 0
+    captured = capsys.readouterr()
+    for line, reason in [(9, "'text' holds a lone surrogate"), (10, "'text' is int, not a string"),
+                         (11, "expected a JSON object, got list"), (12, "missing key 'text'")]:
+        assert f"bad record: {jsonl}:{line}: {reason}" in captured.err
+    assert "skipped 4 bad records" in captured.out
+    tok = build_tokenizer(tok_cfg(tokenizer_model=str(out)))
+    assert tok.decode(tok.encode(TEXTS[0])) == TEXTS[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "tokenizer.json"]
+
+
+def test_train_without_text_names_the_first_bad_record(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "\\udc00"}\n')
+    with pytest.raises(DataError, match=rf"1 bad records; first: {bad}:1: 'text' holds a lone surrogate"):
+        train_bpe([str(bad)], 300, str(tmp_path / "t.json"))
+
+
+@pytest.mark.parametrize("where, message", [
+    ("dir", "is a directory; give the path of a file"),
+    ("file/tok.json", "is a file, not a folder"),
+])
+def test_train_output_is_checked_before_training(tmp_path, monkeypatch, where, message):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("")
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text(json.dumps({"text": TEXTS[0]}) + "\n")
+    monkeypatch.setattr("meshlm.data.tokenizer.train_bpe", lambda *a: pytest.fail("trained before the check"))
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    args = parser.parse_args(["--input", str(jsonl), "--output", str(tmp_path / where)])
+    with pytest.raises(ConfigError, match=f"--output {tmp_path / where}: .*{message}"):
+        run_train(args)
+    dup = parser.parse_args(["--input", str(jsonl), "--output", str(tmp_path / "t.json"), "--json-keys", "a", "a"])
+    with pytest.raises(ConfigError, match="--json-keys a a: 'a' is named twice"):
+        run_train(dup)
+
+
+@pytest.mark.parametrize("config, message", [
+    ("{not json", r"invalid JSON \(.* at line 1 column 2\)"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    ('{"eos_token": 5}', "eos_token must be a string or .*, not int"),
+    ('{"eos_token": {"content": ["x"]}}', "eos_token must be a string or .*, not list"),
+    (b'{"eos_token": "\xff"}', "not UTF-8 text"),
+    ('{"eos_token": "<none>"}', "eos_token '<none>' is not in the vocabulary of"),
+])
+def test_a_malformed_tokenizer_config_is_a_one_line_error_naming_it(trained, tmp_path, config, message):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(open(trained, "rb").read())
+    path = folder / "tokenizer_config.json"
+    path.write_bytes(config if isinstance(config, bytes) else config.encode())
+    with pytest.raises(DataError, match=f"^{path}: {message}") as e:
+        build_tokenizer(tok_cfg(tokenizer_model=str(folder)))
+    assert "\n" not in str(e.value)
+
+
+def test_tokenizer_config_eos_token_is_used(trained, tmp_path):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(open(trained, "rb").read())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "a"}}))
+    tok = build_tokenizer(tok_cfg(tokenizer_model=str(folder)))
+    assert tok.decode([tok.eod]) == "a"

@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import re
 
 import pytest
 import torch
@@ -97,3 +98,55 @@ def test_the_pipeline_run_logged_its_bubble_and_timeline(trained):
     for stage in (0, 1):  # each stage ran one F and one B per micro-batch
         mine = [e for e in events if e["stage"] == stage]
         assert sorted(e["mb"] for e in mine if e["kind"] == "F") == sorted(e["mb"] for e in mine if e["kind"] == "B")
+
+
+@pytest.mark.parametrize("prompt, message", [
+    (None, r"--prompt 'def ' \(the default\): 'def' is not an integer token id; this checkpoint's NullTokenizer"
+           r" takes whitespace-separated token ids in \[0, 100\)"),
+    ("5 100", r"--prompt '5 100': token id 100 outside \[0, 100\)"),
+    ("5 -1", r"--prompt '5 -1': token id -1 outside \[0, 100\)"),
+])
+def test_a_prompt_the_null_tokenizer_cannot_take_is_a_one_line_error(trained, capsys, prompt, message):
+    from meshlm.cli import main
+    tmp, _ = trained
+    argv = ["generate", "--load", os.path.join(tmp, "tp2", "ckpt"), "--max-new-tokens", "2"]
+    assert main(argv + (["--prompt", prompt] if prompt is not None else [])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert re.match("meshlm: error: " + message, err), err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("temperature", "nan", "--temperature nan: use a finite number ≥ 0"),
+    ("temperature", "inf", "--temperature inf: use a finite number ≥ 0"),
+    ("temperature", "-0.5", "--temperature -0.5: use a finite number ≥ 0"),
+    ("top-k", "-1", "--top-k -1 is negative"),
+    ("top-p", "nan", "--top-p nan: use a number in (0, 1]"),
+    ("top-p", "0", "--top-p 0.0: use a number in (0, 1]"),
+    ("top-p", "1.5", "--top-p 1.5: use a number in (0, 1]"),
+    ("max-new-tokens", "-1", "--max-new-tokens -1 is negative"),
+    ("seed", str(2**64), f"--seed {2**64} is out of range"),
+    ("seed", "-1", "--seed -1 is out of range; use 0 ≤ seed < 2^64"),
+])
+def test_numeric_flags_are_checked_before_loading(tmp_path, capsys, flag, value, message):
+    from meshlm.cli import main
+    absent = str(tmp_path / "no-checkpoint")  # checked first: the error names the flag, not --load
+    assert main(["generate", "--load", absent, f"--{flag}", value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshlm: error: ") and message in err and err.count("\n") == 1
+
+
+def test_several_bad_sampling_flags_are_listed_together(tmp_path):
+    from meshlm.errors import ConfigError
+    with pytest.raises(ConfigError) as e:
+        generate.run(_args(str(tmp_path), temperature="nan", top_k=-2))
+    assert e.value.problems == ["--temperature nan: use a finite number ≥ 0 (0 = greedy)",
+                                "--top-k -2 is negative; use 0 (all tokens) or more"]
+
+
+def test_a_prompt_that_is_not_unicode_is_refused_for_any_tokenizer():
+    from meshlm.data.tokenizer import NullTokenizer
+    from meshlm.errors import ConfigError
+    with pytest.raises(ConfigError, match="--prompt 'a\\\\udcff' is not valid UTF-8 text"):
+        generate.check_prompt(NullTokenizer(100), "a\udcff")  # an undecodable byte of argv
+    generate.check_prompt(NullTokenizer(100), "0 99")

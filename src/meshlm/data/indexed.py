@@ -58,9 +58,12 @@ class IndexedDatasetWriter:
         self._lengths.append(arr.size)
 
     def abort(self) -> None:
-        """Drop everything written so far (no files are left behind)."""
+        """Drop everything written so far: no temporary file is left behind (safe to call twice,
+        or after a failed ``finalize``)."""
         self._bin.close()
-        os.remove(self.prefix + ".bin.tmp")
+        for tmp in (self.prefix + ".bin.tmp", self.prefix + ".idx.tmp"):
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
     def finalize(self) -> None:
         """Write the .idx and move both files to their final names."""

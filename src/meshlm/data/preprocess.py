@@ -1,39 +1,35 @@
 """``meshlm preprocess``: jsonl / plain-text files → Megatron ``.bin/.idx`` indexed datasets.
 
-Inputs: ``*.jsonl`` / ``*.json`` files hold one JSON object per line, each key of ``--json-keys``
-a string (one document); any other file is plain text and is ONE document (the whole file). Output:
-``{output_prefix}_{key}_document.bin/.idx`` per key, ids as uint16 below 65,500 vocabulary ids
-else int32, one document = one sequence; ``--append-eod`` appends the tokenizer's eod id.
+Inputs are read as :mod:`.records` says (one JSON object per line, or a plain-text file as ONE
+document). Output: ``{output_prefix}_{key}_document.bin/.idx`` per key, ids as uint16 below 65,500
+vocabulary ids else int32, one document = one sequence; ``--append-eod`` appends the tokenizer's
+eod id.
 
-Bad records (invalid JSON, not an object, a missing key, a non-string value, bytes that are not
-UTF-8, NullTokenizer text that is not integers) are skipped, counted and reported as
-``file:line: reason`` (the first :data:`SHOW_BAD` shown); a record is kept only if every key is
-good, so the datasets of several keys stay aligned. Blank jsonl lines are ignored. When no record
-is usable, or every usable record's text is empty for some key, nothing is written (DataError).
+Bad records (see :mod:`.records`; also any text the tokenizer cannot encode, e.g. NullTokenizer
+text that is not integer ids in [0, vocab)) are skipped, counted and reported as
+``file:line: reason``; a record is kept only if every key is good, so the datasets of several
+keys stay aligned. When no record is usable, or every usable record's text is empty for some key,
+nothing is written (DataError). The files are written under temporary names, removed on any error
+(in a worker process too, or on KeyboardInterrupt).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
-import sys
+import signal
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from .indexed import IndexedDatasetWriter, token_dtype
+from .outputs import check_output_file
+from .records import BadRecords, check_inputs, check_json_keys, iter_records, parse_record
 from .tokenizer import build_tokenizer
 
-SHOW_BAD = 10
 CHUNK_BYTES = 1 << 20  # records are sent to workers in chunks of about this many bytes
-JSON_EXTS = (".jsonl", ".json")
-
-
-class BadRecord(ValueError):
-    """A record that cannot be used; the message is the reason."""
 
 
 @dataclass
@@ -42,66 +38,19 @@ class PreprocessStats:
 
     documents: int = 0
     tokens: int = 0
-    bad: int = 0
+    bad: BadRecords = field(default_factory=BadRecords)
     seconds: float = 0.0
     bytes_read: int = 0
     outputs: list = field(default_factory=list)
-    bad_messages: list = field(default_factory=list)
-
-
-def iter_records(paths):
-    """Yield (path, line number, raw bytes, is_json) for every record of the inputs, in order."""
-    for path in paths:
-        if path.endswith(JSON_EXTS):
-            with open(path, "rb") as f:
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        yield path, n, line, True
-        else:
-            with open(path, "rb") as f:
-                yield path, 1, f.read(), False
-
-
-def parse_record(raw: bytes, is_json: bool, keys) -> list:
-    """The texts of one record, one per key. Raises BadRecord with the reason."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadRecord(f"not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
-    if not is_json:
-        return [text] * len(keys)
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadRecord(f"invalid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise BadRecord(f"expected a JSON object, got {type(obj).__name__}")
-    texts = []
-    for key in keys:
-        if key not in obj:
-            raise BadRecord(f"missing key {key!r}")
-        if not isinstance(obj[key], str):
-            raise BadRecord(f"{key!r} is {type(obj[key]).__name__}, not a string")
-        texts.append(obj[key])
-    return texts
-
-
-def iter_texts(paths, keys=("text",)):
-    """Every good text of the inputs (bad records silently skipped): the BPE trainer's feed."""
-    for _, _, raw, is_json in iter_records(paths):
-        try:
-            yield from parse_record(raw, is_json, keys)
-        except BadRecord:
-            continue
 
 
 _worker_state = {}
 
 
-def _init_worker(tok_cfg, vocab_size, keys, append_eod, tokenizer=None):
-    if tokenizer is None:
+def _init_worker(tokenizer, keys, append_eod, in_pool=False):
+    if in_pool:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
-        tokenizer = build_tokenizer(tok_cfg, vocab_size)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process stops the pool
     _worker_state.update(tok=tokenizer, keys=keys, append_eod=append_eod)
 
 
@@ -113,9 +62,8 @@ def _encode_chunk(chunk):
     for path, line, raw, is_json in chunk:
         nbytes += len(raw)
         try:
-            texts = parse_record(raw, is_json, keys)
-            ids = tok.encode_batch(texts)
-        except (BadRecord, ValueError) as e:
+            ids = tok.encode_batch(parse_record(raw, is_json, keys))
+        except (ValueError, TypeError) as e:  # BadRecord, or text the tokenizer cannot encode
             bad.append(f"{path}:{line}: {e}")
             continue
         text_tokens = [t + len(x) for t, x in zip(text_tokens, ids)]
@@ -155,29 +103,48 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
 
     tok_cfg: tokenizer fields (tokenizer_type, tokenizer_model, vocab_file, merge_file), e.g. a
     DataConfig. workers > 1 tokenizes in a process pool (order of documents is kept).
-    Raises DataError (and writes nothing) when an input is missing, no record at all is usable, or
-    every usable record's text is empty for some key.
+    Raises ConfigError for bad flags or an output that cannot be written, DataError when an input
+    is missing, no record at all is usable, or every usable record's text is empty for some key; on
+    any error nothing is written and no temporary file is left.
     """
-    for path in inputs:
-        if not os.path.isfile(path):
-            raise DataError(f"--input {path}: no such file")
+    check_inputs(inputs)
+    keys = check_json_keys(json_keys)
+    if workers < 1:
+        raise ConfigError(f"--workers {workers}: use 1 or more tokenizer processes")
     tok_cfg = SimpleNamespace(**{k: getattr(tok_cfg, k, None) for k in
                                  ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")})
     tokenizer = build_tokenizer(tok_cfg, vocab_size)
-    keys = tuple(json_keys)
     prefixes = [f"{output_prefix}_{key}_document" for key in keys]
-    writers = [IndexedDatasetWriter(p, token_dtype(tokenizer.vocab_size)) for p in prefixes]
+    for prefix in prefixes:
+        check_output_file(prefix + ".bin", f"--output-prefix {output_prefix}")
+    writers = []
+    try:
+        for prefix in prefixes:
+            writers.append(IndexedDatasetWriter(prefix, token_dtype(tokenizer.vocab_size)))
+        stats, text_tokens = _write(inputs, writers, tokenizer, keys, append_eod, workers, quiet)
+        _check_written(inputs, stats, keys, text_tokens)
+        for writer in writers:
+            writer.finalize()
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    stats.outputs = prefixes
+    return stats
+
+
+def _write(inputs, writers, tokenizer, keys, append_eod, workers, quiet) -> tuple:
+    """Tokenize every record into the writers → (stats, per-key count of text tokens)."""
     stats = PreprocessStats()
     start = time.perf_counter()
     progress, task = _progress(sum(os.path.getsize(p) for p in inputs), quiet)
     text_tokens = [0] * len(keys)
     pool = None
     if workers > 1:
-        pool = multiprocessing.get_context().Pool(workers, _init_worker,
-                                                  (tok_cfg, vocab_size, keys, append_eod))
+        pool = multiprocessing.get_context().Pool(workers, _init_worker, (tokenizer, keys, append_eod, True))
         results = pool.imap(_encode_chunk, _chunks(iter_records(inputs)))
     else:
-        _init_worker(tok_cfg, vocab_size, keys, append_eod, tokenizer)
+        _init_worker(tokenizer, keys, append_eod)
         results = map(_encode_chunk, _chunks(iter_records(inputs)))
     try:
         with progress:
@@ -188,8 +155,7 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
                         writer.add_document(doc)
                     stats.tokens += len(ids[0])
                 stats.documents += len(good)
-                stats.bad += len(bad)
-                stats.bad_messages.extend(bad[:SHOW_BAD - len(stats.bad_messages)])
+                stats.bad.add(bad)
                 stats.bytes_read += nbytes
                 dt = max(time.perf_counter() - start, 1e-9)
                 progress.update(task, advance=nbytes, docs=stats.documents, dps=stats.documents / dt,
@@ -198,21 +164,19 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
         if pool is not None:
             pool.terminate()
     stats.seconds = time.perf_counter() - start
-    empty_keys = [key for key, t in zip(keys, text_tokens) if t == 0]
-    if stats.documents == 0 or empty_keys:
-        for writer in writers:
-            writer.abort()
+    return stats, text_tokens
+
+
+def _check_written(inputs, stats: PreprocessStats, keys, text_tokens) -> None:
+    """DataError when no record was usable, or every usable record was empty for some key."""
     if stats.documents == 0:
-        raise DataError(f"--input {' '.join(inputs)}: no usable record ({stats.bad} bad); "
-                        f"first: {stats.bad_messages[0] if stats.bad_messages else 'the inputs are empty'}")
+        first = stats.bad.messages[0] if stats.bad.messages else "the inputs are empty"
+        raise DataError(f"--input {' '.join(inputs)}: no usable record ({stats.bad.count} bad); first: {first}")
+    empty_keys = [key for key, t in zip(keys, text_tokens) if t == 0]
     if empty_keys:
         raise DataError(f"--input {' '.join(inputs)}: 0 tokens written: every record's "
                         f"{', '.join(repr(k) for k in empty_keys)} was empty, so nothing was written; "
                         f"give files with text (or other --json-keys)")
-    for writer in writers:
-        writer.finalize()
-    stats.outputs = prefixes
-    return stats
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -233,13 +197,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def report(stats: PreprocessStats) -> None:
     """Print the bad records shown (stderr) and the summary line (stdout)."""
-    for msg in stats.bad_messages:
-        print(f"bad record: {msg}", file=sys.stderr)
-    if stats.bad > len(stats.bad_messages):
-        print(f"... and {stats.bad - len(stats.bad_messages)} more bad records", file=sys.stderr)
+    stats.bad.print()
     rate = stats.tokens / max(stats.seconds, 1e-9)
-    print(f"preprocessed {stats.documents:,} documents, {stats.tokens:,} tokens, {stats.bad:,} bad records "
-          f"in {stats.seconds:.1f} s ({rate:,.0f} tokens/s) → {', '.join(p + '.bin/.idx' for p in stats.outputs)}")
+    print(f"preprocessed {stats.documents:,} documents, {stats.tokens:,} tokens in {stats.seconds:.1f} s "
+          f"({rate:,.0f} tokens/s), skipped {stats.bad.count:,} bad records → "
+          f"{', '.join(p + '.bin/.idx' for p in stats.outputs)}")
 
 
 def run(args: argparse.Namespace) -> int:

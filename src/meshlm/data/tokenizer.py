@@ -5,8 +5,8 @@
   else the first of :data:`EOD_CANDIDATES` in the vocabulary.
 - ``GPT2BPETokenizer``: GPT-2's ``vocab.json`` + ``merges.txt`` as a byte-level BPE; eod is
   ``<|endoftext|>``.
-- ``NullTokenizer``: text is whitespace-separated integer ids; ``vocab_size`` ids with
-  eod = vocab_size − 1 (Megatron's null tokenizer instead adds one id past ``--vocab-size``).
+- ``NullTokenizer``: text is whitespace-separated integer ids in [0, vocab_size); eod =
+  vocab_size − 1 (Megatron's null tokenizer instead adds one id past ``--vocab-size``).
 
 ``encode`` applies the tokenizer's own post-processor (e.g. a Llama BOS), as Megatron's
 HuggingFaceTokenizer does; it never appends eod (preprocess ``--append-eod`` does).
@@ -21,6 +21,8 @@ import os
 from typing import Optional
 
 from ..errors import ConfigError, DataError
+from .outputs import check_output_file, replacing
+from .records import BadRecords, check_inputs, check_json_keys, iter_texts
 
 EOD = "<|endoftext|>"
 EOD_CANDIDATES = (EOD, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
@@ -72,10 +74,17 @@ class NullTokenizer(Tokenizer):
         super().__init__(vocab_size, vocab_size - 1, f"NullTokenizer:{vocab_size}")
 
     def encode(self, text: str) -> list:
-        try:
-            return [int(x) for x in text.split()]
-        except ValueError:
-            raise ValueError("NullTokenizer input must be whitespace-separated integers") from None
+        """The ids of text; ValueError naming the first word that is not an id in [0, vocab_size)."""
+        ids = []
+        for word in text.split():
+            try:
+                i = int(word)
+            except ValueError:
+                raise ValueError(f"{word[:20]!r} is not an integer token id") from None
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} outside [0, {self.vocab_size})")
+            ids.append(i)
+        return ids
 
     def decode(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
@@ -97,15 +106,38 @@ def _require(path: Optional[str], flag: str) -> str:
     return path
 
 
+def _config_eos(config: str) -> Optional[str]:
+    """The ``eos_token`` of a tokenizer_config.json (None if it names none); DataError naming the
+    file when it is not a JSON object or eos_token is neither a string nor {"content": string}."""
+    fix = "fix it or remove it"
+    try:
+        with open(config, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{config}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno}); {fix}") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{config}: not UTF-8 text; {fix}") from None
+    except OSError as e:
+        raise DataError(f"{config}: cannot read it ({e.strerror}); {fix}") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{config}: expected a JSON object, got {type(data).__name__}; {fix}")
+    eos = data.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if eos is not None and not isinstance(eos, str):
+        raise DataError(f"{config}: eos_token must be a string or {{\"content\": string}}, "
+                        f"not {type(eos).__name__}; {fix}")
+    return eos or None
+
+
 def _hf_eod(tok, json_path: str) -> int:
     config = os.path.join(os.path.dirname(json_path), "tokenizer_config.json")
     names = list(EOD_CANDIDATES)
-    if os.path.isfile(config):
-        with open(config) as f:
-            eos = json.load(f).get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        if eos:
-            names.insert(0, eos)
+    eos = _config_eos(config) if os.path.isfile(config) else None
+    if eos is not None:
+        if tok.token_to_id(eos) is None:
+            raise DataError(f"{config}: eos_token {eos!r} is not in the vocabulary of {json_path}; "
+                            f"fix eos_token or remove it")
+        names.insert(0, eos)
     for name in names:
         i = tok.token_to_id(name)
         if i is not None:
@@ -141,6 +173,8 @@ def build_tokenizer(data_cfg, vocab_size: Optional[int] = None) -> Tokenizer:
     if kind == "NullTokenizer":
         if not vocab_size:
             raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
+        if vocab_size < 1:
+            raise ConfigError(f"--vocab-size {vocab_size}: NullTokenizer needs a positive vocabulary size")
         return NullTokenizer(vocab_size)
     if kind == "HuggingFaceTokenizer":
         path = _require(data_cfg.tokenizer_model, "--tokenizer-model")
@@ -168,22 +202,24 @@ def build_tokenizer(data_cfg, vocab_size: Optional[int] = None) -> Tokenizer:
                       f"GPT2BPETokenizer or NullTokenizer")
 
 
-def train_bpe(source, vocab_size: int, output_path: str, json_keys=("text",)) -> Tokenizer:
+def train_bpe(source, vocab_size: int, output_path: str, json_keys=("text",),
+              bad: Optional[BadRecords] = None) -> Tokenizer:
     """Train a byte-level BPE (GPT-2 style: byte alphabet, GPT-2 split regex) with the special
     token ``<|endoftext|>`` as eod, and save it as a tokenizer.json at output_path (atomically).
 
     source: an iterable of texts, or a list of files (jsonl read through json_keys, other files as
-    one text each). Returns the trained tokenizer as a HuggingFaceTokenizer. Raises DataError, and
-    writes nothing, when the source holds no non-empty text.
+    one text each; bad records are skipped and counted in ``bad``). Returns the trained tokenizer
+    as a HuggingFaceTokenizer. Raises DataError, and writes nothing, when the source holds no
+    non-empty text.
     """
     from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
 
     if isinstance(source, (list, tuple)) and source and all(
             isinstance(p, (str, os.PathLike)) and os.path.isfile(p) for p in source):
-        from .preprocess import iter_texts
+        bad = BadRecords() if bad is None else bad
         where = (" ".join(str(p) for p in source) + " (every record empty, unusable or without "
                  f"--json-keys {' '.join(json_keys)})")
-        source = iter_texts([str(p) for p in source], json_keys)
+        source = iter_texts([str(p) for p in source], json_keys, bad)
     else:
         where = "the given texts"
     seen = [0]  # non-empty texts the trainer consumed
@@ -200,10 +236,11 @@ def train_bpe(source, vocab_size: int, output_path: str, json_keys=("text",)) ->
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(counted(source), trainer=trainer)
     if not seen[0]:
-        raise DataError(f"no text to train on in {where}; give inputs with non-empty text")
+        first = f" ({bad.count} bad records; first: {bad.messages[0]})" if bad and bad.messages else ""
+        raise DataError(f"no text to train on in {where}{first}; give inputs with non-empty text")
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
-    tok.save(output_path + ".tmp")
-    os.replace(output_path + ".tmp", output_path)
+    with replacing(output_path) as tmp:
+        tok.save(tmp)
     return HFTokenizer(tok, tok.token_to_id(EOD), f"HF:{os.path.basename(output_path)}:{_file_digest(output_path)}")
 
 
@@ -218,13 +255,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """``meshlm tokenizer train``: train a byte-level BPE on the inputs; returns the exit status."""
-    for path in args.input:
-        if not os.path.isfile(path):
-            raise DataError(f"--input {path}: no such file")
+    check_inputs(args.input)
     if args.vocab_size < 257:
         raise ConfigError(f"--vocab-size {args.vocab_size} is below the 256 byte tokens + {EOD}; use ≥ 257")
-    tok = train_bpe(list(args.input), args.vocab_size, args.output, tuple(args.json_keys))
-    print(f"wrote {args.output}: byte-level BPE, vocab {tok.vocab_size}, eod {EOD} = {tok.eod}")
+    keys = check_json_keys(args.json_keys)
+    check_output_file(args.output, f"--output {args.output}")
+    bad = BadRecords()
+    tok = train_bpe(list(args.input), args.vocab_size, args.output, keys, bad)
+    bad.print()
+    print(f"wrote {args.output}: byte-level BPE, vocab {tok.vocab_size}, eod {EOD} = {tok.eod}; "
+          f"skipped {bad.count:,} bad records")
     return 0
 
 

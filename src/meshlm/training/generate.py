@@ -11,6 +11,7 @@ token — no KV cache: a tool for looking at a small model's output, not a servi
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Optional
 
@@ -20,7 +21,7 @@ from ..checkpoint import dist as ckpt
 from ..checkpoint.safe_read import reading
 from ..checkpoint.state import full_model_state
 from ..config import Config, max_positions
-from ..data.tokenizer import build_tokenizer
+from ..data.tokenizer import NullTokenizer, build_tokenizer
 from ..errors import CheckpointError, ConfigError
 from ..parallel.mesh import ParallelState
 from ..parallel.tensor import load_full_state_dict
@@ -39,12 +40,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1234, help="sampling seed")
 
 
+def check_sampling_flags(args: argparse.Namespace) -> None:
+    """ConfigError listing every numeric flag of `meshlm generate` that is out of range (one line each)."""
+    problems = []
+    if args.max_new_tokens < 0:
+        problems.append(f"--max-new-tokens {args.max_new_tokens} is negative; use 0 or more")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        problems.append(f"--temperature {args.temperature}: use a finite number ≥ 0 (0 = greedy)")
+    if args.top_k < 0:
+        problems.append(f"--top-k {args.top_k} is negative; use 0 (all tokens) or more")
+    if not 0 < args.top_p <= 1:  # false for nan too
+        problems.append(f"--top-p {args.top_p}: use a number in (0, 1] (1 = off)")
+    if not 0 <= args.seed < 2**64:
+        problems.append(f"--seed {args.seed} is out of range; use 0 ≤ seed < 2^64")
+    if problems:
+        raise ConfigError(problems)
+
+
+def check_prompt(tokenizer, prompt: str) -> None:
+    """ConfigError naming --prompt when this checkpoint's tokenizer cannot encode it (text that is
+    not valid Unicode; for a NullTokenizer, anything but token ids in [0, vocab))."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"--prompt {prompt!r} is not valid UTF-8 text; give the prompt as text") from None
+    if not isinstance(tokenizer, NullTokenizer):
+        return
+    try:
+        tokenizer.encode(prompt)
+    except ValueError as e:  # not an id, or one outside the vocabulary
+        default = " (the default)" if prompt == DEFAULT_PROMPT else ""
+        raise ConfigError(f"--prompt {prompt!r}{default}: {e}; this checkpoint's NullTokenizer takes "
+                          f"whitespace-separated token ids in [0, {tokenizer.vocab_size}), "
+                          f"e.g. --prompt \"0 1 2\"") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Load --load, continue --prompt, print prompt + continuation; return the exit status 0."""
-    if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-        raise ConfigError("--max-new-tokens, --temperature and --top-k must be ≥ 0 and --top-p in (0, 1]")
+    check_sampling_flags(args)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model, tokenizer = load_model(args.load, device=device)
+    check_prompt(tokenizer, args.prompt)
     text = sample_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     print(args.prompt + text)
