@@ -13,7 +13,8 @@ from distributed import run_distributed
 from meshlm.config import ModelConfig
 from meshlm.parallel import comm
 from meshlm.parallel.mesh import ParallelState
-from meshlm.parallel.tensor import gather_full_state_dict, vocab_parallel_cross_entropy
+from meshlm.parallel.cross_entropy import vocab_parallel_cross_entropy
+from meshlm.parallel.tensor import gather_full_state_dict
 from meshlm.model.transformer import GPTModel
 
 SEED, STEPS, BATCH, SEQ = 7, 3, 2, 16
