@@ -28,28 +28,26 @@ class Rotary(nn.Module):
     """Rotary position embedding (Su et al. 2021, "RoFormer", §3.4), rotate-half (GPT-NeoX / HF)
     convention, from cos/sin tables built once for positions 0..max_positions-1.
 
-    Tables [s, 1, 1, 2, d/2] in ``wide(dtype)`` (fp32 for bf16/fp16 params, float64 stays
-    float64), computed in float64: cos twice, sin as (−sin, +sin), so that with x split into
-    halves (x1, x2) the rotation is x·cos + swap(x)·sin = (x1·cos − x2·sin, x2·cos + x1·sin).
+    Tables [s, 1, 1, d] in ``wide(dtype)`` (fp32 for bf16/fp16 params, float64 stays float64),
+    computed in float64: (cos, cos) and (−sin, +sin) over the two halves of d, so that with x split
+    into halves (x1, x2) the rotation is x·cos + (x2, x1)·sin = (x1·cos − x2·sin, x2·cos + x1·sin).
     """
 
     def __init__(self, head_dim: int, base: float, max_positions: int, dtype, device):
         super().__init__()
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)[:, None, None, None, :]
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)[:, None, None, :]
         cos, sin = angles.cos(), angles.sin()
         wide_dtype = wide(dtype)
-        self.register_buffer("cos", cos.repeat(1, 1, 1, 2, 1).to(device=device, dtype=wide_dtype),
-                             persistent=False)
-        self.register_buffer("sin", torch.cat([-sin, sin], dim=3).to(device=device, dtype=wide_dtype),
-                             persistent=False)
+        self.register_buffer("cos", torch.cat([cos, cos], -1).to(device=device, dtype=wide_dtype), persistent=False)
+        self.register_buffer("sin", torch.cat([-sin, sin], -1).to(device=device, dtype=wide_dtype), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [s, b, n, d] at positions 0..s-1 → same shape and dtype (computed in at least fp32)."""
         s, d = x.shape[0], x.shape[-1]
-        halves = at_least_fp32(x).unflatten(-1, (2, d // 2))  # [s, b, n, 2, d/2]
-        out = halves * self.cos[:s] + halves.flip(3) * self.sin[:s]
-        return out.flatten(-2).to(x.dtype)
+        halves = at_least_fp32(x).unflatten(-1, (2, d // 2))  # [s, b, n, 2, d/2]; flip(3) swaps the halves
+        cos, sin = (t[:s].unflatten(-1, (2, d // 2)) for t in (self.cos, self.sin))
+        return (halves * cos + halves.flip(3) * sin).flatten(-2).to(x.dtype)
 
 
 class SelfAttention(nn.Module):
