@@ -73,7 +73,7 @@ def main() -> None:
           f"({busy / step_ms:.0%}); peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     print("| category | ms/step | share of busy | top kernels (ms/step, calls/step) |\n|---|---|---|---|")
     for c, ms in sorted(by_cat.items(), key=lambda kv: -kv[1]):
-        tops = "; ".join(f"{k} ({t:.2f}, {n})" for t, n, k in sorted(top[c], reverse=True)[:3])
+        tops = "; ".join(f"{k} ({t:.2f}, {n})" for t, n, k in sorted(top[c], reverse=True)[:5])
         print(f"| {c} | {ms:.2f} | {ms / busy:.1%} | {tops} |")
 
 

@@ -24,7 +24,7 @@ def _train(fast: bool) -> tuple:
     m.group_query_attention, m.num_query_groups = True, 4
     m.hidden_dropout = m.attention_dropout = 0.0
     cfg.training.bf16, cfg.training.fast_path = True, "on" if fast else "off"
-    cfg.optimizer.lr, cfg.optimizer.lr_warmup_iters = 1e-3, 0
+    cfg.optimizer.lr, cfg.optimizer.lr_warmup_iters = 3e-4, 0
     ps = ParallelState.single(torch.device("cuda", 0))
     model = GPTModel(m, ps, VOCAB, seed=7, params_dtype=torch.bfloat16, fast=fast)
     ddp = DistributedDataParallel([model], ps, cfg)
@@ -49,7 +49,7 @@ def _train(fast: bool) -> tuple:
 def test_compiled_path_losses_match_eager_within_bf16_tolerance():
     eager, _ = _train(fast=False)
     compiled, graphs = _train(fast=True)
-    assert compiled[-1] < 0.8 * compiled[0], "the model must learn (two batches repeated)"
+    assert compiled[-1] < 0.9 * compiled[0], "the model must learn (two batches repeated)"
     for step, (a, b) in enumerate(zip(compiled, eager)):
         assert abs(a - b) <= 2e-2 * abs(b), (step, a, b)
     assert graphs[0] > 0 and graphs[0] == graphs[1], f"recompiled after step 3: {graphs}"
