@@ -31,6 +31,9 @@ class Rotary(nn.Module):
     Tables [s, 1, 1, d] in ``wide(dtype)`` (fp32 for bf16/fp16 params, float64 stays float64),
     computed in float64: (cos, cos) and (−sin, +sin) over the two halves of d, so that with x split
     into halves (x1, x2) the rotation is x·cos + (x2, x1)·sin = (x1·cos − x2·sin, x2·cos + x1·sin).
+    The half swap is a cat: under torch.compile (torch 2.11) it fuses with the qkv split into one
+    kernel, while a cat-free swap (flip of a [2, d/2] view) measured 0.46 ms a layer in backward
+    and needs Inductor's coalescing analysis off to compile at all (bench/RESULTS.md, 2026-12-01).
     """
 
     def __init__(self, head_dim: int, base: float, max_positions: int, dtype, device):
@@ -44,10 +47,10 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [s, b, n, d] at positions 0..s-1 → same shape and dtype (computed in at least fp32)."""
-        s, d = x.shape[0], x.shape[-1]
-        halves = at_least_fp32(x).unflatten(-1, (2, d // 2))  # [s, b, n, 2, d/2]; flip(3) swaps the halves
-        cos, sin = (t[:s].unflatten(-1, (2, d // 2)) for t in (self.cos, self.sin))
-        return (halves * cos + halves.flip(3) * sin).flatten(-2).to(x.dtype)
+        s = x.shape[0]
+        xf = at_least_fp32(x)
+        x1, x2 = xf.chunk(2, dim=-1)
+        return (xf * self.cos[:s] + torch.cat([x2, x1], dim=-1) * self.sin[:s]).to(x.dtype)
 
 
 class SelfAttention(nn.Module):
