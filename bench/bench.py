@@ -1,21 +1,24 @@
-"""GPU benchmark: run `meshlm pretrain` for named layouts and print one markdown table.
+"""GPU benchmark: meshlm against a plain-PyTorch loop of the same model, one table, one invocation.
 
 Usage (on the lent H200 machine, from the repository root):
-    PYTHONPATH=src python bench/bench.py --out $OUT  [case ...]
+    PYTHONPATH=src python bench/bench.py --out $OUT --date 2026-12-01 [case ...]
 
-Each case is a pretrain command line on --mock-data (so data loading is not measured); the table
-gives, per case, the median of the logged iterations after the first two (warm-up):
-elapsed ms per iteration, tokens/s (whole job), TFLOP/s per GPU, MFU, peak memory per GPU, the
-memory in use between steps (weights, grads, optimizer state) next to the start-up
-bytes-per-parameter estimate, and — since every layout sees the same global batches from the
-same weights — the largest relative difference of its loss curve from the first case's (parity).
-Results go to <out>/bench.json and <out>/bench.md; copy the table into bench/RESULTS.md with the
-date and the GPU.
+Each case is a `meshlm pretrain` command line on --mock-data (data loading not measured), run as
+its own process; cases with a Llama shape also run bench/baseline.py (no meshlm: bf16 autocast,
+SDPA, nn.RMSNorm, per-block torch.compile, fused AdamW) once per shape in the same invocation.
+Per case: the median of the logged iterations after --warmup (compilation happens there) of the
+iteration time (wall clock of the whole step), tokens/s, and the peak memory (max allocated).
+
+FLOPs per token (issue 9): 6N + 12·L·h·s, N all parameters (from meshlm's start-up line: exact on
+one GPU and under pure DP), L layers, h hidden, s sequence; TFLOP/s/GPU = that × tokens/s ÷ GPUs;
+MFU = TFLOP/s/GPU ÷ 989.4 (H200 SXM dense bf16). Every case appends one JSON row to --results
+(default bench/results.jsonl); the markdown table goes to stdout and <out>/bench.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -24,96 +27,127 @@ import subprocess
 import sys
 import time
 
-MODEL = ["--model", "gpt2-125m", "--seq-length", "1024", "--max-position-embeddings", "1024",
-         "--mock-data", "--vocab-size", "50257", "--bf16", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "2",
-         "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0"]
+PEAK_TFLOPS = 989.4
+COMMON = ["--mock-data", "--bf16", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "2",
+          "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "0"]
+LLAMA_1B = dict(name="llama-1b h2048 L16 a16/g8 ffn8192 V32000 untied",
+                flags=["--model", "llama-1b", "--num-attention-heads", "16", "--untie-embeddings-and-output-weights",
+                       "--vocab-size", "32000", "--seq-length", "2048", "--max-position-embeddings", "2048"],
+                dims=dict(layers=16, hidden=2048, seq=2048),
+                baseline=dict(layers=16, hidden=2048, heads=16, groups=8, ffn=8192, vocab=32000, seq=2048))
+GPT2_125M = dict(name="gpt2-125m V50257 dropout 0",
+                 flags=["--model", "gpt2-125m", "--seq-length", "1024", "--max-position-embeddings", "1024",
+                        "--vocab-size", "50257", "--hidden-dropout", "0", "--attention-dropout", "0"],
+                 dims=dict(layers=12, hidden=768, seq=1024), baseline=None)
 
 CASES = {
-    # name: (number of GPUs, extra flags)
-    "1gpu":          (1, ["--micro-batch-size", "8", "--global-batch-size", "32"]),
-    "1gpu-mb16":     (1, ["--micro-batch-size", "16", "--global-batch-size", "32"]),
-    "dp2":           (2, ["--micro-batch-size", "8", "--global-batch-size", "32"]),
-    "dp2-overlap":   (2, ["--micro-batch-size", "8", "--global-batch-size", "32", "--overlap-grad-reduce"]),
-    "dp2-zero1":     (2, ["--micro-batch-size", "8", "--global-batch-size", "32",
-                          "--use-distributed-optimizer"]),
-    "tp2":           (2, ["--micro-batch-size", "8", "--global-batch-size", "32",
-                          "--tensor-model-parallel-size", "2"]),
-    "tp2-sp":        (2, ["--micro-batch-size", "8", "--global-batch-size", "32",
-                          "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    "pp2":           (2, ["--micro-batch-size", "8", "--global-batch-size", "32",
-                          "--pipeline-model-parallel-size", "2"]),
+    # name: (model, GPUs, micro-batch, layout flags)
+    "llama1b": (LLAMA_1B, 1, 8, []),
+    "llama1b-eager": (LLAMA_1B, 1, 8, ["--fast-path", "off"]),
+    "gpt2-1gpu": (GPT2_125M, 1, 8, []),
+    "gpt2-dp2": (GPT2_125M, 2, 8, []),
+    "gpt2-tp2": (GPT2_125M, 2, 8, ["--tensor-model-parallel-size", "2"]),
+    "gpt2-pp2": (GPT2_125M, 2, 8, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "32"]),
 }
 
 
-def run_case(name: str, out: str, iters: int) -> dict:
-    ngpu, extra = CASES[name]
+def run_meshlm(name: str, out: str, iters: int, warmup: int) -> dict:
+    model, gpus, micro, layout = CASES[name]
     run_dir = os.path.join(out, "runs", name)
-    cmd = [sys.executable, "-m", "meshlm", "pretrain", *MODEL, *extra, "--train-iters", str(iters),
-           "--nproc-per-node", str(ngpu), "--run-dir", run_dir]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(ngpu)))
+    cmd = [sys.executable, "-m", "meshlm", "pretrain", *model["flags"], *COMMON, "--micro-batch-size", str(micro),
+           *layout, "--train-iters", str(iters), "--nproc-per-node", str(gpus), "--run-dir", run_dir]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)))
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.time() - t0
-    log_path = os.path.join(out, f"{name}.log")
-    with open(log_path, "w") as fh:
+    with open(os.path.join(out, f"{name}.log"), "w") as fh:
         fh.write(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        return {"case": name, "error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "logs", "metrics.jsonl"))
-            if line.strip()]
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "logs", "metrics.jsonl")) if line.strip()]
     rows = [r for r in rows if r.get("iter_ms") is not None]
     losses = [r["lm_loss"] for r in rows]
-    rows = rows[2:]
+    rows = rows[warmup:]
+    params = int(re.search(r"([\d,]+) parameters on rank 0", proc.stdout).group(1).replace(",", ""))
 
     def med(key):
         vals = [r[key] for r in rows if r.get(key) is not None]
         return statistics.median(vals) if vals else None
 
-    estimate = None  # weights + grads + optimizer bytes of rank 0, from the start-up memory report
-    for line in proc.stdout.splitlines():
-        m = re.search(r"memory rank 0: .*= ([0-9.]+) (GiB|MiB)", line)
-        if m:
-            estimate = float(m.group(1)) / (1024 if m.group(2) == "MiB" else 1)
-    return {"case": name, "gpus": ngpu, "iter_ms": med("iter_ms"), "state_estimate_gb": estimate,
-            "state_measured_gb": med("mem_allocated_gb"), "tokens_per_sec": med("tokens_per_sec"),
-            "tflops_per_gpu": med("tflops_per_gpu"), "mfu": med("mfu"),
-            "mem_gb": max((r.get("mem_max_allocated_gb") or 0) for r in rows) if rows else None, "exposed_comm_share": med("exposed_comm_share"),
-            "bubble_fraction": med("bubble_fraction"), "last_loss": rows[-1]["lm_loss"] if rows else None, "losses": losses,
-            "wall_s": round(wall, 1)}
+    return {"params": params, "iter_ms": med("iter_ms"), "tokens_per_sec": med("tokens_per_sec"),
+            "peak_mem_gb": max((r.get("mem_max_allocated_gb") or 0) for r in rows),
+            "exposed_comm_share": med("exposed_comm_share"), "losses": losses, "wall_s": round(time.time() - t0, 1)}
 
 
-def fmt(v, spec):
-    return "n/a" if v is None else format(v, spec)
+def run_baseline(shape: dict, micro: int, out: str, iters: int, warmup: int) -> dict:
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
+    cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "baseline.py"), *args,
+           f"--micro-batch={micro}", f"--iters={iters}", f"--warmup={warmup}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with open(os.path.join(out, f"baseline-{shape['hidden']}-{micro}.log"), "w") as fh:
+        fh.write(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BASELINE ")), None)
+    if line is None:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+    return json.loads(line[len("BASELINE "):])
+
+
+def row(name: str, r: dict, base: dict | None, date: str, gpu: str) -> dict:
+    """One results.jsonl record (see the module docstring for the formulas)."""
+    model, gpus, micro, layout = CASES[name]
+    d = model["dims"]
+    flops_per_token = 6 * r["params"] + 12 * d["layers"] * d["hidden"] * d["seq"]
+    tflops = flops_per_token * r["tokens_per_sec"] / gpus / 1e12
+    base_tps = base.get("tokens_per_sec") if base else None
+    return {"date": date, "gpu": gpu, "gpus": gpus, "model": model["name"], "seq": d["seq"],
+            "layout": " ".join(layout) or "default", "case": name, "micro_batch": micro,
+            "tokens_per_sec": round(r["tokens_per_sec"], 1),
+            "tokens_per_sec_per_gpu": round(r["tokens_per_sec"] / gpus, 1),
+            "tflops_per_gpu": round(tflops, 1), "mfu": round(tflops / PEAK_TFLOPS, 4),
+            "peak_mem_gb": round(r["peak_mem_gb"], 2), "exposed_comm_share": r["exposed_comm_share"],
+            "baseline_tokens_per_sec": None if base_tps is None else round(base_tps, 1),
+            "baseline_peak_mem_gb": None if not base else round(base["peak_mem_gb"], 2),
+            "vs_baseline": None if base_tps is None else round(r["tokens_per_sec"] / base_tps, 3),
+            "iter_ms": round(r["iter_ms"], 1), "params": r["params"],
+            "first_losses": [round(x, 4) for x in r["losses"][:5]]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("cases", nargs="*", default=list(CASES), help=f"cases: {', '.join(CASES)}")
+    ap.add_argument("cases", nargs="*", default=["llama1b", "llama1b-eager"], help=f"cases: {', '.join(CASES)}")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
-    ap.add_argument("--iters", type=int, default=12)
+    ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results.jsonl"))
+    ap.add_argument("--date", default=datetime.date.today().isoformat())
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=4)
     args = ap.parse_args()
+    import torch
+    gpu = torch.cuda.get_device_name(0)
     os.makedirs(args.out, exist_ok=True)
-    results = [run_case(c, args.out, args.iters) for c in args.cases]
-    # parity: every layout trains the same function on the same global batches (bf16 tolerance 1e-2)
-    ref = next((r["losses"] for r in results if "losses" in r), None)
-    for r in results:
-        if "losses" in r and ref:
-            r["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
-    with open(os.path.join(args.out, "bench.json"), "w") as fh:
-        json.dump(results, fh, indent=1)
-    lines = ["| case | GPUs | ms/iter | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB | state GiB measured / estimated "
-             "| exposed comm | bubble | loss | max rel. loss diff vs first case |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
+    baselines, records = {}, []
+    for name in args.cases:
+        model, gpus, micro, _ = CASES[name]
+        key = (model["name"], micro)
+        if model["baseline"] and key not in baselines:
+            baselines[key] = run_baseline(model["baseline"], micro, args.out, args.iters, args.warmup)
+            print(f"baseline {key}: {baselines[key]}", flush=True)
+        r = run_meshlm(name, args.out, args.iters, args.warmup)
         if "error" in r:
-            lines.append(f"| {r['case']} | error: {r['error']} |")
+            print(f"{name}: error {r['error']}", flush=True)
             continue
-        lines.append(f"| {r['case']} | {r['gpus']} | {fmt(r['iter_ms'], '.1f')} | {fmt(r['tokens_per_sec'], ',.0f')} "
-                     f"| {fmt(r['tflops_per_gpu'], '.1f')} | {fmt(r['mfu'], '.1%')} | {fmt(r['mem_gb'], '.2f')} "
-                     f"| {fmt(r['state_measured_gb'], '.2f')} / {fmt(r['state_estimate_gb'], '.2f')} "
-                     f"| {fmt(r['exposed_comm_share'], '.1%')} | {fmt(r['bubble_fraction'], '.1%')} "
-                     f"| {fmt(r['last_loss'], '.3f')} | {fmt(r.get('max_rel_loss_diff'), '.1e')} |")
+        base = baselines.get(key)
+        records.append(row(name, r, None if base is None or "error" in base else base, args.date, gpu))
+        print(json.dumps(records[-1]), flush=True)
+    with open(args.results, "a") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec) + "\n")
+    lines = ["| case | GPUs | micro | tokens/s | baseline tokens/s | vs baseline | TFLOP/s/GPU | MFU "
+             "| peak GiB (baseline) | ms/iter |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        base = "n/a" if r["baseline_tokens_per_sec"] is None else f"{r['baseline_tokens_per_sec']:,.0f}"
+        vs = "n/a" if r["vs_baseline"] is None else f"{r['vs_baseline']:.3f}"
+        lines.append(f"| {r['case']} | {r['gpus']} | {r['micro_batch']} | {r['tokens_per_sec']:,.0f} | {base} | {vs} "
+                     f"| {r['tflops_per_gpu']:.1f} | {r['mfu']:.3f} | {r['peak_mem_gb']:.2f} "
+                     f"({r['baseline_peak_mem_gb']}) | {r['iter_ms']:.1f} |")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "bench.md"), "w") as fh:
         fh.write(table + "\n")

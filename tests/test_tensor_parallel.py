@@ -9,7 +9,7 @@ from distributed import run_distributed
 from meshlm.config import ModelConfig
 from meshlm.parallel import comm
 from meshlm.parallel.mesh import ParallelState
-from meshlm.parallel.tensor import vocab_parallel_cross_entropy
+from meshlm.parallel.cross_entropy import vocab_parallel_cross_entropy
 from meshlm.model.transformer import GPTModel
 
 SEED, BATCH, SEQ = 7, 2, 16

@@ -110,6 +110,8 @@ class TrainingConfig:
                                action="store_true")
     recompute_activations: bool = opt(False, "recompute each layer's activations in backward",
                                       action="store_true")
+    fast_path: str = opt("auto", "compiled layers, fused kernels and fused AdamW (auto: on CUDA, off on CPU)",
+                         choices=["auto", "on", "off"])
     log_interval: int = opt(10, "iterations between log lines")
     eval_interval: int = opt(100, "iterations between validation runs")
     eval_iters: int = opt(10, "validation iterations per evaluation")

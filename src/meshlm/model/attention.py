@@ -17,42 +17,62 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import head_dim, query_groups
-from ..dtypes import at_least_fp32
+from ..config import head_dim, max_positions, query_groups
+from ..dtypes import at_least_fp32, wide
 from ..errors import ConfigError
 from ..parallel import comm
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, contiguous_index
 
 
-def rope(x: torch.Tensor, base: float) -> torch.Tensor:
+class Rotary(nn.Module):
     """Rotary position embedding (Su et al. 2021, "RoFormer", §3.4), rotate-half (GPT-NeoX / HF)
-    convention. x: [s, b, n, d], positions 0..s-1; computed in at least fp32, returned in x.dtype."""
-    s, d = x.shape[0], x.shape[-1]
-    xf = at_least_fp32(x)
-    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, device=x.device, dtype=xf.dtype) / d)
-    angles = torch.outer(torch.arange(s, device=x.device, dtype=xf.dtype), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * angles.cos() + rotated * angles.sin()).to(x.dtype)
+    convention, from cos/sin tables built once for positions 0..max_positions-1.
+
+    Tables [s, 1, 1, d] in ``wide(dtype)`` (fp32 for bf16/fp16 params, float64 stays float64),
+    computed in float64: (cos, cos) and (−sin, +sin) over the two halves of d, so that with x split
+    into halves (x1, x2) the rotation is x·cos + (x2, x1)·sin = (x1·cos − x2·sin, x2·cos + x1·sin).
+    The half swap is a cat: under torch.compile (torch 2.11) it fuses with the qkv split into one
+    kernel, while a cat-free swap (flip of a [2, d/2] view) measured 0.46 ms a layer in backward
+    and needs Inductor's coalescing analysis off to compile at all (bench/RESULTS.md, 2026-12-01).
+    """
+
+    def __init__(self, head_dim: int, base: float, max_positions: int, dtype, device):
+        super().__init__()
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)[:, None, None, :]
+        cos, sin = angles.cos(), angles.sin()
+        wide_dtype = wide(dtype)
+        self.register_buffer("cos", torch.cat([cos, cos], -1).to(device=device, dtype=wide_dtype), persistent=False)
+        self.register_buffer("sin", torch.cat([-sin, sin], -1).to(device=device, dtype=wide_dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [s, b, n, d] at positions 0..s-1 → same shape and dtype (computed in at least fp32)."""
+        s = x.shape[0]
+        xf = at_least_fp32(x)
+        x1, x2 = xf.chunk(2, dim=-1)
+        return (xf * self.cos[:s] + torch.cat([x2, x1], dim=-1) * self.sin[:s]).to(x.dtype)
 
 
 class SelfAttention(nn.Module):
     """x [s, b, h] ([s/tp, b, h] under SP) → [s, b, h] (or [s/tp, b, h]); heads split over TP.
 
-    With --attention-dropout > 0 in training, each head is one SDPA call with its own keyed dropout
-    stream (masks independent of TP); that is slower than the single fused call used otherwise.
+    With --attention-dropout > 0 in training: on the fast path (meshlm/fast.py) one SDPA call whose
+    dropout draws from the device's default generator (a per-TP-rank stream, as Megatron's); else
+    one SDPA call per head with its own keyed stream (masks independent of TP), which is slower.
     """
 
     def __init__(self, cfg, ps, layer: int, init, scaled_init, rng, *, sequence_parallel: bool,
-                 params_dtype):
+                 params_dtype, fast: bool = False):
         super().__init__()
         a, g, d, tp, r = cfg.num_attention_heads, query_groups(cfg), head_dim(cfg), ps.tp, ps.tp_rank
         self.layer, self.rng, self.group = layer, rng, ps.tp_group
         self.heads, self.groups, self.d = a // tp, g, d
         self.first_head = r * self.heads
-        self.rope_base = cfg.rotary_base if cfg.position_embedding_type == "rope" else None
-        self.dropout = cfg.attention_dropout
+        self.rotary = None
+        if cfg.position_embedding_type == "rope":
+            self.rotary = Rotary(d, cfg.rotary_base, max(max_positions(cfg), cfg.seq_length), params_dtype,
+                                 ps.device)
+        self.dropout, self.fast = cfg.attention_dropout, fast
         q_rows = contiguous_index(a * d, tp, r)
         if g >= tp:
             self.kv_gather, self.local_groups = False, g // tp
@@ -89,13 +109,14 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, call: int) -> torch.Tensor:
         q, k, v = self._split_qkv(self.linear_qkv(x))
-        if self.rope_base is not None:
-            q, k = rope(q, self.rope_base), rope(k, self.rope_base)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
         s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         p = self.dropout if self.training else 0.0
-        if p == 0.0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        if p == 0.0 or self.fast:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                 enable_gqa=k.shape[1] != q.shape[1])
         else:
             out = torch.cat([self._head_with_dropout(q, k, v, i, p, call) for i in range(self.heads)], dim=1)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.d)

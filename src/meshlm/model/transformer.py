@@ -13,7 +13,8 @@ Megatron "scaled_init_method_normal"); biases and norm shifts 0, norm scales 1. 
 drawn from a generator keyed by (seed, global layer index, parameter name) and sliced (see
 parallel/tensor.py ShardedInit), so TP=1 and TP=k start identical.
 
-Dropout follows parallel/random.py: identical masks in every layout.
+Dropout follows parallel/random.py: identical masks in every layout, except attention dropout on
+the fast path (meshlm/fast.py), which draws one per-TP-rank stream as Megatron does.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import max_positions, padded_vocab_size
-from ..dtypes import at_least_fp32
 from ..errors import ConfigError
+from ..fast import compile_module
 from ..parallel import comm
+from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.random import RNGTracker
-from ..parallel.tensor import (ShardedInit, VocabParallelEmbedding, contiguous_index, mark_partitioned,
-                               vocab_parallel_cross_entropy)
+from ..parallel.tensor import ShardedInit, VocabParallelEmbedding, contiguous_index, mark_partitioned
 from .attention import SelfAttention
 from .mlp import MLP
 
@@ -56,8 +57,7 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.rms:
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
-        xf = at_least_fp32(x)
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)  # fp32 statistics for bf16/fp16
 
 
 class SequenceSlice:
@@ -72,25 +72,34 @@ class SequenceSlice:
 
 
 class TransformerLayer(nn.Module):
-    """x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))). x: [s, b, h] or [s/tp, b, h]."""
+    """x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))). x: [s, b, h] or [s/tp, b, h].
+
+    fast: the forward runs under torch.compile (meshlm/fast.py); ``call`` is read only when
+    dropout is on, so with dropout 0 the compiled code never depends on it.
+    """
 
     def __init__(self, cfg, ps, layer: int, init, scaled_init, rng, seq: SequenceSlice, *,
-                 sequence_parallel: bool, params_dtype):
+                 sequence_parallel: bool, params_dtype, fast: bool = False):
         super().__init__()
         self.layer, self.rng, self.seq, self.p = layer, rng, seq, cfg.hidden_dropout
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
         self.input_layernorm = Norm(cfg, sequence_parallel, params_dtype, ps.device)
-        self.self_attention = SelfAttention(cfg, ps, layer, init, scaled_init, rng, **kw)
+        self.self_attention = SelfAttention(cfg, ps, layer, init, scaled_init, rng, fast=fast, **kw)
         self.pre_mlp_layernorm = Norm(cfg, sequence_parallel, params_dtype, ps.device)
         self.mlp = MLP(cfg, ps, init, scaled_init, **kw)
 
+        if fast:
+            compile_module(self)
+
     def forward(self, x: torch.Tensor, call: int) -> torch.Tensor:
-        p = self.p if self.training else 0.0
-        full, offset = self.seq.rows(x.shape[0])
-        h = self.self_attention(self.input_layernorm(x), call)
-        x = x + self.rng.dropout(h, p, (self.layer, "attention_out", call), full, offset)
-        h = self.mlp(self.pre_mlp_layernorm(x))
-        return x + self.rng.dropout(h, p, (self.layer, "mlp_out", call), full, offset)
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), call), "attention_out", call)
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)), "mlp_out", call)
+
+    def _dropout(self, h: torch.Tensor, site: str, call: int) -> torch.Tensor:
+        if not (self.p and self.training):
+            return h
+        full, offset = self.seq.rows(h.shape[0])
+        return self.rng.dropout(h, self.p, (self.layer, site, call), full, offset)
 
 
 class Embedding(nn.Module):
@@ -134,10 +143,12 @@ class OutputLayer(nn.Module):
         if weight is not None:
             self.weight = nn.Parameter(weight)
         self.register_buffer("padded_logits", padded_logits, persistent=False)
+        self.has_padding = bool(padded_logits.any())  # no padding: no mask, no copy of the logits
 
     def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
         w = self.weight if tied_weight is None else tied_weight
-        return F.linear(x, w).masked_fill(self.padded_logits, float("-inf"))
+        logits = F.linear(x, w)
+        return logits.masked_fill(self.padded_logits, float("-inf")) if self.has_padding else logits
 
 
 class GPTModel(nn.Module):
@@ -147,7 +158,8 @@ class GPTModel(nn.Module):
     vocab_size: the tokenizer's vocabulary; the embedding and output are padded to
     padded_vocab_size(vocab_size, --make-vocab-size-divisible-by, tp) rows, and the padded logits
     are −inf (never predicted, never in the loss). recompute: re-run each layer's forward in
-    backward (torch.utils.checkpoint). use_cpu_initialization: see ShardedInit.
+    backward (torch.utils.checkpoint). use_cpu_initialization: see ShardedInit. fast: compiled
+    layers and loss, one-call attention dropout (meshlm/fast.py); the same function either way.
 
     Raises ConfigError when a size does not split over TP (--seq-length under SP, --ffn-hidden-size,
     query groups).
@@ -155,12 +167,13 @@ class GPTModel(nn.Module):
 
     def __init__(self, cfg, ps, vocab_size: int, *, seed: int, layer_ids: range | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
-                 params_dtype=torch.float32, recompute: bool = False, use_cpu_initialization: bool = True):
+                 params_dtype=torch.float32, recompute: bool = False, use_cpu_initialization: bool = True,
+                 fast: bool = False):
         super().__init__()
         if sequence_parallel and cfg.seq_length % ps.tp:
             raise ConfigError(f"--seq-length {cfg.seq_length} is not divisible by --tensor-model-parallel-size "
                               f"{ps.tp} (needed by --sequence-parallel)")
-        self.pre_process, self.post_process, self.recompute = pre_process, post_process, recompute
+        self.pre_process, self.post_process, self.recompute, self.fast = pre_process, post_process, recompute, fast
         self.sequence_parallel, self.group = sequence_parallel, ps.tp_group
         self.vocab_size = vocab_size
         self.padded_vocab = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, ps.tp)
@@ -177,7 +190,7 @@ class GPTModel(nn.Module):
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(cfg, ps, i, lambda name, i=i: init(i, name),
-                                     lambda name, i=i: init(i, name, scaled_std), self.rng, seq, **kw)
+                                     lambda name, i=i: init(i, name, scaled_std), self.rng, seq, fast=fast, **kw)
             for i in layer_ids})
         if post_process:
             self.final_layernorm = Norm(cfg, sequence_parallel, params_dtype, ps.device)
@@ -219,5 +232,6 @@ class GPTModel(nn.Module):
         logits = self.output_layer(x, tied)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_start, self.group).t()
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_start, self.group,
+                                            fast=self.fast, inplace=True).t()
 

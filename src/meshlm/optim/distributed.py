@@ -8,11 +8,14 @@ rank updates its shards (the grad norm and inf check are reduced over DP × CP a
 updated params are all-gathered bucket by bucket back into every rank's param buffer.
 
 With ``--overlap-param-gather`` the all-gathers start right after the step (in forward order,
-last bucket first) and each is waited for by a forward pre-hook of the first module that owns a
-param of that bucket, so the gather hides behind the next forward. This is safe because the model
-reads every parameter only inside the forward of the module that owns it (the position table and
-the output layer are modules for that reason; tests/test_parity_matrix.py poisons every pending
-gather with NaN to prove it). Anything that reads params outside a forward (checkpoint save,
+last bucket first) and are waited for by forward pre-hooks on the *blocks* of each model chunk
+(its direct children: the embedding, each transformer layer, the final norm, the output layer):
+a block waits for the buckets of every parameter in it before it runs, so the gathers of later
+blocks hide behind the forward of earlier ones. This is safe because the model reads every
+parameter only inside the forward of a block that contains it (the position table and the output
+layer are modules for that reason; tests/test_parity_matrix.py poisons every pending gather with
+NaN to prove it). The hooks run eagerly (``torch._dynamo.disable``) at the boundary of a compiled
+layer, never traced into it. Anything that reads params outside a forward (checkpoint save,
 export, the end of training) calls ``finish_param_sync()`` first.
 """
 
@@ -42,9 +45,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self._pending = {}  # id(bucket) → handle of its param all-gather
         if self.overlap_param_gather:
             for chunk in chunks:
-                for module in chunk.modules():
-                    if any(p.requires_grad for p in module.parameters(recurse=False)):
-                        module.register_forward_pre_hook(self._wait_for_params)
+                self._hook_block(chunk, recurse=False)  # parameters a chunk holds itself, if any
+                for block in chunk.children():
+                    self._hook_block(block, recurse=True)
 
     def _shard_range(self, bucket) -> tuple:
         return bucket.shard(self.ddp.rank, self.ddp.size)
@@ -66,15 +69,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if self.overlap_param_gather:
                 self._pending[id(s.bucket)] = handle
 
-    def _wait_for_params(self, module, args) -> None:
-        """Forward pre-hook: wait for the all-gathers of the buckets holding module's params."""
-        if not self._pending:
-            return
-        for p in module.parameters(recurse=False):
-            if p.requires_grad:
-                handle = self._pending.pop(id(self.ddp.bucket_of(p)[1]), None)
-                if handle is not None:
-                    handle.wait()
+    def _hook_block(self, module, recurse: bool) -> None:
+        """Make module's forward first wait for the gathers of the buckets of its parameters."""
+        buckets = list(dict.fromkeys(id(self.ddp.bucket_of(p)[1]) for p in module.parameters(recurse=recurse)
+                                     if p.requires_grad))
+        if buckets:
+            module.register_forward_pre_hook(torch._dynamo.disable(
+                lambda module, args: self._wait_for_buckets(buckets)))
+
+    def _wait_for_buckets(self, buckets: list) -> None:
+        """Wait for the parameter all-gathers still pending among ``buckets`` (ids of Buckets)."""
+        for b in buckets:
+            handle = self._pending.pop(b, None)
+            if handle is not None:
+                handle.wait()
 
     def finish_param_sync(self) -> None:
         """Wait for every parameter all-gather still in flight."""

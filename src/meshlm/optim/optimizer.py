@@ -7,29 +7,36 @@ fp32 training, else an fp32 copy of the bf16/fp16 params) and the Adam moments `
 ``exp_avg_sq``, all flat [n] fp32 tensors, so the update runs a few large kernels per bucket.
 
 One ``step()`` (Megatron's order):
-  1. unscale the main_grads by 1/loss_scale (fp16) and look for inf/NaN, reduced (MAX) over the
-     model-parallel and DP × CP groups so every rank decides alike;
-  2. on inf/NaN: skip the update and back off the loss scale (fp16); under bf16/fp32 there is
-     nothing to back off, so ``ok`` is False and the trainer stops with a message naming the
-     iteration and the last checkpoint, unless ``--skip-nan-steps``;
-  3. global gradient norm: squares summed over this rank's grads with each parameter counted
+  1. fp16 only (loss scale ≠ 1): unscale the main_grads by 1/loss_scale and look for inf/NaN,
+     reduced (MAX) over the model-parallel and DP × CP groups so every rank decides alike;
+  2. global gradient norm: squares summed over this rank's grads with each parameter counted
      once (TP-replicated params on tp_rank 0 only; the last stage's copy of a tied embedding not
      counted when PP > 1; under ZeRO-1 each rank's shard), all-reduced over TP × PP (and DP × CP
-     under ZeRO-1); grads scaled by clip_grad / (norm + 1e-6) when that is below 1;
-  4. AdamW (Loshchilov & Hutter 2019), the same arithmetic as torch.optim.AdamW; no weight
-     decay on params marked ``no_weight_decay``;
+     under ZeRO-1). With loss scale 1 (bf16/fp32) the norm is the inf/NaN check: a non-finite
+     grad anywhere makes it non-finite on every rank, so the step needs this one host sync;
+  3. on inf/NaN: skip the update and back off the loss scale (fp16); under bf16/fp32 there is
+     nothing to back off, so ``ok`` is False and the trainer stops with a message naming the
+     iteration and the last checkpoint, unless ``--skip-nan-steps``;
+  4. clipping by clip_grad / (norm + 1e-6) when that is below 1, and AdamW (optim/adamw.py,
+     torch.optim.AdamW's arithmetic; no weight decay on params marked ``no_weight_decay``) over
+     the fragments of every shard. On the fast path (meshlm/fast.py) one fused kernel does both
+     (the clip coefficient enters as its grad scale); otherwise
+     the grads are scaled in place first and foreach kernels update;
   5. masters copied back to the model params (and all-gathered under ZeRO-1).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from .. import fast
 from ..dtypes import HALF, wide
 from ..errors import CheckpointError
+from .adamw import Group, adamw_
 from .scaler import build_scaler
 from .schedule import LRScheduler
 
@@ -124,6 +131,8 @@ class MixedPrecisionOptimizer:
         self.inf_groups = [ps.mp_group, ddp.group]
         self.names = param_names(chunks)
         self.shards = [Shard(buf, b, *self._shard_range(b), self.names, ps) for buf in ddp.buffers for b in buf.buckets]
+        self.fused = fast.enabled(cfg.training.fast_path, ps.device)
+        self._groups = None  # adamw Groups over the shards' own grad buffers, built on first use
 
     def _shard_range(self, bucket) -> tuple:
         return bucket.start, bucket.end
@@ -145,18 +154,20 @@ class MixedPrecisionOptimizer:
         self.finish_param_sync()
         grads = [s.grad.to(s.master.dtype) for s in self.shards]  # views when dtypes match
         scale = self.scaler.scale
-        found_inf = self._unscale_and_check(grads, 1.0 / scale)
-        if found_inf:
+        found_inf = scale != 1.0 and self._unscale_and_check(grads, 1.0 / scale)
+        norm = 0.0 if found_inf else self.grad_norm(grads)
+        if found_inf or not math.isfinite(norm):
             ok = self.scaler.dynamic and scale > self.scaler.min_scale
             self.scaler.update(True)
             return StepResult(ok=ok, grad_norm=0.0, loss_scale=scale, skipped=True, found_inf=True)
-        norm = self.grad_norm(grads)
-        if self.clip_grad > 0:
-            coeff = self.clip_grad / (norm + 1e-6)
-            if coeff < 1.0:
-                for g in grads:
-                    g.mul_(coeff)
-        self._adamw(grads)
+        coeff = self.clip_grad / (norm + 1e-6) if self.clip_grad > 0 else 1.0
+        grad_scale = 1.0
+        if coeff < 1.0:
+            if self.fused:
+                grad_scale = 1.0 / coeff
+            else:
+                torch._foreach_mul_(grads, coeff)
+        self._adamw(grads, grad_scale)
         self._publish()
         self.scaler.update(False)
         return StepResult(ok=True, grad_norm=norm, loss_scale=scale, skipped=False)
@@ -188,20 +199,27 @@ class MixedPrecisionOptimizer:
         self._all_reduce(sq, self.norm_groups, dist.ReduceOp.SUM)
         return float(sq.sqrt().item())
 
-    def _adamw(self, grads: list) -> None:
-        """One AdamW update of every shard: torch.optim.AdamW's arithmetic, bucket by bucket."""
+    def _adamw(self, grads: list, grad_scale: float) -> None:
+        """One AdamW update of every shard's fragments (optim/adamw.py); grads used ÷ grad_scale."""
         self.step_count += 1
-        lr, (b1, b2), eps, wd = self.lr, self.betas, self.eps, self.weight_decay
-        bc1, bc2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
+        own = all(g is s.grad for s, g in zip(self.shards, grads))
+        if not own or self._groups is None:
+            groups = self._fragment_groups(grads)
+            if own:
+                self._groups = groups
+        adamw_(self._groups if own else groups, step=self.step_count, lr=self.lr, betas=self.betas,
+               eps=self.eps, weight_decay=self.weight_decay, fused=self.fused, grad_scale=grad_scale)
+
+    def _fragment_groups(self, grads: list) -> list:
+        """[decayed Group, non-decayed Group] of fragment views of masters, grads and moments."""
+        groups = {True: Group([], [], [], [], True), False: Group([], [], [], [], False)}
         for s, g in zip(self.shards, grads):
-            if wd:
-                for f in s.fragments:
-                    if f.decay:
-                        s.master[f.lo:f.hi].mul_(1 - lr * wd)
-            s.exp_avg.lerp_(g, 1 - b1)
-            s.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (s.exp_avg_sq.sqrt() / bc2 ** 0.5).add_(eps)
-            s.master.addcdiv_(s.exp_avg, denom, value=-lr / bc1)
+            for f in s.fragments:
+                grp = groups[f.decay]
+                for dst, t in ((grp.params, s.master), (grp.grads, g), (grp.exp_avgs, s.exp_avg),
+                               (grp.exp_avg_sqs, s.exp_avg_sq)):
+                    dst.append(t[f.lo:f.hi])
+        return list(groups.values())
 
     def _publish(self) -> None:
         """Copy the updated masters into the model params (cast to their dtype)."""

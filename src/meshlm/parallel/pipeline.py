@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, num_microbatches as config_num_microbatches
+from .. import fast
 from ..dtypes import at_least_fp32
 from ..errors import ConfigError
 from .mesh import ParallelState
@@ -140,7 +141,8 @@ def build_model_chunks(cfg: Config, ps: ParallelState, vocab_size: int,
 
     Stage 0 gets the embedding (pre_process), the last stage the final norm, output layer and loss
     (post_process). Weights depend only on the seed and global layer index, so any partition
-    starts from the same model. Raises ConfigError for an invalid partition.
+    starts from the same model. --fast-path decides compiled layers (meshlm/fast.py). Raises
+    ConfigError for an invalid partition.
     """
     from ..model.transformer import GPTModel
 
@@ -153,7 +155,8 @@ def build_model_chunks(cfg: Config, ps: ParallelState, vocab_size: int,
                                pre_process=s == 0, post_process=s == last,
                                sequence_parallel=cfg.parallel.sequence_parallel, params_dtype=params_dtype,
                                recompute=cfg.training.recompute_activations,
-                               use_cpu_initialization=cfg.parallel.use_cpu_initialization))
+                               use_cpu_initialization=cfg.parallel.use_cpu_initialization,
+                               fast=fast.enabled(cfg.training.fast_path, ps.device)))
     return chunks
 
 

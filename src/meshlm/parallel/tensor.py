@@ -1,5 +1,6 @@
 """Tensor-parallel layers (Shoeybi et al. 2019, "Megatron-LM", §3) with sequence parallelism
-(Korthikanti et al. 2022, §4.2.2), vocab-parallel cross-entropy, and full-weight helpers.
+(Korthikanti et al. 2022, §4.2.2), and full-weight helpers (the vocab-parallel cross-entropy is
+in cross_entropy.py).
 
 Activations are [s, b, h]. Under sequence parallelism (SP) the activations between TP regions
 are [s/tp, b, h] (this rank's rows); a column-parallel layer all-gathers them, a row-parallel
@@ -39,10 +40,11 @@ def contiguous_index(size: int, tp: int, rank: int) -> torch.Tensor:
 class ShardedInit:
     """How a parallel layer draws its weight: normal(0, std) from a generator keyed by ``key``.
 
-    full (Megatron --use-cpu-initialization, default): draw the full weight on the CPU from
-    derive_seed(*key) and keep this rank's slice, so the weight never depends on TP/PP.
-    Otherwise draw only the local slice from derive_seed(*key, "tp_rank", tp_rank): faster and
-    lighter for large models, but the weights then depend on the TP degree.
+    full (--use-cpu-initialization, default): draw the full weight from derive_seed(*key) on the
+    device the model lives on (a CUDA generator on the GPU, the CPU's otherwise) and keep this
+    rank's slice, so the weight depends on the seed, the key and the device type, never on TP/PP.
+    Otherwise draw only the local slice from derive_seed(*key, "tp_rank", tp_rank): lighter for
+    very large weights, but the weights then depend on the TP degree.
     """
 
     key: tuple
@@ -52,16 +54,16 @@ class ShardedInit:
 
     def weight(self, full_shape, dim: int, index: torch.Tensor, dtype, device) -> torch.Tensor:
         """The local weight: full_shape with dim replaced by len(index); padding rows are zero."""
+        shape, seed = list(full_shape), derive_seed(*self.key)
         if not self.full:
-            local = list(full_shape)
-            local[dim] = len(index)
-            g = torch.Generator(device=device).manual_seed(derive_seed(*self.key, "tp_rank", self.tp_rank))
-            w = torch.empty(local, dtype=torch.float32, device=device).normal_(0, self.std, generator=g)
-            padding = (index >= full_shape[dim]).nonzero().squeeze(1).to(device)
-            return w.index_fill_(dim, padding, 0.0).to(dtype)
-        g = torch.Generator().manual_seed(derive_seed(*self.key))
-        full = torch.empty(full_shape, dtype=torch.float32).normal_(0, self.std, generator=g)
-        return _take(full, dim, index).to(device=device, dtype=dtype)
+            shape[dim] = len(index)
+            seed = derive_seed(*self.key, "tp_rank", self.tp_rank)
+        g = torch.Generator(device=device).manual_seed(seed)
+        w = torch.empty(shape, dtype=torch.float32, device=device).normal_(0, self.std, generator=g)
+        if self.full:
+            return _take(w, dim, index.to(device)).to(dtype)
+        padding = (index >= full_shape[dim]).nonzero().squeeze(1).to(device)
+        return w.index_fill_(dim, padding, 0.0).to(dtype)
 
 
 def _take(full: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
@@ -164,47 +166,6 @@ class VocabParallelEmbedding(nn.Module):
         if self.sequence_parallel:
             return comm.reduce_scatter_to_sp(out, self.group)
         return comm.reduce_from_tp(out, self.group)
-
-
-# ----------------------------------------------------------------------------- cross-entropy
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, vocab_start, group):
-        logits = at_least_fp32(logits)
-        logits_max = comm.all_reduce(logits.max(dim=-1).values, group, op=torch.distributed.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
-        local = target - vocab_start
-        outside = (local < 0) | (local >= logits.shape[-1])
-        local = local.masked_fill(outside, 0)
-        predicted = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        comm.all_reduce(predicted, group)
-        exp = shifted.exp()
-        sum_exp = comm.all_reduce(exp.sum(dim=-1), group)
-        exp.div_(sum_exp.unsqueeze(-1))  # softmax on this rank's slice
-        ctx.save_for_backward(exp, local, outside)
-        return sum_exp.log() - predicted
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local, outside = ctx.saved_tensors
-        grad = softmax
-        hit = (~outside).to(grad.dtype)
-        grad.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1))
-        return grad * grad_loss.unsqueeze(-1), None, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
-                                 group) -> torch.Tensor:
-    """Per-token loss −log softmax(logits)[target], fp32, shape of target.
-
-    logits: [..., V_padded/tp], this rank's vocabulary slice starting at vocab_start, with padded
-    vocabulary columns already set to −inf (they get zero probability and zero grad). The full
-    logits are never materialised: the max, the sum of exponentials and the target logit are
-    all-reduced over group (Megatron-LM §3). Backward is softmax − one-hot on the local slice.
-    The softmax of the local slice is kept for backward (fp32, size of logits).
-    """
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, group)
 
 
 # ----------------------------------------------------------------------------- full weights

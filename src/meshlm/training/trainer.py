@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .. import config as C
+from .. import fast
 from ..checkpoint import dist as ckpt
 from ..checkpoint.state import check_model_config, load_model_state, model_state, rng_state, set_rng_state
 from ..data.blend import parse_data_path
@@ -37,6 +38,7 @@ from ..optim.optimizer import build_optimizer
 from ..optim.schedule import LRScheduler
 from ..parallel.data import DistributedDataParallel
 from ..parallel.mesh import ParallelState, init_distributed
+from ..parallel.random import MODEL_PARALLEL_SEED_OFFSET
 from ..parallel.pipeline import (bubble_fraction, build_model_chunks, forward_backward, reduce_losses,
                                 virtual_size)
 from .metrics import MetricsLogger, flops_per_iteration, require_tensorboard
@@ -111,6 +113,10 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
     random.seed(t.seed)
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
+    if fast.enabled(t.fast_path, ps.device) and ps.device.type == "cuda":
+        # the fast path's attention dropout draws from the default CUDA generator: one stream per
+        # TP rank, seeded as Megatron's model-parallel RNG (parallel/random.py)
+        torch.cuda.manual_seed(t.seed + MODEL_PARALLEL_SEED_OFFSET + ps.tp_rank)
     dtype = dtype or params_dtype(cfg, ps.device)
     if (t.bf16 or t.fp16) and dtype == torch.float32 and ps.rank == 0:
         print("note: --bf16/--fp16 ignored on CPU; training in fp32", flush=True)

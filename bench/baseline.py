@@ -1,0 +1,128 @@
+"""Plain-PyTorch baseline for bench/bench.py: a Llama decoder trained by a hand-written loop, no meshlm.
+
+What a careful PyTorch user would write (the "compiled loop" of issue 9): fp32 parameters on the
+GPU with bf16 autocast, `nn.RMSNorm`, rotate-half RoPE from cached tables, GQA through SDPA
+(`enable_gqa`, cuDNN/flash kernels), SwiGLU, each block under `torch.compile` (and the output
+layer with its cross-entropy too), `torch.optim.AdamW(fused=True)` (no weight decay on norms),
+gradient clipping at 1.0 with foreach kernels. Weights normal(0, 0.02), output projections
+0.02/√(2L) (as meshlm); tokens uniform random (as meshlm's --mock-data).
+
+Usage: python bench/baseline.py --layers 16 --hidden 2048 --heads 16 --groups 8 --ffn 8192 \
+           --vocab 32000 --seq 2048 --micro-batch 8 --iters 20
+Prints one line `BASELINE {json}`: params, iter_ms (median after --warmup steps), tokens_per_sec,
+peak_mem_gb (torch.cuda.max_memory_allocated, GiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    """Pre-norm Llama block on x [b, s, h]."""
+
+    def __init__(self, h: int, heads: int, groups: int, ffn: int, eps: float):
+        super().__init__()
+        self.heads, self.groups, self.d = heads, groups, h // heads
+        self.norm1, self.norm2 = nn.RMSNorm(h, eps=eps), nn.RMSNorm(h, eps=eps)
+        self.qkv = nn.Linear(h, (heads + 2 * groups) * self.d, bias=False)
+        self.proj = nn.Linear(h, h, bias=False)
+        self.fc1 = nn.Linear(h, 2 * ffn, bias=False)
+        self.fc2 = nn.Linear(ffn, h, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split([self.heads * self.d, self.groups * self.d, self.groups * self.d], -1)
+        q, k, v = (t.view(b, s, -1, self.d).transpose(1, 2) for t in (q, k, v))  # [b, n, s, d]
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, -1))
+        gate, up = self.fc1(self.norm2(x)).chunk(2, -1)
+        return x + self.fc2(F.silu(gate) * up)
+
+
+def rotate(x, cos, sin):
+    """Rotate-half RoPE; x [b, n, s, d], cos/sin [s, d] fp32."""
+    x1, x2 = x.float().chunk(2, -1)
+    return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+class Llama(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        h = a.hidden
+        self.embed = nn.Embedding(a.vocab, h)
+        self.blocks = nn.ModuleList(Block(h, a.heads, a.groups, a.ffn, 1e-5) for _ in range(a.layers))
+        self.norm = nn.RMSNorm(h, eps=1e-5)
+        self.head = nn.Linear(h, a.vocab, bias=False)
+        d = h // a.heads
+        inv = 1.0 / a.rope_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        ang = torch.outer(torch.arange(a.seq, dtype=torch.float64), inv)
+        ang = torch.cat([ang, ang], -1)
+        self.register_buffer("cos", ang.cos().float(), persistent=False)
+        self.register_buffer("sin", ang.sin().float(), persistent=False)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * a.layers) if name.endswith(("proj.weight", "fc2.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+        for blk in self.blocks:
+            blk.compile()
+        self.loss = torch.compile(self._loss)
+
+    def _loss(self, x, labels):
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+
+    def forward(self, tokens, labels):
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            x = blk(x, self.cos, self.sin)
+        return self.loss(x, labels)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in [("layers", 16), ("hidden", 2048), ("heads", 16), ("groups", 8), ("ffn", 8192),
+                          ("vocab", 32000), ("seq", 2048), ("micro-batch", 8), ("iters", 20), ("warmup", 3)]:
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--rope-base", type=float, default=500000.0)
+    a = ap.parse_args()
+    torch._dynamo.config.recompile_limit = 64  # one cache entry per block; the default 8 falls back to eager
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = Llama(a).to(dev)
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    other = [p for p in model.parameters() if p.dim() != 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    params = list(model.parameters())
+    times, losses = [], []
+    for it in range(a.iters):
+        start = time.perf_counter()  # wall time of the whole step, as meshlm's iteration time
+        data = torch.randint(0, a.vocab, (a.micro_batch, a.seq + 1), device=dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(data[:, :-1], data[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # one host sync per step
+        if it >= a.warmup:
+            times.append(time.perf_counter() - start)
+    ms = statistics.median(times) * 1e3
+    n = sum(p.numel() for p in params)
+    print("BASELINE " + json.dumps({
+        "params": n, "iter_ms": ms, "tokens_per_sec": a.micro_batch * a.seq / (ms / 1e3),
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 2 ** 30, "losses": losses}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

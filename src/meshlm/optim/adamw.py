@@ -1,0 +1,62 @@
+"""One AdamW step (Loshchilov & Hutter 2019) over lists of flat tensors, torch.optim.AdamW's arithmetic.
+
+Per element, with step t (1-based), decoupled weight decay wd on the ``decay`` lists only:
+    p ← p · (1 − lr · wd)
+    m ← m + (1 − β1)(g − m)            (lerp, as torch's single-tensor AdamW)
+    v ← β2 v + (1 − β2) g²
+    p ← p − lr / (1 − β1^t) · m / (√v / √(1 − β2^t) + ε)
+
+Two implementations of the same update: ``fused`` runs ``torch._fused_adamw_`` (one multi-tensor
+kernel that reads and writes each tensor once; torch.optim.AdamW(fused=True)'s kernel), otherwise
+foreach kernels do the passes one at a time (the CPU and eager path, bitwise equal to per-tensor
+ops). The tensors are fragment views of the optimizer's flat shards (optim/optimizer.py), grouped
+into a decayed and a non-decayed list, so one call covers every shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Group:
+    """Parallel lists of same-shaped tensors: params (updated), grads, exp_avgs, exp_avg_sqs;
+    ``decay``: whether weight decay applies."""
+
+    params: list
+    grads: list
+    exp_avgs: list
+    exp_avg_sqs: list
+    decay: bool
+
+
+def adamw_(groups: list, *, step: int, lr: float, betas: tuple, eps: float, weight_decay: float,
+           fused: bool, grad_scale: float = 1.0) -> None:
+    """Update every group in place. grad_scale: the grads are used divided by it (gradient
+    clipping folded into the update on the fused path; the foreach path expects it to be 1)."""
+    b1, b2 = betas
+    for g in groups:
+        if not g.params:
+            continue
+        wd = weight_decay if g.decay else 0.0
+        if fused:
+            device = g.params[0].device
+            steps = [torch.full((), float(step), device=device)] * len(g.params)
+            scale = None if grad_scale == 1.0 else torch.full((), grad_scale, device=device)
+            torch._fused_adamw_(g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, [], steps, lr=lr, beta1=b1,
+                                beta2=b2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
+                                grad_scale=scale)
+            continue
+        if grad_scale != 1.0:
+            raise ValueError("the foreach AdamW takes grads already scaled (grad_scale must be 1)")
+        if wd:
+            torch._foreach_mul_(g.params, 1 - lr * wd)
+        torch._foreach_lerp_(g.exp_avgs, g.grads, 1 - b1)
+        torch._foreach_mul_(g.exp_avg_sqs, b2)
+        torch._foreach_addcmul_(g.exp_avg_sqs, g.grads, g.grads, value=1 - b2)
+        denom = torch._foreach_sqrt(g.exp_avg_sqs)
+        torch._foreach_div_(denom, (1 - b2 ** step) ** 0.5)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(g.params, g.exp_avgs, denom, value=-lr / (1 - b1 ** step))
