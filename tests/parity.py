@@ -56,6 +56,7 @@ class Case:
     recompute: bool = False
     micro: int = 1               # --micro-batch-size
     layers: int = 4
+    fast: str = "off"            # --fast-path: "on" compiles the layers and loss, fused AdamW
 
     @property
     def world(self) -> int:
@@ -94,6 +95,7 @@ def config(case: Case):
     p.use_distributed_optimizer, p.ddp_bucket_size = case.dist_opt, case.bucket
     p.overlap_grad_reduce, p.overlap_param_gather = case.overlap_grad, case.overlap_param
     t.micro_batch_size, t.global_batch_size, t.train_iters = case.micro, GLOBAL_BATCH, STEPS
+    t.fast_path = case.fast
     t.recompute_activations, t.log_interval, t.eval_interval = case.recompute, 1, 1000
     cfg.data.mock_data, cfg.data.split = True, "1,0,0"
     o.lr, o.min_lr, o.lr_warmup_iters, o.clip_grad = 1e-2, 1e-3, 1, 0.5

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from matrix import MAX_WORLD, pairwise_cases
-from parity import assert_parity, config
+from parity import Case, assert_parity, config
 
 CASES, IMPOSSIBLE = pairwise_cases()
 BATCH = 4  # cases per set of processes: one process start serves several cases
@@ -42,3 +42,10 @@ def test_only_pairs_no_layout_allows_are_left_out_and_meshlm_accepts_every_case(
 @pytest.mark.parametrize("cases", BATCHES, ids=[f"world{b[0].world}-{i}" for i, b in enumerate(BATCHES)])
 def test_pairwise_layouts_match_single_process_in_float64(cases):
     assert_parity(*cases)
+
+
+def test_compiled_fast_path_matches_single_process_in_float64():
+    """--fast-path on (the CUDA default; here compiled on CPU): compiled layers and loss, fused AdamW
+    with clipping, ZeRO-1 gathers waited at the compiled layers' boundaries."""
+    assert_parity(Case(dp=2, dist_opt=True, overlap_grad=True, overlap_param=True, tied=False, pos="rope",
+                       norm="RMSNorm", swiglu=True, fast="on"))

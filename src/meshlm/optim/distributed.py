@@ -9,7 +9,7 @@ updated params are all-gathered bucket by bucket back into every rank's param bu
 
 With ``--overlap-param-gather`` the all-gathers start right after the step (in forward order,
 last bucket first) and are waited for by forward pre-hooks on the *blocks* of each model chunk
-(its direct children: the embedding, each transformer layer, the final norm, the output layer):
+(the embedding, each transformer layer, the final norm, the output layer: ``_blocks``):
 a block waits for the buckets of every parameter in it before it runs, so the gathers of later
 blocks hide behind the forward of earlier ones. This is safe because the model reads every
 parameter only inside the forward of a block that contains it (the position table and the output
@@ -26,6 +26,18 @@ import torch.distributed as dist
 
 from ..parallel.data import all_gather_flat
 from .optimizer import MixedPrecisionOptimizer
+
+
+def _blocks(chunk: torch.nn.Module) -> list:
+    """The chunk's children that run a forward, looking inside containers that have none
+    (ModuleDict/ModuleList: the transformer layers)."""
+    out = []
+    for child in chunk.children():
+        if isinstance(child, (torch.nn.ModuleDict, torch.nn.ModuleList)):
+            out += _blocks(child)
+        else:
+            out.append(child)
+    return out
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -46,7 +58,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if self.overlap_param_gather:
             for chunk in chunks:
                 self._hook_block(chunk, recurse=False)  # parameters a chunk holds itself, if any
-                for block in chunk.children():
+                for block in _blocks(chunk):
                     self._hook_block(block, recurse=True)
 
     def _shard_range(self, bucket) -> tuple:

@@ -163,7 +163,9 @@ class MixedPrecisionOptimizer:
         coeff = self.clip_grad / (norm + 1e-6) if self.clip_grad > 0 else 1.0
         grad_scale = 1.0
         if coeff < 1.0:
-            if self.fused:
+            # the fused kernel takes its grad scale in fp32 only: folded in for fp32 masters, where
+            # that rounding is the masters' own; float64 masters get an exact float64 multiply
+            if self.fused and all(s.master.dtype == torch.float32 for s in self.shards):
                 grad_scale = 1.0 / coeff
             else:
                 torch._foreach_mul_(grads, coeff)
