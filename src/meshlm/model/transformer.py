@@ -27,7 +27,6 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import max_positions, padded_vocab_size
 from ..dtypes import at_least_fp32
-from ..errors import ConfigError
 from ..parallel import comm
 from ..parallel.random import RNGTracker
 from ..parallel.tensor import (ShardedInit, VocabParallelEmbedding, contiguous_index, mark_partitioned,
@@ -149,17 +148,15 @@ class GPTModel(nn.Module):
     are −inf (never predicted, never in the loss). recompute: re-run each layer's forward in
     backward (torch.utils.checkpoint). use_cpu_initialization: see ShardedInit.
 
-    Raises ConfigError when a size does not split over TP (--seq-length under SP, --ffn-hidden-size,
-    query groups).
+    Sizes split over TP (--seq-length under SP, --ffn-hidden-size, query groups) are checked by
+    meshlm.validate before any worker starts.
     """
 
     def __init__(self, cfg, ps, vocab_size: int, *, seed: int, layer_ids: range | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
                  params_dtype=torch.float32, recompute: bool = False, use_cpu_initialization: bool = True):
         super().__init__()
-        if sequence_parallel and cfg.seq_length % ps.tp:
-            raise ConfigError(f"--seq-length {cfg.seq_length} is not divisible by --tensor-model-parallel-size "
-                              f"{ps.tp} (needed by --sequence-parallel)")
+        assert not sequence_parallel or cfg.seq_length % ps.tp == 0, "checked by meshlm.validate"
         self.pre_process, self.post_process, self.recompute = pre_process, post_process, recompute
         self.sequence_parallel, self.group = sequence_parallel, ps.tp_group
         self.vocab_size = vocab_size
