@@ -1,10 +1,12 @@
 """Config validation: every problem at once, each naming its flag and the fix.
 
 ``validate(cfg, world)`` checks a ``meshlm.config.Config`` and raises one ConfigError listing
-every problem; it runs in the launching process before any worker starts. Positive sizes come
-first (the other checks divide by them); then the parallel layout, the model shape, training and
-optimizer settings, data/tokenizer combinations and, unless ``check_files=False``, the paths the
-run reads (data, tokenizer, checkpoint).
+every problem; it runs in the launching process before any worker starts. The range of every
+numeric flag comes first, by one rule over the config's int/float fields (the sizes the other
+checks divide by must be positive before they run); then the parallel layout (including every
+size split over TP), the model shape, training and optimizer settings, data/tokenizer
+combinations, the folders the run writes and, unless ``check_files=False``, the paths the run
+reads (data, tokenizer, checkpoint).
 """
 
 from __future__ import annotations
@@ -271,6 +273,7 @@ def _output_problems(cfg: Config) -> list:
         if not os.path.isdir(existing):
             problems.append(f"{flag} {path} cannot be created: {existing} is a file; give another path")
         elif not os.access(existing, os.W_OK | os.X_OK):
-            what = "is not writable" if existing == os.path.abspath(path) else f"is inside {existing}, which is not writable"
+            what = ("is not writable" if existing == os.path.abspath(path)
+                    else f"is inside {existing}, which is not writable")
             problems.append(f"{flag} {path} {what}; give a folder you can write to")
     return problems
