@@ -68,6 +68,15 @@ def lock_holder(tmp_path):
 
 # ----------------------------------------------------------------------------- one --save folder, one run
 
+def test_save_onto_a_file_fails_at_once_not_at_the_first_save(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").write_text("my notes\n")
+    assert main(["pretrain", *TINY, "--train-iters", "1", "--save", "ckpt", "--run-dir", "run"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "meshlm: error: --save ckpt is a file, not a directory; give a directory path (it is created if missing)"]
+    assert not (tmp_path / "run").exists() and (tmp_path / "ckpt").read_text() == "my notes\n"
+
+
 def test_a_second_run_on_a_save_folder_in_use_is_refused_before_anything_is_written(tmp_path, lock_holder):
     out = meshlm("pretrain", *TINY, "--train-iters", "1", "--save", "ckpt", "--run-dir", "second",
                  cwd=tmp_path)
