@@ -256,6 +256,141 @@ def test_sizes_must_be_positive(flag, field):
     assert flag in msg and "positive" in msg
 
 
+# ----------------------------------------------------------------------------- numeric domains
+
+@pytest.mark.parametrize("section,name,value,flag", [
+    ("optimizer", "clip_grad", float("nan"), "--clip-grad nan"),       # NaN would switch clipping off
+    ("optimizer", "lr", float("inf"), "--lr inf"),
+    ("training", "seed", -1, "--seed -1"),
+    ("training", "seed", 2 ** 32, "--seed 4294967296"),
+    ("model", "init_method_std", float("nan"), "--init-method-std nan"),
+    ("model", "init_method_std", 0.0, "--init-method-std 0.0"),
+    ("model", "norm_epsilon", -1e-5, "--norm-epsilon -1e-05"),
+    ("parallel", "distributed_timeout_minutes", -1, "--distributed-timeout-minutes -1"),
+    ("model", "hidden_dropout", 1.0, "--hidden-dropout 1.0"),
+    ("optimizer", "adam_eps", 0.0, "--adam-eps 0.0"),
+])
+def test_a_numeric_flag_outside_its_domain_is_one_line_naming_it(section, name, value, flag):
+    cfg = small()
+    setattr(getattr(cfg, section), name, value)
+    [msg] = problems_of(cfg)
+    assert msg.startswith(flag + " is out of range: give ")
+
+
+def test_every_numeric_flag_rejects_nan_and_negative_values():
+    """The domain check is one rule over all int/float fields, not a list of names."""
+    from meshlm.config import config_fields, flag_of
+    for section, f in config_fields():
+        typ = str(f.type)
+        if "bool" in typ or not ("int" in typ or "float" in typ):
+            continue
+        for bad in ([float("nan"), float("-inf"), -1.0] if "float" in typ else [-1]):
+            cfg = small()
+            setattr(getattr(cfg, section), f.name, bad)
+            with pytest.raises(ConfigError) as info:
+                validate(cfg, 1, check_files=False)
+            assert any(p.startswith(f"{flag_of(f)} {bad} ") for p in info.value.problems), (f.name, bad)
+
+
+def test_numeric_problems_are_reported_with_the_layout_problems():
+    cfg = small()
+    cfg.optimizer.clip_grad, cfg.training.seed = float("nan"), -5
+    cfg.training.global_batch_size, cfg.training.micro_batch_size = 7, 2
+    text = str(pytest.raises(ConfigError, validate, cfg, 2).value)
+    assert "--clip-grad nan" in text and "--seed -5" in text and "--global-batch-size 7" in text
+
+
+@pytest.mark.parametrize("split", ["0,1,0", "0,0,1"])
+def test_split_without_a_training_share_is_refused(split):
+    cfg = small()
+    cfg.data.split = split
+    [msg] = problems_of(cfg)
+    assert msg.startswith(f"--split {split} gives the training set no data")
+
+
+@pytest.mark.parametrize("split", ["nan,1,1", "inf,1,0", "1,nan"])
+def test_split_weights_must_be_finite(split):
+    cfg = small()
+    cfg.data.split = split
+    [msg] = problems_of(cfg)
+    assert "--split" in msg and "finite" in msg
+
+
+# ----------------------------------------------------------------------------- splits over TP
+
+def tp4() -> Config:
+    cfg = small()
+    cfg.parallel.tensor_model_parallel_size = 4
+    return cfg
+
+
+def test_mlp_width_must_split_over_tp():
+    cfg = tp4()
+    cfg.model.ffn_hidden_size = 30
+    [msg] = problems_of(cfg, world=4)
+    assert msg.startswith("--ffn-hidden-size 30 is not divisible by --tensor-model-parallel-size 4")
+    assert "28 or 32" in msg
+
+
+def test_seq_length_must_split_over_tp_under_sequence_parallel():
+    cfg = tp4()
+    cfg.parallel.sequence_parallel, cfg.model.seq_length = True, 18
+    [msg] = problems_of(cfg, world=4)
+    assert "--seq-length 18" in msg and "--sequence-parallel" in msg and "16 or 20" in msg
+
+
+def test_fused_kv_rows_must_split_over_tp_when_groups_are_fewer_than_tp():
+    cfg = tp4()
+    cfg.model.num_query_groups, cfg.model.kv_channels = 1, 3  # 2 × 1 × 3 = 6 rows over 4 ranks
+    [msg] = problems_of(cfg, world=4)
+    assert "--num-query-groups 1" in msg and "head dim 3" in msg and "--kv-channels" in msg
+
+
+def test_tp_split_problems_come_with_the_others_before_any_worker():
+    cfg = tp4()
+    cfg.model.ffn_hidden_size, cfg.parallel.sequence_parallel, cfg.model.seq_length = 30, True, 18
+    cfg.optimizer.lr = -1.0
+    problems = problems_of(cfg, world=4)
+    assert len(problems) == 3
+    assert {p.split()[0] for p in problems} == {"--ffn-hidden-size", "--seq-length", "--lr"}
+
+
+# ----------------------------------------------------------------------------- folders the run writes
+
+def test_save_that_is_a_file_is_refused(tmp_path):
+    cfg = small()
+    (tmp_path / "ckpt").write_text("")
+    cfg.checkpoint.save = str(tmp_path / "ckpt")
+    [msg] = problems_of(cfg)
+    assert msg == f"--save {tmp_path / 'ckpt'} is a file, not a directory; give a directory path " \
+                  f"(it is created if missing)"
+
+
+def test_save_under_a_file_is_refused(tmp_path):
+    cfg = small()
+    (tmp_path / "f").write_text("")
+    cfg.checkpoint.save = str(tmp_path / "f" / "a" / "ckpt")
+    [msg] = problems_of(cfg)
+    assert msg.startswith(f"--save {cfg.checkpoint.save} cannot be created: {tmp_path / 'f'} is a file")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_save_in_an_unwritable_folder_is_refused(tmp_path):
+    cfg = small()
+    (tmp_path / "ro").mkdir(mode=0o555)
+    cfg.checkpoint.save = str(tmp_path / "ro" / "ckpt")
+    [msg] = problems_of(cfg)
+    assert "--save" in msg and "not writable" in msg
+
+
+def test_run_dir_that_is_a_file_is_refused_even_without_file_checks(tmp_path):
+    cfg = small()
+    (tmp_path / "run").write_text("")
+    cfg.logging.run_dir = str(tmp_path / "run")
+    [msg] = problems_of(cfg, check_files=False)
+    assert msg.startswith(f"--run-dir {tmp_path / 'run'} is a file")
+
+
 def test_several_problems_are_reported_together():
     cfg = small()
     cfg.training.global_batch_size, cfg.training.micro_batch_size = 7, 2

@@ -5,7 +5,6 @@ parameters carry the attributes the real GPTModel sets (no_weight_decay on biase
 """
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 

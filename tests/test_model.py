@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from meshlm.config import ModelConfig
-from meshlm.errors import ConfigError
 from meshlm.model.transformer import GPTModel
 from meshlm.parallel.mesh import ParallelState
 from meshlm.parallel.random import RNGTracker
@@ -158,9 +157,3 @@ def test_per_rank_initialisation_materialises_only_the_local_slice():
     assert a[w].shape == b[w].shape and not torch.equal(a[w], b[w])
     assert a[w].std().item() == pytest.approx(0.02, rel=0.1)
     assert a["embedding.word_embeddings.weight"][VOCAB:].eq(0).all()  # padding rows stay zero
-
-
-def test_sequence_parallel_needs_seq_length_divisible_by_tp():
-    ps = ParallelState(tp=4, tp_rank=0)
-    with pytest.raises(ConfigError, match="--seq-length 18"):
-        GPTModel(ModelConfig(**dict(GPT, seq_length=18)), ps, VOCAB, seed=1, sequence_parallel=True)

@@ -13,6 +13,7 @@ small GPT; any flag still overrides those settings.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -55,8 +56,12 @@ def _new_run_dir() -> str:
     return path
 
 
-def resolve_config(args: argparse.Namespace):
+def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None = None):
     """Flags → validated Config with a run directory and data, written to <run_dir>/config.yaml.
+
+    held: if given, the --save folder's lock (checkpoint.lock) is taken right after validation,
+    before config.yaml is written, and kept until ``held`` closes; a folder another run is saving
+    into raises CheckpointError.
 
     Without --data-path/--mock-data the embedded default settings apply, its corpus is prepared in
     the run directory (after the shape checks, so a bad flag fails in a second, not a minute) and
@@ -84,6 +89,9 @@ def resolve_config(args: argparse.Namespace):
         cfg.data.tokenizer_model = corpus["tokenizer_model"]
         cfg.checkpoint.save = cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "checkpoints")
     validate(cfg, world)
+    if held is not None and cfg.checkpoint.save:
+        from .checkpoint.lock import hold
+        held.enter_context(hold(cfg.checkpoint.save, cfg.logging.run_dir))
     os.makedirs(cfg.logging.run_dir, exist_ok=True)
     path = os.path.join(cfg.logging.run_dir, "config.yaml")
     dump_yaml(cfg, path)
@@ -96,18 +104,19 @@ def _run_pretrain(args: argparse.Namespace) -> int:
 
     if launch.is_self_launched_worker():  # re-entered with the resolved config.yaml
         return launch.run_worker(config_from_args(args))
-    if launch.in_launched_job():  # torchrun / srun started every rank
-        timeout = config_from_args(args).parallel.distributed_timeout_minutes
-        return launch.run_worker(launch.resolve_on_rank0(lambda: resolve_config(args), timeout))
-    cfg = resolve_config(args)
-    nproc = default_nproc(cfg)
-    if nproc == 1:
-        return launch.run_worker(cfg)
-    p = cfg.parallel
-    print(f"meshlm: starting {nproc} workers: TP={p.tensor_model_parallel_size} "
-          f"CP={p.context_parallel_size} PP={p.pipeline_model_parallel_size} DP={dp_size(cfg, nproc)}; "
-          f"their logs go to {os.path.dirname(launch.worker_log_path(cfg, 0))}", flush=True)
-    return launch.launch_local(cfg, os.path.join(cfg.logging.run_dir, "config.yaml"), nproc)
+    with contextlib.ExitStack() as held:  # the --save lock, held by this process until the run ends
+        if launch.in_launched_job():  # torchrun / srun started every rank; rank 0 resolves and locks
+            timeout = config_from_args(args).parallel.distributed_timeout_minutes
+            return launch.run_worker(launch.resolve_on_rank0(lambda: resolve_config(args, held), timeout))
+        cfg = resolve_config(args, held)
+        nproc = default_nproc(cfg)
+        if nproc == 1:
+            return launch.run_worker(cfg)
+        p = cfg.parallel
+        print(f"meshlm: starting {nproc} workers: TP={p.tensor_model_parallel_size} "
+              f"CP={p.context_parallel_size} PP={p.pipeline_model_parallel_size} DP={dp_size(cfg, nproc)}; "
+              f"their logs go to {os.path.dirname(launch.worker_log_path(cfg, 0))}", flush=True)
+        return launch.launch_local(cfg, os.path.join(cfg.logging.run_dir, "config.yaml"), nproc)
 
 
 # ----------------------------------------------------------------------------- other commands

@@ -193,8 +193,8 @@ class Config:
 SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "model_preset"]
 
 
-def _fields():
-    """Yield (section, dataclass field) for every config field."""
+def config_fields():
+    """Yield (section, dataclass field) for every config field (one per flag)."""
     for sec in SECTIONS:
         cls = Config.__dataclass_fields__[sec].default_factory
         for f in dataclasses.fields(cls):
@@ -208,7 +208,7 @@ def flag_of(f) -> str:
 def _index():
     """name (field name, flag name without dashes, either spelling) → (section, field)."""
     idx = {}
-    for sec, f in _fields():
+    for sec, f in config_fields():
         for key in (f.name, flag_of(f)[2:]):
             idx[key] = (sec, f)
             idx[key.replace("-", "_")] = (sec, f)

@@ -12,18 +12,22 @@ Three ways a ``meshlm pretrain`` process can find itself:
   run directory on a filesystem every node sees — and broadcasts it while the others wait
   (:func:`resolve_on_rank0`); then every rank runs :func:`run_worker`.
 
-Every worker copies its stdout/stderr to ``<log dir>/rank<R>.log``. When a self-launched worker
-fails, the launcher prints one line naming the rank (and the worker's own error message, or the
-tail of its log) instead of the elastic agent's tracebacks.
+Every worker copies its stdout/stderr to ``<log dir>/rank<R>.log`` (appending across runs). When a
+self-launched worker fails, the launcher prints one line naming the rank (and the worker's own
+error message, or its exit code or signal and the tail of what it wrote in this run) instead of
+the elastic agent's tracebacks. Self-launched workers die with their launcher.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 import uuid
 from typing import Callable
@@ -32,6 +36,8 @@ from .config import Config
 from .errors import MeshlmError
 
 WORKER_ENV = "MESHLM_WORKER"
+LAUNCHER_PID_ENV = "MESHLM_LAUNCHER_PID"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 ERROR_PREFIX = "meshlm: error: "
 LOG_TAIL_LINES = 30
 
@@ -95,9 +101,38 @@ def _tee_output(path: str):
             sys.stdout, sys.stderr = out, err
 
 
+def exit_with_launcher() -> None:
+    """In a self-launched worker: be killed (SIGKILL) as soon as the launcher dies, however it dies,
+    so a ``kill -9`` of ``meshlm pretrain`` leaves no worker training and writing checkpoints.
+
+    The launcher's main thread starts the workers (the elastic agent runs in it and Popens them),
+    so the parent that PR_SET_PDEATHSIG watches is the launcher process itself. Without prctl (not
+    Linux) a daemon thread polls os.getppid() once a second instead. A worker whose launcher
+    died before this call (its parent pid already differs) kills itself at once.
+    """
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
+    if not launcher:
+        return
+    try:
+        armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        armed = False
+    if os.getppid() != launcher:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if not armed:
+        threading.Thread(target=_kill_when_orphaned, args=(launcher,), daemon=True).start()
+
+
+def _kill_when_orphaned(launcher: int) -> None:
+    while os.getppid() == launcher:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def run_worker(cfg: Config) -> int:
     """Join the job (gloo on CPU, NCCL on CUDA) and run ``training.trainer.pretrain(cfg)``.
 
+    A self-launched worker first ties its life to the launcher's (:func:`exit_with_launcher`).
     Everything the worker prints is copied to this rank's log (``worker_log_path``), and so is
     an error: a MeshlmError as one ``meshlm: error: …`` line, anything else as its traceback. In a
     self-launched worker the error is left for the launcher to report and the exit status is
@@ -106,6 +141,8 @@ def run_worker(cfg: Config) -> int:
     """
     import torch.distributed as dist
 
+    if is_self_launched_worker():
+        exit_with_launcher()
     with _tee_output(worker_log_path(cfg, job_rank())) as log:
         try:
             from .parallel.mesh import init_distributed
@@ -165,11 +202,13 @@ def resolve_on_rank0(resolve: Callable[[], Config], timeout_minutes: int) -> Con
 # ----------------------------------------------------------------------------- launcher
 
 @contextlib.contextmanager
-def _environ(**values):
-    """Set environment variables (those not already set) inside the block; restore them after."""
-    saved = {k: os.environ.get(k) for k in values}
-    for key, value in values.items():
+def _environ(defaults: dict, forced: dict):
+    """Set environment variables inside the block (``defaults`` only where not already set);
+    restore them after."""
+    saved = {k: os.environ.get(k) for k in {**defaults, **forced}}
+    for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    os.environ.update(forced)
     try:
         yield
     finally:
@@ -197,21 +236,28 @@ def _agent_log(path: str):
         handler.close()
 
 
-def _last_error_line(path: str):
-    """The worker's one-line MeshlmError message from its log, or None."""
-    if not os.path.isfile(path):
-        return None
-    with open(path, errors="replace") as fh:
-        lines = [line.rstrip("\n") for line in fh if line.startswith(ERROR_PREFIX)]
-    return lines[-1][len(ERROR_PREFIX):] if lines else None
+def _log_size(path: str) -> int:
+    return os.path.getsize(path) if os.path.isfile(path) else 0
 
 
-def _tail(path: str, n: int = LOG_TAIL_LINES) -> str:
+def _written_since(path: str, start: int) -> list:
+    """Lines of the log ``path`` from byte ``start`` on: what this run wrote to a log that is
+    appended to across runs (all of it if the file has since shrunk)."""
     if not os.path.isfile(path):
-        return f"  (no log at {path})"
-    with open(path, errors="replace") as fh:
-        lines = fh.read().splitlines()[-n:]
-    return "\n".join("  " + line for line in lines)
+        return []
+    with open(path, "rb") as fh:
+        fh.seek(start if os.path.getsize(path) >= start else 0)
+        return fh.read().decode(errors="replace").splitlines()
+
+
+def _last_error_line(lines: list):
+    """The worker's one-line MeshlmError message among its log lines, or None."""
+    errors = [line for line in lines if line.startswith(ERROR_PREFIX)]
+    return errors[-1][len(ERROR_PREFIX):] if errors else None
+
+
+def _tail(lines: list, n: int = LOG_TAIL_LINES) -> str:
+    return "\n".join("  " + line for line in lines[-n:]) if lines else "  (it wrote nothing)"
 
 
 def launch_local(cfg: Config, config_path: str, nproc: int) -> int:
@@ -219,11 +265,13 @@ def launch_local(cfg: Config, config_path: str, nproc: int) -> int:
 
     Uses torch.distributed.run's elastic agent with a standalone c10d rendezvous (what
     ``torchrun --standalone --nproc-per-node`` does), no restarts. Workers get OMP_NUM_THREADS =
-    usable cores // nproc (unless set), NCCL_NVLS_ENABLE=0 (unless set) and MESHLM_WORKER=1.
+    usable cores // nproc (unless set), NCCL_NVLS_ENABLE=0 (unless set), MESHLM_WORKER=1 and this
+    process's pid (see :func:`exit_with_launcher`).
 
-    Returns 0 on success, 1 when a worker crashed (after printing which rank, its exit code and
-    the tail of its log), 130 on interrupt. Raises MeshlmError carrying a worker's own one-line
-    error (a data or config problem found inside the worker).
+    Returns 0 on success, 1 when a worker crashed (after printing which rank, its exit code or
+    signal, and the tail of what it wrote to its log in this run), 130 on interrupt. Raises
+    MeshlmError carrying a worker's own one-line error written in this run (a data or config
+    problem found inside the worker).
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -234,23 +282,26 @@ def launch_local(cfg: Config, config_path: str, nproc: int) -> int:
                               max_restarts=0, monitor_interval=0.1,
                               logs_specs=DefaultLogsSpecs(log_dir=os.devnull))
     log_dir = os.path.dirname(worker_log_path(cfg, 0))
-    env = {"OMP_NUM_THREADS": str(worker_threads(nproc)), "NCCL_NVLS_ENABLE": "0", WORKER_ENV: "1"}
+    defaults = {"OMP_NUM_THREADS": str(worker_threads(nproc)), "NCCL_NVLS_ENABLE": "0"}
+    forced = {WORKER_ENV: "1", LAUNCHER_PID_ENV: str(os.getpid())}
     argv = ["-u", "-m", "meshlm", "pretrain", "--config", config_path]
+    log_start = {rank: _log_size(worker_log_path(cfg, rank)) for rank in range(nproc)}  # logs append
     try:
-        with _environ(**env), _agent_log(os.path.join(log_dir, "launcher.log")):
+        with _environ(defaults, forced), _agent_log(os.path.join(log_dir, "launcher.log")):
             elastic_launch(launch_cfg, sys.executable)(*argv)
     except ChildFailedError as e:
         # the first rank that failed by itself, not one the agent then stopped with SIGTERM
         rank, failure = min(e.failures.items(), key=lambda kv: (
             kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0]))
         log = worker_log_path(cfg, rank)
-        message = _last_error_line(log)
-        if message is not None:
+        lines = _written_since(log, log_start.get(rank, 0))
+        message = _last_error_line(lines)
+        if message is not None and failure.exitcode > 0:
             raise MeshlmError(f"rank {rank}: {message}") from None
         how = (f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0
                else f"exited with code {failure.exitcode}")
-        print(f"{ERROR_PREFIX}worker rank {rank} {how}; the end of its log {log}:\n{_tail(log)}",
-              file=sys.stderr)
+        print(f"{ERROR_PREFIX}worker rank {rank} {how}; the end of what it wrote to {log} in this run:\n"
+              f"{_tail(lines)}", file=sys.stderr)
         return 1
     except SignalException as e:
         print(f"meshlm: interrupted ({e.sigval.name}); workers stopped", file=sys.stderr)

@@ -1,18 +1,22 @@
 """Config validation: every problem at once, each naming its flag and the fix.
 
 ``validate(cfg, world)`` checks a ``meshlm.config.Config`` and raises one ConfigError listing
-every problem; it runs in the launching process before any worker starts. Positive sizes come
-first (the other checks divide by them); then the parallel layout, the model shape, training and
-optimizer settings, data/tokenizer combinations and, unless ``check_files=False``, the paths the
-run reads (data, tokenizer, checkpoint).
+every problem; it runs in the launching process before any worker starts. The range of every
+numeric flag comes first, by one rule over the config's int/float fields (the sizes the other
+checks divide by must be positive before they run); then the parallel layout (including every
+size split over TP), the model shape, training and optimizer settings, data/tokenizer
+combinations, the folders the run writes and, unless ``check_files=False``, the paths the run
+reads (data, tokenizer, checkpoint).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
-from .config import Config, ModelConfig, head_dim, max_positions, query_groups, world_size_of
+from .config import (Config, ModelConfig, config_fields, ffn_hidden, flag_of, head_dim, max_positions,
+                     query_groups, world_size_of)
 from .errors import ConfigError
 
 
@@ -27,45 +31,62 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True)
 
     world: job size (default from the environment / --nproc-per-node). check_files: also check
     that the run has data and that data, tokenizer and checkpoint paths exist (off for checks of
-    shapes alone, and before the embedded default corpus is prepared).
+    shapes alone, and before the embedded default corpus is prepared). The folders the run writes
+    (--save, --run-dir, --log-dir, …) are always checked: each must be, or be creatable as, a
+    writable directory.
 
     Precision: --fp16 is an error without CUDA (no fp16 training on CPU: its kernels are slow or
     missing, and a loss scaler there only hides that). --bf16 is accepted on CPU so one config
     runs on both kinds of machine; the trainer keeps fp32 there and prints a note.
     """
-    problems = _positive_problems(cfg)
-    if problems:  # the checks below divide by these values
-        raise ConfigError(problems)
+    sizes, problems = _numeric_problems(cfg)
+    if sizes:  # the checks below divide by these values
+        raise ConfigError(sizes + problems)
     world = world_size_of(cfg) if world is None else world
     problems += _layout_problems(cfg, world)
     problems += _model_problems(cfg.model)
     problems += _training_problems(cfg)
     problems += _data_problems(cfg)
+    problems += _output_problems(cfg)
     if check_files:
         problems += _file_problems(cfg)
     if problems:
         raise ConfigError(problems)
 
 
-def _positive_problems(cfg: Config) -> list:
-    m, p, t = cfg.model, cfg.parallel, cfg.training
-    required = [("--tensor-model-parallel-size", p.tensor_model_parallel_size),
-                ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
-                ("--context-parallel-size", p.context_parallel_size),
-                ("--micro-batch-size", t.micro_batch_size), ("--num-layers", m.num_layers),
-                ("--hidden-size", m.hidden_size), ("--num-attention-heads", m.num_attention_heads),
-                ("--seq-length", m.seq_length), ("--train-iters", t.train_iters),
-                ("--log-interval", t.log_interval), ("--eval-interval", t.eval_interval),
-                ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)]
-    optional = [("--global-batch-size", t.global_batch_size), ("--num-query-groups", m.num_query_groups),
-                ("--kv-channels", m.kv_channels), ("--ffn-hidden-size", m.ffn_hidden_size),
-                ("--vocab-size", m.vocab_size), ("--nproc-per-node", p.nproc_per_node),
-                ("--max-position-embeddings", m.max_position_embeddings),
-                ("--save-interval", cfg.checkpoint.save_interval), ("--exit-interval", t.exit_interval),
-                ("--lr-decay-iters", cfg.optimizer.lr_decay_iters)]
-    return [f"{name} must be a positive integer, got {value}"
-            for name, value in required + [(n, v) for n, v in optional if v is not None]
-            if value is None or value < 1]
+# The domain of every numeric flag, as one rule: finite and not negative; an int is a size, count
+# or interval (≥ 1) unless listed as allowed to be 0; a float may be 0 unless listed as positive;
+# a few have an upper bound (exclusive) as well.
+_INT_MAY_BE_ZERO = {"seed", "eval_iters", "lr_warmup_iters", "num_workers",
+                    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"}
+_FLOAT_POSITIVE = {"norm_epsilon", "rotary_base", "init_method_std", "initial_loss_scale",
+                   "min_loss_scale", "adam_eps"}
+_BELOW = {"hidden_dropout": (1, "1"), "attention_dropout": (1, "1"), "adam_beta1": (1, "1"),
+          "adam_beta2": (1, "1"), "seed": (2 ** 32, "2**32")}
+
+
+def _numeric_problems(cfg: Config) -> tuple:
+    """(sizes, others): one line per numeric flag outside its domain. ``sizes`` are the ints that
+    must be ≥ 1, which the other checks divide by; ``others`` the rest (NaN, inf, negative, …)."""
+    sizes, others = [], []
+    for sec, f in config_fields():
+        typ = f.type if isinstance(f.type, str) else str(f.type)
+        kind = "int" if "int" in typ else "float" if "float" in typ else None
+        value = getattr(getattr(cfg, sec), f.name)
+        if kind is None or (value is None and "Optional" in typ):
+            continue
+        flag = flag_of(f)
+        if kind == "int" and f.name not in _INT_MAY_BE_ZERO:
+            if value is None or value < 1:
+                sizes.append(f"{flag} {value} is out of range: give a positive integer")
+            continue
+        noun = "an integer" if kind == "int" else "a number"
+        hi, hi_text = _BELOW.get(f.name, (math.inf, ""))
+        positive = f.name in _FLOAT_POSITIVE
+        if value is None or not math.isfinite(value) or value < 0 or (positive and value == 0) or value >= hi:
+            domain = f"in [0, {hi_text})" if hi_text else "> 0" if positive else "≥ 0"
+            others.append(f"{flag} {value} is out of range: give {noun} {domain}")
+    return sizes, others
 
 
 def _layout_problems(cfg: Config, world: int) -> list:
@@ -95,6 +116,7 @@ def _layout_problems(cfg: Config, world: int) -> list:
         elif groups < tp and tp % groups:
             problems.append(f"--tensor-model-parallel-size {tp} is not a multiple of "
                             f"--num-query-groups {groups}")
+    problems += _tp_split_problems(cfg)
     if p.sequence_parallel and tp == 1:
         problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if cp > 1:
@@ -105,6 +127,28 @@ def _layout_problems(cfg: Config, world: int) -> list:
     if world % (tp * cp * pp) == 0:  # layers per stage, virtual stages, schedule
         from .parallel.pipeline import validate_pipeline
         problems += validate_pipeline(cfg, world)
+    return problems
+
+
+def _tp_split_problems(cfg: Config) -> list:
+    """Rows each TP rank takes a 1/TP share of: the MLP width, the fused K/V rows when there are
+    fewer query groups than TP ranks, and the sequence under --sequence-parallel."""
+    problems = []
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    ffn = ffn_hidden(m)
+    if ffn % tp:
+        default = "" if m.ffn_hidden_size else " (the default MLP width from --hidden-size)"
+        problems.append(f"--ffn-hidden-size {ffn}{default} is not divisible by --tensor-model-parallel-size "
+                        f"{tp}; set --ffn-hidden-size to {_nearest_multiples(ffn, tp)}")
+    groups, d = query_groups(m), head_dim(m)
+    if groups < tp and tp % groups == 0 and (2 * groups * d) % tp:
+        problems.append(f"the fused key/value rows 2 × --num-query-groups {groups} × head dim {d} are not "
+                        f"divisible by --tensor-model-parallel-size {tp}; change --kv-channels "
+                        f"(or --hidden-size) so that 2 × head dim is a multiple of {tp // groups}")
+    if cfg.parallel.sequence_parallel and m.seq_length % tp:
+        problems.append(f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp} "
+                        f"(needed by --sequence-parallel); use --seq-length "
+                        f"{_nearest_multiples(m.seq_length, tp)}")
     return problems
 
 
@@ -126,8 +170,6 @@ def _model_problems(m: ModelConfig) -> list:
     if m.position_embedding_type == "rope" and head_dim(m) % 2:
         problems.append(f"--position-embedding-type rope needs an even head dimension, got {head_dim(m)} "
                         f"(--hidden-size / --num-attention-heads, or --kv-channels)")
-    if not 0 <= m.hidden_dropout < 1 or not 0 <= m.attention_dropout < 1:
-        problems.append("--hidden-dropout and --attention-dropout must be in [0, 1)")
     return problems
 
 
@@ -141,22 +183,12 @@ def _training_problems(cfg: Config) -> list:
         import torch
         if not torch.cuda.is_available():
             problems.append("--fp16 needs CUDA; on CPU train in fp32 (no flag) or --bf16")
-    if o.lr < 0 or o.min_lr < 0:
-        problems.append(f"--lr {o.lr} and --min-lr {o.min_lr} must not be negative")
-    elif o.min_lr > o.lr:
-        problems.append(f"--min-lr {o.min_lr} is above --lr {o.lr}")
+    if 0 <= o.lr < o.min_lr:
+        problems.append(f"--min-lr {o.min_lr} is above --lr {o.lr}; lower --min-lr or raise --lr")
     decay = o.lr_decay_iters or t.train_iters
-    if o.lr_warmup_iters < 0:
-        problems.append(f"--lr-warmup-iters must not be negative, got {o.lr_warmup_iters}")
-    elif o.lr_warmup_iters > decay:
+    if o.lr_warmup_iters > decay:
         problems.append(f"--lr-warmup-iters {o.lr_warmup_iters} exceeds the decay iterations {decay} "
                         f"(--lr-decay-iters, default --train-iters); lower --lr-warmup-iters")
-    for name, value in [("--weight-decay", o.weight_decay), ("--clip-grad", o.clip_grad),
-                        ("--eval-iters", t.eval_iters)]:
-        if value < 0:
-            problems.append(f"{name} must not be negative, got {value}")
-    if not (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1) or o.adam_eps <= 0:
-        problems.append("--adam-beta1/--adam-beta2 must be in [0, 1) and --adam-eps positive")
     if c.save_interval is not None and not c.save:
         problems.append(f"--save-interval {c.save_interval} needs --save (a checkpoint directory)")
     return problems
@@ -168,7 +200,9 @@ def _data_problems(cfg: Config) -> list:
     d, vocab = cfg.data, cfg.model.vocab_size
     from .data.gpt_dataset import split_weights
     try:
-        split_weights(d.split)
+        if split_weights(d.split)[0] == 0:
+            problems.append(f"--split {d.split} gives the training set no data; make the first "
+                            f"(train) weight positive, e.g. 969,30,1")
     except ConfigError as e:
         problems += e.problems
     if d.mock_data and d.data_path:
@@ -218,4 +252,28 @@ def _file_problems(cfg: Config) -> list:
     if load:
         from .checkpoint.dist import check_loadable
         problems += check_loadable(load, cfg.checkpoint.save)
+    return problems
+
+
+def _output_problems(cfg: Config) -> list:
+    """Each folder the run writes is a directory, or can be created as one, and is writable."""
+    c, lg = cfg.checkpoint, cfg.logging
+    problems = []
+    for flag, path in [("--save", c.save), ("--run-dir", lg.run_dir), ("--log-dir", lg.log_dir),
+                       ("--tensorboard-dir", lg.tensorboard_dir), ("--data-cache-path", cfg.data.data_cache_path)]:
+        if not path:
+            continue
+        if os.path.exists(path) and not os.path.isdir(path):
+            problems.append(f"{flag} {path} is a file, not a directory; give a directory path "
+                            f"(it is created if missing)")
+            continue
+        existing = os.path.abspath(path)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            problems.append(f"{flag} {path} cannot be created: {existing} is a file; give another path")
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            what = ("is not writable" if existing == os.path.abspath(path)
+                    else f"is inside {existing}, which is not writable")
+            problems.append(f"{flag} {path} {what}; give a folder you can write to")
     return problems

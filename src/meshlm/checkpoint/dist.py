@@ -38,6 +38,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointError
+from .lock import LOCK_FILE
 from .safe_read import SafeReader, _TensorOnlyPlanner, _check_storage, _load_json, reading
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -226,7 +227,8 @@ def check_loadable(load: Optional[str], save: Optional[str] = None) -> list:
                     f"{os.path.dirname(os.path.normpath(load))} (the run's --save directory)"]
         if save and os.path.abspath(load) == os.path.abspath(save):
             return []
-        what = "is empty" if not os.listdir(load) else "is not a meshlm checkpoint directory"
+        empty = not [name for name in os.listdir(load) if name != LOCK_FILE]
+        what = "is empty" if empty else "is not a meshlm checkpoint directory"
         return [f"--load {load} {what} (no {TRACKER}); point --load at a run's --save directory, "
                 f"or give --save {load} too to start fresh there"]
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 
 import numpy as np
@@ -38,8 +39,8 @@ def split_weights(split: str) -> list:
         w = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]
     except ValueError:
         w = []
-    if not 1 <= len(w) <= 3 or any(x < 0 for x in w) or sum(w) <= 0:
-        raise ConfigError(f"--split {split!r} must be up to three non-negative numbers, e.g. 969,30,1")
+    if not 1 <= len(w) <= 3 or not all(0 <= x < math.inf for x in w) or sum(w) <= 0:
+        raise ConfigError(f"--split {split!r} must be up to three finite, non-negative numbers, e.g. 969,30,1")
     w = np.asarray(w + [0.0] * (3 - len(w)), dtype=np.float64)
     return (w / w.sum()).tolist()
 

@@ -19,7 +19,6 @@ from torch import nn
 
 from ..config import head_dim, max_positions, query_groups
 from ..dtypes import at_least_fp32, wide
-from ..errors import ConfigError
 from ..parallel import comm
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, contiguous_index
 
@@ -78,10 +77,7 @@ class SelfAttention(nn.Module):
             self.kv_gather, self.local_groups = False, g // tp
             k_rows = a * d + contiguous_index(g * d, tp, r)
             kv_rows = torch.cat([k_rows, k_rows + g * d])
-        else:
-            if (2 * g * d) % tp:
-                raise ConfigError(f"--num-query-groups {g} × 2 × head dim {d} is not divisible by "
-                                  f"--tensor-model-parallel-size {tp}; change --kv-channels or TP")
+        else:  # 2·g·d % tp == 0: checked by meshlm.validate
             self.kv_gather, self.local_groups = True, 1
             self.group_of_rank = r // (tp // g)
             kv_rows = a * d + contiguous_index(2 * g * d, tp, r)

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ffn_hidden
-from ..errors import ConfigError
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, contiguous_index
 
 
@@ -22,9 +21,7 @@ class MLP(nn.Module):
 
     def __init__(self, cfg, ps, init, scaled_init, *, sequence_parallel: bool, params_dtype):
         super().__init__()
-        ffn, tp = ffn_hidden(cfg), ps.tp
-        if ffn % tp:
-            raise ConfigError(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}")
+        ffn, tp = ffn_hidden(cfg), ps.tp  # ffn % tp == 0: checked by meshlm.validate
         self.swiglu = cfg.swiglu
         rows = contiguous_index(ffn, tp, ps.tp_rank)
         if self.swiglu:

@@ -27,7 +27,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import max_positions, padded_vocab_size
-from ..errors import ConfigError
 from ..fast import compile_module
 from ..parallel import comm
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -161,8 +160,8 @@ class GPTModel(nn.Module):
     backward (torch.utils.checkpoint). use_cpu_initialization: see ShardedInit. fast: compiled
     layers and loss, one-call attention dropout (meshlm/fast.py); the same function either way.
 
-    Raises ConfigError when a size does not split over TP (--seq-length under SP, --ffn-hidden-size,
-    query groups).
+    Sizes split over TP (--seq-length under SP, --ffn-hidden-size, query groups) are checked by
+    meshlm.validate before any worker starts.
     """
 
     def __init__(self, cfg, ps, vocab_size: int, *, seed: int, layer_ids: range | None = None,
@@ -170,9 +169,7 @@ class GPTModel(nn.Module):
                  params_dtype=torch.float32, recompute: bool = False, use_cpu_initialization: bool = True,
                  fast: bool = False):
         super().__init__()
-        if sequence_parallel and cfg.seq_length % ps.tp:
-            raise ConfigError(f"--seq-length {cfg.seq_length} is not divisible by --tensor-model-parallel-size "
-                              f"{ps.tp} (needed by --sequence-parallel)")
+        assert not sequence_parallel or cfg.seq_length % ps.tp == 0, "checked by meshlm.validate"
         self.pre_process, self.post_process, self.recompute, self.fast = pre_process, post_process, recompute, fast
         self.sequence_parallel, self.group = sequence_parallel, ps.tp_group
         self.vocab_size = vocab_size

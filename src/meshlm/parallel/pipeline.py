@@ -61,11 +61,7 @@ def _rank_layer_counts(cfg: Config) -> tuple[list, list]:
         problems.append("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
         return [num_layers], problems
     fixed = {0: first, pp - 1: last}
-    fixed = {r: n for r, n in fixed.items() if n is not None}
-    for r, n in fixed.items():
-        if n < 0:
-            flag = "first" if r == 0 else "last"
-            problems.append(f"--decoder-{flag}-pipeline-num-layers must be ≥ 0, got {n}")
+    fixed = {r: n for r, n in fixed.items() if n is not None}  # each ≥ 0: checked by meshlm.validate
     rest, middle = num_layers - sum(fixed.values()), pp - len(fixed)
     if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
         problems.append(f"--num-layers {num_layers} minus --decoder-first/last-pipeline-num-layers "
@@ -92,9 +88,7 @@ def validate_pipeline(cfg: Config, world: int) -> list:
                         "are exclusive; set one")
     for flag, value in [("--virtual-pipeline-model-parallel-size", p.virtual_pipeline_model_parallel_size),
                         ("--num-layers-per-virtual-pipeline-stage", p.num_layers_per_virtual_pipeline_stage)]:
-        if value is not None and value < 1:
-            problems.append(f"{flag} must be a positive integer, got {value}")
-        elif value is not None and pp == 1:
+        if value is not None and pp == 1:  # value ≥ 1: checked by meshlm.validate
             problems.append(f"{flag} needs --pipeline-model-parallel-size > 1")
     if problems:
         return problems

@@ -32,6 +32,7 @@ from .random import derive_seed
 
 def contiguous_index(size: int, tp: int, rank: int) -> torch.Tensor:
     """Rows [rank·size/tp, (rank+1)·size/tp) of a dim of length size (divisible by tp)."""
+    assert size % tp == 0, f"{size} rows do not split over TP {tp} (meshlm.validate checks this)"
     n = size // tp
     return torch.arange(rank * n, (rank + 1) * n)
 
