@@ -149,6 +149,7 @@ def run_worker(cfg: Config) -> int:
             from .training.trainer import pretrain
             init_distributed(cfg.parallel.distributed_timeout_minutes)
             pretrain(cfg)
+            dist.barrier()  # no rank tears its connections down while a peer is still in a collective
         except MeshlmError as e:
             log.write(f"{ERROR_PREFIX}{e}\n")
             if is_self_launched_worker():
