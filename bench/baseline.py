@@ -1,4 +1,4 @@
-"""Plain-PyTorch baseline for bench/bench.py: a Llama decoder trained by a hand-written loop, no meshlm.
+"""Plain-PyTorch baseline for bench/bench.py: a Llama or GPT-2 decoder trained by a hand-written loop, no meshlm.
 
 What a careful PyTorch user would write (the "compiled loop" of issue 9): fp32 parameters on the
 GPU with bf16 autocast, `nn.RMSNorm`, rotate-half RoPE from cached tables, GQA through SDPA
@@ -6,8 +6,12 @@ GPU with bf16 autocast, `nn.RMSNorm`, rotate-half RoPE from cached tables, GQA t
 layer with its cross-entropy too), `torch.optim.AdamW(fused=True)` (no weight decay on norms),
 gradient clipping at 1.0 with foreach kernels. Weights normal(0, 0.02), output projections
 0.02/√(2L) (as meshlm); tokens uniform random (as meshlm's --mock-data).
+--arch gpt: GPT-2 (Radford et al. 2019; nanoGPT's layout): learned positions, LayerNorm, biases,
+GeLU FFN 4h, tied embeddings, multi-head attention, --dropout p on the embedding, attention
+probabilities (SDPA dropout_p) and both residual branches, as meshlm's --hidden-dropout and
+--attention-dropout.
 
-Usage: python bench/baseline.py --layers 16 --hidden 2048 --heads 16 --groups 8 --ffn 8192 \
+Usage: python bench/baseline.py [--arch gpt --dropout 0.1] --layers 16 --hidden 2048 --heads 16 --groups 8 --ffn 8192 \
            --vocab 32000 --seq 2048 --micro-batch 8 --iters 20
 Prints one line `BASELINE {json}`: params, iter_ms (median after --warmup steps), tokens_per_sec,
 peak_mem_gb (torch.cuda.max_memory_allocated, GiB).
@@ -49,6 +53,25 @@ class Block(nn.Module):
         return x + self.fc2(F.silu(gate) * up)
 
 
+class GPTBlock(nn.Module):
+    """Pre-norm GPT-2 block on x [b, s, h]: LayerNorm, biased linears, GeLU, dropout p."""
+
+    def __init__(self, h: int, heads: int, ffn: int, p: float):
+        super().__init__()
+        self.heads, self.d, self.p = heads, h // heads, p
+        self.norm1, self.norm2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc1, self.fc2 = nn.Linear(h, ffn), nn.Linear(ffn, h)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, self.heads, self.d).transpose(1, 2) for t in self.qkv(self.norm1(x)).chunk(3, -1))
+        p = self.p if self.training else 0.0
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        x = x + F.dropout(self.proj(a.transpose(1, 2).reshape(b, s, -1)), p, self.training)
+        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.norm2(x)))), p, self.training)
+
+
 def rotate(x, cos, sin):
     """Rotate-half RoPE; x [b, n, s, d], cos/sin [s, d] fp32."""
     x1, x2 = x.float().chunk(2, -1)
@@ -88,17 +111,47 @@ class Llama(nn.Module):
         return self.loss(x, labels)
 
 
+class GPT(nn.Module):
+    """GPT-2: token + learned position embeddings (tied output), GPTBlocks, final LayerNorm."""
+
+    def __init__(self, a):
+        super().__init__()
+        h, self.p = a.hidden, a.dropout
+        self.embed, self.pos = nn.Embedding(a.vocab, h), nn.Embedding(a.seq, h)
+        self.blocks = nn.ModuleList(GPTBlock(h, a.heads, a.ffn, a.dropout) for _ in range(a.layers))
+        self.norm = nn.LayerNorm(h)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * a.layers) if name.endswith(("proj.weight", "fc2.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+        for blk in self.blocks:
+            blk.compile()
+        self.loss = torch.compile(self._loss)
+
+    def _loss(self, x, labels):
+        logits = F.linear(self.norm(x), self.embed.weight)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+
+    def forward(self, tokens, labels):
+        x = F.dropout(self.embed(tokens) + self.pos.weight[:tokens.shape[1]], self.p, self.training)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.loss(x, labels)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in [("layers", 16), ("hidden", 2048), ("heads", 16), ("groups", 8), ("ffn", 8192),
                           ("vocab", 32000), ("seq", 2048), ("micro-batch", 8), ("iters", 20), ("warmup", 3)]:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--rope-base", type=float, default=500000.0)
+    ap.add_argument("--arch", choices=["llama", "gpt"], default="llama")
+    ap.add_argument("--dropout", type=float, default=0.0, help="GPT only")
     a = ap.parse_args()
     torch._dynamo.config.recompile_limit = 64  # one cache entry per block; the default 8 falls back to eager
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    model = Llama(a).to(dev)
+    model = (Llama if a.arch == "llama" else GPT)(a).to(dev)
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],

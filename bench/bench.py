@@ -35,6 +35,16 @@ LLAMA_1B = dict(name="llama-1b h2048 L16 a16/g8 ffn8192 V32000 untied",
                        "--vocab-size", "32000", "--seq-length", "2048", "--max-position-embeddings", "2048"],
                 dims=dict(layers=16, hidden=2048, seq=2048),
                 baseline=dict(layers=16, hidden=2048, heads=16, groups=8, ffn=8192, vocab=32000, seq=2048))
+LLAMA_3B = dict(name="llama-3b h3072 L28 a24/g8 ffn8192 V128256 tied",
+                flags=["--model", "llama-3b", "--seq-length", "4096", "--max-position-embeddings", "4096"],
+                dims=dict(layers=28, hidden=3072, seq=4096), baseline=None)
+GPT2_350M = dict(name="gpt2-350m h1024 L24 a16 V50257 dropout 0.1",
+                 flags=["--model", "gpt2-350m", "--seq-length", "1024", "--max-position-embeddings", "1024",
+                        "--vocab-size", "50257"],
+                 dims=dict(layers=24, hidden=1024, seq=1024),
+                 # nanoGPT's padded vocabulary (meshlm pads 50257 to 50304 itself)
+                 baseline=dict(arch="gpt", dropout=0.1, layers=24, hidden=1024, heads=16, ffn=4096, vocab=50304,
+                               seq=1024))
 GPT2_125M = dict(name="gpt2-125m V50257 dropout 0",
                  flags=["--model", "gpt2-125m", "--seq-length", "1024", "--max-position-embeddings", "1024",
                         "--vocab-size", "50257", "--hidden-dropout", "0", "--attention-dropout", "0"],
@@ -44,6 +54,9 @@ CASES = {
     # name: (model, GPUs, micro-batch, layout flags)
     "llama1b": (LLAMA_1B, 1, 8, []),
     "llama1b-eager": (LLAMA_1B, 1, 8, ["--fast-path", "off"]),
+    "llama1b-selective": (LLAMA_1B, 1, 8, ["--recompute-activations"]),
+    "llama3b-selective": (LLAMA_3B, 1, 2, ["--recompute-activations", "--global-batch-size", "8"]),
+    "gpt2-350m": (GPT2_350M, 1, 8, []),
     "gpt2-1gpu": (GPT2_125M, 1, 8, []),
     "gpt2-dp2": (GPT2_125M, 2, 8, []),
     "gpt2-tp2": (GPT2_125M, 2, 8, ["--tensor-model-parallel-size", "2"]),
@@ -83,7 +96,7 @@ def run_baseline(shape: dict, micro: int, out: str, iters: int, warmup: int) -> 
     cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "baseline.py"), *args,
            f"--micro-batch={micro}", f"--iters={iters}", f"--warmup={warmup}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    with open(os.path.join(out, f"baseline-{shape['hidden']}-{micro}.log"), "w") as fh:
+    with open(os.path.join(out, f"baseline-{shape.get('arch', 'llama')}-{shape['hidden']}-{micro}.log"), "w") as fh:
         fh.write(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BASELINE ")), None)
     if line is None:

@@ -53,7 +53,7 @@ class Case:
     norm: str = "LayerNorm"        # --normalization
     swiglu: bool = False
     groups: Optional[int] = None   # --num-query-groups (GQA)
-    recompute: bool = False
+    recompute: str = "none"        # none, selective, full-uniform-N or full-block-N (RECOMPUTE)
     micro: int = 1               # --micro-batch-size
     layers: int = 4
     fast: str = "off"            # --fast-path: "on" compiles the layers and loss, fused AdamW
@@ -96,7 +96,11 @@ def config(case: Case):
     p.overlap_grad_reduce, p.overlap_param_gather = case.overlap_grad, case.overlap_param
     t.micro_batch_size, t.global_batch_size, t.train_iters = case.micro, GLOBAL_BATCH, STEPS
     t.fast_path = case.fast
-    t.recompute_activations, t.log_interval, t.eval_interval = case.recompute, 1, 1000
+    t.recompute_activations = case.recompute == "selective"
+    if case.recompute.startswith("full"):
+        _, t.recompute_method, n = case.recompute.split("-")
+        t.recompute_granularity, t.recompute_num_layers = "full", int(n)
+    t.log_interval, t.eval_interval = 1, 1000
     cfg.data.mock_data, cfg.data.split = True, "1,0,0"
     o.lr, o.min_lr, o.lr_warmup_iters, o.clip_grad = 1e-2, 1e-3, 1, 0.5
     validate(cfg, world=case.world, check_files=False)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from meshlm.config import ModelConfig
+from meshlm.model.recompute import Recompute
 from meshlm.model.transformer import GPTModel
 from meshlm.parallel.mesh import ParallelState
 from meshlm.parallel.random import RNGTracker
@@ -121,16 +122,51 @@ def test_dropout_is_reproducible_from_the_seed_and_off_in_eval():
     assert torch.equal(a(tokens, labels), c(tokens, labels))
 
 
+PLANS = [Recompute(), Recompute("selective"), Recompute("full", "uniform", 1), Recompute("full", "uniform", 2),
+         Recompute("full", "block", 2)]
+
+
 def test_recompute_replays_the_same_dropout_masks():
     tokens, labels = _batch()
-    kw = dict(hidden_dropout=0.3, attention_dropout=0.3)
+    kw = dict(hidden_dropout=0.3, attention_dropout=0.3, num_layers=3)
     grads = []
-    for recompute in (False, True):
-        model = _model(recompute=recompute, **kw)
+    for plan in PLANS:
+        model = _model(recompute=plan, **kw)
         model(tokens, labels).mean().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
-    for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-6, atol=1e-9)
+    for other in grads[1:]:
+        for name in grads[0]:
+            torch.testing.assert_close(other[name], grads[0][name], rtol=1e-6, atol=1e-9)
+
+
+def test_recompute_segments_follow_megatron():
+    assert Recompute().segments(5) == [(0, 5, False)]
+    assert Recompute("selective").segments(5) == [(0, 5, False)]
+    assert Recompute("full", "uniform", 2).segments(5) == [(0, 2, True), (2, 4, True), (4, 5, True)]
+    assert Recompute("full", "block", 2).segments(5) == [(0, 1, True), (1, 2, True), (2, 5, False)]
+    assert Recompute("full", "block", 4).segments(3) == [(0, 1, True), (1, 2, True), (2, 3, True)]
+
+
+def _saved_bytes(plan, **kw) -> int:
+    """Bytes autograd keeps for backward after one forward (distinct storages)."""
+    model, (tokens, labels) = _model(recompute=plan, **kw), _batch()
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, labels).mean()
+    return sum(kept.values())
+
+
+def test_selective_recompute_keeps_less_and_full_recompute_less_still():
+    """CPU SDPA (a flash kernel, dropout included) keeps no s² scores: selective drops the
+    attention outputs and log-sum-exps, full keeps one input per layer."""
+    kw = dict(attention_dropout=0.3, num_layers=3, seq_length=64)
+    none, selective, full = (_saved_bytes(p, **kw) for p in (PLANS[0], PLANS[1], PLANS[2]))
+    assert full < selective < none
 
 
 def test_fork_restores_the_default_generator():

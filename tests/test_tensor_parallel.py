@@ -88,11 +88,31 @@ def test_layer_communication_matches_korthikanti_count():
 
     sp_stats = run_distributed(_layer_comm_worker, tp, True)[0]
     assert sp_stats.keys() == {"all_gather", "reduce_scatter"}
-    assert sp_stats["all_gather"] == {"calls": 4, "bytes": 4 * sbh // tp, "ring_bytes": 4 * sbh / tp * (tp - 1)}
+    # + 2 all-gathers in backward: QKV and FC1 save only their s/tp input shard and re-gather it (§4.2.2)
+    assert sp_stats["all_gather"] == {"calls": 6, "bytes": 6 * sbh // tp, "ring_bytes": 6 * sbh / tp * (tp - 1)}
     assert sp_stats["reduce_scatter"]["calls"] == 4
     assert sp_stats["reduce_scatter"]["bytes"] == 4 * sbh
     sp_ring = sp_stats["all_gather"]["ring_bytes"] + sp_stats["reduce_scatter"]["ring_bytes"]
-    assert sp_ring == pytest.approx(tp_stats["all_reduce"]["ring_bytes"])
+    assert sp_ring == pytest.approx(1.25 * tp_stats["all_reduce"]["ring_bytes"])
+
+
+def _saved_shapes_worker(rank, world):
+    cfg = ModelConfig(**dict(GPT, num_layers=1))
+    ps = ParallelState.build(tp=world)
+    layer = GPTModel(cfg, ps, 100, seed=SEED, pre_process=False, post_process=False, sequence_parallel=True)
+    x = torch.randn(SEQ // world, BATCH, cfg.hidden_size, requires_grad=True)
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        y = layer(None, hidden_states=x)
+    y.sum().backward()
+    return shapes
+
+
+def test_sequence_parallel_saves_only_the_shard_of_the_column_parallel_inputs():
+    """Korthikanti et al. 2022 §4.2.2: no [s, b, h] activation is kept, only [s/tp, b, h] shards."""
+    for shapes in run_distributed(_saved_shapes_worker, 2):
+        assert (SEQ // 2, BATCH, GPT["hidden_size"]) in shapes
+        assert (SEQ, BATCH, GPT["hidden_size"]) not in shapes
 
 
 # ----------------------------------------------------------------------------- cross-entropy

@@ -108,8 +108,15 @@ class TrainingConfig:
     hysteresis: int = opt(2, "fp16 overflows tolerated before the scale halves")
     skip_nan_steps: bool = opt(False, "skip a step with NaN/inf loss instead of stopping (bf16/fp32)",
                                action="store_true")
-    recompute_activations: bool = opt(False, "recompute each layer's activations in backward",
+    recompute_activations: bool = opt(False, "selective recompute: the same as --recompute-granularity selective",
                                       action="store_true")
+    recompute_granularity: Optional[str] = opt(
+        None, "selective: recompute core attention (softmax(QKᵀ)V) in backward; full: whole layers "
+        "(with --recompute-method and --recompute-num-layers)", choices=["selective", "full"])
+    recompute_method: Optional[str] = opt(
+        None, "full recompute: uniform (checkpoint groups of --recompute-num-layers layers) or block "
+        "(the first --recompute-num-layers layers of each pipeline chunk)", choices=["uniform", "block"])
+    recompute_num_layers: Optional[int] = opt(None, "full recompute: layers per group (uniform) or per chunk (block)")
     fast_path: str = opt("auto", "compiled layers, fused kernels and fused AdamW (auto: on CUDA, off on CPU)",
                          choices=["auto", "on", "off"])
     log_interval: int = opt(10, "iterations between log lines")

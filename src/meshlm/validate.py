@@ -189,8 +189,30 @@ def _training_problems(cfg: Config) -> list:
     if o.lr_warmup_iters > decay:
         problems.append(f"--lr-warmup-iters {o.lr_warmup_iters} exceeds the decay iterations {decay} "
                         f"(--lr-decay-iters, default --train-iters); lower --lr-warmup-iters")
+    problems += _recompute_problems(t, cfg.model.num_layers)
     if c.save_interval is not None and not c.save:
         problems.append(f"--save-interval {c.save_interval} needs --save (a checkpoint directory)")
+    return problems
+
+
+def _recompute_problems(t, num_layers: int) -> list:
+    """Megatron's rules for --recompute-* (transformer_config.py)."""
+    problems = []
+    if (t.recompute_num_layers or 0) > num_layers:
+        problems.append(f"--recompute-num-layers {t.recompute_num_layers} exceeds --num-layers {num_layers}; "
+                        f"give 1..{num_layers}")
+    full = t.recompute_granularity == "full"
+    if t.recompute_activations and full:
+        problems.append("--recompute-activations means --recompute-granularity selective; "
+                        "drop it to recompute full layers")
+    if full and t.recompute_method is None:
+        problems.append("--recompute-granularity full needs --recompute-method uniform or block")
+    if full and t.recompute_num_layers is None:
+        problems.append("--recompute-granularity full needs --recompute-num-layers N")
+    if not full and t.recompute_method is not None:
+        problems.append(f"--recompute-method {t.recompute_method} needs --recompute-granularity full")
+    if not full and t.recompute_num_layers is not None:
+        problems.append(f"--recompute-num-layers {t.recompute_num_layers} needs --recompute-granularity full")
     return problems
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..config import head_dim, max_positions, query_groups
 from ..dtypes import at_least_fp32, wide
@@ -58,11 +59,13 @@ class SelfAttention(nn.Module):
     With --attention-dropout > 0 in training: on the fast path (meshlm/fast.py) one SDPA call whose
     dropout draws from the device's default generator (a per-TP-rank stream, as Megatron's); else
     one SDPA call per head with its own keyed stream (masks independent of TP), which is slower.
+    recompute_core: selective recompute (model/recompute.py): core attention re-runs in backward.
     """
 
     def __init__(self, cfg, ps, layer: int, init, scaled_init, rng, *, sequence_parallel: bool,
-                 params_dtype, fast: bool = False):
+                 params_dtype, fast: bool = False, recompute_core: bool = False):
         super().__init__()
+        self.recompute_core = recompute_core
         a, g, d, tp, r = cfg.num_attention_heads, query_groups(cfg), head_dim(cfg), ps.tp, ps.tp_rank
         self.layer, self.rng, self.group = layer, rng, ps.tp_group
         self.heads, self.groups, self.d = a // tp, g, d
@@ -109,14 +112,20 @@ class SelfAttention(nn.Module):
             q, k = self.rotary(q), self.rotary(k)
         s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
-        p = self.dropout if self.training else 0.0
-        if p == 0.0 or self.fast:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                 enable_gqa=k.shape[1] != q.shape[1])
+        if self.recompute_core and self.training:
+            out = checkpoint(self._core, q, k, v, call, use_reentrant=False)
         else:
-            out = torch.cat([self._head_with_dropout(q, k, v, i, p, call) for i in range(self.heads)], dim=1)
+            out = self._core(q, k, v, call)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.d)
         return self.linear_proj(out)
+
+    def _core(self, q, k, v, call):
+        """Core attention: q [b, n, s, d], k/v [b, n_kv, s, d] → softmax(qkᵀ/√d)·v [b, n, s, d]."""
+        p = self.dropout if self.training else 0.0
+        if p == 0.0 or self.fast:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
+        return torch.cat([self._head_with_dropout(q, k, v, i, p, call) for i in range(self.heads)], dim=1)
 
     def _head_with_dropout(self, q, k, v, i, p, call):
         """Head i alone, its attention dropout drawn from its own keyed stream (parallel/random.py)."""

@@ -34,6 +34,7 @@ from ..parallel.random import RNGTracker
 from ..parallel.tensor import ShardedInit, VocabParallelEmbedding, contiguous_index, mark_partitioned
 from .attention import SelfAttention
 from .mlp import MLP
+from .recompute import Recompute
 
 EMBEDDING_KEY = (-1, "embedding.word_embeddings.weight")  # (layer, name) of the word embedding
 
@@ -78,12 +79,13 @@ class TransformerLayer(nn.Module):
     """
 
     def __init__(self, cfg, ps, layer: int, init, scaled_init, rng, seq: SequenceSlice, *,
-                 sequence_parallel: bool, params_dtype, fast: bool = False):
+                 sequence_parallel: bool, params_dtype, fast: bool = False, recompute_core: bool = False):
         super().__init__()
         self.layer, self.rng, self.seq, self.p = layer, rng, seq, cfg.hidden_dropout
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
         self.input_layernorm = Norm(cfg, sequence_parallel, params_dtype, ps.device)
-        self.self_attention = SelfAttention(cfg, ps, layer, init, scaled_init, rng, fast=fast, **kw)
+        self.self_attention = SelfAttention(cfg, ps, layer, init, scaled_init, rng, fast=fast,
+                                            recompute_core=recompute_core, **kw)
         self.pre_mlp_layernorm = Norm(cfg, sequence_parallel, params_dtype, ps.device)
         self.mlp = MLP(cfg, ps, init, scaled_init, **kw)
 
@@ -99,6 +101,13 @@ class TransformerLayer(nn.Module):
             return h
         full, offset = self.seq.rows(h.shape[0])
         return self.rng.dropout(h, self.p, (self.layer, site, call), full, offset)
+
+
+def _run_layers(layers: list, x: torch.Tensor, call: int) -> torch.Tensor:
+    """x through consecutive layers (one unit of full recompute)."""
+    for layer in layers:
+        x = layer(x, call)
+    return x
 
 
 class Embedding(nn.Module):
@@ -156,8 +165,8 @@ class GPTModel(nn.Module):
 
     vocab_size: the tokenizer's vocabulary; the embedding and output are padded to
     padded_vocab_size(vocab_size, --make-vocab-size-divisible-by, tp) rows, and the padded logits
-    are −inf (never predicted, never in the loss). recompute: re-run each layer's forward in
-    backward (torch.utils.checkpoint). use_cpu_initialization: see ShardedInit. fast: compiled
+    are −inf (never predicted, never in the loss). recompute: what to re-run in backward
+    (model/recompute.py: core attention, or whole layers by torch.utils.checkpoint). use_cpu_initialization: see ShardedInit. fast: compiled
     layers and loss, one-call attention dropout (meshlm/fast.py); the same function either way.
 
     Sizes split over TP (--seq-length under SP, --ffn-hidden-size, query groups) are checked by
@@ -166,7 +175,7 @@ class GPTModel(nn.Module):
 
     def __init__(self, cfg, ps, vocab_size: int, *, seed: int, layer_ids: range | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
-                 params_dtype=torch.float32, recompute: bool = False, use_cpu_initialization: bool = True,
+                 params_dtype=torch.float32, recompute: Recompute = Recompute(), use_cpu_initialization: bool = True,
                  fast: bool = False):
         super().__init__()
         assert not sequence_parallel or cfg.seq_length % ps.tp == 0, "checked by meshlm.validate"
@@ -187,7 +196,8 @@ class GPTModel(nn.Module):
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(cfg, ps, i, lambda name, i=i: init(i, name),
-                                     lambda name, i=i: init(i, name, scaled_std), self.rng, seq, fast=fast, **kw)
+                                     lambda name, i=i: init(i, name, scaled_std), self.rng, seq, fast=fast,
+                                     recompute_core=recompute.selective, **kw)
             for i in layer_ids})
         if post_process:
             self.final_layernorm = Norm(cfg, sequence_parallel, params_dtype, ps.device)
@@ -216,11 +226,12 @@ class GPTModel(nn.Module):
         [s, b, h] ([s/tp, b, h] under SP) for the next pipeline stage."""
         call = self.rng.next_call() if self.training else 0
         x = self.embedding(tokens, call) if self.pre_process else hidden_states
-        for layer in self.layers.values():
-            if self.recompute and self.training:
-                x = checkpoint(layer, x, call, use_reentrant=False)
+        layers = list(self.layers.values())
+        for start, end, checkpointed in self.recompute.segments(len(layers)):
+            if checkpointed and self.training:
+                x = checkpoint(_run_layers, layers[start:end], x, call, use_reentrant=False)
             else:
-                x = layer(x, call)
+                x = _run_layers(layers[start:end], x, call)
         if not self.post_process:
             return x
         x = self.final_layernorm(x)

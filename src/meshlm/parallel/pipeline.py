@@ -138,6 +138,7 @@ def build_model_chunks(cfg: Config, ps: ParallelState, vocab_size: int,
     starts from the same model. --fast-path decides compiled layers (meshlm/fast.py). Raises
     ConfigError for an invalid partition.
     """
+    from ..model.recompute import Recompute
     from ..model.transformer import GPTModel
 
     ranges = stage_layers(cfg)
@@ -148,7 +149,7 @@ def build_model_chunks(cfg: Config, ps: ParallelState, vocab_size: int,
         chunks.append(GPTModel(cfg.model, ps, vocab_size, seed=cfg.training.seed, layer_ids=ranges[s],
                                pre_process=s == 0, post_process=s == last,
                                sequence_parallel=cfg.parallel.sequence_parallel, params_dtype=params_dtype,
-                               recompute=cfg.training.recompute_activations,
+                               recompute=Recompute.of(cfg.training),
                                use_cpu_initialization=cfg.parallel.use_cpu_initialization,
                                fast=fast.enabled(cfg.training.fast_path, ps.device)))
     return chunks

@@ -106,9 +106,34 @@ class ColumnParallelLinear(nn.Module):
             self.bias.no_weight_decay = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = comm.gather_from_sp(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel and comm.group_size(self.group) > 1:
+            y = _GatheredLinear.apply(x, self.weight, self.bias, self.group)
+        else:
+            y = F.linear(comm.copy_to_tp(x, self.group), self.weight, self.bias)
         return comm.gather_from_tp(y, self.group) if self.gather_output else y
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """y = all_gather_s(x) Wᵀ + b, keeping only the shard x [s/tp, b, in] for backward, which
+    all-gathers it again for the weight gradient (Korthikanti et al. 2022, §4.2.2; Megatron's
+    LinearWithGradAccumulationAndAsyncCommunication). Saves (tp − 1)·s/tp·b·in elements a layer
+    against saving the gathered input. Backward: dx = reduce_scatter_s(dy W), dW = dyᵀ·all_gather_s(x),
+    db = Σ dy. y: [s, b, out/tp]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(comm.all_gather(x, group, 0), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = comm.reduce_scatter(dy.matmul(weight), ctx.group, 0)
+        total = comm.all_gather(x, ctx.group, 0)
+        dw = dy.reshape(-1, dy.shape[-1]).t().matmul(total.reshape(-1, total.shape[-1]))
+        db = dy.sum(dim=tuple(range(dy.dim() - 1))) if ctx.has_bias else None
+        return dx, dw, db, None
 
 
 class RowParallelLinear(nn.Module):
