@@ -36,7 +36,8 @@ LLAMA_1B = dict(name="llama-1b h2048 L16 a16/g8 ffn8192 V32000 untied",
                 dims=dict(layers=16, hidden=2048, seq=2048),
                 baseline=dict(layers=16, hidden=2048, heads=16, groups=8, ffn=8192, vocab=32000, seq=2048))
 LLAMA_3B = dict(name="llama-3b h3072 L28 a24/g8 ffn8192 V128256 tied",
-                flags=["--model", "llama-3b", "--seq-length", "4096", "--max-position-embeddings", "4096"],
+                flags=["--model", "llama-3b", "--vocab-size", "128256", "--seq-length", "4096",
+                       "--max-position-embeddings", "4096"],
                 dims=dict(layers=28, hidden=3072, seq=4096), baseline=None)
 GPT2_350M = dict(name="gpt2-350m h1024 L24 a16 V50257 dropout 0.1",
                  flags=["--model", "gpt2-350m", "--seq-length", "1024", "--max-position-embeddings", "1024",
