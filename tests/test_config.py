@@ -45,6 +45,35 @@ def test_global_batch_not_divisible_names_both_flags_and_nearest_valid_values():
     assert "4 or 8" in msg
 
 
+@pytest.mark.parametrize("fields, expected", [
+    (dict(recompute_method="block"), ["--recompute-method block needs --recompute-granularity full"]),
+    (dict(recompute_num_layers=1), ["--recompute-num-layers 1 needs --recompute-granularity full"]),
+    (dict(recompute_granularity="full", recompute_num_layers=1),
+     ["--recompute-granularity full needs --recompute-method uniform or block"]),
+    (dict(recompute_granularity="full", recompute_method="uniform"),
+     ["--recompute-granularity full needs --recompute-num-layers N"]),
+    (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3),
+     ["--recompute-num-layers 3 exceeds --num-layers 2; give 1..2"]),
+    (dict(recompute_activations=True, recompute_granularity="full", recompute_method="uniform",
+          recompute_num_layers=1), ["--recompute-activations means --recompute-granularity selective; "
+                                    "drop it to recompute full layers"]),
+])
+def test_recompute_flags_follow_megatron_rules(fields, expected):
+    cfg = small()
+    for name, value in fields.items():
+        setattr(cfg.training, name, value)
+    assert problems_of(cfg) == expected
+
+
+def test_recompute_settings_megatron_accepts_are_valid():
+    for fields in (dict(recompute_activations=True), dict(recompute_granularity="selective"),
+                   dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)):
+        cfg = small()
+        for name, value in fields.items():
+            setattr(cfg.training, name, value)
+        validate(cfg, world=1)
+
+
 def test_global_batch_below_one_step_suggests_the_smallest_valid_value():
     cfg = small()
     cfg.training.global_batch_size, cfg.training.micro_batch_size = 3, 4
