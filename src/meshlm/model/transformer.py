@@ -75,7 +75,8 @@ class TransformerLayer(nn.Module):
     """x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))). x: [s, b, h] or [s/tp, b, h].
 
     fast: the forward runs under torch.compile (meshlm/fast.py); ``call`` is read only when
-    dropout is on, so with dropout 0 the compiled code never depends on it.
+    dropout is on, so with dropout 0 the compiled code never depends on it. recompute_core:
+    selective recompute of core attention (model/recompute.py).
     """
 
     def __init__(self, cfg, ps, layer: int, init, scaled_init, rng, seq: SequenceSlice, *,
@@ -166,8 +167,9 @@ class GPTModel(nn.Module):
     vocab_size: the tokenizer's vocabulary; the embedding and output are padded to
     padded_vocab_size(vocab_size, --make-vocab-size-divisible-by, tp) rows, and the padded logits
     are −inf (never predicted, never in the loss). recompute: what to re-run in backward
-    (model/recompute.py: core attention, or whole layers by torch.utils.checkpoint). use_cpu_initialization: see ShardedInit. fast: compiled
-    layers and loss, one-call attention dropout (meshlm/fast.py); the same function either way.
+    (model/recompute.py: core attention, or whole layers by torch.utils.checkpoint).
+    use_cpu_initialization: see ShardedInit. fast: compiled layers and loss, one-call attention
+    dropout (meshlm/fast.py); the same function either way.
 
     Sizes split over TP (--seq-length under SP, --ffn-hidden-size, query groups) are checked by
     meshlm.validate before any worker starts.
@@ -175,8 +177,8 @@ class GPTModel(nn.Module):
 
     def __init__(self, cfg, ps, vocab_size: int, *, seed: int, layer_ids: range | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
-                 params_dtype=torch.float32, recompute: Recompute = Recompute(), use_cpu_initialization: bool = True,
-                 fast: bool = False):
+                 params_dtype=torch.float32, recompute: Recompute = Recompute(),
+                 use_cpu_initialization: bool = True, fast: bool = False):
         super().__init__()
         assert not sequence_parallel or cfg.seq_length % ps.tp == 0, "checked by meshlm.validate"
         self.pre_process, self.post_process, self.recompute, self.fast = pre_process, post_process, recompute, fast
