@@ -77,12 +77,19 @@ class TransformerLayer(nn.Module):
     fast: the forward runs under torch.compile (meshlm/fast.py); ``call`` is read only when
     dropout is on, so with dropout 0 the compiled code never depends on it. recompute_core:
     selective recompute of core attention (model/recompute.py).
+
+    Hidden dropout on the fast path, when each TP rank holds its own rows (TP = 1, or under SP),
+    is ``F.dropout`` on the default generator (one stream per TP rank, Megatron's model-parallel
+    RNG), which torch.compile fuses; the keyed streams of parallel/random.py cannot be traced and
+    would split each compiled layer. Without SP at TP > 1 the residual stream is replicated over TP,
+    so its masks must agree across TP ranks: the keyed streams stay.
     """
 
     def __init__(self, cfg, ps, layer: int, init, scaled_init, rng, seq: SequenceSlice, *,
                  sequence_parallel: bool, params_dtype, fast: bool = False, recompute_core: bool = False):
         super().__init__()
         self.layer, self.rng, self.seq, self.p = layer, rng, seq, cfg.hidden_dropout
+        self.plain_dropout = fast and (ps.tp == 1 or sequence_parallel)
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
         self.input_layernorm = Norm(cfg, sequence_parallel, params_dtype, ps.device)
         self.self_attention = SelfAttention(cfg, ps, layer, init, scaled_init, rng, fast=fast,
@@ -100,6 +107,8 @@ class TransformerLayer(nn.Module):
     def _dropout(self, h: torch.Tensor, site: str, call: int) -> torch.Tensor:
         if not (self.p and self.training):
             return h
+        if self.plain_dropout:
+            return F.dropout(h, self.p)
         full, offset = self.seq.rows(h.shape[0])
         return self.rng.dropout(h, self.p, (self.layer, site, call), full, offset)
 
