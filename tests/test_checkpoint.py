@@ -229,6 +229,22 @@ def test_check_loadable_names_what_is_wrong_with_load(tmp_path):
     assert ckpt.check_loadable(str(tmp_path / "missing"), None) == []  # left to meshlm.validate
 
 
+def test_a_lost_tracker_beside_complete_checkpoints_is_refused_naming_the_iteration(tmp_path):
+    """A run whose tracker was lost must not restart from scratch over its own checkpoints."""
+    save = tmp_path / "save"
+    for it in (3, 6):
+        ckpt.save(str(save), it, {"w": torch.zeros(2)})
+    (save / "latest_checkpointed_iteration.txt").unlink()
+    assert ckpt.complete_iterations(str(save)) == [3, 6]
+    for load_problems in (ckpt.check_loadable(str(save), str(save)), ckpt.check_loadable(str(save), None)):
+        [problem] = load_problems
+        assert "iter_0000006" in problem and "write 6 into" in problem
+    with pytest.raises(CheckpointError, match="write 6 into"):
+        ckpt.checkpoint_dir(str(save))
+    with pytest.raises(CheckpointError, match="no such directory"):
+        ckpt.checkpoint_dir(str(tmp_path / "missing"))
+
+
 # ----------------------------------------------------------------------------- another model
 
 def _model(**kw):

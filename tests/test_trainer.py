@@ -326,3 +326,24 @@ def test_a_run_that_only_loaded_prints_no_sample_of_the_old_checkpoint(monkeypat
     trainer._print_sample(run)
     assert capsys.readouterr().out == ("no sample printed: this run saved no checkpoint "
                                        "(pass --save to sample the trained model)\n")
+
+
+# ----------------------------------------------------------------------------- notes at start
+
+def test_a_run_says_when_it_has_nothing_to_train_or_saves_beside_an_earlier_run(tmp_path):
+    import subprocess
+    import sys
+    from test_launch import TINY, clean_env
+
+    def pretrain(*flags):
+        out = subprocess.run([sys.executable, "-m", "meshlm", "pretrain", *TINY, *flags], cwd=tmp_path,
+                             env=clean_env(), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    first = pretrain("--train-iters", "2", "--save", "ckpt", "--run-dir", "a")
+    assert "note:" not in first
+    again = pretrain("--train-iters", "2", "--save", "ckpt", "--load", "ckpt", "--run-dir", "b")
+    assert "note: the checkpoint is at iteration 2 ≥ --train-iters 2: nothing to train" in again
+    fresh = pretrain("--train-iters", "1", "--save", "ckpt", "--run-dir", "c")
+    assert "note: --save ckpt already holds iter_0000002 from an earlier run" in fresh

@@ -194,9 +194,13 @@ def checkpoint_dir(root: str, iteration: Optional[int] = None) -> str:
     manifest or DCP metadata (an interrupted save).
     """
     if iteration is None:
+        if not os.path.isdir(root):
+            raise CheckpointError(f"--load {root}: no such directory; point --load at a folder written by --save")
         iteration = read_tracker(root)
         if iteration is None:
-            raise CheckpointError(f"--load {root}: no {TRACKER}; point --load at a folder written by --save")
+            problems = check_loadable(root)
+            raise CheckpointError(problems[0] if problems else
+                                  f"--load {root}: no {TRACKER}; point --load at a folder written by --save")
     path = iteration_dir(root, iteration)
     if not os.path.isdir(path):
         raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but {path} does not "
@@ -206,6 +210,20 @@ def checkpoint_dir(root: str, iteration: Optional[int] = None) -> str:
             raise CheckpointError(f"checkpoint {path} is incomplete ({name} not found); "
                                   f"load another iteration or start without --load")
     return path
+
+
+def complete_iterations(root: str) -> list:
+    """Iterations of the complete checkpoints (``iter_XXXXXXX`` folders with a manifest) in root,
+    ascending; [] when root is not a directory."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        digits = name[len("iter_"):]
+        if name.startswith("iter_") and digits.isdigit() and \
+                os.path.isfile(os.path.join(root, name, MANIFEST)):
+            found.append(int(digits))
+    return sorted(found)
 
 
 def check_loadable(load: Optional[str], save: Optional[str] = None) -> list:
@@ -225,6 +243,12 @@ def check_loadable(load: Optional[str], save: Optional[str] = None) -> list:
         if os.path.isfile(os.path.join(load, MANIFEST)):
             return [f"--load {load} is one checkpoint's folder; point --load at its parent "
                     f"{os.path.dirname(os.path.normpath(load))} (the run's --save directory)"]
+        saved = complete_iterations(load)
+        if saved:
+            last = saved[-1]
+            return [f"--load {load} holds {os.path.basename(iteration_dir(load, last))} but no {TRACKER}: "
+                    f"to resume from it, write {last} into {os.path.join(load, TRACKER)}; to start afresh, "
+                    f"use another --save directory"]
         if save and os.path.abspath(load) == os.path.abspath(save):
             return []
         empty = not [name for name in os.listdir(load) if name != LOCK_FILE]

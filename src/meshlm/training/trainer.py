@@ -91,11 +91,27 @@ def pretrain(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> dict:
     state = TrainState()
     if cfg.checkpoint.load:
         state = load_checkpoint(run)
+    _note_start(run, state)
     run.logger.begin(state.iteration)
     try:
         return train(run, state)
     finally:
         run.logger.close()
+
+
+def _note_start(run: Run, state: TrainState) -> None:
+    """Rank 0 says when a run will train nothing, or will save beside an earlier run's checkpoints."""
+    cfg, save = run.cfg, run.cfg.checkpoint.save
+    if run.ps.rank != 0:
+        return
+    if state.iteration >= cfg.training.train_iters:
+        print(f"note: the checkpoint is at iteration {state.iteration} ≥ --train-iters "
+              f"{cfg.training.train_iters}: nothing to train; raise --train-iters to go on", flush=True)
+    earlier = ckpt.complete_iterations(save) if save and not cfg.checkpoint.load else []
+    if earlier:
+        print(f"note: --save {save} already holds {os.path.basename(ckpt.iteration_dir(save, earlier[-1]))} "
+              f"from an earlier run; this run starts from scratch (no --load) and saves beside it; "
+              f"pass --load {save} to resume instead", flush=True)
 
 
 def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
