@@ -7,7 +7,8 @@ import sys
 import pytest
 import yaml
 
-from meshlm.cli import main, resolve_config, build_parser
+from meshlm.cli import build_parser, main, resolve_config
+from meshlm.config import query_groups
 
 TINY = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--nproc-per-node", "2"]
@@ -68,9 +69,9 @@ def test_unknown_yaml_key_exits_2(tmp_path, capsys):
 
 
 def test_argparse_errors_also_exit_2(capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["pretrain", "--num-layers", "two"])
-    assert info.value.code == 2 and "--num-layers" in capsys.readouterr().err
+    assert main(["pretrain", "--num-layers", "two"]) == 2
+    assert capsys.readouterr().err == ("meshlm: error: argument --num-layers: 'two' is not an integer; "
+                                       "see `meshlm pretrain --help`\n")
 
 
 def test_errors_of_delegated_commands_are_one_line(tmp_path, capsys):
@@ -107,7 +108,46 @@ def test_python_dash_m_meshlm_runs_the_cli(tmp_path):
 def test_abbreviated_flags_are_errors_as_in_megatron(capsys):
     """--lr-warmup is not silently taken as --lr-warmup-iters (Megatron sets allow_abbrev=False)."""
     from meshlm.cli import main
-    with pytest.raises(SystemExit) as e:
-        main(["pretrain", "--mock-data", "--vocab-size", "100", "--lr-warmup", "5"])
-    assert e.value.code == 2
-    assert "--lr-warmup" in capsys.readouterr().err
+    assert main(["pretrain", "--mock-data", "--vocab-size", "100", "--lr-warmup", "5"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "--lr-warmup" in line
+
+
+def test_a_bad_flag_value_names_its_kind_in_words_on_one_line(capsys):
+    assert main(["pretrain", "--global-batch-size", "1e3"]) == 2
+    assert main(["pretrain", "--use-cpu-initialization", "maybe"]) == 2
+    assert main(["pretrain", "--lr", "fast"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "meshlm: error: argument --global-batch-size: '1e3' is not an integer (write 1000); "
+        "see `meshlm pretrain --help`",
+        "meshlm: error: argument --use-cpu-initialization: 'maybe' is not true or false; "
+        "see `meshlm pretrain --help`",
+        "meshlm: error: argument --lr: 'fast' is not a number; see `meshlm pretrain --help`"]
+
+
+def test_num_query_groups_without_gqa_is_a_note_at_start(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    args = build_parser("pretrain").parse_args(
+        ["pretrain", "--mock-data", "--vocab-size", "128", "--num-query-groups", "2", "--run-dir", "run"])
+    cfg = resolve_config(args)
+    assert query_groups(cfg.model) == cfg.model.num_attention_heads
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note" in line]
+    assert notes == ["meshlm: note: --num-query-groups 2 is ignored without --group-query-attention (as in "
+                     "Megatron): every attention head keeps its own key/value head; add "
+                     "--group-query-attention to use 2 groups"]
+
+
+@pytest.mark.parametrize("extra, warmup", [([], 0), (["--lr-warmup-iters", "3"], 3)])
+def test_a_short_embedded_default_run_scales_its_warmup(tmp_path, monkeypatch, extra, warmup):
+    from meshlm.config import config_from_args, explicit_fields
+    from meshlm.cli import _fit_warmup, embedded_default
+    from meshlm.validate import validate
+    args = build_parser("pretrain").parse_args(["pretrain", "--train-iters", "5", *extra])
+    cfg = config_from_args(args, base=embedded_default())
+    _fit_warmup(cfg, explicit_fields(args))
+    assert cfg.optimizer.lr_warmup_iters == warmup
+    validate(cfg, check_files=False)
+    args = build_parser("pretrain").parse_args(["pretrain", "--train-iters", "100"])
+    cfg = config_from_args(args, base=embedded_default())
+    _fit_warmup(cfg, explicit_fields(args))
+    assert cfg.optimizer.lr_warmup_iters == 10  # the README's shorter run keeps the full warm-up

@@ -13,7 +13,7 @@ from meshlm.config import (Config, add_config_args, config_from_args, dump_yaml,
                            query_groups)
 from meshlm.errors import ConfigError
 from meshlm.model.presets import PRESETS, apply_preset
-from meshlm.validate import validate
+from meshlm.validate import notes, validate
 
 
 def small() -> Config:
@@ -370,6 +370,7 @@ def test_seq_length_must_split_over_tp_under_sequence_parallel():
 
 def test_fused_kv_rows_must_split_over_tp_when_groups_are_fewer_than_tp():
     cfg = tp4()
+    cfg.model.group_query_attention = True
     cfg.model.num_query_groups, cfg.model.kv_channels = 1, 3  # 2 × 1 × 3 = 6 rows over 4 ranks
     [msg] = problems_of(cfg, world=4)
     assert "--num-query-groups 1" in msg and "head dim 3" in msg and "--kv-channels" in msg
@@ -592,3 +593,104 @@ def test_files_of_an_unused_tokenizer_are_not_required(tmp_path):
     with pytest.raises(ConfigError) as e:
         validate(cfg, world=1)
     assert "--vocab-file gpt2-vocab.json" in str(e.value) and "--merge-file gpt2-merges.txt" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- review fixes
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda p: p.write_bytes(b"\xff\xfe garbage"), "is not UTF-8 text (byte 0xff at offset 0)"),
+    (lambda p: p.mkdir(), "is a directory; give a YAML file"),
+    (lambda p: (p.write_text("num_layers: 2\n"), p.chmod(0)), "cannot be read (Permission denied)"),
+])
+def test_an_unreadable_config_is_one_line_naming_it(tmp_path, make, reason):
+    path = tmp_path / "b.yaml"
+    make(path)
+    if reason.startswith("cannot be read") and os.access(path, os.R_OK):
+        pytest.skip("root reads any file")
+    with pytest.raises(ConfigError) as info:
+        parse(["--config", str(path)])
+    assert str(info.value).startswith(f"--config {path} {reason}")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train_iters: true\n", "train-iters=True is not an integer"),
+    ("global_batch_size: 1e3\n", "global-batch-size='1e3' is not an integer (write 1000)"),
+    ("lr: yes\n", "lr=True is not a number"),
+    ("save: [a, b]\n", "save=['a', 'b'] is not text"),
+    ("swiglu: 2\n", "swiglu=2 is not true or false"),
+])
+def test_a_yaml_value_of_the_wrong_kind_is_named_in_words(tmp_path, text, message):
+    with pytest.raises(ConfigError) as info:
+        parse(["--config", write(tmp_path, text)])
+    assert str(info.value) == f"{tmp_path / 'cfg.yaml'}: {message}"
+    assert "Optional" not in str(info.value) and "int]" not in str(info.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("model:\n  num_layers: 2\nmodel:\n  hidden_size: 64\n", "line 3: key 'model' appears twice (first on line 1)"),
+    ("lr: 0.1\nseed: 3\nlr: 0.2\n", "line 3: key 'lr' appears twice (first on line 1)"),
+    ("model:\n  lr: 1\n  lr: 2\n", "line 3: key 'lr' appears twice (first on line 2)"),
+])
+def test_a_key_twice_in_a_yaml_mapping_is_refused_with_its_lines(tmp_path, text, message):
+    with pytest.raises(ConfigError) as info:
+        parse(["--config", write(tmp_path, text)])
+    assert str(info.value) == f"--config {tmp_path / 'cfg.yaml'}: {message}; keep one"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("num_layers: 3\nmodel:\n  num_layers: 2\n", "'num_layers' is given twice (flat and in its section)"),
+    ("num_layers: 3\nnum-layers: 2\n", "'num-layers' is given twice (also as 'num_layers')"),
+])
+def test_one_field_set_twice_in_two_places_is_refused(tmp_path, text, message):
+    with pytest.raises(ConfigError) as info:
+        parse(["--config", write(tmp_path, text)])
+    assert str(info.value) == f"{tmp_path / 'cfg.yaml'}: {message}; keep one"
+
+
+def test_all_zero_split_says_so():
+    cfg = small()
+    cfg.data.split = "0,0,0"
+    [msg] = problems_of(cfg)
+    assert msg == ("--split '0,0,0' gives every split weight 0, so the training set gets no data; "
+                   "make the first (train) weight positive, e.g. 969,30,1")
+
+
+@pytest.mark.parametrize("split, words", [("1,2,3,4", "has 4 weights"), ("a,b", "is not a list of numbers"),
+                                          ("-1,1,1", "negative or non-finite")])
+def test_each_bad_split_says_what_is_wrong(split, words):
+    cfg = small()
+    cfg.data.split = split
+    [msg] = problems_of(cfg)
+    assert words in msg
+
+
+def test_num_query_groups_without_gqa_is_ignored_as_in_megatron():
+    cfg = small()
+    cfg.model.num_query_groups = 2
+    assert query_groups(cfg.model) == cfg.model.num_attention_heads
+    cfg.parallel.tensor_model_parallel_size = 4  # groups 2 < TP 4 would need GQA's rules; not applied
+    cfg.model.num_attention_heads = 4
+    validate(cfg, world=4)
+    assert notes(cfg) and "ignored without --group-query-attention" in notes(cfg)[0]
+    cfg.model.group_query_attention = True
+    assert query_groups(cfg.model) == 2 and not notes(cfg)
+
+
+@pytest.mark.parametrize("flag, field", [("--save", ("checkpoint", "save")), ("--run-dir", ("logging", "run_dir")),
+                                         ("--log-dir", ("logging", "log_dir")),
+                                         ("--tensorboard-dir", ("logging", "tensorboard_dir")),
+                                         ("--data-cache-path", ("data", "data_cache_path"))])
+def test_an_output_folder_the_os_refuses_is_one_line_with_the_os_reason(flag, field):
+    cfg = small()
+    setattr(getattr(cfg, field[0]), field[1], "/proc/meshlm-test/x")
+    [msg] = problems_of(cfg, check_files=False)
+    assert msg == f"{flag} /proc/meshlm-test/x cannot be created (No such file or directory); " \
+                  f"give a folder you can write to"
+
+
+def test_checking_an_output_folder_leaves_nothing_behind(tmp_path):
+    cfg = small()
+    cfg.checkpoint.save = str(tmp_path / "a" / "b" / "ckpt")
+    validate(cfg, world=1)
+    assert os.listdir(tmp_path) == []

@@ -14,7 +14,7 @@ from meshlm import launch
 from meshlm.checkpoint.lock import hold
 from meshlm.cli import main
 from meshlm.config import Config
-from meshlm.errors import CheckpointError, MeshlmError
+from meshlm.errors import CheckpointError, ConfigError, MeshlmError
 from test_launch import TINY, clean_env, meshlm, torchrun
 
 # a run that trains until it is stopped; two workers (DP=2)
@@ -113,6 +113,65 @@ def test_the_lock_is_released_when_the_run_ends(tmp_path, monkeypatch, capsys):
     assert main(argv) == 0 and main(argv) == 0
     with hold("ckpt"):
         pass
+
+
+def test_a_save_folder_the_os_refuses_is_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["pretrain", *TINY, "--train-iters", "1", "--run-dir", "run", "--save", "/proc/foo"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "meshlm: error: --save /proc/foo cannot be created (No such file or directory); "
+        "give a folder you can write to"]
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_lock_never_raises_a_raw_os_error():
+    with pytest.raises(ConfigError, match=r"^--log-dir /proc/foo/bar cannot be used \(No such file"):
+        with hold("/proc/foo/bar", flag="--log-dir"):
+            pass
+
+
+# ----------------------------------------------------------------------------- one --run-dir, one run
+
+@pytest.fixture
+def run_dir_holder(tmp_path):
+    """Another job holding the lock of tmp_path/run; yields its process."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "run")], env=clean_env(),
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "held\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("data", [TINY, ["--train-iters", "1"]], ids=["mock", "embedded-default"])
+def test_a_second_run_in_a_run_dir_in_use_is_refused_before_writing_there(tmp_path, monkeypatch, capsys,
+                                                                          run_dir_holder, data):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launch, "run_worker", lambda cfg: 0)
+    assert main(["pretrain", *data, "--train-iters", "1", "--run-dir", "run", "--save", "ckpt"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"meshlm: error: --run-dir run is in use by a running job (pid {run_dir_holder.pid} on "
+        f"{socket.gethostname()}, run directory first-run); wait for it to end or give another --run-dir"]
+    assert os.listdir(tmp_path / "run") == ["meshlm.lock"] and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("save", ["run/ckpt", "run"])
+def test_a_save_folder_inside_or_equal_to_the_run_dir_works(tmp_path, monkeypatch, save):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launch, "run_worker", lambda cfg: 0)
+    argv = ["pretrain", *TINY, "--nproc-per-node", "1", "--train-iters", "1", "--run-dir", "run", "--save", save]
+    assert main(argv) == 0 and main(argv) == 0
+    assert (tmp_path / "run" / "config.yaml").exists()
+    with hold("run"), hold(save if save != "run" else "other"):
+        pass
+
+
+def test_under_torchrun_rank0_takes_the_run_dir_lock_and_the_refusal_is_printed_once(tmp_path, run_dir_holder):
+    out = torchrun("pretrain", *TINY, "--train-iters", "1", "--run-dir", "run", cwd=tmp_path)
+    assert out.returncode != 0
+    assert out.stderr.count("meshlm: error:") == 1 and "--run-dir run is in use" in out.stderr
 
 
 # ----------------------------------------------------------------------------- what the launcher reports

@@ -20,7 +20,7 @@ import time
 from importlib import import_module
 
 from . import __version__, launch
-from .errors import MeshlmError
+from .errors import ConfigError, MeshlmError
 
 # The embedded-default run: a small GPT (1.3M parameters) that drops validation loss by more than
 # 2 nats from its first evaluation (before the first step) within 10 minutes on 2 cores, corpus, tokenizer, preprocessing,
@@ -56,44 +56,64 @@ def _new_run_dir() -> str:
     return path
 
 
+def _fit_warmup(cfg, explicit: set) -> None:
+    """The embedded default's warm-up, unless the user set --lr-warmup-iters: at most a tenth of
+    the decay iterations, so ``--train-iters 5`` runs (the full 10 from 100 iterations on)."""
+    if "lr_warmup_iters" not in explicit:
+        o = cfg.optimizer
+        o.lr_warmup_iters = max(0, min(o.lr_warmup_iters, (o.lr_decay_iters or cfg.training.train_iters) // 10))
+
+
+def _lock(held: contextlib.ExitStack | None, folder: str, flag: str, run_dir: str) -> None:
+    """Take ``folder``'s one-run-at-a-time lock (checkpoint.lock) until ``held`` closes."""
+    if held is not None:
+        from .checkpoint.lock import hold
+        held.enter_context(hold(folder, run_dir, flag))
+
+
 def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None = None):
     """Flags → validated Config with a run directory and data, written to <run_dir>/config.yaml.
 
-    held: if given, the --save folder's lock (checkpoint.lock) is taken right after validation,
-    before config.yaml is written, and kept until ``held`` closes; a folder another run is saving
-    into raises CheckpointError.
+    held: if given, the run directory's lock (checkpoint.lock) is taken right after the checks
+    that need no corpus, before anything is written there, and the --save folder's lock after the
+    full validation; both are kept until ``held`` closes. A folder another run uses raises
+    CheckpointError. Notes on settings that do not do what they may seem to are printed first.
 
     Without --data-path/--mock-data the embedded default settings apply, its corpus is prepared in
     the run directory (after the shape checks, so a bad flag fails in a second, not a minute) and
     the model is saved to <run_dir>/checkpoints (unless --save), so the run ends with a sample.
     Raises ConfigError listing every problem, DataError for an unusable corpus.
     """
-    from .config import config_from_args, dump_yaml, world_size_of
-    from .validate import validate
+    from .config import config_from_args, dump_yaml, explicit_fields, world_size_of
+    from .validate import notes, validate
 
     cfg = config_from_args(args)
     embedded = not cfg.data.data_path and not cfg.data.mock_data
     if embedded:
         cfg = config_from_args(args, base=embedded_default())
-    cfg.logging.run_dir = cfg.logging.run_dir or _new_run_dir()
-    print(f"meshlm: run directory {cfg.logging.run_dir}", flush=True)
+        _fit_warmup(cfg, explicit_fields(args))
+    run_dir = cfg.logging.run_dir = cfg.logging.run_dir or _new_run_dir()
+    print(f"meshlm: run directory {run_dir}", flush=True)
+    for note in notes(cfg):
+        print(f"meshlm: note: {note}", flush=True)
     world = world_size_of(cfg)
+    validate(cfg, world, check_files=not embedded)
+    _lock(held, run_dir, "--run-dir", run_dir)
     if embedded:
-        validate(cfg, world, check_files=False)
         from .data.corpus import prepare_default_corpus
         print("meshlm: no --data-path or --mock-data: training on the embedded default corpus "
               "(the Python standard library's sources)", flush=True)
-        corpus = prepare_default_corpus(cfg.logging.run_dir)
+        corpus = prepare_default_corpus(run_dir)
         cfg.data.data_path = list(corpus["data_path"])
         cfg.data.tokenizer_type = "HuggingFaceTokenizer"
         cfg.data.tokenizer_model = corpus["tokenizer_model"]
-        cfg.checkpoint.save = cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "checkpoints")
-    validate(cfg, world)
-    if held is not None and cfg.checkpoint.save:
-        from .checkpoint.lock import hold
-        held.enter_context(hold(cfg.checkpoint.save, cfg.logging.run_dir))
-    os.makedirs(cfg.logging.run_dir, exist_ok=True)
-    path = os.path.join(cfg.logging.run_dir, "config.yaml")
+        cfg.checkpoint.save = cfg.checkpoint.save or os.path.join(run_dir, "checkpoints")
+        validate(cfg, world)
+    save = cfg.checkpoint.save
+    if save and os.path.realpath(save) != os.path.realpath(run_dir):  # one folder, one lock
+        _lock(held, save, "--save", run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "config.yaml")
     dump_yaml(cfg, path)
     print(f"meshlm: config {path}", flush=True)
     return cfg
@@ -104,7 +124,7 @@ def _run_pretrain(args: argparse.Namespace) -> int:
 
     if launch.is_self_launched_worker():  # re-entered with the resolved config.yaml
         return launch.run_worker(config_from_args(args))
-    with contextlib.ExitStack() as held:  # the --save lock, held by this process until the run ends
+    with contextlib.ExitStack() as held:  # the --run-dir and --save locks, held until the run ends
         if launch.in_launched_job():  # torchrun / srun started every rank; rank 0 resolves and locks
             timeout = config_from_args(args).parallel.distributed_timeout_minutes
             return launch.run_worker(launch.resolve_on_rank0(lambda: resolve_config(args, held), timeout))
@@ -155,9 +175,17 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported as a ConfigError (one line, exit 2) instead of usage text;
+    the subcommands' parsers are of this class too."""
+
+    def error(self, message):
+        raise ConfigError(f"{message}; see `{self.prog} --help`")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``meshlm`` parser; only ``command``'s own flags are built (they import their module)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="meshlm", allow_abbrev=False, description="Megatron-style 3D-parallel LLM training on torch.distributed "
         "(gloo on CPU, NCCL on GPUs).", epilog="`meshlm COMMAND --help` shows a command's flags.")
     parser.add_argument("--version", action="version", version=f"meshlm {__version__}")

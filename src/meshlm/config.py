@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .errors import ConfigError
+from .values import coerce, expected, flag_type, kind_of
 
 
 def opt(default: Any, help: str, *, flag: Optional[str] = None, choices=None,
@@ -223,65 +224,56 @@ def _index():
 
 
 def _coerce(f, value, where: str):
-    """Convert a YAML value to the field's type; raise ConfigError naming the key."""
+    """Convert a YAML value to the field's kind; raise ConfigError naming the key and the kind."""
     if value is None:
         return None
-    typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"{where}: {flag_of(f)[2:]}={value!r} is not one of {', '.join(choices)}")
+    kind = kind_of(f)
     try:
-        if "bool" in typ:
-            return _parse_bool(value)
-        if "int" in typ:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
-        if "float" in typ:
-            return float(value)
-        if "list" in typ:
-            return [str(v) for v in (value if isinstance(value, list) else str(value).split())]
-        return str(value)
+        return coerce(kind, value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: {flag_of(f)[2:]}={value!r} is not a valid {typ}") from None
+        raise ConfigError(f"{where}: {flag_of(f)[2:]}={value!r} is not {expected(kind, value)}") from None
 
 
-def _parse_bool(value) -> bool:
-    """true/false, yes/no, on/off, 1/0 (any case) or a YAML bool; ValueError otherwise."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(value)
+def _flatten(mapping: dict) -> list:
+    """(key, value) pairs of a flat or section-nested mapping; a ``model: NAME`` string names a preset."""
+    pairs = []
+    for key, value in mapping.items():
+        if key in SECTIONS and isinstance(value, dict):
+            pairs += value.items()
+        elif key in ("model", "model_preset") and isinstance(value, str):
+            pairs.append(("model_preset", value))
+        else:
+            pairs.append((key, value))
+    return pairs
 
 
 def apply_mapping(cfg: Config, mapping: dict, source: str) -> None:
-    """Set fields from a flat or section-nested mapping (YAML). Unknown keys are errors."""
+    """Set fields from a flat or section-nested mapping (YAML). Unknown keys are errors, and so is
+    a field given twice (in two spellings, or flat and in its section)."""
     idx = _index()
-    problems = []
-    flat = {}
-    for key, value in mapping.items():
-        if key in SECTIONS and isinstance(value, dict):
-            flat.update(value)
-        elif key in ("model", "model_preset") and isinstance(value, str):
-            flat["model_preset"] = value
-        else:
-            flat[key] = value
-    for key, value in flat.items():
+    problems, given = [], {}
+    for key, value in _flatten(mapping):
+        field_key = "model_preset" if key == "model_preset" else idx[key][1].name if key in idx else None
+        if field_key in given:
+            how = "flat and in its section" if given[field_key] == key else f"also as {given[field_key]!r}"
+            problems.append(f"{source}: {key!r} is given twice ({how}); keep one")
+            continue
+        given[field_key] = key
         if key == "model_preset":
             continue
-        if key not in idx:
+        if field_key is None:
             problems.append(f"{source}: unknown key {key!r}")
             continue
         sec, f = idx[key]
         # YAML spelling of inverted switches: disable_bias_linear: true → add_bias_linear False
-        if f.metadata.get("action") == "store_false" and key.replace("-", "_") != f.name:
-            value = not value
         try:
-            setattr(getattr(cfg, sec), f.name, _coerce(f, value, source))
+            value = _coerce(f, value, source)
+            if f.metadata.get("action") == "store_false" and key.replace("-", "_") != f.name:
+                value = not value
+            setattr(getattr(cfg, sec), f.name, value)
         except ConfigError as e:
             problems.extend(e.problems)
     if problems:
@@ -303,9 +295,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
             if m["action"]:
                 kw["action"] = m["action"]
             else:
-                typ = f.type if isinstance(f.type, str) else str(f.type)
-                kw["type"] = (_parse_bool if "bool" in typ else int if "int" in typ
-                              else float if "float" in typ else str)
+                kw["type"] = flag_type(kind_of(f))
                 if m["choices"]:
                     kw["choices"] = m["choices"]
                 else:
@@ -347,17 +337,19 @@ def dump_yaml(cfg: Config, path: str) -> None:
 
 
 def load_yaml(path: str) -> dict:
-    import yaml
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config {path}: no such file")
-    try:
-        with open(path) as fh:
-            data = yaml.safe_load(fh) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of config keys")
-    return data
+    """The mapping in the YAML file ``path``; ConfigError (one line naming the file and the fix)
+    when it cannot be read, is not UTF-8, is not YAML, repeats a key or is not a mapping."""
+    from .yaml_file import read_mapping
+    return read_mapping(path, "--config")
+
+
+def explicit_fields(args: argparse.Namespace) -> set:
+    """Names of the fields the user set, by a flag or a --config key (not by a preset or default)."""
+    names = {dest.split(".", 1)[1] for dest in vars(args) if "." in dest}
+    if getattr(args, "config", None):
+        idx = _index()
+        names |= {idx[key][1].name for key, _ in _flatten(load_yaml(args.config)) if key in idx}
+    return names
 
 
 # ----------------------------------------------------------------------------- derived values
@@ -407,8 +399,9 @@ def ffn_hidden(m: ModelConfig) -> int:
 
 
 def query_groups(m: ModelConfig) -> int:
-    return m.num_query_groups if (m.group_query_attention or m.num_query_groups) and m.num_query_groups \
-        else m.num_attention_heads
+    """Key/value heads: --num-query-groups under --group-query-attention, else one per attention
+    head (Megatron ignores --num-query-groups without --group-query-attention)."""
+    return m.num_query_groups if m.group_query_attention and m.num_query_groups else m.num_attention_heads
 
 
 def head_dim(m: ModelConfig) -> int:

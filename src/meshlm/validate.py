@@ -109,7 +109,7 @@ def _layout_problems(cfg: Config, world: int) -> list:
         problems.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
                         f"--tensor-model-parallel-size {tp}")
     groups = query_groups(m)
-    if m.num_query_groups and m.num_attention_heads % groups == 0:
+    if groups != m.num_attention_heads and m.num_attention_heads % groups == 0:
         if groups >= tp and groups % tp:
             problems.append(f"--num-query-groups {groups} is not divisible by "
                             f"--tensor-model-parallel-size {tp}")
@@ -279,23 +279,18 @@ def _file_problems(cfg: Config) -> list:
 
 def _output_problems(cfg: Config) -> list:
     """Each folder the run writes is a directory, or can be created as one, and is writable."""
+    from .folders import output_folder_problem
     c, lg = cfg.checkpoint, cfg.logging
-    problems = []
-    for flag, path in [("--save", c.save), ("--run-dir", lg.run_dir), ("--log-dir", lg.log_dir),
-                       ("--tensorboard-dir", lg.tensorboard_dir), ("--data-cache-path", cfg.data.data_cache_path)]:
-        if not path:
-            continue
-        if os.path.exists(path) and not os.path.isdir(path):
-            problems.append(f"{flag} {path} is a file, not a directory; give a directory path "
-                            f"(it is created if missing)")
-            continue
-        existing = os.path.abspath(path)
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        if not os.path.isdir(existing):
-            problems.append(f"{flag} {path} cannot be created: {existing} is a file; give another path")
-        elif not os.access(existing, os.W_OK | os.X_OK):
-            what = ("is not writable" if existing == os.path.abspath(path)
-                    else f"is inside {existing}, which is not writable")
-            problems.append(f"{flag} {path} {what}; give a folder you can write to")
-    return problems
+    folders = [("--save", c.save), ("--run-dir", lg.run_dir), ("--log-dir", lg.log_dir),
+               ("--tensorboard-dir", lg.tensorboard_dir), ("--data-cache-path", cfg.data.data_cache_path)]
+    return [p for p in (output_folder_problem(flag, path) for flag, path in folders if path) if p]
+
+
+def notes(cfg: Config) -> list:
+    """Settings that are valid but do not do what they may seem to: one line each, printed at start."""
+    m = cfg.model
+    if m.num_query_groups and not m.group_query_attention:
+        return [f"--num-query-groups {m.num_query_groups} is ignored without --group-query-attention "
+                f"(as in Megatron): every attention head keeps its own key/value head; add "
+                f"--group-query-attention to use {m.num_query_groups} groups"]
+    return []

@@ -34,13 +34,25 @@ SEPARATE_EPOCH_THRESHOLD = 0.80  # a final epoch that contributes < 80 % of an e
 
 
 def split_weights(split: str) -> list:
-    """``--split "969,30,1"`` → three weights normalised to sum 1 (missing ones are 0)."""
+    """``--split "969,30,1"`` → three weights normalised to sum 1 (missing ones are 0).
+
+    ConfigError says what is wrong: not numbers, more than three, a negative or non-finite
+    weight, or every weight 0.
+    """
     try:
         w = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]
     except ValueError:
-        w = []
-    if not 1 <= len(w) <= 3 or not all(0 <= x < math.inf for x in w) or sum(w) <= 0:
-        raise ConfigError(f"--split {split!r} must be up to three finite, non-negative numbers, e.g. 969,30,1")
+        raise ConfigError(f"--split {split!r} is not a list of numbers; give up to three weights "
+                          f"train,valid,test, e.g. 969,30,1") from None
+    if not 1 <= len(w) <= 3:
+        raise ConfigError(f"--split {split!r} has {len(w)} weights; give one to three (train,valid,test), "
+                          f"e.g. 969,30,1")
+    if not all(0 <= x < math.inf for x in w):
+        raise ConfigError(f"--split {split!r} has a negative or non-finite weight; give finite weights "
+                          f"≥ 0, e.g. 969,30,1")
+    if sum(w) == 0:
+        raise ConfigError(f"--split {split!r} gives every split weight 0, so the training set gets no data; "
+                          f"make the first (train) weight positive, e.g. 969,30,1")
     w = np.asarray(w + [0.0] * (3 - len(w)), dtype=np.float64)
     return (w / w.sum()).tolist()
 
