@@ -166,8 +166,8 @@ def train_layout(case: Case, poison: bool = True) -> dict:
         poison_pending_gathers(run.opt)
     norms, step = [], run.opt.step
 
-    def recording_step():
-        result = step()
+    def recording_step(*args):
+        result = step(*args)
         norms.append(result.grad_norm)
         return result
 

@@ -137,7 +137,8 @@ def _nan_at_iteration_2(rank, world, tmp, skip):
 
     def poisoned(outputs, ps):
         calls["n"] += 1
-        return float("nan") if calls["n"] == 2 else real(outputs, ps)  # 2nd call = iteration 2's loss
+        loss = real(outputs, ps)
+        return loss * float("nan") if calls["n"] == 2 else loss  # 2nd call = iteration 2's loss
 
     trainer.reduce_losses = poisoned
     cfg = tiny_config(tmp, iters=3, skip_nan_steps=skip)

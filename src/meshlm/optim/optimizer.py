@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -146,16 +147,18 @@ class MixedPrecisionOptimizer:
     def set_lr(self, lr: float) -> None:
         self.lr = float(lr)
 
-    def step(self) -> StepResult:
+    def step(self, loss: Optional[torch.Tensor] = None) -> StepResult:
         """Unscale, check inf/NaN, clip, AdamW, publish the new params. Collective over all ranks.
 
-        Call after ``ddp.finish_grad_sync()``.
+        Call after ``ddp.finish_grad_sync()``. loss: the step's loss, already the same on every rank
+        (a tensor on the device); a NaN/inf loss skips the step like NaN/inf gradients, decided in
+        the grad norm's host sync, so checking it costs no sync of its own.
         """
         self.finish_param_sync()
         grads = [s.grad.to(s.master.dtype) for s in self.shards]  # views when dtypes match
         scale = self.scaler.scale
         found_inf = scale != 1.0 and self._unscale_and_check(grads, 1.0 / scale)
-        norm = 0.0 if found_inf else self.grad_norm(grads)
+        norm = 0.0 if found_inf else self.grad_norm(grads, loss)
         if found_inf or not math.isfinite(norm):
             ok = self.scaler.dynamic and scale > self.scaler.min_scale
             self.scaler.update(True)
@@ -192,12 +195,15 @@ class MixedPrecisionOptimizer:
         self._all_reduce(found, self.inf_groups, dist.ReduceOp.MAX)
         return bool(found.item() > 0)
 
-    def grad_norm(self, grads: list) -> float:
-        """Global L2 norm of the gradients (see counts_in_norm), reduced over ``norm_groups``."""
+    def grad_norm(self, grads: list, loss: Optional[torch.Tensor] = None) -> float:
+        """Global L2 norm of the gradients (see counts_in_norm), reduced over ``norm_groups``;
+        NaN when ``loss`` (a tensor, optional) is NaN or inf (0 · loss enters the sum)."""
         views = [g[f.lo:f.hi] for s, g in zip(self.shards, grads) for f in s.fragments if f.counted]
         sq = torch.zeros(1, dtype=torch.float64, device=self.ps.device)
         if views:
             sq += torch.stack(torch._foreach_norm(views)).double().pow(2).sum()
+        if loss is not None:
+            sq += 0.0 * loss.to(sq.device, torch.float64).reshape(-1)[:1]
         self._all_reduce(sq, self.norm_groups, dist.ReduceOp.SUM)
         return float(sq.sqrt().item())
 

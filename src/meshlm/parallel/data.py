@@ -122,11 +122,21 @@ class GradSyncStats:
         behind it): wall time on CPU; on CUDA the time between the backward's last kernel and the
         last reduction's end on the compute stream (CUDA events), so queued compute is not counted.
     bucket_exposed_s: the wait on each DP bucket, seconds, in launch order.
+    Both are computed when first read, from the marks taken during the sync: read after the step's
+    one host sync (the optimizer's), the CUDA events have fired and reading them costs no sync.
     """
 
     bytes_reduced: int = 0
-    exposed_s: float = 0.0
-    bucket_exposed_s: list = field(default_factory=list)
+    marks: tuple = (0.0, 0.0)  # (start, end) marks of the whole sync
+    spans: list = field(default_factory=list)  # (start, end) marks of each bucket's wait
+
+    @property
+    def exposed_s(self) -> float:
+        return _elapsed(*self.marks)
+
+    @property
+    def bucket_exposed_s(self) -> list:
+        return [_elapsed(a, b) for a, b in self.spans]
 
 
 class DistributedDataParallel:
@@ -240,9 +250,7 @@ class DistributedDataParallel:
             self._all_reduce_marked("sequence_parallel", self.ps.tp_group)
         if self.tied_embeddings and self.ps.embedding_group is not None:
             self._all_reduce_marked("shared_embedding", self.ps.embedding_group)
-        end = _mark(self.ps.device)
-        stats.exposed_s = _elapsed(t0, end)
-        stats.bucket_exposed_s = [_elapsed(a, b) for a, b in spans]
+        stats.marks, stats.spans = (t0, _mark(self.ps.device)), spans
         stats.bytes_reduced = self._bytes
         self.stats = stats
         self._reset()

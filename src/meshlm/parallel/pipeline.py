@@ -274,8 +274,9 @@ class _Executor:
 
 # ----------------------------------------------------------------------------- reporting
 
-def reduce_losses(losses: list, ps: ParallelState) -> float:
-    """Mean lm loss of one step, the same on every rank (collective over the PP and DP×CP groups).
+def reduce_losses(losses: list, ps: ParallelState) -> torch.Tensor:
+    """Mean lm loss of one step, the same on every rank (collective over the PP and DP×CP groups),
+    as a float64 [1] tensor on the device: reading it is left to the caller (no host sync here).
 
     The mean of the micro-batch means returned by ``forward_backward`` — the objective whose
     gradient was taken — broadcast from the last stage over the pipeline, then averaged over
@@ -289,7 +290,7 @@ def reduce_losses(losses: list, ps: ParallelState) -> float:
     if ps.dp_cp_group is not None:
         dist.all_reduce(t, group=ps.dp_cp_group)
         t /= ps.dp * ps.cp
-    return float(t.item())
+    return t
 
 
 def bubble_fraction(timeline: list, window: Optional[tuple] = None) -> float:

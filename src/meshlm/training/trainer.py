@@ -242,19 +242,18 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
                                loss_scale=run.opt.loss_scale, no_sync=run.ddp.no_sync, timeline=timeline)
     schedule_end = time.perf_counter()
     run.ddp.finish_grad_sync()
-    loss = reduce_losses(outputs, ps)
+    lr = run.sched.lr
+    loss_t = reduce_losses(outputs, ps)
+    result = run.opt.step(loss_t)  # its grad norm is the step's one host sync; a NaN loss skips it too
+    loss = float(loss_t.item())  # ready: the stream was synchronised by the step
     nan = not math.isfinite(loss)
-    lr, grad_norm, skipped = run.sched.lr, None, False
-    if nan and not run.logger.fp16:  # fp16: the loss scaler sees the overflow and skips the step
+    if nan and not run.logger.fp16:  # fp16: the loss scaler backs off and the run goes on
         _stop_unless_skipping(run, it, f"lm loss is {loss}")
-        skipped = True
-    else:
-        result = run.opt.step()
-        if not result.ok:  # inf/NaN gradients under bf16/fp32, or fp16 at --min-loss-scale
-            _stop_unless_skipping(run, it, "gradients are inf/NaN")
-        grad_norm, skipped = result.grad_norm, result.skipped or not result.ok
-        if not skipped:
-            run.sched.step(run.opt)
+    elif not result.ok:  # inf/NaN gradients under bf16/fp32, or fp16 at --min-loss-scale
+        _stop_unless_skipping(run, it, "gradients are inf/NaN")
+    grad_norm, skipped = (None if nan else result.grad_norm), result.skipped or not result.ok
+    if not skipped:
+        run.sched.step(run.opt)
     state.iteration = it
     state.consumed_samples += run.global_batch
     bubble = None
@@ -305,7 +304,7 @@ def evaluate(run: Run, state: TrainState, index: int) -> float:
         data = micro_batches(run.valid_ds, offset + i * run.global_batch, t.micro_batch_size, ps.dp_rank, ps.dp)
         outputs = forward_backward(run.chunks, data, ps=ps, cfg=cfg, num_microbatches=run.num_microbatches,
                                    forward_only=True)
-        total += reduce_losses(outputs, ps)
+        total += float(reduce_losses(outputs, ps).item())
     for chunk in run.chunks:
         chunk.train()
     val = total / t.eval_iters
