@@ -31,6 +31,7 @@ EMBEDDED_DEFAULT = {
     "hidden_dropout": 0.0, "attention_dropout": 0.0,
     "micro_batch_size": 4, "global_batch_size": 16, "train_iters": 500,
     "lr": 2e-3, "min_lr": 2e-4, "lr_warmup_iters": 10, "lr_decay_style": "cosine",
+    "weight_decay": 0.1, "adam_beta2": 0.95,
     "log_interval": 10, "eval_interval": 50, "eval_iters": 4, "eval_at_start": True, "split": "98,2,0",
 }
 EMBEDDED_DEFAULT_CPU_LAYOUT = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
@@ -94,7 +95,8 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
         _fit_warmup(cfg, explicit_fields(args))
     run_dir = cfg.logging.run_dir = cfg.logging.run_dir or _new_run_dir()
     print(f"meshlm: run directory {run_dir}", flush=True)
-    for note in notes(cfg):
+    from .megatron_flags import startup_lines
+    for note in notes(cfg) + startup_lines(args, explicit_fields(args)):
         print(f"meshlm: note: {note}", flush=True)
     world = world_size_of(cfg)
     validate(cfg, world, check_files=not embedded)
@@ -119,8 +121,34 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
     return cfg
 
 
+def _dry_run(args: argparse.Namespace) -> int:
+    """Check everything a launch checks for the job's world size, print the layout and per-rank
+    memory, and return 0 without starting a worker (or writing anything)."""
+    from .config import config_from_args, default_nproc, explicit_fields
+    from .dry_run import report
+    from .megatron_flags import startup_lines
+    from .validate import notes, validate
+
+    cfg = config_from_args(args)
+    embedded = not cfg.data.data_path and not cfg.data.mock_data
+    if embedded:
+        cfg = config_from_args(args, base=embedded_default())
+        _fit_warmup(cfg, explicit_fields(args))
+    world = args.world_size or args.nnodes * default_nproc(cfg)
+    for note in notes(cfg) + startup_lines(args, explicit_fields(args)):
+        print(f"meshlm: note: {note}", flush=True)
+    validate(cfg, world, check_files=not embedded, cuda=True)
+    for line in report(cfg, world):
+        print(f"meshlm: dry run: {line}", flush=True)
+    print("meshlm: dry run: all checks passed; no worker started", flush=True)
+    return 0
+
+
 def _run_pretrain(args: argparse.Namespace) -> int:
     from .config import config_from_args, default_nproc, dp_size
+
+    if args.dry_run:
+        return _dry_run(args)
 
     if launch.is_self_launched_worker():  # re-entered with the resolved config.yaml
         return launch.run_worker(config_from_args(args))
@@ -159,8 +187,16 @@ def _add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_pretrain(parser: argparse.ArgumentParser) -> None:
-    from .config import add_config_args
+    from .config import add_config_args, config_fields, flag_of
+    from .megatron_flags import add_no_effect_args, help_epilog
     add_config_args(parser)
+    run = parser.add_argument_group("dry run")
+    run.add_argument("--dry-run", action="store_true", help="check the flags, files and layout, print the "
+                     "layout and per-rank memory, exit without starting workers")
+    run.add_argument("--nnodes", type=int, default=1, help="nodes of the job --dry-run checks (× --nproc-per-node)")
+    run.add_argument("--world-size", type=int, default=None, help="processes of the job --dry-run checks")
+    add_no_effect_args(parser)
+    parser.epilog = help_epilog({flag_of(f) for _, f in config_fields()})
     parser.set_defaults(_run=_run_pretrain)
 
 
@@ -208,7 +244,12 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     try:
-        args = build_parser(command).parse_args(argv)
+        parser = build_parser(command)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # a Megatron flag meshlm lacks, or a typo: all of them in one line
+            from .megatron_flags import refusal
+            raise refusal(extra) if command == "pretrain" else ConfigError(
+                f"unrecognized arguments: {' '.join(extra)}; see `meshlm {command} --help`")
         return args._run(args) or 0
     except MeshlmError as e:
         rank = f"rank {launch.job_rank()}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""

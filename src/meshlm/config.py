@@ -85,8 +85,10 @@ class ParallelConfig:
     overlap_param_gather: bool = opt(False, "overlap ZeRO-1 parameter all-gather with forward",
                                      action="store_true")
     ddp_bucket_size: Optional[int] = opt(None, "elements per gradient bucket (default max(40M, 1M × DP))")
-    accumulate_allreduce_grads_in_fp32: bool = opt(True, "keep main_grad in fp32 (default on)")
-    use_cpu_initialization: bool = opt(True, "build each full weight from the seed, keep this rank's slice")
+    accumulate_allreduce_grads_in_fp32: bool = opt(True, "keep main_grad in fp32 (always on in meshlm)",
+                                                   action="store_true")
+    use_cpu_initialization: bool = opt(True, "build each full weight from the seed, keep this rank's slice "
+                                       "(on by default in meshlm)", action="store_true")
     nproc_per_node: Optional[int] = opt(None, "local workers to start (default: GPUs, or as the layout needs on CPU)")
     distributed_timeout_minutes: int = opt(10, "timeout of collectives in minutes")
 
@@ -96,7 +98,9 @@ class TrainingConfig:
     """Batching, precision, iterations, logging cadence."""
 
     micro_batch_size: int = opt(4, "samples per micro-batch per DP rank")
-    global_batch_size: Optional[int] = opt(None, "samples per optimizer step (default micro × DP)")
+    global_batch_size: Optional[int] = opt(None, "samples per optimizer step (default micro × accumulation × DP)")
+    gradient_accumulation_steps: Optional[int] = opt(
+        None, "micro-batches per DP rank per step: another way to state the global batch (micro × this × DP)")
     train_iters: int = opt(100, "optimizer steps")
     seed: int = opt(1234, "seed of weights, dropout and data order")
     bf16: bool = opt(False, "bf16 parameters and compute (accepted on CPU, which trains in fp32)",
@@ -133,14 +137,14 @@ class OptimizerConfig:
     """AdamW, LR schedule and gradient clipping."""
 
     lr: float = opt(6e-4, "peak learning rate")
-    min_lr: float = opt(6e-5, "learning rate at the end of decay")
-    lr_decay_style: str = opt("cosine", "decay after warm-up", choices=["constant", "linear", "cosine"])
+    min_lr: float = opt(0.0, "learning rate at the end of decay")
+    lr_decay_style: str = opt("linear", "decay after warm-up", choices=["constant", "linear", "cosine"])
     lr_warmup_iters: int = opt(0, "linear warm-up iterations")
     lr_decay_iters: Optional[int] = opt(None, "decay iterations (default: train iters)")
-    weight_decay: float = opt(0.1, "AdamW weight decay (not on biases and norms)")
+    weight_decay: float = opt(0.01, "AdamW weight decay (not on biases and norms)")
     clip_grad: float = opt(1.0, "global gradient norm clip (0 = off)")
     adam_beta1: float = opt(0.9, "Adam beta1")
-    adam_beta2: float = opt(0.95, "Adam beta2")
+    adam_beta2: float = opt(0.999, "Adam beta2")
     adam_eps: float = opt(1e-8, "Adam epsilon")
 
 
@@ -157,7 +161,8 @@ class DataConfig:
     vocab_file: Optional[str] = opt(None, "GPT-2 vocab.json")
     merge_file: Optional[str] = opt(None, "GPT-2 merges.txt")
     data_cache_path: Optional[str] = opt(None, "folder for cached sample indices")
-    num_workers: int = opt(0, "data loader worker processes")
+    num_workers: int = opt(0, "data loader worker processes (accepted, not read yet: batches are read in the "
+                           "training process)")
 
 
 @dataclass
@@ -291,7 +296,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         cls = Config.__dataclass_fields__[sec].default_factory
         for f in dataclasses.fields(cls):
             m = f.metadata
-            kw = {"dest": f"{sec}.{f.name}", "default": argparse.SUPPRESS, "help": m["help"]}
+            kw = {"dest": f"{sec}.{f.name}", "default": argparse.SUPPRESS, "help": _help(f)}
             if m["action"]:
                 kw["action"] = m["action"]
             else:
@@ -303,6 +308,16 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                 if m["nargs"]:
                     kw["nargs"] = m["nargs"]
             group.add_argument(flag_of(f), **kw)
+
+
+def _help(f) -> str:
+    """A field's help, with meshlm's default and, where it differs on purpose, Megatron's."""
+    from .megatron_flags import DIFFERENT_DEFAULTS
+    text = f"{f.metadata['help']} [default: {f.default_factory() if f.default is dataclasses.MISSING else f.default}]"
+    if flag_of(f) in DIFFERENT_DEFAULTS:
+        megatron, why = DIFFERENT_DEFAULTS[flag_of(f)]
+        text += f" (Megatron: {megatron}; differs on purpose: {why})"
+    return text.replace("%", "%%")
 
 
 def config_from_args(args: argparse.Namespace, base: Optional[dict] = None) -> Config:
@@ -380,8 +395,9 @@ def dp_size(cfg: Config, world: Optional[int] = None) -> int:
 
 
 def global_batch(cfg: Config, world: Optional[int] = None) -> int:
+    """--global-batch-size, else micro × --gradient-accumulation-steps (default 1) × DP."""
     t = cfg.training
-    return t.global_batch_size or t.micro_batch_size * dp_size(cfg, world)
+    return t.global_batch_size or t.micro_batch_size * (t.gradient_accumulation_steps or 1) * dp_size(cfg, world)
 
 
 def num_microbatches(cfg: Config, world: Optional[int] = None) -> int:

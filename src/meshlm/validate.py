@@ -26,7 +26,8 @@ def _nearest_multiples(value: int, step: int) -> str:
     return f"{lo} or {hi}" if lo > 0 else f"{hi}"
 
 
-def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True) -> None:
+def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
+             cuda: Optional[bool] = None) -> None:
     """Check the whole config; raise one ConfigError listing every problem.
 
     world: job size (default from the environment / --nproc-per-node). check_files: also check
@@ -37,7 +38,8 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True)
 
     Precision: --fp16 is an error without CUDA (no fp16 training on CPU: its kernels are slow or
     missing, and a loss scaler there only hides that). --bf16 is accepted on CPU so one config
-    runs on both kinds of machine; the trainer keeps fp32 there and prints a note.
+    runs on both kinds of machine; the trainer keeps fp32 there and prints a note. cuda: whether
+    the workers have CUDA (default: whether this machine has; --dry-run assumes GPU workers).
     """
     sizes, problems = _numeric_problems(cfg)
     if sizes:  # the checks below divide by these values
@@ -45,7 +47,7 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True)
     world = world_size_of(cfg) if world is None else world
     problems += _layout_problems(cfg, world)
     problems += _model_problems(cfg.model)
-    problems += _training_problems(cfg)
+    problems += _training_problems(cfg, cuda)
     problems += _data_problems(cfg)
     problems += _output_problems(cfg)
     if check_files:
@@ -116,6 +118,7 @@ def _layout_problems(cfg: Config, world: int) -> list:
         elif groups < tp and tp % groups:
             problems.append(f"--tensor-model-parallel-size {tp} is not a multiple of "
                             f"--num-query-groups {groups}")
+    problems += _accumulation_problems(t, dp)
     problems += _tp_split_problems(cfg)
     if p.sequence_parallel and tp == 1:
         problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
@@ -128,6 +131,17 @@ def _layout_problems(cfg: Config, world: int) -> list:
         from .parallel.pipeline import validate_pipeline
         problems += validate_pipeline(cfg, world)
     return problems
+
+
+def _accumulation_problems(t, dp: int) -> list:
+    """--gradient-accumulation-steps N states the global batch as micro × N × DP; with
+    --global-batch-size too, both must agree."""
+    n = t.gradient_accumulation_steps
+    if n is None or t.global_batch_size is None or t.global_batch_size == t.micro_batch_size * n * dp:
+        return []
+    return [f"--gradient-accumulation-steps {n} gives a global batch of --micro-batch-size "
+            f"{t.micro_batch_size} × {n} × DP {dp} = {t.micro_batch_size * n * dp}, not --global-batch-size "
+            f"{t.global_batch_size}; drop one of the two flags or make them agree"]
 
 
 def _tp_split_problems(cfg: Config) -> list:
@@ -173,13 +187,13 @@ def _model_problems(m: ModelConfig) -> list:
     return problems
 
 
-def _training_problems(cfg: Config) -> list:
+def _training_problems(cfg: Config, cuda: Optional[bool]) -> list:
     """Precision, learning-rate schedule, evaluation and checkpoint cadence."""
     problems = []
     t, o, c = cfg.training, cfg.optimizer, cfg.checkpoint
     if t.bf16 and t.fp16:
         problems.append("--bf16 and --fp16 are exclusive; pick one")
-    if t.fp16:
+    if t.fp16 and cuda is not True:
         import torch
         if not torch.cuda.is_available():
             problems.append("--fp16 needs CUDA; on CPU train in fp32 (no flag) or --bf16")

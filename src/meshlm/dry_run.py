@@ -1,0 +1,72 @@
+"""``meshlm pretrain --dry-run``: check a launch and print its layout and per-rank memory, no workers.
+
+Parameters are counted from the model shape (no model is built): embedding (+ learned positions),
+per layer two norms, QKV and output projections, the MLP, a final norm and an untied output layer.
+Bytes per parameter are the optimizer's (``memory_report``): bf16/fp16 2 + 4 + 12, or 2 + 4 + 12/DP
+under --use-distributed-optimizer; fp32 4 + 4 + 8 (or 8/DP).
+"""
+
+from __future__ import annotations
+
+from .config import (Config, dp_size, ffn_hidden, global_batch, head_dim, max_positions, num_microbatches,
+                     padded_vocab_size, query_groups)
+
+_GPT2_VOCAB = 50257
+
+
+def vocab_of(cfg: Config) -> tuple:
+    """(vocabulary size, how it was found): --vocab-size, the tokenizer's, or an assumption."""
+    d = cfg.data
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size, "--vocab-size"
+    if d.tokenizer_type == "GPT2BPETokenizer":
+        return _GPT2_VOCAB, "GPT-2"
+    if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model:
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(d.tokenizer_model).get_vocab_size(), d.tokenizer_model
+    return 32000, "assumed: the tokenizer is not known yet"
+
+
+def stage_params(cfg: Config, vocab: int) -> list:
+    """Parameters held by one TP rank of each pipeline stage (TP-split weights / TP, the rest whole)."""
+    from .parallel.pipeline import stage_layers
+    m, p = cfg.model, cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    h, ffn, bias = m.hidden_size, ffn_hidden(m), m.add_bias_linear
+    qkv = (m.num_attention_heads + 2 * query_groups(m)) * head_dim(m)
+    norm = h * (2 if m.normalization == "LayerNorm" else 1)
+    split = h * qkv + qkv * bias + m.num_attention_heads * head_dim(m) * h \
+        + h * ffn * (2 if m.swiglu else 1) + ffn * (2 if m.swiglu else 1) * bias + ffn * h
+    layer = split / tp + 2 * norm + 2 * h * bias
+    embedding = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, tp) * h / tp
+    stages = stage_layers(cfg)  # stage s = chunk · PP + rank
+    counts = [sum(len(stages[s]) for s in range(r, len(stages), pp)) for r in range(pp)]
+    params = [n * layer for n in counts]
+    params[0] += embedding + (max_positions(m) * h if m.position_embedding_type == "learned_absolute" else 0)
+    params[-1] += norm + (embedding if m.untie_embeddings_and_output_weights or pp > 1 else 0)
+    return [int(x) for x in params]
+
+
+def report(cfg: Config, world: int) -> list:
+    """The lines --dry-run prints: layout, batch, parameters and per-rank memory."""
+    p, t = cfg.parallel, cfg.training
+    dp = dp_size(cfg, world)
+    vocab, source = vocab_of(cfg)
+    params = stage_params(cfg, vocab)
+    half = t.bf16 or t.fp16
+    weights, grads, optim = (2, 4, 12) if half else (4, 4, 8)
+    optim = optim / dp if p.use_distributed_optimizer else optim
+    per = weights + grads + optim
+    biggest = max(params)
+    return [
+        f"layout: world {world} = TP {p.tensor_model_parallel_size} × CP {p.context_parallel_size} × "
+        f"PP {p.pipeline_model_parallel_size} × DP {dp}",
+        f"batch: global {global_batch(cfg, world)} = micro {t.micro_batch_size} × {num_microbatches(cfg, world)} "
+        f"micro-batches × DP {dp}; sequence {cfg.model.seq_length}",
+        f"parameters per rank by pipeline stage: {', '.join(f'{n / 1e6:.1f}M' for n in params)} "
+        f"(vocabulary {vocab}, {source})",
+        f"memory per rank (largest stage, {'bf16/fp16' if half else 'fp32'}): weights "
+        f"{biggest * weights / 2**30:.2f} GiB + grads {biggest * grads / 2**30:.2f} GiB + optimizer "
+        f"{biggest * optim / 2**30:.2f} GiB = {biggest * per / 2**30:.2f} GiB ({per:g} bytes/parameter; "
+        f"activations not counted)",
+    ]

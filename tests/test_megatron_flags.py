@@ -1,0 +1,92 @@
+"""Megatron-LM flags: the three sets, switches, --gradient-accumulation-steps and --dry-run."""
+
+import pytest
+
+from meshlm.cli import main
+from meshlm.megatron_flags import MEGATRON_FLAGS, NO_EFFECT
+
+
+def _gpt3(tmp_path):
+    """Megatron's examples/gpt3/train_gpt3_175b_distributed.sh flags, paths replaced."""
+    for name in ("vocab.json", "merges.txt", "d_text_document.bin", "d_text_document.idx"):
+        (tmp_path / name).write_text("x")
+    return ["pretrain", "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+            "--seq-length", "2048", "--max-position-embeddings", "2048", "--attention-backend", "auto",
+            "--micro-batch-size", "1", "--global-batch-size", "1536",
+            "--step-batch-size-schedule", "0:16 2.4B:320", "--train-iters", "500000",
+            "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006",
+            "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
+            "--lr-warmup-fraction", ".001", "--lr-decay-iters", "430000",
+            "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
+            "--data-path", str(tmp_path / "d_text_document"), "--vocab-file", str(tmp_path / "vocab.json"),
+            "--merge-file", str(tmp_path / "merges.txt"), "--split", "949,50,1",
+            "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000",
+            "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"), "--eval-iters", "10",
+            "--tensorboard-dir", str(tmp_path / "tb"), "--dry-run", "--world-size", "1024"]
+
+
+def test_gpt3_example_names_exactly_the_missing_flags(tmp_path, capsys):
+    assert main(_gpt3(tmp_path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "not supported by meshlm: --step-batch-size-schedule --lr-warmup-fraction;" in err
+
+
+def test_gpt3_example_without_missing_flags_dry_runs(tmp_path, capsys):
+    argv = _gpt3(tmp_path)
+    for flag in ("--step-batch-size-schedule", "--lr-warmup-fraction"):
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    assert main(argv + ["--tokenizer-type", "GPT2BPETokenizer"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "TP 8 × CP 1 × PP 16 × DP 8" in out and "global 1536" in out and "12+4+2" not in out
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_llama3_example_refused_in_one_line(tmp_path, capsys):
+    argv = ["pretrain", "--use-mcore-models", "--num-layers", "32", "--hidden-size", "4096",
+            "--ffn-hidden-size", "14336", "--num-attention-heads", "32", "--group-query-attention",
+            "--num-query-groups", "8", "--kv-channels", "128", "--seq-length", "8192",
+            "--max-position-embeddings", "8192", "--position-embedding-type", "rope", "--rotary-base", "1000000",
+            "--rotary-percent", "1.0", "--swiglu", "--normalization", "RMSNorm", "--attention-backend", "fused",
+            "--apply-layernorm-1p", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+            "--micro-batch-size", "1", "--global-batch-size", "128", "--train-samples", "1953125000",
+            "--decoupled-lr", "5.0e-4", "--bf16", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
+            "--calculate-per-token-loss", "--manual-gc", "--fp8-format", "hybrid", "--use-distributed-optimizer",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256",
+            "--no-create-attention-mask-in-dataloader", "--num-workers", "1", "--log-throughput",
+            "--ckpt-format", "torch_dist", "--dry-run", "--world-size", "64"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    for flag in ("--rotary-percent", "--apply-layernorm-1p", "--train-samples", "--decoupled-lr",
+                 "--grad-reduce-in-bf16", "--calculate-per-token-loss", "--fp8-format"):
+        assert flag in err
+    assert "--use-mcore-models" not in err and "unknown flag" not in err
+
+
+def test_switches_and_no_effect_flags_dry_run(capsys):
+    argv = ["pretrain", "--mock-data", "--vocab-size", "1000", "--use-cpu-initialization",
+            "--accumulate-allreduce-grads-in-fp32", "--use-mcore-models", "--attention-backend", "auto",
+            "--no-gradient-accumulation-fusion", "--dry-run", "--world-size", "4",
+            "--micro-batch-size", "2", "--gradient-accumulation-steps", "3"]
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "accepted with no effect" in out and "--use-mcore-models" in out
+    assert "global 24 = micro 2 × 3 micro-batches × DP 4" in out
+
+
+def test_accumulation_disagrees_with_global_batch(capsys):
+    argv = ["pretrain", "--mock-data", "--vocab-size", "1000", "--dry-run", "--world-size", "2",
+            "--micro-batch-size", "2", "--gradient-accumulation-steps", "3", "--global-batch-size", "16"]
+    assert main(argv) == 2
+    assert "= 12, not --global-batch-size 16" in capsys.readouterr().err
+
+
+def test_typo_is_not_a_megatron_flag(capsys):
+    assert main(["pretrain", "--hiden-size", "3", "--dry-run"]) == 2
+    assert "unknown flag(s): --hiden-size" in capsys.readouterr().err
+
+
+def test_sets_are_megatron_flags():
+    assert set(NO_EFFECT) <= MEGATRON_FLAGS and len(MEGATRON_FLAGS) > 800
