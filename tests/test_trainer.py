@@ -135,9 +135,9 @@ def _nan_at_iteration_2(rank, world, tmp, skip):
     real = trainer.reduce_losses
     calls = {"n": 0}
 
-    def poisoned(outputs, ps):
+    def poisoned(outputs, ps, per_token=False):
         calls["n"] += 1
-        return float("nan") if calls["n"] == 2 else real(outputs, ps)  # 2nd call = iteration 2's loss
+        return float("nan") if calls["n"] == 2 else real(outputs, ps, per_token)  # 2nd call = iteration 2's loss
 
     trainer.reduce_losses = poisoned
     cfg = tiny_config(tmp, iters=3, skip_nan_steps=skip)

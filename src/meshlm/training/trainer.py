@@ -142,8 +142,8 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
     chunks = build_model_chunks(cfg, ps, tokenizer.vocab_size, dtype)
     ddp = DistributedDataParallel(chunks, ps, cfg)
     opt = build_optimizer(cfg, ps, chunks, ddp)
-    sched = LRScheduler(cfg.optimizer, t.train_iters)
     gb, nmb = C.global_batch(cfg, ps.world_size), C.num_microbatches(cfg, ps.world_size)
+    sched = LRScheduler(cfg.optimizer, t.train_iters, gb)
     padded = C.padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, ps.tp)
     log_dir = cfg.logging.log_dir or (os.path.join(cfg.logging.run_dir, "logs") if cfg.logging.run_dir else None)
     logger = MetricsLogger(enabled=ps.is_logging_rank, log_dir=log_dir, train_iters=t.train_iters,
@@ -242,7 +242,7 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
                                loss_scale=run.opt.loss_scale, no_sync=run.ddp.no_sync, timeline=timeline)
     schedule_end = time.perf_counter()
     run.ddp.finish_grad_sync()
-    loss = reduce_losses(outputs, ps)
+    loss = reduce_losses(outputs, ps, t.calculate_per_token_loss)
     nan = not math.isfinite(loss)
     lr, grad_norm, skipped = run.sched.lr, None, False
     if nan and not run.logger.fp16:  # fp16: the loss scaler sees the overflow and skips the step
@@ -305,7 +305,7 @@ def evaluate(run: Run, state: TrainState, index: int) -> float:
         data = micro_batches(run.valid_ds, offset + i * run.global_batch, t.micro_batch_size, ps.dp_rank, ps.dp)
         outputs = forward_backward(run.chunks, data, ps=ps, cfg=cfg, num_microbatches=run.num_microbatches,
                                    forward_only=True)
-        total += reduce_losses(outputs, ps)
+        total += reduce_losses(outputs, ps, t.calculate_per_token_loss)
     for chunk in run.chunks:
         chunk.train()
     val = total / t.eval_iters
