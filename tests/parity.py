@@ -30,6 +30,7 @@ from distributed import run_distributed
 STEPS = 3
 TOL = 1e-10
 VOCAB, SEQ, GLOBAL_BATCH = 50, 8, 8
+EOD = VOCAB - 1  # NullTokenizer's EOD id
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class Case:
     micro: int = 1               # --micro-batch-size
     layers: int = 4
     fast: str = "off"            # --fast-path: "on" compiles the layers and loss, fused AdamW
+    per_token: bool = False      # --calculate-per-token-loss
+    packed: bool = False         # --eod-mask-loss --reset-position-ids --reset-attention-mask
 
     @property
     def world(self) -> int:
@@ -64,7 +67,8 @@ class Case:
 
     def model_key(self) -> tuple:
         """What the single-process reference depends on."""
-        return (self.tied, self.pos, self.norm, self.swiglu, self.groups, self.micro, self.layers)
+        return (self.tied, self.pos, self.norm, self.swiglu, self.groups, self.micro, self.layers,
+                self.per_token, self.packed)
 
     def __str__(self) -> str:
         default = Case()
@@ -101,6 +105,8 @@ def config(case: Case):
         _, t.recompute_method, n = case.recompute.split("-")
         t.recompute_granularity, t.recompute_num_layers = "full", int(n)
     t.log_interval, t.eval_interval = 1, 1000
+    t.calculate_per_token_loss = case.per_token
+    cfg.data.eod_mask_loss = cfg.data.reset_position_ids = cfg.data.reset_attention_mask = case.packed
     cfg.data.mock_data, cfg.data.split = True, "1,0,0"
     o.lr, o.min_lr, o.lr_warmup_iters, o.clip_grad = 1e-2, 1e-3, 1, 0.5
     validate(cfg, world=case.world, check_files=False)
@@ -108,19 +114,24 @@ def config(case: Case):
 
 
 class MaskedData:
-    """GLOBAL_BATCH × STEPS samples of random ids; each sample masks a different random subset of
-    its tokens, and sample 3 is fully masked (its micro-batch adds zero loss)."""
+    """GLOBAL_BATCH × STEPS samples of random ids with EOD (VOCAB − 1) tokens inside; each sample
+    masks a different random subset of its tokens, and sample 3 is fully masked (its micro-batch
+    adds zero loss). ``packing`` (data/packing.py) adds EOD masking, position and document ids."""
+
+    def __init__(self, packing=None):
+        self.packing = packing
 
     def __len__(self) -> int:
         return GLOBAL_BATCH * STEPS
 
     def __getitem__(self, i: int) -> dict:
         rng = np.random.default_rng([7, i])
-        ids = torch.from_numpy(rng.integers(0, VOCAB, SEQ + 1))
+        ids = torch.from_numpy(np.where(rng.random(SEQ + 1) < 0.25, EOD, rng.integers(0, VOCAB, SEQ + 1)))
         mask = torch.from_numpy((rng.random(SEQ) < 0.7).astype(np.float32))
         if i == 3:
             mask.zero_()
-        return {"tokens": ids[:-1], "labels": ids[1:], "loss_mask": mask}
+        item = {"tokens": ids[:-1], "labels": ids[1:], "loss_mask": mask}
+        return self.packing.apply(item) if self.packing else item
 
 
 def poison_pending_gathers(opt) -> None:
@@ -158,10 +169,12 @@ def train_layout(case: Case, poison: bool = True) -> dict:
     """Train ``case`` for STEPS steps in this worker; {"losses", "norms", "params"} (see module doc).
 
     Runs on the worker's device (CPU over gloo; its GPU over NCCL), always in float64."""
+    from meshlm.data.packing import Packing
     from meshlm.training import trainer
 
-    run = trainer.build(config(case), dtype=torch.float64)
-    run.train_ds = MaskedData()
+    cfg = config(case)
+    run = trainer.build(cfg, dtype=torch.float64)
+    run.train_ds = MaskedData(Packing.of(cfg.data, EOD))
     if poison and case.overlap_param and run.ps.dp > 1:
         poison_pending_gathers(run.opt)
     norms, step = [], run.opt.step
@@ -194,7 +207,7 @@ _REFERENCES: dict = {}
 
 def _single(case: Case) -> Case:
     return Case(tied=case.tied, pos=case.pos, norm=case.norm, swiglu=case.swiglu, groups=case.groups,
-                micro=case.micro, layers=case.layers)
+                micro=case.micro, layers=case.layers, per_token=case.per_token, packed=case.packed)
 
 
 def references(cases: list) -> list:

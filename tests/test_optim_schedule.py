@@ -69,3 +69,38 @@ def test_matches_megatron_core_scheduler(style):
         assert ours.lr == pytest.approx(group["lr"], rel=1e-12, abs=1e-15)
         ref.step(1)
         ours.step()
+
+
+def _megatron(style, warmup_steps, decay_steps, **kw):
+    """megatron-core's scheduler counting in samples, and the param group it writes the lr into."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    group = {}
+    opt = types.SimpleNamespace(param_groups=[group])
+    ref = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=warmup_steps,
+                                  lr_decay_steps=decay_steps, lr_decay_style=style, start_wd=0.1, end_wd=0.1,
+                                  wd_incr_steps=decay_steps, wd_incr_style="constant", **kw)
+    return ref, group
+
+
+@pytest.mark.parametrize("style,warmup,fraction,wsd_style", [
+    ("inverse-square-root", 10, None, None), ("inverse-square-root", 0, None, None),
+    ("cosine", 0, 0.07, None), ("linear", 0, 0.0, None),
+    ("WSD", 10, None, "exponential"), ("WSD", 0, 0.1, "linear"), ("WSD", 10, None, "cosine"),
+    ("WSD", 10, None, "minus_sqrt")])
+def test_new_styles_and_warmup_fraction_match_megatron_core(style, warmup, fraction, wsd_style):
+    """Megatron's training.py: steps are samples (B per iteration), warm-up = fraction · decay
+    samples when --lr-warmup-fraction is given, WSD anneal = --lr-wsd-decay-iters · B."""
+    batch, train_iters, wsd_iters = 8, 110, 30
+    cfg = OptimizerConfig(lr=1e-3, min_lr=1e-5, lr_decay_style=style, lr_warmup_iters=warmup,
+                          lr_warmup_fraction=fraction, lr_wsd_decay_style=wsd_style or "exponential",
+                          lr_wsd_decay_iters=wsd_iters if style == "WSD" else None)
+    ours = LRScheduler(cfg, train_iters, batch)
+    decay = train_iters * batch
+    kw = dict(wsd_decay_steps=wsd_iters * batch, lr_wsd_decay_style=wsd_style) if style == "WSD" else {}
+    ref, group = _megatron(style, fraction * decay if fraction is not None else warmup * batch, decay, **kw)
+    for _ in range(130):
+        assert ours.lr == pytest.approx(group["lr"], rel=1e-12, abs=1e-15)
+        ref.step(batch)
+        ours.step()

@@ -135,9 +135,9 @@ def _nan_at_iteration_2(rank, world, tmp, skip):
     real = trainer.reduce_losses
     calls = {"n": 0}
 
-    def poisoned(outputs, ps):
+    def poisoned(outputs, ps, per_token=False):
         calls["n"] += 1
-        loss = real(outputs, ps)
+        loss = real(outputs, ps, per_token)
         return loss * float("nan") if calls["n"] == 2 else loss  # 2nd call = iteration 2's loss
 
     trainer.reduce_losses = poisoned

@@ -130,6 +130,9 @@ class TrainingConfig:
     eval_at_start: bool = opt(False, "evaluate once before the first step (the untrained validation loss)",
                               action="store_true")
     exit_interval: Optional[int] = opt(None, "stop after this iteration (checkpointing first)")
+    calculate_per_token_loss: bool = opt(
+        False, "loss = sum of token losses / loss tokens of the global batch (default: mean of "
+        "micro-batch means)", action="store_true")
 
 
 @dataclass
@@ -138,7 +141,8 @@ class OptimizerConfig:
 
     lr: float = opt(6e-4, "peak learning rate")
     min_lr: float = opt(0.0, "learning rate at the end of decay")
-    lr_decay_style: str = opt("linear", "decay after warm-up", choices=["constant", "linear", "cosine"])
+    lr_decay_style: str = opt("linear", "decay after warm-up", choices=["constant", "linear", "cosine",
+                                                                         "inverse-square-root", "WSD"])
     lr_warmup_iters: int = opt(0, "linear warm-up iterations")
     lr_decay_iters: Optional[int] = opt(None, "decay iterations (default: train iters)")
     weight_decay: float = opt(0.01, "AdamW weight decay (not on biases and norms)")
@@ -146,6 +150,11 @@ class OptimizerConfig:
     adam_beta1: float = opt(0.9, "Adam beta1")
     adam_beta2: float = opt(0.999, "Adam beta2")
     adam_eps: float = opt(1e-8, "Adam epsilon")
+    lr_warmup_fraction: Optional[float] = opt(None, "warm-up as a fraction of the decay iterations "
+                                              "(instead of --lr-warmup-iters)")
+    lr_wsd_decay_style: str = opt("exponential", "WSD: shape of the final anneal",
+                                  choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    lr_wsd_decay_iters: Optional[int] = opt(None, "WSD: iterations of the final anneal (ends at the decay end)")
 
 
 @dataclass
@@ -163,6 +172,10 @@ class DataConfig:
     data_cache_path: Optional[str] = opt(None, "folder for cached sample indices")
     num_workers: int = opt(0, "data loader worker processes (accepted, not read yet: batches are read in the "
                            "training process)")
+    eod_mask_loss: bool = opt(False, "loss mask 0 on EOD input tokens", action="store_true")
+    reset_position_ids: bool = opt(False, "positions restart after each EOD token", action="store_true")
+    reset_attention_mask: bool = opt(False, "tokens attend only within their document (packed sequences)",
+                                     action="store_true")
 
 
 @dataclass

@@ -48,6 +48,7 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     problems += _layout_problems(cfg, world)
     problems += _model_problems(cfg.model)
     problems += _training_problems(cfg, cuda)
+    problems += _schedule_and_packing_problems(cfg)
     problems += _data_problems(cfg)
     problems += _output_problems(cfg)
     if check_files:
@@ -206,6 +207,30 @@ def _training_problems(cfg: Config, cuda: Optional[bool]) -> list:
     problems += _recompute_problems(t, cfg.model.num_layers)
     if c.save_interval is not None and not c.save:
         problems.append(f"--save-interval {c.save_interval} needs --save (a checkpoint directory)")
+    return problems
+
+
+def _schedule_and_packing_problems(cfg: Config) -> list:
+    """--lr-warmup-fraction, WSD and the packed-document switches (Megatron's arguments.py rules)."""
+    problems = []
+    o, d, t = cfg.optimizer, cfg.data, cfg.training
+    if o.lr_warmup_fraction is not None and o.lr_warmup_iters:
+        problems.append(f"--lr-warmup-fraction {o.lr_warmup_fraction} and --lr-warmup-iters {o.lr_warmup_iters} "
+                        f"are exclusive; give one")
+    if o.lr_warmup_fraction is not None and not 0 <= o.lr_warmup_fraction <= 1:
+        problems.append(f"--lr-warmup-fraction {o.lr_warmup_fraction} is outside [0, 1]; give a fraction "
+                        f"of the decay iterations, e.g. 0.01")
+    decay = o.lr_decay_iters or t.train_iters
+    if o.lr_decay_style == "WSD" and o.lr_wsd_decay_iters is None:
+        problems.append("--lr-decay-style WSD needs --lr-wsd-decay-iters N (iterations of the final anneal)")
+    elif o.lr_decay_style == "WSD" and o.lr_wsd_decay_iters > decay:
+        problems.append(f"--lr-wsd-decay-iters {o.lr_wsd_decay_iters} exceeds the decay iterations {decay} "
+                        f"(--lr-decay-iters, default --train-iters); lower --lr-wsd-decay-iters")
+    packed = [f for f, on in (("--reset-position-ids", d.reset_position_ids),
+                              ("--reset-attention-mask", d.reset_attention_mask)) if on]
+    if packed and cfg.parallel.context_parallel_size > 1:
+        problems.append(f"{' and '.join(packed)} need --context-parallel-size 1 (packed documents are not "
+                        f"split over CP here)")
     return problems
 
 

@@ -26,6 +26,7 @@ from ..config import global_batch
 from ..errors import ConfigError, DataError
 from .blend import SURPLUS, BlendedDataset, parse_data_path, samples_per_dataset
 from .indexed import IndexedDataset
+from .packing import Packing
 from .tokenizer import build_tokenizer
 
 SPLITS = ("train", "valid", "test")
@@ -126,22 +127,25 @@ def build_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_sampl
     return document_index, sample_index, shuffle_index
 
 
-def _item(x: np.ndarray, seq_length: int) -> dict:
-    """Sample dict from up to seq_length + 1 ids; padding (id 0) gets loss mask 0."""
+def _item(x: np.ndarray, seq_length: int, packing: Packing | None = None) -> dict:
+    """Sample dict from up to seq_length + 1 ids; padding (id 0) gets loss mask 0; ``packing``
+    adds EOD masking, position ids and document ids (data/packing.py)."""
     n = x.size
     buf = np.zeros(seq_length + EXTRA, dtype=np.int64)
     buf[:n] = x
     mask = np.zeros(seq_length, dtype=np.float32)
     mask[:max(n - 1, 0)] = 1.0
     text = torch.from_numpy(buf)
-    return {"tokens": text[:-1], "labels": text[1:], "loss_mask": torch.from_numpy(mask)}
+    item = {"tokens": text[:-1], "labels": text[1:], "loss_mask": torch.from_numpy(mask)}
+    return packing.apply(item) if packing else item
 
 
 class GPTDataset:
     """``num_samples`` (at least; len() is every whole sample of the epochs used) GPT samples from
     sequences [begin, end) of an indexed dataset.
 
-    ``ds[i]`` → {"tokens": int64 [s], "labels": int64 [s], "loss_mask": float32 [s]}.
+    ``ds[i]`` → {"tokens": int64 [s], "labels": int64 [s], "loss_mask": float32 [s]}, plus
+    "position_ids" / "document_ids" int64 [s] under ``packing`` (data/packing.py).
     Indices are read from / written to ``cache_dir`` (default ``<data dir>/cache/GPTDataset_indices``)
     under an md5 of :attr:`description`; only global rank 0 builds them, other ranks wait on a
     barrier and load, so on several nodes the cache folder must be shared (as in Megatron).
@@ -150,8 +154,8 @@ class GPTDataset:
 
     def __init__(self, indexed: IndexedDataset, split: str, doc_range: tuple, num_samples: int,
                  seq_length: int, seed: int, split_string: str = "", cache_dir: str | None = None,
-                 tokenizer_identity: str = ""):
-        self.indexed, self.seq_length, self.split = indexed, seq_length, split
+                 tokenizer_identity: str = "", packing: Packing | None = None):
+        self.indexed, self.seq_length, self.split, self.packing = indexed, seq_length, split, packing
         begin, end = doc_range
         self.description = json.dumps({
             "class": "GPTDataset", "dataset_path": indexed.prefix, "num_sequences": len(indexed),
@@ -208,7 +212,7 @@ class GPTDataset:
         return np.concatenate(parts).astype(np.int64)
 
     def __getitem__(self, i: int) -> dict:
-        return _item(self.tokens(i), self.seq_length)
+        return _item(self.tokens(i), self.seq_length, self.packing)
 
 
 class MockGPTDataset:
@@ -217,8 +221,10 @@ class MockGPTDataset:
     Sample i depends only on (seed, split, i): the same on every rank and layout.
     """
 
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int, split: str = "train"):
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int, split: str = "train",
+                 packing: Packing | None = None):
         self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
+        self.packing = packing
         self.seed, self.split_id = seed, SPLITS.index(split)
 
     def __len__(self) -> int:
@@ -228,7 +234,7 @@ class MockGPTDataset:
         if not 0 <= i < self.num_samples:
             raise IndexError(i)
         rng = np.random.default_rng([self.seed, self.split_id, i])
-        return _item(rng.integers(0, self.vocab_size, self.seq_length + EXTRA), self.seq_length)
+        return _item(rng.integers(0, self.vocab_size, self.seq_length + EXTRA), self.seq_length, self.packing)
 
 
 def _has_tokens(indexed: IndexedDataset, doc_range) -> bool:
@@ -292,18 +298,21 @@ def build_datasets(cfg, world_size: int | None = None, ps=None) -> tuple:
     if d.mock_data:
         if not cfg.model.vocab_size:
             raise ConfigError("--mock-data needs --vocab-size")
-        return tuple(MockGPTDataset(n, seq, cfg.model.vocab_size, seed, name) if w > 0 and n > 0 else None
+        packing = Packing.of(d, build_tokenizer(d, cfg.model.vocab_size).eod)
+        return tuple(MockGPTDataset(n, seq, cfg.model.vocab_size, seed, name, packing) if w > 0 and n > 0 else None
                      for name, w, n in zip(SPLITS, weights, sizes))
     blend = parse_data_path(d.data_path)
     if not blend:
         raise ConfigError("no data: give --data-path PREFIX (from `meshlm preprocess`) or --mock-data")
-    identity = build_tokenizer(d, cfg.model.vocab_size).identity
+    tokenizer = build_tokenizer(d, cfg.model.vocab_size)
+    identity, packing = tokenizer.identity, Packing.of(d, tokenizer.eod)
     indexed = [IndexedDataset(prefix) for _, prefix in blend]
     ranges = [split_ranges(d.split, len(ds)) for ds in indexed]
     build = _drop_empty_splits(d, indexed, ranges, [w > 0 and n > 0 for w, n in zip(weights, sizes)])
 
     def gpt(k, s, n):
-        return GPTDataset(indexed[k], SPLITS[s], ranges[k][s], n, seq, seed, d.split, d.data_cache_path, identity)
+        return GPTDataset(indexed[k], SPLITS[s], ranges[k][s], n, seq, seed, d.split, d.data_cache_path, identity,
+                          packing)
 
     out = []
     for s, n in enumerate(sizes):

@@ -45,16 +45,24 @@ class Rotary(nn.Module):
         self.register_buffer("cos", torch.cat([cos, cos], -1).to(device=device, dtype=wide_dtype), persistent=False)
         self.register_buffer("sin", torch.cat([-sin, sin], -1).to(device=device, dtype=wide_dtype), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [s, b, n, d] at positions 0..s-1 → same shape and dtype (computed in at least fp32)."""
-        s = x.shape[0]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [s, b, n, d] at positions 0..s-1, or at ``positions`` int64 [b, s] (--reset-position-ids)
+        → same shape and dtype (computed in at least fp32)."""
+        if positions is None:
+            cos, sin = self.cos[:x.shape[0]], self.sin[:x.shape[0]]
+        else:
+            cos, sin = self.cos[:, 0][positions.t()], self.sin[:, 0][positions.t()]  # [s, b, 1, d]
         xf = at_least_fp32(x)
         x1, x2 = xf.chunk(2, dim=-1)
-        return (xf * self.cos[:s] + torch.cat([x2, x1], dim=-1) * self.sin[:s]).to(x.dtype)
+        return (xf * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 class SelfAttention(nn.Module):
     """x [s, b, h] ([s/tp, b, h] under SP) → [s, b, h] (or [s/tp, b, h]); heads split over TP.
+
+    forward's ``positions`` int64 [b, s] feed RoPE (--reset-position-ids; default 0..s-1) and
+    ``mask`` bool [b, 1, s, s] (True = attend; data/packing.py) replaces the causal mask
+    (--reset-attention-mask).
 
     With --attention-dropout > 0 in training: on the fast path (meshlm/fast.py) one SDPA call whose
     dropout draws from the device's default generator (a per-TP-rank stream, as Megatron's); else
@@ -106,34 +114,36 @@ class SelfAttention(nn.Module):
         nkv = self.local_groups
         return q.reshape(s, b, nq, d), k.reshape(s, b, nkv, d), v.reshape(s, b, nkv, d)
 
-    def forward(self, x: torch.Tensor, call: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, call: int, positions=None, mask=None) -> torch.Tensor:
         q, k, v = self._split_qkv(self.linear_qkv(x))
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
         s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         if self.recompute_core and self.training:
-            out = checkpoint(self._core, q, k, v, call, use_reentrant=False)
+            out = checkpoint(self._core, q, k, v, call, mask, use_reentrant=False)
         else:
-            out = self._core(q, k, v, call)
+            out = self._core(q, k, v, call, mask)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.d)
         return self.linear_proj(out)
 
-    def _core(self, q, k, v, call):
-        """Core attention: q [b, n, s, d], k/v [b, n_kv, s, d] → softmax(qkᵀ/√d)·v [b, n, s, d]."""
+    def _core(self, q, k, v, call, mask=None):
+        """Core attention: q [b, n, s, d], k/v [b, n_kv, s, d] → softmax(qkᵀ/√d + causal or ``mask``)·v
+        [b, n, s, d]."""
         p = self.dropout if self.training else 0.0
         if p == 0.0 or self.fast:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
                                                   enable_gqa=k.shape[1] != q.shape[1])
-        return torch.cat([self._head_with_dropout(q, k, v, i, p, call) for i in range(self.heads)], dim=1)
+        return torch.cat([self._head_with_dropout(q, k, v, i, p, call, mask) for i in range(self.heads)], dim=1)
 
-    def _head_with_dropout(self, q, k, v, i, p, call):
+    def _head_with_dropout(self, q, k, v, i, p, call, mask):
         """Head i alone, its attention dropout drawn from its own keyed stream (parallel/random.py)."""
         kv = i // (self.heads // k.shape[1])
         # contiguous: same memory layout in every TP layout, so SDPA picks the same kernel (and mask)
         q, k, v = (t[:, j:j + 1].contiguous() for t, j in ((q, i), (k, kv), (v, kv)))
         with self.rng.fork(self.rng.head_stream(self.first_head + i), self.layer, "attention", call):
-            return _ContiguousGrad.apply(F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True))
+            return _ContiguousGrad.apply(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                                        is_causal=mask is None))
 
 
 class _ContiguousGrad(torch.autograd.Function):

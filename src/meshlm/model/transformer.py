@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import max_positions, padded_vocab_size
+from ..data.packing import attention_mask
 from ..fast import compile_module
 from ..parallel import comm
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -100,8 +101,10 @@ class TransformerLayer(nn.Module):
         if fast:
             compile_module(self)
 
-    def forward(self, x: torch.Tensor, call: int) -> torch.Tensor:
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), call), "attention_out", call)
+    def forward(self, x: torch.Tensor, call: int, positions=None, mask=None) -> torch.Tensor:
+        """positions, mask: see SelfAttention (None: 0..s-1 and causal)."""
+        h = self.self_attention(self.input_layernorm(x), call, positions, mask)
+        x = x + self._dropout(h, "attention_out", call)
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)), "mlp_out", call)
 
     def _dropout(self, h: torch.Tensor, site: str, call: int) -> torch.Tensor:
@@ -113,10 +116,10 @@ class TransformerLayer(nn.Module):
         return self.rng.dropout(h, self.p, (self.layer, site, call), full, offset)
 
 
-def _run_layers(layers: list, x: torch.Tensor, call: int) -> torch.Tensor:
+def _run_layers(layers: list, x: torch.Tensor, call: int, positions=None, mask=None) -> torch.Tensor:
     """x through consecutive layers (one unit of full recompute)."""
     for layer in layers:
-        x = layer(x, call)
+        x = layer(x, call, positions, mask)
     return x
 
 
@@ -137,10 +140,13 @@ class Embedding(nn.Module):
             self.position_embeddings = nn.Embedding.from_pretrained(w, freeze=False)
             self.position_embeddings.weight.sequence_parallel = sequence_parallel
 
-    def forward(self, tokens: torch.Tensor, call: int) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, call: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: int64 [b, s] (--reset-position-ids), default 0..s-1."""
         x = self.word_embeddings(tokens.t())
         full, offset = self.seq.rows(x.shape[0])
-        if self.position_embeddings is not None:  # read through the module: see OutputLayer
+        if self.position_embeddings is not None and positions is not None:
+            x = x + self.position_embeddings(positions[:, offset:offset + x.shape[0]].t())
+        elif self.position_embeddings is not None:  # read through the module: see OutputLayer
             rows = torch.arange(offset, offset + x.shape[0], device=x.device)
             x = x + self.position_embeddings(rows).unsqueeze(1)
         p = self.p if self.training else 0.0
@@ -232,17 +238,19 @@ class GPTModel(nn.Module):
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
 
-    def forward(self, tokens, labels=None, hidden_states=None):
+    def forward(self, tokens, labels=None, hidden_states=None, position_ids=None, document_ids=None):
         """See docs/interfaces.md: per-token loss [b, s] fp32, logits [b, s, V_padded/tp], or hidden
-        [s, b, h] ([s/tp, b, h] under SP) for the next pipeline stage."""
+        [s, b, h] ([s/tp, b, h] under SP) for the next pipeline stage. position_ids / document_ids:
+        int64 [b, s] of packed documents (data/packing.py), None for 0..s-1 and one causal mask."""
         call = self.rng.next_call() if self.training else 0
-        x = self.embedding(tokens, call) if self.pre_process else hidden_states
+        x = self.embedding(tokens, call, position_ids) if self.pre_process else hidden_states
+        mask = None if document_ids is None else attention_mask(document_ids)
         layers = list(self.layers.values())
         for start, end, checkpointed in self.recompute.segments(len(layers)):
             if checkpointed and self.training:
-                x = checkpoint(_run_layers, layers[start:end], x, call, use_reentrant=False)
+                x = checkpoint(_run_layers, layers[start:end], x, call, position_ids, mask, use_reentrant=False)
             else:
-                x = _run_layers(layers[start:end], x, call)
+                x = _run_layers(layers[start:end], x, call, position_ids, mask)
         if not self.post_process:
             return x
         x = self.final_layernorm(x)

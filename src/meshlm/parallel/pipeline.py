@@ -171,14 +171,20 @@ def forward_backward(chunks: list, data_iter: Iterator[dict], *, ps: ParallelSta
                      timeline: Optional[list] = None) -> list:
     """Run one step's forwards and backwards over ``num_microbatches`` micro-batches.
 
-    data_iter yields {"tokens", "labels": [b, s] int64, "loss_mask": [b, s] fp32}; every rank of a
+    data_iter yields {"tokens", "labels": [b, s] int64, "loss_mask": [b, s] fp32} and, for packed
+    documents, "position_ids" / "document_ids" [b, s] int64 (data/packing.py); every rank of a
     pipeline draws the same ``num_microbatches`` of them. Each micro-batch's loss is
     sum(loss·mask)/sum(mask)/num_microbatches, times ``loss_scale`` for backward, so gradients
-    equal those of one pass over the whole batch. Gradients accumulate into ``.grad`` /
-    ``main_grad`` of the chunks; ``no_sync()`` wraps every backward but this rank's last.
+    equal those of one pass over the whole batch. With --calculate-per-token-loss it is
+    sum(loss·mask)·DP·CP/N instead, N the loss tokens of the global batch (all micro-batches,
+    all DP×CP ranks: one all-reduce before the first forward), so that after DP averaging the
+    gradient is that of sum(loss·mask)/N over the global batch (Megatron's per-token loss).
+    Gradients accumulate into ``.grad`` / ``main_grad`` of the chunks; ``no_sync()`` wraps every
+    backward but this rank's last.
 
-    Returns on the last stage one {"lm_loss": detached fp32 scalar (micro-batch mean, unscaled),
-    "num_tokens": 0-dim tensor} per micro-batch in order, [] elsewhere. timeline, if a list, receives
+    Returns on the last stage one {"lm_loss": detached fp32 scalar (micro-batch mean, unscaled; the
+    micro-batch sum under --calculate-per-token-loss), "num_tokens": 0-dim tensor} per micro-batch
+    in order, [] elsewhere. timeline, if a list, receives
     {"mb", "chunk", "kind": "F"|"B", "start", "end" (s, time.perf_counter), "in_flight": micro-batch
     chunks held between their F and B after this action}; on CUDA each entry synchronizes.
     Raises ConfigError if the schedule cannot run this layout.
@@ -188,6 +194,8 @@ def forward_backward(chunks: list, data_iter: Iterator[dict], *, ps: ParallelSta
     dtype = next(chunks[0].parameters()).dtype
     comm = StageComm(ps, activation_shape(cfg, ps), dtype)
     run = _Executor(chunks, data_iter, ps, comm, num_microbatches, forward_only, loss_scale, timeline)
+    if cfg.training.calculate_per_token_loss:
+        run.per_token = _global_loss_tokens(run, ps) if not forward_only else True
     last_b = max((i for i, s in enumerate(steps) if isinstance(s, Action) and s.kind == "B"), default=-1)
     for i, step in enumerate(steps):
         if isinstance(step, P2P):
@@ -210,6 +218,7 @@ class _Executor:
             num_microbatches, forward_only, loss_scale, timeline)
         self.last_stage = ps.pp * len(chunks) - 1
         self.batches, self.received, self.outgoing, self.held, self.losses = [], {}, {}, {}, {}
+        self.per_token = None  # None: mean of micro-batch means; True or N (a tensor): per-token loss
 
     def _batch(self, mb: int) -> dict:
         while len(self.batches) <= mb:
@@ -248,13 +257,20 @@ class _Executor:
             x.requires_grad_()
         with self._record(a), torch.no_grad() if self.forward_only else contextlib.nullcontext():
             out = self.chunks[a.chunk](batch["tokens"] if first else None,
-                                       labels=batch["labels"] if last else None, hidden_states=x)
+                                       labels=batch["labels"] if last else None, hidden_states=x,
+                                       position_ids=batch.get("position_ids"),
+                                       document_ids=batch.get("document_ids"))
             if last:
                 mask = batch["loss_mask"].float()
-                lm = torch.where(mask > 0, at_least_fp32(out) * mask, 0.0).sum() / mask.sum().clamp(min=1)
+                lm = torch.where(mask > 0, at_least_fp32(out) * mask, 0.0).sum()
+                if self.per_token is None:
+                    lm = lm / mask.sum().clamp(min=1)
                 # tensors, not numbers: a host sync here would drain the GPU queue every micro-batch
                 self.losses[a.mb] = {"lm_loss": lm.detach(), "num_tokens": mask.sum().detach()}
-                out = lm * (self.loss_scale / self.m)
+                if self.per_token is None:
+                    out = lm * (self.loss_scale / self.m)
+                elif not self.forward_only:
+                    out = lm * (self.loss_scale * self.ps.dp * self.ps.cp / self.per_token)
             if not self.forward_only:
                 self.held[(a.mb, a.chunk)] = (x, out)
         if not last:
@@ -272,25 +288,41 @@ class _Executor:
             self.outgoing[Action("SEND_B", a.mb, a.chunk)] = x.grad if x.grad is not None else torch.zeros_like(x)
 
 
+def _global_loss_tokens(run: "_Executor", ps: ParallelState) -> torch.Tensor:
+    """N: loss tokens (sum of loss masks) of the global batch, ≥ 1, a float64 0-dim tensor on
+    the device. Draws this rank's micro-batches now and all-reduces over DP×CP (no host sync)."""
+    run._batch(run.m - 1)
+    n = torch.stack([b["loss_mask"].to(torch.float64).sum() for b in run.batches])
+    n = n.sum().reshape(1)
+    if ps.dp_cp_group is not None:
+        dist.all_reduce(n, group=ps.dp_cp_group)
+    return n.clamp(min=1)[0]
+
+
 # ----------------------------------------------------------------------------- reporting
 
-def reduce_losses(losses: list, ps: ParallelState) -> torch.Tensor:
-    """Mean lm loss of one step, the same on every rank (collective over the PP and DP×CP groups),
-    as a float64 [1] tensor on the device: reading it is left to the caller (no host sync here).
+def reduce_losses(losses: list, ps: ParallelState, per_token: bool = False) -> torch.Tensor:
+    """Lm loss of one step, the same on every rank (collective over the PP and DP×CP groups), as a
+    float64 [1] tensor on the device: reading it is left to the caller (no host sync here).
 
-    The mean of the micro-batch means returned by ``forward_backward`` — the objective whose
-    gradient was taken — broadcast from the last stage over the pipeline, then averaged over
-    the DP×CP ranks. Every rank must call it.
+    The objective whose gradient was taken: the mean of the micro-batch means returned by
+    ``forward_backward``, averaged over the DP×CP ranks; with ``per_token``
+    (--calculate-per-token-loss) the sum of the micro-batch loss sums over the sum of their loss
+    tokens, both summed over the DP×CP ranks. Computed on the last stage, broadcast over the
+    pipeline. Every rank must call it.
     """
-    t = torch.zeros(1, dtype=torch.float64, device=ps.device)
+    t = torch.zeros(2, dtype=torch.float64, device=ps.device)
     if losses:  # one host sync per step, at the end
-        t += torch.stack([d["lm_loss"].to(torch.float64) for d in losses]).mean()
+        loss = torch.stack([d["lm_loss"].to(torch.float64) for d in losses])
+        if per_token:
+            t[0], t[1] = loss.sum(), torch.stack([d["num_tokens"].to(torch.float64) for d in losses]).sum()
+        else:
+            t[0], t[1] = loss.mean(), 1.0
     if ps.pp_group is not None:
         dist.broadcast(t, src=ps.pp_ranks[-1], group=ps.pp_group)
     if ps.dp_cp_group is not None:
         dist.all_reduce(t, group=ps.dp_cp_group)
-        t /= ps.dp * ps.cp
-    return t
+    return (t[0] / t[1].clamp(min=1)).reshape(1)
 
 
 def bubble_fraction(timeline: list, window: Optional[tuple] = None) -> float:

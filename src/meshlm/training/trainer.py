@@ -142,8 +142,8 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
     chunks = build_model_chunks(cfg, ps, tokenizer.vocab_size, dtype)
     ddp = DistributedDataParallel(chunks, ps, cfg)
     opt = build_optimizer(cfg, ps, chunks, ddp)
-    sched = LRScheduler(cfg.optimizer, t.train_iters)
     gb, nmb = C.global_batch(cfg, ps.world_size), C.num_microbatches(cfg, ps.world_size)
+    sched = LRScheduler(cfg.optimizer, t.train_iters, gb)
     padded = C.padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, ps.tp)
     log_dir = cfg.logging.log_dir or (os.path.join(cfg.logging.run_dir, "logs") if cfg.logging.run_dir else None)
     logger = MetricsLogger(enabled=ps.is_logging_rank, log_dir=log_dir, train_iters=t.train_iters,
@@ -243,7 +243,7 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     schedule_end = time.perf_counter()
     run.ddp.finish_grad_sync()
     lr = run.sched.lr
-    loss_t = reduce_losses(outputs, ps)
+    loss_t = reduce_losses(outputs, ps, t.calculate_per_token_loss)
     result = run.opt.step(loss_t)  # its grad norm is the step's one host sync; a NaN loss skips it too
     loss = float(loss_t.item())  # ready: the stream was synchronised by the step
     nan = not math.isfinite(loss)
@@ -304,7 +304,7 @@ def evaluate(run: Run, state: TrainState, index: int) -> float:
         data = micro_batches(run.valid_ds, offset + i * run.global_batch, t.micro_batch_size, ps.dp_rank, ps.dp)
         outputs = forward_backward(run.chunks, data, ps=ps, cfg=cfg, num_microbatches=run.num_microbatches,
                                    forward_only=True)
-        total += float(reduce_losses(outputs, ps).item())
+        total += float(reduce_losses(outputs, ps, t.calculate_per_token_loss).item())
     for chunk in run.chunks:
         chunk.train()
     val = total / t.eval_iters
