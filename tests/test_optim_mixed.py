@@ -41,7 +41,7 @@ def test_adamw_matches_torch_adamw_with_no_decay_on_biases_and_norms():
     groups = [{"params": [p for n, p in ref.named_parameters() if not getattr(p, "no_weight_decay", False)]},
               {"params": [p for n, p in ref.named_parameters() if getattr(p, "no_weight_decay", False)],
                "weight_decay": 0.0}]
-    torch_opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    torch_opt = torch.optim.AdamW(groups, lr=1e-2, betas=opt.betas, eps=opt.eps, weight_decay=0.1, foreach=False)
     for step in range(3):
         train_step(model, ddp, opt, seed=step)
         torch_opt.zero_grad()

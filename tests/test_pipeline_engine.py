@@ -47,7 +47,7 @@ class ToyStage(nn.Module):
             else:
                 self.output = nn.Parameter(_init(seed, 2, (vocab, hidden)))
 
-    def forward(self, tokens, labels=None, hidden_states=None):
+    def forward(self, tokens, labels=None, hidden_states=None, position_ids=None, document_ids=None):
         x = self.embedding[tokens].transpose(0, 1) if self.pre_process else hidden_states
         for i in self.layer_ids:
             x = torch.tanh(self.layers[str(i)](x))
