@@ -78,6 +78,23 @@ def rotate(x, cos, sin):
     return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
 
+def init_and_compile(model: nn.Module, layers: int) -> None:
+    """Normal(0, 0.02) matrices (output projections 0.02/√(2L), as GPT-2), then each block and the
+    loss under torch.compile."""
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "fc2.weight")) else 0.02
+            nn.init.normal_(p, 0.0, std)
+    for blk in model.blocks:
+        blk.compile()
+    model.loss = torch.compile(model._loss)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token loss in fp32; logits [b, s, V], labels [b, s]."""
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
 class Llama(nn.Module):
     def __init__(self, a):
         super().__init__()
@@ -92,17 +109,10 @@ class Llama(nn.Module):
         ang = torch.cat([ang, ang], -1)
         self.register_buffer("cos", ang.cos().float(), persistent=False)
         self.register_buffer("sin", ang.sin().float(), persistent=False)
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * a.layers) if name.endswith(("proj.weight", "fc2.weight")) else 0.02
-                nn.init.normal_(p, 0.0, std)
-        for blk in self.blocks:
-            blk.compile()
-        self.loss = torch.compile(self._loss)
+        init_and_compile(self, a.layers)
 
     def _loss(self, x, labels):
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+        return cross_entropy(self.head(self.norm(x)), labels)
 
     def forward(self, tokens, labels):
         x = self.embed(tokens)
@@ -120,17 +130,10 @@ class GPT(nn.Module):
         self.embed, self.pos = nn.Embedding(a.vocab, h), nn.Embedding(a.seq, h)
         self.blocks = nn.ModuleList(GPTBlock(h, a.heads, a.ffn, a.dropout) for _ in range(a.layers))
         self.norm = nn.LayerNorm(h)
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * a.layers) if name.endswith(("proj.weight", "fc2.weight")) else 0.02
-                nn.init.normal_(p, 0.0, std)
-        for blk in self.blocks:
-            blk.compile()
-        self.loss = torch.compile(self._loss)
+        init_and_compile(self, a.layers)
 
     def _loss(self, x, labels):
-        logits = F.linear(self.norm(x), self.embed.weight)
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+        return cross_entropy(F.linear(self.norm(x), self.embed.weight), labels)
 
     def forward(self, tokens, labels):
         x = F.dropout(self.embed(tokens) + self.pos.weight[:tokens.shape[1]], self.p, self.training)

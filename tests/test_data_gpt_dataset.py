@@ -16,6 +16,20 @@ from meshlm.errors import ConfigError, DataError
 VOCAB, SEQ = 500, 16
 
 
+def megatron_gpt_dataset() -> tuple:
+    """(megatron.core.datasets.gpt_dataset, its IndexedDataset class, its Split enum); the test is
+    skipped when megatron-core or its compiled sample-index helpers are not installed."""
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    mg = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.utils import Split
+    try:
+        from megatron.core.datasets import helpers  # noqa: F401  (compiled sample-index builder)
+    except ImportError as e:
+        pytest.skip(f"megatron-core's compiled dataset helpers are unavailable: {e}")
+    return mg, IndexedDataset, Split
+
+
 def make_dataset(prefix, n_docs=120, seed=0, min_len=1, max_len=40):
     rng = np.random.default_rng(seed)
     writer = IndexedDatasetWriter(str(prefix), np.uint16)
@@ -74,14 +88,7 @@ def test_samples_are_windows_of_the_shuffled_document_stream(tmp_path, num_sampl
 @pytest.mark.parametrize("num_samples", [10, 300, 700, 2000])
 def test_indices_equal_megatron_core(tmp_path, num_samples):
     """700 samples take 3 epochs with a short final epoch: shuffled on its own, as in Megatron."""
-    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
-    mg = pytest.importorskip("megatron.core.datasets.gpt_dataset")
-    from megatron.core.datasets.indexed_dataset import IndexedDataset as TheirIndexed
-    from megatron.core.datasets.utils import Split
-    try:
-        from megatron.core.datasets import helpers  # noqa: F401  (compiled sample-index builder)
-    except ImportError as e:
-        pytest.skip(f"megatron-core's compiled dataset helpers are unavailable: {e}")
+    mg, TheirIndexed, Split = megatron_gpt_dataset()
     prefix = tmp_path / "d"
     make_dataset(prefix)
     tok = types.SimpleNamespace(eod=VOCAB - 1, vocab_size=VOCAB, pad=-1, unique_identifiers={"class": "t"})

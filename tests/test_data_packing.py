@@ -2,7 +2,6 @@
 causal mask equal megatron-core 0.16.1's GPTDataset with the same options; the model reads them."""
 
 import types
-import warnings
 
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import torch
 from meshlm.data.gpt_dataset import GPTDataset
 from meshlm.data.indexed import IndexedDataset, IndexedDatasetWriter
 from meshlm.data.packing import Packing, attention_mask
+from test_data_gpt_dataset import megatron_gpt_dataset
 
 VOCAB, SEQ, EOD = 500, 16, 499
 
@@ -27,14 +27,7 @@ def make_dataset(prefix, n_docs=60, seed=0):
 @pytest.mark.parametrize("mask_loss,reset_pos,reset_attn", [(True, True, True), (True, False, False),
                                                             (False, True, False), (False, False, True)])
 def test_packed_samples_equal_megatron_core(tmp_path, mask_loss, reset_pos, reset_attn):
-    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
-    mg = pytest.importorskip("megatron.core.datasets.gpt_dataset")
-    from megatron.core.datasets.indexed_dataset import IndexedDataset as TheirIndexed
-    from megatron.core.datasets.utils import Split
-    try:
-        from megatron.core.datasets import helpers  # noqa: F401  (compiled sample-index builder)
-    except ImportError as e:
-        pytest.skip(f"megatron-core's compiled dataset helpers are unavailable: {e}")
+    mg, TheirIndexed, Split = megatron_gpt_dataset()
     prefix = tmp_path / "d"
     make_dataset(prefix)
     tok = types.SimpleNamespace(eod=EOD, vocab_size=VOCAB, pad=-1, unique_identifiers={"class": "t"})

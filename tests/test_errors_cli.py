@@ -53,10 +53,9 @@ def alive(pid: int) -> bool:
     return stat is not None and stat[0] != "Z"  # a zombie has stopped; only its exit status is left
 
 
-@pytest.fixture
-def lock_holder(tmp_path):
-    """Another job holding the lock of tmp_path/ckpt; yields its pid."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "ckpt")], env=clean_env(),
+def _holding(folder):
+    """Another job (a process) holding the lock of ``folder`` until the generator is closed."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], env=clean_env(),
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "held\n"
@@ -64,6 +63,12 @@ def lock_holder(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def lock_holder(tmp_path):
+    """Another job holding the lock of tmp_path/ckpt; yields its process."""
+    yield from _holding(tmp_path / "ckpt")
 
 
 # ----------------------------------------------------------------------------- one --save folder, one run
@@ -135,14 +140,7 @@ def test_the_lock_never_raises_a_raw_os_error():
 @pytest.fixture
 def run_dir_holder(tmp_path):
     """Another job holding the lock of tmp_path/run; yields its process."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "run")], env=clean_env(),
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline() == "held\n"
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
+    yield from _holding(tmp_path / "run")
 
 
 @pytest.mark.parametrize("data", [TINY, ["--train-iters", "1"]], ids=["mock", "embedded-default"])

@@ -157,9 +157,10 @@ class OutputLayer(nn.Module):
     """x [s, b, h] → logits [s, b, V_padded/tp] with the padded vocabulary columns at −inf.
 
     Owns the output weight [V_padded/tp, h] (untied, or the last stage's copy of a tied embedding
-    when PP > 1); with tied embeddings on one stage the word embedding is passed in. Every parameter
-    is read inside the forward of the module that owns it, so a forward pre-hook on that module
-    is a safe place to wait for the parameter (ZeRO-1 --overlap-param-gather waits there).
+    when PP > 1); with tied embeddings on one stage it owns none and the caller passes the word
+    embedding (``GPTModel.output_weight()``), which the embedding's forward has already read. So
+    every parameter is first read inside the forward of a block that contains it, and a forward
+    pre-hook there is a safe place to wait for it (ZeRO-1 --overlap-param-gather waits there).
     """
 
     def __init__(self, weight: torch.Tensor | None, padded_logits: torch.Tensor):
@@ -169,9 +170,8 @@ class OutputLayer(nn.Module):
         self.register_buffer("padded_logits", padded_logits, persistent=False)
         self.has_padding = bool(padded_logits.any())  # no padding: no mask, no copy of the logits
 
-    def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
-        w = self.weight if tied_weight is None else tied_weight
-        logits = F.linear(x, w)
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, weight)
         return logits.masked_fill(self.padded_logits, float("-inf")) if self.has_padding else logits
 
 
@@ -255,8 +255,7 @@ class GPTModel(nn.Module):
             return x
         x = self.final_layernorm(x)
         x = comm.gather_from_sp(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
-        tied = None if hasattr(self.output_layer, "weight") else self.embedding.word_embeddings.weight
-        logits = self.output_layer(x, tied)  # [s, b, V/tp]
+        logits = self.output_layer(x, self.output_weight())  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
         return vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_start, self.group,

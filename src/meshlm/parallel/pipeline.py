@@ -312,7 +312,7 @@ def reduce_losses(losses: list, ps: ParallelState, per_token: bool = False) -> t
     pipeline. Every rank must call it.
     """
     t = torch.zeros(2, dtype=torch.float64, device=ps.device)
-    if losses:  # one host sync per step, at the end
+    if losses:
         loss = torch.stack([d["lm_loss"].to(torch.float64) for d in losses])
         if per_token:
             t[0], t[1] = loss.sum(), torch.stack([d["num_tokens"].to(torch.float64) for d in losses]).sum()
