@@ -83,9 +83,14 @@ def _dp_run(ps, overlap, dist_opt):
         for s, e in shards:
             lo, hi = max(s, ps_), min(e, pe)
             if lo < hi:
-                frags.append((n, lo - ps_, buf.grad_data[lo:hi].clone()))
-    return {"frags": frags, "grad_data": buf.grad_data.clone(), "shards": shards,
+                frags.append((n, lo - ps_, _grads(buf)[lo:hi].clone()))
+    return {"frags": frags, "grad_data": _grads(buf).clone(), "shards": shards,
             "buckets": len(buf.buckets), "bytes": ddp.stats.bytes_reduced}
+
+
+def _grads(buf):
+    """The buffer's gradients as one flat tensor (buckets are contiguous ranges of it)."""
+    return torch.cat([b.grad for b in buf.buckets])
 
 
 def _dp_grads(rank, world, runs):
@@ -130,10 +135,13 @@ def test_buckets_follow_backward_order_and_cover_every_param():
     for b, nxt in zip(buf.buckets, buf.buckets[1:]):
         assert b.end == nxt.start
         assert b.end - b.start >= 300 > b.end - b.start - b.params[-1].numel()
-    assert buf.buckets[-1].end == buf.grad_data.numel() == sum(p.numel() for p in params)
+    assert buf.buckets[-1].end == buf.numel == sum(p.numel() for p in params)
+    for b in buf.buckets:
+        for p in b.params:
+            s, e = buf.index[p]
+            assert p.main_grad.data_ptr() == b.grad_range(s, e).data_ptr()
     for p in params:
         s, e = buf.index[p]
-        assert p.main_grad.data_ptr() == buf.grad_data[s:e].data_ptr()
         assert p.data_ptr() == buf.param_data[s:e].data_ptr()
         assert p.main_grad.dtype == torch.float64  # float64 params keep float64 grads
 
@@ -143,7 +151,7 @@ def test_zero1_buckets_are_padded_to_equal_shards():
     ddp = DistributedDataParallel([model], ParallelState.single(), make_cfg(
         ddp_bucket_size=300, use_distributed_optimizer=True))
     buf = ddp.buffers[0]
-    assert buf.param_data.dtype == torch.bfloat16 and buf.grad_data.dtype == torch.float32
+    assert buf.param_data.dtype == torch.bfloat16 and buf.buckets[0].grad.dtype == torch.float32
     assert all((b.end - b.start) % 64 == 0 for b in buf.buckets)
 
 
@@ -161,7 +169,37 @@ def test_hook_accumulates_micro_batches_into_main_grad_and_frees_grad():
         assert p.grad is None
         torch.testing.assert_close(p.main_grad, q.grad, rtol=1e-12, atol=1e-15, msg=n)
     ddp.zero_grad()
-    assert all(float(b.grad_data.abs().sum()) == 0 for b in ddp.buffers)
+    assert all(b.grad is None for buf in ddp.buffers for b in buf.buckets)
+    assert all(p.main_grad is None for p in model.parameters())
+
+
+def test_grad_memory_is_held_only_from_a_buckets_first_gradient_to_zero_grad():
+    """zero_grad frees every bucket's grad; backward allocates a bucket (zeroed) when its first
+    gradient arrives, so the last layers' buckets exist while the first layers' do not yet;
+    finish_grad_sync allocates a bucket no gradient reached. Gradients equal a fresh model's."""
+    model = Toy()
+    ddp = DistributedDataParallel([model], ParallelState.single(), make_cfg(ddp_bucket_size=300))
+    (buf,) = ddp.buffers
+    tokens, labels = batch(4)
+    for step in range(2):
+        ddp.zero_grad()
+        assert all(b.grad is None for b in buf.buckets)
+        seen = []  # per gradient arriving: which buckets hold memory at that moment
+        hooks = [p.register_post_accumulate_grad_hook(
+            lambda p: seen.append([b.grad is not None for b in buf.buckets])) for p in model.parameters()]
+        model(tokens, labels).backward()
+        for h in hooks:
+            h.remove()
+        assert seen[0][0] and not any(seen[0][1:]), "the first gradient allocates only its own bucket"
+        ddp.finish_grad_sync()
+        ref = Toy()
+        ref(tokens, labels).backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.main_grad, q.grad, rtol=1e-12, atol=1e-15, msg=f"step {step} {n}")
+    ddp.zero_grad()
+    frozen = buf.buckets[-1]
+    ddp.finish_grad_sync()  # no backward at all: every bucket comes back zeroed
+    assert frozen.grad is not None and float(frozen.grad.abs().sum()) == 0
 
 
 def _marked_grads(rank, world, tp, pp, sequence_parallel):

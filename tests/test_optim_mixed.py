@@ -54,7 +54,8 @@ def test_adamw_matches_torch_adamw_with_no_decay_on_biases_and_norms():
 def test_weight_decay_skips_no_weight_decay_params():
     model, ddp, opt = setup(wd=0.5, lr=0.1)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ddp.zero_grad()  # zero gradients: only weight decay moves the params
+    ddp.zero_grad()
+    ddp.finish_grad_sync()  # no backward: zero gradients, only weight decay moves the params
     assert opt.step().ok
     for n, p in model.named_parameters():
         factor = 1.0 if getattr(p, "no_weight_decay", False) else 1 - 0.1 * 0.5
@@ -96,6 +97,7 @@ def test_fp16_hysteresis_and_growth_window():
     model, ddp, opt = setup(torch.float16, initial_loss_scale=64.0, hysteresis=2, loss_scale_window=2)
     for expected_scale in (64.0, 64.0):  # two overflows: the first is tolerated, the second halves
         ddp.zero_grad()
+        ddp.finish_grad_sync()
         model.out.weight.main_grad.fill_(float("nan"))
         assert opt.step().skipped
     assert opt.loss_scale == 32.0
@@ -119,6 +121,7 @@ def test_nan_gradient_in_bf16_or_fp32_is_reported_not_trained_on(dtype):
     model, ddp, opt = setup(dtype)
     before = [p.detach().clone() for p in model.parameters()]
     ddp.zero_grad()
+    ddp.finish_grad_sync()
     model.norm.weight.main_grad[0] = float("nan")
     res = opt.step()
     assert not res.ok and res.skipped and res.found_inf

@@ -70,7 +70,7 @@ def _zero_vs_plain(rank, world):
     cfg.training.bf16 = True
     ddp = DistributedDataParallel([bf16], ps, cfg)
     runs["memory_bf16"] = build_optimizer(cfg, ps, [bf16], ddp).memory_report()
-    runs["padded_bf16"] = ddp.buffers[0].grad_data.numel()
+    runs["padded_bf16"] = ddp.buffers[0].numel
     runs["shard_sizes"] = [s.end - s.start for s in opts["zero1"].shards]
     return runs
 

@@ -95,7 +95,6 @@ class Shard:
     def __init__(self, buf, bucket, start: int, end: int, names: dict, ps):
         self.buf, self.bucket, self.start, self.end = buf, bucket, start, end
         self.param = buf.param_data[start:end]
-        self.grad = buf.grad_data[start:end]
         self.separate_master = self.param.dtype in HALF
         self.master = self.param.to(wide(self.param.dtype)) if self.separate_master else self.param
         self.exp_avg = torch.zeros_like(self.master)
@@ -108,6 +107,11 @@ class Shard:
                 self.fragments.append(Fragment(p, names[p], lo - start, hi - start, lo - s,
                                                not getattr(p, "no_weight_decay", False),
                                                counts_in_norm(p, ps)))
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """[n] view of this range of the bucket's main_grad (allocated during every backward)."""
+        return self.bucket.grad_range(self.start, self.end)
 
     def tensors(self) -> dict:
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
@@ -133,7 +137,7 @@ class MixedPrecisionOptimizer:
         self.names = param_names(chunks)
         self.shards = [Shard(buf, b, *self._shard_range(b), self.names, ps) for buf in ddp.buffers for b in buf.buckets]
         self.fused = fast.enabled(cfg.training.fast_path, ps.device)
-        self._groups = None  # adamw Groups over the shards' own grad buffers, built on first use
+        self._groups = None  # [(adamw Group, [(shard index, lo, hi)] of its grads)], built on first use
 
     def _shard_range(self, bucket) -> tuple:
         return bucket.start, bucket.end
@@ -208,24 +212,29 @@ class MixedPrecisionOptimizer:
         return float(sq.sqrt().item())
 
     def _adamw(self, grads: list, grad_scale: float) -> None:
-        """One AdamW update of every shard's fragments (optim/adamw.py); grads used ÷ grad_scale."""
-        self.step_count += 1
-        own = all(g is s.grad for s, g in zip(self.shards, grads))
-        if not own or self._groups is None:
-            groups = self._fragment_groups(grads)
-            if own:
-                self._groups = groups
-        adamw_(self._groups if own else groups, step=self.step_count, lr=self.lr, betas=self.betas,
-               eps=self.eps, weight_decay=self.weight_decay, fused=self.fused, grad_scale=grad_scale)
+        """One AdamW update of every shard's fragments (optim/adamw.py); grads used ÷ grad_scale.
 
-    def _fragment_groups(self, grads: list) -> list:
-        """[decayed Group, non-decayed Group] of fragment views of masters, grads and moments."""
-        groups = {True: Group([], [], [], [], True), False: Group([], [], [], [], False)}
-        for s, g in zip(self.shards, grads):
+        The masters' and moments' fragment views are built once; the grads' each step (the
+        buckets' grad tensors are new every step, see parallel/data.py)."""
+        self.step_count += 1
+        if self._groups is None:
+            self._groups = self._fragment_groups()
+        for group, where in self._groups:
+            group.grads = [grads[i][lo:hi] for i, lo, hi in where]
+        adamw_([group for group, _ in self._groups], step=self.step_count, lr=self.lr, betas=self.betas,
+               eps=self.eps, weight_decay=self.weight_decay, fused=self.fused, grad_scale=grad_scale)
+        for group, _ in self._groups:
+            group.grads = []  # hold no grad memory past the step
+
+    def _fragment_groups(self) -> list:
+        """[(decayed Group, where), (non-decayed Group, where)]: fragment views of masters and
+        moments, and where each fragment's grad lies: (shard index, lo, hi)."""
+        groups = {True: (Group([], [], [], [], True), []), False: (Group([], [], [], [], False), [])}
+        for i, s in enumerate(self.shards):
             for f in s.fragments:
-                grp = groups[f.decay]
-                for dst, t in ((grp.params, s.master), (grp.grads, g), (grp.exp_avgs, s.exp_avg),
-                               (grp.exp_avg_sqs, s.exp_avg_sq)):
+                grp, where = groups[f.decay]
+                where.append((i, f.lo, f.hi))
+                for dst, t in ((grp.params, s.master), (grp.exp_avgs, s.exp_avg), (grp.exp_avg_sqs, s.exp_avg_sq)):
                     dst.append(t[f.lo:f.hi])
         return list(groups.values())
 
@@ -300,7 +309,7 @@ class MixedPrecisionOptimizer:
         """
         n = sum(p.numel() for buf in self.ddp.buffers for p in buf.params)
         weights = sum(b.param_data.numel() * b.param_data.element_size() for b in self.ddp.buffers)
-        grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.ddp.buffers)
+        grads = sum(b.numel * b.grad_dtype.itemsize for b in self.ddp.buffers)  # while allocated
         optim = sum(t.numel() * t.element_size() for s in self.shards for k, t in s.tensors().items()
                     if s.separate_master or k != "master")
         total = weights + grads + optim

@@ -1,11 +1,18 @@
 """Data parallelism: contiguous gradient buffers, buckets, and their reduction over DP × CP.
 
-Every trainable parameter of every model chunk lives in a flat *param buffer* and accumulates
-its gradient into the matching slice of a flat *grad buffer* (``p.main_grad``, fp32 under
-``--accumulate-allreduce-grads-in-fp32``, the default). A post-accumulate-grad hook adds
-``p.grad`` into ``p.main_grad`` and frees ``p.grad``, so gradients of all micro-batches sum in
-place. Params enter the buffers in reverse order of creation, so buckets (ranges of about
-``--ddp-bucket-size`` elements) fill in the order backward produces gradients.
+Every trainable parameter of every model chunk lives in a flat *param buffer*; buckets (ranges of
+about ``--ddp-bucket-size`` elements) of it each own a flat *grad* tensor, and ``p.main_grad`` is
+p's view into its bucket's (fp32 under ``--accumulate-allreduce-grads-in-fp32``, the default). A
+post-accumulate-grad hook adds ``p.grad`` into ``p.main_grad`` and frees ``p.grad``, so gradients
+of all micro-batches sum in place. Params enter the buffers in reverse order of creation, so
+buckets fill in the order backward produces gradients.
+
+Gradient memory lives only from a bucket's first gradient to the next ``zero_grad``: zero_grad
+frees every bucket's grad, and the first gradient of the next backward allocates its bucket
+(zeroed). So during the forward and at the start of backward — where activations peak — no
+gradient memory is held (4 bytes a parameter for fp32 main_grads; ~4.2 GiB for a 1.1B model),
+the same as eager PyTorch with ``zero_grad(set_to_none=True)``; Megatron keeps its grad buffer
+for the whole run.
 
 Reduction (group ``ps.dp_cp_group``): each bucket is divided by the group size and then
 all-reduced, or reduce-scattered under ``--use-distributed-optimizer`` (each rank keeps 1/DP of
@@ -25,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -65,6 +73,11 @@ class Bucket:
     ready: set = field(default_factory=set)
     handle: object = None
     launched: bool = False
+    grad: Optional[torch.Tensor] = None  # flat main_grad [end - start]; None until first needed
+
+    def grad_range(self, start: int, end: int) -> torch.Tensor:
+        """This bucket's grad for buffer elements [start, end) (must lie inside the bucket)."""
+        return self.grad[start - self.start:end - self.start]
 
     def shard(self, rank: int, size: int) -> tuple:
         """Buffer range [s, e) of the rank-th of ``size`` equal shards of this bucket."""
@@ -75,10 +88,11 @@ class Bucket:
 class ParamAndGradBuffer:
     """Flat param and main_grad storage for one model chunk's trainable params of one dtype.
 
-    ``index[p] = (start, end)``: p's elements in both buffers. ``param_data`` has p's dtype,
-    ``grad_data`` is fp32 when ``grad_dtype`` says so. Each param's ``.data`` becomes a view into
+    ``index[p] = (start, end)``: p's elements in the buffer. ``param_data`` has p's dtype; each
+    bucket's ``grad`` has ``grad_dtype`` (fp32 for half params by default) and exists from
+    ``allocate_grad`` to ``release_grads``. Each param's ``.data`` becomes a view into
     ``param_data`` (so ZeRO-1 can all-gather a bucket in one call) and ``p.main_grad`` a view into
-    ``grad_data``.
+    its bucket's grad (None while released). Built with every grad allocated and zero.
     """
 
     def __init__(self, params: list, grad_dtype: torch.dtype, bucket_size: int, pad_to: int,
@@ -104,13 +118,28 @@ class ParamAndGradBuffer:
                 close()
         close()
         device, dtype = params[0].device, params[0].dtype
+        self.grad_dtype, self.numel = grad_dtype, offset
         self.param_data = torch.zeros(offset, dtype=dtype, device=device)
-        self.grad_data = torch.zeros(offset, dtype=grad_dtype, device=device)
         for p in params:
             s, e = self.index[p]
             self.param_data[s:e].copy_(p.data.reshape(-1))
             p.data = self.param_data[s:e].view(p.shape)
-            p.main_grad = self.grad_data[s:e].view(p.shape)
+        for b in self.buckets:
+            self.allocate_grad(b)
+
+    def allocate_grad(self, bucket: Bucket) -> None:
+        """Give ``bucket`` a zeroed grad tensor and point its params' ``main_grad`` into it."""
+        bucket.grad = torch.zeros(bucket.end - bucket.start, dtype=self.grad_dtype,
+                                  device=self.param_data.device)
+        for p in bucket.params:
+            p.main_grad = bucket.grad_range(*self.index[p]).view(p.shape)
+
+    def release_grads(self) -> None:
+        """Free every bucket's grad (and the params' main_grad views of it)."""
+        for b in self.buckets:
+            b.grad = None
+            for p in b.params:
+                p.main_grad = None
 
 
 @dataclass
@@ -186,12 +215,15 @@ class DistributedDataParallel:
 
     # ------------------------------------------------------------------ backward side
     def _on_grad(self, p: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: fold p.grad into p.main_grad; maybe launch its bucket."""
+        """Post-accumulate-grad hook: fold p.grad into p.main_grad (allocating its bucket's grad
+        on the step's first gradient); maybe launch its bucket."""
+        buf, bucket = self._where[p]
+        if bucket.grad is None:
+            buf.allocate_grad(bucket)
         p.main_grad.add_(p.grad)
         p.grad = None
         if not (self._sync and self.overlap):
             return
-        buf, bucket = self._where[p]
         if bucket.launched:
             raise RuntimeError("a gradient arrived after its bucket's DP reduction started: run every "
                                "backward but the last micro-batch's inside ddp.no_sync()")
@@ -215,13 +247,15 @@ class DistributedDataParallel:
         """Start the async reduction of one bucket: ÷ group size, then all-reduce/reduce-scatter."""
         buf.next_launch += 1
         bucket.launched = True
+        if bucket.grad is None:  # no param of the bucket got a gradient this step
+            buf.allocate_grad(bucket)
         if self.group is None:
             return
-        data = buf.grad_data[bucket.start:bucket.end]
+        data = bucket.grad
         data.div_(self.size)
         if self.use_distributed_optimizer and self.single_tensor_collectives:
-            s, e = bucket.shard(self.rank, self.size)
-            bucket.handle = reduce_scatter_flat(buf.grad_data[s:e], data, group=self.group, async_op=True)
+            shard = bucket.grad_range(*bucket.shard(self.rank, self.size))
+            bucket.handle = reduce_scatter_flat(shard, data, group=self.group, async_op=True)
         else:
             bucket.handle = dist.all_reduce(data, group=self.group, async_op=True)
         self._bytes += data.numel() * data.element_size()
@@ -275,9 +309,10 @@ class DistributedDataParallel:
         self._bytes = 0
 
     def zero_grad(self) -> None:
-        """Zero every main_grad buffer (start of an iteration)."""
+        """Start of an iteration: free every bucket's grad (re-allocated, zeroed, by the bucket's
+        first gradient of the next backward, or by ``finish_grad_sync`` if it gets none)."""
         for buf in self.buffers:
-            buf.grad_data.zero_()
+            buf.release_grads()
         for q in self._where:
             q.grad = None
         self._reset()
