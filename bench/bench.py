@@ -8,6 +8,10 @@ its own process; cases with a Llama shape also run bench/baseline.py (no meshlm:
 SDPA, nn.RMSNorm, per-block torch.compile, fused AdamW) once per shape in the same invocation.
 Per case: the median of the logged iterations after --warmup (compilation happens there) of the
 iteration time (wall clock of the whole step), tokens/s, and the peak memory (max allocated).
+With --repeat N the baseline and meshlm run N times each, alternately (baseline first), and the
+row holds the median over the N processes of each one's median (and every process's figure in
+"runs"): on these machines one process's steps can run ~10% slower than the next one's on the
+same machine, both ways, so a single pair can mislead.
 
 FLOPs per token (issue 9): 6N + 12·L·h·s, N all parameters (from meshlm's start-up line: exact on
 one GPU and under pure DP), L layers, h hidden, s sequence; TFLOP/s/GPU = that × tokens/s ÷ GPUs;
@@ -125,6 +129,17 @@ def row(name: str, r: dict, base: dict | None, date: str, gpu: str) -> dict:
             "first_losses": [round(x, 4) for x in r["losses"][:5]]}
 
 
+def _median_run(runs: list) -> dict | None:
+    """The runs' figures combined: median iteration time and tokens/s, max peak memory."""
+    if not runs:
+        return None
+    out = dict(runs[0])
+    for key in ("iter_ms", "tokens_per_sec"):
+        out[key] = statistics.median(r[key] for r in runs)
+    out["peak_mem_gb"] = max(r["peak_mem_gb"] for r in runs)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cases", nargs="*", default=["llama1b", "llama1b-eager"], help=f"cases: {', '.join(CASES)}")
@@ -133,6 +148,7 @@ def main() -> None:
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=1, help="baseline/meshlm pairs per case (medians kept)")
     args = ap.parse_args()
     import torch
     gpu = torch.cuda.get_device_name(0)
@@ -141,15 +157,24 @@ def main() -> None:
     for name in args.cases:
         model, gpus, micro, _ = CASES[name]
         key = (model["name"], micro)
-        if model["baseline"] and key not in baselines:
-            baselines[key] = run_baseline(model["baseline"], micro, args.out, args.iters, args.warmup)
-            print(f"baseline {key}: {baselines[key]}", flush=True)
-        r = run_meshlm(name, args.out, args.iters, args.warmup)
-        if "error" in r:
-            print(f"{name}: error {r['error']}", flush=True)
+        runs, bases = [], []
+        for _ in range(args.repeat):
+            if model["baseline"] and (key not in baselines or args.repeat > 1):
+                bases.append(run_baseline(model["baseline"], micro, args.out, args.iters, args.warmup))
+                print(f"baseline {key}: {bases[-1]}", flush=True)
+            runs.append(run_meshlm(name, args.out, args.iters, args.warmup))
+        if bases:
+            baselines[key] = _median_run([b for b in bases if "error" not in b]) or bases[-1]
+        good = [r for r in runs if "error" not in r]
+        if not good:
+            print(f"{name}: error {runs[-1]['error']}", flush=True)
             continue
         base = baselines.get(key)
-        records.append(row(name, r, None if base is None or "error" in base else base, args.date, gpu))
+        records.append(row(name, _median_run(good), None if base is None or "error" in base else base, args.date, gpu))
+        if args.repeat > 1:
+            records[-1]["runs"] = {"tokens_per_sec": [round(r["tokens_per_sec"], 1) for r in good],
+                                   "baseline_tokens_per_sec": [round(b["tokens_per_sec"], 1) for b in bases
+                                                               if "error" not in b]}
         print(json.dumps(records[-1]), flush=True)
     with open(args.results, "a") as fh:
         for rec in records:

@@ -4,6 +4,7 @@ The toy model here (``Toy``) is shared with the optimizer tests: a tiny language
 parameters carry the attributes the real GPTModel sets (no_weight_decay on biases and norms).
 """
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -155,9 +156,11 @@ def test_zero1_buckets_are_padded_to_equal_shards():
     assert all((b.end - b.start) % 64 == 0 for b in buf.buckets)
 
 
-def test_hook_accumulates_micro_batches_into_main_grad_and_frees_grad():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_backward_accumulates_micro_batches_into_main_grad_and_frees_grad(overlap):
+    """Per-param hooks (overlap) or one multi-tensor add at the end of each backward: the same."""
     model = Toy()
-    ddp = DistributedDataParallel([model], ParallelState.single(), make_cfg())
+    ddp = DistributedDataParallel([model], ParallelState.single(), make_cfg(overlap_grad_reduce=overlap))
     tokens, labels = batch(4)
     with ddp.no_sync():
         model(tokens[:2], labels[:2]).backward()
@@ -174,11 +177,13 @@ def test_hook_accumulates_micro_batches_into_main_grad_and_frees_grad():
 
 
 def test_grad_memory_is_held_only_from_a_buckets_first_gradient_to_zero_grad():
-    """zero_grad frees every bucket's grad; backward allocates a bucket (zeroed) when its first
-    gradient arrives, so the last layers' buckets exist while the first layers' do not yet;
-    finish_grad_sync allocates a bucket no gradient reached. Gradients equal a fresh model's."""
+    """zero_grad frees every bucket's grad; under --overlap-grad-reduce backward allocates a bucket
+    (zeroed) when its first gradient arrives, so the last layers' buckets exist while the first
+    layers' do not yet; finish_grad_sync allocates a bucket no gradient reached. Gradients equal
+    a fresh model's."""
     model = Toy()
-    ddp = DistributedDataParallel([model], ParallelState.single(), make_cfg(ddp_bucket_size=300))
+    ddp = DistributedDataParallel([model], ParallelState.single(),
+                                  make_cfg(ddp_bucket_size=300, overlap_grad_reduce=True))
     (buf,) = ddp.buffers
     tokens, labels = batch(4)
     for step in range(2):

@@ -118,15 +118,16 @@ def test_sequence_parallel_saves_only_the_shard_of_the_column_parallel_inputs():
 # ----------------------------------------------------------------------------- cross-entropy
 
 def _cross_entropy_worker(rank, world):
-    """Vocabulary 10 padded to 12 over TP=2: loss and grad equal F.cross_entropy on the full logits."""
+    """Vocabulary 10 padded to 12 over TP=2: loss and grad equal F.cross_entropy on the full logits,
+    whatever values the padded columns hold (large ones here: they must be ignored, not masked)."""
     ps = ParallelState.build(tp=world)
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(3, 2, 10, generator=g, dtype=torch.float64)
     target = torch.randint(0, 10, (3, 2), generator=g)
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 10), target.reshape(-1), reduction="none")
-    padded = torch.cat([logits, torch.full((3, 2, 2), float("-inf"), dtype=torch.float64)], dim=-1)
+    padded = torch.cat([logits, torch.full((3, 2, 2), 50.0, dtype=torch.float64)], dim=-1)
     local = padded.chunk(world, -1)[rank].clone().requires_grad_(True)
-    loss = vocab_parallel_cross_entropy(local, target, 6 * rank, ps.tp_group)
+    loss = vocab_parallel_cross_entropy(local, target, 6 * rank, ps.tp_group, valid=6 if rank == 0 else 4)
     weights = torch.arange(6, dtype=torch.float64).view(3, 2)
     (loss * weights).sum().backward()
     full = logits.clone().requires_grad_(True)

@@ -124,11 +124,15 @@ def _run_layers(layers: list, x: torch.Tensor, call: int, positions=None, mask=N
 
 
 class Embedding(nn.Module):
-    """tokens [b, s] → [s, b, h] ([s/tp, b, h] under SP): vocab-parallel words + learned positions."""
+    """tokens [b, s] → [s, b, h] ([s/tp, b, h] under SP): vocab-parallel words + learned positions,
+    then hidden dropout (``F.dropout`` on the fast path where each TP rank holds its own rows, as in
+    TransformerLayer; keyed otherwise)."""
 
-    def __init__(self, cfg, ps, vocab_size, padded_vocab, init, rng, seq, *, sequence_parallel, params_dtype):
+    def __init__(self, cfg, ps, vocab_size, padded_vocab, init, rng, seq, *, sequence_parallel, params_dtype,
+                 fast: bool = False):
         super().__init__()
         self.rng, self.seq, self.p = rng, seq, cfg.hidden_dropout
+        self.plain_dropout = fast and (ps.tp == 1 or sequence_parallel)
         self.word_embeddings = VocabParallelEmbedding(
             vocab_size, padded_vocab, cfg.hidden_size, ps, init(*EMBEDDING_KEY),
             sequence_parallel=sequence_parallel, params_dtype=params_dtype)
@@ -150,11 +154,14 @@ class Embedding(nn.Module):
             rows = torch.arange(offset, offset + x.shape[0], device=x.device)
             x = x + self.position_embeddings(rows).unsqueeze(1)
         p = self.p if self.training else 0.0
+        if self.plain_dropout:
+            return F.dropout(x, p) if p else x
         return self.rng.dropout(x, p, (-1, "embedding", call), full, offset)
 
 
 class OutputLayer(nn.Module):
-    """x [s, b, h] → logits [s, b, V_padded/tp] with the padded vocabulary columns at −inf.
+    """x [s, b, h] → logits [s, b, V_padded/tp]; ``mask_padding`` sets the padded vocabulary
+    columns to −inf (the loss excludes them itself, without that pass over the logits).
 
     Owns the output weight [V_padded/tp, h] (untied, or the last stage's copy of a tied embedding
     when PP > 1); with tied embeddings on one stage it owns none and the caller passes the word
@@ -168,10 +175,14 @@ class OutputLayer(nn.Module):
         if weight is not None:
             self.weight = nn.Parameter(weight)
         self.register_buffer("padded_logits", padded_logits, persistent=False)
-        self.has_padding = bool(padded_logits.any())  # no padding: no mask, no copy of the logits
+        self.has_padding = bool(padded_logits.any())
+        self.valid = int((~padded_logits).sum())  # real vocabulary columns: the first ones
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, weight)
+        return F.linear(x, weight)
+
+    def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., V_padded/tp] with the padded columns at −inf (a copy when there are any)."""
         return logits.masked_fill(self.padded_logits, float("-inf")) if self.has_padding else logits
 
 
@@ -209,7 +220,7 @@ class GPTModel(nn.Module):
         scaled_std = cfg.init_method_std / math.sqrt(2 * cfg.num_layers)
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
         if pre_process:
-            self.embedding = Embedding(cfg, ps, vocab_size, self.padded_vocab, init, self.rng, seq, **kw)
+            self.embedding = Embedding(cfg, ps, vocab_size, self.padded_vocab, init, self.rng, seq, fast=fast, **kw)
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(cfg, ps, i, lambda name, i=i: init(i, name),
@@ -257,7 +268,7 @@ class GPTModel(nn.Module):
         x = comm.gather_from_sp(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
         logits = self.output_layer(x, self.output_weight())  # [s, b, V/tp]
         if labels is None:
-            return logits.transpose(0, 1)
+            return self.output_layer.mask_padding(logits).transpose(0, 1)
         return vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_start, self.group,
-                                            fast=self.fast, inplace=True).t()
+                                            valid=self.output_layer.valid, fast=self.fast, inplace=True).t()
 

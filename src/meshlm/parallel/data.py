@@ -2,10 +2,18 @@
 
 Every trainable parameter of every model chunk lives in a flat *param buffer*; buckets (ranges of
 about ``--ddp-bucket-size`` elements) of it each own a flat *grad* tensor, and ``p.main_grad`` is
-p's view into its bucket's (fp32 under ``--accumulate-allreduce-grads-in-fp32``, the default). A
-post-accumulate-grad hook adds ``p.grad`` into ``p.main_grad`` and frees ``p.grad``, so gradients
-of all micro-batches sum in place. Params enter the buffers in reverse order of creation, so
-buckets fill in the order backward produces gradients.
+p's view into its bucket's (fp32 under ``--accumulate-allreduce-grads-in-fp32``, the default).
+Each backward's ``p.grad`` is added into ``p.main_grad`` and freed, so the gradients of all
+micro-batches sum in place, in fp32:
+- under ``--overlap-grad-reduce`` a post-accumulate-grad hook on every param does it as each
+  gradient arrives, so a bucket's reduction can start as soon as its last gradient is in;
+- otherwise it happens once at the end of each backward pass (an autograd callback queued when
+  the backward reaches a chunk's output), as one multi-tensor add over the chunk's params: no
+  Python hook per parameter, a few kernels instead of one per parameter. A param used twice in one
+  backward (tied embedding and output layer on one stage) then has its two contributions summed
+  in ``p.grad``'s dtype first, as eager PyTorch does.
+Params enter the buffers in reverse order of creation, so buckets fill in the order backward
+produces gradients.
 
 Gradient memory lives only from a bucket's first gradient to the next ``zero_grad``: zero_grad
 frees every bucket's grad, and the first gradient of the next backward allocates its bucket
@@ -203,8 +211,12 @@ class DistributedDataParallel:
                 for b in buf.buckets:
                     for q in b.params:
                         self._where[q] = (buf, b)
-        for q in self._where:
-            q.register_post_accumulate_grad_hook(self._on_grad)
+        if self.overlap:
+            for q in self._where:
+                q.register_post_accumulate_grad_hook(self._on_grad)
+        else:
+            for chunk in chunks:
+                chunk.register_forward_hook(self._arm_fold)
         self._sync = True
         self._bytes = 0  # payload of the reductions of the step in flight
         self.stats = GradSyncStats()
@@ -233,6 +245,25 @@ class DistributedDataParallel:
             if len(nxt.ready) < len(nxt.params):
                 break
             self._launch(buf, nxt)
+
+    def _arm_fold(self, chunk, args, out) -> None:
+        """Forward hook of a chunk: when backward reaches its output, queue ``_fold`` to run at the
+        end of that backward pass."""
+        if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
+            out.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._fold(chunk)))
+
+    def _fold(self, chunk) -> None:
+        """Add every ``p.grad`` of the chunk into ``p.main_grad`` (one multi-tensor add) and free it."""
+        params = [q for q in chunk.parameters() if q.grad is not None and q in self._where]
+        for q in params:
+            buf, bucket = self._where[q]
+            if bucket.grad is None:
+                buf.allocate_grad(bucket)
+        if params:
+            torch._foreach_add_([q.main_grad for q in params], [q.grad for q in params])
+        for q in params:
+            q.grad = None
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -244,8 +244,9 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     run.ddp.finish_grad_sync()
     lr = run.sched.lr
     loss_t = reduce_losses(outputs, ps, t.calculate_per_token_loss)
+    read_loss = _start_read(loss_t)  # copied before the step's sync: reading it waits for no update
     result = run.opt.step(loss_t)  # its grad norm is the step's one host sync; a NaN loss skips it too
-    loss = float(loss_t.item())  # ready: the stream was synchronised by the step
+    loss = read_loss()
     nan = not math.isfinite(loss)
     if nan and not run.logger.fp16:  # fp16: the loss scaler backs off and the run goes on
         _stop_unless_skipping(run, it, f"lm loss is {loss}")
@@ -265,6 +266,18 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
                           comm_s=run.ddp.stats.exposed_s if ps.dp * ps.cp > 1 else None,
                           bubble=bubble, timeline=timeline)
     return None if skipped or nan else loss
+
+
+def _start_read(t: torch.Tensor):
+    """Start copying the one-element device tensor t to the host; return a function giving its
+    float value. On CUDA it waits on an event recorded right after the copy, so work queued later
+    (the optimizer update) keeps the GPU busy while the host reads the value and goes on."""
+    if t.device.type != "cuda":
+        return lambda: float(t.item())
+    host = t.to("cpu", non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return lambda: (copied.synchronize(), float(host.item()))[1]
 
 
 def _pipeline_timeline(ps: ParallelState, timeline: list, window: tuple) -> tuple:
