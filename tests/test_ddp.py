@@ -233,3 +233,24 @@ def test_shared_embedding_grads_are_summed_over_first_and_last_stage():
     for r in run_distributed(_marked_grads, 2, 1, 2, False):
         assert r["emb"] == 1.0 + 2.0
         assert r["norm"] == r["other"] in (1.0, 2.0)
+
+
+def test_a_bucket_first_written_by_a_fold_has_no_stale_element(monkeypatch):
+    """Without overlap, a bucket's first gradients of the step are copied into uninitialised
+    memory (NaN here): every element, ZeRO-1 padding included, must be written."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    model = Toy()
+    ddp = DistributedDataParallel([model], ParallelState.single(),
+                                  make_cfg(ddp_bucket_size=300, use_distributed_optimizer=True))
+    (buf,) = ddp.buffers
+    assert any(b.end - b.start > sum(p.numel() for p in b.params) for b in buf.buckets), "needs padding"
+    tokens, labels = batch(4)
+    ddp.zero_grad()
+    model(tokens, labels).backward()
+    ddp.finish_grad_sync()
+    assert all(torch.isfinite(b.grad).all() for b in buf.buckets)
+    ref = Toy()
+    ref(tokens, labels).backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.main_grad, q.grad), n

@@ -135,10 +135,11 @@ class ParamAndGradBuffer:
         for b in self.buckets:
             self.allocate_grad(b)
 
-    def allocate_grad(self, bucket: Bucket) -> None:
-        """Give ``bucket`` a zeroed grad tensor and point its params' ``main_grad`` into it."""
-        bucket.grad = torch.zeros(bucket.end - bucket.start, dtype=self.grad_dtype,
-                                  device=self.param_data.device)
+    def allocate_grad(self, bucket: Bucket, zero: bool = True) -> None:
+        """Give ``bucket`` a grad tensor (zeroed, or uninitialised for a caller that writes every
+        element) and point its params' ``main_grad`` into it."""
+        new = torch.zeros if zero else torch.empty
+        bucket.grad = new(bucket.end - bucket.start, dtype=self.grad_dtype, device=self.param_data.device)
         for p in bucket.params:
             p.main_grad = bucket.grad_range(*self.index[p]).view(p.shape)
 
@@ -254,14 +255,29 @@ class DistributedDataParallel:
                 lambda: self._fold(chunk)))
 
     def _fold(self, chunk) -> None:
-        """Add every ``p.grad`` of the chunk into ``p.main_grad`` (one multi-tensor add) and free it."""
+        """Add every ``p.grad`` of the chunk into ``p.main_grad`` and free it. A bucket that gets
+        its first gradients of the step here, one for each of its params, is allocated uninitialised
+        and the gradients are copied in (only its padding zeroed): no zero fill, no read of zeros."""
         params = [q for q in chunk.parameters() if q.grad is not None and q in self._where]
+        fresh = {}  # id(bucket) → (buffer, bucket, its params with a gradient here)
         for q in params:
             buf, bucket = self._where[q]
             if bucket.grad is None:
-                buf.allocate_grad(bucket)
-        if params:
-            torch._foreach_add_([q.main_grad for q in params], [q.grad for q in params])
+                fresh.setdefault(id(bucket), (buf, bucket, []))[2].append(q)
+        copied = set()
+        for buf, bucket, got in fresh.values():
+            whole = len(got) == len(bucket.params)
+            buf.allocate_grad(bucket, zero=not whole)
+            if whole:
+                used = sum(q.numel() for q in bucket.params)
+                bucket.grad[used:].zero_()  # ZeRO-1 padding
+                copied.update(got)
+        add = [q for q in params if q not in copied]
+        if copied:
+            mine = [q for q in params if q in copied]
+            torch._foreach_copy_([q.main_grad for q in mine], [q.grad for q in mine])
+        if add:
+            torch._foreach_add_([q.main_grad for q in add], [q.grad for q in add])
         for q in params:
             q.grad = None
 
