@@ -17,7 +17,7 @@ produces gradients.
 
 Gradient memory lives only from a bucket's first gradient to the next ``zero_grad``: zero_grad
 frees every bucket's grad, and the first gradient of the next backward allocates its bucket
-(zeroed). So during the forward and at the start of backward — where activations peak — no
+(zeroed for the hooks; uninitialised and copied into, padding zeroed, by the end-of-backward add). So during the forward and at the start of backward — where activations peak — no
 gradient memory is held (4 bytes a parameter for fp32 main_grads; ~4.2 GiB for a 1.1B model),
 the same as eager PyTorch with ``zero_grad(set_to_none=True)``; Megatron keeps its grad buffer
 for the whole run.
@@ -235,7 +235,7 @@ class DistributedDataParallel:
             buf.allocate_grad(bucket)
         p.main_grad.add_(p.grad)
         p.grad = None
-        if not (self._sync and self.overlap):
+        if not self._sync:  # registered under --overlap-grad-reduce only
             return
         if bucket.launched:
             raise RuntimeError("a gradient arrived after its bucket's DP reduction started: run every "
@@ -264,18 +264,18 @@ class DistributedDataParallel:
             buf, bucket = self._where[q]
             if bucket.grad is None:
                 fresh.setdefault(id(bucket), (buf, bucket, []))[2].append(q)
-        copied = set()
+        copied = []
         for buf, bucket, got in fresh.values():
             whole = len(got) == len(bucket.params)
             buf.allocate_grad(bucket, zero=not whole)
             if whole:
                 used = sum(q.numel() for q in bucket.params)
                 bucket.grad[used:].zero_()  # ZeRO-1 padding
-                copied.update(got)
-        add = [q for q in params if q not in copied]
+                copied += got
+        skip = set(copied)
+        add = [q for q in params if q not in skip]
         if copied:
-            mine = [q for q in params if q in copied]
-            torch._foreach_copy_([q.main_grad for q in mine], [q.grad for q in mine])
+            torch._foreach_copy_([q.main_grad for q in copied], [q.grad for q in copied])
         if add:
             torch._foreach_add_([q.main_grad for q in add], [q.grad for q in add])
         for q in params:
