@@ -139,7 +139,11 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
     tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
     check_data_vocab(cfg, tokenizer.vocab_size, ps)
     train_ds, valid_ds, _ = build_datasets(cfg, ps=ps)
+    t0 = time.perf_counter()
     chunks = build_model_chunks(cfg, ps, tokenizer.vocab_size, dtype)
+    if ps.device.type == "cuda":
+        torch.cuda.synchronize(ps.device)
+    build_s = time.perf_counter() - t0
     ddp = DistributedDataParallel(chunks, ps, cfg)
     opt = build_optimizer(cfg, ps, chunks, ddp)
     gb, nmb = C.global_batch(cfg, ps.world_size), C.num_microbatches(cfg, ps.world_size)
@@ -154,7 +158,8 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
     if ps.rank == 0:
         n = sum(q.numel() for c in chunks for q in c.parameters())
         print(f"meshlm: {ps.describe()} | {n:,} parameters on rank 0 | global batch {gb} = "
-              f"{nmb} micro-batches × {t.micro_batch_size} × DP {ps.dp}", flush=True)
+              f"{nmb} micro-batches × {t.micro_batch_size} × DP {ps.dp} | model built on "
+              f"{ps.device.type} in {build_s:.1f} s", flush=True)
     report_memory(opt.memory_report(), ps)
     return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb)
 
