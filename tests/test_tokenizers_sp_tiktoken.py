@@ -8,6 +8,7 @@ JSON vocabulary (the 256 bytes, then every prefix of the corpus words as merges)
 import base64
 import json
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from meshlm.cli import main
 from meshlm.config import padded_vocab_size
 from meshlm.data.indexed import IndexedDataset
 from meshlm.data.tokenizer import TOKENIZER_FIELDS, build_tokenizer
+from meshlm.data.tokenizers_extra import TIKTOKEN_PATTERNS, TIKTOKEN_SPECIAL_TOKENS
 from meshlm.errors import ConfigError, DataError
 from test_launch import clean_env
 
@@ -89,6 +91,7 @@ def test_sentencepiece_types_match_megatron_core(models, megatron_build, kind):
         assert ids == theirs.tokenize(text) == sp.encode(text)  # no BOS, no EOS added
         assert ours.decode(ids) == theirs.detokenize(ids) == text  # byte fallback: any text round-trips
     assert ours.encode_batch(TEXTS) == [ours.encode(t) for t in TEXTS]
+    assert pickle.loads(pickle.dumps(ours)).encode(TEXTS[2]) == ours.encode(TEXTS[2])  # preprocess --workers
 
 
 def test_a_sentencepiece_model_without_eos_is_refused(tmp_path):
@@ -160,7 +163,14 @@ def test_tiktokenizer_matches_megatron_core(models, megatron_build, pattern, cut
             assert theirs.detokenize(ids) == text
     assert 1 in ours.encode("a <s> b")  # special tokens in the text are encoded, as Megatron does
     assert ours.encode_batch(TEXTS) == [ours.encode(t) for t in TEXTS]
+    assert pickle.loads(pickle.dumps(ours)).encode(TEXTS[2]) == ours.encode(TEXTS[2])  # preprocess --workers
     assert len(ours.encode(" the quick fox")) == 3  # the merges are used
+
+
+def test_split_patterns_are_megatrons():
+    megatron = pytest.importorskip("megatron.core.tokenizers.text.libraries.tiktoken_tokenizer")
+    assert TIKTOKEN_PATTERNS == {"v1": megatron._PATTERN_TIKTOKEN_V1, "v2": megatron._PATTERN_TIKTOKEN_V2}
+    assert TIKTOKEN_SPECIAL_TOKENS == tuple(megatron.SPECIAL_TOKENS)
 
 
 def test_tiktokenizer_special_token_flags(models, megatron_build):
@@ -226,6 +236,9 @@ BASE = ["pretrain", "--num-layers", "1", "--hidden-size", "32", "--num-attention
     (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "SP", "--tokenizer-special-tokens", "<x>"],
      "--tokenizer-special-tokens with --tokenizer-type SentencePieceTokenizer: Megatron takes them only under "
      "--tokenizer-sentencepiece-legacy"),
+    (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "tokenizer.json", "--tokenizer-special-tokens",
+      "<x>"], "--tokenizer-special-tokens is read only by --tokenizer-type TikTokenizer here; drop it for "
+              "HuggingFaceTokenizer"),
 ])
 def test_tokenizer_problems_are_found_before_any_worker_starts(models, tmp_path, monkeypatch, capsys, flags, message):
     monkeypatch.chdir(tmp_path)

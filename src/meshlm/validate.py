@@ -270,13 +270,11 @@ def _data_problems(cfg: Config) -> list:
         problems.append("--mock-data and --data-path are exclusive; pick one")
     if d.mock_data and not vocab:
         problems.append("--mock-data needs --vocab-size (the range of the random token ids)")
-    from .data.tokenizer import MODEL_FILE
-    from .data.tokenizers_extra import special_tokens_problem
+    from .data.tokenizer import MODEL_FILE, special_tokens_problem
     if d.tokenizer_type in MODEL_FILE and not d.tokenizer_model:
         problems.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model "
                         f"({MODEL_FILE[d.tokenizer_type]})")
-    if special_tokens_problem(d.tokenizer_type, d.tokenizer_special_tokens):
-        problems.append(special_tokens_problem(d.tokenizer_type, d.tokenizer_special_tokens))
+    problems += [p for p in [special_tokens_problem(d.tokenizer_type, d.tokenizer_special_tokens)] if p]
     if d.tokenizer_type == "GPT2BPETokenizer" and not (d.vocab_file and d.merge_file):
         problems.append("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if d.tokenizer_type == "NullTokenizer" and not vocab:

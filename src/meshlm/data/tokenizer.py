@@ -160,6 +160,18 @@ def _hf_eod(tok, json_path: str) -> int:
                     f"(looked for {', '.join(EOD_CANDIDATES)}); add one to the tokenizer")
 
 
+def special_tokens_problem(kind: str, special: Optional[list]) -> Optional[str]:
+    """Why ``--tokenizer-special-tokens`` cannot be used with ``--tokenizer-type kind`` (None if it can)."""
+    if not special or kind == "TikTokenizer":
+        return None
+    if kind in SENTENCEPIECE_TYPES:
+        return (f"--tokenizer-special-tokens with --tokenizer-type {kind}: Megatron takes them only under "
+                f"--tokenizer-sentencepiece-legacy, which meshlm does not support; put the special tokens "
+                f"in the SentencePiece model when training it, and drop the flag")
+    return (f"--tokenizer-special-tokens is read only by --tokenizer-type TikTokenizer here; drop it"
+            + (f" for {kind}" if kind else ""))
+
+
 def resolve_tokenizer_type(data_cfg, vocab_size: Optional[int] = None) -> str:
     """--tokenizer-type, or the one implied by the given files: tokenizer.json → HuggingFace,
     vocab+merges → GPT2BPE, only --vocab-size → Null. ConfigError if nothing is given."""
@@ -184,6 +196,9 @@ def build_tokenizer(data_cfg, vocab_size: Optional[int] = None) -> Tokenizer:
     from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers
 
     kind = resolve_tokenizer_type(data_cfg, vocab_size)
+    problem = special_tokens_problem(kind, getattr(data_cfg, "tokenizer_special_tokens", None))
+    if problem:
+        raise ConfigError(problem)
     if kind in EXTRA_TYPES:
         from .tokenizers_extra import build_extra
         return build_extra(kind, data_cfg, vocab_size)
@@ -286,5 +301,6 @@ def run_train(args: argparse.Namespace) -> int:
 
 __all__ = ["Tokenizer", "HFTokenizer", "NullTokenizer", "build_tokenizer", "train_bpe",
            "add_train_arguments", "run_train", "resolve_tokenizer_type", "EOD", "EXTRA_TYPES",
-           "MODEL_FILE", "SENTENCEPIECE_TYPES", "TOKENIZER_FIELDS", "file_digest", "require_path"]
+           "MODEL_FILE", "SENTENCEPIECE_TYPES", "TOKENIZER_FIELDS", "file_digest", "require_path",
+           "special_tokens_problem"]
 

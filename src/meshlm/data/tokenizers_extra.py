@@ -62,17 +62,6 @@ def _readable(path: str) -> str:
     return path
 
 
-def special_tokens_problem(kind: str, special: Optional[list]) -> Optional[str]:
-    """Why ``--tokenizer-special-tokens`` cannot be used with ``--tokenizer-type kind`` (None if it can)."""
-    if not special or kind == "TikTokenizer":
-        return None
-    if kind in SENTENCEPIECE_TYPES:
-        return (f"--tokenizer-special-tokens with --tokenizer-type {kind}: Megatron takes them only under "
-                f"--tokenizer-sentencepiece-legacy, which meshlm does not support; put the special tokens "
-                f"in the SentencePiece model when training it, and drop the flag")
-    return f"--tokenizer-special-tokens is read only by --tokenizer-type TikTokenizer here; drop it for {kind}"
-
-
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece model: ids = its pieces, eod = its EOS id, no BOS/EOS added by encode."""
 
@@ -193,9 +182,6 @@ def build_extra(kind: str, data_cfg, vocab_size: Optional[int]) -> Tokenizer:
     """The tokenizer of a SentencePiece or tiktoken ``--tokenizer-type`` (flags read from
     ``data_cfg``; absent fields take their defaults). ConfigError / DataError as the classes raise."""
     special = getattr(data_cfg, "tokenizer_special_tokens", None)
-    problem = special_tokens_problem(kind, special)
-    if problem:
-        raise ConfigError(problem)
     if kind in SENTENCEPIECE_TYPES:
         return SentencePieceTokenizer(data_cfg.tokenizer_model, kind)
     num_special = getattr(data_cfg, "tiktoken_num_special_tokens", None)
@@ -204,5 +190,4 @@ def build_extra(kind: str, data_cfg, vocab_size: Optional[int]) -> Tokenizer:
                         special_tokens=special)
 
 
-__all__ = ["SentencePieceTokenizer", "TikTokenizer", "build_extra", "load_tiktoken_vocab",
-           "special_tokens_problem", "TIKTOKEN_PATTERNS", "TIKTOKEN_SPECIAL_TOKENS"]
+__all__ = ["SentencePieceTokenizer", "TikTokenizer", "build_extra", "load_tiktoken_vocab", "TIKTOKEN_PATTERNS", "TIKTOKEN_SPECIAL_TOKENS"]
