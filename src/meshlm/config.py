@@ -22,6 +22,10 @@ from .errors import ConfigError
 from .values import coerce, expected, flag_type, kind_of
 
 
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                   "Llama2Tokenizer", "TikTokenizer", "NullTokenizer")
+
+
 def opt(default: Any, help: str, *, flag: Optional[str] = None, choices=None,
         action: Optional[str] = None, nargs=None):
     """A config field with its command-line metadata.
@@ -164,9 +168,16 @@ class DataConfig:
     data_path: list = opt([], "indexed-dataset prefixes, optionally weighted: 0.7 A 0.3 B", nargs="*")
     split: str = opt("969,30,1", "train,valid,test weights")
     mock_data: bool = opt(False, "random tokens instead of a corpus", action="store_true")
-    tokenizer_type: Optional[str] = opt(None, "tokenizer kind", choices=[
-        "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
-    tokenizer_model: Optional[str] = opt(None, "tokenizer.json (HuggingFaceTokenizer)")
+    tokenizer_type: Optional[str] = opt(None, "tokenizer kind", choices=list(TOKENIZER_TYPES))
+    tokenizer_model: Optional[str] = opt(None, "tokenizer.json (HuggingFaceTokenizer), SentencePiece .model "
+                                         "(SentencePiece/GPTSentencePiece/Llama2Tokenizer) or Megatron's "
+                                         "tiktoken vocabulary .json (TikTokenizer)")
+    tiktoken_pattern: Optional[str] = opt(None, "TikTokenizer: Megatron's split pattern (default v2)",
+                                          choices=["v1", "v2"])
+    tiktoken_num_special_tokens: int = opt(1000, "TikTokenizer: ids 0..N-1 are special tokens")
+    tokenizer_special_tokens: Optional[list] = opt(None, "TikTokenizer: the first special tokens (must "
+                                                   "include <unk> <s> </s> <mask> <pad> <cls> <sep>)",
+                                                   nargs="+")
     vocab_file: Optional[str] = opt(None, "GPT-2 vocab.json")
     merge_file: Optional[str] = opt(None, "GPT-2 merges.txt")
     data_cache_path: Optional[str] = opt(None, "folder for cached sample indices")

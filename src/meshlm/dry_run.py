@@ -17,6 +17,9 @@ _GPT2_VOCAB = 50257
 def vocab_of(cfg: Config) -> tuple:
     """(vocabulary size, how it was found): --vocab-size, the tokenizer's, or an assumption."""
     d = cfg.data
+    from .data.tokenizer import EXTRA_TYPES, build_tokenizer
+    if d.tokenizer_type in EXTRA_TYPES and d.tokenizer_model:  # read by validate already: cheap
+        return build_tokenizer(d, cfg.model.vocab_size).vocab_size, d.tokenizer_model
     if cfg.model.vocab_size:
         return cfg.model.vocab_size, "--vocab-size"
     if d.tokenizer_type == "GPT2BPETokenizer":

@@ -38,7 +38,6 @@ NO_EFFECT = {
     "--distributed-backend": (True, "meshlm uses NCCL on GPUs and gloo on CPU"),
     "--manual-gc": (False, "no effect on the result; Python's collector runs as usual"),
     "--empty-unused-memory-level": (True, "no effect on the result; the CUDA cache is left to PyTorch"),
-    "--tiktoken-pattern": (True, "read only by TikTokenizer"),
 }
 
 # Megatron flag → (Megatron's default, why meshlm's differs); meshlm's default is in its help.

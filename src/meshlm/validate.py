@@ -53,8 +53,8 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     problems += _output_problems(cfg)
     if check_files:
         problems += _file_problems(cfg)
-    if problems:
-        raise ConfigError(problems)
+    if problems:  # a problem two checks find (e.g. building the tokenizer repeats a flag check) once
+        raise ConfigError(list(dict.fromkeys(problems)))
 
 
 # The domain of every numeric flag, as one rule: finite and not negative; an int is a size, count
@@ -270,8 +270,11 @@ def _data_problems(cfg: Config) -> list:
         problems.append("--mock-data and --data-path are exclusive; pick one")
     if d.mock_data and not vocab:
         problems.append("--mock-data needs --vocab-size (the range of the random token ids)")
-    if d.tokenizer_type == "HuggingFaceTokenizer" and not d.tokenizer_model:
-        problems.append("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json)")
+    from .data.tokenizer import MODEL_FILE, special_tokens_problem
+    if d.tokenizer_type in MODEL_FILE and not d.tokenizer_model:
+        problems.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model "
+                        f"({MODEL_FILE[d.tokenizer_type]})")
+    problems += [p for p in [special_tokens_problem(d.tokenizer_type, d.tokenizer_special_tokens)] if p]
     if d.tokenizer_type == "GPT2BPETokenizer" and not (d.vocab_file and d.merge_file):
         problems.append("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if d.tokenizer_type == "NullTokenizer" and not vocab:
@@ -302,11 +305,14 @@ def _file_problems(cfg: Config) -> list:
         problems.extend(e.problems)
     # only the files the chosen tokenizer reads: a YAML's GPT-2 files do not block a switch to
     # --tokenizer-type HuggingFaceTokenizer on the command line
-    used = {"HuggingFaceTokenizer": [("--tokenizer-model", d.tokenizer_model)],
-            "GPT2BPETokenizer": [("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)]}
-    for flag, path in used.get(d.tokenizer_type, []):
-        if path and not os.path.exists(path):
-            problems.append(f"{flag} {path}: no such file")
+    from .data.tokenizer import EXTRA_TYPES, MODEL_FILE
+    used = {"GPT2BPETokenizer": [("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)]}
+    used.update({kind: [("--tokenizer-model", d.tokenizer_model)] for kind in MODEL_FILE})
+    missing = [f"{flag} {path}: no such file" for flag, path in used.get(d.tokenizer_type, [])
+               if path and not os.path.exists(path)]
+    problems += missing
+    if d.tokenizer_type in EXTRA_TYPES and d.tokenizer_model and not missing:
+        problems += _tokenizer_problems(cfg)
     load = cfg.checkpoint.load
     if load and not os.path.isdir(load) and load != cfg.checkpoint.save:
         problems.append(f"--load {load}: no such directory (with --save {load} too, a fresh run starts there)")
@@ -314,6 +320,20 @@ def _file_problems(cfg: Config) -> list:
         from .checkpoint.dist import check_loadable
         problems += check_loadable(load, cfg.checkpoint.save)
     return problems
+
+
+def _tokenizer_problems(cfg: Config) -> list:
+    """What building a SentencePiece or tiktoken tokenizer finds wrong (a file of another kind, a
+    vocabulary too small for --vocab-size, …): these files are cheap to read, so read them here."""
+    from .data.tokenizer import build_tokenizer
+    from .errors import MeshlmError
+    try:
+        build_tokenizer(cfg.data, cfg.model.vocab_size)
+    except ConfigError as e:
+        return e.problems
+    except MeshlmError as e:
+        return [str(e)]
+    return []
 
 
 def _output_problems(cfg: Config) -> list:

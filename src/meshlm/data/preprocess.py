@@ -23,11 +23,12 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from ..config import TOKENIZER_TYPES, DataConfig
 from ..errors import ConfigError, DataError
 from .indexed import IndexedDatasetWriter, token_dtype
 from .outputs import check_output_file
 from .records import BadRecords, check_inputs, check_json_keys, iter_records, parse_record
-from .tokenizer import build_tokenizer
+from .tokenizer import TOKENIZER_FIELDS, build_tokenizer
 
 CHUNK_BYTES = 1 << 20  # records are sent to workers in chunks of about this many bytes
 
@@ -111,8 +112,7 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
     keys = check_json_keys(json_keys)
     if workers < 1:
         raise ConfigError(f"--workers {workers}: use 1 or more tokenizer processes")
-    tok_cfg = SimpleNamespace(**{k: getattr(tok_cfg, k, None) for k in
-                                 ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")})
+    tok_cfg = SimpleNamespace(**{k: getattr(tok_cfg, k, None) for k in TOKENIZER_FIELDS})
     tokenizer = build_tokenizer(tok_cfg, vocab_size)
     prefixes = [f"{output_prefix}_{key}_document" for key in keys]
     for prefix in prefixes:
@@ -185,12 +185,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="jsonl files (one JSON object per line) or plain-text files (one document each)")
     parser.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl fields to tokenize")
-    parser.add_argument("--tokenizer-type", default=None,
-                        choices=["HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
-    parser.add_argument("--tokenizer-model", default=None, help="tokenizer.json (HuggingFaceTokenizer)")
+    parser.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
+    parser.add_argument("--tokenizer-model", default=None,
+                        help="tokenizer.json, SentencePiece .model or tiktoken vocabulary .json")
     parser.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
     parser.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
-    parser.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="NullTokenizer vocabulary size; TikTokenizer's (default 131072)")
+    parser.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
+                        help="TikTokenizer split pattern (default v2)")
+    parser.add_argument("--tiktoken-num-special-tokens", type=int, default=DataConfig.tiktoken_num_special_tokens,
+                        help="TikTokenizer: ids 0..N-1 are special tokens")
+    parser.add_argument("--tokenizer-special-tokens", nargs="+", default=None,
+                        help="TikTokenizer: the first special tokens")
     parser.add_argument("--append-eod", action="store_true", help="append the end-of-document id to each document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
 

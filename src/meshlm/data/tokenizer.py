@@ -7,6 +7,8 @@
   ``<|endoftext|>``.
 - ``NullTokenizer``: text is whitespace-separated integer ids in [0, vocab_size); eod =
   vocab_size − 1 (Megatron's null tokenizer instead adds one id past ``--vocab-size``).
+- ``SentencePieceTokenizer`` / ``GPTSentencePieceTokenizer`` / ``Llama2Tokenizer`` and
+  ``TikTokenizer``: in :mod:`.tokenizers_extra` (optional libraries sentencepiece, tiktoken).
 
 ``encode`` applies the tokenizer's own post-processor (e.g. a Llama BOS), as Megatron's
 HuggingFaceTokenizer does; it never appends eod (preprocess ``--append-eod`` does).
@@ -20,12 +22,22 @@ import json
 import os
 from typing import Optional
 
+from ..config import TOKENIZER_TYPES
 from ..errors import ConfigError, DataError
 from .outputs import check_output_file, replacing
 from .records import BadRecords, check_inputs, check_json_keys, iter_texts
 
 EOD = "<|endoftext|>"
 EOD_CANDIDATES = (EOD, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
+# built by .tokenizers_extra (one SentencePiece tokenizer under three names, as in Megatron)
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+EXTRA_TYPES = SENTENCEPIECE_TYPES + ("TikTokenizer",)
+# what --tokenizer-model is, for the types that read it
+MODEL_FILE = {"HuggingFaceTokenizer": "a tokenizer.json", "TikTokenizer": "Megatron's tiktoken vocabulary .json",
+              **{kind: "a SentencePiece .model" for kind in SENTENCEPIECE_TYPES}}
+# the DataConfig fields a tokenizer is built from
+TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "tiktoken_pattern",
+                    "tiktoken_num_special_tokens", "tokenizer_special_tokens")
 
 
 class Tokenizer:
@@ -90,7 +102,8 @@ class NullTokenizer(Tokenizer):
         return " ".join(str(int(i)) for i in ids)
 
 
-def _file_digest(*paths: str) -> str:
+def file_digest(*paths: str) -> str:
+    """12 hex digits of the MD5 of the files' bytes (names a tokenizer in cache identities)."""
     h = hashlib.md5(usedforsecurity=False)
     for p in paths:
         with open(p, "rb") as f:
@@ -98,7 +111,8 @@ def _file_digest(*paths: str) -> str:
     return h.hexdigest()[:12]
 
 
-def _require(path: Optional[str], flag: str) -> str:
+def require_path(path: Optional[str], flag: str) -> str:
+    """path, if given (else ConfigError naming flag) and present (else DataError)."""
     if not path:
         raise ConfigError(f"{flag} is required by this --tokenizer-type")
     if not os.path.exists(path):
@@ -146,6 +160,18 @@ def _hf_eod(tok, json_path: str) -> int:
                     f"(looked for {', '.join(EOD_CANDIDATES)}); add one to the tokenizer")
 
 
+def special_tokens_problem(kind: str, special: Optional[list]) -> Optional[str]:
+    """Why ``--tokenizer-special-tokens`` cannot be used with ``--tokenizer-type kind`` (None if it can)."""
+    if not special or kind == "TikTokenizer":
+        return None
+    if kind in SENTENCEPIECE_TYPES:
+        return (f"--tokenizer-special-tokens with --tokenizer-type {kind}: Megatron takes them only under "
+                f"--tokenizer-sentencepiece-legacy, which meshlm does not support; put the special tokens "
+                f"in the SentencePiece model when training it, and drop the flag")
+    return (f"--tokenizer-special-tokens is read only by --tokenizer-type TikTokenizer here; drop it"
+            + (f" for {kind}" if kind else ""))
+
+
 def resolve_tokenizer_type(data_cfg, vocab_size: Optional[int] = None) -> str:
     """--tokenizer-type, or the one implied by the given files: tokenizer.json → HuggingFace,
     vocab+merges → GPT2BPE, only --vocab-size → Null. ConfigError if nothing is given."""
@@ -170,6 +196,12 @@ def build_tokenizer(data_cfg, vocab_size: Optional[int] = None) -> Tokenizer:
     from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers
 
     kind = resolve_tokenizer_type(data_cfg, vocab_size)
+    problem = special_tokens_problem(kind, getattr(data_cfg, "tokenizer_special_tokens", None))
+    if problem:
+        raise ConfigError(problem)
+    if kind in EXTRA_TYPES:
+        from .tokenizers_extra import build_extra
+        return build_extra(kind, data_cfg, vocab_size)
     if kind == "NullTokenizer":
         if not vocab_size:
             raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
@@ -177,17 +209,17 @@ def build_tokenizer(data_cfg, vocab_size: Optional[int] = None) -> Tokenizer:
             raise ConfigError(f"--vocab-size {vocab_size}: NullTokenizer needs a positive vocabulary size")
         return NullTokenizer(vocab_size)
     if kind == "HuggingFaceTokenizer":
-        path = _require(data_cfg.tokenizer_model, "--tokenizer-model")
+        path = require_path(data_cfg.tokenizer_model, "--tokenizer-model")
         if os.path.isdir(path):
-            path = _require(os.path.join(path, "tokenizer.json"), "--tokenizer-model")
+            path = require_path(os.path.join(path, "tokenizer.json"), "--tokenizer-model")
         try:
             tok = HFTok.from_file(path)
         except Exception as e:  # the library raises a bare Exception on malformed JSON
             raise DataError(f"--tokenizer-model {path}: not a tokenizer.json ({str(e)[:120]})") from None
-        return HFTokenizer(tok, _hf_eod(tok, path), f"HF:{os.path.basename(path)}:{_file_digest(path)}")
+        return HFTokenizer(tok, _hf_eod(tok, path), f"HF:{os.path.basename(path)}:{file_digest(path)}")
     if kind == "GPT2BPETokenizer":
-        vocab = _require(data_cfg.vocab_file, "--vocab-file")
-        merges = _require(data_cfg.merge_file, "--merge-file")
+        vocab = require_path(data_cfg.vocab_file, "--vocab-file")
+        merges = require_path(data_cfg.merge_file, "--merge-file")
         try:
             tok = HFTok(models.BPE.from_file(vocab, merges))
         except Exception as e:
@@ -197,9 +229,8 @@ def build_tokenizer(data_cfg, vocab_size: Optional[int] = None) -> Tokenizer:
         eod = tok.token_to_id(EOD)
         if eod is None:
             raise DataError(f"--vocab-file {vocab}: has no {EOD} token")
-        return HFTokenizer(tok, eod, f"GPT2BPE:{_file_digest(vocab, merges)}")
-    raise ConfigError(f"--tokenizer-type {kind!r} is not supported; use HuggingFaceTokenizer, "
-                      f"GPT2BPETokenizer or NullTokenizer")
+        return HFTokenizer(tok, eod, f"GPT2BPE:{file_digest(vocab, merges)}")
+    raise ConfigError(f"--tokenizer-type {kind!r} is not supported; use one of {', '.join(TOKENIZER_TYPES)}")
 
 
 def train_bpe(source, vocab_size: int, output_path: str, json_keys=("text",),
@@ -241,7 +272,7 @@ def train_bpe(source, vocab_size: int, output_path: str, json_keys=("text",),
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     with replacing(output_path) as tmp:
         tok.save(tmp)
-    return HFTokenizer(tok, tok.token_to_id(EOD), f"HF:{os.path.basename(output_path)}:{_file_digest(output_path)}")
+    return HFTokenizer(tok, tok.token_to_id(EOD), f"HF:{os.path.basename(output_path)}:{file_digest(output_path)}")
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -269,5 +300,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 __all__ = ["Tokenizer", "HFTokenizer", "NullTokenizer", "build_tokenizer", "train_bpe",
-           "add_train_arguments", "run_train", "resolve_tokenizer_type", "EOD"]
+           "add_train_arguments", "run_train", "resolve_tokenizer_type", "EOD", "EXTRA_TYPES",
+           "MODEL_FILE", "SENTENCEPIECE_TYPES", "TOKENIZER_FIELDS", "file_digest", "require_path",
+           "special_tokens_problem"]
 
