@@ -1,4 +1,4 @@
-"""The ``meshlm`` command: pretrain, preprocess, tokenizer train, generate.
+"""The ``meshlm`` command: pretrain, preprocess, tokenizer train, generate, convert.
 
 Each subcommand's flags come from the module that does the work (``config.add_config_args`` for
 pretrain, ``data.preprocess.add_arguments``, …), and are only imported when that subcommand runs,
@@ -208,6 +208,8 @@ COMMANDS = {
     "tokenizer": ("tokenizer tools: `meshlm tokenizer train`", _add_tokenizer_arguments),
     "generate": ("sample text from a trained checkpoint",
                  _delegate(".training.generate", "add_arguments", "run")),
+    "convert": ("convert between Hugging Face model folders (Llama, Mistral, GPT-2) and meshlm checkpoints",
+                _delegate(".checkpoint.convert", "add_arguments", "run")),
 }
 
 

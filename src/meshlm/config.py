@@ -56,6 +56,8 @@ class ModelConfig:
     normalization: str = opt("LayerNorm", "normalization layer", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = opt(1e-5, "epsilon of LayerNorm/RMSNorm")
     swiglu: bool = opt(False, "SwiGLU MLP instead of GeLU", action="store_true")
+    openai_gelu: bool = opt(False, "GeLU by its tanh approximation (OpenAI's GPT-2; HF's gelu_new) instead of "
+                            "the exact erf form", action="store_true")
     position_embedding_type: str = opt("learned_absolute", "position embeddings",
                                        choices=["learned_absolute", "rope"])
     rotary_base: float = opt(10000.0, "RoPE base theta")

@@ -172,6 +172,8 @@ def _model_problems(m: ModelConfig) -> list:
     if m.hidden_size % m.num_attention_heads and not m.kv_channels:
         problems.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
                         f"{m.num_attention_heads}; set --kv-channels or change one of them")
+    if m.openai_gelu and m.swiglu:
+        problems.append("--openai-gelu chooses the GeLU of the GeLU MLP; --swiglu has none: drop one of them")
     if m.group_query_attention and not m.num_query_groups:
         problems.append("--group-query-attention needs --num-query-groups")
     groups = query_groups(m)
@@ -316,7 +318,11 @@ def _file_problems(cfg: Config) -> list:
     load = cfg.checkpoint.load
     if load and not os.path.isdir(load) and load != cfg.checkpoint.save:
         problems.append(f"--load {load}: no such directory (with --save {load} too, a fresh run starts there)")
-    if load:
+    from .checkpoint.hf import is_hf_folder
+    if load and is_hf_folder(load):  # a Hugging Face model to fine-tune
+        from .checkpoint.convert import hf_load_problems
+        problems += hf_load_problems(load, cfg.model)
+    elif load:
         from .checkpoint.dist import check_loadable
         problems += check_loadable(load, cfg.checkpoint.save)
     return problems

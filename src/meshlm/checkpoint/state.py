@@ -24,7 +24,7 @@ def _architecture(m: C.ModelConfig) -> dict:
     tensor shapes (defaults resolved, e.g. --ffn-hidden-size None → 4h). Dropout, init, sequence
     length (except as the learned position table size) may change on resume and are left out."""
     arch = {name: getattr(m, name) for name in (
-        "num_layers", "hidden_size", "num_attention_heads", "normalization", "swiglu",
+        "num_layers", "hidden_size", "num_attention_heads", "normalization", "swiglu", "openai_gelu",
         "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
         "vocab_size", "make_vocab_size_divisible_by")}
     arch.update(num_query_groups=C.query_groups(m), ffn_hidden_size=C.ffn_hidden(m), kv_channels=C.head_dim(m))

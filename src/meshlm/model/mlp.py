@@ -1,6 +1,7 @@
 """The feed-forward block, split over TP: column-parallel fc1, row-parallel fc2.
 
-GeLU (GPT): fc1 [ffn, h] → gelu → fc2 [h, ffn].
+GeLU (GPT): fc1 [ffn, h] → gelu → fc2 [h, ffn]; exact (erf) GeLU, or under --openai-gelu the tanh
+approximation of Hendrycks & Gimpel 2016 §2 (OpenAI's GPT-2, Megatron's openai_gelu, HF's gelu_new).
 SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"; LLaMA): the full fc1 weight is
 [gate (ffn); up (ffn)] rows; rank r holds gate rows and up rows [r·ffn/tp, (r+1)·ffn/tp), so
 silu(gate) · up is computed locally on matching halves.
@@ -23,6 +24,7 @@ class MLP(nn.Module):
         super().__init__()
         ffn, tp = ffn_hidden(cfg), ps.tp  # ffn % tp == 0: checked by meshlm.validate
         self.swiglu = cfg.swiglu
+        self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         rows = contiguous_index(ffn, tp, ps.tp_rank)
         if self.swiglu:
             rows = torch.cat([rows, rows + ffn])
@@ -39,5 +41,5 @@ class MLP(nn.Module):
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         else:
-            y = F.gelu(y)
+            y = F.gelu(y, approximate=self.gelu_approximate)
         return self.linear_fc2(y)

@@ -244,6 +244,15 @@ class MixedPrecisionOptimizer:
             if s.separate_master:
                 s.param.copy_(s.master)
 
+    def reload_model_params(self) -> None:
+        """Take the masters from the model params after the params were overwritten in place
+        (weights loaded for fine-tuning; Megatron's reload_model_params). Under ZeRO-1 every rank
+        must have written its full params (each takes its own shard)."""
+        self.finish_param_sync()
+        for s in self.shards:
+            if s.separate_master:
+                s.master.copy_(s.param)
+
     def _bucket_state(self, shard: Shard) -> dict:
         """{"master", "exp_avg", "exp_avg_sq"}: flat fp32 [bucket size] state of the whole bucket."""
         return shard.tensors()

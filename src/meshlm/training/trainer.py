@@ -26,6 +26,7 @@ import torch
 
 from .. import config as C
 from .. import fast
+from ..checkpoint import convert
 from ..checkpoint import dist as ckpt
 from ..checkpoint.state import check_model_config, load_model_state, model_state, rng_state, set_rng_state
 from ..data.blend import parse_data_path
@@ -368,6 +369,8 @@ def load_checkpoint(run: Run) -> TrainState:
     """
     cfg, ps = run.cfg, run.ps
     root = cfg.checkpoint.load
+    if convert.is_weights_only(root):  # a Hugging Face folder, or `meshlm convert`'s output
+        return _load_weights_only(run)
     loaded, problem = None, None
     try:
         loaded = _read_checkpoint(run)
@@ -391,6 +394,24 @@ def load_checkpoint(run: Run) -> TrainState:
     if ps.rank == 0:
         print(f"loaded checkpoint {run.last_checkpoint} (iteration {iteration})", flush=True)
     return TrainState(**tree["train"])
+
+
+def _load_weights_only(run: Run) -> TrainState:
+    """Fine-tune from --load's weights alone (checkpoint/convert.py): each rank copies its slice,
+    the optimizer starts fresh from them, the run at iteration 0. Errors as load_checkpoint's."""
+    problem = None
+    try:
+        convert.load_weights(run.chunks, run.cfg.model, run.cfg.checkpoint.load)
+    except CheckpointError as e:
+        problem = str(e)
+    problem = _first_problem(problem, run.ps)
+    if problem:
+        raise CheckpointError(problem)
+    run.opt.reload_model_params()
+    if run.ps.rank == 0:
+        print(f"loaded the weights of {run.cfg.checkpoint.load} to fine-tune: iteration 0, fresh optimizer",
+              flush=True)
+    return TrainState()
 
 
 def _read_checkpoint(run: Run) -> Optional[tuple]:

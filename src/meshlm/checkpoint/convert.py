@@ -1,0 +1,237 @@
+"""`meshlm convert`: Hugging Face model folders ↔ meshlm checkpoints, and weights to fine-tune.
+
+    meshlm convert --from-hf HF_DIR --save CKPT        HF folder → meshlm checkpoint (TP=1, PP=1)
+    meshlm convert --to-hf --load CKPT --output HF_DIR  meshlm checkpoint (any TP/PP) → HF folder
+
+Import writes a *weights-only* checkpoint (``CKPT/iter_0000000``: the model tensors of checkpoint/
+state.py's ``model_state`` and config.json with the model derived from the HF config; no
+optimizer state), the analogue of Megatron's converted "release" checkpoints. ``meshlm pretrain
+--load`` of such a checkpoint, or of a Hugging Face folder itself, fine-tunes (``load_weights``):
+every rank takes its slice of the full weights at the run's TP/PP layout, the optimizer starts
+fresh and the run at iteration 0. ``meshlm generate --load CKPT`` samples from it.
+
+Export reads the full weights of a checkpoint saved at any TP/PP layout
+(``state.full_model_state``) and writes config.json plus model.safetensors, or shards with
+model.safetensors.index.json beyond --max-shard-size. A tokenizer.json travels both ways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+
+from .. import config as C
+from ..errors import CheckpointError, ConfigError, DataError
+from . import dist as ckpt
+from .hf import full_shapes, is_hf_folder, load_into_chunks, read_hf_weights, to_hf_tensors, write_hf_folder
+from .hf_config import ARCHITECTURES, flag_problems, hf_config_from_model, model_from_hf, read_hf_config
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _size(text: str) -> int:
+    """'5GB', '500MB', '2GiB' or a byte count → bytes (argparse type)."""
+    t = text.strip().upper()
+    unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if t.endswith(u)), "B")
+    try:
+        n = float(t[:len(t) - len(unit)] if t.endswith(unit) else t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB or 2GiB") from None
+    if not n > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    return int(n * _UNITS[unit])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `meshlm convert`."""
+    way = parser.add_mutually_exclusive_group(required=True)
+    way.add_argument("--from-hf", metavar="HF_DIR", help="import a Hugging Face model folder (config.json and "
+                     "*.safetensors) into the meshlm checkpoint folder --save")
+    way.add_argument("--to-hf", action="store_true", help="export the meshlm checkpoint --load to the Hugging "
+                     "Face folder --output")
+    parser.add_argument("--save", help="import: meshlm checkpoint folder to write (new, or holding no checkpoint)")
+    parser.add_argument("--load", help="export: a run's --save folder (its latest checkpoint) or one iter_XXXXXXX")
+    parser.add_argument("--output", help="export: Hugging Face folder to write (new or empty)")
+    parser.add_argument("--hf-architecture", choices=ARCHITECTURES, default=None,
+                        help="export: the Hugging Face model type [default: llama for RoPE models, else gpt2]")
+    parser.add_argument("--max-shard-size", type=_size, default=_size("5GB"),
+                        help="export: largest safetensors file; beyond it the weights are sharded [default: 5GB]")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `meshlm convert`; return the exit status 0 (errors are MeshlmErrors, one line)."""
+    if args.from_hf:
+        misplaced = [f for f, v in (("--load", args.load), ("--output", args.output)) if v]
+        if not args.save or misplaced:
+            raise ConfigError("--from-hf needs --save (the meshlm checkpoint folder to write)" if not args.save
+                              else f"{' and '.join(misplaced)} belong to --to-hf; --from-hf writes --save")
+        path = import_hf(args.from_hf, args.save)
+        print(f"meshlm: converted {args.from_hf} into {path}; fine-tune with `meshlm pretrain --load "
+              f"{args.save}` (or --load {args.from_hf} directly)")
+        return 0
+    if not args.load or not args.output or args.save:
+        raise ConfigError("--save belongs to --from-hf; --to-hf reads --load and writes --output" if args.save
+                          else "--to-hf needs --load (a meshlm checkpoint) and --output (the folder to write)")
+    files = export_hf(args.load, args.output, args.hf_architecture, args.max_shard_size)
+    print(f"meshlm: wrote {args.output}: {', '.join(files)}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- import
+
+def _hf_model(folder: str, flag: str = "--from-hf"):
+    if not is_hf_folder(folder):
+        raise CheckpointError(f"{flag} {folder}: not a Hugging Face model folder (config.json with a model_type "
+                              f"and *.safetensors weights)")
+    return model_from_hf(read_hf_config(folder), os.path.join(folder, "config.json"))
+
+
+def _tokenizer_settings(src: str, save: str, vocab_size: int) -> tuple:
+    """(data settings, note): the HF folder's tokenizer.json copied into ``save`` when its
+    vocabulary is the model's, else NullTokenizer over the model's vocabulary."""
+    from ..data.tokenizer import build_tokenizer
+    null = {"tokenizer_type": "NullTokenizer"}
+    if not os.path.isfile(os.path.join(src, TOKENIZER_FILES[0])):
+        return null, f"{src} has no tokenizer.json: the checkpoint uses NullTokenizer (token ids as text)"
+    try:
+        tok = build_tokenizer(C.DataConfig(tokenizer_type="HuggingFaceTokenizer",
+                                           tokenizer_model=os.path.join(src, TOKENIZER_FILES[0])))
+    except (DataError, ConfigError) as e:
+        return null, f"tokenizer.json not used ({e}): the checkpoint uses NullTokenizer"
+    if tok.vocab_size != vocab_size:
+        return null, (f"tokenizer.json has {tok.vocab_size} tokens, the model {vocab_size} rows: the checkpoint "
+                      f"uses NullTokenizer; pass --tokenizer-model yourself")
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(save, name))
+    return {"tokenizer_type": "HuggingFaceTokenizer",
+            "tokenizer_model": os.path.abspath(os.path.join(save, TOKENIZER_FILES[0]))}, None
+
+
+def import_hf(src: str, save: str) -> str:
+    """Write the Hugging Face folder ``src`` as a weights-only meshlm checkpoint in ``save``
+    (iteration 0, TP=1, PP=1; config.json holds the model); return the checkpoint folder.
+
+    Raises CheckpointError (one line) for an unusable folder, an unsupported HF feature, or a
+    --save that already holds a checkpoint.
+    """
+    import torch
+
+    from ..folders import output_folder_problem
+    from ..model.transformer import GPTModel
+    from ..parallel.mesh import ParallelState
+    from .state import model_state
+
+    hm = _hf_model(src)
+    problem = output_folder_problem("--save", save)
+    if problem:
+        raise CheckpointError(problem)
+    if ckpt.complete_iterations(save) or os.path.isfile(os.path.join(save, ckpt.TRACKER)):
+        raise CheckpointError(f"--save {save} already holds a checkpoint; give a new folder")
+    for note in hm.notes:
+        print(f"meshlm: note: {note}")
+    os.makedirs(save, exist_ok=True)
+    cfg = C.Config()
+    cfg.model = hm.model_config()
+    cfg.model.seq_length = min(hm.max_positions, hm.window or hm.max_positions)
+    vocab = cfg.model.vocab_size
+    data, note = _tokenizer_settings(src, save, vocab)
+    if note:
+        print(f"meshlm: note: {note}")
+    for key, value in data.items():
+        setattr(cfg.data, key, value)
+    if data["tokenizer_type"] != "NullTokenizer":
+        cfg.model.vocab_size = None  # the tokenizer's, as in a run trained with it
+    ps = ParallelState.single()
+    model = GPTModel(cfg.model, ps, vocab, seed=cfg.training.seed)
+    with torch.no_grad():
+        load_into_chunks([model], read_hf_weights(src, hm.arch, hm.model_config()), src)
+    layout = {"tp": 1, "pp": 1, "cp": 1, "virtual_pipeline": 1, "dp": 1}
+    return ckpt.save(save, 0, model_state([model], ps), layout=layout, config=cfg.to_dict(),
+                     coords={"tp": 0, "pp": 0, "cp": 0, "dp": 0})
+
+
+# ----------------------------------------------------------------------------- export
+
+def export_hf(load: str, output: str, arch=None, max_shard_bytes: int = _size("5GB")) -> list:
+    """Write the meshlm checkpoint ``load`` (a --save folder or one iter_XXXXXXX, any TP/PP layout)
+    as a Hugging Face folder ``output``; return the files written.
+
+    Raises CheckpointError (one line) for an unreadable checkpoint, a model the HF architecture
+    cannot express (naming the flag), or an ``output`` that is a file or not empty.
+    """
+    from .safe_read import reading
+    from .state import full_model_state
+
+    folder = load if os.path.isfile(os.path.join(load, ckpt.MANIFEST)) else ckpt.checkpoint_dir(load)
+    with reading(folder, load):
+        saved = C.Config.from_dict(ckpt.read_config(folder))
+    full = full_model_state(folder, load)
+    vocab = full["embedding.word_embeddings.weight"].shape[0]
+    hf_config = hf_config_from_model(saved.model, vocab, arch)
+    tensors = to_hf_tensors(full, hf_config["model_type"], saved.model)
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise CheckpointError(f"--output {output} exists and is not an empty folder; give a new folder")
+    os.makedirs(output, exist_ok=True)
+    files = write_hf_folder(output, tensors, hf_config, max_shard_bytes)
+    d = saved.data
+    if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model and os.path.isfile(d.tokenizer_model):
+        shutil.copyfile(d.tokenizer_model, os.path.join(output, TOKENIZER_FILES[0]))
+        files.append(TOKENIZER_FILES[0])
+    return files
+
+
+# ----------------------------------------------------------------------------- fine-tuning
+
+def _weights_only_checkpoint(load: str):
+    """The iteration folder of --load when it is a meshlm checkpoint without optimizer state
+    (written by ``import_hf``), else None (also for anything unreadable: the regular load reports it)."""
+    from .safe_read import SafeReader, reading
+    if not os.path.isfile(os.path.join(load, ckpt.TRACKER)):
+        return None
+    try:
+        folder = ckpt.checkpoint_dir(load)
+        with reading(folder, load):
+            keys = SafeReader(folder).read_metadata().state_dict_metadata
+    except (CheckpointError, OSError):
+        return None
+    return folder if all(k.startswith("model") for k in keys) else None
+
+
+def is_weights_only(load) -> bool:
+    """True when --load holds weights alone: a Hugging Face folder, or `meshlm convert --from-hf`'s
+    checkpoint. Such a load fine-tunes: fresh optimizer, iteration 0 (``load_weights``)."""
+    return bool(load) and (is_hf_folder(load) or _weights_only_checkpoint(load) is not None)
+
+
+def hf_load_problems(load: str, m: C.ModelConfig) -> list:
+    """Why a run with model flags ``m`` cannot fine-tune the Hugging Face folder ``load``, one
+    line each ([] when it can); for meshlm.validate, before any worker starts."""
+    try:
+        return flag_problems(_hf_model(load, "--load"), m, load)
+    except CheckpointError as e:
+        return [str(e)]
+
+
+def load_weights(chunks, m: C.ModelConfig, load: str) -> None:
+    """Copy the weights of ``load`` (see ``is_weights_only``) into this rank's model chunks, each
+    TP rank keeping its slice; every pipeline stage reads only its own tensors.
+
+    Raises CheckpointError (one line) when the model flags ``m`` describe another model, or a
+    weight is missing, of another shape or unreadable.
+    """
+    from .state import check_model_config, full_model_state
+    names = set(full_shapes(chunks))
+    if is_hf_folder(load):
+        hm = _hf_model(load, "--load")
+        problems = flag_problems(hm, m, load)
+        if problems:
+            raise CheckpointError("; ".join(problems))
+        full = read_hf_weights(load, hm.arch, hm.model_config(), names)
+    else:
+        folder = _weights_only_checkpoint(load)
+        check_model_config(folder, m, load=load)
+        full = full_model_state(folder, load)
+    load_into_chunks(chunks, full, load)

@@ -1,0 +1,276 @@
+"""Hugging Face safetensors weights ↔ meshlm's full weights, for Llama, Mistral and GPT-2.
+
+One table (``rules``) says which Hugging Face tensors make each meshlm tensor; import and
+export both read it. meshlm's full (TP=1) weights are those of ``parallel.tensor.
+gather_full_state_dict`` and ``checkpoint.state.full_model_state``: global names, vocabulary
+unpadded, fused QKV rows [Q (a·d); K (g·d); V (g·d)], fused SwiGLU fc1 rows [gate; up].
+
+- Llama / Mistral (``model.layers.{i}.``): q_proj, k_proj, v_proj [·, h] stacked into linear_qkv;
+  o_proj → linear_proj; gate_proj, up_proj stacked into linear_fc1; down_proj → linear_fc2;
+  input_layernorm, post_attention_layernorm (→ pre_mlp_layernorm); model.embed_tokens,
+  model.norm, lm_head (absent when tied). Query head j reads key/value head j // (a/g) in both.
+- GPT-2 (``transformer.h.{i}.``): Conv1D weights are [in, out] (y = x W + b), so each is
+  transposed; c_attn's columns are already q | k | v. wte, wpe, ln_f; lm_head tied to wte.
+
+RoPE needs no permutation: meshlm's Rotary (model/attention.py) rotates halves (x1, x2) of each
+head, as transformers' rotate_half does, so HF's q_proj/k_proj rows are meshlm's rows. (Meta's
+original Llama files pair dims (2i, 2i+1) instead; transformers' own converter permutes those.)
+
+Tied embeddings: an HF file stores the embedding once; meshlm's last pipeline stage holds its
+own copy ``output_layer.weight`` when PP > 1, filled from the embedding on import, dropped on export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .. import config as C
+from ..errors import CheckpointError
+from .hf_config import CONFIG
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# buffers some HF files carry that are not weights (GPT-2's causal mask, old Llama's inv_freq)
+_BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """meshlm tensor ``name`` = cat(HF tensors ``hf``, dim 0), each transposed first if conv1d.
+
+    sizes: rows of each HF part in the meshlm tensor (to split it on export). tied_copy: the
+    output layer's copy of a tied embedding (read on import, never written on export).
+    """
+
+    name: str
+    hf: tuple
+    sizes: tuple = ()
+    conv1d: bool = False
+    tied_copy: bool = False
+
+
+def rules(arch: str, m: C.ModelConfig) -> list:
+    """Every meshlm tensor of model ``m`` as a Hugging Face ``arch`` model stores it."""
+    tied = not m.untie_embeddings_and_output_weights
+    bias = (".weight", ".bias") if m.add_bias_linear else (".weight",)
+    out = []
+    if arch == "gpt2":
+        norm = (".weight", ".bias")
+        out += [Rule("embedding.word_embeddings.weight", ("transformer.wte.weight",)),
+                Rule("embedding.position_embeddings.weight", ("transformer.wpe.weight",))]
+        for i in range(m.num_layers):
+            p, q = f"transformer.h.{i}.", f"layers.{i}."
+            out += [Rule(q + "input_layernorm" + s, (p + "ln_1" + s,)) for s in norm]
+            out += [Rule(q + "self_attention.linear_qkv" + s, (p + "attn.c_attn" + s,), conv1d=True) for s in bias]
+            out += [Rule(q + "self_attention.linear_proj" + s, (p + "attn.c_proj" + s,), conv1d=True) for s in bias]
+            out += [Rule(q + "pre_mlp_layernorm" + s, (p + "ln_2" + s,)) for s in norm]
+            out += [Rule(q + "mlp.linear_fc1" + s, (p + "mlp.c_fc" + s,), conv1d=True) for s in bias]
+            out += [Rule(q + "mlp.linear_fc2" + s, (p + "mlp.c_proj" + s,), conv1d=True) for s in bias]
+        out += [Rule("final_layernorm" + s, ("transformer.ln_f" + s,)) for s in norm]
+        embedding = "transformer.wte.weight"
+    else:
+        a, g, d, f = m.num_attention_heads, C.query_groups(m), C.head_dim(m), C.ffn_hidden(m)
+        out.append(Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)))
+        for i in range(m.num_layers):
+            p, q = f"model.layers.{i}.", f"layers.{i}."
+            out.append(Rule(q + "input_layernorm.weight", (p + "input_layernorm.weight",)))
+            out += [Rule(q + "self_attention.linear_qkv" + s, tuple(p + f"self_attn.{x}_proj" + s for x in "qkv"),
+                         (a * d, g * d, g * d)) for s in bias]
+            out += [Rule(q + "self_attention.linear_proj" + s, (p + "self_attn.o_proj" + s,)) for s in bias]
+            out.append(Rule(q + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",)))
+            out += [Rule(q + "mlp.linear_fc1" + s, (p + "mlp.gate_proj" + s, p + "mlp.up_proj" + s), (f, f))
+                    for s in bias]
+            out += [Rule(q + "mlp.linear_fc2" + s, (p + "mlp.down_proj" + s,)) for s in bias]
+        out.append(Rule("final_layernorm.weight", ("model.norm.weight",)))
+        embedding = "model.embed_tokens.weight"
+    out.append(Rule("output_layer.weight", (embedding,), tied_copy=True) if tied
+               else Rule("output_layer.weight", ("lm_head.weight",)))
+    return out
+
+
+# ----------------------------------------------------------------------------- files
+
+def is_hf_folder(path: Optional[str]) -> bool:
+    """True when ``path`` is a folder with a Hugging Face config.json (it has a ``model_type``)
+    and safetensors weights (model.safetensors, a sharded index, or any *.safetensors)."""
+    if not path or not os.path.isfile(os.path.join(path, CONFIG)):
+        return False
+    try:
+        with open(os.path.join(path, CONFIG)) as fh:
+            if "model_type" not in json.load(fh):
+                return False
+    except (OSError, ValueError, TypeError):
+        return False
+    return any(n.endswith(".safetensors") or n == INDEX for n in os.listdir(path))
+
+
+def _weight_files(folder: str) -> dict:
+    """{HF tensor name: safetensors file} of the folder (from the index when it is sharded)."""
+    from safetensors import safe_open
+    index = os.path.join(folder, INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index) as fh:
+                mapping = json.load(fh)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: unreadable ({e}); re-save the model with save_pretrained") from None
+        return {name: os.path.join(folder, file) for name, file in mapping.items()}
+    files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors weights; save the model with save_pretrained "
+                              f"(safe_serialization, the default)")
+    out = {}
+    for name in files:
+        path = os.path.join(folder, name)
+        try:
+            with safe_open(path, framework="pt") as fh:
+                out.update({key: path for key in fh.keys()})
+        except Exception as e:  # the library raises its own SafetensorError
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    return out
+
+
+def _reader(files: dict) -> Callable:
+    """get(HF name) → tensor, opening each safetensors file once."""
+    from safetensors import safe_open
+    handles = {}
+
+    def get(name):
+        path = files[name]
+        try:
+            if path not in handles:
+                handles[path] = safe_open(path, framework="pt")
+            return handles[path].get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot read tensor {name} ({e}); the file is damaged "
+                                  f"or incomplete") from None
+    return get
+
+
+def _with_prefix(files: dict, arch: str) -> dict:
+    """GPT-2 files saved from GPT2Model lack the ``transformer.`` prefix of GPT2LMHeadModel's."""
+    if arch == "gpt2" and files and not any(n.startswith("transformer.") for n in files):
+        return {(n if n.startswith("lm_head.") else "transformer." + n): f for n, f in files.items()}
+    return files
+
+
+def read_hf_weights(folder: str, arch: str, m: C.ModelConfig, names: Optional[set] = None) -> dict:
+    """{meshlm global name: full tensor (the file's dtype)} from the HF folder's safetensors.
+
+    names: the meshlm tensors wanted (a pipeline stage's); None for all. Raises CheckpointError
+    naming a missing tensor, or tensors the folder holds that the model has no place for (e.g.
+    biases the config does not announce).
+    """
+    files = _with_prefix(_weight_files(folder), arch)
+    plan = rules(arch, m)
+    known = {h for r in plan for h in r.hf}
+    unused = sorted(n for n in files if n not in known and not n.endswith(_BUFFERS))
+    if unused:
+        raise CheckpointError(f"{folder}: holds {len(unused)} tensor(s) the {arch} model of its config.json "
+                              f"has no place for ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''})")
+    plan = [r for r in plan if names is None or r.name in names]
+    missing = [h for r in plan for h in r.hf if h not in files]
+    if missing:
+        raise CheckpointError(f"{folder}: has no tensor {missing[0]}"
+                              f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; "
+                              f"incomplete download, or another model than its config.json says?")
+    get = _reader(files)
+    out = {}
+    for r in plan:
+        parts = [get(h) for h in r.hf]
+        parts = [t.t() for t in parts] if r.conv1d else parts
+        out[r.name] = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+    return out
+
+
+def to_hf_tensors(full: dict, arch: str, m: C.ModelConfig) -> dict:
+    """{HF name: contiguous tensor} from meshlm's full weights ({global name: tensor}).
+
+    Raises CheckpointError naming a tensor the model needs and ``full`` lacks.
+    """
+    out = {}
+    for r in rules(arch, m):
+        if r.tied_copy:
+            continue
+        if r.name not in full:
+            raise CheckpointError(f"the checkpoint has no tensor {r.name}; was it saved from this model?")
+        parts = full[r.name].split(list(r.sizes), 0) if r.sizes else [full[r.name]]
+        for h, t in zip(r.hf, parts):
+            out[h] = (t.t() if r.conv1d else t).contiguous().clone()
+    return out
+
+
+def write_hf_folder(out: str, tensors: dict, hf_config: dict, max_shard_bytes: int) -> list:
+    """Write config.json and the weights: model.safetensors, or when larger than max_shard_bytes,
+    model-0000i-of-0000n.safetensors with model.safetensors.index.json (transformers' layout).
+    Returns the files written. ``out`` must exist and hold none of them."""
+    from safetensors.torch import save_file
+    shards, size = [[]], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    written = []
+    files = [SINGLE] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for file, names in zip(files, shards):
+        save_file({n: tensors[n] for n in names}, os.path.join(out, file), metadata={"format": "pt"})
+        written.append(file)
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: file for file, names in zip(files, shards) for n in names}}
+        with open(os.path.join(out, INDEX), "w") as fh:
+            json.dump(index, fh, indent=2)
+        written.append(INDEX)
+    with open(os.path.join(out, CONFIG), "w") as fh:
+        json.dump(hf_config, fh, indent=2)
+    return written + [CONFIG]
+
+
+# ----------------------------------------------------------------------------- into a model
+
+def full_shapes(chunks) -> dict:
+    """{global name: full (TP=1, unpadded) shape} of every parameter of the model chunks."""
+    out = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            shape = list(p.shape)
+            if getattr(p, "tensor_model_parallel", False):
+                shape[p.partition_dim] = p.full_size
+            out[name] = tuple(shape)
+    return out
+
+
+def load_into_chunks(chunks, full: dict, source: str) -> None:
+    """Copy full weights into each chunk's parameters, each rank keeping its TP slice the way a
+    fresh model's weights are sliced (``parallel.tensor.load_full_state_dict``).
+
+    A tied model's last stage (PP > 1) takes ``output_layer.weight`` from the embedding. Raises
+    CheckpointError, before copying anything, naming a missing tensor or one of another shape
+    (source: the folder, for the message).
+    """
+    from ..parallel.tensor import load_full_state_dict
+    full = dict(full)
+    tied_copy = any(getattr(p, "shared_embedding", False) for chunk in chunks
+                    for name, p in chunk.named_parameters() if name == "output_layer.weight")
+    if tied_copy and "output_layer.weight" not in full and "embedding.word_embeddings.weight" in full:
+        full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
+    for name, shape in full_shapes(chunks).items():
+        if name not in full:
+            raise CheckpointError(f"{source}: has no weight for {name}; was it saved from this model?")
+        if tuple(full[name].shape) != shape:
+            hint = " (the vocabulary: check the tokenizer / --vocab-size)" if "embedding" in name or \
+                "output_layer" in name else ""
+            raise CheckpointError(f"{source}: {name} is {list(full[name].shape)}, the model's {list(shape)}"
+                                  f"{hint}; pass the model's flags")
+    for chunk in chunks:
+        load_full_state_dict(chunk, full)

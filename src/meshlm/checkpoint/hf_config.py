@@ -1,0 +1,261 @@
+"""Hugging Face ``config.json`` ↔ meshlm's model flags, for Llama, Mistral and GPT-2.
+
+Fields read (transformers' names; ``rope_parameters`` is transformers ≥ 5, ``rope_theta`` and
+``rope_scaling`` earlier versions):
+
+- llama / mistral: hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads
+  (→ --group-query-attention --num-query-groups), head_dim (→ --kv-channels), intermediate_size
+  (→ --ffn-hidden-size), vocab_size, rms_norm_eps, rope theta (→ --rotary-base),
+  tie_word_embeddings, attention_bias / mlp_bias (llama; → --disable-bias-linear when false),
+  max_position_embeddings, hidden_act (silu only: SwiGLU), sliding_window (mistral).
+- gpt2: n_embd, n_layer, n_head, n_inner (default 4·n_embd), n_positions, layer_norm_epsilon,
+  activation_function (gelu_new → --openai-gelu, gelu → exact GeLU), tie_word_embeddings.
+
+What meshlm cannot compute is refused, one line naming the field: RoPE scaling (llama3, yarn,
+linear, dynamic), partial rotary factors, other activations, attention and MLP biases that differ,
+GPT-2's per-layer attention scaling. Mistral's sliding window is accepted when it covers the whole
+sequence (meshlm attends over all of it; equal to Mistral's window only then), with a note.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .. import config as C
+from ..errors import CheckpointError
+
+ARCHITECTURES = ("llama", "mistral", "gpt2")
+CONFIG = "config.json"
+
+
+@dataclass
+class HFModel:
+    """A Hugging Face model described in meshlm's terms.
+
+    arch: "llama" | "mistral" | "gpt2". model: {ModelConfig field: value}. window: Mistral's
+    sliding window in tokens (None: full attention). max_positions: the position limit.
+    """
+
+    arch: str
+    model: dict
+    max_positions: int
+    window: Optional[int] = None
+    notes: list = field(default_factory=list)
+
+    def model_config(self, base: Optional[C.ModelConfig] = None) -> C.ModelConfig:
+        """``base`` (default: ModelConfig()) with this model's fields set; a new object."""
+        return dataclasses.replace(base or C.ModelConfig(), **self.model)
+
+
+def read_hf_config(folder: str) -> dict:
+    """The mapping in ``folder/config.json``; CheckpointError (one line) when it is unreadable."""
+    path = os.path.join(folder, CONFIG)
+    try:
+        with open(path) as fh:
+            hf = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e}); give a Hugging Face model folder") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path}: not a JSON object; give a Hugging Face model folder")
+    return hf
+
+
+def _need(hf: dict, key: str, where: str):
+    if hf.get(key) is None:
+        raise CheckpointError(f"{where}: field {key!r} is missing; is this a Hugging Face config.json?")
+    return hf[key]
+
+
+def _refuse(where: str, key: str, value, why: str) -> CheckpointError:
+    return CheckpointError(f"{where}: {key}={value!r} is not supported by meshlm ({why})")
+
+
+def _rope_theta(hf: dict, where: str) -> float:
+    """The RoPE base; refuses any scaling (``rope_parameters.rope_type`` or ``rope_scaling``)."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling")
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind != "default":
+        raise _refuse(where, "rope_parameters.rope_type", kind, "meshlm's RoPE has no scaling")
+    if scaling and (scaling.get("rope_type") or scaling.get("type") or "default") != "default":
+        raise _refuse(where, "rope_scaling", scaling, "meshlm's RoPE has no scaling")
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if factor not in (None, 1, 1.0):
+        raise _refuse(where, "partial_rotary_factor", factor, "meshlm rotates the whole head")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _llama(hf: dict, arch: str, where: str) -> HFModel:
+    h, heads = _need(hf, "hidden_size", where), _need(hf, "num_attention_heads", where)
+    groups = hf.get("num_key_value_heads") or heads
+    d = hf.get("head_dim") or h // heads
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _refuse(where, "hidden_act", hf["hidden_act"], "meshlm's SwiGLU MLP uses silu")
+    attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if attn_bias != mlp_bias:
+        raise _refuse(where, "attention_bias", attn_bias, f"with mlp_bias={mlp_bias}: meshlm's "
+                      f"--disable-bias-linear takes biases off every linear layer or none")
+    positions = int(hf.get("max_position_embeddings") or 2048)
+    model = dict(
+        num_layers=_need(hf, "num_hidden_layers", where), hidden_size=h, num_attention_heads=heads,
+        group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
+        kv_channels=d if h % heads or d != h // heads else None,
+        ffn_hidden_size=_need(hf, "intermediate_size", where), vocab_size=_need(hf, "vocab_size", where),
+        normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), swiglu=True, openai_gelu=False,
+        position_embedding_type="rope", rotary_base=_rope_theta(hf, where),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        add_bias_linear=attn_bias, max_position_embeddings=positions,
+        hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
+        init_method_std=float(hf.get("initializer_range", 0.02)))
+    out = HFModel(arch, model, positions)
+    if arch == "mistral" and hf.get("sliding_window") is not None:
+        out.window = int(hf["sliding_window"])
+        out.notes.append(f"{where}: sliding_window={out.window}: meshlm attends over the whole sequence, "
+                         f"which equals Mistral's window only for sequences of at most {out.window} tokens")
+    return out
+
+
+_GPT2_GELU = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
+
+
+def _gpt2(hf: dict, where: str) -> HFModel:
+    e = _need(hf, "n_embd", where)
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _GPT2_GELU:
+        raise _refuse(where, "activation_function", act, f"meshlm's GeLU MLP takes {', '.join(_GPT2_GELU)}")
+    for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                    ("add_cross_attention", False)):
+        if bool(hf.get(key, ok)) != ok:
+            raise _refuse(where, key, hf[key], "meshlm scales attention by 1/sqrt(head dim) in every layer, "
+                          "without cross-attention")
+    positions = int(hf.get("n_positions") or 1024)
+    model = dict(
+        num_layers=_need(hf, "n_layer", where), hidden_size=e, num_attention_heads=_need(hf, "n_head", where),
+        group_query_attention=False, num_query_groups=None, kv_channels=None,
+        ffn_hidden_size=hf.get("n_inner") or 4 * e, vocab_size=_need(hf, "vocab_size", where),
+        normalization="LayerNorm", norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)), swiglu=False,
+        openai_gelu=_GPT2_GELU[act], position_embedding_type="learned_absolute",
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True), add_bias_linear=True,
+        max_position_embeddings=positions, hidden_dropout=float(hf.get("resid_pdrop", 0.1)),
+        attention_dropout=float(hf.get("attn_pdrop", 0.1)), init_method_std=float(hf.get("initializer_range", 0.02)))
+    return HFModel("gpt2", model, positions)
+
+
+def model_from_hf(hf: dict, where: str) -> HFModel:
+    """meshlm's description of the Hugging Face config ``hf`` (where: its path, for messages).
+
+    Raises CheckpointError, one line naming the field, for another model_type or a feature meshlm
+    does not compute (see the module docstring).
+    """
+    arch = hf.get("model_type")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{where}: model_type={arch!r} is not supported; meshlm converts "
+                              f"{', '.join(ARCHITECTURES)}")
+    return _gpt2(hf, where) if arch == "gpt2" else _llama(hf, arch, where)
+
+
+# ----------------------------------------------------------------------------- meshlm flags
+
+_NOT_COMPARED = ("vocab_size", "make_vocab_size_divisible_by")  # the tokenizer and padding decide
+
+
+def flag_problems(hf_model: HFModel, m: C.ModelConfig, load: str) -> list:
+    """Lines saying why a run with model flags ``m`` cannot load the Hugging Face model: each
+    architecture flag that differs (``--flag hf=X now=Y``, then the flags to pass), and a
+    --seq-length beyond Mistral's sliding window. [] when the run's model is the HF one."""
+    from .state import _architecture  # the fields that decide a model's function and shapes
+    want, now = _architecture(hf_model.model_config()), _architecture(m)
+    fields = {f.name: f for f in dataclasses.fields(C.ModelConfig)}
+    diffs = []
+    for name in want:
+        a, b = want[name], now.get(name)
+        if name in _NOT_COMPARED or a == b:
+            continue
+        if fields[name].metadata.get("action") == "store_false":
+            a, b = not a, not b
+        diffs.append(f"{C.flag_of(fields[name])} hf={a} now={b}")
+    problems = []
+    if diffs:
+        problems.append(f"--load {load} is a Hugging Face {hf_model.arch} model of another shape than the "
+                        f"model flags ({', '.join(diffs)}); pass its flags: {model_flags(hf_model)}")
+    if hf_model.window is not None and m.seq_length > hf_model.window:
+        problems.append(f"--load {load}: sliding_window={hf_model.window} is shorter than --seq-length "
+                        f"{m.seq_length}; meshlm has no sliding-window attention: use --seq-length "
+                        f"{hf_model.window} or less")
+    return problems
+
+
+def model_flags(hf_model: HFModel) -> str:
+    """The command-line flags that give meshlm this model (architecture fields only)."""
+    fields = {f.name: f for f in dataclasses.fields(C.ModelConfig)}
+    skip = {"hidden_dropout", "attention_dropout", "init_method_std", "vocab_size"}
+    out = []
+    for name, value in hf_model.model.items():
+        f, action = fields[name], fields[name].metadata.get("action")
+        if name in skip or value is None:
+            continue
+        if action == "store_true":
+            out += [C.flag_of(f)] if value else []
+        elif action == "store_false":
+            out += [] if value else [C.flag_of(f)]
+        else:
+            out += [C.flag_of(f), f"{value:g}" if isinstance(value, float) else str(value)]
+    return " ".join(out)
+
+
+# ----------------------------------------------------------------------------- export
+
+def _export_arch(m: C.ModelConfig, arch: Optional[str]) -> str:
+    """The HF architecture for ``m``: ``arch`` if given (checked), else llama (RoPE) or gpt2."""
+    rope = m.position_embedding_type == "rope"
+    arch = arch or ("llama" if rope else "gpt2")
+    llama_like = arch in ("llama", "mistral")
+    wanted = [("--position-embedding-type", m.position_embedding_type, "rope" if llama_like else "learned_absolute"),
+              ("--normalization", m.normalization, "RMSNorm" if llama_like else "LayerNorm"),
+              ("--swiglu", m.swiglu, llama_like)]
+    if arch == "gpt2":
+        wanted += [("--disable-bias-linear", not m.add_bias_linear, False),
+                   ("--group-query-attention", C.query_groups(m) != m.num_attention_heads, False),
+                   ("--kv-channels", C.head_dim(m), m.hidden_size // m.num_attention_heads)]
+    if arch == "mistral":
+        wanted.append(("--disable-bias-linear", not m.add_bias_linear, True))
+    for flag, value, need in wanted:
+        if value != need:
+            raise CheckpointError(f"the checkpoint's model has {flag} {value}; a Hugging Face {arch} model "
+                                  f"needs {need}")
+    return arch
+
+
+def hf_config_from_model(m: C.ModelConfig, vocab_size: int, arch: Optional[str] = None) -> dict:
+    """The Hugging Face config.json (a dict) of the meshlm model ``m`` with ``vocab_size`` rows.
+
+    arch: "llama", "mistral" or "gpt2"; default llama for RoPE models, gpt2 otherwise. Raises
+    CheckpointError naming the flag that the architecture cannot express.
+    """
+    arch = _export_arch(m, arch)
+    tied = not m.untie_embeddings_and_output_weights
+    if arch == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
+                "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_attention_heads,
+                "n_inner": C.ffn_hidden(m), "n_positions": C.max_positions(m),
+                "layer_norm_epsilon": m.norm_epsilon, "activation_function": "gelu_new" if m.openai_gelu else "gelu",
+                "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
+                "initializer_range": m.init_method_std, "tie_word_embeddings": tied, "dtype": "float32"}
+    out = {"architectures": ["MistralForCausalLM" if arch == "mistral" else "LlamaForCausalLM"],
+           "model_type": arch, "vocab_size": vocab_size, "hidden_size": m.hidden_size,
+           "intermediate_size": C.ffn_hidden(m), "num_hidden_layers": m.num_layers,
+           "num_attention_heads": m.num_attention_heads, "num_key_value_heads": C.query_groups(m),
+           "head_dim": C.head_dim(m), "hidden_act": "silu", "max_position_embeddings": C.max_positions(m),
+           "rms_norm_eps": m.norm_epsilon, "rope_theta": m.rotary_base,
+           "rope_parameters": {"rope_type": "default", "rope_theta": m.rotary_base},
+           "attention_dropout": m.attention_dropout, "initializer_range": m.init_method_std,
+           "tie_word_embeddings": tied, "dtype": "float32"}
+    if arch == "mistral":
+        out["sliding_window"] = None
+    else:
+        out["attention_bias"] = out["mlp_bias"] = m.add_bias_linear
+    return out

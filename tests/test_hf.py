@@ -1,0 +1,238 @@
+"""checkpoint/hf.py, hf_config.py, convert.py: tiny random Hugging Face models (built from
+transformers configs, no downloads) → meshlm at TP=1, TP=2 and PP=2 give transformers' logits;
+meshlm's export loads back into transformers with the same logits; `pretrain --load <HF folder>`
+fine-tunes from the HF model's loss; unsupported HF features are one-line errors."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distributed import run_distributed
+from meshlm.checkpoint import convert
+from meshlm.checkpoint.hf_config import flag_problems, model_from_hf
+from meshlm.cli import main
+from meshlm.errors import CheckpointError
+from meshlm.training import generate, trainer
+from test_trainer import tiny_config
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+VOCAB, ATOL = 100, 1e-5
+
+
+def _hf_models():
+    """arch → (tiny transformers model, save_pretrained max_shard_size). Llama: GQA (2 groups),
+    rope_theta 5e4, untied; Mistral: 1 group, tied, a sliding window longer than the sequence;
+    GPT-2: Conv1D weights, biases, learned positions, gelu_new, tied."""
+    t = transformers
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64, rms_norm_eps=1e-6, attn_implementation="eager")
+    return {
+        "llama": (t.LlamaForCausalLM(t.LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False,
+                                                   rope_parameters={"rope_type": "default", "rope_theta": 5e4},
+                                                   **common)), "20KB"),
+        "mistral": (t.MistralForCausalLM(t.MistralConfig(num_key_value_heads=1, tie_word_embeddings=True,
+                                                         sliding_window=64, **common)), None),
+        "gpt2": (t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                                attn_implementation="eager")), None),
+    }
+
+
+def _scramble(model):
+    """Weights far from transformers' init (std 0.02, norms 1), so every mapping shows in the logits."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm = "norm" in name or ".ln_" in name
+            p.copy_((1.0 if norm and name.endswith("weight") else 0.0) + 0.2 * torch.randn_like(p))
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """{arch: (folder, model)} saved with save_pretrained (Llama sharded), plus "tokens" [2, 16]."""
+    tmp = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    out = {}
+    for arch, (model, shard) in _hf_models().items():
+        _scramble(model)
+        model.eval()
+        folder = str(tmp / arch)
+        model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+        out[arch] = (folder, model)
+    out["tokens"] = torch.randint(0, VOCAB, (2, 16))
+    return out
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def test_fixture_models_are_what_the_tests_claim(hf):
+    assert os.path.isfile(os.path.join(hf["llama"][0], "model.safetensors.index.json"))  # sharded import
+    assert hf["llama"][1].config.rope_parameters["rope_theta"] == 5e4
+    assert _logits(hf["gpt2"][1], hf["tokens"]).abs().max() > 1  # logits large enough to show a fault
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
+def test_import_at_tp1_gives_transformers_logits_and_export_loads_back(hf, arch, tmp_path):
+    folder, model = hf[arch]
+    ckpt = str(tmp_path / "ckpt")
+    assert main(["convert", "--from-hf", folder, "--save", ckpt]) == 0
+    ours, _ = generate.load_model(ckpt)
+    expected = _logits(model, hf["tokens"])
+    with torch.no_grad():
+        got = ours(hf["tokens"])[..., :VOCAB]
+    assert (got - expected).abs().max() < ATOL
+    out = str(tmp_path / "out")
+    arch_flag = ["--hf-architecture", "mistral"] if arch == "mistral" else []  # default: llama for RoPE, gpt2
+    assert main(["convert", "--to-hf", "--load", ckpt, "--output", out, "--max-shard-size", "30KB"] + arch_flag) == 0
+    assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(back) is type(model)
+    assert (_logits(back, hf["tokens"]) - expected).abs().max() < ATOL
+
+
+def _gather_vocab(logits, ps):
+    from meshlm.parallel import comm
+    return comm.all_gather(logits.contiguous(), ps.tp_group, -1) if ps.tp > 1 else logits
+
+
+def _parallel_logits(rank, world, sources, tokens):
+    """{(arch, source, layout): logits [2, 16, VOCAB]} on the last stage's rank 0 (None elsewhere),
+    each model built at TP=2 or PP=2 and filled by convert.load_weights from ``sources``."""
+    import torch.distributed as dist
+
+    from meshlm.model.transformer import GPTModel
+    from meshlm.parallel.mesh import ParallelState
+    out = {}
+    for tp, pp in ((2, 1), (1, 2)):
+        ps = ParallelState.build(tp, pp)
+        for (arch, kind), path in sources.items():
+            model_cfg = convert._hf_model(sources[(arch, "hf")], "--load").model_config()
+            model_cfg.seq_length = 16
+            layers = range(0, 1) if pp > 1 and ps.pp_rank == 0 else range(1, 2) if pp > 1 else None
+            model = GPTModel(model_cfg, ps, VOCAB, seed=7, layer_ids=layers, pre_process=ps.is_first_stage,
+                             post_process=ps.is_last_stage).eval()
+            convert.load_weights([model], model_cfg, path)
+            with torch.no_grad():
+                if pp == 1:
+                    logits = _gather_vocab(model(tokens), ps)
+                elif ps.is_first_stage:
+                    dist.send(model(tokens).contiguous(), 1)
+                    logits = None
+                else:
+                    hidden = torch.empty(16, 2, model_cfg.hidden_size)
+                    dist.recv(hidden, 0)
+                    logits = model(None, hidden_states=hidden)
+            if rank == world - 1:
+                out[(arch, kind, f"tp{tp}pp{pp}")] = logits[..., :VOCAB]
+    return out
+
+
+def test_tp2_and_pp2_from_hf_folder_and_converted_checkpoint_give_transformers_logits(hf, tmp_path):
+    sources = {}
+    for arch in ("llama", "mistral", "gpt2"):
+        sources[(arch, "hf")] = hf[arch][0]
+        sources[(arch, "meshlm")] = str(tmp_path / arch)
+        convert.import_hf(hf[arch][0], sources[(arch, "meshlm")])
+    got = run_distributed(_parallel_logits, 2, sources, hf["tokens"])[1]
+    assert len(got) == 12
+    for (arch, _, _), logits in got.items():
+        assert (logits - _logits(hf[arch][1], hf["tokens"])).abs().max() < ATOL
+
+
+def _finetune_config(tmp, folder):
+    """One TP=2 step from the Hugging Face folder on mock data (vocabulary 100, 16 tokens)."""
+    cfg = tiny_config(tmp, tp=2, iters=1, micro=2, global_batch=2)
+    cfg.model = convert._hf_model(folder, "--load").model_config(cfg.model)
+    cfg.model.make_vocab_size_divisible_by = 16
+    cfg.optimizer.lr_warmup_iters = 0  # the one step changes the weights
+    cfg.training.eval_iters = 1
+    cfg.checkpoint.load, cfg.checkpoint.save = folder, os.path.join(tmp, "ckpt")
+    return cfg
+
+
+def _finetune(rank, world, tmp, folder):
+    return trainer.pretrain(_finetune_config(tmp, folder))
+
+
+def test_pretrain_load_of_a_hf_folder_fine_tunes_from_its_loss_and_exports(hf, tmp_path):
+    from meshlm.data.gpt_dataset import build_datasets
+    folder, model = hf["llama"]
+    summary = run_distributed(_finetune, 2, str(tmp_path), folder)[0]
+    assert summary["iterations"] == 1
+    train, _, _ = build_datasets(_finetune_config(str(tmp_path), folder), world_size=2)
+    tokens = torch.stack([train[i]["tokens"] for i in range(2)])
+    labels = torch.stack([train[i]["labels"] for i in range(2)])
+    expected = F.cross_entropy(_logits(model, tokens).reshape(-1, VOCAB), labels.reshape(-1)).item()
+    assert abs(summary["train_losses"][0] - expected) / expected < 1e-5
+    # the TP=2 checkpoint of one fine-tuning step exports to transformers with meshlm's logits
+    out = str(tmp_path / "out")
+    convert.export_hf(str(tmp_path / "ckpt"), out)
+    ours, _ = generate.load_model(str(tmp_path / "ckpt"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    with torch.no_grad():
+        mine = ours(hf["tokens"])[..., :VOCAB]
+    assert (mine - _logits(model, hf["tokens"])).abs().max() > 1e-3  # the step changed the weights
+    assert (_logits(back, hf["tokens"]) - mine).abs().max() < ATOL
+
+
+# ----------------------------------------------------------------------------- errors
+
+def _config(hf, arch, **changes):
+    d = hf[arch][1].config.to_dict()
+    d.update(changes)
+    return d
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope_parameters.rope_type"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"model_type": "bert"}, "model_type"),
+])
+def test_unsupported_hf_features_are_one_line_errors_naming_the_field(hf, changes, field):
+    with pytest.raises(CheckpointError) as e:
+        model_from_hf(_config(hf, "llama", **changes), "x/config.json")
+    assert f"{field}=" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_run_flags_are_checked_against_the_hf_model(hf):
+    m = model_from_hf(_config(hf, "mistral", sliding_window=8), "x/config.json")
+    assert m.notes and "sliding_window=8" in m.notes[0]
+    wrong = m.model_config()
+    wrong.hidden_size, wrong.seq_length = 64, 16
+    problems = flag_problems(m, wrong, "HF")
+    assert "--hidden-size hf=32 now=64" in problems[0] and "--swiglu" in problems[0]
+    assert "sliding_window=8 is shorter than --seq-length 16" in problems[1]
+    right = m.model_config()
+    right.seq_length = 8
+    assert flag_problems(m, right, "HF") == []
+
+
+def test_pretrain_refuses_a_hf_folder_of_another_shape_before_starting(hf, tmp_path, capsys):
+    argv = ["pretrain", "--load", hf["llama"][0], "--mock-data", "--vocab-size", "100", "--dry-run",
+            "--run-dir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is a Hugging Face llama model of another shape" in err and "--num-query-groups 2" in err
+
+
+def test_convert_flags_and_outputs_are_checked(hf, tmp_path, capsys):
+    assert main(["convert", "--from-hf", hf["gpt2"][0]]) == 2
+    assert "--from-hf needs --save" in capsys.readouterr().err
+    assert main(["convert", "--from-hf", str(tmp_path), "--save", str(tmp_path / "c")]) == 2
+    assert "not a Hugging Face model folder" in capsys.readouterr().err
+    ckpt = str(tmp_path / "c")
+    assert main(["convert", "--from-hf", hf["gpt2"][0], "--save", ckpt]) == 0
+    assert main(["convert", "--from-hf", hf["gpt2"][0], "--save", ckpt]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+    assert main(["convert", "--to-hf", "--load", ckpt, "--output", hf["gpt2"][0]]) == 2
+    assert "is not an empty folder" in capsys.readouterr().err
+    assert main(["convert", "--to-hf", "--load", ckpt, "--output", str(tmp_path / "o"),
+                 "--hf-architecture", "llama"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--position-embedding-type learned_absolute; a Hugging Face llama model needs rope" in err
+    assert len(err.splitlines()) == 1
