@@ -109,8 +109,12 @@ def _note_start(run: Run, state: TrainState) -> None:
     if run.ps.rank != 0:
         return
     if state.iteration >= run.train_iters:
-        print(f"note: the checkpoint is at iteration {state.iteration} ≥ the run's {run.train_iters} "
-              f"iterations: nothing to train; raise --train-iters (or --train-samples) to go on", flush=True)
+        samples = cfg.training.train_samples
+        flag = "--train-iters" if samples is None else "--train-samples"
+        length = f"--train-iters {run.train_iters}" if samples is None else \
+            f"the {run.train_iters} iterations of --train-samples {samples}"
+        print(f"note: the checkpoint is at iteration {state.iteration} ≥ {length}: nothing to train; "
+              f"raise {flag} to go on", flush=True)
     earlier = ckpt.complete_iterations(save) if save and not cfg.checkpoint.load else []
     if earlier:
         print(f"note: --save {save} already holds {os.path.basename(ckpt.iteration_dir(save, earlier[-1]))} "
