@@ -50,9 +50,9 @@ def test_step_sets_the_next_lr_on_the_optimizer_and_state_round_trips():
     for _ in range(15):
         s.step(opt)
     assert seen[-1] == s.lr == s.lr_at(15)
-    t = LRScheduler(OptimizerConfig(lr_decay_style="cosine", lr_warmup_iters=2), 110, 8)
+    t = sched("cosine")
     t.load_state_dict(s.state_dict())
-    assert t.lr == s.lr and s.lr != s.lr_at(5)
+    assert t.lr == s.lr
 
 
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine"])
