@@ -136,17 +136,35 @@ def test_num_query_groups_without_gqa_is_a_note_at_start(tmp_path, monkeypatch, 
                      "--group-query-attention to use 2 groups"]
 
 
-@pytest.mark.parametrize("extra, warmup", [([], 0), (["--lr-warmup-iters", "3"], 3)])
-def test_a_short_embedded_default_run_scales_its_warmup(tmp_path, monkeypatch, extra, warmup):
+def _embedded(*flags):
     from meshlm.config import config_from_args, explicit_fields
-    from meshlm.cli import _fit_warmup, embedded_default
-    from meshlm.validate import validate
-    args = build_parser("pretrain").parse_args(["pretrain", "--train-iters", "5", *extra])
+    from meshlm.cli import _fit_embedded, embedded_default
+    args = build_parser("pretrain").parse_args(["pretrain", *flags])
     cfg = config_from_args(args, base=embedded_default())
-    _fit_warmup(cfg, explicit_fields(args))
+    _fit_embedded(cfg, explicit_fields(args))
+    return cfg
+
+
+@pytest.mark.parametrize("extra, warmup", [([], 0), (["--lr-warmup-iters", "3"], 3)])
+def test_a_short_embedded_default_run_scales_its_warmup(extra, warmup):
+    from meshlm.validate import validate
+    cfg = _embedded("--train-iters", "5", *extra)
     assert cfg.optimizer.lr_warmup_iters == warmup
     validate(cfg, check_files=False)
-    args = build_parser("pretrain").parse_args(["pretrain", "--train-iters", "100"])
-    cfg = config_from_args(args, base=embedded_default())
-    _fit_warmup(cfg, explicit_fields(args))
-    assert cfg.optimizer.lr_warmup_iters == 10  # the README's shorter run keeps the full warm-up
+    assert _embedded("--train-iters", "100").optimizer.lr_warmup_iters == 10  # the README's shorter run keeps the full warm-up
+
+
+@pytest.mark.parametrize("extra, iters, samples", [([], 0, 160), (["--lr-warmup-samples", "7"], 0, 7),
+                                                   (["--lr-warmup-fraction", "0.2"], 0, 0)])
+def test_the_embedded_default_takes_train_samples_and_a_users_warmup(extra, iters, samples):
+    """--train-samples replaces the default's 500 iterations; its warm-up of 10 iterations becomes
+    10 global batches (16 samples each) of samples, unless the user gives a warm-up flag."""
+    from meshlm.validate import validate
+    cfg = _embedded("--train-samples", "4000", *extra)
+    o = cfg.optimizer
+    assert cfg.training.train_iters is None and (o.lr_warmup_iters, o.lr_warmup_samples) == (iters, samples)
+    validate(cfg, check_files=False)
+    assert _embedded("--train-samples", "320").optimizer.lr_warmup_samples == 32  # a tenth of the run
+    fraction = _embedded("--lr-warmup-fraction", "0.1")  # formerly refused: the default's iterations stayed
+    assert fraction.optimizer.lr_warmup_iters == 0
+    validate(fraction, check_files=False)

@@ -43,8 +43,7 @@ def test_gpt3_example_without_missing_flags_dry_runs(tmp_path, capsys):
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_llama3_example_refused_in_one_line(tmp_path, capsys):
-    argv = ["pretrain", "--use-mcore-models", "--num-layers", "32", "--hidden-size", "4096",
+LLAMA3 = ["pretrain", "--use-mcore-models", "--num-layers", "32", "--hidden-size", "4096",
             "--ffn-hidden-size", "14336", "--num-attention-heads", "32", "--group-query-attention",
             "--num-query-groups", "8", "--kv-channels", "128", "--seq-length", "8192",
             "--max-position-embeddings", "8192", "--position-embedding-type", "rope", "--rotary-base", "1000000",
@@ -55,15 +54,46 @@ def test_llama3_example_refused_in_one_line(tmp_path, capsys):
             "--calculate-per-token-loss", "--manual-gc", "--fp8-format", "hybrid", "--use-distributed-optimizer",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256",
             "--no-create-attention-mask-in-dataloader", "--num-workers", "1", "--log-throughput",
-            "--ckpt-format", "torch_dist", "--dry-run", "--world-size", "64"]
-    assert main(argv) == 2
+          "--ckpt-format", "torch_dist", "--dry-run", "--world-size", "64"]
+LLAMA3_LACKING = {"--rotary-percent": 1, "--apply-layernorm-1p": 0, "--decoupled-lr": 1, "--grad-reduce-in-bf16": 0,
+                  "--fp8-format": 1}  # flag → number of values
+
+
+def test_llama3_example_refused_in_one_line(capsys):
+    assert main(LLAMA3) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    for flag in ("--rotary-percent", "--apply-layernorm-1p", "--train-samples", "--decoupled-lr",
-                 "--grad-reduce-in-bf16", "--fp8-format"):
+    for flag in LLAMA3_LACKING:
         assert flag in err
     assert "--use-mcore-models" not in err and "unknown flag" not in err
-    assert "--calculate-per-token-loss" not in err  # implemented (same meaning)
+    assert "--calculate-per-token-loss" not in err and "--train-samples" not in err  # implemented (same meaning)
+
+
+def test_llama3_example_without_missing_flags_dry_runs_by_samples(capsys):
+    argv = list(LLAMA3)
+    for flag, values in LLAMA3_LACKING.items():
+        i = argv.index(flag)
+        del argv[i:i + 1 + values]
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert f"run: --train-samples 1953125000 = {1953125000 // 128} iterations" in out
+    assert "--train-iters" not in out  # its meshlm default does not apply to a run given in samples
+
+
+def test_gpt3_example_with_megatrons_ramp_and_sample_schedule_dry_runs(tmp_path, capsys):
+    """Megatron's train_gpt3_175b_distributed.sh as published: a batch ramp 16 → 1536 by 16 over
+    5,859,375 samples and the run and LR schedule in samples."""
+    argv = _gpt3(tmp_path)
+    for flag, values in (("--step-batch-size-schedule", 1), ("--train-iters", 1), ("--lr-warmup-fraction", 1),
+                         ("--lr-decay-iters", 1)):
+        i = argv.index(flag)
+        del argv[i:i + 1 + values]
+    argv += ["--rampup-batch-size", "16", "16", "5859375", "--train-samples", "146484375",
+             "--lr-decay-samples", "126953125", "--lr-warmup-samples", "183105", "--tokenizer-type", "GPT2BPETokenizer"]
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "global 16 → 1536 by 16 (95 increments, one per 61677.6 samples, 2 → 192 micro-batches)" in out
+    assert "run: --train-samples 146484375 = " in out
 
 
 def test_switches_and_no_effect_flags_dry_run(capsys):

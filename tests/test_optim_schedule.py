@@ -6,8 +6,9 @@ import warnings
 
 import pytest
 
-from meshlm.config import OptimizerConfig
-from meshlm.optim.schedule import LRScheduler
+from megatron_ref import core_scheduler, core_steps
+from meshlm.config import Config, OptimizerConfig, batch_schedule
+from meshlm.optim.schedule import LRScheduler, scheduler_for
 
 
 def sched(style, warmup=10, decay=None, train_iters=110, lr=1e-3, min_lr=1e-4):
@@ -71,24 +72,13 @@ def test_matches_megatron_core_scheduler(style):
         ours.step()
 
 
-def _megatron(style, warmup_steps, decay_steps, **kw):
-    """megatron-core's scheduler counting in samples, and the param group it writes the lr into."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    group = {}
-    opt = types.SimpleNamespace(param_groups=[group])
-    ref = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=warmup_steps,
-                                  lr_decay_steps=decay_steps, lr_decay_style=style, start_wd=0.1, end_wd=0.1,
-                                  wd_incr_steps=decay_steps, wd_incr_style="constant", **kw)
-    return ref, group
+STYLES = [("inverse-square-root", 10, None, None), ("inverse-square-root", 0, None, None),
+          ("cosine", 0, 0.07, None), ("linear", 0, 0.0, None),
+          ("WSD", 10, None, "exponential"), ("WSD", 0, 0.1, "linear"), ("WSD", 10, None, "cosine"),
+          ("WSD", 10, None, "minus_sqrt")]
 
 
-@pytest.mark.parametrize("style,warmup,fraction,wsd_style", [
-    ("inverse-square-root", 10, None, None), ("inverse-square-root", 0, None, None),
-    ("cosine", 0, 0.07, None), ("linear", 0, 0.0, None),
-    ("WSD", 10, None, "exponential"), ("WSD", 0, 0.1, "linear"), ("WSD", 10, None, "cosine"),
-    ("WSD", 10, None, "minus_sqrt")])
+@pytest.mark.parametrize("style,warmup,fraction,wsd_style", STYLES)
 def test_new_styles_and_warmup_fraction_match_megatron_core(style, warmup, fraction, wsd_style):
     """Megatron's training.py: steps are samples (B per iteration), warm-up = fraction · decay
     samples when --lr-warmup-fraction is given, WSD anneal = --lr-wsd-decay-iters · B."""
@@ -99,8 +89,63 @@ def test_new_styles_and_warmup_fraction_match_megatron_core(style, warmup, fract
     ours = LRScheduler(cfg, train_iters, batch)
     decay = train_iters * batch
     kw = dict(wsd_decay_steps=wsd_iters * batch, lr_wsd_decay_style=wsd_style) if style == "WSD" else {}
-    ref, group = _megatron(style, fraction * decay if fraction is not None else warmup * batch, decay, **kw)
+    ref, group = core_scheduler(style, fraction * decay if fraction is not None else warmup * batch, decay, **kw)
     for _ in range(130):
         assert ours.lr == pytest.approx(group["lr"], rel=1e-12, abs=1e-15)
         ref.step(batch)
         ours.step()
+
+
+def _sample_config(style, warmup=0, fraction=None, wsd_style=None, decay=None, anneal=None, *, samples=900,
+                   batch=8, micro=8, ramp=None) -> Config:
+    cfg = Config()
+    t, o = cfg.training, cfg.optimizer
+    t.train_samples, t.global_batch_size, t.micro_batch_size, t.rampup_batch_size = samples, batch, micro, ramp
+    o.lr, o.min_lr, o.lr_decay_style, o.lr_warmup_samples, o.lr_warmup_fraction = 1e-3, 1e-5, style, warmup, fraction
+    o.lr_decay_samples, o.lr_wsd_decay_samples, o.lr_wsd_decay_style = decay, anneal, wsd_style or "exponential"
+    return cfg
+
+
+@pytest.mark.parametrize("decay", [None, 700])
+@pytest.mark.parametrize("style,warmup,fraction,wsd_style", STYLES + [("cosine", 60, None, None),
+                                                                      ("linear", 17, None, None)])
+def test_sample_based_schedule_matches_megatron_core(style, warmup, fraction, wsd_style, decay):
+    """--train-samples T (Megatron's training.py, sample-based branch): the steps are the sample
+    counts as given, decay = --lr-decay-samples or T, warm-up = --lr-warmup-samples or
+    --lr-warmup-fraction × decay, WSD anneal = --lr-wsd-decay-samples; each step adds B samples."""
+    samples, batch, anneal = 900, 8, 240
+    cfg = _sample_config(style, warmup * 3, fraction, wsd_style, decay, anneal if style == "WSD" else None,
+                         samples=samples, batch=batch)
+    ours = scheduler_for(cfg, 1)
+    steps = decay or samples
+    kw = dict(wsd_decay_steps=anneal, lr_wsd_decay_style=wsd_style) if style == "WSD" else {}
+    ref, group = core_scheduler(style, fraction * steps if fraction is not None else warmup * 3, steps, **kw)
+    for _ in range(130):
+        assert ours.lr == pytest.approx(group["lr"], rel=1e-12, abs=1e-15)
+        ref.step(batch)
+        ours.step(samples=batch)
+
+
+@pytest.mark.parametrize("style", ["cosine", "WSD", "inverse-square-root"])
+def test_lr_under_a_batch_ramp_matches_megatron_core(style):
+    """--rampup-batch-size 8 8 600 to 64 over micro 2 × DP 2: each step advances the schedule by its
+    own batch, as megatron-core's scheduler stepped by Megatron's training loop."""
+    cfg = _sample_config(style, 100, anneal=500 if style == "WSD" else None, samples=3000, batch=64, micro=2,
+                         ramp=[8, 8, 600])
+    ours, batches = scheduler_for(cfg, 2), batch_schedule(cfg, 2)
+    kw = dict(wsd_decay_steps=500, lr_wsd_decay_style="exponential") if style == "WSD" else {}
+    ref = core_scheduler(style, 100, 3000, **kw)
+    walked = core_steps(60, 64, 2, 2, (8, 8, 600), ref)
+    assert len({batch for batch, *_ in walked}) > 4  # the batch did grow
+    for batch, _, consumed, lr in walked:
+        assert ours.lr == pytest.approx(lr, rel=1e-12, abs=1e-15), consumed
+        ours.step(samples=batches.batch_at(consumed))
+
+
+def test_a_checkpoint_from_before_the_sample_count_resumes_at_its_samples():
+    s = LRScheduler(OptimizerConfig(lr_decay_style="cosine", lr_warmup_iters=2), 110, 8)
+    s.load_state_dict({"num_steps": 5})  # 5 iterations of 8 samples
+    assert s.lr == s.lr_at(40)
+    t = LRScheduler(OptimizerConfig(lr_decay_style="cosine", lr_warmup_iters=2), 110, 8)
+    t.load_state_dict(s.state_dict())
+    assert t.lr == s.lr and s.lr != s.lr_at(5)

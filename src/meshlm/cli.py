@@ -57,12 +57,26 @@ def _new_run_dir() -> str:
     return path
 
 
-def _fit_warmup(cfg, explicit: set) -> None:
-    """The embedded default's warm-up, unless the user set --lr-warmup-iters: at most a tenth of
-    the decay iterations, so ``--train-iters 5`` runs (the full 10 from 100 iterations on)."""
-    if "lr_warmup_iters" not in explicit:
-        o = cfg.optimizer
-        o.lr_warmup_iters = max(0, min(o.lr_warmup_iters, (o.lr_decay_iters or cfg.training.train_iters) // 10))
+_WARMUP_FLAGS = {"lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction"}
+
+
+def _fit_embedded(cfg, explicit: set) -> None:
+    """Fit the embedded default's run length and warm-up (10 iterations) to the user's flags:
+    --train-samples replaces its --train-iters, a warm-up flag of the user's replaces its warm-up;
+    otherwise the warm-up is at most a tenth of the decay length, so ``--train-iters 5`` runs (the
+    full 10 from 100 iterations on); under --train-samples it is 10 global batches of samples."""
+    from .config import global_batch
+    t, o = cfg.training, cfg.optimizer
+    if "train_samples" in explicit and "train_iters" not in explicit:
+        t.train_iters = None
+    if explicit & _WARMUP_FLAGS:
+        if "lr_warmup_iters" not in explicit:
+            o.lr_warmup_iters = 0  # the user's warm-up flag replaces the default's
+    elif t.train_iters is None:
+        o.lr_warmup_samples = min(o.lr_warmup_iters * global_batch(cfg), (o.lr_decay_samples or t.train_samples) // 10)
+        o.lr_warmup_iters = 0
+    else:
+        o.lr_warmup_iters = max(0, min(o.lr_warmup_iters, (o.lr_decay_iters or t.train_iters) // 10))
 
 
 def _lock(held: contextlib.ExitStack | None, folder: str, flag: str, run_dir: str) -> None:
@@ -92,7 +106,7 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
     embedded = not cfg.data.data_path and not cfg.data.mock_data
     if embedded:
         cfg = config_from_args(args, base=embedded_default())
-        _fit_warmup(cfg, explicit_fields(args))
+        _fit_embedded(cfg, explicit_fields(args))
     run_dir = cfg.logging.run_dir = cfg.logging.run_dir or _new_run_dir()
     print(f"meshlm: run directory {run_dir}", flush=True)
     from .megatron_flags import startup_lines
@@ -133,7 +147,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     embedded = not cfg.data.data_path and not cfg.data.mock_data
     if embedded:
         cfg = config_from_args(args, base=embedded_default())
-        _fit_warmup(cfg, explicit_fields(args))
+        _fit_embedded(cfg, explicit_fields(args))
     world = args.world_size or args.nnodes * default_nproc(cfg)
     for note in notes(cfg) + startup_lines(args, explicit_fields(args)):
         print(f"meshlm: note: {note}", flush=True)

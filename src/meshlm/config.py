@@ -18,8 +18,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .batches import BatchSchedule
 from .errors import ConfigError
 from .values import coerce, expected, flag_type, kind_of
+
+DEFAULT_TRAIN_ITERS = 100  # run length when neither --train-iters nor --train-samples is given
 
 
 TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
@@ -27,13 +30,15 @@ TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTok
 
 
 def opt(default: Any, help: str, *, flag: Optional[str] = None, choices=None,
-        action: Optional[str] = None, nargs=None):
+        action: Optional[str] = None, nargs=None, metavar=None):
     """A config field with its command-line metadata.
 
     flag: the Megatron flag name when it differs from ``--field-name``.
     action: "store_true" for a boolean switch, "store_false" for a ``--disable-x`` switch.
+    metavar: the value's name(s) in --help (default: the field name in capitals).
     """
-    meta = {"help": help, "flag": flag, "choices": choices, "action": action, "nargs": nargs}
+    meta = {"help": help, "flag": flag, "choices": choices, "action": action, "nargs": nargs,
+            "metavar": metavar}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -107,7 +112,12 @@ class TrainingConfig:
     global_batch_size: Optional[int] = opt(None, "samples per optimizer step (default micro × accumulation × DP)")
     gradient_accumulation_steps: Optional[int] = opt(
         None, "micro-batches per DP rank per step: another way to state the global batch (micro × this × DP)")
-    train_iters: int = opt(100, "optimizer steps")
+    train_iters: Optional[int] = opt(None, f"optimizer steps (default {DEFAULT_TRAIN_ITERS} unless --train-samples)")
+    train_samples: Optional[int] = opt(None, "samples to train on instead of --train-iters: the run takes the steps "
+                                       "that fit (a partial last batch is dropped); the --lr-*-samples flags apply")
+    rampup_batch_size: Optional[list[int]] = opt(
+        None, "grow the global batch from START by INCREMENT over SAMPLES consumed samples up to "
+        "--global-batch-size (needs --train-samples)", nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
     seed: int = opt(1234, "seed of weights, dropout and data order")
     bf16: bool = opt(False, "bf16 parameters and compute (accepted on CPU, which trains in fp32)",
                      action="store_true")
@@ -151,6 +161,8 @@ class OptimizerConfig:
                                                                          "inverse-square-root", "WSD"])
     lr_warmup_iters: int = opt(0, "linear warm-up iterations")
     lr_decay_iters: Optional[int] = opt(None, "decay iterations (default: train iters)")
+    lr_warmup_samples: int = opt(0, "linear warm-up samples (with --train-samples)")
+    lr_decay_samples: Optional[int] = opt(None, "decay samples (with --train-samples; default: train samples)")
     weight_decay: float = opt(0.01, "AdamW weight decay (not on biases and norms)")
     clip_grad: float = opt(1.0, "global gradient norm clip (0 = off)")
     adam_beta1: float = opt(0.9, "Adam beta1")
@@ -161,6 +173,7 @@ class OptimizerConfig:
     lr_wsd_decay_style: str = opt("exponential", "WSD: shape of the final anneal",
                                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
     lr_wsd_decay_iters: Optional[int] = opt(None, "WSD: iterations of the final anneal (ends at the decay end)")
+    lr_wsd_decay_samples: Optional[int] = opt(None, "WSD: samples of the final anneal (with --train-samples)")
 
 
 @dataclass
@@ -330,7 +343,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                 if m["choices"]:
                     kw["choices"] = m["choices"]
                 else:
-                    kw["metavar"] = f.name.upper()
+                    kw["metavar"] = m["metavar"] or f.name.upper()
                 if m["nargs"]:
                     kw["nargs"] = m["nargs"]
             group.add_argument(flag_of(f), **kw)
@@ -427,8 +440,34 @@ def global_batch(cfg: Config, world: Optional[int] = None) -> int:
 
 
 def num_microbatches(cfg: Config, world: Optional[int] = None) -> int:
-    """global batch / (micro batch × DP): micro-batches each DP rank runs per step."""
+    """global batch / (micro batch × DP): micro-batches each DP rank runs per step (after any
+    --rampup-batch-size ramp; evaluation always runs this many)."""
     return global_batch(cfg, world) // (cfg.training.micro_batch_size * dp_size(cfg, world))
+
+
+def batch_schedule(cfg: Config, world: Optional[int] = None) -> BatchSchedule:
+    """The global batch of every step: constant, or ramped by --rampup-batch-size (batches.py)."""
+    t = cfg.training
+    ramp = tuple(t.rampup_batch_size) if t.rampup_batch_size else None
+    return BatchSchedule(global_batch(cfg, world), t.micro_batch_size * dp_size(cfg, world), ramp)
+
+
+def run_iterations(cfg: Config, world: Optional[int] = None) -> int:
+    """Optimizer steps of the run: --train-iters; else the steps --train-samples takes (Megatron's
+    update_train_iters, ramp included: BatchSchedule.iterations); else DEFAULT_TRAIN_ITERS."""
+    t = cfg.training
+    if t.train_iters is not None:
+        return t.train_iters
+    if t.train_samples is not None:
+        return batch_schedule(cfg, world).iterations(t.train_samples)
+    return DEFAULT_TRAIN_ITERS
+
+
+def run_samples(cfg: Config, world: Optional[int] = None) -> int:
+    """Training samples the run asks of its data: --train-samples, else iterations × global batch
+    (Megatron's count for the training split)."""
+    t = cfg.training
+    return t.train_samples if t.train_samples is not None else run_iterations(cfg, world) * global_batch(cfg, world)
 
 
 def ffn_hidden(m: ModelConfig) -> int:

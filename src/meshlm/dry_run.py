@@ -8,8 +8,8 @@ under --use-distributed-optimizer; fp32 4 + 4 + 8 (or 8/DP).
 
 from __future__ import annotations
 
-from .config import (Config, dp_size, ffn_hidden, global_batch, head_dim, max_positions, num_microbatches,
-                     padded_vocab_size, query_groups)
+from .config import (Config, batch_schedule, dp_size, ffn_hidden, global_batch, head_dim, max_positions,
+                     num_microbatches, padded_vocab_size, query_groups, run_iterations)
 
 _GPT2_VOCAB = 50257
 
@@ -50,8 +50,28 @@ def stage_params(cfg: Config, vocab: int) -> list:
     return [int(x) for x in params]
 
 
+def run_lines(cfg: Config, world: int) -> list:
+    """The run's length, and its --rampup-batch-size ramp if any: one line each."""
+    t, iters = cfg.training, run_iterations(cfg, world)
+    if t.train_samples is None:
+        lines = [f"run: {iters} iterations"]
+    else:
+        lines = [f"run: --train-samples {t.train_samples} = {iters} iterations (a partial last batch is dropped)"]
+    schedule = batch_schedule(cfg, world)
+    if schedule.ramp:
+        start, increment, samples = schedule.ramp
+        sizes = schedule.sizes()
+        steps, consumed = schedule.ramp_end()
+        lines.append(f"batch ramp (--rampup-batch-size): global {start} → {sizes[-1]} by {increment} "
+                     f"({len(sizes) - 1} increments, one per {samples / (len(sizes) - 1):.1f} samples, "
+                     f"{start // schedule.micro_dp} → {sizes[-1] // schedule.micro_dp} micro-batches); "
+                     f"the full batch from iteration {steps + 1} (after {consumed} samples)")
+    return lines
+
+
 def report(cfg: Config, world: int) -> list:
-    """The lines --dry-run prints: layout, batch, parameters and per-rank memory."""
+    """The lines --dry-run prints: layout, batch, run length (and batch ramp), parameters and
+    per-rank memory."""
     p, t = cfg.parallel, cfg.training
     dp = dp_size(cfg, world)
     vocab, source = vocab_of(cfg)
@@ -66,6 +86,7 @@ def report(cfg: Config, world: int) -> list:
         f"PP {p.pipeline_model_parallel_size} × DP {dp}",
         f"batch: global {global_batch(cfg, world)} = micro {t.micro_batch_size} × {num_microbatches(cfg, world)} "
         f"micro-batches × DP {dp}; sequence {cfg.model.seq_length}",
+        *run_lines(cfg, world),
         f"parameters per rank by pipeline stage: {', '.join(f'{n / 1e6:.1f}M' for n in params)} "
         f"(vocabulary {vocab}, {source})",
         f"memory per rank (largest stage, {'bf16/fp16' if half else 'fp32'}): weights "

@@ -109,6 +109,8 @@ def startup_lines(args: argparse.Namespace, explicit: set) -> list:
     lines = []
     if given(args):
         lines.append(f"accepted with no effect (meshlm always does the equivalent): {', '.join(given(args))}")
+    if "train_samples" in explicit:  # the run's length is given, in samples
+        explicit = explicit | {"train_iters"}
     unset = [f for f in DIFFERENT_DEFAULTS if f[2:].replace("-", "_") not in explicit]
     if unset:
         lines.append("defaults that differ from Megatron-LM's on purpose (see --help): " + ", ".join(unset))

@@ -15,8 +15,9 @@ import math
 import os
 from typing import Optional
 
-from .config import (Config, ModelConfig, config_fields, ffn_hidden, flag_of, head_dim, max_positions,
-                     query_groups, world_size_of)
+from .config import (Config, ModelConfig, batch_schedule, config_fields, ffn_hidden, flag_of, global_batch,
+                     head_dim, max_positions, query_groups, run_iterations, world_size_of)
+from .values import kind_of
 from .errors import ConfigError
 
 
@@ -48,7 +49,8 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     problems += _layout_problems(cfg, world)
     problems += _model_problems(cfg.model)
     problems += _training_problems(cfg, cuda)
-    problems += _schedule_and_packing_problems(cfg)
+    problems += _run_length_problems(cfg, world)
+    problems += _packing_problems(cfg)
     problems += _data_problems(cfg)
     problems += _output_problems(cfg)
     if check_files:
@@ -60,7 +62,7 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
 # The domain of every numeric flag, as one rule: finite and not negative; an int is a size, count
 # or interval (≥ 1) unless listed as allowed to be 0; a float may be 0 unless listed as positive;
 # a few have an upper bound (exclusive) as well.
-_INT_MAY_BE_ZERO = {"seed", "eval_iters", "lr_warmup_iters", "num_workers",
+_INT_MAY_BE_ZERO = {"seed", "eval_iters", "lr_warmup_iters", "lr_warmup_samples", "num_workers",
                     "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"}
 _FLOAT_POSITIVE = {"norm_epsilon", "rotary_base", "init_method_std", "initial_loss_scale",
                    "min_loss_scale", "adam_eps"}
@@ -74,9 +76,9 @@ def _numeric_problems(cfg: Config) -> tuple:
     sizes, others = [], []
     for sec, f in config_fields():
         typ = f.type if isinstance(f.type, str) else str(f.type)
-        kind = "int" if "int" in typ else "float" if "float" in typ else None
+        kind = kind_of(f)
         value = getattr(getattr(cfg, sec), f.name)
-        if kind is None or (value is None and "Optional" in typ):
+        if kind not in ("int", "float") or (value is None and "Optional" in typ):
             continue
         flag = flag_of(f)
         if kind == "int" and f.name not in _INT_MAY_BE_ZERO:
@@ -120,6 +122,7 @@ def _layout_problems(cfg: Config, world: int) -> list:
             problems.append(f"--tensor-model-parallel-size {tp} is not a multiple of "
                             f"--num-query-groups {groups}")
     problems += _accumulation_problems(t, dp)
+    problems += _rampup_problems(cfg, world, dp)
     problems += _tp_split_problems(cfg)
     if p.sequence_parallel and tp == 1:
         problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
@@ -202,38 +205,107 @@ def _training_problems(cfg: Config, cuda: Optional[bool]) -> list:
             problems.append("--fp16 needs CUDA; on CPU train in fp32 (no flag) or --bf16")
     if 0 <= o.lr < o.min_lr:
         problems.append(f"--min-lr {o.min_lr} is above --lr {o.lr}; lower --min-lr or raise --lr")
-    decay = o.lr_decay_iters or t.train_iters
-    if o.lr_warmup_iters > decay:
-        problems.append(f"--lr-warmup-iters {o.lr_warmup_iters} exceeds the decay iterations {decay} "
-                        f"(--lr-decay-iters, default --train-iters); lower --lr-warmup-iters")
     problems += _recompute_problems(t, cfg.model.num_layers)
     if c.save_interval is not None and not c.save:
         problems.append(f"--save-interval {c.save_interval} needs --save (a checkpoint directory)")
     return problems
 
 
-def _schedule_and_packing_problems(cfg: Config) -> list:
-    """--lr-warmup-fraction, WSD and the packed-document switches (Megatron's arguments.py rules)."""
+# the LR schedule's lengths: (in iterations, in samples)
+_LENGTHS = (("lr_warmup_iters", "lr_warmup_samples"), ("lr_decay_iters", "lr_decay_samples"),
+            ("lr_wsd_decay_iters", "lr_wsd_decay_samples"))
+
+
+def _run_length_problems(cfg: Config, world: int) -> list:
+    """--train-iters or --train-samples (exclusive), the LR schedule's lengths in the same unit,
+    and --lr-warmup-fraction and WSD (Megatron's arguments.py rules for iteration- and
+    sample-based training; a length in the other unit, which Megatron ignores or refuses, is refused)."""
     problems = []
-    o, d, t = cfg.optimizer, cfg.data, cfg.training
-    if o.lr_warmup_fraction is not None and o.lr_warmup_iters:
-        problems.append(f"--lr-warmup-fraction {o.lr_warmup_fraction} and --lr-warmup-iters {o.lr_warmup_iters} "
+    o, t = cfg.optimizer, cfg.training
+    by_samples = t.train_samples is not None
+    if by_samples and t.train_iters is not None:
+        problems.append(f"--train-iters {t.train_iters} and --train-samples {t.train_samples} are exclusive; give one")
+    for iters, samples in _LENGTHS:
+        wrong, right = (f"--{f.replace('_', '-')}" for f in ((iters, samples) if by_samples else (samples, iters)))
+        value = getattr(o, wrong[2:].replace("-", "_"))
+        if value and by_samples:  # None or 0: not given
+            problems.append(f"{wrong} {value} counts iterations, but --train-samples makes the run sample-based; "
+                            f"give {right} instead")
+        elif value:
+            problems.append(f"{wrong} {value} needs --train-samples (a sample-based run); with --train-iters "
+                            f"give {right} instead")
+    if t.rampup_batch_size is not None and not by_samples:
+        problems.append("--rampup-batch-size needs --train-samples (the ramp is sample-based, as in Megatron); "
+                        "give the run's length in samples instead of --train-iters")
+    elif by_samples and t.rampup_batch_size is None and t.train_samples < global_batch(cfg, world):
+        problems.append(f"--train-samples {t.train_samples} is less than one global batch "
+                        f"({global_batch(cfg, world)}): the run would take no step; raise --train-samples")
+    unit, noun = ("samples", "samples") if by_samples else ("iters", "iterations")
+    default = "--train-samples" if by_samples else "--train-iters"
+    warmup = o.lr_warmup_samples if by_samples else o.lr_warmup_iters
+    decay = getattr(o, f"lr_decay_{unit}") or (t.train_samples if by_samples else run_iterations(cfg, world))
+    anneal = getattr(o, f"lr_wsd_decay_{unit}")
+    exceeds = f"exceeds the decay {noun} {decay} (--lr-decay-{unit}, default {default})"
+    if o.lr_warmup_fraction is not None and warmup:
+        problems.append(f"--lr-warmup-fraction {o.lr_warmup_fraction} and --lr-warmup-{unit} {warmup} "
                         f"are exclusive; give one")
     if o.lr_warmup_fraction is not None and not 0 <= o.lr_warmup_fraction <= 1:
         problems.append(f"--lr-warmup-fraction {o.lr_warmup_fraction} is outside [0, 1]; give a fraction "
-                        f"of the decay iterations, e.g. 0.01")
-    decay = o.lr_decay_iters or t.train_iters
-    if o.lr_decay_style == "WSD" and o.lr_wsd_decay_iters is None:
-        problems.append("--lr-decay-style WSD needs --lr-wsd-decay-iters N (iterations of the final anneal)")
-    elif o.lr_decay_style == "WSD" and o.lr_wsd_decay_iters > decay:
-        problems.append(f"--lr-wsd-decay-iters {o.lr_wsd_decay_iters} exceeds the decay iterations {decay} "
-                        f"(--lr-decay-iters, default --train-iters); lower --lr-wsd-decay-iters")
+                        f"of the decay {noun}, e.g. 0.01")
+    if warmup > decay:
+        problems.append(f"--lr-warmup-{unit} {warmup} {exceeds}; lower --lr-warmup-{unit}")
+    if o.lr_decay_style == "WSD" and anneal is None:
+        problems.append(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} N ({noun} of the final anneal)")
+    elif o.lr_decay_style == "WSD" and anneal > decay:
+        problems.append(f"--lr-wsd-decay-{unit} {anneal} {exceeds}; lower --lr-wsd-decay-{unit}")
+    return problems
+
+
+def _rampup_problems(cfg: Config, world: int, dp: int) -> list:
+    """--rampup-batch-size START INCREMENT SAMPLES: Megatron's checks (num_microbatches_calculator.py),
+    made before the run: every batch of the ramp splits into whole micro-batches over DP (START and
+    INCREMENT multiples of micro × DP), the ramp ends at the global batch (START below it,
+    INCREMENT dividing the gap), SAMPLES ≥ 1, and the pipeline schedule fits every batch."""
+    t = cfg.training
+    ramp, flag = t.rampup_batch_size, "--rampup-batch-size"
+    if ramp is None:
+        return []
+    if len(ramp) != 3 or min(ramp) < 1:
+        return [f"{flag} {' '.join(map(str, ramp))}: give three positive integers START INCREMENT SAMPLES"]
+    start, increment, _ = ramp
+    step, final = t.micro_batch_size * dp, global_batch(cfg, world)
+    problems = [f"{flag}: {name} {value} is not divisible by --micro-batch-size {t.micro_batch_size} × DP {dp} "
+                f"= {step}; nearest valid {name}: {_nearest_multiples(value, step)}"
+                for name, value in (("START", start), ("INCREMENT", increment)) if value % step]
+    if start >= final:
+        problems.append(f"{flag}: START {start} must be below the global batch {final} it ramps up to "
+                        f"(--global-batch-size); lower START or drop the ramp")
+    elif (final - start) % increment:
+        problems.append(f"{flag}: INCREMENT {increment} does not divide the ramp from START {start} to the "
+                        f"global batch {final} ({final - start} samples)")
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if problems or pp == 1:
+        return problems
+    from .parallel.pipeline import resolve_schedule, virtual_size
+    if resolve_schedule(cfg.parallel.pipeline_schedule, pp, virtual_size(cfg)) != "interleaved":
+        return []  # the other schedules take any number of micro-batches
+    odd = [size for size in batch_schedule(cfg, world).sizes() if (size // step) % pp]
+    if odd:  # Megatron's rule with microbatch_group_size_per_vp_stage = PP (schedules.schedule_problem)
+        return [f"{flag}: the ramp's global batch {odd[0]} is {odd[0] // step} micro-batches, but interleaved "
+                f"1F1B needs a multiple of --pipeline-model-parallel-size {pp}; make START and INCREMENT "
+                f"multiples of micro × DP × PP = {step * pp}"]
+    return []
+
+
+def _packing_problems(cfg: Config) -> list:
+    """The packed-document switches (Megatron's arguments.py rules)."""
+    d = cfg.data
     packed = [f for f, on in (("--reset-position-ids", d.reset_position_ids),
                               ("--reset-attention-mask", d.reset_attention_mask)) if on]
     if packed and cfg.parallel.context_parallel_size > 1:
-        problems.append(f"{' and '.join(packed)} need --context-parallel-size 1 (packed documents are not "
-                        f"split over CP here)")
-    return problems
+        return [f"{' and '.join(packed)} need --context-parallel-size 1 (packed documents are not "
+                f"split over CP here)"]
+    return []
 
 
 def _recompute_problems(t, num_layers: int) -> list:

@@ -1,6 +1,7 @@
 """Config values from flags and YAML, checked against their kind and named in plain words.
 
-A config field is of one kind: ``int``, ``float``, ``bool``, ``list`` or ``str`` (:func:`kind_of`).
+A config field is of one kind: ``int``, ``float``, ``bool``, ``list`` (of text), ``ints`` (a list of
+integers) or ``str`` (:func:`kind_of`).
 :func:`flag_type` is the argparse ``type`` of a flag of that kind and :func:`coerce` converts a
 YAML value to it. Either refuses a value of another kind (a YAML ``true`` for an integer, a list
 for a path) with a message that says what was expected in words — "an integer", "a number",
@@ -11,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 
-WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "list": "a list", "str": "text"}
+WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "list": "a list",
+         "ints": "integers", "str": "text"}
 
 
 def kind_of(f) -> str:
-    """The kind of the dataclass field ``f`` (its annotation, e.g. ``Optional[int]`` → "int")."""
+    """The kind of the dataclass field ``f`` (its annotation, e.g. ``Optional[int]`` → "int",
+    ``Optional[list[int]]`` → "ints")."""
     typ = f.type if isinstance(f.type, str) else str(f.type)
+    if "list[int]" in typ:
+        return "ints"
     return next((kind for kind in ("bool", "int", "float", "list") if kind in typ), "str")
 
 
@@ -50,12 +55,12 @@ def coerce(kind: str, value):
     """A YAML value as ``kind``; ValueError when it is of another kind (bools count as no number)."""
     if kind == "bool":
         return parse_bool(value)
-    if kind == "list":
+    if kind in ("list", "ints"):
         items = value if isinstance(value, list) else [value] if isinstance(value, (int, float)) \
             else str(value).split() if isinstance(value, str) else None
         if items is None or any(isinstance(v, (bool, list, dict)) or v is None for v in items):
             raise ValueError(value)
-        return [str(v) for v in items]
+        return [_to_int(v) for v in items] if kind == "ints" else [str(v) for v in items]
     if isinstance(value, (bool, list, dict)):
         raise ValueError(value)
     return _to_int(value) if kind == "int" else _to_float(value) if kind == "float" else str(value)
@@ -76,7 +81,9 @@ def expected(kind: str, value) -> str:
 
 
 def flag_type(kind: str):
-    """The argparse ``type`` of a flag of ``kind``: its error names the kind in words."""
+    """The argparse ``type`` of a flag of ``kind`` (of each value, for ``ints``): its error names
+    the kind in words."""
+    kind = "int" if kind == "ints" else kind
     convert = {"int": int, "float": float, "bool": parse_bool}.get(kind, str)
 
     def parse(text: str):

@@ -22,7 +22,7 @@ import os
 import numpy as np
 import torch
 
-from ..config import global_batch
+from ..config import global_batch, run_iterations, run_samples
 from ..errors import ConfigError, DataError
 from .blend import SURPLUS, BlendedDataset, parse_data_path, samples_per_dataset
 from .indexed import IndexedDataset
@@ -69,10 +69,11 @@ def split_ranges(split: str, num_sequences: int) -> list:
 
 
 def num_samples_per_split(cfg, world_size: int) -> list:
-    """Samples each split must supply: train_iters·B; (train_iters // eval_interval + 1)·eval_iters·B;
-    eval_iters·B, with B the global batch."""
-    t, b = cfg.training, global_batch(cfg, world_size)
-    return [t.train_iters * b, (t.train_iters // t.eval_interval + 1) * t.eval_iters * b, t.eval_iters * b]
+    """Samples each split must supply (Megatron's counts): --train-samples, else train_iters·B;
+    (train_iters // eval_interval + 1)·eval_iters·B; eval_iters·B, with B the global batch (after
+    any ramp) and train_iters the run's steps (``config.run_iterations``)."""
+    t, b, iters = cfg.training, global_batch(cfg, world_size), run_iterations(cfg, world_size)
+    return [run_samples(cfg, world_size), (iters // t.eval_interval + 1) * t.eval_iters * b, t.eval_iters * b]
 
 
 def build_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: int,

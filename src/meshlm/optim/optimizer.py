@@ -39,7 +39,7 @@ from ..dtypes import HALF, wide
 from ..errors import CheckpointError
 from .adamw import Group, adamw_
 from .scaler import build_scaler
-from .schedule import LRScheduler
+from .schedule import scheduler_for
 
 
 @dataclass
@@ -130,7 +130,7 @@ class MixedPrecisionOptimizer:
         self.weight_decay, self.clip_grad = o.weight_decay, o.clip_grad
         self.betas, self.eps = (o.adam_beta1, o.adam_beta2), o.adam_eps
         self.scaler = build_scaler(cfg.training)
-        self.lr = LRScheduler(o, cfg.training.train_iters).lr
+        self.lr = scheduler_for(cfg, ps.world_size).lr
         self.step_count = 0
         self.norm_groups = [ps.mp_group]
         self.inf_groups = [ps.mp_group, ddp.group]

@@ -1,9 +1,13 @@
 """Learning-rate schedule: linear warm-up, then constant, linear, cosine, inverse-square-root or
 WSD decay (Megatron's OptimizerParamScheduler, megatron-core 0.16.1 optimizer_param_scheduler.py).
 
-Megatron counts in samples: after n optimizer steps of global batch B, x = n·B, warm-up
-W = --lr-warmup-iters·B (or --lr-warmup-fraction·D), decay end D = (--lr-decay-iters, default
---train-iters)·B, WSD anneal A = --lr-wsd-decay-iters·B. The next update uses
+Megatron counts in samples (megatron/training/training.py get_optimizer_param_scheduler): the
+schedule's position x is the number of samples in the optimizer steps taken so far (each step
+adds its global batch, which --rampup-batch-size may grow). Iteration-based runs (--train-iters,
+constant global batch B): warm-up W = --lr-warmup-iters·B, decay end D = (--lr-decay-iters,
+default --train-iters)·B, WSD anneal A = --lr-wsd-decay-iters·B. Sample-based runs
+(--train-samples T): W = --lr-warmup-samples, D = --lr-decay-samples (default T),
+A = --lr-wsd-decay-samples. Either way --lr-warmup-fraction f gives W = f·D. The next update uses
   warm-up (W > 0, x <= W):  lr · x / W          (the very first update has lr 0, as in Megatron)
   constant:                 lr
   x > D:                    min_lr
@@ -20,6 +24,7 @@ W = --lr-warmup-iters·B (or --lr-warmup-fraction·D), decay end D = (--lr-decay
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 WSD_ANNEAL = {
     "exponential": lambda q: 2.0 * 0.5 ** q - 1.0,
@@ -30,27 +35,30 @@ WSD_ANNEAL = {
 
 
 class LRScheduler:
-    """The learning rate for the next optimizer step; ``step(opt)`` after each optimizer step.
+    """The learning rate for the next optimizer step; ``step(opt, samples)`` after each step taken.
 
-    opt_cfg: Config.optimizer (lr, min_lr, lr_decay_style, lr_warmup_iters or lr_warmup_fraction,
-    lr_decay_iters, lr_wsd_decay_style, lr_wsd_decay_iters). train_iters: the default number of
-    decay iterations. global_batch: samples per step B (changes inverse-square-root only when
-    W = 0, where Megatron's max(W, 1) is one sample).
+    opt_cfg: Config.optimizer (lr, min_lr, lr_decay_style, the warm-up, decay and WSD-anneal
+    lengths in iterations or samples, lr_warmup_fraction, lr_wsd_decay_style). train_iters: the
+    default decay length of an iteration-based run. global_batch: B, samples per step of an
+    iteration-based run and the default ``step`` increment. train_samples: --train-samples for a
+    sample-based run (the --lr-*-samples lengths apply, uncounted by B), None for iteration-based.
     """
 
-    def __init__(self, opt_cfg, train_iters: int, global_batch: int = 1):
+    def __init__(self, opt_cfg, train_iters: int, global_batch: int = 1, train_samples: Optional[int] = None):
         o, b = opt_cfg, global_batch
+        if train_samples is None:
+            self.decay = (o.lr_decay_iters or train_iters) * b
+            warmup, self.wsd_anneal = o.lr_warmup_iters * b, (o.lr_wsd_decay_iters or 0) * b
+        else:
+            self.decay = o.lr_decay_samples or train_samples
+            warmup, self.wsd_anneal = o.lr_warmup_samples, o.lr_wsd_decay_samples or 0
+        self.warmup = o.lr_warmup_fraction * self.decay if o.lr_warmup_fraction is not None else warmup
         self.max_lr, self.min_lr, self.style, self.batch = o.lr, o.min_lr, o.lr_decay_style, b
-        self.decay = (o.lr_decay_iters or train_iters) * b
-        self.warmup = (o.lr_warmup_fraction * self.decay if o.lr_warmup_fraction is not None
-                       else o.lr_warmup_iters * b)
-        self.wsd_anneal = (o.lr_wsd_decay_iters or 0) * b
         self.wsd_style = o.lr_wsd_decay_style
-        self.num_steps = 0
+        self.samples = 0
 
-    def lr_at(self, n: int) -> float:
-        """Learning rate of the update made after n completed steps."""
-        x = n * self.batch
+    def lr_at(self, x: int) -> float:
+        """Learning rate of the update made after steps totalling x samples."""
         if self.warmup > 0 and x <= self.warmup:
             return self.max_lr * x / self.warmup
         if self.style == "constant":
@@ -69,17 +77,27 @@ class LRScheduler:
 
     @property
     def lr(self) -> float:
-        return self.lr_at(self.num_steps)
+        return self.lr_at(self.samples)
 
-    def step(self, opt=None) -> float:
-        """Count one optimizer step; set the next lr on ``opt`` (anything with set_lr); return it."""
-        self.num_steps += 1
+    def step(self, opt=None, samples: Optional[int] = None) -> float:
+        """Count one optimizer step of ``samples`` samples (default B); set the next lr on ``opt``
+        (anything with set_lr); return it."""
+        self.samples += self.batch if samples is None else samples
         if opt is not None:
             opt.set_lr(self.lr)
         return self.lr
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps}
+        return {"num_samples": self.samples}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.num_steps = int(sd["num_steps"])
+        """Restore the position; a checkpoint from before the sample count ({"num_steps": n}
+        iterations of the constant batch B) gives n·B."""
+        self.samples = int(sd["num_samples"]) if "num_samples" in sd else int(sd["num_steps"]) * self.batch
+
+
+def scheduler_for(cfg, world_size: int) -> LRScheduler:
+    """The run's LRScheduler: iteration- or sample-based as the config says (Config, job size)."""
+    from ..config import global_batch, run_iterations
+    return LRScheduler(cfg.optimizer, run_iterations(cfg, world_size), global_batch(cfg, world_size),
+                       cfg.training.train_samples)

@@ -114,6 +114,8 @@ class MetricsLogger:
     Values in a line are averages over the iterations since the previous line (loss over the
     iterations that were not skipped), as in Megatron. ``mem_allocated_gb`` is the logging
     rank's memory in use after the step, ``mem_max_allocated_gb`` its peak (GiB). Every rank may call the methods; only ``enabled`` ones print and write.
+    ``flops_per_iter`` counts a step of ``global_batch`` samples; a step of another size (a
+    --rampup-batch-size ramp) counts in proportion.
     """
 
     def __init__(self, *, enabled: bool, log_dir: Optional[str], train_iters: int, log_interval: int,
@@ -132,6 +134,7 @@ class MetricsLogger:
         if enabled and tensorboard_dir:
             self.tb = require_tensorboard()(log_dir=tensorboard_dir)
         self.skipped_total = self.nan_total = 0
+        self._batch = global_batch
         self._reset()
 
     def begin(self, iteration: int) -> None:
@@ -150,21 +153,26 @@ class MetricsLogger:
         os.replace(self.path + ".tmp", self.path)
 
     def _reset(self):
-        self._iters = self._loss_n = 0
+        self._iters = self._loss_n = self._samples = 0
         self._loss_sum = self._time_s = self._comm_s = 0.0
         self._grad_norm = None
 
     def train_step(self, iteration: int, consumed_samples: int, *, lm_loss: Optional[float], lr: float,
                    grad_norm: Optional[float], iter_s: float, loss_scale: float = 1.0,
                    skipped: bool = False, nan: bool = False, comm_s: Optional[float] = None,
-                   bubble: Optional[float] = None, timeline: Optional[list] = None) -> Optional[dict]:
+                   bubble: Optional[float] = None, timeline: Optional[list] = None,
+                   global_batch: Optional[int] = None) -> Optional[dict]:
         """Record one iteration (iter_s seconds); on a log iteration print/write and return the record.
 
+        global_batch: this step's samples (default the constructor's; --rampup-batch-size changes
+        it): the line shows the last step's, tokens/s and TFLOP/s count every step's.
         comm_s: seconds spent waiting for the DP gradient reduction after backward (the exposed,
         non-overlapped part). bubble: idle share of the pipeline schedule, averaged over the stages (0–1);
         timeline: this iteration's forward_backward events, written to metrics.jsonl.
         """
         self._iters += 1
+        self._batch = self.global_batch if global_batch is None else global_batch
+        self._samples += self._batch
         self._time_s += iter_s
         self._comm_s += comm_s or 0.0
         self.skipped_total += int(skipped)
@@ -186,13 +194,14 @@ class MetricsLogger:
 
     def _record(self, iteration, consumed, lr, loss_scale, has_comm, bubble, timeline) -> dict:
         n, t = self._iters, self._time_s
-        tflops = self.flops_per_iter * n / t / self.world_size / 1e12 if t > 0 else None
+        tflops = self.flops_per_iter * self._samples / self.global_batch / t / self.world_size / 1e12 \
+            if t > 0 else None
         rec = {
             "iteration": iteration, "consumed_samples": consumed,
             "lm_loss": self._loss_sum / self._loss_n if self._loss_n else None,
             "lr": lr, "grad_norm": self._grad_norm, "iter_ms": 1000.0 * t / n,
-            "global_batch_size": self.global_batch,
-            "tokens_per_sec": self.global_batch * self.seq_length * n / t if t > 0 else None,
+            "global_batch_size": self._batch,
+            "tokens_per_sec": self._samples * self.seq_length / t if t > 0 else None,
             "tflops_per_gpu": tflops,
             "mfu": tflops / self.peak if tflops is not None and self.peak else None,
             "mem_allocated_gb": memory_gb(), "mem_max_allocated_gb": max_memory_gb(),
@@ -215,7 +224,7 @@ class MetricsLogger:
                  f"consumed samples: {r['consumed_samples']:12d}",
                  f"elapsed time per iteration (ms): {r['iter_ms']:.1f}",
                  f"learning rate: {r['lr']:.3E}",
-                 f"global batch size: {self.global_batch:5d}",
+                 f"global batch size: {r['global_batch_size']:5d}",
                  f"lm loss: {loss}"]
         if self.fp16:
             parts.append(f"loss scale: {r['loss_scale']:.1f}")

@@ -2,11 +2,12 @@
 
 ``pretrain(cfg)`` runs in every worker after the launcher has validated the config. One
 iteration (DESIGN.md "One iteration, as data"): zero the main_grad buffers → draw this DP rank's
-``num_microbatches`` micro-batches from the sampler at ``consumed_samples`` → pipeline
+micro-batches of the step's global batch (constant, or ramped: ``batches.BatchSchedule``) from the
+sampler at ``consumed_samples`` → pipeline
 forward/backward (``no_sync`` for all but the last backward, loss scaled under fp16) → finish the
 DP gradient reduction → loss reduced over DP and broadcast over the pipeline → NaN/inf check →
-optimizer step → LR step (only after a step that was taken, as in Megatron) → ``consumed_samples
-+= global batch``. Iterations, consumed samples, and optimizer/scheduler/RNG states round-trip
+optimizer step → LR step by the step's samples (only after a step that was taken, as in Megatron)
+→ ``consumed_samples += the step's global batch``. Iterations, consumed samples, and optimizer/scheduler/RNG states round-trip
 through checkpoint/dist.py (what goes in: checkpoint/state.py), so a resumed run repeats the
 uninterrupted one.
 """
@@ -36,7 +37,8 @@ from ..data.sampler import micro_batches
 from ..data.tokenizer import NullTokenizer, build_tokenizer
 from ..errors import CheckpointError, DataError, TrainingError
 from ..optim.optimizer import build_optimizer
-from ..optim.schedule import LRScheduler
+from ..batches import BatchSchedule
+from ..optim.schedule import scheduler_for
 from ..parallel.data import DistributedDataParallel
 from ..parallel.mesh import ParallelState, init_distributed
 from ..parallel.random import MODEL_PARALLEL_SEED_OFFSET
@@ -67,8 +69,10 @@ class Run:
     opt: object
     sched: object
     logger: MetricsLogger
-    global_batch: int
+    global_batch: int  # after any --rampup-batch-size ramp: evaluation's batch
     num_microbatches: int
+    batches: BatchSchedule  # each training step's global batch
+    train_iters: int  # --train-iters, or the steps --train-samples takes
     last_checkpoint: Optional[str] = None
 
 
@@ -105,9 +109,13 @@ def _note_start(run: Run, state: TrainState) -> None:
     cfg, save = run.cfg, run.cfg.checkpoint.save
     if run.ps.rank != 0:
         return
-    if state.iteration >= cfg.training.train_iters:
-        print(f"note: the checkpoint is at iteration {state.iteration} ≥ --train-iters "
-              f"{cfg.training.train_iters}: nothing to train; raise --train-iters to go on", flush=True)
+    if state.iteration >= run.train_iters:
+        samples = cfg.training.train_samples
+        flag = "--train-iters" if samples is None else "--train-samples"
+        length = f"--train-iters {run.train_iters}" if samples is None else \
+            f"the {run.train_iters} iterations of --train-samples {samples}"
+        print(f"note: the checkpoint is at iteration {state.iteration} ≥ {length}: nothing to train; "
+              f"raise {flag} to go on", flush=True)
     earlier = ckpt.complete_iterations(save) if save and not cfg.checkpoint.load else []
     if earlier:
         print(f"note: --save {save} already holds {os.path.basename(ckpt.iteration_dir(save, earlier[-1]))} "
@@ -148,21 +156,23 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
     ddp = DistributedDataParallel(chunks, ps, cfg)
     opt = build_optimizer(cfg, ps, chunks, ddp)
     gb, nmb = C.global_batch(cfg, ps.world_size), C.num_microbatches(cfg, ps.world_size)
-    sched = LRScheduler(cfg.optimizer, t.train_iters, gb)
+    batches, iters = C.batch_schedule(cfg, ps.world_size), C.run_iterations(cfg, ps.world_size)
+    sched = scheduler_for(cfg, ps.world_size)
     padded = C.padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, ps.tp)
     log_dir = cfg.logging.log_dir or (os.path.join(cfg.logging.run_dir, "logs") if cfg.logging.run_dir else None)
-    logger = MetricsLogger(enabled=ps.is_logging_rank, log_dir=log_dir, train_iters=t.train_iters,
+    logger = MetricsLogger(enabled=ps.is_logging_rank, log_dir=log_dir, train_iters=iters,
                            log_interval=t.log_interval, global_batch=gb, seq_length=cfg.model.seq_length,
                            flops_per_iter=flops_per_iteration(cfg.model, gb, padded),
                            world_size=ps.world_size, dtype=dtype, fp16=t.fp16 and dtype == torch.float16,
                            tensorboard_dir=cfg.logging.tensorboard_dir)
     if ps.rank == 0:
         n = sum(q.numel() for c in chunks for q in c.parameters())
+        ramp = f" after a ramp from {t.rampup_batch_size[0]}" if batches.ramp else ""
         print(f"meshlm: {ps.describe()} | {n:,} parameters on rank 0 | global batch {gb} = "
-              f"{nmb} micro-batches × {t.micro_batch_size} × DP {ps.dp} | model built on "
-              f"{ps.device.type} in {build_s:.1f} s", flush=True)
+              f"{nmb} micro-batches × {t.micro_batch_size} × DP {ps.dp}{ramp} | {iters} iterations | "
+              f"model built on {ps.device.type} in {build_s:.1f} s", flush=True)
     report_memory(opt.memory_report(), ps)
-    return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb)
+    return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb, batches, iters)
 
 
 def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
@@ -204,13 +214,20 @@ def report_memory(report: dict, ps: ParallelState) -> None:
 
 
 def train(run: Run, state: TrainState) -> dict:
-    """The loop from ``state`` to --train-iters (or --exit-interval): step, log, evaluate, save."""
+    """The loop from ``state`` to the run's iterations (or --exit-interval): step, log, evaluate,
+    save. As in Megatron, a step whose number of micro-batches differs from the previous step's
+    (a --rampup-batch-size ramp) is preceded by a checkpoint under --save."""
     cfg, t = run.cfg, run.cfg.training
     save_every = cfg.checkpoint.save_interval
     losses, val_losses, saved_at = [], [], None
     if t.eval_at_start and state.iteration == 0 and run.valid_ds is not None:
         val_losses.append((0, evaluate(run, state, 0)))
-    while state.iteration < t.train_iters:
+    microbatches = run.batches.microbatches_at(state.consumed_samples)
+    while state.iteration < run.train_iters:
+        previous, microbatches = microbatches, run.batches.microbatches_at(state.consumed_samples)
+        if microbatches != previous and cfg.checkpoint.save and saved_at != state.iteration:
+            save_checkpoint(run, state)
+            saved_at = state.iteration
         loss = train_step(run, state)
         losses.append(loss)
         it = state.iteration
@@ -239,12 +256,14 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     """One optimizer step on one global batch; return its loss (None when the step was skipped)."""
     cfg, ps, t = run.cfg, run.ps, run.cfg.training
     it = state.iteration + 1
-    log_now = it % t.log_interval == 0 or it == t.train_iters
+    log_now = it % t.log_interval == 0 or it == run.train_iters
     timeline = [] if log_now and ps.pp > 1 else None
     start = time.perf_counter()
     run.ddp.zero_grad()
+    batch = run.batches.batch_at(state.consumed_samples)
     data = micro_batches(run.train_ds, state.consumed_samples, t.micro_batch_size, ps.dp_rank, ps.dp)
-    outputs = forward_backward(run.chunks, data, ps=ps, cfg=cfg, num_microbatches=run.num_microbatches,
+    outputs = forward_backward(run.chunks, data, ps=ps, cfg=cfg,
+                               num_microbatches=run.batches.microbatches_at(state.consumed_samples),
                                loss_scale=run.opt.loss_scale, no_sync=run.ddp.no_sync, timeline=timeline)
     schedule_end = time.perf_counter()
     run.ddp.finish_grad_sync()
@@ -260,9 +279,9 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
         _stop_unless_skipping(run, it, "gradients are inf/NaN")
     grad_norm, skipped = (None if nan else result.grad_norm), result.skipped or not result.ok
     if not skipped:
-        run.sched.step(run.opt)
+        run.sched.step(run.opt, batch)
     state.iteration = it
-    state.consumed_samples += run.global_batch
+    state.consumed_samples += batch
     bubble = None
     if timeline is not None:
         timeline, bubble = _pipeline_timeline(ps, timeline, (start, schedule_end))
@@ -270,7 +289,7 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
                           grad_norm=grad_norm, iter_s=time.perf_counter() - start,
                           loss_scale=run.opt.loss_scale, skipped=skipped and not nan, nan=nan,
                           comm_s=run.ddp.stats.exposed_s if ps.dp * ps.cp > 1 else None,
-                          bubble=bubble, timeline=timeline)
+                          bubble=bubble, timeline=timeline, global_batch=batch)
     return None if skipped or nan else loss
 
 

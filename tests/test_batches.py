@@ -1,0 +1,126 @@
+"""The global batch of every step and the run length (batches.py) against megatron-core's
+num-microbatches calculator and Megatron's update_train_iters."""
+
+import pytest
+
+from megatron_ref import core_calculator, core_steps, megatron_train_iters
+from meshlm.batches import BatchSchedule
+from meshlm.config import Config, batch_schedule, run_iterations, run_samples
+
+# (final global batch, micro, DP, (START, INCREMENT, SAMPLES)): increments of several steps each,
+# increments shorter than a step (some batch sizes skipped), a fractional SAMPLES / increments,
+# Megatron's GPT-3 ramp at a tenth of its length
+RAMPS = [(64, 2, 2, (8, 8, 1000)), (96, 4, 2, (8, 8, 50)), (40, 1, 1, (10, 10, 7)), (12, 1, 2, (2, 2, 12)),
+         (1536, 1, 8, (16, 16, 585937))]
+
+
+@pytest.mark.parametrize("final, micro, dp, ramp", RAMPS)
+def test_each_steps_batch_and_micro_batches_match_megatron_core(final, micro, dp, ramp):
+    ours = BatchSchedule(final, micro * dp, ramp)
+    steps = ramp[2] // ramp[0] + 5  # past the ramp's end
+    for batch, microbatches, consumed, _ in core_steps(steps, final, micro, dp, ramp):
+        assert (ours.batch_at(consumed), ours.microbatches_at(consumed)) == (batch, microbatches), consumed
+
+
+@pytest.mark.parametrize("final, micro, dp, ramp", RAMPS)
+def test_batch_at_any_consumed_count_matches_megatron_core(final, micro, dp, ramp):
+    """Off the run's path too: every count up to past the ramp (the float boundaries included)."""
+    ours, core = BatchSchedule(final, micro * dp, ramp), core_calculator(final, micro, dp, ramp)
+    for consumed in range(0, ramp[2] + 2 * final, max(1, ramp[2] // 3000)):
+        core.update(consumed, consistency_check=True)
+        assert ours.batch_at(consumed) == core.get_current_global_batch_size(), consumed
+
+
+@pytest.mark.parametrize("final, micro, dp, ramp", RAMPS + [(64, 2, 2, None)])
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.999, 1.0, 1.7, 40.0])
+def test_run_length_in_samples_matches_megatrons_update_train_iters(final, micro, dp, ramp, fraction):
+    """fraction: --train-samples as a share of the ramp's samples (a run ending inside the ramp,
+    at its end, long after it); 0 is one sample."""
+    samples = max(1, int(fraction * (ramp[2] if ramp else 1000)))
+    assert BatchSchedule(final, micro * dp, ramp).iterations(samples) == \
+        megatron_train_iters(samples, final, micro, dp, ramp)
+
+
+def test_a_ramp_walked_by_hand():
+    """G 64, micro × DP 4, ramp 8 → 64 by 8 over 100 samples: 7 increments, one per 100/7 ≈ 14.3
+    samples. Steps start at 0, 8, 16, 32, 56, 88 consumed samples with batches 8, 8, 16, 24, 32, 56
+    (int(c / 14.29) = 0, 0, 1, 2, 3, 6; 40 and 48 are skipped), reaching 144 > 100: 6 ramp steps,
+    then (1000 − 144) // 64 = 13 at 64."""
+    s = BatchSchedule(64, 4, (8, 8, 100))
+    assert [s.batch_at(c) for c in (0, 8, 16, 32, 56, 88, 144)] == [8, 8, 16, 24, 32, 56, 64]
+    assert s.ramp_end() == (6, 144) and s.iterations(1000) == 19
+    assert s.sizes() == [8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def test_config_derives_the_schedule_and_the_run_length():
+    cfg = Config()
+    t = cfg.training
+    t.micro_batch_size, t.global_batch_size = 2, 64
+    assert run_iterations(cfg, 2) == 100 and run_samples(cfg, 2) == 6400  # meshlm's default length
+    t.train_iters = 7
+    assert run_iterations(cfg, 2) == 7 and run_samples(cfg, 2) == 448
+    t.train_iters, t.train_samples, t.rampup_batch_size = None, 1000, [8, 8, 100]
+    assert batch_schedule(cfg, 2) == BatchSchedule(64, 4, (8, 8, 100))
+    assert run_iterations(cfg, 2) == 19 and run_samples(cfg, 2) == 1000
+
+
+def _problems(world=4, **fields):
+    """validate's problems for a small config with ``fields`` set (by section-free name)."""
+    from meshlm.config import apply_mapping
+    from meshlm.errors import ConfigError
+    from meshlm.validate import validate
+    cfg = Config()
+    apply_mapping(cfg, dict(dict(micro_batch_size=2, global_batch_size=64, mock_data=True, vocab_size=100),
+                            **fields), source="test")
+    try:
+        validate(cfg, world, check_files=False)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
+@pytest.mark.parametrize("fields, problem", [
+    (dict(train_iters=10, train_samples=100), "--train-iters 10 and --train-samples 100 are exclusive"),
+    (dict(train_samples=1000, lr_warmup_iters=3), "--lr-warmup-iters 3 counts iterations, but --train-samples"),
+    (dict(train_samples=1000, lr_decay_iters=5), "--lr-decay-iters 5 counts iterations"),
+    (dict(train_samples=1000, lr_decay_style="WSD", lr_wsd_decay_iters=4, lr_wsd_decay_samples=10),
+     "--lr-wsd-decay-iters 4 counts iterations"),
+    (dict(lr_warmup_samples=3), "--lr-warmup-samples 3 needs --train-samples"),
+    (dict(train_iters=9, lr_decay_samples=9), "--lr-decay-samples 9 needs --train-samples"),
+    (dict(rampup_batch_size=[8, 8, 100]), "--rampup-batch-size needs --train-samples"),
+    (dict(train_samples=1000, lr_warmup_fraction=0.1, lr_warmup_samples=5),
+     "--lr-warmup-fraction 0.1 and --lr-warmup-samples 5 are exclusive"),
+    (dict(train_samples=1000, lr_warmup_samples=5000), "--lr-warmup-samples 5000 exceeds the decay samples 1000"),
+    (dict(train_samples=1000, lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-samples N"),
+    (dict(train_samples=1000, lr_decay_style="WSD", lr_wsd_decay_samples=2000),
+     "--lr-wsd-decay-samples 2000 exceeds the decay samples 1000"),
+    (dict(train_samples=10), "--train-samples 10 is less than one global batch (64)"),
+    (dict(train_samples=1000, rampup_batch_size=[6, 8, 100]),
+     "--rampup-batch-size: START 6 is not divisible by --micro-batch-size 2 × DP 4 = 8; nearest valid START: 8"),
+    (dict(train_samples=1000, rampup_batch_size=[8, 12, 100], global_batch_size=80),
+     "--rampup-batch-size: INCREMENT 12 is not divisible"),
+    (dict(train_samples=1000, rampup_batch_size=[16, 16, 100], global_batch_size=56),
+     "--rampup-batch-size: INCREMENT 16 does not divide the ramp from START 16 to the global batch 56"),
+    (dict(train_samples=1000, rampup_batch_size=[64, 8, 100]), "--rampup-batch-size: START 64 must be below"),
+    (dict(train_samples=1000, rampup_batch_size=[8, 8, 0]), "--rampup-batch-size 8 8 0: give three positive"),
+    (dict(train_samples=1000, rampup_batch_size=[8, 8]), "--rampup-batch-size 8 8: give three positive"),
+    (dict(train_samples=1000, rampup_batch_size=[4, 4, 100], pipeline_model_parallel_size=2,
+          virtual_pipeline_model_parallel_size=2, micro_batch_size=2),
+     "--rampup-batch-size: the ramp's global batch 4 is 1 micro-batches, but interleaved 1F1B needs a multiple"),
+])
+def test_bad_length_schedule_and_ramp_flags_are_one_line_each_naming_the_flag(fields, problem):
+    """A START that is no multiple of micro × DP also leaves the final batch out of step with the
+    INCREMENTs (both reported); every other mistake is the one problem."""
+    found = _problems(**fields)
+    assert any(p.startswith(problem) for p in found) and all("\n" not in p for p in found), found
+    assert len(found) == (2 if "START 6 " in problem else 1), found
+
+
+def test_a_valid_run_in_samples_with_a_ramp_passes_and_yaml_spells_the_ramp_either_way():
+    assert _problems(train_samples=1000, rampup_batch_size="8 8 100", lr_warmup_samples=50,
+                     lr_decay_samples=900, lr_decay_style="WSD", lr_wsd_decay_samples=200) == []
+    assert _problems(train_samples=1000, rampup_batch_size=[8, 8, 100], lr_warmup_fraction=0.01) == []
+    from meshlm.config import apply_mapping
+    from meshlm.errors import ConfigError
+    with pytest.raises(ConfigError, match="rampup-batch-size='8 x 100' is not integers"):
+        apply_mapping(Config(), {"rampup_batch_size": "8 x 100"}, source="c.yaml")

@@ -1,0 +1,126 @@
+"""Training runs given in samples (--train-samples) and with a batch ramp (--rampup-batch-size):
+iterations, consumed samples, each step's batch and learning rate against megatron-core, DP=2
+against one process in float64, the checkpoints Megatron takes when the batch grows, and resume
+in the middle of the ramp."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from megatron_ref import core_scheduler, core_steps, megatron_train_iters
+from meshlm.training import trainer
+from test_trainer import _rel, tiny_config
+
+F64 = torch.float64
+RAMP = (2, 2, 12)  # 2 → 8 by 2 over 12 samples: batches 2, 2, 4, 6, then 8 (4 is skipped to 6 at 8 consumed)
+FINAL, MICRO, SAMPLES = 8, 1, 40
+
+
+def _rows(tmp):
+    with open(os.path.join(tmp, "logs", "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if "lm_loss" in r]
+
+
+def _by_samples(tmp, *, ramp=RAMP, final=FINAL, micro=MICRO, samples=SAMPLES, **training):
+    cfg = tiny_config(tmp, micro=micro, global_batch=final, iters=None, train_samples=samples,
+                      rampup_batch_size=list(ramp) if ramp else None, eval_iters=1, **training)
+    o = cfg.optimizer
+    o.lr_warmup_iters, o.lr_warmup_samples, o.lr_decay_style, o.min_lr = 0, 6, "cosine", 1e-3
+    return cfg
+
+
+def _megatron(steps, final, micro, dp, ramp, samples):
+    """Megatron's steps: (global batch, consumed before, lr of the update) of each."""
+    scheduler = core_scheduler("cosine", 6, samples, max_lr=1e-2, min_lr=1e-3)
+    return [(batch, consumed, lr) for batch, _, consumed, lr in
+            core_steps(steps, final, micro, dp, ramp and tuple(ramp), scheduler)]
+
+
+def _constant(rank, world, tmp):
+    return trainer.pretrain(_by_samples(tmp, ramp=None, final=4, micro=2, samples=30), F64)
+
+
+def test_a_run_in_samples_takes_the_steps_that_fit_with_megatrons_sample_schedule(tmp_path):
+    """--train-samples 30 at a global batch of 4: 7 steps (28 samples; the partial last batch is
+    dropped), the LR warm-up and cosine decay counted in samples (6, 30)."""
+    result = run_distributed(_constant, 1, str(tmp_path))[0]
+    assert result["iterations"] == megatron_train_iters(30, 4, 2, 1) == 7
+    rows = _rows(str(tmp_path))
+    expected = _megatron(7, 4, 2, 1, None, 30)
+    assert [(r["global_batch_size"], r["consumed_samples"]) for r in rows] == [(b, c + b) for b, c, _ in expected]
+    for r, (_, _, lr) in zip(rows, expected):
+        assert r["lr"] == pytest.approx(lr, rel=1e-12, abs=1e-15)
+
+
+def _ramped(rank, world, tmp, save):
+    cfg = _by_samples(tmp)
+    cfg.checkpoint.save = save
+    return trainer.pretrain(cfg, F64)
+
+
+@pytest.fixture(scope="module")
+def ramp_dp2(tmp_path_factory):
+    """The ramped run over DP=2 (micro 1), saving: (its folder, rank 0's result)."""
+    tmp = str(tmp_path_factory.mktemp("ramp_dp2"))
+    return tmp, run_distributed(_ramped, 2, tmp, os.path.join(tmp, "ckpt"))[0]
+
+
+def test_each_steps_batch_consumed_samples_and_lr_follow_megatron_core(ramp_dp2):
+    tmp, result = ramp_dp2
+    iterations = megatron_train_iters(SAMPLES, FINAL, MICRO, 2, RAMP)
+    assert result["iterations"] == iterations == 7
+    expected = _megatron(iterations, FINAL, MICRO, 2, RAMP, SAMPLES)
+    rows = _rows(tmp)
+    assert [(r["global_batch_size"], r["consumed_samples"]) for r in rows] == [(b, c + b) for b, c, _ in expected]
+    assert [b for b, _, _ in expected] == [2, 2, 4, 6, 8, 8, 8]
+    for r, (_, _, lr) in zip(rows, expected):
+        assert r["lr"] == pytest.approx(lr, rel=1e-12, abs=1e-15)
+    assert len({r["lm_loss"] for r in rows}) == len(rows)
+
+
+def test_a_checkpoint_is_saved_before_each_step_whose_micro_batches_change(ramp_dp2):
+    """Megatron's rule: under --save, the batch growing saves first (after iterations 2, 3 and 4
+    here), besides the checkpoint at the end."""
+    tmp, _ = ramp_dp2
+    saved = sorted(int(name[5:]) for name in os.listdir(os.path.join(tmp, "ckpt")) if name.startswith("iter_"))
+    assert saved == [2, 3, 4, 7]
+
+
+def _ramped_dp1(rank, world, tmp):
+    return trainer.pretrain(_by_samples(tmp), F64)
+
+
+def test_a_ramped_run_over_dp2_computes_what_one_process_does(ramp_dp2, tmp_path):
+    """The same samples per step on either layout, the loss the mean of its micro-batch means:
+    every loss equal within 1e-10 (float64)."""
+    _, dp2 = ramp_dp2
+    dp1 = run_distributed(_ramped_dp1, 1, str(tmp_path))[0]
+    assert dp1["iterations"] == dp2["iterations"]
+    for a, b in zip(dp2["train_losses"], dp1["train_losses"]):
+        assert _rel(a, b) < 1e-10, (a, b)
+    assert _rel(dp2["last_val_loss"], dp1["last_val_loss"]) < 1e-10
+
+
+def _resume_in_the_ramp(rank, world, tmp):
+    first = _by_samples(os.path.join(tmp, "first"), exit_interval=3)
+    first.checkpoint.save = os.path.join(tmp, "ckpt")
+    trainer.pretrain(first, F64)
+    rest = _by_samples(os.path.join(tmp, "rest"))
+    rest.checkpoint.save = rest.checkpoint.load = os.path.join(tmp, "ckpt")
+    return trainer.pretrain(rest, F64)
+
+
+def test_a_run_resumed_inside_the_ramp_repeats_the_uninterrupted_one(ramp_dp2, tmp_path):
+    """Stopped after iteration 3 (8 samples consumed, the next batch 6) and resumed: the batch,
+    the consumed samples, the LR and the losses go on as without the stop."""
+    tmp, full = ramp_dp2
+    resumed = run_distributed(_resume_in_the_ramp, 2, str(tmp_path))[0]
+    assert resumed["iterations"] == full["iterations"]
+    for a, b in zip(resumed["train_losses"], full["train_losses"][3:]):
+        assert _rel(a, b) < 1e-12, (a, b)
+    rows, full_rows = _rows(os.path.join(str(tmp_path), "rest")), _rows(tmp)[3:]
+    assert [(r["global_batch_size"], r["consumed_samples"], r["lr"]) for r in rows] == \
+        [(r["global_batch_size"], r["consumed_samples"], r["lr"]) for r in full_rows]
