@@ -295,6 +295,15 @@ class MixedPrecisionOptimizer:
         self.scaler.load_state_dict(sd["loss_scaler"])
         self._publish()
 
+    def reload_model_params(self) -> None:
+        """Copy the model params into the fp32 masters (Megatron's ``reload_model_params``): after
+        loading only the model weights (--no-load-optim, --finetune) the masters must start from
+        them, not from the initial weights. fp32 params are their own masters: nothing to do."""
+        self.finish_param_sync()
+        for s in self.shards:
+            if s.separate_master:
+                s.master.copy_(s.param)
+
     # ------------------------------------------------------------------ reporting
     def memory_report(self) -> dict:
         """Bytes this rank holds for weights, gradients and optimizer state, and per parameter.
