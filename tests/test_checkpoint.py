@@ -51,6 +51,17 @@ def test_layout_and_round_trip_single_process(tmp_path):
     assert loaded[f"optimizer/rank0"]["state"][0]["step"] == 7
 
 
+def test_load_can_leave_top_level_entries_unread(tmp_path, monkeypatch):
+    """--no-load-optim / --no-load-rng: the skipped subtrees are left out and their tensors not read."""
+    state = _state(0)
+    ckpt.save(str(tmp_path), 1, state)
+    asked, read = [], ckpt.read_tensors
+    monkeypatch.setattr(ckpt, "read_tensors", lambda path, keys: (asked.extend(keys), read(path, keys))[1])
+    _, loaded = ckpt.load(str(tmp_path), skip=("optimizer/", "train"))
+    assert list(loaded) == ["model"] and sorted(asked) == ["model/layers.0.weight", "model/layers.1.bias"]
+    _assert_same(state["model"], loaded["model"])
+
+
 def _save_then_load(rank, world, root):
     ckpt.save(root, 5, _state(rank), layout={"dp": world})
     it, loaded = ckpt.load(root, layout={"dp": world})

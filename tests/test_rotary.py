@@ -9,10 +9,10 @@ import warnings
 import pytest
 import torch
 
-from meshlm.config import ModelConfig, rotary_dim
+from meshlm.config import Config, ModelConfig, rotary_dim
 from meshlm.errors import ConfigError
 from meshlm.model.attention import Rotary
-from meshlm.validate import _model_problems
+from meshlm.validate import validate
 
 F64 = torch.float64
 S, B, N = 8, 2, 3
@@ -79,14 +79,20 @@ def test_partial_rotary_matches_transformers_gpt_neox():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # transformers' frequencies are fp32
 
 
-def test_rotary_percent_out_of_range_is_refused():
-    rope = dict(hidden_size=64, num_attention_heads=4, position_embedding_type="rope")
-    assert _model_problems(ModelConfig(**rope, rotary_percent=0.25)) == []
-    assert "above 1" in _model_problems(ModelConfig(**rope, rotary_percent=1.5))[0]
-    assert "rotates no dimension; give at least 0.0625" in _model_problems(ModelConfig(**rope, rotary_percent=0.05))[0]
-    from meshlm.config import Config
-    from meshlm.validate import validate
+def _problems(**model) -> list:
     cfg = Config()
-    cfg.model.rotary_percent = 0.0
-    with pytest.raises(ConfigError, match="--rotary-percent 0.0 is out of range"):
+    cfg.model = ModelConfig(hidden_size=64, num_attention_heads=4, position_embedding_type="rope", **model)
+    try:
         validate(cfg, world=1, check_files=False)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
+def test_rotary_percent_outside_its_range_is_refused_naming_the_flag():
+    assert _problems(rotary_percent=0.25) == []
+    assert _problems(rotary_percent=1.5) == ["--rotary-percent 1.5 is above 1; give the fraction of each "
+                                             "head's dimensions to rotate, in (0, 1]"]
+    assert _problems(rotary_percent=0.05) == ["--rotary-percent 0.05 × head dim 16 rotates no dimension; "
+                                              "give at least 0.0625"]
+    assert _problems(rotary_percent=0.0) == ["--rotary-percent 0.0 is out of range: give a number > 0"]
