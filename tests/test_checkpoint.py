@@ -288,6 +288,11 @@ def test_model_config_differences_are_listed_as_flags_in_one_line(tmp_path):
         check_model_config(path, _model(position_embedding_type="rope"))
     with pytest.raises(CheckpointError, match="--max-position-embeddings saved=16 now=32"):
         check_model_config(path, _model(seq_length=32))
+    cfg.model = _model(position_embedding_type="rope")  # partial rotary: same shapes, another function
+    ckpt.save(str(tmp_path), 11, {"w": torch.zeros(2)}, config=cfg.to_dict())
+    with pytest.raises(CheckpointError, match="--rotary-percent saved=1.0 now=0.5"):
+        check_model_config(str(tmp_path / "iter_0000011"),
+                           _model(position_embedding_type="rope", rotary_percent=0.5))
 
 
 def test_model_config_check_without_config_json_is_damage(tmp_path):
