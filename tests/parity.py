@@ -51,6 +51,7 @@ class Case:
     bucket: Optional[int] = 1    # --ddp-bucket-size: 1 puts every parameter in its own bucket
     tied: bool = True
     pos: str = "learned_absolute"  # --position-embedding-type: learned_absolute or rope
+    rotary: float = 1.0            # --rotary-percent (with rope)
     norm: str = "LayerNorm"        # --normalization
     swiglu: bool = False
     groups: Optional[int] = None   # --num-query-groups (GQA)
@@ -67,8 +68,8 @@ class Case:
 
     def model_key(self) -> tuple:
         """What the single-process reference depends on."""
-        return (self.tied, self.pos, self.norm, self.swiglu, self.groups, self.micro, self.layers,
-                self.per_token, self.packed)
+        return (self.tied, self.pos, self.rotary, self.norm, self.swiglu, self.groups, self.micro,
+                self.layers, self.per_token, self.packed)
 
     def __str__(self) -> str:
         default = Case()
@@ -88,6 +89,7 @@ def config(case: Case):
     m.hidden_dropout = m.attention_dropout = 0.0
     m.untie_embeddings_and_output_weights = not case.tied
     m.normalization, m.position_embedding_type, m.swiglu = case.norm, case.pos, case.swiglu
+    m.rotary_percent = case.rotary
     if case.swiglu:
         m.ffn_hidden_size = 24
     if case.groups:
@@ -206,8 +208,9 @@ _REFERENCES: dict = {}
 
 
 def _single(case: Case) -> Case:
-    return Case(tied=case.tied, pos=case.pos, norm=case.norm, swiglu=case.swiglu, groups=case.groups,
-                micro=case.micro, layers=case.layers, per_token=case.per_token, packed=case.packed)
+    return Case(tied=case.tied, pos=case.pos, rotary=case.rotary, norm=case.norm, swiglu=case.swiglu,
+                groups=case.groups, micro=case.micro, layers=case.layers, per_token=case.per_token,
+                packed=case.packed)
 
 
 def references(cases: list) -> list:

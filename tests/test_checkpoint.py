@@ -51,6 +51,17 @@ def test_layout_and_round_trip_single_process(tmp_path):
     assert loaded[f"optimizer/rank0"]["state"][0]["step"] == 7
 
 
+def test_load_can_leave_top_level_entries_unread(tmp_path, monkeypatch):
+    """--no-load-optim / --no-load-rng: the skipped subtrees are left out and their tensors not read."""
+    state = _state(0)
+    ckpt.save(str(tmp_path), 1, state)
+    asked, read = [], ckpt.read_tensors
+    monkeypatch.setattr(ckpt, "read_tensors", lambda path, keys: (asked.extend(keys), read(path, keys))[1])
+    _, loaded = ckpt.load(str(tmp_path), skip=("optimizer/", "train"))
+    assert list(loaded) == ["model"] and sorted(asked) == ["model/layers.0.weight", "model/layers.1.bias"]
+    _assert_same(state["model"], loaded["model"])
+
+
 def _save_then_load(rank, world, root):
     ckpt.save(root, 5, _state(rank), layout={"dp": world})
     it, loaded = ckpt.load(root, layout={"dp": world})
@@ -277,6 +288,11 @@ def test_model_config_differences_are_listed_as_flags_in_one_line(tmp_path):
         check_model_config(path, _model(position_embedding_type="rope"))
     with pytest.raises(CheckpointError, match="--max-position-embeddings saved=16 now=32"):
         check_model_config(path, _model(seq_length=32))
+    cfg.model = _model(position_embedding_type="rope")  # partial rotary: same shapes, another function
+    ckpt.save(str(tmp_path), 11, {"w": torch.zeros(2)}, config=cfg.to_dict())
+    with pytest.raises(CheckpointError, match="--rotary-percent saved=1.0 now=0.5"):
+        check_model_config(str(tmp_path / "iter_0000011"),
+                           _model(position_embedding_type="rope", rotary_percent=0.5))
 
 
 def test_model_config_check_without_config_json_is_damage(tmp_path):

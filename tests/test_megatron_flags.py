@@ -55,7 +55,7 @@ LLAMA3 = ["pretrain", "--use-mcore-models", "--num-layers", "32", "--hidden-size
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256",
             "--no-create-attention-mask-in-dataloader", "--num-workers", "1", "--log-throughput",
           "--ckpt-format", "torch_dist", "--dry-run", "--world-size", "64"]
-LLAMA3_LACKING = {"--rotary-percent": 1, "--apply-layernorm-1p": 0, "--decoupled-lr": 1, "--grad-reduce-in-bf16": 0,
+LLAMA3_LACKING = {"--apply-layernorm-1p": 0, "--decoupled-lr": 1, "--grad-reduce-in-bf16": 0,
                   "--fp8-format": 1}  # flag → number of values
 
 
@@ -66,7 +66,8 @@ def test_llama3_example_refused_in_one_line(capsys):
     for flag in LLAMA3_LACKING:
         assert flag in err
     assert "--use-mcore-models" not in err and "unknown flag" not in err
-    assert "--calculate-per-token-loss" not in err and "--train-samples" not in err  # implemented (same meaning)
+    for flag in ("--calculate-per-token-loss", "--train-samples", "--rotary-percent"):  # implemented (same meaning)
+        assert flag not in err
 
 
 def test_llama3_example_without_missing_flags_dry_runs_by_samples(capsys):
@@ -121,3 +122,20 @@ def test_typo_is_not_a_megatron_flag(capsys):
 
 def test_sets_are_megatron_flags():
     assert set(NO_EFFECT) <= MEGATRON_FLAGS and len(MEGATRON_FLAGS) > 800
+
+
+def test_checkpoint_and_exit_switches_and_rotary_percent_have_the_same_meaning(capsys):
+    """Megatron flags that are config flags now (same name, meaning and default): parsed into the
+    config, accepted by a dry run, not refused."""
+    from meshlm.config import config_fields, flag_of
+    from meshlm.megatron_flags import DIFFERENT_DEFAULTS
+    flags = ("--finetune", "--no-load-optim", "--no-load-rng", "--exit-duration-in-mins", "--exit-interval",
+             "--rotary-percent")
+    config_flags = {flag_of(f) for _, f in config_fields()}
+    for flag in flags:
+        assert flag in MEGATRON_FLAGS and flag in config_flags and flag not in DIFFERENT_DEFAULTS
+    argv = ["pretrain", "--mock-data", "--vocab-size", "1000", "--dry-run", "--world-size", "1",
+            "--position-embedding-type", "rope", "--rotary-percent", "0.5", "--exit-duration-in-mins", "230",
+            "--exit-interval", "1000", "--finetune", "--no-load-optim", "--no-load-rng"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "--finetune --no-load-optim --no-load-rng ignored without --load" in capsys.readouterr().out

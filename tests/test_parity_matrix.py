@@ -49,3 +49,9 @@ def test_compiled_fast_path_matches_single_process_in_float64():
     with clipping, ZeRO-1 gathers waited at the compiled layers' boundaries."""
     assert_parity(Case(dp=2, dist_opt=True, overlap_grad=True, overlap_param=True, tied=False, pos="rope",
                        norm="RMSNorm", swiglu=True, fast="on"))
+
+
+def test_partial_rotary_with_tp_and_packed_positions_matches_single_process_in_float64():
+    """--rotary-percent 0.5 (head dim 4: the first 2 dimensions rotated) under TP=2 with SP, with
+    per-document positions (--reset-position-ids): the RoPE tables' other path."""
+    assert_parity(Case(tp=2, sp=True, pos="rope", rotary=0.5, packed=True))

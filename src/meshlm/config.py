@@ -66,6 +66,8 @@ class ModelConfig:
     position_embedding_type: str = opt("learned_absolute", "position embeddings",
                                        choices=["learned_absolute", "rope"])
     rotary_base: float = opt(10000.0, "RoPE base theta")
+    rotary_percent: float = opt(1.0, "RoPE rotates the first int(this × head dim) dimensions of each head, "
+                                "the rest pass through (partial rotary, e.g. GPT-NeoX 0.25)")
     untie_embeddings_and_output_weights: bool = opt(
         False, "separate output layer instead of the tied input embedding", action="store_true")
     add_bias_linear: bool = opt(True, "disable biases in linear layers", flag="--disable-bias-linear",
@@ -145,7 +147,10 @@ class TrainingConfig:
     eval_iters: int = opt(10, "validation iterations per evaluation")
     eval_at_start: bool = opt(False, "evaluate once before the first step (the untrained validation loss)",
                               action="store_true")
-    exit_interval: Optional[int] = opt(None, "stop after this iteration (checkpointing first)")
+    exit_interval: Optional[int] = opt(None, "stop after an iteration divisible by this (checkpointing first)")
+    exit_duration_in_mins: Optional[int] = opt(
+        None, "stop after the first iteration that ends this many minutes after the job started, "
+        "the slowest rank's clock deciding (checkpointing first; exit status 0)")
     calculate_per_token_loss: bool = opt(
         False, "loss = sum of token losses / loss tokens of the global batch (default: mean of "
         "micro-batch means)", action="store_true")
@@ -209,6 +214,13 @@ class CheckpointConfig:
     save: Optional[str] = opt(None, "checkpoint directory to write")
     load: Optional[str] = opt(None, "checkpoint directory to resume from")
     save_interval: Optional[int] = opt(None, "iterations between checkpoints (and one at the end)")
+    finetune: bool = opt(False, "load only the model weights from --load: iteration and consumed samples "
+                         "start at 0, with a fresh optimizer, LR schedule and RNG", action="store_true")
+    no_load_optim: bool = opt(False, "do not load the optimizer state (Adam moments, step, loss scale) nor, "
+                              "as in Megatron, the LR schedule; fp32 master weights are rebuilt from the "
+                              "loaded weights", action="store_true")
+    no_load_rng: bool = opt(False, "do not load the RNG states (python, numpy, torch, dropout streams)",
+                            action="store_true")
 
 
 @dataclass
@@ -487,6 +499,13 @@ def query_groups(m: ModelConfig) -> int:
 
 def head_dim(m: ModelConfig) -> int:
     return m.kv_channels or m.hidden_size // m.num_attention_heads
+
+
+def rotary_dim(m: ModelConfig) -> int:
+    """The dimension RoPE's frequencies are computed for: int(head dim × --rotary-percent) when the
+    percent is below 1, else the head dim (Megatron-core RotaryEmbedding.__init__). The first
+    2·ceil(rotary_dim / 2) dimensions of each head are rotated (model/attention.py, Rotary)."""
+    return int(head_dim(m) * m.rotary_percent) if m.rotary_percent < 1.0 else head_dim(m)
 
 
 def max_positions(m: ModelConfig) -> int:

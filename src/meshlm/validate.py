@@ -16,7 +16,7 @@ import os
 from typing import Optional
 
 from .config import (Config, ModelConfig, batch_schedule, config_fields, ffn_hidden, flag_of, global_batch,
-                     head_dim, max_positions, query_groups, run_iterations, world_size_of)
+                     head_dim, max_positions, query_groups, rotary_dim, run_iterations, world_size_of)
 from .values import kind_of
 from .errors import ConfigError
 
@@ -64,8 +64,8 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
 # a few have an upper bound (exclusive) as well.
 _INT_MAY_BE_ZERO = {"seed", "eval_iters", "lr_warmup_iters", "lr_warmup_samples", "num_workers",
                     "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"}
-_FLOAT_POSITIVE = {"norm_epsilon", "rotary_base", "init_method_std", "initial_loss_scale",
-                   "min_loss_scale", "adam_eps"}
+_FLOAT_POSITIVE = {"norm_epsilon", "rotary_base", "rotary_percent", "init_method_std",
+                   "initial_loss_scale", "min_loss_scale", "adam_eps"}
 _BELOW = {"hidden_dropout": (1, "1"), "attention_dropout": (1, "1"), "adam_beta1": (1, "1"),
           "adam_beta2": (1, "1"), "seed": (2 ** 32, "2**32")}
 
@@ -190,6 +190,12 @@ def _model_problems(m: ModelConfig) -> list:
     if m.position_embedding_type == "rope" and head_dim(m) % 2:
         problems.append(f"--position-embedding-type rope needs an even head dimension, got {head_dim(m)} "
                         f"(--hidden-size / --num-attention-heads, or --kv-channels)")
+    if m.rotary_percent > 1:
+        problems.append(f"--rotary-percent {m.rotary_percent} is above 1; give the fraction of each head's "
+                        f"dimensions to rotate, in (0, 1]")
+    elif m.position_embedding_type == "rope" and 0 < m.rotary_percent and rotary_dim(m) == 0:
+        problems.append(f"--rotary-percent {m.rotary_percent} × head dim {head_dim(m)} rotates no dimension; "
+                        f"give at least {1 / head_dim(m):g}")
     return problems
 
 
@@ -425,9 +431,15 @@ def _output_problems(cfg: Config) -> list:
 
 def notes(cfg: Config) -> list:
     """Settings that are valid but do not do what they may seem to: one line each, printed at start."""
-    m = cfg.model
+    m, c = cfg.model, cfg.checkpoint
+    lines = []
     if m.num_query_groups and not m.group_query_attention:
-        return [f"--num-query-groups {m.num_query_groups} is ignored without --group-query-attention "
-                f"(as in Megatron): every attention head keeps its own key/value head; add "
-                f"--group-query-attention to use {m.num_query_groups} groups"]
-    return []
+        lines.append(f"--num-query-groups {m.num_query_groups} is ignored without --group-query-attention "
+                     f"(as in Megatron): every attention head keeps its own key/value head; add "
+                     f"--group-query-attention to use {m.num_query_groups} groups")
+    switches = [flag for flag, on in (("--finetune", c.finetune), ("--no-load-optim", c.no_load_optim),
+                                      ("--no-load-rng", c.no_load_rng)) if on]
+    if switches and not c.load:
+        lines.append(f"{' '.join(switches)} ignored without --load (as in Megatron): the run starts from "
+                     f"its initial weights; add --load CHECKPOINT_DIR to start from a checkpoint")
+    return lines

@@ -320,13 +320,14 @@ def _rank_file(path: str, world_saved: int, coords: Optional[dict]) -> str:
 
 
 def load(root: str, *, layout: Optional[dict] = None, coords: Optional[dict] = None,
-         iteration: Optional[int] = None) -> tuple:
+         iteration: Optional[int] = None, skip: tuple = ()) -> tuple:
     """Read this rank's state from the checkpoint the tracker (or ``iteration``) names.
 
     Returns (iteration, state) with state the nested dict the matching rank passed to ``save``
-    (tensors on CPU). Without ``coords`` that is the rank with this rank's number (same world size
-    required); with ``coords``, the saved rank at the same place (see ``_rank_file``). Each rank
-    reads only what it needs (no collective). Raises CheckpointError if the checkpoint is missing,
+    (tensors on CPU), less the top-level entries whose key starts with one of the strings ``skip``
+    (their tensors are not read). Without ``coords`` that is the rank with this rank's number (same
+    world size required); with ``coords``, the saved rank at the same place (see ``_rank_file``).
+    Each rank reads only what it needs (no collective). Raises CheckpointError if the checkpoint is missing,
     incomplete or damaged (one line, see ``reading``), or any key of ``layout`` differs from the
     saved layout (resharding to another TP/PP layout is not supported yet).
     """
@@ -338,5 +339,7 @@ def load(root: str, *, layout: Optional[dict] = None, coords: Optional[dict] = N
             raise CheckpointError(f"checkpoint {path} was saved with layout {saved}; this run has {layout}: "
                                   f"resume with the saved layout (resharding on load is not supported yet)")
         tree = _load_json(_rank_file(path, manifest["world_size"], coords))["state"]
+        if skip:
+            tree = {"d": [[k, v] for k, v in tree["d"] if not str(k).startswith(skip)]}
         tensors = read_tensors(path, _tensor_keys(tree))
         return manifest["iteration"], _unflatten(tree, tensors)

@@ -29,7 +29,7 @@ def _architecture(m: C.ModelConfig) -> dict:
         "vocab_size", "make_vocab_size_divisible_by")}
     arch.update(num_query_groups=C.query_groups(m), ffn_hidden_size=C.ffn_hidden(m), kv_channels=C.head_dim(m))
     if m.position_embedding_type == "rope":
-        arch["rotary_base"] = m.rotary_base
+        arch.update(rotary_base=m.rotary_base, rotary_percent=m.rotary_percent)
     else:
         arch["max_position_embeddings"] = C.max_positions(m)
     return arch

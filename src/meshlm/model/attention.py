@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import head_dim, max_positions, query_groups
+from ..config import head_dim, max_positions, query_groups, rotary_dim
 from ..dtypes import at_least_fp32, wide
 from ..parallel import comm
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, contiguous_index
@@ -28,22 +28,35 @@ class Rotary(nn.Module):
     """Rotary position embedding (Su et al. 2021, "RoFormer", §3.4), rotate-half (GPT-NeoX / HF)
     convention, from cos/sin tables built once for positions 0..max_positions-1.
 
-    Tables [s, 1, 1, d] in ``wide(dtype)`` (fp32 for bf16/fp16 params, float64 stays float64),
-    computed in float64: (cos, cos) and (−sin, +sin) over the two halves of d, so that with x split
-    into halves (x1, x2) the rotation is x·cos + (x2, x1)·sin = (x1·cos − x2·sin, x2·cos + x1·sin).
-    The half swap is a cat: under torch.compile (torch 2.11) it fuses with the qkv split into one
-    kernel, while a cat-free swap (flip of a [2, d/2] view) measured 0.46 ms a layer in backward
-    and needs Inductor's coalescing analysis off to compile at all (bench/RESULTS.md, 2026-12-01).
+    Partial rotary (--rotary-percent, Megatron-core RotaryEmbedding): the frequencies are
+    base^(−2i/dim) for i < ceil(dim/2), with dim = ``rotary_dim`` (int(head_dim × percent)); the
+    first r = 2·ceil(dim/2) dimensions of each head are rotated as pairs (j, j + r/2), the other
+    head_dim − r pass through unchanged. Full rotary is dim = r = head_dim.
+
+    Tables [s, 1, 1, head_dim] in ``wide(dtype)`` (fp32 for bf16/fp16 params, float64 stays
+    float64), computed in float64: (cos, cos, 1) and (−sin, +sin, 0) over the two halves of the r
+    rotated dimensions and the passed ones, so that with x split into (x1, x2, x3) the rotation is
+    x·cos + (x2, x1, x3)·sin = (x1·cos − x2·sin, x2·cos + x1·sin, x3) — one formula for full and
+    partial rotary (x3·1 + x3·0 is x3 exactly). The half swap is a cat: under torch.compile
+    (torch 2.11) it fuses with the qkv split into one kernel, while a cat-free swap (flip of a
+    [2, d/2] view) measured 0.46 ms a layer in backward and needs Inductor's coalescing analysis
+    off to compile at all (bench/RESULTS.md, 2026-12-01).
     """
 
-    def __init__(self, head_dim: int, base: float, max_positions: int, dtype, device):
+    def __init__(self, head_dim: int, base: float, max_positions: int, dtype, device,
+                 rotary_dim: int | None = None):
         super().__init__()
-        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        dim = rotary_dim or head_dim
+        inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        self.rotated = 2 * inv_freq.numel()
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)[:, None, None, :]
         cos, sin = angles.cos(), angles.sin()
+        passed = angles.new_zeros(angles.shape[:-1] + (head_dim - self.rotated,))
         wide_dtype = wide(dtype)
-        self.register_buffer("cos", torch.cat([cos, cos], -1).to(device=device, dtype=wide_dtype), persistent=False)
-        self.register_buffer("sin", torch.cat([-sin, sin], -1).to(device=device, dtype=wide_dtype), persistent=False)
+        self.register_buffer("cos", torch.cat([cos, cos, passed + 1], -1).to(device=device, dtype=wide_dtype),
+                             persistent=False)
+        self.register_buffer("sin", torch.cat([-sin, sin, passed], -1).to(device=device, dtype=wide_dtype),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """x: [s, b, n, d] at positions 0..s-1, or at ``positions`` int64 [b, s] (--reset-position-ids)
@@ -53,8 +66,11 @@ class Rotary(nn.Module):
         else:
             cos, sin = self.cos[:, 0][positions.t()], self.sin[:, 0][positions.t()]  # [s, b, 1, d]
         xf = at_least_fp32(x)
-        x1, x2 = xf.chunk(2, dim=-1)
-        return (xf * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)
+        half = self.rotated // 2
+        parts = [xf[..., half:self.rotated], xf[..., :half]]
+        if self.rotated < xf.shape[-1]:
+            parts.append(xf[..., self.rotated:])
+        return (xf * cos + torch.cat(parts, dim=-1) * sin).to(x.dtype)
 
 
 class SelfAttention(nn.Module):
@@ -81,7 +97,7 @@ class SelfAttention(nn.Module):
         self.rotary = None
         if cfg.position_embedding_type == "rope":
             self.rotary = Rotary(d, cfg.rotary_base, max(max_positions(cfg), cfg.seq_length), params_dtype,
-                                 ps.device)
+                                 ps.device, rotary_dim(cfg))
         self.dropout, self.fast = cfg.attention_dropout, fast
         q_rows = contiguous_index(a * d, tp, r)
         if g >= tp:

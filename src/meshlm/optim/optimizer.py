@@ -244,15 +244,6 @@ class MixedPrecisionOptimizer:
             if s.separate_master:
                 s.param.copy_(s.master)
 
-    def reload_model_params(self) -> None:
-        """Take the masters from the model params after the params were overwritten in place
-        (weights loaded for fine-tuning; Megatron's reload_model_params). Under ZeRO-1 every rank
-        must have written its full params (each takes its own shard)."""
-        self.finish_param_sync()
-        for s in self.shards:
-            if s.separate_master:
-                s.master.copy_(s.param)
-
     def _bucket_state(self, shard: Shard) -> dict:
         """{"master", "exp_avg", "exp_avg_sq"}: flat fp32 [bucket size] state of the whole bucket."""
         return shard.tensors()
@@ -303,6 +294,15 @@ class MixedPrecisionOptimizer:
         self.lr = float(sd["lr"])
         self.scaler.load_state_dict(sd["loss_scaler"])
         self._publish()
+
+    def reload_model_params(self) -> None:
+        """Copy the model params into the fp32 masters (Megatron's ``reload_model_params``): after
+        loading only the model weights (--no-load-optim, --finetune) the masters must start from
+        them, not from the initial weights. fp32 params are their own masters: nothing to do."""
+        self.finish_param_sync()
+        for s in self.shards:
+            if s.separate_master:
+                s.master.copy_(s.param)
 
     # ------------------------------------------------------------------ reporting
     def memory_report(self) -> dict:

@@ -9,7 +9,7 @@ DP gradient reduction → loss reduced over DP and broadcast over the pipeline �
 optimizer step → LR step by the step's samples (only after a step that was taken, as in Megatron)
 → ``consumed_samples += the step's global batch``. Iterations, consumed samples, and optimizer/scheduler/RNG states round-trip
 through checkpoint/dist.py (what goes in: checkpoint/state.py), so a resumed run repeats the
-uninterrupted one.
+uninterrupted one; --finetune, --no-load-optim and --no-load-rng restore less (load_checkpoint).
 """
 
 from __future__ import annotations
@@ -214,12 +214,15 @@ def report_memory(report: dict, ps: ParallelState) -> None:
 
 
 def train(run: Run, state: TrainState) -> dict:
-    """The loop from ``state`` to the run's iterations (or --exit-interval): step, log, evaluate,
-    save. As in Megatron, a step whose number of micro-batches differs from the previous step's
-    (a --rampup-batch-size ramp) is preceded by a checkpoint under --save."""
+    """The loop from ``state`` to the run's iterations: step, log, evaluate, save; then a last
+    evaluation and checkpoint, and a sample. As in Megatron, a step whose number of micro-batches
+    differs from the previous step's (a --rampup-batch-size ramp) is preceded by a checkpoint under
+    --save. An early exit (--exit-duration-in-mins, --exit-interval; checked after each iteration's
+    save, in Megatron's order) saves (with --save) and returns at once."""
     cfg, t = run.cfg, run.cfg.training
     save_every = cfg.checkpoint.save_interval
-    losses, val_losses, saved_at = [], [], None
+    losses, val_losses, saved_at, exited = [], [], None, False
+    start = _job_start(run.ps) if t.exit_duration_in_mins else None
     if t.eval_at_start and state.iteration == 0 and run.valid_ds is not None:
         val_losses.append((0, evaluate(run, state, 0)))
     microbatches = run.batches.microbatches_at(state.consumed_samples)
@@ -236,20 +239,62 @@ def train(run: Run, state: TrainState) -> dict:
         if cfg.checkpoint.save and save_every and it % save_every == 0:
             save_checkpoint(run, state)
             saved_at = it
-        if t.exit_interval and it % t.exit_interval == 0:
+        exited = _out_of_time(run, start) or _at_exit_interval(run, it)
+        if exited:
             break
     run.opt.finish_param_sync()  # no all-gather may still be in flight when the process ends
-    if run.valid_ds is not None and (not val_losses or val_losses[-1][0] != state.iteration):
+    if not exited and run.valid_ds is not None and (not val_losses or val_losses[-1][0] != state.iteration):
         val_losses.append((state.iteration, evaluate(run, state, state.iteration // max(t.eval_interval, 1))))
     if cfg.checkpoint.save and saved_at != state.iteration:
         save_checkpoint(run, state)
-    _print_sample(run)
+    if not exited:
+        _print_sample(run)
     done = [x for x in losses if x is not None]
     return {"iterations": state.iteration, "train_losses": losses,
             "final_train_loss": done[-1] if done else None, "val_losses": val_losses,
             "first_val_loss": val_losses[0][1] if val_losses else None,
             "last_val_loss": val_losses[-1][1] if val_losses else None,
             "last_checkpoint": run.last_checkpoint}
+
+
+_START_TIME = time.time()  # this worker's start (the import), as Megatron's _TRAIN_START_TIME
+_wall_clock = time.time  # the clock --exit-duration-in-mins reads (tests give a rank another one)
+
+
+def _job_start(ps: ParallelState) -> float:
+    """When the job started, seconds since the epoch: the earliest worker start (Megatron's MIN
+    over ranks). Collective over all ranks."""
+    start = torch.tensor([_START_TIME], dtype=torch.float64, device=ps.device)
+    if ps.world_size > 1:
+        torch.distributed.all_reduce(start, op=torch.distributed.ReduceOp.MIN)
+    return float(start.item())
+
+
+def _out_of_time(run: Run, start: Optional[float]) -> bool:
+    """--exit-duration-in-mins: True on every rank once any rank's clock says more than that many
+    minutes have passed since ``start`` (a MAX over ranks, so all stop at the same iteration and
+    none waits in a collective). Collective over all ranks, one host sync, when the flag is set."""
+    limit = run.cfg.training.exit_duration_in_mins
+    if not limit:
+        return False
+    minutes = (_wall_clock() - start) / 60.0
+    up = torch.tensor([int(minutes > limit)], dtype=torch.int32, device=run.ps.device)
+    if run.ps.world_size > 1:
+        torch.distributed.all_reduce(up, op=torch.distributed.ReduceOp.MAX)
+    done = bool(up.item())
+    if done and run.ps.rank == 0:
+        print(f"exiting after {minutes:.2f} minutes (--exit-duration-in-mins {limit})", flush=True)
+    return done
+
+
+def _at_exit_interval(run: Run, iteration: int) -> bool:
+    """--exit-interval: True after an iteration divisible by it (the same on every rank)."""
+    every = run.cfg.training.exit_interval
+    if not every or iteration % every:
+        return False
+    if run.ps.rank == 0:
+        print(f"exiting at iteration {iteration} (--exit-interval {every})", flush=True)
+    return True
 
 
 def train_step(run: Run, state: TrainState) -> Optional[float]:
@@ -382,12 +427,21 @@ def save_checkpoint(run: Run, state: TrainState) -> str:
 def load_checkpoint(run: Run) -> TrainState:
     """Resume from --load. No tracker and --load == --save: a fresh start (Megatron's rule).
 
+    What is restored follows Megatron's switches (checkpointing.py load_checkpoint): the model
+    weights always; the optimizer state (fp32 masters, Adam moments and step, loss scale) and the
+    LR schedule unless --no-load-optim or --finetune, which leave both fresh and rebuild the
+    masters from the loaded weights; the RNG states (python, numpy, torch, dropout call counts)
+    unless --no-load-rng or --finetune; the iteration and consumed samples unless --finetune,
+    which starts both at 0 (and, as Megatron skips its argument check, does not compare the
+    saved architecture flags: the tensors' names and shapes must still match).
+
     Raises CheckpointError, the same line on every rank (agreed before any rank goes on, so none
     is left waiting in a collective), when --load is not a checkpoint, is damaged, or holds another
     model (config.json's architecture fields, then the model tensors' names and shapes).
     """
     cfg, ps = run.cfg, run.ps
-    root = cfg.checkpoint.load
+    c = cfg.checkpoint
+    root = c.load
     if convert.is_weights_only(root):  # a Hugging Face folder, or `meshlm convert`'s output
         return _load_weights_only(run)
     loaded, problem = None, None
@@ -400,19 +454,32 @@ def load_checkpoint(run: Run) -> TrainState:
         raise CheckpointError(problem)
     if loaded is None:
         if ps.rank == 0:
-            print(f"--load {root}: no checkpoint yet, starting from scratch", flush=True)
+            print(f"--load {c.load}: no checkpoint yet, starting from scratch", flush=True)
         return TrainState()
     iteration, tree = loaded
-    run.opt.load_state_dict(tree[f"optimizer/pp{ps.pp_rank}.tp{ps.tp_rank}"])
-    run.sched.load_state_dict(tree["scheduler"])
-    rng = next(v for k, v in tree.items() if k.startswith("rng/rank"))
-    set_rng_state(rng)
-    for chunk, calls in zip(run.chunks, rng["dropout_calls"]):
-        chunk.rng.call = calls
-    run.last_checkpoint = ckpt.iteration_dir(root, iteration)
+    if _loads(c, "optim"):
+        run.opt.load_state_dict(tree[f"optimizer/pp{ps.pp_rank}.tp{ps.tp_rank}"])
+        run.sched.load_state_dict(tree["scheduler"])
+    else:
+        run.opt.reload_model_params()
+    if _loads(c, "rng"):
+        rng = next(v for k, v in tree.items() if k.startswith("rng/rank"))
+        set_rng_state(rng)
+        for chunk, calls in zip(run.chunks, rng["dropout_calls"]):
+            chunk.rng.call = calls
+    run.last_checkpoint = ckpt.iteration_dir(c.load, iteration)
     if ps.rank == 0:
-        print(f"loaded checkpoint {run.last_checkpoint} (iteration {iteration})", flush=True)
-    return TrainState(**tree["train"])
+        fresh = [what for what, kind in (("optimizer and LR schedule", "optim"), ("RNG", "rng"))
+                 if not _loads(c, kind)]
+        print(f"loaded checkpoint {run.last_checkpoint} (iteration {iteration})"
+              + (" for --finetune: model weights only, starting at iteration 0" if c.finetune else "")
+              + (f"; {' and '.join(fresh)} fresh" if fresh and not c.finetune else ""), flush=True)
+    return TrainState() if c.finetune else TrainState(**tree["train"])
+
+
+def _loads(c: C.CheckpointConfig, kind: str) -> bool:
+    """Whether --load restores the "optim" (optimizer and LR schedule) or the "rng" states."""
+    return not (c.finetune or (c.no_load_optim if kind == "optim" else c.no_load_rng))
 
 
 def _load_weights_only(run: Run) -> TrainState:
@@ -435,16 +502,19 @@ def _load_weights_only(run: Run) -> TrainState:
 
 def _read_checkpoint(run: Run) -> Optional[tuple]:
     """This rank's part of load_checkpoint that has no collective: check --load, compare the
-    saved model config, read the state and copy the model tensors. None for a fresh start."""
+    saved model config (not under --finetune), read the state that will be restored and copy the
+    model tensors. None for a fresh start."""
     cfg, ps = run.cfg, run.ps
-    root = cfg.checkpoint.load
-    problems = ckpt.check_loadable(root, cfg.checkpoint.save)
+    c = cfg.checkpoint
+    problems = ckpt.check_loadable(c.load, c.save)
     if problems:
         raise CheckpointError(problems[0])
-    if ckpt.read_tracker(root) is None and os.path.abspath(root) == os.path.abspath(cfg.checkpoint.save or ""):
+    if ckpt.read_tracker(c.load) is None and os.path.abspath(c.load) == os.path.abspath(c.save or ""):
         return None
-    check_model_config(ckpt.checkpoint_dir(root), cfg.model, load=root)
-    iteration, tree = ckpt.load(root, layout=_layout(ps, cfg), coords=_coords(ps))
+    if not c.finetune:
+        check_model_config(ckpt.checkpoint_dir(c.load), cfg.model, load=c.load)
+    skip = (() if _loads(c, "optim") else ("optimizer/", "scheduler")) + (() if _loads(c, "rng") else ("rng/",))
+    iteration, tree = ckpt.load(c.load, layout=_layout(ps, cfg), coords=_coords(ps), skip=skip)
     load_model_state(run.chunks, ps, tree["model"])
     return iteration, tree
 

@@ -1,0 +1,117 @@
+"""--finetune, --no-load-optim, --no-load-rng: exactly what trainer.load_checkpoint restores
+(Megatron's checkpointing.py load_checkpoint), under plain DP and ZeRO-1 at DP=2.
+
+A short run (bf16 params, so the fp32 master weights are separate tensors; dropout on, so the
+dropout call counts matter) saves a checkpoint; each switch then builds a new run, loads it, and
+the worker compares the live state with what the checkpoint files hold, read independently.
+"""
+
+import os
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from meshlm.checkpoint import dist as ckpt
+from meshlm.checkpoint.state import model_state
+from meshlm.config import Config
+from meshlm.training import trainer
+from meshlm.validate import notes
+
+ITERS, GLOBAL = 2, 4
+SWITCHES = {"none": {}, "no_load_optim": {"no_load_optim": True}, "no_load_rng": {"no_load_rng": True},
+            "finetune": {"finetune": True}}
+
+
+def _config(tmp: str, zero: bool) -> Config:
+    cfg = Config()
+    m, t = cfg.model, cfg.training
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 2, 32, 4, 16, 100
+    m.make_vocab_size_divisible_by, m.hidden_dropout, m.attention_dropout = 16, 0.1, 0.1
+    t.micro_batch_size, t.global_batch_size, t.train_iters = 2, GLOBAL, ITERS
+    t.log_interval, t.eval_interval, t.eval_iters = 1, 100, 1
+    cfg.optimizer.lr, cfg.optimizer.lr_warmup_iters = 1e-2, 1
+    cfg.parallel.use_distributed_optimizer = zero
+    cfg.data.mock_data = True
+    cfg.logging.log_dir = os.path.join(tmp, "logs")
+    cfg.checkpoint.save = os.path.join(tmp, "ckpt")
+    return cfg
+
+
+def _same(a: dict, b: dict, keys=None) -> bool:
+    """a[k] == b[k] exactly for every key k of ``keys`` (default: a's keys, which must be b's)."""
+    if keys is None and a.keys() != b.keys():
+        return False
+    return all(torch.equal(a[k], b[k].to(a[k].dtype)) for k in keys or a)
+
+
+def _facts(run, state, saved: dict, fresh_rng: torch.Tensor) -> dict:
+    """What the run holds after load_checkpoint, compared with the checkpoint's own tensors."""
+    ps = run.ps
+    opt = run.opt.state_dict()["params"]  # gathered over DP under ZeRO-1 (collective)
+    saved_opt = saved[f"optimizer/pp{ps.pp_rank}.tp{ps.tp_rank}"]["params"]
+    weights = dict(zip(run.opt.names.values(), run.opt.names))  # name → param
+    rng = torch.get_rng_state()
+    return {
+        "iteration": state.iteration, "consumed": state.consumed_samples,
+        "adam_step": run.opt.step_count, "lr_steps": run.sched.num_steps,
+        "weights": _same(model_state(run.chunks, ps)["model"], saved["model"]),
+        "moments": "saved" if all(_same(e, saved_opt[n], ("exp_avg", "exp_avg_sq")) for n, e in opt.items()) else
+                   "zero" if all(not e["exp_avg"].any() and not e["exp_avg_sq"].any() for e in opt.values())
+                   else "other",
+        "masters": "saved" if all(torch.equal(e["master"], saved_opt[n]["master"]) for n, e in opt.items()) else
+                   "weights" if all(torch.equal(e["master"], weights[n].detach().float()) for n, e in opt.items())
+                   else "other",
+        "rng": "saved" if torch.equal(rng, saved[f"rng/rank{ps.rank}"]["torch_cpu"]) else
+               "fresh" if torch.equal(rng, fresh_rng) else "other",
+        "dropout_calls": [c.rng.call for c in run.chunks],
+    }
+
+
+def _save_then_load_each(rank, world, tmp, zero):
+    cfg = _config(tmp, zero)
+    trainer.pretrain(cfg, torch.bfloat16)
+    _, saved = ckpt.load(cfg.checkpoint.save)  # this rank's file, read without the trainer
+    out = {"saved_calls": saved[f"rng/rank{rank}"]["dropout_calls"]}
+    for name, switches in SWITCHES.items():
+        cfg = _config(os.path.join(tmp, name), zero)
+        cfg.checkpoint.load, cfg.checkpoint.save = os.path.join(tmp, "ckpt"), None
+        for key, value in switches.items():
+            setattr(cfg.checkpoint, key, value)
+        run = trainer.build(cfg, torch.bfloat16)
+        torch.manual_seed(999)  # training leaves the default generator as seeded: make it differ
+        fresh_rng = torch.get_rng_state()
+        state = trainer.load_checkpoint(run)
+        out[name] = _facts(run, state, saved, fresh_rng)
+        if name == "finetune":  # it trains from iteration 0 on the loaded weights
+            out["finetune_trained"] = trainer.train(run, state)["iterations"]
+    return out
+
+
+@pytest.mark.parametrize("world,zero", [(1, False), (2, True)], ids=["dp1", "zero1-dp2"])
+def test_each_switch_restores_exactly_what_megatron_restores(tmp_path, world, zero):
+    results = run_distributed(_save_then_load_each, world, str(tmp_path), zero)
+    for r in results:
+        calls = r["saved_calls"]
+        assert all(c > 0 for c in calls)
+        loaded = dict(iteration=ITERS, consumed=ITERS * GLOBAL, weights=True)
+        optim = dict(adam_step=ITERS, lr_steps=ITERS, moments="saved", masters="saved")
+        # masters rebuilt from the loaded bf16 weights: they differ from the saved fp32 masters
+        fresh_optim = dict(adam_step=0, lr_steps=0, moments="zero", masters="weights")
+        rng, fresh_rng = dict(rng="saved", dropout_calls=calls), dict(rng="fresh", dropout_calls=[0] * len(calls))
+        want = {"none": {**loaded, **optim, **rng},
+                "no_load_optim": {**loaded, **fresh_optim, **rng},
+                "no_load_rng": {**loaded, **optim, **fresh_rng},
+                "finetune": {**loaded, "iteration": 0, "consumed": 0, **fresh_optim, **fresh_rng}}
+        for name in SWITCHES:
+            assert r[name] == want[name], name
+        assert r["finetune_trained"] == ITERS
+
+
+def test_switches_without_load_are_noted():
+    cfg = Config()
+    cfg.checkpoint.finetune = cfg.checkpoint.no_load_rng = True
+    assert notes(cfg) == ["--finetune --no-load-rng ignored without --load (as in Megatron): the run starts "
+                          "from its initial weights; add --load CHECKPOINT_DIR to start from a checkpoint"]
+    cfg.checkpoint.load = "ckpt"
+    assert notes(cfg) == []
