@@ -54,7 +54,7 @@ def _facts(run, state, saved: dict, fresh_rng: torch.Tensor) -> dict:
     rng = torch.get_rng_state()
     return {
         "iteration": state.iteration, "consumed": state.consumed_samples,
-        "adam_step": run.opt.step_count, "lr_steps": run.sched.num_steps,
+        "adam_step": run.opt.step_count, "lr_steps": run.sched.samples // run.global_batch,
         "weights": _same(model_state(run.chunks, ps)["model"], saved["model"]),
         "moments": "saved" if all(_same(e, saved_opt[n], ("exp_avg", "exp_avg_sq")) for n, e in opt.items()) else
                    "zero" if all(not e["exp_avg"].any() and not e["exp_avg_sq"].any() for e in opt.values())
