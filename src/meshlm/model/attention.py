@@ -95,7 +95,8 @@ class SelfAttention(nn.Module):
         bias = cfg.add_bias_linear
         self.linear_qkv = ColumnParallelLinear(
             cfg.hidden_size, (a + 2 * g) * d, ps, init("self_attention.linear_qkv.weight"), bias=bias,
-            sequence_parallel=sequence_parallel, rows=torch.cat([q_rows, kv_rows]), params_dtype=params_dtype)
+            sequence_parallel=sequence_parallel, rows=torch.cat([q_rows, kv_rows]),
+            parts=(("linear_q", a * d), ("linear_k", g * d), ("linear_v", g * d)), params_dtype=params_dtype)
         self.linear_proj = RowParallelLinear(
             a * d, cfg.hidden_size, ps, scaled_init("self_attention.linear_proj.weight"), bias=bias,
             sequence_parallel=sequence_parallel, cols=q_rows, params_dtype=params_dtype)

@@ -28,7 +28,8 @@ class MLP(nn.Module):
             rows = torch.cat([rows, rows + ffn])
         self.linear_fc1 = ColumnParallelLinear(
             cfg.hidden_size, len(rows) * tp, ps, init("mlp.linear_fc1.weight"), bias=cfg.add_bias_linear,
-            sequence_parallel=sequence_parallel, rows=rows, params_dtype=params_dtype)
+            sequence_parallel=sequence_parallel, rows=rows, params_dtype=params_dtype,
+            parts=(("linear_fc1_gate", ffn), ("linear_fc1_up", ffn)) if self.swiglu else None)
         self.linear_fc2 = RowParallelLinear(
             ffn, cfg.hidden_size, ps, scaled_init("mlp.linear_fc2.weight"), bias=cfg.add_bias_linear,
             sequence_parallel=sequence_parallel, params_dtype=params_dtype)
