@@ -11,8 +11,14 @@ CheckpointableShardedTensor talk to DCP). Saving reads the views; loading writes
 nothing is gathered or staged. The views of one Boxes must not overlap; boxes saved by several
 ranks are written once when identical (DCP's dedup: DP replicas) and must not overlap otherwise.
 
-``flat_boxes`` turns a flat range of a row-major tensor into boxes; ``split_box`` cuts a box into
-pieces of bounded size (the save's memory bound, see checkpoint/model_space.py).
+Memory: DCP's file writer copies every tensor whose storage is larger than the tensor (a view)
+before writing it, and torch 2.13's keeps each written tensor of a file until the file is done, so
+views of the live state would all be copied and held at once on CPU. A contiguous CPU piece is
+therefore handed to DCP as an alias of its memory with a storage of its own size
+(``_exact_storage``): a save copies nothing on CPU, and on a GPU it allocates no device memory
+(DCP copies each piece to host memory).
+
+``flat_boxes`` turns a flat range of a row-major tensor into boxes.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ class Boxes(torch.Tensor):
         return torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=first.dtype, device=first.device)
 
     def __init__(self, shape, pieces):
-        self.pieces = [(torch.Size(off), t) for off, t in pieces]
+        self.pieces = [(torch.Size(off), _exact_storage(t)) for off, t in pieces]
         for off, t in self.pieces:
             if t.dtype != self.dtype or any(o + n > s for o, n, s in zip(off, t.shape, shape)) \
                     or len(off) != len(shape) or t.dim() != len(shape):
@@ -73,6 +79,15 @@ class Boxes(torch.Tensor):
         return f"Boxes({tuple(self.shape)}, {self.dtype}, {[(tuple(o), tuple(t.shape)) for o, t in self.pieces]})"
 
 
+def _exact_storage(t: torch.Tensor) -> torch.Tensor:
+    """t, or (contiguous on CPU) a tensor aliasing t's memory whose storage is exactly t's bytes."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0 or \
+            t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    alias = torch.from_numpy(t.reshape(-1).view(torch.uint8).numpy())  # shares t's memory, keeps it alive
+    return alias.view(t.dtype).view(t.shape)
+
+
 def flat_boxes(shape, lo: int, hi: int) -> list:
     """[(offsets, sizes)]: boxes of a row-major tensor of ``shape`` covering its flat elements
     [lo, hi) exactly, in order, each a contiguous flat range: at most 2·(ndim − 1) + 1 boxes
@@ -100,21 +115,4 @@ def flat_boxes(shape, lo: int, hi: int) -> list:
         out.append(((start,) + (0,) * (len(shape) - 1), (end - start,) + shape[1:]))
     if hi % inner:
         out += within(last, 0, hi % inner)
-    return out
-
-
-def split_box(offsets, sizes, max_numel: int) -> list:
-    """[(offsets, sizes)]: the box cut along its leading dimensions into boxes of at most
-    ``max_numel`` elements each (a box of one element per dimension is never cut; max_numel ≥ 1)."""
-    offsets, sizes = tuple(offsets), tuple(sizes)
-    if math.prod(sizes) <= max_numel or not sizes:
-        return [(offsets, sizes)]
-    d = next(i for i, n in enumerate(sizes) if n > 1)
-    inner = math.prod(sizes[d + 1:])
-    step = max(max_numel // inner, 1)
-    out = []
-    for s in range(0, sizes[d], step):
-        off = offsets[:d] + (offsets[d] + s,) + offsets[d + 1:]
-        size = sizes[:d] + (min(step, sizes[d] - s),) + sizes[d + 1:]
-        out += split_box(off, size, max_numel) if step == 1 else [(off, size)]
     return out

@@ -16,22 +16,18 @@ are cut into runs of consecutive global rows inside one logical tensor; padding 
 reads it, TP rank 0 writes it (DP replicas offer identical boxes, which DCP writes once). The
 optimizer's state of a parameter (a flat range of its flattened local shape under ZeRO-1) is
 first cut into boxes of the local shape (``boxes.flat_boxes``), then placed like the weight.
-
-Memory bound of a save: DCP's writer copies each piece that is a view (all of them) before
-writing it and still holds the previous copy, so pieces are cut to at most ``max_piece``
-elements (``state.model_space``: half the largest DDP bucket): a save holds at most one bucket's
-worth of extra memory, whatever the model's size.
+Every piece is a view of the live tensors: saving reads them, loading writes into them (no copy
+in either direction, see boxes.py).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
 
-from .boxes import Boxes, flat_boxes, split_box
+from .boxes import Boxes, flat_boxes
 
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 
@@ -88,18 +84,17 @@ def tensor_pieces(name: str, t: torch.Tensor, tp_rank: int) -> tuple:
     return pieces, True, fused
 
 
-def _cut(pieces: list, local: tuple, data: torch.Tensor, max_piece: int) -> list:
+def _cut(pieces: list, local: tuple, data: torch.Tensor) -> list:
     """[(key, shape, global offset, view)]: ``data``, the box of a local tensor starting at
-    ``local``, intersected with each piece and cut to at most max_piece elements a view."""
+    ``local``, intersected with each piece."""
     out = []
     for pc in pieces:
         lo = tuple(max(a, b) for a, b in zip(local, pc.local))
         hi = tuple(min(a + n, b + m) for a, n, b, m in zip(local, data.shape, pc.local, pc.size))
         if any(a >= b for a, b in zip(lo, hi)):
             continue
-        for off, size in split_box(lo, tuple(b - a for a, b in zip(lo, hi)), max_piece):
-            view = data[tuple(slice(o - a, o - a + n) for o, a, n in zip(off, local, size))]
-            out.append((pc.key, pc.shape, tuple(g + o - b for g, o, b in zip(pc.offset, off, pc.local)), view))
+        view = data[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, local))]
+        out.append((pc.key, pc.shape, tuple(g + a - b for g, a, b in zip(pc.offset, lo, pc.local)), view))
     return out
 
 
@@ -114,12 +109,10 @@ def _group(items: list) -> dict:
 class ModelSpace:
     """Where this rank's model tensors (of every chunk's state_dict) lie in model space.
 
-    max_piece: the most elements one written view may have (None: no limit).
     ``fused``: {fused name: {"dim", "parts"}} of this rank's fused tensors (JSON).
     """
 
-    def __init__(self, chunks, ps, max_piece=None):
-        self.max_piece = max(int(max_piece or sys.maxsize), 1)
+    def __init__(self, chunks, ps):
         self.tensors, self.where, self.fused = [], {}, {}
         tp_rank = getattr(ps, "tp_rank", 0)
         for chunk in chunks:
@@ -136,7 +129,7 @@ class ModelSpace:
         for t in self.tensors:
             pieces, writes = self.where[t]
             if writes or not writing:
-                items += _cut(pieces, (0,) * t.dim(), t.detach(), self.max_piece)
+                items += _cut(pieces, (0,) * t.dim(), t.detach())
         return _group(items)
 
     def state(self, fragments: list, writing: bool) -> dict:
@@ -153,7 +146,7 @@ class ModelSpace:
                 for off, size in flat_boxes(p.shape, p_lo, p_lo + flat.numel()):
                     start = sum(o * s for o, s in zip(off, strides)) - p_lo
                     data = flat[start:start + math.prod(size)].view(size)
-                    items.setdefault(kind, []).extend(_cut(pieces, off, data, self.max_piece))
+                    items.setdefault(kind, []).extend(_cut(pieces, off, data))
         out: dict = {}
         for kind, found in items.items():
             for key, boxes in _group(found).items():

@@ -102,13 +102,6 @@ def set_rng_state(state: dict) -> None:
 
 # ----------------------------------------------------------------------------- model and optimizer state
 
-def model_space(chunks, ps, ddp=None) -> ModelSpace:
-    """This rank's ModelSpace; with ``ddp`` (parallel/data.py) written pieces are cut to half its
-    largest bucket, so a save holds at most one bucket's worth of copies (model_space.py)."""
-    largest = max((b.end - b.start for buf in ddp.buffers for b in buf.buckets), default=0) if ddp else 0
-    return ModelSpace(chunks, ps, max_piece=largest // 2 or None)
-
-
 def model_state(space: ModelSpace, *, load: bool = False) -> dict:
     """{"model": {key: Boxes}, "model_fused": {fused name: {"dim", "parts"}}}: views of this rank's
     model tensors in model space — what it writes, or (load) what it reads (TP-replicated

@@ -27,8 +27,8 @@ import torch
 from .. import config as C
 from .. import fast
 from ..checkpoint import dist as ckpt
-from ..checkpoint.state import (check_model_config, model_space, model_state, optimizer_state, rng_state,
-                                set_rng_state)
+from ..checkpoint.model_space import ModelSpace
+from ..checkpoint.state import check_model_config, model_state, optimizer_state, rng_state, set_rng_state
 from ..data.blend import parse_data_path
 from ..data.gpt_dataset import build_datasets
 from ..data.indexed import check_token_ids
@@ -349,7 +349,7 @@ def save_checkpoint(run: Run, state: TrainState) -> str:
     """
     cfg, ps = run.cfg, run.ps
     run.opt.finish_param_sync()  # ZeRO-1 --overlap-param-gather: weights must be complete first
-    space = model_space(run.chunks, ps, run.ddp)
+    space = ModelSpace(run.chunks, ps)
     tree = {**model_state(space),
             "optimizer": optimizer_state(run.opt, space),
             "scheduler": run.sched.state_dict(),
@@ -418,7 +418,7 @@ def _read_checkpoint(run: Run) -> Optional[tuple]:
         return None
     check_model_config(ckpt.checkpoint_dir(root), cfg.model, load=root)
     run.opt.finish_param_sync()
-    space = model_space(run.chunks, ps)
+    space = ModelSpace(run.chunks, ps)
     targets = {**model_state(space, load=True), "optimizer": optimizer_state(run.opt, space, load=True)}
     return ckpt.load(root, targets, coords=_coords(ps))
 
