@@ -15,7 +15,7 @@ import torch
 from .. import config as C
 from ..dtypes import at_least_fp32
 from ..errors import CheckpointError, ConfigError
-from .dist import CONFIG, _unflatten, rank_trees, read_config, read_tensors
+from .dist import CONFIG, _check_format, _unflatten, rank_trees, read_config, read_manifest, read_tensors
 from .model_space import ModelSpace
 from .safe_read import SafeReader, reading
 
@@ -127,6 +127,7 @@ def full_model_state(path: str, load: Optional[str] = None) -> dict:
     folder's parent).
     """
     with reading(path, load):
+        _check_format(path, read_manifest(path))
         keys = [k for k in SafeReader(path).read_metadata().state_dict_metadata if k.startswith("model/")]
         full = {k[len("model/"):]: at_least_fp32(t) for k, t in read_tensors(path, keys).items()}
         for tree in rank_trees(path).values():
