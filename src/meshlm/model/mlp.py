@@ -3,7 +3,8 @@
 GeLU (GPT): fc1 [ffn, h] → gelu → fc2 [h, ffn].
 SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"; LLaMA): the full fc1 weight is
 [gate (ffn); up (ffn)] rows; rank r holds gate rows and up rows [r·ffn/tp, (r+1)·ffn/tp), so
-silu(gate) · up is computed locally on matching halves.
+silu(gate) · up is computed locally on matching halves. Checkpoints store gate and up as two
+logical tensors (checkpoint/model_space.py).
 """
 
 from __future__ import annotations
