@@ -77,7 +77,7 @@ class Case:
                         if getattr(self, f.name) != getattr(default, f.name)) or "single"
 
 
-def config(case: Case):
+def config(case: Case, global_batch: int = GLOBAL_BATCH):
     """The Config that ``meshlm pretrain`` would build from the case's flags (validated)."""
     from meshlm.config import Config
     from meshlm.validate import validate
@@ -100,7 +100,7 @@ def config(case: Case):
     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers = case.first, case.last
     p.use_distributed_optimizer, p.ddp_bucket_size = case.dist_opt, case.bucket
     p.overlap_grad_reduce, p.overlap_param_gather = case.overlap_grad, case.overlap_param
-    t.micro_batch_size, t.global_batch_size, t.train_iters = case.micro, GLOBAL_BATCH, STEPS
+    t.micro_batch_size, t.global_batch_size, t.train_iters = case.micro, global_batch, STEPS
     t.fast_path = case.fast
     t.recompute_activations = case.recompute == "selective"
     if case.recompute.startswith("full"):

@@ -1,4 +1,5 @@
-"""checkpoint.dist, .safe_read, .state: layout, round trip, atomicity, refusal to unpickle, clear errors."""
+"""checkpoint.dist, .boxes, .safe_read, .state: layout, round trip, resharding of boxes, atomicity,
+refusal to unpickle, clear errors (the training-level resharding: test_checkpoint_reshard.py)."""
 
 import os
 import pickle
@@ -10,7 +11,8 @@ import torch
 
 from distributed import run_distributed
 from meshlm.checkpoint import dist as ckpt
-from meshlm.checkpoint.state import check_model_config, full_model_state, load_model_state, rng_state, set_rng_state
+from meshlm.checkpoint.boxes import Boxes, flat_boxes
+from meshlm.checkpoint.state import check_model_config, full_model_state, rng_state, set_rng_state
 from meshlm.errors import CheckpointError
 
 
@@ -18,7 +20,7 @@ def _state(rank: int) -> dict:
     g = torch.Generator().manual_seed(100 + rank)
     return {
         "model": {"layers.0.weight": torch.arange(6.0).view(2, 3), "layers.1.bias": torch.ones(4)},
-        f"optimizer/rank{rank}": {"state": {0: {"exp_avg": torch.randn(3, generator=g), "step": 7}},
+        ckpt.rank_key("optimizer", rank): {"state": {0: {"exp_avg": torch.randn(3, generator=g), "step": 7}},
                                   "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "name": None}]},
         "train": {"consumed_samples": 96 + rank},
     }
@@ -45,34 +47,73 @@ def test_layout_and_round_trip_single_process(tmp_path):
     assert path == str(tmp_path / "iter_0000100")
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "100"
     assert {"checkpoint.json", "config.json", ".metadata", "rank_00000.json"} <= set(os.listdir(path))
-    iteration, loaded = ckpt.load(str(tmp_path), layout={"tp": 1})
+    iteration, loaded = ckpt.load(str(tmp_path))
     assert iteration == 100
-    _assert_same(state, {k: loaded[k] for k in state})  # int dict keys and tuples survive as keys/lists
-    assert loaded[f"optimizer/rank0"]["state"][0]["step"] == 7
+    own = state.pop(ckpt.rank_key("optimizer", 0))
+    _assert_same({**state, "optimizer": own}, loaded)  # int dict keys and tuples survive as keys/lists
+    assert loaded["optimizer"]["state"][0]["step"] == 7
 
 
-def test_load_can_leave_top_level_entries_unread(tmp_path, monkeypatch):
-    """--no-load-optim / --no-load-rng: the skipped subtrees are left out and their tensors not read."""
-    state = _state(0)
+def test_load_reads_only_the_targets_tensors(tmp_path, monkeypatch):
+    """--no-load-optim: the optimizer is left out of the targets and none of its tensors is read."""
+    state = {"model": {"w": torch.arange(6.0).view(2, 3)}, "optimizer": {"exp_avg": torch.ones(3)}, "train": {"it": 1}}
     ckpt.save(str(tmp_path), 1, state)
-    asked, read = [], ckpt.read_tensors
-    monkeypatch.setattr(ckpt, "read_tensors", lambda path, keys: (asked.extend(keys), read(path, keys))[1])
-    _, loaded = ckpt.load(str(tmp_path), skip=("optimizer/", "train"))
-    assert list(loaded) == ["model"] and sorted(asked) == ["model/layers.0.weight", "model/layers.1.bias"]
-    _assert_same(state["model"], loaded["model"])
+    asked, read_into, read_tensors = [], ckpt.read_into, ckpt.read_tensors
+    monkeypatch.setattr(ckpt, "read_into", lambda path, t: (asked.extend(t), read_into(path, t))[1])
+    monkeypatch.setattr(ckpt, "read_tensors", lambda path, keys: (asked.extend(keys), read_tensors(path, keys))[1])
+    target = {"model": {"w": torch.zeros(2, 3)}}
+    _, loaded = ckpt.load(str(tmp_path), target)
+    assert asked == ["model/w"] and loaded["optimizer"]["exp_avg"] is None and loaded["train"] == {"it": 1}
+    assert torch.equal(target["model"]["w"], state["model"]["w"])
 
 
 def _save_then_load(rank, world, root):
-    ckpt.save(root, 5, _state(rank), layout={"dp": world})
-    it, loaded = ckpt.load(root, layout={"dp": world})
-    return it, loaded
+    ckpt.save(root, 5, _state(rank), layout={"dp": world}, coords={"dp": rank})
+    return ckpt.load(root), ckpt.load(root, coords={"dp": 1 - rank}), ckpt.load(root, coords={"dp": 2})
 
 
-def test_each_rank_gets_its_own_state_back_over_gloo(tmp_path):
+def test_per_rank_subtrees_come_from_the_matching_rank_and_the_rest_from_rank_0(tmp_path):
     results = run_distributed(_save_then_load, 2, str(tmp_path))
-    for rank, (it, loaded) in enumerate(results):
+    for rank, ((it, own), (_, other), (_, nowhere)) in enumerate(results):
         assert it == 5
-        _assert_same(_state(rank), loaded)
+        _assert_same(own["optimizer"], _state(rank)[ckpt.rank_key("optimizer", rank)])
+        _assert_same(other["optimizer"], _state(1 - rank)[ckpt.rank_key("optimizer", 1 - rank)])
+        assert nowhere["optimizer"] is None
+        assert own["train"] == other["train"] == {"consumed_samples": 96}  # shared values: rank 0's
+
+
+FULL = torch.arange(30.0).view(10, 3)
+
+
+def _save_pieces(rank, world, root):
+    """Rank 0 holds rows 0-3 and 7-9 of FULL, rank 1 rows 4-6; both hold all of a replicated [4]."""
+    pieces = [((0, 0), FULL[0:4]), ((7, 0), FULL[7:10])] if rank == 0 else [((4, 0), FULL[4:7].clone())]
+    ckpt.save(root, 1, {"t": Boxes((10, 3), pieces), "r": Boxes((4,), [((0,), torch.ones(4))])})
+
+
+def test_boxes_saved_by_some_ranks_load_into_any_other_boxes(tmp_path):
+    run_distributed(_save_pieces, 2, str(tmp_path))
+    buf = torch.zeros(5, 4)  # a target view that is not contiguous: columns 1..3
+    targets = {"t": Boxes((10, 3), [((2, 0), buf[:, 1:]), ((0, 1), torch.zeros(2, 2)), ((7, 0), torch.zeros(3, 3))])}
+    it, loaded = ckpt.load(str(tmp_path), targets)
+    assert torch.equal(buf[:, 1:], FULL[2:7]) and torch.equal(buf[:, 0], torch.zeros(5))
+    assert torch.equal(targets["t"].pieces[1][1], FULL[0:2, 1:3])
+    assert torch.equal(targets["t"].pieces[2][1], FULL[7:10])
+    assert loaded["t"] is targets["t"] and loaded["r"] is None  # "r" was not asked for
+    assert torch.equal(ckpt.read_tensors(ckpt.iteration_dir(str(tmp_path), 1), ["t"])["t"], FULL)
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4)])
+def test_flat_boxes_cover_a_flat_range_exactly_in_order(shape):
+    n = int(np.prod(shape))
+    full = torch.arange(n).view(shape)
+    for lo in range(n):
+        for hi in range(lo + 1, n + 1):
+            boxes = flat_boxes(shape, lo, hi)
+            assert len(boxes) <= 2 * (len(shape) - 1) + 1
+            got = torch.cat([full[tuple(slice(o, o + s) for o, s in zip(off, size))].reshape(-1)
+                             for off, size in boxes])
+            assert torch.equal(got, torch.arange(lo, hi))
 
 
 def test_crash_before_tracker_moves_keeps_previous_checkpoint(tmp_path, monkeypatch):
@@ -154,10 +195,14 @@ def test_missing_or_incomplete_checkpoint_names_the_folder(tmp_path):
         ckpt.load(str(tmp_path))
 
 
-def test_other_layout_is_refused_with_a_clear_error(tmp_path):
-    ckpt.save(str(tmp_path), 2, {"w": torch.zeros(2)}, layout={"tp": 2, "pp": 1})
-    with pytest.raises(CheckpointError, match="resharding"):
-        ckpt.load(str(tmp_path), layout={"tp": 1, "pp": 1})
+def test_a_checkpoint_of_the_older_format_is_refused_naming_it(tmp_path):
+    path = ckpt.save(str(tmp_path), 2, {"w": torch.zeros(2)})
+    manifest = ckpt.read_manifest(path)
+    (tmp_path / "iter_0000002" / "checkpoint.json").write_text(
+        __import__("json").dumps({**manifest, "format_version": 1}))
+    for read in (lambda: ckpt.load(str(tmp_path)), lambda: full_model_state(path)):
+        with pytest.raises(CheckpointError, match="has format 1, this meshlm reads format 2"):
+            read()
 
 
 def test_rng_states_round_trip_through_a_checkpoint(tmp_path):
@@ -191,7 +236,7 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_checkpoint_is_one_checkpoint_error_naming_load_and_iteration(tmp_path, damage):
-    ckpt.save(str(tmp_path), 10, {"w": torch.randn(64, 64), "meta": {"note": "x"}}, config={"model": {}})
+    ckpt.save(str(tmp_path), 10, {"model": {"w": torch.randn(64, 64)}, "meta": {"note": "x"}}, config={"model": {}})
     damage_fn, reason = DAMAGE[damage]
     damage_fn(tmp_path / "iter_0000010")
     with pytest.raises(CheckpointError) as err:
@@ -301,17 +346,13 @@ def test_model_config_check_without_config_json_is_damage(tmp_path):
         check_model_config(str(tmp_path / "iter_0000010"), _model())
 
 
-def test_model_tensors_the_model_does_not_use_or_lacks_are_refused_before_copying():
-    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
-    saved = {k: torch.ones_like(v) for k, v in model.state_dict().items()}
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(CheckpointError, match="not used by the model 1: 2.running_mean"):
-        load_model_state([model], None, {**saved, "2.running_mean": torch.zeros(2)})
-    with pytest.raises(CheckpointError, match="missing 1: 1.bias"):
-        load_model_state([model], None, {k: v for k, v in saved.items() if k != "1.bias"})
-    with pytest.raises(CheckpointError, match=r"another shape.*0.weight \(3, 3\) vs \(2, 3\)"):
-        load_model_state([model], None, {**saved, "0.weight": torch.zeros(3, 3)})
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, before[k])  # nothing copied by a refused load
-    load_model_state([model], None, saved)
-    assert all(torch.equal(v, torch.ones_like(v)) for v in model.state_dict().values())
+def test_targets_the_checkpoint_lacks_or_holds_at_another_shape_are_refused_before_copying(tmp_path):
+    path = ckpt.save(str(tmp_path), 1, {"model": {"a": torch.ones(2, 3), "b": torch.ones(4)}})
+    a, b = torch.zeros(2, 3), torch.zeros(5)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.read_into(path, {"model/a": a, "model/b": b, "model/c": torch.zeros(1)})
+    assert str(err.value) == (f"checkpoint {path} does not fit this run (has no tensor 1: model/c; has another "
+                              f"shape (saved vs now) 1: model/b (4,) vs (5,)): was it saved with another model config?")
+    assert not a.any()  # nothing copied by a refused load
+    ckpt.read_into(path, {"model/a": a})
+    assert torch.equal(a, torch.ones(2, 3))

@@ -50,20 +50,31 @@ def _train(ps, variant):
                         "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _zero_vs_plain(rank, world):
+def _matches(opt, full: dict, exact: bool) -> bool:
+    """Whether every piece of opt's state equals that range of ``full`` {param: {kind: flat}}."""
+    return all(torch.equal(t, full[p][k][lo:lo + t.numel()]) if exact else rel_err(t, full[p][k][lo:lo + t.numel()]) < 1e-12
+               for p, lo, views in opt.state_pieces() for k, t in views.items())
+
+
+def _zero_vs_plain(rank, world, root):
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.checkpoint.model_space import ModelSpace
+    from meshlm.checkpoint.state import optimizer_state
     ps = ParallelState.build()
-    runs, opts = {}, {}
+    runs, opts, models = {}, {}, {}
     for variant in VARIANTS:
-        _, opts[variant], runs[variant] = _train(ps, variant)
-    plain_sd, zero_sd = opts["plain"].state_dict(), opts["zero1"].state_dict()
-    # a ZeRO-1 optimizer loads the plain-DP state (another sharding) and hands back the same state
-    _, fresh, _ = _train(ps, "zero1")
-    fresh.load_state_dict(plain_sd)
-    reloaded = fresh.state_dict()
-    runs["state_match"] = all(
-        rel_err(zero_sd["params"][n][k], plain_sd["params"][n][k]) < 1e-12
-        and torch.equal(reloaded["params"][n][k], plain_sd["params"][n][k])
-        for n in plain_sd["params"] for k in ("master", "exp_avg", "exp_avg_sq"))
+        models[variant], opts[variant], runs[variant] = _train(ps, variant)
+    plain = {p: views for p, lo, views in opts["plain"].state_pieces()}  # plain DP: whole params
+    by_name = {n: plain[p] for n, p in models["plain"].named_parameters()}
+    zero_model = models["zero1"]
+    runs["state_match"] = _matches(opts["zero1"], {p: by_name[n] for n, p in zero_model.named_parameters()}, False)
+    # a ZeRO-1 optimizer loads the plain-DP state (another sharding) from a checkpoint, nothing gathered
+    ckpt.save(root, 1, {"optimizer": optimizer_state(opts["plain"], ModelSpace([models["plain"]], ps))})
+    fresh_model, fresh, _ = _train(ps, "zero1")
+    _, tree = ckpt.load(root, {"optimizer": optimizer_state(fresh, ModelSpace([fresh_model], ps), load=True)})
+    fresh.load_state_dict(tree["optimizer"])
+    runs["state_match"] &= fresh.step_count == STEPS and _matches(
+        fresh, {p: by_name[n] for n, p in fresh_model.named_parameters()}, True)
     runs["memory"] = opts["zero1"].memory_report()
     bf16 = Toy(dtype=torch.bfloat16)
     cfg = make_cfg(use_distributed_optimizer=True)
@@ -76,8 +87,8 @@ def _zero_vs_plain(rank, world):
 
 
 @pytest.mark.parametrize("dp", [2, 4])
-def test_zero1_matches_plain_dp_over_five_steps(dp):
-    for runs in run_distributed(_zero_vs_plain, dp):
+def test_zero1_matches_plain_dp_over_five_steps(dp, tmp_path):
+    for runs in run_distributed(_zero_vs_plain, dp, str(tmp_path / "ckpt")):
         ref = runs["plain"]
         for variant in ("zero1", "zero1-overlap", "zero1-gloo-fallback"):
             got = runs[variant]

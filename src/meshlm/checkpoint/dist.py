@@ -9,10 +9,15 @@ Layout (Megatron's conventions)::
     SAVE/iter_0000100/config.json            the run's Config as JSON (for `meshlm generate`)
 
 A state is a nested dict (dict/list/tuple) of tensors and JSON values. Tensors are flattened to
-DCP keys ``a/b/c`` (so a top-level key such as ``rng/rank3`` namespaces a subtree); everything
-else goes to the rank's JSON file. Identical keys on several ranks are written once by DCP (DP
-replicas of the model); the caller makes keys unique where values differ (``model_key``,
-``rank_namespace``).
+DCP keys ``a/b/c``; everything else goes to the rank's JSON file. A tensor is a plain tensor
+(saved whole) or a ``boxes.Boxes`` (the pieces of a global tensor this rank holds: the model
+space of model_space.py). DCP writes identical boxes offered by several ranks once (DP
+replicas); values that differ between ranks go under rank-unique keys (``rank_key``).
+
+Loading reshards: each rank names the tensors it wants and where they go (``targets``: plain
+tensors or Boxes of views into its live model and optimizer state); DCP reads exactly those
+boxes, whatever layout wrote them. The values every rank shares (progress, schedule) come from
+saved rank 0; a per-rank subtree from the saved rank at the same coordinates (``load``).
 
 Atomicity: all ranks write into ``iter_XXXXXXX.tmp``; after a barrier rank 0 writes the
 manifest, renames the folder to ``iter_XXXXXXX`` and then replaces the tracker through a temp
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
 from typing import Any, Optional
@@ -38,13 +44,21 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointError
+from .boxes import Boxes
 from .lock import LOCK_FILE
 from .safe_read import SafeReader, _TensorOnlyPlanner, _check_storage, _load_json, reading
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "checkpoint.json"
 CONFIG = "config.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: model space (global names and shapes), per-parameter optimizer state
+_RANK_KEY = re.compile(r"^(.+)/rank(\d+)$")
+
+
+def rank_key(name: str, rank: int) -> str:
+    """Top-level state key ``name/rank<r>`` of a per-rank subtree (values that differ between
+    ranks, e.g. RNG states); ``load`` returns the matching saved rank's subtree as ``tree[name]``."""
+    return f"{name}/rank{rank}"
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -57,7 +71,7 @@ def iteration_dir(root: str, iteration: int) -> str:
 def _flatten(obj: Any, prefix: str, tensors: dict) -> Any:
     """Encode obj as a JSON tree; tensors go to ``tensors[key]`` and appear as {"t": key}."""
     if isinstance(obj, torch.Tensor):
-        tensors[prefix] = obj.detach()
+        tensors[prefix] = obj if isinstance(obj, Boxes) else obj.detach()
         return {"t": prefix}
     if isinstance(obj, dict):
         return {"d": [[k, _flatten(v, f"{prefix}/{k}" if prefix else str(k), tensors)] for k, v in obj.items()]}
@@ -69,8 +83,9 @@ def _flatten(obj: Any, prefix: str, tensors: dict) -> Any:
 
 
 def _unflatten(tree: dict, tensors: dict) -> Any:
+    """Inverse of _flatten; a tensor key not in ``tensors`` gives None."""
     if "t" in tree:
-        return tensors[tree["t"]]
+        return tensors.get(tree["t"])
     if "d" in tree:
         return {k: _unflatten(v, tensors) for k, v in tree["d"]}
     if "l" in tree:
@@ -140,10 +155,10 @@ def save(root: str, iteration: int, state: dict, *, layout: Optional[dict] = Non
     """Write ``state`` of every rank to ``root/iter_XXXXXXX`` atomically; return that folder.
 
     Collective over the default process group: every rank calls it with its own state.
-    layout: e.g. {"tp": 2, "pp": 2, "dp": 1} recorded in checkpoint.json (checked on load).
+    layout: e.g. {"tp": 2, "pp": 2, "dp": 1}, recorded in checkpoint.json (any layout loads it).
     config: the run's config as a JSON-able dict (rank 0's is written).
-    coords: this rank's place in the layout, e.g. {"tp": 0, "pp": 1, "dp": 0} (lets ``load``
-    find the state of the rank at the same place when the world size changed).
+    coords: this rank's place in the layout, e.g. {"tp": 0, "pp": 1, "dp": 0}, recorded in its
+    rank JSON (``load`` picks per-rank subtrees by it).
     """
     rank, world = _world()
     final = iteration_dir(root, iteration)
@@ -275,71 +290,100 @@ def read_config(path: str) -> dict:
     return _load_json(file)
 
 
-def read_tensors(path: str, keys: list) -> dict:
-    """Load the tensors ``keys`` of a checkpoint folder into new CPU tensors, without collectives.
+def read_into(path: str, targets: dict) -> None:
+    """Load the checkpoint folder's tensors into ``targets`` {DCP key: tensor or Boxes} in place,
+    without collectives: each target reads the boxes it covers from whatever pieces were saved.
 
-    Shapes and dtypes come from the DCP metadata (read with the allow-list unpickler).
-    Raises CheckpointError naming the first key the checkpoint does not hold; damaged files raise
-    their own errors (FileNotFoundError, _Corrupt, RuntimeError...), for ``reading`` to report.
+    Raises CheckpointError, before reading anything, naming the keys the checkpoint lacks or holds
+    at another global shape; damaged files raise their own errors (FileNotFoundError, _Corrupt,
+    RuntimeError...), for ``reading`` to report.
     """
-    metadata = SafeReader(path).read_metadata()
-    out = {}
+    if not targets:
+        return
+    everything = SafeReader(path).read_metadata()
+    metadata = everything.state_dict_metadata
+    missing = [k for k in targets if not isinstance(metadata.get(k), TensorStorageMetadata)]
+    shapes = [f"{k} {tuple(metadata[k].size)} vs {tuple(t.shape)}" for k, t in targets.items()
+              if k not in missing and tuple(metadata[k].size) != tuple(t.shape)]
+    problems = [f"{what} {len(keys)}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
+                for what, keys in (("has no tensor", missing), ("has another shape (saved vs now)", shapes)) if keys]
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not fit this run ({'; '.join(problems)}): "
+                              f"was it saved with another model config?")
+    _check_storage(path, everything, targets)
+    with warnings.catch_warnings():  # a world of one is "assumed" single-process
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(targets, storage_reader=SafeReader(path), planner=_TensorOnlyPlanner(), no_dist=True)
+
+
+def read_tensors(path: str, keys: list) -> dict:
+    """The tensors ``keys`` of a checkpoint folder, whole (global shape and dtype from the DCP
+    metadata), as new CPU tensors; errors as ``read_into``."""
+    metadata = SafeReader(path).read_metadata().state_dict_metadata
     for key in keys:
-        md = metadata.state_dict_metadata.get(key)
-        if not isinstance(md, TensorStorageMetadata):
+        if not isinstance(metadata.get(key), TensorStorageMetadata):
             raise CheckpointError(f"checkpoint {path} has no tensor {key!r}")
-        out[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    _check_storage(path, metadata, keys)
-    if out:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(out, storage_reader=SafeReader(path), planner=_TensorOnlyPlanner(), no_dist=True)
+    out = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in keys}
+    read_into(path, out)
     return out
 
 
-def _rank_file(path: str, world_saved: int, coords: Optional[dict]) -> str:
-    """The rank JSON to read: this rank's, or (coords given) the saved rank at the same coords,
-    preferring an exact match and otherwise ignoring "dp" (a resume at another DP size)."""
-    rank, world = _world()
+def rank_trees(path: str) -> dict:
+    """{saved rank: {"coords", "state"}} of a checkpoint folder: every rank JSON (the state as the
+    flattened tree of ``_flatten``)."""
+    return {int(name[5:-5]): _load_json(os.path.join(path, name)) for name in sorted(os.listdir(path))
+            if name.startswith("rank_") and name.endswith(".json")}
+
+
+def _check_format(path: str, manifest: dict) -> None:
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format {version}, this meshlm reads format {FORMAT_VERSION} "
+                              f"(the model space); load it with the meshlm that saved it and export it, or re-train")
+
+
+def _matching_rank(trees: dict, coords: Optional[dict]) -> Optional[int]:
+    """The saved rank at ``coords`` (None: the rank with this rank's number), or None if there is none."""
     if coords is None:
-        if world_saved != world:
-            raise CheckpointError(f"checkpoint {path} was saved by {world_saved} ranks, this run has {world}")
-        return os.path.join(path, f"rank_{rank:05d}.json")
-    loose = {k: v for k, v in coords.items() if k != "dp"}
-    fallback = None
-    for name in sorted(os.listdir(path)):
-        if name.startswith("rank_") and name.endswith(".json"):
-            saved = _load_json(os.path.join(path, name)).get("coords") or {}
-            if saved == coords:
-                return os.path.join(path, name)
-            if fallback is None and {k: v for k, v in saved.items() if k != "dp"} == loose:
-                fallback = os.path.join(path, name)
-    if fallback is None:
-        raise CheckpointError(f"checkpoint {path} has no rank at {loose}")
-    return fallback
+        rank = _world()[0]
+        return rank if rank in trees else None
+    return next((r for r, t in sorted(trees.items()) if t.get("coords") == coords), None)
 
 
-def load(root: str, *, layout: Optional[dict] = None, coords: Optional[dict] = None,
-         iteration: Optional[int] = None, skip: tuple = ()) -> tuple:
-    """Read this rank's state from the checkpoint the tracker (or ``iteration``) names.
+def load(root: str, targets: Optional[dict] = None, *, coords: Optional[dict] = None,
+         iteration: Optional[int] = None) -> tuple:
+    """Read a rank's state from the checkpoint the tracker (or ``iteration``) names, at any layout.
 
-    Returns (iteration, state) with state the nested dict the matching rank passed to ``save``
-    (tensors on CPU), less the top-level entries whose key starts with one of the strings ``skip``
-    (their tensors are not read). Without ``coords`` that is the rank with this rank's number (same
-    world size required); with ``coords``, the saved rank at the same place (see ``_rank_file``).
-    Each rank reads only what it needs (no collective). Raises CheckpointError if the checkpoint is missing,
-    incomplete or damaged (one line, see ``reading``), or any key of ``layout`` differs from the
-    saved layout (resharding to another TP/PP layout is not supported yet).
+    targets: a nested dict like the state given to ``save``; its tensor leaves (plain tensors or
+    Boxes) are loaded in place from the checkpoint's tensors of the same keys (resharded, see
+    ``read_into``); its other leaves are ignored. None: every tensor of the returned tree is read
+    whole instead.
+    Returns (iteration, tree): the state saved by rank 0 (the values every rank shares), with each
+    tensor leaf the target loaded into it (None when targets do not name it), and each per-rank
+    subtree ``rank_key(name, r)`` replaced by ``tree[name]``: the subtree (tensors read whole) of the
+    saved rank at the same ``coords`` (None: the same rank number), or None when no saved rank
+    is at this rank's place. No collective: each rank reads only what it needs.
+    Raises CheckpointError if the checkpoint is missing, incomplete, damaged (one line, see
+    ``reading``), of another format, or does not hold the targets at their global shapes.
     """
     path = checkpoint_dir(root, iteration)
     with reading(path, root):
         manifest = read_manifest(path)
-        saved = manifest.get("layout", {})
-        if layout is not None and {k: saved.get(k) for k in layout} != layout:
-            raise CheckpointError(f"checkpoint {path} was saved with layout {saved}; this run has {layout}: "
-                                  f"resume with the saved layout (resharding on load is not supported yet)")
-        tree = _load_json(_rank_file(path, manifest["world_size"], coords))["state"]
-        if skip:
-            tree = {"d": [[k, v] for k, v in tree["d"] if not str(k).startswith(skip)]}
-        tensors = read_tensors(path, _tensor_keys(tree))
-        return manifest["iteration"], _unflatten(tree, tensors)
+        _check_format(path, manifest)
+        trees = rank_trees(path)
+        own = _matching_rank(trees, coords)
+        common = {"d": [[k, v] for k, v in trees[0]["state"]["d"] if not _RANK_KEY.match(k)]}
+        names = [m.group(1) for k, _ in trees[0]["state"]["d"] if (m := _RANK_KEY.match(k))]
+        mine = dict(trees[own]["state"]["d"]) if own is not None else {}
+        per_rank = {name: mine.get(rank_key(name, own)) for name in names}
+        flat: dict = {}
+        if targets is not None:
+            _flatten(targets, "", flat)
+            read_into(path, flat)
+        whole = [k for sub in per_rank.values() if sub for k in _tensor_keys(sub)]
+        if targets is None:
+            whole += _tensor_keys(common)
+        tensors = {**read_tensors(path, whole), **flat}
+        state = _unflatten(common, tensors)
+        state.update({name: _unflatten(sub, tensors) if sub else None for name, sub in per_rank.items()})
+        return manifest["iteration"], state

@@ -1,5 +1,6 @@
-"""What a training state puts into a checkpoint: model tensors (with their TP shard index), RNG
-states, and the model architecture a resume must match.
+"""What a training state puts into a checkpoint: the model and the optimizer's per-parameter state
+in model space (model_space.py: global names and shapes, so any TP/PP/DP layout loads any other),
+RNG states, and the model architecture a resume must match.
 """
 
 from __future__ import annotations
@@ -14,19 +15,21 @@ import torch
 from .. import config as C
 from ..dtypes import at_least_fp32
 from ..errors import CheckpointError, ConfigError
-from .dist import CONFIG, _tensor_keys, _unflatten, read_config, read_tensors
-from .safe_read import _load_json, reading
+from .dist import CONFIG, _check_format, _unflatten, rank_trees, read_config, read_manifest, read_tensors
+from .model_space import ModelSpace
+from .safe_read import SafeReader, reading
 
 # ----------------------------------------------------------------------------- model config
 
 def _architecture(m: C.ModelConfig) -> dict:
     """{field name: effective value} of the ModelConfig fields that decide the model's function and
     tensor shapes (defaults resolved, e.g. --ffn-hidden-size None → 4h). Dropout, init, sequence
-    length (except as the learned position table size) may change on resume and are left out."""
+    length (except as the learned position table size) may change on resume and are left out, and
+    so may --make-vocab-size-divisible-by (checkpoints hold the unpadded vocabulary)."""
     arch = {name: getattr(m, name) for name in (
         "num_layers", "hidden_size", "num_attention_heads", "normalization", "swiglu", "openai_gelu",
         "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
-        "vocab_size", "make_vocab_size_divisible_by")}
+        "vocab_size")}
     arch.update(num_query_groups=C.query_groups(m), ffn_hidden_size=C.ffn_hidden(m), kv_channels=C.head_dim(m))
     if m.position_embedding_type == "rope":
         arch.update(rotary_base=m.rotary_base, rotary_percent=m.rotary_percent)
@@ -97,88 +100,39 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-# ----------------------------------------------------------------------------- model state
+# ----------------------------------------------------------------------------- model and optimizer state
 
-def _model_key(name: str, t: torch.Tensor, ps) -> str:
-    """Checkpoint key of a model tensor: its global name (``layers.<global index>.…``, the same
-    in every layout), suffixed ``@tp<rank>of<tp>`` when the tensor is split over TP."""
-    if getattr(t, "tensor_model_parallel", False):
-        return f"{name}@tp{ps.tp_rank}of{ps.tp}"
-    return name
-
-
-def model_state(chunks, ps) -> dict:
-    """This rank's model tensors for ``save``: {"model": {key: tensor}, "model_shards": {key:
-    {"dim", "full_size", "index"}}} — for each TP-split tensor, which rows/columns of the full
-    weight it holds (parallel/tensor.py's partition_index), so a full weight can be rebuilt."""
-    params, shards = {}, {}
-    for chunk in chunks:
-        for name, t in chunk.state_dict(keep_vars=True).items():
-            key = _model_key(name, t, ps)
-            params[key] = t.detach()
-            if getattr(t, "tensor_model_parallel", False):
-                shards[key] = {"dim": t.partition_dim, "full_size": t.full_size,
-                               "index": t.partition_index.detach().cpu()}
-    return {"model": params, "model_shards": shards}
+def model_state(space: ModelSpace, *, load: bool = False) -> dict:
+    """{"model": {key: Boxes}, "model_fused": {fused name: {"dim", "parts"}}}: views of this rank's
+    model tensors in model space — what it writes, or (load) what it reads (TP-replicated
+    tensors too). Loading writes straight into the model."""
+    return {"model": space.model(writing=not load), "model_fused": space.fused}
 
 
-@torch.no_grad()
-def load_model_state(chunks, ps, params: dict) -> None:
-    """Copy ``params`` (the "model" subtree of a loaded state) into the chunks in place.
-
-    Raises CheckpointError, before copying anything, when the checkpoint lacks a tensor the model
-    has, holds one the model does not use, or holds one of another shape (names the first few).
-    """
-    targets = {_model_key(name, t, ps): t for chunk in chunks for name, t in chunk.state_dict(keep_vars=True).items()}
-    missing = [k for k in targets if k not in params]
-    unexpected = [k for k in params if k not in targets]
-    shapes = [f"{k} {tuple(params[k].shape)} vs {tuple(t.shape)}" for k, t in targets.items()
-              if k in params and params[k].shape != t.shape]
-    problems = [f"{what} {len(keys)}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
-                for what, keys in (("missing", missing), ("not used by the model", unexpected),
-                                   ("of another shape (saved vs model)", shapes)) if keys]
-    if problems:
-        raise CheckpointError(f"checkpoint model tensors do not match the model ({'; '.join(problems)}): "
-                              f"was it saved with another model config?")
-    for key, t in targets.items():
-        t.copy_(params[key])
+def optimizer_state(opt, space: ModelSpace, *, load: bool = False) -> dict:
+    """The optimizer's scalars (``opt.state_dict()``) and ``"params": {key: {"master", "exp_avg",
+    "exp_avg_sq": Boxes}}``: views of this rank's fp32 state (its ZeRO-1 shard, or all of it) in
+    model space, so the state reshards over DP, TP and PP and nothing is gathered; loading writes
+    straight into the optimizer (then call ``opt.load_state_dict`` with the scalars)."""
+    return {**opt.state_dict(), "params": space.state(opt.state_pieces(), writing=not load)}
 
 
 def full_model_state(path: str, load: Optional[str] = None) -> dict:
-    """{global name: full (TP=1) fp32 tensor} rebuilt from every rank of a checkpoint folder.
+    """{global name: full (TP=1) fp32 tensor} of a checkpoint folder, named as a TP=1/PP=1 model's
+    state_dict (fused tensors put back together; a tied output layer has no entry of its own).
 
-    Works for any TP/PP layout the checkpoint was saved with: TP shards are put back with their
-    saved partition index (vocabulary padding dropped), PP stages hold disjoint global names.
-    Reads rank JSONs and tensors only (no collective). Damaged files raise ``damaged(path, e,
-    load)``, one line naming ``load`` (the --load argument; default the folder's parent).
+    Works for any layout the checkpoint was saved with (the model space has global shapes).
+    Reads the rank JSONs and the model tensors only (no collective). Damaged files raise
+    ``damaged(path, e, load)``, one line naming ``load`` (the --load argument; default the
+    folder's parent).
     """
     with reading(path, load):
-        return _full_model_state(path)
-
-
-def _full_model_state(path: str) -> dict:
-    trees = []
-    for name in sorted(os.listdir(path)):
-        if name.startswith("rank_") and name.endswith(".json"):
-            tree = dict(_load_json(os.path.join(path, name))["state"]["d"])
-            trees.append({"model": tree["model"], "model_shards": tree.get("model_shards", {"d": []})})
-    keys = sorted({k for tree in trees for sub in tree.values() for k in _tensor_keys(sub)})
-    tensors = read_tensors(path, keys)
-    params, shards = {}, {}
-    for tree in trees:
-        params.update(_unflatten(tree["model"], tensors))
-        shards.update(_unflatten(tree["model_shards"], tensors))
-    full = {}
-    for key, t in sorted(params.items()):
-        name, t = key.split("@tp")[0], at_least_fp32(t)
-        if key not in shards:
-            full[name] = t
-            continue
-        dim, size, idx = shards[key]["dim"], shards[key]["full_size"], shards[key]["index"]
-        if name not in full:
-            shape = list(t.shape)
-            shape[dim] = size
-            full[name] = torch.zeros(shape, dtype=t.dtype)
-        keep = idx < size
-        full[name].index_copy_(dim, idx[keep], t.index_select(dim, keep.nonzero().squeeze(1)))
-    return full
+        _check_format(path, read_manifest(path))
+        keys = [k for k in SafeReader(path).read_metadata().state_dict_metadata if k.startswith("model/")]
+        full = {k[len("model/"):]: at_least_fp32(t) for k, t in read_tensors(path, keys).items()}
+        for tree in rank_trees(path).values():
+            fused = dict(tree["state"]["d"]).get("model_fused")
+            for name, spec in (_unflatten(fused, {}) if fused else {}).items():
+                if name not in full:
+                    full[name] = torch.cat([full.pop(key) for key, _ in spec["parts"]], spec["dim"])
+        return dict(sorted(full.items()))

@@ -2,7 +2,8 @@
 
 Full fused QKV weight layout (TP=1): rows [Q (a·d); K (g·d); V (g·d)], a query heads, g key/value
 groups (query_groups), d head_dim. (Megatron-core interleaves Q/K/V per group instead; the
-checkpoint converters reorder.) Rank r owns query heads [r·a/tp, (r+1)·a/tp) — the matching rows
+checkpoint converters reorder; checkpoints store Q, K and V as logical tensors, see
+checkpoint/model_space.py.) Rank r owns query heads [r·a/tp, (r+1)·a/tp) — the matching rows
 of Q and columns of the output projection — and:
 - g ≥ tp: the g/tp groups those heads read, i.e. their K and V rows; no extra communication.
 - g < tp: several ranks need the same group. Each rank holds a unique 1/tp of the [K; V] rows,
@@ -111,7 +112,8 @@ class SelfAttention(nn.Module):
         bias = cfg.add_bias_linear
         self.linear_qkv = ColumnParallelLinear(
             cfg.hidden_size, (a + 2 * g) * d, ps, init("self_attention.linear_qkv.weight"), bias=bias,
-            sequence_parallel=sequence_parallel, rows=torch.cat([q_rows, kv_rows]), params_dtype=params_dtype)
+            sequence_parallel=sequence_parallel, rows=torch.cat([q_rows, kv_rows]),
+            parts=(("linear_q", a * d), ("linear_k", g * d), ("linear_v", g * d)), params_dtype=params_dtype)
         self.linear_proj = RowParallelLinear(
             a * d, cfg.hidden_size, ps, scaled_init("self_attention.linear_proj.weight"), bias=bias,
             sequence_parallel=sequence_parallel, cols=q_rows, params_dtype=params_dtype)

@@ -4,7 +4,8 @@ GeLU (GPT): fc1 [ffn, h] → gelu → fc2 [h, ffn]; exact (erf) GeLU, or under -
 approximation of Hendrycks & Gimpel 2016 §2 (OpenAI's GPT-2, Megatron's openai_gelu, HF's gelu_new).
 SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"; LLaMA): the full fc1 weight is
 [gate (ffn); up (ffn)] rows; rank r holds gate rows and up rows [r·ffn/tp, (r+1)·ffn/tp), so
-silu(gate) · up is computed locally on matching halves.
+silu(gate) · up is computed locally on matching halves. Checkpoints store gate and up as two
+logical tensors (checkpoint/model_space.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class MLP(nn.Module):
             rows = torch.cat([rows, rows + ffn])
         self.linear_fc1 = ColumnParallelLinear(
             cfg.hidden_size, len(rows) * tp, ps, init("mlp.linear_fc1.weight"), bias=cfg.add_bias_linear,
-            sequence_parallel=sequence_parallel, rows=rows, params_dtype=params_dtype)
+            sequence_parallel=sequence_parallel, rows=rows, params_dtype=params_dtype,
+            parts=(("linear_fc1_gate", ffn), ("linear_fc1_up", ffn)) if self.swiglu else None)
         self.linear_fc2 = RowParallelLinear(
             ffn, cfg.hidden_size, ps, scaled_init("mlp.linear_fc2.weight"), bias=cfg.add_bias_linear,
             sequence_parallel=sequence_parallel, params_dtype=params_dtype)

@@ -101,15 +101,3 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for handle in self._pending.values():
             handle.wait()
         self._pending.clear()
-
-    def _bucket_state(self, shard) -> dict:
-        """All-gather the state shards over DP × CP into fresh flat [bucket size] fp32 tensors."""
-        out = {}
-        for key, t in shard.tensors().items():
-            full = torch.empty(shard.bucket.end - shard.bucket.start, dtype=t.dtype, device=t.device)
-            if self.ddp.group is None:
-                full.copy_(t)
-            else:
-                self._gather(full, t, async_op=False)
-            out[key] = full
-        return out

@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 from .. import fast
 from ..dtypes import HALF, wide
-from ..errors import CheckpointError
 from .adamw import Group, adamw_
 from .scaler import build_scaler
 from .schedule import scheduler_for
@@ -244,52 +243,27 @@ class MixedPrecisionOptimizer:
             if s.separate_master:
                 s.param.copy_(s.master)
 
-    def _bucket_state(self, shard: Shard) -> dict:
-        """{"master", "exp_avg", "exp_avg_sq"}: flat fp32 [bucket size] state of the whole bucket."""
-        return shard.tensors()
-
     # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict:
-        """Tensors and plain numbers only (DCP-friendly):
-
-        ``{"step": int, "lr": float, "loss_scaler": {...numbers},
-           "params": {name: {"master", "exp_avg", "exp_avg_sq": fp32 tensors shaped like the param}}}``
-
-        Names come from ``param_names``; shapes are this rank's (TP/PP) local param shapes, the
-        same for every DP rank and for plain DP and ZeRO-1, so a checkpoint loads at any DP size.
-        Under plain DP the tensors are views of the live state (DCP can load into them in place).
-        """
+    def state_pieces(self) -> list:
+        """This rank's tensor state by parameter, nothing copied: [(param, p_lo, {"master", "exp_avg",
+        "exp_avg_sq": [n] views of the live fp32 state})], each holding elements [p_lo, p_lo + n)
+        of the flattened local (TP/PP) param: the whole param under plain DP, this rank's part of
+        it under ZeRO-1. A checkpoint reads them to save and writes into them to load
+        (checkpoint/state.py ``optimizer_state``), so neither gathers anything over DP."""
         self.finish_param_sync()
-        params = {}
-        for s in self.shards:
-            full = self._bucket_state(s)
-            for p in s.bucket.params:
-                a, b = (i - s.bucket.start for i in s.buf.index[p])
-                params[self.names[p]] = {
-                    k: t[a:b].view(p.shape) for k, t in full.items()}
-        return {"step": self.step_count, "lr": self.lr, "loss_scaler": self.scaler.state_dict(),
-                "params": params}
+        return [(f.param, f.p_lo, {k: t[f.lo:f.hi] for k, t in s.tensors().items()})
+                for s in self.shards for f in s.fragments]
+
+    def state_dict(self) -> dict:
+        """The scalars, the same on every rank: ``{"step": int, "lr": float, "loss_scaler": {...}}``
+        (the tensors are ``state_pieces``)."""
+        return {"step": self.step_count, "lr": self.lr, "loss_scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore from ``state_dict()`` output (possibly saved at another DP size or with ZeRO-1).
-
-        Raises CheckpointError naming the first parameter missing from, or shaped differently
-        in, the checkpoint.
-        """
+        """Restore ``state_dict()``'s scalars once the tensors of ``state_pieces`` hold the loaded
+        state, then copy the masters into the params (all-gathered under ZeRO-1: collective over
+        DP × CP, every rank calls it)."""
         self.finish_param_sync()
-        for s in self.shards:
-            mine = s.tensors()
-            for f in s.fragments:
-                entry = sd["params"].get(f.name)
-                if entry is None:
-                    raise CheckpointError(f"optimizer state has no entry for {f.name}: the checkpoint "
-                                          f"was saved from a different model; check --load")
-                for key, dst in mine.items():
-                    src = entry[key]
-                    if src.numel() != f.param.numel():
-                        raise CheckpointError(f"optimizer state of {f.name} has {src.numel()} elements, the "
-                                              f"model {f.param.numel()}: check --load and the model flags")
-                    dst[f.lo:f.hi].copy_(src.reshape(-1)[f.p_lo:f.p_lo + f.hi - f.lo])
         self.step_count = int(sd["step"])
         self.lr = float(sd["lr"])
         self.scaler.load_state_dict(sd["loss_scaler"])

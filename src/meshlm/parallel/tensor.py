@@ -89,11 +89,14 @@ class ColumnParallelLinear(nn.Module):
     x: [s, b, in] replicated (or [s/tp, b, in] under sequence_parallel: all-gathered first, its
     grad reduce-scattered). Output [s, b, out/tp], or [s, b, out] with gather_output.
     rows: which rows of the full [out, in] weight this rank holds (default: a contiguous 1/tp).
+    parts: a fused weight's logical tensors along the rows, ((module name, rows), …) in order, set
+    as ``fused_parts`` on weight and bias (checkpoints store the logical tensors:
+    checkpoint/model_space.py).
     """
 
     def __init__(self, input_size: int, output_size: int, ps, init: ShardedInit, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 rows: torch.Tensor | None = None, params_dtype=torch.float32):
+                 rows: torch.Tensor | None = None, parts: tuple | None = None, params_dtype=torch.float32):
         super().__init__()
         rows = contiguous_index(output_size, ps.tp, ps.tp_rank) if rows is None else rows
         self.group, self.gather_output, self.sequence_parallel = ps.tp_group, gather_output, sequence_parallel
@@ -104,6 +107,9 @@ class ColumnParallelLinear(nn.Module):
             self.bias = mark_partitioned(nn.Parameter(torch.zeros(len(rows), dtype=params_dtype, device=ps.device)),
                               0, rows, output_size)
             self.bias.no_weight_decay = True
+        if parts:
+            for p in self.parameters():
+                p.fused_parts = parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and comm.group_size(self.group) > 1:

@@ -29,7 +29,8 @@ from .. import config as C
 from .. import fast
 from ..checkpoint import convert
 from ..checkpoint import dist as ckpt
-from ..checkpoint.state import check_model_config, load_model_state, model_state, rng_state, set_rng_state
+from ..checkpoint.model_space import ModelSpace
+from ..checkpoint.state import check_model_config, model_state, optimizer_state, rng_state, set_rng_state
 from ..data.blend import parse_data_path
 from ..data.gpt_dataset import build_datasets
 from ..data.indexed import check_token_ids
@@ -396,9 +397,9 @@ def evaluate(run: Run, state: TrainState, index: int) -> float:
 
 
 def _layout(ps: ParallelState, cfg: C.Config) -> dict:
-    """What a checkpoint's model and optimizer tensors depend on (DP size excluded: the optimizer
-    state is saved in parameter shapes, the same under plain DP and ZeRO-1)."""
-    return {"tp": ps.tp, "pp": ps.pp, "cp": ps.cp, "virtual_pipeline": virtual_size(cfg)}
+    """The layout a checkpoint records (checkpoint.json; any layout loads any other)."""
+    return {"tp": ps.tp, "pp": ps.pp, "cp": ps.cp, "dp": ps.dp, "virtual_pipeline": virtual_size(cfg),
+            "distributed_optimizer": cfg.parallel.use_distributed_optimizer}
 
 
 def _coords(ps: ParallelState) -> dict:
@@ -406,17 +407,21 @@ def _coords(ps: ParallelState) -> dict:
 
 
 def save_checkpoint(run: Run, state: TrainState) -> str:
-    """Save model, optimizer, scheduler, RNG and progress to --save/iter_XXXXXXX (collective)."""
+    """Save model, optimizer, scheduler, RNG and progress to --save/iter_XXXXXXX (collective).
+
+    Model and optimizer tensors go in model space, each rank writing its own pieces (nothing
+    gathered: checkpoint/state.py); RNG states under this rank's key; the rest is global.
+    """
     cfg, ps = run.cfg, run.ps
     run.opt.finish_param_sync()  # ZeRO-1 --overlap-param-gather: weights must be complete first
-    rng = rng_state()
-    rng["dropout_calls"] = [chunk.rng.call for chunk in run.chunks]
-    tree = {**model_state(run.chunks, ps),
-            f"optimizer/pp{ps.pp_rank}.tp{ps.tp_rank}": run.opt.state_dict(),
+    space = ModelSpace(run.chunks, ps)
+    tree = {**model_state(space),
+            "optimizer": optimizer_state(run.opt, space),
             "scheduler": run.sched.state_dict(),
-            f"rng/rank{ps.rank}": rng,
+            ckpt.rank_key("rng", ps.rank): rng_state(),
+            "dropout_call": max(chunk.rng.call for chunk in run.chunks),
             "train": dataclasses.asdict(state)}
-    path = ckpt.save(cfg.checkpoint.save, state.iteration, tree, layout={**_layout(ps, cfg), "dp": ps.dp},
+    path = ckpt.save(cfg.checkpoint.save, state.iteration, tree, layout=_layout(ps, cfg),
                      config=_portable_config(cfg), coords=_coords(ps))
     run.last_checkpoint = path
     if ps.rank == 0:
@@ -425,12 +430,20 @@ def save_checkpoint(run: Run, state: TrainState) -> str:
 
 
 def load_checkpoint(run: Run) -> TrainState:
-    """Resume from --load. No tracker and --load == --save: a fresh start (Megatron's rule).
+    """Resume from --load, at any layout. No tracker and --load == --save: a fresh start (Megatron's rule).
 
-    What is restored follows Megatron's switches (checkpointing.py load_checkpoint): the model
-    weights always; the optimizer state (fp32 masters, Adam moments and step, loss scale) and the
-    LR schedule unless --no-load-optim or --finetune, which leave both fresh and rebuild the
-    masters from the loaded weights; the RNG states (python, numpy, torch, dropout call counts)
+    What is restored: the model and the optimizer's tensors (read in place by ``_read_checkpoint``,
+    resharded to this layout), the optimizer's scalars, the scheduler, the progress (iteration,
+    consumed samples: global, so the data position follows) and the dropout call counter (global:
+    every chunk of every rank counts the same forwards); RNG states from the saved rank at the
+    same (tp, cp, dp, pp) coordinates — this rank itself when the layout is unchanged — and, when
+    the saved layout has no rank there, the states ``build`` seeded are kept (as Megatron keeps
+    them on a TP/PP change).
+
+    Less is restored under Megatron's switches (checkpointing.py load_checkpoint): the optimizer
+    state (fp32 masters, Adam moments and step, loss scale) and the LR schedule unless
+    --no-load-optim or --finetune, which leave both fresh and rebuild the masters from the loaded
+    weights (their tensors are not read); the RNG states (python, numpy, torch, dropout call counts)
     unless --no-load-rng or --finetune; the iteration and consumed samples unless --finetune,
     which starts both at 0 (and, as Megatron skips its argument check, does not compare the
     saved architecture flags: the tensors' names and shapes must still match).
@@ -458,15 +471,15 @@ def load_checkpoint(run: Run) -> TrainState:
         return TrainState()
     iteration, tree = loaded
     if _loads(c, "optim"):
-        run.opt.load_state_dict(tree[f"optimizer/pp{ps.pp_rank}.tp{ps.tp_rank}"])
+        run.opt.load_state_dict(tree["optimizer"])
         run.sched.load_state_dict(tree["scheduler"])
     else:
         run.opt.reload_model_params()
     if _loads(c, "rng"):
-        rng = next(v for k, v in tree.items() if k.startswith("rng/rank"))
-        set_rng_state(rng)
-        for chunk, calls in zip(run.chunks, rng["dropout_calls"]):
-            chunk.rng.call = calls
+        if tree["rng"] is not None:
+            set_rng_state(tree["rng"])
+        for chunk in run.chunks:
+            chunk.rng.call = tree["dropout_call"]
     run.last_checkpoint = ckpt.iteration_dir(c.load, iteration)
     if ps.rank == 0:
         fresh = [what for what, kind in (("optimizer and LR schedule", "optim"), ("RNG", "rng"))
@@ -502,8 +515,8 @@ def _load_weights_only(run: Run) -> TrainState:
 
 def _read_checkpoint(run: Run) -> Optional[tuple]:
     """This rank's part of load_checkpoint that has no collective: check --load, compare the
-    saved model config (not under --finetune), read the state that will be restored and copy the
-    model tensors. None for a fresh start."""
+    saved model config (not under --finetune), read the model tensors (and, unless a switch says
+    otherwise, the optimizer's) into place and the saved values. None for a fresh start."""
     cfg, ps = run.cfg, run.ps
     c = cfg.checkpoint
     problems = ckpt.check_loadable(c.load, c.save)
@@ -513,10 +526,12 @@ def _read_checkpoint(run: Run) -> Optional[tuple]:
         return None
     if not c.finetune:
         check_model_config(ckpt.checkpoint_dir(c.load), cfg.model, load=c.load)
-    skip = (() if _loads(c, "optim") else ("optimizer/", "scheduler")) + (() if _loads(c, "rng") else ("rng/",))
-    iteration, tree = ckpt.load(c.load, layout=_layout(ps, cfg), coords=_coords(ps), skip=skip)
-    load_model_state(run.chunks, ps, tree["model"])
-    return iteration, tree
+    run.opt.finish_param_sync()
+    space = ModelSpace(run.chunks, ps)
+    targets = model_state(space, load=True)
+    if _loads(c, "optim"):
+        targets["optimizer"] = optimizer_state(run.opt, space, load=True)
+    return ckpt.load(c.load, targets, coords=_coords(ps))
 
 
 def _first_problem(problem: Optional[str], ps: ParallelState) -> Optional[str]:
