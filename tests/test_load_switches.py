@@ -13,7 +13,6 @@ import torch
 
 from distributed import run_distributed
 from meshlm.checkpoint import dist as ckpt
-from meshlm.checkpoint.state import model_state
 from meshlm.config import Config
 from meshlm.training import trainer
 from meshlm.validate import notes
@@ -38,51 +37,58 @@ def _config(tmp: str, zero: bool) -> Config:
     return cfg
 
 
-def _same(a: dict, b: dict, keys=None) -> bool:
-    """a[k] == b[k] exactly for every key k of ``keys`` (default: a's keys, which must be b's)."""
-    if keys is None and a.keys() != b.keys():
-        return False
-    return all(torch.equal(a[k], b[k].to(a[k].dtype)) for k in keys or a)
+def _snapshot(run) -> dict:
+    """Copies of the run's weights and of its optimizer's per-parameter fp32 state pieces."""
+    pieces = run.opt.state_pieces()
+    return {"weights": [q.detach().clone() for c in run.chunks for q in c.parameters()],
+            "state": [{k: v.clone() for k, v in st.items()} for _, _, st in pieces],
+            "param_pieces": [p.detach().reshape(-1)[lo:lo + st["master"].numel()].float()
+                             for p, lo, st in pieces]}
 
 
-def _facts(run, state, saved: dict, fresh_rng: torch.Tensor) -> dict:
-    """What the run holds after load_checkpoint, compared with the checkpoint's own tensors."""
-    ps = run.ps
-    opt = run.opt.state_dict()["params"]  # gathered over DP under ZeRO-1 (collective)
-    saved_opt = saved[f"optimizer/pp{ps.pp_rank}.tp{ps.tp_rank}"]["params"]
-    weights = dict(zip(run.opt.names.values(), run.opt.names))  # name → param
+def _facts(run, state, ref: dict, saved_rng: torch.Tensor, fresh_rng: torch.Tensor) -> dict:
+    """What the run holds after load_checkpoint. ``ref``: the _snapshot of a run loaded with no
+    switch (the checkpoint's values: test_checkpoint_reshard proves that load exact)."""
+    now = _snapshot(run)
     rng = torch.get_rng_state()
+
+    def moments(kind):
+        return all(torch.equal(a[kind], b[kind]) for a, b in zip(now["state"], ref["state"]))
     return {
         "iteration": state.iteration, "consumed": state.consumed_samples,
         "adam_step": run.opt.step_count, "lr_steps": run.sched.samples // run.global_batch,
-        "weights": _same(model_state(run.chunks, ps)["model"], saved["model"]),
-        "moments": "saved" if all(_same(e, saved_opt[n], ("exp_avg", "exp_avg_sq")) for n, e in opt.items()) else
-                   "zero" if all(not e["exp_avg"].any() and not e["exp_avg_sq"].any() for e in opt.values())
+        "weights": all(torch.equal(a, b) for a, b in zip(now["weights"], ref["weights"])),
+        "moments": "saved" if moments("exp_avg") and moments("exp_avg_sq") else
+                   "zero" if all(not st["exp_avg"].any() and not st["exp_avg_sq"].any() for st in now["state"])
                    else "other",
-        "masters": "saved" if all(torch.equal(e["master"], saved_opt[n]["master"]) for n, e in opt.items()) else
-                   "weights" if all(torch.equal(e["master"], weights[n].detach().float()) for n, e in opt.items())
+        "masters": "saved" if moments("master") else
+                   "weights" if all(torch.equal(st["master"], w) for st, w in zip(now["state"], now["param_pieces"]))
                    else "other",
-        "rng": "saved" if torch.equal(rng, saved[f"rng/rank{ps.rank}"]["torch_cpu"]) else
-               "fresh" if torch.equal(rng, fresh_rng) else "other",
+        "rng": "saved" if torch.equal(rng, saved_rng) else "fresh" if torch.equal(rng, fresh_rng) else "other",
         "dropout_calls": [c.rng.call for c in run.chunks],
     }
+
+
+def _load(tmp, zero, name, switches):
+    cfg = _config(os.path.join(tmp, name), zero)
+    cfg.checkpoint.load, cfg.checkpoint.save = os.path.join(tmp, "ckpt"), None
+    for key, value in switches.items():
+        setattr(cfg.checkpoint, key, value)
+    run = trainer.build(cfg, torch.bfloat16)
+    torch.manual_seed(999)  # training leaves the default generator as seeded: make it differ
+    fresh_rng = torch.get_rng_state()
+    return run, trainer.load_checkpoint(run), fresh_rng
 
 
 def _save_then_load_each(rank, world, tmp, zero):
     cfg = _config(tmp, zero)
     trainer.pretrain(cfg, torch.bfloat16)
-    _, saved = ckpt.load(cfg.checkpoint.save)  # this rank's file, read without the trainer
-    out = {"saved_calls": saved[f"rng/rank{rank}"]["dropout_calls"]}
+    _, saved = ckpt.load(cfg.checkpoint.save)  # read without the trainer: this rank's RNG subtree
+    out = {"saved_calls": saved["dropout_call"]}
+    ref = _snapshot(_load(tmp, zero, "ref", {})[0])
     for name, switches in SWITCHES.items():
-        cfg = _config(os.path.join(tmp, name), zero)
-        cfg.checkpoint.load, cfg.checkpoint.save = os.path.join(tmp, "ckpt"), None
-        for key, value in switches.items():
-            setattr(cfg.checkpoint, key, value)
-        run = trainer.build(cfg, torch.bfloat16)
-        torch.manual_seed(999)  # training leaves the default generator as seeded: make it differ
-        fresh_rng = torch.get_rng_state()
-        state = trainer.load_checkpoint(run)
-        out[name] = _facts(run, state, saved, fresh_rng)
+        run, state, fresh_rng = _load(tmp, zero, name, switches)
+        out[name] = _facts(run, state, ref, saved["rng"]["torch_cpu"], fresh_rng)
         if name == "finetune":  # it trains from iteration 0 on the loaded weights
             out["finetune_trained"] = trainer.train(run, state)["iterations"]
     return out
@@ -92,7 +98,7 @@ def _save_then_load_each(rank, world, tmp, zero):
 def test_each_switch_restores_exactly_what_megatron_restores(tmp_path, world, zero):
     results = run_distributed(_save_then_load_each, world, str(tmp_path), zero)
     for r in results:
-        calls = r["saved_calls"]
+        calls = [r["saved_calls"]] * len(r["none"]["dropout_calls"])
         assert all(c > 0 for c in calls)
         loaded = dict(iteration=ITERS, consumed=ITERS * GLOBAL, weights=True)
         optim = dict(adam_step=ITERS, lr_steps=ITERS, moments="saved", masters="saved")
