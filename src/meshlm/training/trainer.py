@@ -28,9 +28,9 @@ from .. import config as C
 from .. import fast
 from ..checkpoint import dist as ckpt
 from ..checkpoint.state import check_model_config, load_model_state, model_state, rng_state, set_rng_state
-from ..data.blend import parse_data_path
 from ..data.gpt_dataset import build_datasets
 from ..data.indexed import check_token_ids
+from ..data.sources import blends, prefixes as data_prefixes
 from ..data.sampler import micro_batches
 from ..data.tokenizer import NullTokenizer, build_tokenizer
 from ..errors import CheckpointError, DataError, TrainingError
@@ -160,9 +160,9 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
 
 
 def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
-    """Global rank 0 scans the --data-path .bin files for ids ≥ vocab_size; every rank raises the
-    same DataError (naming the file and the largest id) so none is left waiting in a collective."""
-    prefixes = [prefix for _, prefix in parse_data_path(cfg.data.data_path)]
+    """Global rank 0 scans the .bin files of the data flags for ids ≥ vocab_size; every rank raises
+    the same DataError (naming the file and the largest id) so none is left waiting in a collective."""
+    prefixes = [prefix for _, prefix in data_prefixes(blends(cfg.data))]
     if not prefixes:
         return
     problem = None
