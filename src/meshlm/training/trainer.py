@@ -31,7 +31,7 @@ from ..checkpoint.state import check_model_config, load_model_state, model_state
 from ..data.gpt_dataset import build_datasets
 from ..data.indexed import check_token_ids
 from ..data.sources import blends, prefixes as data_prefixes
-from ..data.sampler import micro_batches
+from ..data.loader import MicroBatchLoader, rank_loader
 from ..data.tokenizer import NullTokenizer, build_tokenizer
 from ..errors import CheckpointError, DataError, TrainingError
 from ..optim.optimizer import build_optimizer
@@ -68,6 +68,8 @@ class Run:
     logger: MetricsLogger
     global_batch: int
     num_microbatches: int
+    train_data: Optional[MicroBatchLoader] = None  # this rank's micro-batches of train_ds / valid_ds
+    valid_data: Optional[MicroBatchLoader] = None
     last_checkpoint: Optional[str] = None
 
 
@@ -156,7 +158,8 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
         print(f"meshlm: {ps.describe()} | {n:,} parameters on rank 0 | global batch {gb} = "
               f"{nmb} micro-batches × {t.micro_batch_size} × DP {ps.dp}", flush=True)
     report_memory(opt.memory_report(), ps)
-    return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb)
+    return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb,
+               train_data=rank_loader(train_ds, cfg, ps), valid_data=rank_loader(valid_ds, cfg, ps))
 
 
 def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
@@ -237,7 +240,7 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     timeline = [] if log_now and ps.pp > 1 else None
     start = time.perf_counter()
     run.ddp.zero_grad()
-    data = micro_batches(run.train_ds, state.consumed_samples, t.micro_batch_size, ps.dp_rank, ps.dp)
+    data = run.train_data.at(state.consumed_samples)
     outputs = forward_backward(run.chunks, data, ps=ps, cfg=cfg, num_microbatches=run.num_microbatches,
                                loss_scale=run.opt.loss_scale, no_sync=run.ddp.no_sync, timeline=timeline)
     schedule_end = time.perf_counter()
@@ -314,7 +317,7 @@ def evaluate(run: Run, state: TrainState, index: int) -> float:
         chunk.eval()
     total = 0.0
     for i in range(t.eval_iters):
-        data = micro_batches(run.valid_ds, offset + i * run.global_batch, t.micro_batch_size, ps.dp_rank, ps.dp)
+        data = run.valid_data.at(offset + i * run.global_batch)
         outputs = forward_backward(run.chunks, data, ps=ps, cfg=cfg, num_microbatches=run.num_microbatches,
                                    forward_only=True)
         total += float(reduce_losses(outputs, ps, t.calculate_per_token_loss).item())
