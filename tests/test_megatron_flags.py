@@ -100,6 +100,18 @@ def test_sets_are_megatron_flags():
     assert set(NO_EFFECT) <= MEGATRON_FLAGS and len(MEGATRON_FLAGS) > 800
 
 
+def test_data_flags_have_megatron_meaning_and_default():
+    from meshlm.config import Config, config_fields, flag_of
+    from meshlm.megatron_flags import DIFFERENT_DEFAULTS, help_epilog
+    flags = {flag_of(f) for _, f in config_fields()}
+    same = help_epilog(flags).split("Same meaning and default: ")[1].split(". ")[0].split()
+    for flag in ("--train-data-path", "--valid-data-path", "--test-data-path", "--data-args-path",
+                 "--per-split-data-args-path", "--split", "--num-workers"):
+        assert flag in same and flag not in DIFFERENT_DEFAULTS, flag
+    d = Config().data
+    assert d.num_workers == 2 and d.split is None  # Megatron's defaults (--split: 969,30,1 with --data-path)
+
+
 # ----------------------------------------------------------------------------- examples/*.sh
 
 def _example_args(tmp_path, valid: bool) -> list:
