@@ -31,6 +31,7 @@ class MicroBatchLoader:
 
     def __init__(self, dataset, micro_batch_size: int, dp_rank: int, dp_size: int, num_workers: int,
                  pin_memory: bool = False):
+        self.dataset = dataset
         self.sampler = PretrainingSampler(len(dataset), micro_batch_size, dp_rank, dp_size)
         self.block = micro_batch_size * dp_size
         fork = num_workers > 0 and sys.platform.startswith("linux")
@@ -56,10 +57,8 @@ class MicroBatchLoader:
             yield batch
 
 
-def rank_loader(dataset, cfg, ps) -> Optional[MicroBatchLoader]:
-    """The loader of ``dataset`` (None for None) for this rank of ParallelState ``ps``: micro
-    batch and --num-workers from ``cfg``, pinned memory on CUDA."""
-    if dataset is None:
-        return None
+def rank_loader(dataset, cfg, ps) -> MicroBatchLoader:
+    """The loader of ``dataset`` for this rank of ParallelState ``ps``: micro batch and
+    --num-workers from ``cfg``, pinned memory on CUDA."""
     return MicroBatchLoader(dataset, cfg.training.micro_batch_size, ps.dp_rank, ps.dp, cfg.data.num_workers,
                             pin_memory=ps.device.type == "cuda")

@@ -30,8 +30,8 @@ from ..checkpoint import dist as ckpt
 from ..checkpoint.state import check_model_config, load_model_state, model_state, rng_state, set_rng_state
 from ..data.gpt_dataset import build_datasets
 from ..data.indexed import check_token_ids
+from ..data.loader import rank_loader
 from ..data.sources import blends, prefixes as data_prefixes
-from ..data.loader import MicroBatchLoader, rank_loader
 from ..data.tokenizer import NullTokenizer, build_tokenizer
 from ..errors import CheckpointError, DataError, TrainingError
 from ..optim.optimizer import build_optimizer
@@ -68,9 +68,16 @@ class Run:
     logger: MetricsLogger
     global_batch: int
     num_microbatches: int
-    train_data: Optional[MicroBatchLoader] = None  # this rank's micro-batches of train_ds / valid_ds
-    valid_data: Optional[MicroBatchLoader] = None
     last_checkpoint: Optional[str] = None
+    loaders: dict = dataclasses.field(default_factory=dict)  # id(dataset) → its MicroBatchLoader
+
+    def micro_batches(self, dataset, consumed_samples: int):
+        """This DP rank's micro-batches of ``dataset`` from sample ``consumed_samples`` on, read
+        ahead by --num-workers processes (data/loader.py); one loader per dataset, kept across steps."""
+        loader = self.loaders.get(id(dataset))
+        if loader is None or loader.dataset is not dataset:
+            loader = self.loaders[id(dataset)] = rank_loader(dataset, self.cfg, self.ps)
+        return loader.at(consumed_samples)
 
 
 def params_dtype(cfg: C.Config, device: torch.device) -> torch.dtype:
@@ -158,8 +165,7 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
         print(f"meshlm: {ps.describe()} | {n:,} parameters on rank 0 | global batch {gb} = "
               f"{nmb} micro-batches × {t.micro_batch_size} × DP {ps.dp}", flush=True)
     report_memory(opt.memory_report(), ps)
-    return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb,
-               train_data=rank_loader(train_ds, cfg, ps), valid_data=rank_loader(valid_ds, cfg, ps))
+    return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb)
 
 
 def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
@@ -240,7 +246,7 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     timeline = [] if log_now and ps.pp > 1 else None
     start = time.perf_counter()
     run.ddp.zero_grad()
-    data = run.train_data.at(state.consumed_samples)
+    data = run.micro_batches(run.train_ds, state.consumed_samples)
     outputs = forward_backward(run.chunks, data, ps=ps, cfg=cfg, num_microbatches=run.num_microbatches,
                                loss_scale=run.opt.loss_scale, no_sync=run.ddp.no_sync, timeline=timeline)
     schedule_end = time.perf_counter()
@@ -317,7 +323,7 @@ def evaluate(run: Run, state: TrainState, index: int) -> float:
         chunk.eval()
     total = 0.0
     for i in range(t.eval_iters):
-        data = run.valid_data.at(offset + i * run.global_batch)
+        data = run.micro_batches(run.valid_ds, offset + i * run.global_batch)
         outputs = forward_backward(run.chunks, data, ps=ps, cfg=cfg, num_microbatches=run.num_microbatches,
                                    forward_only=True)
         total += float(reduce_losses(outputs, ps, t.calculate_per_token_loss).item())
