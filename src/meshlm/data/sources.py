@@ -73,8 +73,7 @@ def _read(path: str, flag: str) -> str:
             return f.read()
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-        raise ConfigError(f"{flag} {path}: cannot read it ({why}); give a text file of "
-                          f"--data-path tokens") from None
+        raise ConfigError(f"{flag} {path}: cannot read it ({why}); give a readable UTF-8 file") from None
 
 
 def _per_split_file(path: str) -> list:
