@@ -1,9 +1,16 @@
 """Megatron-LM flags: the three sets, switches, --gradient-accumulation-steps and --dry-run."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from meshlm.cli import main
 from meshlm.megatron_flags import MEGATRON_FLAGS, NO_EFFECT
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_llama3_8b_distributed.sh"
 
 
 def _gpt3(tmp_path):
@@ -139,3 +146,67 @@ def test_checkpoint_and_exit_switches_and_rotary_percent_have_the_same_meaning(c
             "--exit-interval", "1000", "--finetune", "--no-load-optim", "--no-load-rng"]
     assert main(argv) == 0, capsys.readouterr().err
     assert "--finetune --no-load-optim --no-load-rng ignored without --load" in capsys.readouterr().out
+
+
+def test_data_flags_have_megatron_meaning_and_default():
+    from meshlm.config import Config, config_fields, flag_of
+    from meshlm.megatron_flags import DIFFERENT_DEFAULTS, help_epilog
+    flags = {flag_of(f) for _, f in config_fields()}
+    same = help_epilog(flags).split("Same meaning and default: ")[1].split(". ")[0].split()
+    for flag in ("--train-data-path", "--valid-data-path", "--test-data-path", "--data-args-path",
+                 "--per-split-data-args-path", "--split", "--num-workers"):
+        assert flag in same and flag not in DIFFERENT_DEFAULTS, flag
+    d = Config().data
+    assert d.num_workers == 2 and d.split is None  # Megatron's defaults (--split: 969,30,1 with --data-path)
+
+
+# ----------------------------------------------------------------------------- examples/*.sh
+
+def _example_args(tmp_path, valid: bool) -> list:
+    """The script's five arguments, with a real tokenizer.json and stand-in .bin/.idx files."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    Tokenizer(WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    for name in ("train_text_document", "valid_text_document"):
+        for ext in (".bin", ".idx"):
+            (tmp_path / (name + ext)).write_text("x")
+    args = [tmp_path / "ckpt", tmp_path / "tb", tmp_path / "tokenizer.json", tmp_path / "train_text_document"]
+    return [str(a) for a in args + ([tmp_path / "valid_text_document"] if valid else [])]
+
+
+def _launch_line(tmp_path, args: list) -> list:
+    """The arguments the example script gives torchrun (a stand-in on PATH records them)."""
+    bin_dir, record = tmp_path / "bin", tmp_path / "torchrun.args"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text("#!/bin/sh\nprintf '%s\\0' \"$@\" > \"$RECORD\"\n")
+    (bin_dir / "torchrun").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", RECORD=str(record))
+    subprocess.run(["bash", str(EXAMPLE), *args], env=env, check=True)
+    return record.read_text().split("\0")[:-1]
+
+
+@pytest.mark.parametrize("valid", [True, False], ids=["per-split-data", "data-path-and-split"])
+def test_example_launch_script_passes_dry_run(tmp_path, capsys, valid):
+    argv = _launch_line(tmp_path, _example_args(tmp_path, valid))
+    i = argv.index("-m")
+    assert argv[:i] == ["--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "0", "--master-addr",
+                        "localhost", "--master-port", "29500"]
+    assert argv[i + 1:i + 3] == ["meshlm", "pretrain"]
+    flags = argv[i + 3:]
+    assert ("--train-data-path" in flags and "--split" not in flags) == valid
+    assert set(f for f in flags if f.startswith("--")) <= MEGATRON_FLAGS
+    assert main(["pretrain", *flags, "--dry-run", "--world-size", "16"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "TP 4 × CP 1 × PP 2 × DP 2" in out and "global 128 = micro 1 × 64 micro-batches × DP 2" in out
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_example_launch_script_dry_runs_itself(tmp_path):
+    """DRY_RUN=1: the script runs `meshlm pretrain … --dry-run --world-size 16` itself."""
+    src = str(EXAMPLE.parent.parent / "src")
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(["bash", str(EXAMPLE), *_example_args(tmp_path, True)], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "all checks passed" in done.stdout and "DP 2" in done.stdout

@@ -5,7 +5,7 @@ pretrain, ``data.preprocess.add_arguments``, …), and are only imported when th
 so ``meshlm --help`` is instant. A MeshlmError anywhere prints ``meshlm: error: <message>`` on
 stderr (a config with several problems lists them) and exits with status 2, without a traceback.
 
-``meshlm pretrain`` with neither --data-path nor --mock-data trains on the embedded default: the
+``meshlm pretrain`` without a data flag (--data-path, --train-data-path, --mock-data, …) trains on the embedded default: the
 Python standard library's sources, a BPE tokenizer trained on them and :data:`EMBEDDED_DEFAULT`'s
 small GPT; any flag still overrides those settings.
 """
@@ -94,16 +94,17 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
     full validation; both are kept until ``held`` closes. A folder another run uses raises
     CheckpointError. Notes on settings that do not do what they may seem to are printed first.
 
-    Without --data-path/--mock-data the embedded default settings apply, its corpus is prepared in
+    Without data flags (--data-path, --train-data-path, …, --mock-data) the embedded default settings apply, its corpus is prepared in
     the run directory (after the shape checks, so a bad flag fails in a second, not a minute) and
     the model is saved to <run_dir>/checkpoints (unless --save), so the run ends with a sample.
     Raises ConfigError listing every problem, DataError for an unusable corpus.
     """
     from .config import config_from_args, dump_yaml, explicit_fields, world_size_of
+    from .data.sources import given_sources
     from .validate import notes, validate
 
     cfg = config_from_args(args)
-    embedded = not cfg.data.data_path and not cfg.data.mock_data
+    embedded = not given_sources(cfg.data)
     if embedded:
         cfg = config_from_args(args, base=embedded_default())
         _fit_embedded(cfg, explicit_fields(args))
@@ -117,8 +118,8 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
     _lock(held, run_dir, "--run-dir", run_dir)
     if embedded:
         from .data.corpus import prepare_default_corpus
-        print("meshlm: no --data-path or --mock-data: training on the embedded default corpus "
-              "(the Python standard library's sources)", flush=True)
+        print("meshlm: no --data-path, --train-data-path or --mock-data: training on the embedded default "
+              "corpus (the Python standard library's sources)", flush=True)
         corpus = prepare_default_corpus(run_dir)
         cfg.data.data_path = list(corpus["data_path"])
         cfg.data.tokenizer_type = "HuggingFaceTokenizer"
@@ -139,12 +140,13 @@ def _dry_run(args: argparse.Namespace) -> int:
     """Check everything a launch checks for the job's world size, print the layout and per-rank
     memory, and return 0 without starting a worker (or writing anything)."""
     from .config import config_from_args, default_nproc, explicit_fields
+    from .data.sources import given_sources
     from .dry_run import report
     from .megatron_flags import startup_lines
     from .validate import notes, validate
 
     cfg = config_from_args(args)
-    embedded = not cfg.data.data_path and not cfg.data.mock_data
+    embedded = not given_sources(cfg.data)
     if embedded:
         cfg = config_from_args(args, base=embedded_default())
         _fit_embedded(cfg, explicit_fields(args))

@@ -186,7 +186,17 @@ class DataConfig:
     """Corpus, tokenizer and splits."""
 
     data_path: list = opt([], "indexed-dataset prefixes, optionally weighted: 0.7 A 0.3 B", nargs="*")
-    split: str = opt("969,30,1", "train,valid,test weights")
+    split: Optional[str] = opt(None, "train,valid,test weights cutting --data-path's datasets (default "
+                               "969,30,1, Megatron's legacy default); not with --train/valid/test-data-path")
+    train_data_path: list = opt([], "the training split's own blend, as --data-path (instead of --data-path "
+                                "and --split)", nargs="*")
+    valid_data_path: list = opt([], "the validation split's own blend, as --data-path (none: no evaluation)",
+                                nargs="*")
+    test_data_path: list = opt([], "the test split's own blend, as --data-path", nargs="*")
+    data_args_path: Optional[str] = opt(None, "a text file holding --data-path's tokens (for long blends)")
+    per_split_data_args_path: Optional[str] = opt(
+        None, 'a JSON file {"train": ..., "valid": ..., "test": ...} holding each split\'s --data-path tokens '
+        '(a string, a list, or null)')
     mock_data: bool = opt(False, "random tokens instead of a corpus", action="store_true")
     tokenizer_type: Optional[str] = opt(None, "tokenizer kind", choices=list(TOKENIZER_TYPES))
     tokenizer_model: Optional[str] = opt(None, "tokenizer.json (HuggingFaceTokenizer), SentencePiece .model "
@@ -201,8 +211,8 @@ class DataConfig:
     vocab_file: Optional[str] = opt(None, "GPT-2 vocab.json")
     merge_file: Optional[str] = opt(None, "GPT-2 merges.txt")
     data_cache_path: Optional[str] = opt(None, "folder for cached sample indices")
-    num_workers: int = opt(0, "data loader worker processes (accepted, not read yet: batches are read in the "
-                           "training process)")
+    num_workers: int = opt(2, "data loader processes per split reading the next micro-batches ahead "
+                           "(0: read in the training process)")
     eod_mask_loss: bool = opt(False, "loss mask 0 on EOD input tokens", action="store_true")
     reset_position_ids: bool = opt(False, "positions restart after each EOD token", action="store_true")
     reset_attention_mask: bool = opt(False, "tokens attend only within their document (packed sequences)",

@@ -54,7 +54,6 @@ DIFFERENT_DEFAULTS = {
     "--eval-iters": ("100", "short runs evaluate quickly"),
     "--use-cpu-initialization": ("off", "full weights from one seed, sliced per rank: any layout starts identical"),
     "--accumulate-allreduce-grads-in-fp32": ("off", "main_grad is always fp32"),
-    "--num-workers": ("2", "not read yet: batches are read in the training process"),
 }
 
 # meshlm flags that Megatron does not have (besides --config and --model).

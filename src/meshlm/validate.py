@@ -340,14 +340,14 @@ def _data_problems(cfg: Config) -> list:
     problems = []
     d, vocab = cfg.data, cfg.model.vocab_size
     from .data.gpt_dataset import split_weights
+    from .data.sources import given_sources, source_problems, split_string
     try:
-        if split_weights(d.split)[0] == 0:
+        if split_weights(split_string(d))[0] == 0:
             problems.append(f"--split {d.split} gives the training set no data; make the first "
                             f"(train) weight positive, e.g. 969,30,1")
     except ConfigError as e:
         problems += e.problems
-    if d.mock_data and d.data_path:
-        problems.append("--mock-data and --data-path are exclusive; pick one")
+    problems += source_problems(d)
     if d.mock_data and not vocab:
         problems.append("--mock-data needs --vocab-size (the range of the random token ids)")
     from .data.tokenizer import MODEL_FILE, special_tokens_problem
@@ -359,8 +359,9 @@ def _data_problems(cfg: Config) -> list:
         problems.append("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if d.tokenizer_type == "NullTokenizer" and not vocab:
         problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
-    if d.data_path and not d.tokenizer_type and not vocab:
-        problems.append("--data-path needs --tokenizer-type (or --vocab-size with NullTokenizer)")
+    files = [f for f in given_sources(d) if f != "--mock-data"]
+    if files and not d.tokenizer_type and not vocab:
+        problems.append(f"{files[0]} needs --tokenizer-type (or --vocab-size with NullTokenizer)")
     if cfg.model_preset:
         from .model.presets import PRESETS
         if cfg.model_preset not in PRESETS:
@@ -372,14 +373,17 @@ def _file_problems(cfg: Config) -> list:
     """No data at all, or missing data / tokenizer / checkpoint paths, each naming its flag."""
     problems = []
     d = cfg.data
-    if not d.data_path and not d.mock_data:
+    from .data.sources import blends, given_sources, prefixes
+    if not given_sources(d):
         problems.append("no training data: give --data-path (see `meshlm preprocess`) or --mock-data")
-    from .data.blend import parse_data_path
     try:
-        for _, prefix in parse_data_path(d.data_path):
+        data = blends(d)
+        if d.per_split_data_args_path is not None and data[0][1] is None:
+            problems.append(f"{data[0][0]}: no training data; give \"train\" a dataset")
+        for flag, prefix in prefixes(data):
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(prefix + ext):
-                    problems.append(f"--data-path: {prefix + ext} does not exist "
+                    problems.append(f"{flag}: {prefix + ext} does not exist "
                                     f"(run `meshlm preprocess` to make it)")
     except ConfigError as e:
         problems.extend(e.problems)

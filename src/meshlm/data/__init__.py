@@ -1,7 +1,9 @@
-"""Megatron-compatible data: tokenizers, .bin/.idx files, GPT samples, blending, the DP sampler.
+"""Megatron-compatible data: tokenizers, .bin/.idx files, GPT samples, blending, the DP sampler
+and its loader.
 
 The entry points the trainer uses (docs/interfaces.md): :func:`build_tokenizer`,
-:func:`build_datasets`, :func:`micro_batches`, :func:`check_token_ids`, :func:`prepare_default_corpus`.
+:func:`build_datasets`, ``loader.rank_loader``, :func:`check_token_ids`, :func:`prepare_default_corpus`,
+``sources.blends``.
 """
 
 from .blend import BlendedDataset, parse_data_path

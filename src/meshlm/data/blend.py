@@ -16,10 +16,12 @@ from ..errors import ConfigError, DataError
 SURPLUS = 0.005
 
 
-def parse_data_path(tokens: list) -> list:
-    """Return [(weight, prefix), ...] with weights normalised to sum 1.
+def parse_data_path(tokens: list, flag: str = "--data-path") -> list:
+    """Return [(weight, prefix), ...] with weights normalised to sum 1; prefixes without weights
+    get equal weights.
 
-    Raises ConfigError when weights and prefixes do not alternate or a weight is not positive.
+    Raises ConfigError naming ``flag`` (where the tokens came from) when weights and prefixes do
+    not alternate or a weight is not positive.
     """
     if not tokens:
         return []
@@ -31,15 +33,15 @@ def parse_data_path(tokens: list) -> list:
             return False
     if not is_number(tokens[0]):
         if any(is_number(t) for t in tokens):
-            raise ConfigError(f"--data-path {' '.join(tokens)}: give either all prefixes or weight/prefix pairs")
+            raise ConfigError(f"{flag} {' '.join(tokens)}: give either all prefixes or weight/prefix pairs")
         return [(1.0 / len(tokens), t) for t in tokens]
     if len(tokens) % 2:
-        raise ConfigError(f"--data-path {' '.join(tokens)}: weights and prefixes must alternate "
+        raise ConfigError(f"{flag} {' '.join(tokens)}: weights and prefixes must alternate "
                           f"(e.g. 0.7 A 0.3 B)")
     pairs = []
     for w, prefix in zip(tokens[::2], tokens[1::2]):
         if not is_number(w) or float(w) <= 0 or is_number(prefix):
-            raise ConfigError(f"--data-path: expected a positive weight then a prefix, got {w!r} {prefix!r}")
+            raise ConfigError(f"{flag}: expected a positive weight then a prefix, got {w!r} {prefix!r}")
         pairs.append((float(w), prefix))
     total = sum(w for w, _ in pairs)
     return [(w / total, prefix) for w, prefix in pairs]
@@ -81,10 +83,11 @@ class BlendedDataset:
     """``size`` samples drawn from several datasets in proportion to ``weights``.
 
     datasets: objects with ``len()`` and ``ds[i]``; names: how each is named in errors (its
-    --data-path prefix). Raises DataError when a dataset cannot supply its share.
+    prefix), after ``flag`` (the flag that named it). Raises DataError when a dataset cannot supply
+    its share.
     """
 
-    def __init__(self, datasets, weights, size: int, names):
+    def __init__(self, datasets, weights, size: int, names, flag: str = "--data-path"):
         self.datasets = list(datasets)
         total = float(np.sum(np.asarray(weights, dtype=np.float64)))
         self.weights = [float(w) / total for w in weights]
@@ -93,7 +96,7 @@ class BlendedDataset:
             chosen = self.dataset_sample_index[self.dataset_index == i]
             need = int(chosen.max()) + 1 if chosen.size else 0
             if need > len(ds):
-                raise DataError(f"--data-path {name}: its weight {self.weights[i]:.3g} asks for {need} samples "
+                raise DataError(f"{flag} {name}: its weight {self.weights[i]:.3g} asks for {need} samples "
                                 f"but it holds {len(ds)}; lower its weight or add data")
 
     def __len__(self) -> int:

@@ -24,9 +24,10 @@ import torch
 
 from ..config import global_batch, run_iterations, run_samples
 from ..errors import ConfigError, DataError
-from .blend import SURPLUS, BlendedDataset, parse_data_path, samples_per_dataset
+from .blend import SURPLUS, BlendedDataset, samples_per_dataset
 from .indexed import IndexedDataset
 from .packing import Packing
+from .sources import blends, per_split, split_string
 from .tokenizer import build_tokenizer
 
 SPLITS = ("train", "valid", "test")
@@ -257,7 +258,7 @@ def suggest_split(split: str, indexed: list, needed: list) -> str | None:
     return candidate if ok else None
 
 
-def _drop_empty_splits(d, indexed: list, ranges: list, needed: list) -> list:
+def _drop_empty_splits(split: str, indexed: list, ranges: list, needed: list) -> list:
     """Which splits to build. Train (and valid while evaluating) must hold tokens in every dataset,
     else DataError naming --split; an empty test split is not built (one note on rank 0)."""
     build = list(needed)
@@ -266,14 +267,14 @@ def _drop_empty_splits(d, indexed: list, ranges: list, needed: list) -> list:
         if not empty:
             continue
         ds, (lo, hi) = indexed[empty[0]], ranges[empty[0]][s]
-        where = (f"--data-path {ds.prefix}: --split {d.split} leaves the {name} split "
+        where = (f"--data-path {ds.prefix}: --split {split} leaves the {name} split "
                  f"(sequences [{lo}, {hi}) of {len(ds)})")
         if name == "test":
             build[s] = False
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                 print(f"note: {where} without tokens; no test split is built (training never reads it)")
             continue
-        fix = suggest_split(d.split, indexed, needed)
+        fix = suggest_split(split, indexed, needed)
         why = " (--eval-iters > 0 evaluates on it)" if name == "valid" else ""
         raise DataError(f"{where} without tokens{why}; "
                         + (f"use e.g. --split {fix}" if fix else "add documents to the dataset")
@@ -281,48 +282,65 @@ def _drop_empty_splits(d, indexed: list, ranges: list, needed: list) -> list:
     return build
 
 
+def _one_split(blend: list, flag: str, n: int, dataset_of):
+    """One split's dataset of ``n`` samples: ``dataset_of(k, n)`` for a single prefix, else a
+    BlendedDataset over ``dataset_of(k, m_k)``, m_k each prefix's share with Megatron's surplus."""
+    if len(blend) == 1:
+        return dataset_of(0, n)
+    w = [wt for wt, _ in blend]
+    parts = [dataset_of(k, m) for k, m in enumerate(samples_per_dataset(w, n, SURPLUS))]
+    return BlendedDataset(parts, w, sum(samples_per_dataset(w, n)), [p for _, p in blend], flag)
+
+
 def build_datasets(cfg, world_size: int | None = None, ps=None) -> tuple:
     """(train, valid, test) datasets for ``cfg``; None for a split the run does not need: weight 0,
-    0 samples (valid and test with --eval-iters 0), or a test split that holds no tokens.
+    0 samples (valid and test with --eval-iters 0), a test split that holds no tokens, or (per-split
+    data) a split without a blend.
 
     Sizes follow Megatron (see :func:`num_samples_per_split`), with the global batch for
-    ``ps.world_size`` (else ``world_size``, else 1) ranks. One --data-path prefix gives GPTDatasets;
-    several give BlendedDatasets over GPTDatasets of each prefix. Collective when torch.distributed
-    is initialised (every rank must call it). Raises ConfigError / DataError on bad flags or files,
-    and DataError naming --split when the train split (or the valid split, while evaluating) of a
-    dataset holds no tokens.
+    ``ps.world_size`` (else ``world_size``, else 1) ranks. --data-path (data/sources.py): one prefix
+    gives GPTDatasets over the --split ranges, several give BlendedDatasets over GPTDatasets of each
+    prefix. --train/valid/test-data-path: each split's blend likewise, over whole datasets (Megatron's
+    blend_per_split). Collective when torch.distributed is initialised (every rank must call it).
+    Raises ConfigError / DataError on bad flags or files, DataError naming --split when the train
+    split (or the valid split, while evaluating) of a dataset holds no tokens, and DataError naming
+    the flag when a per-split dataset holds no tokens.
     """
     world = ps.world_size if ps is not None else (world_size or 1)
     sizes = num_samples_per_split(cfg, world)
     d, seq, seed = cfg.data, cfg.model.seq_length, cfg.training.seed
-    weights = split_weights(d.split)
     if d.mock_data:
         if not cfg.model.vocab_size:
             raise ConfigError("--mock-data needs --vocab-size")
         packing = Packing.of(d, build_tokenizer(d, cfg.model.vocab_size).eod)
         return tuple(MockGPTDataset(n, seq, cfg.model.vocab_size, seed, name, packing) if w > 0 and n > 0 else None
-                     for name, w, n in zip(SPLITS, weights, sizes))
-    blend = parse_data_path(d.data_path)
-    if not blend:
-        raise ConfigError("no data: give --data-path PREFIX (from `meshlm preprocess`) or --mock-data")
+                     for name, w, n in zip(SPLITS, split_weights(split_string(d)), sizes))
+    data = blends(d)
+    if not data or data[0][1] is None:
+        raise ConfigError("no training data: give --data-path PREFIX (from `meshlm preprocess`), "
+                          "--train-data-path PREFIX, or --mock-data")
     tokenizer = build_tokenizer(d, cfg.model.vocab_size)
     identity, packing = tokenizer.identity, Packing.of(d, tokenizer.eod)
-    indexed = [IndexedDataset(prefix) for _, prefix in blend]
-    ranges = [split_ranges(d.split, len(ds)) for ds in indexed]
-    build = _drop_empty_splits(d, indexed, ranges, [w > 0 and n > 0 for w, n in zip(weights, sizes)])
 
-    def gpt(k, s, n):
-        return GPTDataset(indexed[k], SPLITS[s], ranges[k][s], n, seq, seed, d.split, d.data_cache_path, identity,
+    def gpt(indexed, s, doc_range, n, split_string=""):
+        return GPTDataset(indexed, SPLITS[s], doc_range, n, seq, seed, split_string, d.data_cache_path, identity,
                           packing)
 
-    out = []
-    for s, n in enumerate(sizes):
-        if not build[s]:
-            out.append(None)
-        elif len(blend) == 1:
-            out.append(gpt(0, s, n))
-        else:
-            w = [wt for wt, _ in blend]
-            parts = [gpt(k, s, m) for k, m in enumerate(samples_per_dataset(w, n, SURPLUS))]
-            out.append(BlendedDataset(parts, w, sum(samples_per_dataset(w, n)), [p for _, p in blend]))
-    return tuple(out)
+    if per_split(d):
+        return tuple(None if blend is None or n == 0 else _whole_datasets(blend, flag, s, n, gpt)
+                     for s, ((flag, blend), n) in enumerate(zip(data, sizes)))
+    (flag, blend), split = data[0], split_string(d)
+    indexed = [IndexedDataset(prefix) for _, prefix in blend]
+    ranges = [split_ranges(split, len(ds)) for ds in indexed]
+    build = _drop_empty_splits(split, indexed, ranges, [w > 0 and n > 0 for w, n in zip(split_weights(split), sizes)])
+    return tuple(_one_split(blend, flag, n, lambda k, m: gpt(indexed[k], s, ranges[k][s], m, split))
+                 if build[s] else None for s, n in enumerate(sizes))
+
+
+def _whole_datasets(blend: list, flag: str, s: int, n: int, gpt):
+    """Split s from its own blend (per-split data): every sequence of each prefix."""
+    indexed = [IndexedDataset(prefix) for _, prefix in blend]
+    for ds in indexed:
+        if not _has_tokens(ds, (0, len(ds))):
+            raise DataError(f"{flag} {ds.prefix}: the dataset holds no tokens; give a dataset with documents")
+    return _one_split(blend, flag, n, lambda k, m: gpt(indexed[k], s, (0, len(indexed[k])), m))

@@ -31,10 +31,10 @@ from ..checkpoint import convert
 from ..checkpoint import dist as ckpt
 from ..checkpoint.model_space import ModelSpace
 from ..checkpoint.state import check_model_config, model_state, optimizer_state, rng_state, set_rng_state
-from ..data.blend import parse_data_path
 from ..data.gpt_dataset import build_datasets
 from ..data.indexed import check_token_ids
-from ..data.sampler import micro_batches
+from ..data.loader import rank_loader
+from ..data.sources import blends, prefixes as data_prefixes
 from ..data.tokenizer import NullTokenizer, build_tokenizer
 from ..errors import CheckpointError, DataError, TrainingError
 from ..optim.optimizer import build_optimizer
@@ -75,6 +75,15 @@ class Run:
     batches: BatchSchedule  # each training step's global batch
     train_iters: int  # --train-iters, or the steps --train-samples takes
     last_checkpoint: Optional[str] = None
+    loaders: dict = dataclasses.field(default_factory=dict)  # id(dataset) → its MicroBatchLoader
+
+    def micro_batches(self, dataset, consumed_samples: int):
+        """This DP rank's micro-batches of ``dataset`` from sample ``consumed_samples`` on, read
+        ahead by --num-workers processes (data/loader.py); one loader per dataset, kept across steps."""
+        loader = self.loaders.get(id(dataset))
+        if loader is None or loader.dataset is not dataset:
+            loader = self.loaders[id(dataset)] = rank_loader(dataset, self.cfg, self.ps)
+        return loader.at(consumed_samples)
 
 
 def params_dtype(cfg: C.Config, device: torch.device) -> torch.dtype:
@@ -177,9 +186,9 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
 
 
 def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
-    """Global rank 0 scans the --data-path .bin files for ids ≥ vocab_size; every rank raises the
-    same DataError (naming the file and the largest id) so none is left waiting in a collective."""
-    prefixes = [prefix for _, prefix in parse_data_path(cfg.data.data_path)]
+    """Global rank 0 scans the .bin files of the data flags for ids ≥ vocab_size; every rank raises
+    the same DataError (naming the file and the largest id) so none is left waiting in a collective."""
+    prefixes = [prefix for _, prefix in data_prefixes(blends(cfg.data))]
     if not prefixes:
         return
     problem = None
@@ -307,7 +316,7 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     start = time.perf_counter()
     run.ddp.zero_grad()
     batch = run.batches.batch_at(state.consumed_samples)
-    data = micro_batches(run.train_ds, state.consumed_samples, t.micro_batch_size, ps.dp_rank, ps.dp)
+    data = run.micro_batches(run.train_ds, state.consumed_samples)
     outputs = forward_backward(run.chunks, data, ps=ps, cfg=cfg,
                                num_microbatches=run.batches.microbatches_at(state.consumed_samples),
                                loss_scale=run.opt.loss_scale, no_sync=run.ddp.no_sync, timeline=timeline)
@@ -385,7 +394,7 @@ def evaluate(run: Run, state: TrainState, index: int) -> float:
         chunk.eval()
     total = 0.0
     for i in range(t.eval_iters):
-        data = micro_batches(run.valid_ds, offset + i * run.global_batch, t.micro_batch_size, ps.dp_rank, ps.dp)
+        data = run.micro_batches(run.valid_ds, offset + i * run.global_batch)
         outputs = forward_backward(run.chunks, data, ps=ps, cfg=cfg, num_microbatches=run.num_microbatches,
                                    forward_only=True)
         total += float(reduce_losses(outputs, ps, t.calculate_per_token_loss).item())

@@ -1,0 +1,64 @@
+"""``--num-workers``: this DP rank's micro-batches read ahead by worker processes, as Megatron's
+``build_pretraining_data_loader`` does (a ``torch.utils.data.DataLoader`` over the pretraining
+sampler, persistent workers, pinned memory on CUDA).
+
+The workers change how samples are read, never which: the order is the sampler's
+(data/sampler.py), so 0 workers (read in the training process) and N give the same batches.
+A loader keeps one running iterator: a step that asks for the samples right after the last
+micro-batch it handed out gets the ones the workers have already read; any other start (a resume
+from a checkpoint's consumed samples, an evaluation that wraps round) restarts the reading there.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Iterator, Optional
+
+import torch
+
+from .sampler import PretrainingSampler, collate
+
+
+class MicroBatchLoader:
+    """This DP rank's micro-batches of ``dataset`` ({"tokens", "labels": int64 [b, s], "loss_mask":
+    fp32 [b, s], …}, b = micro_batch_size), read by ``num_workers`` processes (0: in this one), each
+    keeping up to 2 micro-batches ready; in pinned memory under ``pin_memory`` (CUDA).
+
+    Workers are forked on Linux (the dataset's memory maps are shared, not pickled) and live as
+    long as the loader. The loader draws no number from torch's global RNG (it has its own
+    generator), so dropout masks do not depend on the number of workers.
+    """
+
+    def __init__(self, dataset, micro_batch_size: int, dp_rank: int, dp_size: int, num_workers: int,
+                 pin_memory: bool = False):
+        self.dataset = dataset
+        self.sampler = PretrainingSampler(len(dataset), micro_batch_size, dp_rank, dp_size)
+        self.block = micro_batch_size * dp_size
+        fork = num_workers > 0 and sys.platform.startswith("linux")
+        self.loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=num_workers,
+            pin_memory=pin_memory, persistent_workers=num_workers > 0, generator=torch.Generator(),
+            multiprocessing_context="fork" if fork else None)
+        self._running: Optional[Iterator] = None
+        self._next = -1  # the sample the running iterator's next micro-batch starts at
+
+    def at(self, consumed_samples: int) -> Iterator[dict]:
+        """Micro-batches from sample ``consumed_samples`` on, as ``micro_batches(dataset,
+        consumed_samples, …)`` yields them; ends where fewer than a whole block remain."""
+        if self._running is None or self._next != consumed_samples:
+            self.sampler.start = consumed_samples
+            self._running = iter(self.loader)  # persistent workers: the same processes, restarted
+            self._next = consumed_samples
+        return self._take(self._running)
+
+    def _take(self, running: Iterator) -> Iterator[dict]:
+        for batch in running:
+            self._next += self.block
+            yield batch
+
+
+def rank_loader(dataset, cfg, ps) -> MicroBatchLoader:
+    """The loader of ``dataset`` for this rank of ParallelState ``ps``: micro batch and
+    --num-workers from ``cfg``, pinned memory on CUDA."""
+    return MicroBatchLoader(dataset, cfg.training.micro_batch_size, ps.dp_rank, ps.dp, cfg.data.num_workers,
+                            pin_memory=ps.device.type == "cuda")
