@@ -209,6 +209,11 @@ class CheckpointConfig:
     save: Optional[str] = opt(None, "checkpoint directory to write")
     load: Optional[str] = opt(None, "checkpoint directory to resume from")
     save_interval: Optional[int] = opt(None, "iterations between checkpoints (and one at the end)")
+    keep_checkpoints: int = opt(2, "after each save, delete the complete checkpoints beyond the newest N "
+                                "(at least 2: the latest may be the one a crash damaged)", metavar="N")
+    verify_integrity: bool = opt(False, "before loading, compare every file's SHA-256 with the manifest "
+                                 "(sizes are always compared; a mismatch falls back to the previous "
+                                 "checkpoint)", action="store_true")
 
 
 @dataclass

@@ -372,7 +372,7 @@ def save_checkpoint(run: Run, state: TrainState) -> str:
             f"rng/rank{ps.rank}": rng,
             "train": dataclasses.asdict(state)}
     path = ckpt.save(cfg.checkpoint.save, state.iteration, tree, layout={**_layout(ps, cfg), "dp": ps.dp},
-                     config=_portable_config(cfg), coords=_coords(ps))
+                     config=_portable_config(cfg), coords=_coords(ps), keep=cfg.checkpoint.keep_checkpoints)
     run.last_checkpoint = path
     if ps.rank == 0:
         print(f"saved checkpoint {path}", flush=True)
@@ -443,8 +443,10 @@ def _read_checkpoint(run: Run) -> Optional[tuple]:
         raise CheckpointError(problems[0])
     if ckpt.read_tracker(root) is None and os.path.abspath(root) == os.path.abspath(cfg.checkpoint.save or ""):
         return None
-    check_model_config(ckpt.checkpoint_dir(root), cfg.model, load=root)
-    iteration, tree = ckpt.load(root, layout=_layout(ps, cfg), coords=_coords(ps))
+    path = ckpt.checkpoint_dir(root, checksums=cfg.checkpoint.verify_integrity)  # may fall back, saying so
+    check_model_config(path, cfg.model, load=root)
+    iteration, tree = ckpt.load(root, layout=_layout(ps, cfg), coords=_coords(ps),
+                                iteration=ckpt.read_manifest(path)["iteration"])
     load_model_state(run.chunks, ps, tree["model"])
     return iteration, tree
 
