@@ -175,10 +175,20 @@ class Evil:
         return (os.system, ("echo pwned",))
 
 
+def plant(folder, name: str, data: bytes) -> None:
+    """Write ``data`` as ``folder/name`` and fix the manifest's size and SHA-256 for it, as an
+    attacker would, so that only the reader's own refusal can stop it."""
+    import hashlib
+    import json
+    (folder / name).write_bytes(data)
+    manifest = json.loads((folder / "checkpoint.json").read_text())
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "checkpoint.json").write_text(json.dumps(manifest))
+
+
 def test_metadata_with_a_foreign_class_is_refused(tmp_path):
     ckpt.save(str(tmp_path), 1, {"w": torch.zeros(2)})
-    with open(tmp_path / "iter_0000001" / ".metadata", "wb") as fh:
-        pickle.dump(Evil(), fh)
+    plant(tmp_path / "iter_0000001", ".metadata", pickle.dumps(Evil()))
     with pytest.raises(CheckpointError, match="posix.system|os.system|not allowed"):
         ckpt.load(str(tmp_path))
 
@@ -222,11 +232,17 @@ def _truncate(file):
     open(file, "wb").write(data[: len(data) // 2])
 
 
+def _same_size(file, text: str):
+    """Overwrite ``file`` with ``text`` padded with spaces to its size (passes the manifest's size check)."""
+    file.write_text(text.ljust(os.path.getsize(file)))
+
+
 DAMAGE = {
     "missing .distcp": (lambda p: os.remove(p / "__0_0.distcp"), "__0_0.distcp is missing"),
     "truncated .distcp": (lambda p: _truncate(p / "__0_0.distcp"), "__0_0.distcp is truncated"),
-    "rank JSON is '{'": (lambda p: (p / "rank_00000.json").write_text("{"), "rank_00000.json is not valid JSON"),
-    "rank JSON without state": (lambda p: (p / "rank_00000.json").write_text("{}"), "'state'"),
+    "rank JSON is '{'": (lambda p: _same_size(p / "rank_00000.json", "{"), "rank_00000.json is not valid JSON"),
+    "rank JSON without state": (lambda p: _same_size(p / "rank_00000.json", "{}"), "'state'"),
+    "shorter rank JSON": (lambda p: (p / "rank_00000.json").write_text("{}"), "rank_00000.json is truncated"),
     "manifest is '{'": (lambda p: (p / "checkpoint.json").write_text("{"), "checkpoint.json is not valid JSON"),
     "truncated .metadata": (lambda p: _truncate(p / ".metadata"), ".metadata is truncated"),
     "unreadable .distcp": (lambda p: (p / "__0_0.distcp").write_bytes(b"x" * os.path.getsize(p / "__0_0.distcp")),
@@ -252,8 +268,7 @@ def test_a_damaged_checkpoint_is_one_checkpoint_error_naming_load_and_iteration(
 
 def test_a_forbidden_class_in_metadata_is_still_refused_not_called_damage(tmp_path):
     ckpt.save(str(tmp_path), 1, {"w": torch.zeros(2)})
-    with open(tmp_path / "iter_0000001" / ".metadata", "wb") as fh:
-        pickle.dump(Evil(), fh)
+    plant(tmp_path / "iter_0000001", ".metadata", pickle.dumps(Evil()))
     with pytest.raises(CheckpointError, match="not allowed") as err:
         ckpt.load(str(tmp_path))
     assert "damaged" not in str(err.value)
@@ -278,6 +293,8 @@ def test_check_loadable_names_what_is_wrong_with_load(tmp_path):
     [problem] = ckpt.check_loadable(str(save / "iter_0000003"), None)
     assert "one checkpoint's folder" in problem and str(save) in problem
     (save / "latest_checkpointed_iteration.txt").write_text("7\n")
+    assert ckpt.check_loadable(str(save), None) == []  # iter_0000003 is loaded instead
+    os.remove(save / "iter_0000003" / "checkpoint.json")
     [problem] = ckpt.check_loadable(str(save), None)
     assert "iteration 7" in problem and "iter_0000007 does not exist" in problem
     (save / "latest_checkpointed_iteration.txt").write_text("{")

@@ -304,7 +304,10 @@ def test_generate_on_a_damaged_checkpoint_is_one_line(two_rank_checkpoint, tmp_p
         generate.load_model(str(load))
     assert "\n" not in str(err.value)
     assert str(err.value).startswith(f"--load {load}: checkpoint iter_0000001 is damaged or incomplete (__")
-    (load / "iter_0000001" / "config.json").write_text("{")
+    shutil.rmtree(load)
+    shutil.copytree(two_rank_checkpoint, load)
+    config = load / "iter_0000001" / "config.json"
+    config.write_text("{".ljust(os.path.getsize(config)))  # the size the manifest lists
     with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
         generate.load_model(str(load))
 

@@ -202,6 +202,10 @@ def _add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
     _delegate(".data.tokenizer", "add_train_arguments", "run_train")(train)
 
 
+def _add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    import_module(".checkpoint.inspect", __package__).add_arguments(parser)
+
+
 def _add_pretrain(parser: argparse.ArgumentParser) -> None:
     from .config import add_config_args, config_fields, flag_of
     from .megatron_flags import add_no_effect_args, help_epilog
@@ -224,6 +228,8 @@ COMMANDS = {
     "tokenizer": ("tokenizer tools: `meshlm tokenizer train`", _add_tokenizer_arguments),
     "generate": ("sample text from a trained checkpoint",
                  _delegate(".training.generate", "add_arguments", "run")),
+    "checkpoint": ("checkpoint tools: `meshlm checkpoint inspect DIR`, `meshlm checkpoint verify DIR "
+                   "[--layout TP,PP,DP]`", _add_checkpoint_arguments),
     "convert": ("convert between Hugging Face model folders (Llama, Mistral, GPT-2) and meshlm checkpoints",
                 _delegate(".checkpoint.convert", "add_arguments", "run")),
 }

@@ -231,6 +231,11 @@ class CheckpointConfig:
                               "loaded weights", action="store_true")
     no_load_rng: bool = opt(False, "do not load the RNG states (python, numpy, torch, dropout streams)",
                             action="store_true")
+    keep_checkpoints: int = opt(2, "after each save, delete the complete checkpoints beyond the newest N "
+                                "(at least 2: the latest may be the one a crash damaged)", metavar="N")
+    verify_integrity: bool = opt(False, "before loading, compare every file's SHA-256 with the manifest "
+                                 "(sizes are always compared; a mismatch falls back to the previous "
+                                 "checkpoint)", action="store_true")
 
 
 @dataclass

@@ -59,7 +59,7 @@ DIFFERENT_DEFAULTS = {
 # meshlm flags that Megatron does not have (besides --config and --model).
 MESHLM_ONLY = ("--pipeline-schedule", "--nproc-per-node", "--skip-nan-steps", "--fast-path",
                "--eval-at-start", "--run-dir", "--log-dir", "--gradient-accumulation-steps",
-               "--dry-run", "--world-size", "--nnodes")
+               "--dry-run", "--world-size", "--nnodes", "--keep-checkpoints")
 
 
 def add_no_effect_args(parser: argparse.ArgumentParser) -> None:

@@ -214,6 +214,9 @@ def _training_problems(cfg: Config, cuda: Optional[bool]) -> list:
     problems += _recompute_problems(t, cfg.model.num_layers)
     if c.save_interval is not None and not c.save:
         problems.append(f"--save-interval {c.save_interval} needs --save (a checkpoint directory)")
+    if c.keep_checkpoints == 1:  # below 1 is the numeric rule's
+        problems.append("--keep-checkpoints 1 is too few: give at least 2 (a crash may damage the latest, "
+                        "and loading then falls back to the one before)")
     return problems
 
 

@@ -5,7 +5,8 @@ Layout (Megatron's conventions)::
     SAVE/latest_checkpointed_iteration.txt   the iteration number; moved into place LAST
     SAVE/iter_0000100/.metadata, __*_*.distcp DCP: every tensor of every rank
     SAVE/iter_0000100/rank_00003.json        rank 3's non-tensor values and the tree of its state
-    SAVE/iter_0000100/checkpoint.json        iteration, layout (world, TP, PP, DP), torch version
+    SAVE/iter_0000100/checkpoint.json        iteration, layout (world, TP, PP, DP), torch version,
+                                             size and SHA-256 of every other file
     SAVE/iter_0000100/config.json            the run's Config as JSON (for `meshlm generate`)
 
 A state is a nested dict (dict/list/tuple) of tensors and JSON values. Tensors are flattened to
@@ -19,10 +20,12 @@ tensors or Boxes of views into its live model and optimizer state); DCP reads ex
 boxes, whatever layout wrote them. The values every rank shares (progress, schedule) come from
 saved rank 0; a per-rank subtree from the saved rank at the same coordinates (``load``).
 
-Atomicity: all ranks write into ``iter_XXXXXXX.tmp``; after a barrier rank 0 writes the
-manifest, renames the folder to ``iter_XXXXXXX`` and then replaces the tracker through a temp
-file + ``os.replace``. A crash at any point leaves the tracker naming the previous complete
-checkpoint.
+Atomicity: all ranks write into ``iter_XXXXXXX.tmp`` and hash what they wrote; rank 0 gathers
+the hashes, writes the manifest (sizes and SHA-256 of every file, manifest.py), renames the folder
+to ``iter_XXXXXXX``, replaces the tracker through a temp file + ``os.replace``, then prunes to
+``--keep-checkpoints`` (``finalize``). A crash at any point leaves the tracker naming a complete
+checkpoint. Loading checks the tracker's checkpoint against its manifest and falls back to the
+newest older intact one, saying so (``checkpoint_dir``).
 
 Reading the files (allow-listed ``.metadata``, tensors only, damage as one line) is
 safe_read.py; what a training state puts into a checkpoint is state.py.
@@ -44,14 +47,16 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointError
+from . import manifest
 from .boxes import Boxes
 from .lock import LOCK_FILE
-from .safe_read import SafeReader, _TensorOnlyPlanner, _check_storage, _load_json, reading
+from .safe_read import SafeReader, _Corrupt, _TensorOnlyPlanner, _check_storage, _load_json, damaged, reading
 
 TRACKER = "latest_checkpointed_iteration.txt"
-MANIFEST = "checkpoint.json"
+MANIFEST = manifest.MANIFEST_NAME
 CONFIG = "config.json"
-FORMAT_VERSION = 2  # 2: model space (global names and shapes), per-parameter optimizer state
+FORMAT_VERSION = 2  # 2: model space (global names and shapes), per-parameter optimizer state;
+                   # the manifest lists every file with its size and SHA-256
 _RANK_KEY = re.compile(r"^(.+)/rank(\d+)$")
 
 
@@ -151,7 +156,7 @@ def _barrier() -> None:
 # ----------------------------------------------------------------------------- save / load
 
 def save(root: str, iteration: int, state: dict, *, layout: Optional[dict] = None,
-         config: Optional[dict] = None, coords: Optional[dict] = None) -> str:
+         config: Optional[dict] = None, coords: Optional[dict] = None, keep: Optional[int] = None) -> str:
     """Write ``state`` of every rank to ``root/iter_XXXXXXX`` atomically; return that folder.
 
     Collective over the default process group: every rank calls it with its own state.
@@ -159,13 +164,15 @@ def save(root: str, iteration: int, state: dict, *, layout: Optional[dict] = Non
     config: the run's config as a JSON-able dict (rank 0's is written).
     coords: this rank's place in the layout, e.g. {"tp": 0, "pp": 1, "dp": 0}, recorded in its
     rank JSON (``load`` picks per-rank subtrees by it).
+    keep: after this save becomes the latest, keep only the newest ``keep`` complete checkpoints
+    (``--keep-checkpoints``); None keeps all. Folders left by crashed saves (``iter_*.tmp``,
+    ``iter_*.old``) are removed first.
     """
     rank, world = _world()
-    final = iteration_dir(root, iteration)
-    tmp = final + ".tmp"
+    tmp = iteration_dir(root, iteration) + ".tmp"
     if rank == 0:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)  # left over from a crashed save of this iteration
+        os.makedirs(root, exist_ok=True)
+        _remove_leftovers(root)
         os.makedirs(tmp)
     _barrier()
     tensors: dict = {}
@@ -175,38 +182,117 @@ def save(root: str, iteration: int, state: dict, *, layout: Optional[dict] = Non
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=False),
                  no_dist=world == 1)
-    _barrier()
+    files = _gather_to_rank0(manifest.describe(tmp, manifest.own_files(tmp, rank)))
     if rank == 0:
-        _write_json(os.path.join(tmp, MANIFEST), {
-            "format_version": FORMAT_VERSION, "iteration": iteration, "world_size": world,
-            "layout": layout or {}, "torch_version": torch.__version__})
-        if config is not None:
-            _write_json(os.path.join(tmp, CONFIG), config)
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # re-saving an iteration: swap the old folder out first
-            old = final + ".old"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(root)
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as fh:
-            fh.write(f"{iteration}\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
-        _fsync_dir(root)
+        finalize(root, iteration, files, world_size=world, layout=layout, config=config, keep=keep)
     _barrier()
+    return iteration_dir(root, iteration)
+
+
+def _gather_to_rank0(files: dict) -> Optional[dict]:
+    """Every rank's {name: {"bytes", "sha256"}} merged on rank 0 (None on the others)."""
+    rank, world = _world()
+    if world == 1:
+        return files
+    parts = [None] * world if rank == 0 else None
+    dist.gather_object(files, parts, dst=0)
+    return {name: entry for part in parts for name, entry in part.items()} if rank == 0 else None
+
+
+def finalize(root: str, iteration: int, files: dict, *, world_size: int, layout: Optional[dict] = None,
+             config: Optional[dict] = None, keep: Optional[int] = None) -> str:
+    """Rank 0's end of a save, once every rank's files are in ``root/iter_XXXXXXX.tmp``: write
+    config.json and the manifest (iteration, layout, sizes and SHA-256 of every file), rename the
+    folder into place, make it the tracker's iteration, then prune to the newest ``keep``.
+
+    files: {name: {"bytes", "sha256"}} of every rank's files (manifest.describe). Each step is
+    durable (fsync) before the next, so a crash at any point leaves the tracker naming a complete
+    checkpoint. Returns the final folder. Not collective: a background save calls it when all
+    ranks are done.
+    """
+    final = iteration_dir(root, iteration)
+    tmp = final + ".tmp"
+    files = dict(files)
+    if config is not None:
+        _write_json(os.path.join(tmp, CONFIG), config)
+        files.update(manifest.describe(tmp, [CONFIG]))
+    _write_json(os.path.join(tmp, MANIFEST), {
+        "format_version": FORMAT_VERSION, "iteration": iteration, "world_size": world_size,
+        "layout": layout or {}, "torch_version": torch.__version__, "files": dict(sorted(files.items()))})
+    _fsync_dir(tmp)
+    if os.path.exists(final):  # re-saving an iteration the tracker may name: swap the old folder out
+        old = final + ".old"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tracker_tmp, "w") as fh:
+        fh.write(f"{iteration}\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    _fsync_dir(root)
+    if keep is not None:
+        prune(root, iteration, keep)
     return final
 
 
-def checkpoint_dir(root: str, iteration: Optional[int] = None) -> str:
-    """The complete checkpoint folder to load: ``iteration``'s, else the tracker's.
+def _remove_leftovers(root: str) -> None:
+    """Delete ``iter_*.tmp`` / ``iter_*.old`` folders of crashed saves and prunes (never the
+    tracker's checkpoint: that is always a plain ``iter_XXXXXXX``)."""
+    for name in os.listdir(root):
+        if name.startswith("iter_") and name.endswith((".tmp", ".old")):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
-    Raises CheckpointError naming the folder when there is no tracker, or the folder lacks its
-    manifest or DCP metadata (an interrupted save).
+
+def prune(root: str, latest: int, keep: int) -> list:
+    """Delete the complete checkpoints older than ``latest`` beyond the newest ``keep`` (``latest``
+    counted); return their iterations. Newer folders (another history) are left alone. Each is
+    first renamed to ``iter_XXXXXXX.tmp``, so a crash mid-delete leaves a leftover, never a
+    half-deleted checkpoint that looks complete."""
+    older = [it for it in complete_iterations(root) if it < latest]
+    doomed = older[:max(0, len(older) - (keep - 1))]
+    for it in doomed:
+        path = iteration_dir(root, it)
+        os.replace(path, path + ".tmp")
+        shutil.rmtree(path + ".tmp")
+    return doomed
+
+
+# ----------------------------------------------------------------------------- which checkpoint to load
+
+def _folder_problem(path: str, checksums: bool) -> Optional[str]:
+    """Why the checkpoint folder ``path`` cannot be loaded (a short phrase), or None: it must
+    exist, have a readable manifest and .metadata, and hold every file the manifest lists at its
+    size (and SHA-256 when ``checksums``)."""
+    if not os.path.isdir(path):
+        return "does not exist"
+    try:
+        saved = read_manifest(path)
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing"
+    except (OSError, ValueError) as e:  # _Corrupt (bad JSON) is a ValueError
+        return str(e)
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return ".metadata is missing"
+    listed = saved.get("files") if isinstance(saved, dict) else None
+    if listed is None and isinstance(saved, dict) and saved.get("format_version") == 1:
+        return None  # saved before manifests listed files: nothing more to compare
+    try:
+        found = manifest.problems(path, listed, checksums=checksums)
+    except (AttributeError, KeyError, TypeError):
+        return f"{MANIFEST} has no valid file list"
+    return found[0] if found else None
+
+
+def _choose(root: str, iteration: Optional[int], checksums: bool) -> tuple:
+    """(folder, notes): the checkpoint to load and what was skipped to get there (one line, or "").
+
+    ``iteration`` given: that one or CheckpointError. Else the tracker's, or when it is missing or
+    damaged the newest older complete checkpoint that is intact. CheckpointError when none is.
     """
     if iteration is None:
         if not os.path.isdir(root):
@@ -216,20 +302,52 @@ def checkpoint_dir(root: str, iteration: Optional[int] = None) -> str:
             problems = check_loadable(root)
             raise CheckpointError(problems[0] if problems else
                                   f"--load {root}: no {TRACKER}; point --load at a folder written by --save")
-    path = iteration_dir(root, iteration)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but {path} does not "
+        candidates = [iteration] + [it for it in reversed(complete_iterations(root)) if it < iteration]
+    else:
+        candidates = [iteration]
+    skipped = []
+    for it in candidates:
+        path = iteration_dir(root, it)
+        problem = _folder_problem(path, checksums)
+        if problem is None:
+            return path, _fallback_note(root, skipped, path)
+        skipped.append((path, problem))
+    path, problem = skipped[0]
+    if problem == "does not exist":
+        raise CheckpointError(f"--load {root}: {TRACKER} names iteration {candidates[0]} but {path} does not "
                               f"exist; write the iteration of a complete iter_XXXXXXX folder into it")
-    for name in (MANIFEST, ".metadata"):
-        if not os.path.isfile(os.path.join(path, name)):
-            raise CheckpointError(f"checkpoint {path} is incomplete ({name} not found); "
-                                  f"load another iteration or start without --load")
+    raise damaged(path, _Corrupt(problem), root)
+
+
+def _fallback_note(root: str, skipped: list, chosen: str) -> str:
+    if not skipped:
+        return ""
+    name = os.path.basename
+    (latest, why), *more = skipped
+    also = "".join(f"; {name(p)} too ({w})" for p, w in more)
+    return (f"--load {root}: the latest checkpoint {name(latest)} is damaged or incomplete ({why}{also}); "
+            f"loading {name(chosen)} instead")
+
+
+def checkpoint_dir(root: str, iteration: Optional[int] = None, *, checksums: bool = False) -> str:
+    """The checkpoint folder to load: ``iteration``'s, else the tracker's — or, when that one is
+    missing, incomplete or damaged, the newest older complete one that is intact (rank 0 prints
+    one line naming both: what is wrong with the latest, which one is loaded instead).
+
+    Intact: the manifest, .metadata and every file the manifest lists, at its size (a stat each);
+    checksums=True (``--verify-integrity``) also compares each file's SHA-256 (reads them all).
+    Raises CheckpointError naming the folder when there is no tracker, or no candidate is intact
+    (the latest's problem, as ``damaged``'s one line), or ``iteration`` is given and not intact.
+    """
+    path, note = _choose(root, iteration, checksums)
+    if note and _world()[0] == 0:
+        print(f"note: {note}", flush=True)
     return path
 
 
 def complete_iterations(root: str) -> list:
-    """Iterations of the complete checkpoints (``iter_XXXXXXX`` folders with a manifest) in root,
-    ascending; [] when root is not a directory."""
+    """Iterations of the complete checkpoints (``iter_XXXXXXX`` folders with a manifest, i.e.
+    saves that reached the rename) in root, ascending; [] when root is not a directory."""
     if not os.path.isdir(root):
         return []
     found = []
@@ -243,8 +361,9 @@ def complete_iterations(root: str) -> list:
 
 def check_loadable(load: Optional[str], save: Optional[str] = None) -> list:
     """Problems with ``--load load`` found from the file system alone (no tensor is read), one line
-    each; [] when it can be loaded, or when it is the --save directory without a checkpoint yet
-    (a fresh start). A --load that does not exist is left to meshlm.validate.
+    each; [] when it can be loaded (possibly from an older checkpoint than the tracker's, see
+    ``checkpoint_dir``), or when it is the --save directory without a checkpoint yet (a fresh
+    start). A --load that does not exist is left to meshlm.validate.
 
     Meant to run before workers start (meshlm.validate) and again in the trainer.
     """
@@ -271,7 +390,7 @@ def check_loadable(load: Optional[str], save: Optional[str] = None) -> list:
         return [f"--load {load} {what} (no {TRACKER}); point --load at a run's --save directory, "
                 f"or give --save {load} too to start fresh there"]
     try:
-        checkpoint_dir(load, iteration)
+        _choose(load, None, False)
     except CheckpointError as e:
         return [str(e)]
     return []

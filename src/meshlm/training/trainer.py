@@ -431,7 +431,7 @@ def save_checkpoint(run: Run, state: TrainState) -> str:
             "dropout_call": max(chunk.rng.call for chunk in run.chunks),
             "train": dataclasses.asdict(state)}
     path = ckpt.save(cfg.checkpoint.save, state.iteration, tree, layout=_layout(ps, cfg),
-                     config=_portable_config(cfg), coords=_coords(ps))
+                     config=_portable_config(cfg), coords=_coords(ps), keep=cfg.checkpoint.keep_checkpoints)
     run.last_checkpoint = path
     if ps.rank == 0:
         print(f"saved checkpoint {path}", flush=True)
@@ -533,14 +533,15 @@ def _read_checkpoint(run: Run) -> Optional[tuple]:
         raise CheckpointError(problems[0])
     if ckpt.read_tracker(c.load) is None and os.path.abspath(c.load) == os.path.abspath(c.save or ""):
         return None
+    path = ckpt.checkpoint_dir(c.load, checksums=c.verify_integrity)  # may fall back, saying so
     if not c.finetune:
-        check_model_config(ckpt.checkpoint_dir(c.load), cfg.model, load=c.load)
+        check_model_config(path, cfg.model, load=c.load)
     run.opt.finish_param_sync()
     space = ModelSpace(run.chunks, ps)
     targets = model_state(space, load=True)
     if _loads(c, "optim"):
         targets["optimizer"] = optimizer_state(run.opt, space, load=True)
-    return ckpt.load(c.load, targets, coords=_coords(ps))
+    return ckpt.load(c.load, targets, coords=_coords(ps), iteration=ckpt.read_manifest(path)["iteration"])
 
 
 def _first_problem(problem: Optional[str], ps: ParallelState) -> Optional[str]:

@@ -1,0 +1,243 @@
+"""Crash safety and tooling of checkpoints: the manifest's file list, fallback to the previous
+intact checkpoint, --keep-checkpoints, `meshlm checkpoint inspect/verify`, planted pickle payloads."""
+
+import builtins
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from meshlm import cli
+from meshlm.checkpoint import dist as ckpt
+from meshlm.errors import CheckpointError, ConfigError
+from test_checkpoint import plant
+from test_trainer import tiny_config
+
+
+def _state(it, rank=0):
+    return {"model": {"w": torch.full((32, 16), float(it))}, f"rank{rank}": {"x": torch.arange(5) + rank}}
+
+
+def _save_two(rank, world, root):
+    ckpt.save(root, 4, _state(4, rank), layout={"dp": world})
+    return sorted(os.listdir(os.path.join(root, "iter_0000004")))
+
+
+def test_the_manifest_lists_every_file_of_every_rank_with_size_and_sha256(tmp_path):
+    names = run_distributed(_save_two, 2, str(tmp_path))[0]
+    folder = tmp_path / "iter_0000004"
+    files = json.loads((folder / "checkpoint.json").read_text())["files"]
+    assert sorted(files) == [n for n in names if n != "checkpoint.json"]
+    assert {"__0_0.distcp", "__1_0.distcp", "rank_00000.json", "rank_00001.json", ".metadata"} <= set(files)
+    for name, entry in files.items():
+        data = (folder / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+
+
+def _three(tmp_path):
+    root = str(tmp_path / "save")
+    for it in (1, 2, 3):
+        ckpt.save(root, it, _state(it))
+    return root
+
+
+def test_a_damaged_latest_falls_back_to_the_previous_one_with_one_line(tmp_path, capsys):
+    root = _three(tmp_path)
+    data = tmp_path / "save" / "iter_0000003" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    it, state = ckpt.load(root)
+    assert it == 2 and torch.equal(state["model"]["w"], _state(2)["model"]["w"])
+    note = capsys.readouterr().out.strip()
+    assert "\n" not in note and note == (
+        f"note: --load {root}: the latest checkpoint iter_0000003 is damaged or incomplete (__0_0.distcp is "
+        f"truncated (100 bytes, checkpoint.json says {ckpt.read_manifest(root + '/iter_0000003')['files']['__0_0.distcp']['bytes']})); "
+        f"loading iter_0000002 instead")
+    assert ckpt.check_loadable(root) == []
+    with pytest.raises(CheckpointError, match="iter_0000003 is damaged or incomplete"):
+        ckpt.load(root, iteration=3)  # an explicit iteration never falls back
+
+
+def test_a_flipped_byte_is_found_by_the_checksum_only(tmp_path, capsys):
+    root = _three(tmp_path)
+    data = tmp_path / "save" / "iter_0000003" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-200] ^= 0xFF  # inside the tensor bytes, same size
+    data.write_bytes(bytes(raw))
+    assert ckpt.checkpoint_dir(root).endswith("iter_0000003")  # sizes alone: intact
+    assert ckpt.checkpoint_dir(root, checksums=True).endswith("iter_0000002")
+    assert "__0_0.distcp does not match its SHA-256 in checkpoint.json" in capsys.readouterr().out
+
+
+def test_no_intact_checkpoint_raises_the_latest_problem(tmp_path):
+    root = _three(tmp_path)
+    for it in (1, 2, 3):
+        os.remove(tmp_path / "save" / f"iter_000000{it}" / "rank_00000.json")
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load(root)
+    assert str(err.value) == (f"--load {root}: checkpoint iter_0000003 is damaged or incomplete "
+                              f"(rank_00000.json is missing); load an earlier iteration or re-save")
+    assert ckpt.check_loadable(root) == [str(err.value)]
+
+
+def test_keep_prunes_older_checkpoints_and_leftovers_of_crashed_saves(tmp_path, monkeypatch):
+    root = str(tmp_path / "save")
+    for it in range(1, 6):
+        ckpt.save(root, it, _state(it), keep=3)
+    assert ckpt.complete_iterations(root) == [3, 4, 5]
+    os.makedirs(os.path.join(root, "iter_0000009.tmp"))  # a crashed save's folder
+    real = shutil.rmtree
+
+    def crash_on_prune(path, *a, **k):
+        if str(path).endswith("iter_0000003.tmp"):
+            raise KeyboardInterrupt("killed mid-prune")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(shutil, "rmtree", crash_on_prune)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(root, 6, _state(6), keep=3)
+    monkeypatch.undo()
+    assert not os.path.exists(os.path.join(root, "iter_0000009.tmp"))  # removed at the save's start
+    assert ckpt.complete_iterations(root) == [4, 5, 6] and ckpt.read_tracker(root) == 6
+    assert os.path.isdir(os.path.join(root, "iter_0000003.tmp"))  # a leftover, never a half checkpoint
+    ckpt.save(root, 7, _state(7), keep=2)
+    assert sorted(os.listdir(root)) == ["iter_0000006", "iter_0000007", ckpt.TRACKER]
+
+
+def test_keep_checkpoints_below_2_is_refused_naming_the_flag():
+    from meshlm.config import Config
+    from meshlm.megatron_flags import MEGATRON_FLAGS, MESHLM_ONLY
+    from meshlm.validate import validate
+    cfg = Config()
+    assert cfg.checkpoint.keep_checkpoints == 2 and cfg.checkpoint.verify_integrity is False
+    for n in (1, 0):
+        cfg.checkpoint.keep_checkpoints = n
+        with pytest.raises(ConfigError, match=f"--keep-checkpoints {n} "):
+            validate(cfg, world=1, check_files=False)
+    assert "--keep-checkpoints" in MESHLM_ONLY and "--verify-integrity" in MEGATRON_FLAGS
+
+
+# ----------------------------------------------------------------------------- meshlm checkpoint inspect / verify
+
+def _pretrain_one(rank, world, tmp):
+    from meshlm.training import trainer
+    cfg = tiny_config(tmp, iters=2)
+    cfg.checkpoint.save, cfg.checkpoint.save_interval = os.path.join(tmp, "ckpt"), 1
+    trainer.pretrain(cfg)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trained")
+    run_distributed(_pretrain_one, 1, str(tmp))
+    return tmp / "ckpt"
+
+
+def _cli(capsys, *argv):
+    rc = cli.main(["checkpoint", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_inspect_shows_iteration_layout_and_tensors(trained, capsys):
+    rc, out, err = _cli(capsys, "inspect", str(trained))
+    assert rc == 0 and err == ""
+    assert out.startswith(f"checkpoint {trained}/iter_0000002\niteration 2 | layout tp=1 pp=1 ")
+    assert "world size 1" in out
+    # vocab 100 padded to 112; 112 × 32 × 4 bytes
+    assert re.search(r"\n  model/embedding\.word_embeddings\.weight@tp0of1 +\[112, 32\] +float32 +14,336\n", out)
+    rc, out, _ = _cli(capsys, "inspect", str(trained / "iter_0000001"))
+    assert rc == 0 and "iteration 1 |" in out
+
+
+def test_verify_checks_checksums_tensors_and_the_trainers_load(trained, tmp_path, capsys):
+    rc, out, _ = _cli(capsys, "verify", str(trained))
+    assert rc == 0 and out.startswith(f"ok: {trained}/iter_0000002: 4 files match their SHA-256") and \
+        "loads at TP=1 PP=1 DP=1 through the trainer" in out
+    rc, out, _ = _cli(capsys, "verify", str(trained), "--layout", "2,1,2")
+    assert rc == 0 and "not loaded: that layout needs 4 processes" in out
+    rc, _, err = _cli(capsys, "verify", str(trained), "--layout", "3,1,1")
+    assert rc == 2 and "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in err
+    bad = tmp_path / "bad"
+    shutil.copytree(trained, bad)
+    for name in ("__0_0.distcp", "rank_00000.json"):
+        raw = bytearray((bad / "iter_0000002" / name).read_bytes())
+        raw[len(raw) // 2] ^= 1
+        (bad / "iter_0000002" / name).write_bytes(bytes(raw))
+    rc, _, err = _cli(capsys, "verify", str(bad))
+    assert rc == 2 and err.splitlines() == [
+        f"meshlm: error: {bad}/iter_0000002: {name} does not match its SHA-256 in checkpoint.json"
+        for name in ("__0_0.distcp", "rank_00000.json")]
+
+
+# ----------------------------------------------------------------------------- planted pickle payloads
+
+class Payload:
+    """Unpickling it creates the file ``path``."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (builtins.open, (self.path, "w"))
+
+
+def _plant_metadata(folder, marker):
+    plant(folder, ".metadata", pickle.dumps(Payload(marker)))
+
+
+def _plant_distcp(folder, marker):
+    """The .distcp file becomes a torch.save of the payload, and .metadata (pickled with DCP's own
+    classes) points every tensor of it there, with the manifest fixed too."""
+    buf = io.BytesIO()
+    torch.save(Payload(marker), buf)
+    data = buf.getvalue()
+    with open(folder / ".metadata", "rb") as fh:
+        metadata = pickle.load(fh)
+    for index, info in metadata.storage_data.items():
+        if info.relative_path == "__0_0.distcp":
+            info.offset, info.length = 0, len(data)
+    plant(folder, "__0_0.distcp", data)
+    plant(folder, ".metadata", pickle.dumps(metadata))
+
+
+def _plant_rank_json(folder, marker):
+    plant(folder, "rank_00000.json", pickle.dumps(Payload(marker)))
+
+
+@pytest.mark.parametrize("where", ["metadata", "distcp", "rank_json"])
+def test_a_planted_pickle_payload_never_runs(trained, tmp_path, capsys, where):
+    plant_fn = {"metadata": _plant_metadata, "distcp": _plant_distcp, "rank_json": _plant_rank_json}[where]
+    live = tmp_path / "live"  # the payload is real: plain unpickling would create the file
+    probe = tmp_path / "probe"
+    (probe).mkdir()
+    shutil.copy(trained / "iter_0000002" / "checkpoint.json", probe / "checkpoint.json")
+    shutil.copy(trained / "iter_0000002" / ".metadata", probe / ".metadata")
+    plant_fn(probe, live)
+    reader = torch.load if where == "distcp" else pickle.load
+    with open(probe / ("__0_0.distcp" if where == "distcp" else ".metadata" if where == "metadata"
+                       else "rank_00000.json"), "rb") as fh:
+        reader(fh, weights_only=False) if where == "distcp" else reader(fh)
+    assert live.exists()
+
+    save = tmp_path / "save"
+    shutil.copytree(trained, save)
+    marker = tmp_path / "pwned"
+    plant_fn(save / "iter_0000002", marker)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load(str(save), iteration=2)
+    assert "\n" not in str(err.value)
+    rc_inspect, _, err_inspect = _cli(capsys, "inspect", str(save / "iter_0000002"))
+    rc_verify, _, err_verify = _cli(capsys, "verify", str(save / "iter_0000002"))
+    assert not marker.exists()
+    assert rc_verify == 2 and len(err_verify.strip().splitlines()) == 1
+    if where == "metadata":  # inspect reads .metadata and the manifest, not tensor data or rank JSONs
+        assert rc_inspect == 2 and len(err_inspect.strip().splitlines()) == 1
+    else:
+        assert rc_inspect == 0
