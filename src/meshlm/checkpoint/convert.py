@@ -122,6 +122,7 @@ def import_hf(src: str, save: str) -> str:
     from ..folders import output_folder_problem
     from ..model.transformer import GPTModel
     from ..parallel.mesh import ParallelState
+    from .model_space import ModelSpace
     from .state import model_state
 
     hm = _hf_model(src)
@@ -149,7 +150,7 @@ def import_hf(src: str, save: str) -> str:
     with torch.no_grad():
         load_into_chunks([model], read_hf_weights(src, hm.arch, hm.model_config()), src)
     layout = {"tp": 1, "pp": 1, "cp": 1, "virtual_pipeline": 1, "dp": 1}
-    return ckpt.save(save, 0, model_state([model], ps), layout=layout, config=cfg.to_dict(),
+    return ckpt.save(save, 0, model_state(ModelSpace([model], ps)), layout=layout, config=cfg.to_dict(),
                      coords={"tp": 0, "pp": 0, "cp": 0, "dp": 0})
 
 
