@@ -231,6 +231,9 @@ class CheckpointConfig:
                               "loaded weights", action="store_true")
     no_load_rng: bool = opt(False, "do not load the RNG states (python, numpy, torch, dropout streams)",
                             action="store_true")
+    async_save: bool = opt(False, "write checkpoints in the background: the state is copied to host memory "
+                           "before training goes on, then written while it trains; one save at a time, "
+                           "the latest only once every rank has written it", action="store_true")
 
 
 @dataclass

@@ -21,8 +21,8 @@ saved rank 0; a per-rank subtree from the saved rank at the same coordinates (``
 
 Atomicity: all ranks write into ``iter_XXXXXXX.tmp``; after a barrier rank 0 writes the
 manifest, renames the folder to ``iter_XXXXXXX`` and then replaces the tracker through a temp
-file + ``os.replace``. A crash at any point leaves the tracker naming the previous complete
-checkpoint.
+file + ``os.replace`` (``finalize``). A crash at any point leaves the tracker naming the previous
+complete checkpoint. --async-save runs the same steps in the background (async_save.py).
 
 Reading the files (allow-listed ``.metadata``, tensors only, damage as one line) is
 safe_read.py; what a training state puts into a checkpoint is state.py.
@@ -159,46 +159,77 @@ def save(root: str, iteration: int, state: dict, *, layout: Optional[dict] = Non
     config: the run's config as a JSON-able dict (rank 0's is written).
     coords: this rank's place in the layout, e.g. {"tp": 0, "pp": 1, "dp": 0}, recorded in its
     rank JSON (``load`` picks per-rank subtrees by it).
+    The steps (``make_temp_dir``, ``write``, ``finalize``) are also run one by one by a
+    background save (async_save.py).
     """
-    rank, world = _world()
-    final = iteration_dir(root, iteration)
-    tmp = final + ".tmp"
+    rank = _world()[0]
     if rank == 0:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)  # left over from a crashed save of this iteration
-        os.makedirs(tmp)
+        make_temp_dir(root, iteration)
     _barrier()
+    write(temp_dir(root, iteration), state, coords=coords)
+    _barrier()
+    if rank == 0:
+        finalize(root, iteration, layout=layout, config=config)
+    _barrier()
+    return iteration_dir(root, iteration)
+
+
+def temp_dir(root: str, iteration: int) -> str:
+    """``root/iter_0000100.tmp``: where every rank writes iteration 100's files until ``finalize``."""
+    return iteration_dir(root, iteration) + ".tmp"
+
+
+def make_temp_dir(root: str, iteration: int) -> str:
+    """Create a fresh, empty ``temp_dir`` (one left over from a crashed save is removed); rank 0
+    calls it before any rank writes."""
+    tmp = temp_dir(root, iteration)
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)  # left over from a crashed save of this iteration
+    os.makedirs(tmp)
+    return tmp
+
+
+def write(tmp: str, state: dict, *, coords: Optional[dict] = None, group=None) -> None:
+    """Write this rank's ``state`` into the folder ``tmp``: its tensors through DCP (collective over
+    ``group``, default the whole job: every rank calls it; an error on any rank raises DCP's
+    CheckpointException on all of them), then its rank JSON (local: an error there must not keep
+    this rank from DCP's collective, where the others would wait for it)."""
+    rank, world = _world()
     tensors: dict = {}
     tree = _flatten(state, "", tensors)
-    _write_json(os.path.join(tmp, f"rank_{rank:05d}.json"), {"rank": rank, "coords": coords, "state": tree})
     with warnings.catch_warnings():  # DCP warns that a world of one is "assumed" single-process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=False),
-                 no_dist=world == 1)
-    _barrier()
-    if rank == 0:
-        _write_json(os.path.join(tmp, MANIFEST), {
-            "format_version": FORMAT_VERSION, "iteration": iteration, "world_size": world,
-            "layout": layout or {}, "torch_version": torch.__version__})
-        if config is not None:
-            _write_json(os.path.join(tmp, CONFIG), config)
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # re-saving an iteration: swap the old folder out first
-            old = final + ".old"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(root)
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as fh:
-            fh.write(f"{iteration}\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
-        _fsync_dir(root)
-    _barrier()
+                 process_group=group, no_dist=world == 1)
+    _write_json(os.path.join(tmp, f"rank_{rank:05d}.json"), {"rank": rank, "coords": coords, "state": tree})
+
+
+def finalize(root: str, iteration: int, *, layout: Optional[dict] = None, config: Optional[dict] = None) -> str:
+    """Make the written ``temp_dir`` the complete checkpoint of ``iteration``: manifest (and config),
+    rename to ``iter_XXXXXXX``, then the tracker (temp file + ``os.replace``). Rank 0 only, once
+    every rank's ``write`` has returned; returns the folder."""
+    final, tmp = iteration_dir(root, iteration), temp_dir(root, iteration)
+    _write_json(os.path.join(tmp, MANIFEST), {
+        "format_version": FORMAT_VERSION, "iteration": iteration, "world_size": _world()[1],
+        "layout": layout or {}, "torch_version": torch.__version__})
+    if config is not None:
+        _write_json(os.path.join(tmp, CONFIG), config)
+    _fsync_dir(tmp)
+    if os.path.exists(final):  # re-saving an iteration: swap the old folder out first
+        old = final + ".old"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tracker_tmp, "w") as fh:
+        fh.write(f"{iteration}\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    _fsync_dir(root)
     return final
 
 
