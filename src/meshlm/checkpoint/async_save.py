@@ -162,6 +162,10 @@ class AsyncSaver:
                                   f"which a resume loads")
         return ckpt.iteration_dir(root, iteration)
 
+    def in_flight(self) -> bool:
+        """Whether this rank's writer thread is still at work (no collective, no host sync)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def _agree(self, problem: Optional[str]) -> Optional[str]:
         """The lowest rank's problem (None if no rank has one), known to every rank (collective
         over the writer's group)."""
