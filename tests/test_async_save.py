@@ -32,11 +32,17 @@ def _config(tmp, name, *, background, zero=False, save_interval=None, **training
     return cfg
 
 
+def _patched(owner, name, replacement):
+    """Set ``owner.name`` to ``replacement(original)``; return a function that puts it back."""
+    original = getattr(owner, name)
+    setattr(owner, name, replacement(original))
+    return lambda: setattr(owner, name, original)
+
+
 def _patch_write_data(before):
     """Make every DCP file write call ``before()`` first (in this process)."""
-    write_data = FileSystemWriter.write_data
-    FileSystemWriter.write_data = lambda self, plan, planner: (before(), write_data(self, plan, planner))[1]
-    return lambda: setattr(FileSystemWriter, "write_data", write_data)
+    return _patched(FileSystemWriter, "write_data",
+                    lambda write_data: lambda self, plan, planner: (before(), write_data(self, plan, planner))[1])
 
 
 def _steps(run, state, n):
@@ -146,15 +152,14 @@ def _every_iteration_saved_slowly(rank, world, tmp):
         time.sleep(0.3)
         active[0] -= 1
 
-    finalize = ckpt.finalize
-    ckpt.finalize = lambda root, iteration, **kw: (events.append(iteration), finalize(root, iteration, **kw))[1]
-    restore = _patch_write_data(slow)
+    restores = [_patched(ckpt, "finalize", lambda finalize: lambda root, iteration, **kw:
+                         (events.append(iteration), finalize(root, iteration, **kw))[1]), _patch_write_data(slow)]
     try:
         cfg = _config(tmp, "ckpt", background=True, iters=4, save_interval=1, eval_interval=100)
         summary = trainer.pretrain(cfg, F64)
     finally:
-        restore()
-        ckpt.finalize = finalize
+        for restore in restores:
+            restore()
     return {"most": most[0], "finalized": events, "last": summary["last_checkpoint"]}
 
 
@@ -198,25 +203,38 @@ def test_a_run_saved_in_the_background_resumes_exactly(tmp_path):
 # ----------------------------------------------------------------------------- failures: one line, no hang
 
 def _failing_writers(rank, world, tmp):
+    from meshlm.checkpoint.async_save import Staging
     from meshlm.errors import CheckpointError
     from meshlm.training import trainer
+
+    def disk_full(write_data):
+        def write(self, plan, planner):
+            if rank == 1:
+                raise OSError(28, "No space left on device")
+            return write_data(self, plan, planner)
+        return write
+
+    def refused(finalize):
+        def final(root, iteration, **kw):
+            if rank == 0:
+                raise PermissionError(13, "Permission denied", root)
+            return finalize(root, iteration, **kw)
+        return final
+
+    def no_memory(copy):
+        def copied(self, state):
+            if rank == 1:
+                raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
+            return copy(self, state)
+        return copied
+
     messages = []
-
-    def disk_full():
-        if rank == 1:
-            raise OSError(28, "No space left on device")
-
-    finalize = ckpt.finalize
-
-    def refused(root, iteration, **kw):
-        raise PermissionError(13, "Permission denied", root)
-
-    for name, patch, iters in (("write", "write_data", 4), ("finalize", "finalize", 2)):
-        cfg = _config(tmp, name, background=True, iters=iters, save_interval=2 if patch == "write_data" else None)
+    for name, iters, owner, attr, failing in (("write", 4, FileSystemWriter, "write_data", disk_full),
+                                              ("finalize", 2, ckpt, "finalize", refused),
+                                              ("copy", 2, Staging, "copy", no_memory)):
+        cfg = _config(tmp, name, background=True, iters=iters, save_interval=2 if name == "write" else None)
         cfg.parallel.distributed_timeout_minutes = 1  # a hang would fail within a minute
-        restore = _patch_write_data(disk_full) if patch == "write_data" else lambda: setattr(ckpt, "finalize", finalize)
-        if patch == "finalize" and rank == 0:
-            ckpt.finalize = refused
+        restore = _patched(owner, attr, failing)
         try:
             trainer.pretrain(cfg, F64)
             messages.append(None)
@@ -229,13 +247,15 @@ def _failing_writers(rank, world, tmp):
 
 def test_a_failing_writer_stops_every_rank_with_one_line_at_the_next_save_or_the_end(tmp_path):
     """rank 1 cannot write iteration 2's files: both ranks stop at the next save (iteration 4);
-    rank 0 alone cannot finalise the last save: both ranks stop at the end of training."""
-    (write0, final0), (write1, final1) = run_distributed(_failing_writers, 2, str(tmp_path))
-    assert write0 == write1 and final0 == final1
-    for message in (write0, final0):
-        assert message and "\n" not in message and message.startswith("--async-save: the checkpoint of iteration")
-    assert "iteration 2" in write0 and "rank 1: OSError" in write0 and "No space left on device" in write0
-    assert "rank 0: PermissionError" in final0
-    for name in ("write", "finalize"):
+    rank 0 alone cannot finalise the last save: both ranks stop at the end of training; rank 1
+    cannot copy its state to host memory: both ranks stop at that save."""
+    (write0, final0, copy0), (write1, final1, copy1) = run_distributed(_failing_writers, 2, str(tmp_path))
+    assert write0 == write1 and final0 == final1 and copy0 == copy1
+    for message in (write0, final0, copy0):
+        assert message and "\n" not in message and message.startswith("--async-save: the ")
+    assert "iteration 2 " in write0 and "rank 1: OSError" in write0 and "No space left on device" in write0
+    assert "iteration 2 " in final0 and "rank 0: PermissionError" in final0
+    assert "host memory (rank 1: RuntimeError: CUDA error: out of memory" in copy0
+    for name in ("write", "finalize", "copy"):
         assert ckpt.read_tracker(str(tmp_path / name)) is None
         assert ckpt.complete_iterations(str(tmp_path / name)) == []

@@ -23,7 +23,8 @@ loop's collectives go on meanwhile on the other groups, from the main thread. Th
 becomes the latest as soon as the last rank's write is done, with nothing for the loop to check
 each iteration. A problem only rank 0 sees (finalising) is agreed on by ``wait`` — on the same
 group, from the main thread, once the thread has ended on every rank — so that every rank raises
-the same one-line CheckpointError at the next save or at the end of training, never a hang.
+the same one-line CheckpointError at the next save or at the end of training, never a hang; so is
+a failed copy (no host memory), at once. Two small gloo all-gathers per save, none per iteration.
 
 Memory: the host buffers hold a copy of this rank's whole saved state (weights, fp32 masters and
 Adam moments: 14 bytes per parameter of its shard under bf16 with ZeRO-1 off) for the whole run.
@@ -134,13 +135,19 @@ class AsyncSaver:
         once it is snapshotted: the caller may change the state's tensors from then on.
 
         Collective: every rank calls it at the same point. Waits for the previous save first and
-        returns its folder (None if there was none); raises CheckpointError as ``wait``.
+        returns its folder (None if there was none); raises CheckpointError as ``wait``, and on
+        every rank when any rank could not copy its state (host memory).
         """
         previous = self.wait()
-        snapshot = self.staging.copy(state)
+        copied: list = []
+        problem = self._agree(_attempt(lambda: copied.append(self.staging.copy(state))))
+        if problem:
+            raise CheckpointError(f"--async-save: the state of iteration {iteration} could not be copied to "
+                                  f"host memory ({problem}); give the job more host memory or save without "
+                                  f"--async-save")
         self._saving, self._outcome = (root, iteration), None
         self._thread = threading.Thread(target=self._write, name=f"meshlm-save-{iteration}", daemon=True,
-                                        args=(root, iteration, snapshot, layout, config, coords))
+                                        args=(root, iteration, copied[0], layout, config, coords))
         self._thread.start()
         return previous
 
