@@ -236,6 +236,9 @@ class CheckpointConfig:
     verify_integrity: bool = opt(False, "before loading, compare every file's SHA-256 with the manifest "
                                  "(sizes are always compared; a mismatch falls back to the previous "
                                  "checkpoint)", action="store_true")
+    async_save: bool = opt(False, "write checkpoints in the background: the state is copied to host memory "
+                           "before training goes on, then written while it trains; one save at a time, "
+                           "the latest only once every rank has written it", action="store_true")
 
 
 @dataclass

@@ -26,6 +26,7 @@ to ``iter_XXXXXXX``, replaces the tracker through a temp file + ``os.replace``, 
 ``--keep-checkpoints`` (``finalize``). A crash at any point leaves the tracker naming a complete
 checkpoint. Loading checks the tracker's checkpoint against its manifest and falls back to the
 newest older intact one, saying so (``checkpoint_dir``).
+--async-save runs the same steps in the background (async_save.py).
 
 Reading the files (allow-listed ``.metadata``, tensors only, damage as one line) is
 safe_read.py; what a training state puts into a checkpoint is state.py.
@@ -167,35 +168,61 @@ def save(root: str, iteration: int, state: dict, *, layout: Optional[dict] = Non
     keep: after this save becomes the latest, keep only the newest ``keep`` complete checkpoints
     (``--keep-checkpoints``); None keeps all. Folders left by crashed saves (``iter_*.tmp``,
     ``iter_*.old``) are removed first.
+    The steps (``make_temp_dir``, ``write``, ``gather_files``, ``finalize``) are also run one by one
+    by a background save (async_save.py).
     """
     rank, world = _world()
-    tmp = iteration_dir(root, iteration) + ".tmp"
     if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        _remove_leftovers(root)
-        os.makedirs(tmp)
+        make_temp_dir(root, iteration)
     _barrier()
-    tensors: dict = {}
-    tree = _flatten(state, "", tensors)
-    _write_json(os.path.join(tmp, f"rank_{rank:05d}.json"), {"rank": rank, "coords": coords, "state": tree})
-    with warnings.catch_warnings():  # DCP warns that a world of one is "assumed" single-process
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=False),
-                 no_dist=world == 1)
-    files = _gather_to_rank0(manifest.describe(tmp, manifest.own_files(tmp, rank)))
+    files = gather_files(write(temp_dir(root, iteration), state, coords=coords))
     if rank == 0:
         finalize(root, iteration, files, world_size=world, layout=layout, config=config, keep=keep)
     _barrier()
     return iteration_dir(root, iteration)
 
 
-def _gather_to_rank0(files: dict) -> Optional[dict]:
-    """Every rank's {name: {"bytes", "sha256"}} merged on rank 0 (None on the others)."""
+def temp_dir(root: str, iteration: int) -> str:
+    """``root/iter_0000100.tmp``: where every rank writes iteration 100's files until ``finalize``."""
+    return iteration_dir(root, iteration) + ".tmp"
+
+
+def make_temp_dir(root: str, iteration: int) -> str:
+    """Create a fresh, empty ``temp_dir``, first removing the folders crashed saves left
+    (``iter_*.tmp``, ``iter_*.old``); rank 0 calls it before any rank writes (a background save
+    only once the previous one is finished, so no folder in use is removed)."""
+    os.makedirs(root, exist_ok=True)
+    _remove_leftovers(root)
+    tmp = temp_dir(root, iteration)
+    os.makedirs(tmp)
+    return tmp
+
+
+def write(tmp: str, state: dict, *, coords: Optional[dict] = None, group=None) -> dict:
+    """Write this rank's ``state`` into the folder ``tmp``: its tensors through DCP (collective over
+    ``group``, default the whole job: every rank calls it; an error on any rank raises DCP's
+    CheckpointException on all of them), then its rank JSON (local: an error there must not keep
+    this rank from DCP's collective, where the others would wait for it). Returns the files this
+    rank wrote as {name: {"bytes", "sha256"}} (manifest.describe), for ``gather_files``."""
+    rank, world = _world()
+    tensors: dict = {}
+    tree = _flatten(state, "", tensors)
+    with warnings.catch_warnings():  # DCP warns that a world of one is "assumed" single-process
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=False),
+                 process_group=group, no_dist=world == 1)
+    _write_json(os.path.join(tmp, f"rank_{rank:05d}.json"), {"rank": rank, "coords": coords, "state": tree})
+    return manifest.describe(tmp, manifest.own_files(tmp, rank))
+
+
+def gather_files(files: dict, group=None) -> Optional[dict]:
+    """Every rank's ``write`` result merged on rank 0 (None on the others); collective over
+    ``group`` (default the whole job)."""
     rank, world = _world()
     if world == 1:
         return files
     parts = [None] * world if rank == 0 else None
-    dist.gather_object(files, parts, dst=0)
+    dist.gather_object(files, parts, dst=0, group=group)
     return {name: entry for part in parts for name, entry in part.items()} if rank == 0 else None
 
 

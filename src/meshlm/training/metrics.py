@@ -255,6 +255,17 @@ class MetricsLogger:
             self._write(rec)
         return rec
 
+    def checkpoint(self, iteration: int, consumed_samples: int, path: str, blocked_s: float,
+                   background: bool) -> dict:
+        """Write {iteration, consumed_samples, checkpoint, async_save, save_blocked_ms}: a save of
+        ``path`` that kept the training loop waiting ``blocked_s`` seconds (the trainer prints the
+        line)."""
+        rec = {"iteration": iteration, "consumed_samples": consumed_samples, "checkpoint": path,
+               "async_save": background, "save_blocked_ms": 1000.0 * blocked_s}
+        if self.enabled:
+            self._write(rec)
+        return rec
+
     def _write(self, rec: dict) -> None:
         if self.path:
             with open(self.path, "a") as fh:
@@ -266,7 +277,8 @@ class MetricsLogger:
                              ("tflops_per_gpu", "throughput/tflops-per-gpu"), ("mfu", "throughput/mfu"),
                              ("mem_allocated_gb", "memory/allocated-gib"),
                              ("mem_max_allocated_gb", "memory/max-allocated-gib"),
-                             ("val_loss", "lm loss validation"), ("val_ppl", "lm loss validation ppl")]:
+                             ("val_loss", "lm loss validation"), ("val_ppl", "lm loss validation ppl"),
+                             ("save_blocked_ms", "checkpoint/save-blocked-ms")]:
                 if rec.get(key) is not None:
                     self.tb.add_scalar(tag, rec[key], it)
 

@@ -29,6 +29,7 @@ from .. import config as C
 from .. import fast
 from ..checkpoint import convert
 from ..checkpoint import dist as ckpt
+from ..checkpoint.async_save import AsyncSaver
 from ..checkpoint.model_space import ModelSpace
 from ..checkpoint.state import check_model_config, model_state, optimizer_state, rng_state, set_rng_state
 from ..data.gpt_dataset import build_datasets
@@ -75,6 +76,7 @@ class Run:
     batches: BatchSchedule  # each training step's global batch
     train_iters: int  # --train-iters, or the steps --train-samples takes
     last_checkpoint: Optional[str] = None
+    saver: Optional[AsyncSaver] = None  # --async-save (with --save)
     loaders: dict = dataclasses.field(default_factory=dict)  # id(dataset) → its MicroBatchLoader
 
     def micro_batches(self, dataset, consumed_samples: int):
@@ -182,7 +184,10 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
               f"{nmb} micro-batches × {t.micro_batch_size} × DP {ps.dp}{ramp} | {iters} iterations | "
               f"model built on {ps.device.type} in {build_s:.1f} s", flush=True)
     report_memory(opt.memory_report(), ps)
-    return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb, batches, iters)
+    saver = AsyncSaver(ps.world_size, p.distributed_timeout_minutes) \
+        if cfg.checkpoint.async_save and cfg.checkpoint.save else None
+    return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb, batches, iters,
+               saver=saver)
 
 
 def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
@@ -257,6 +262,8 @@ def train(run: Run, state: TrainState) -> dict:
         val_losses.append((state.iteration, evaluate(run, state, state.iteration // max(t.eval_interval, 1))))
     if cfg.checkpoint.save and saved_at != state.iteration:
         save_checkpoint(run, state)
+    if run.saver is not None:  # the last background save, complete on every rank (or CheckpointError)
+        run.last_checkpoint = run.saver.wait() or run.last_checkpoint
     if not exited:
         _print_sample(run)
     done = [x for x in losses if x is not None]
@@ -416,12 +423,19 @@ def _coords(ps: ParallelState) -> dict:
 
 
 def save_checkpoint(run: Run, state: TrainState) -> str:
-    """Save model, optimizer, scheduler, RNG and progress to --save/iter_XXXXXXX (collective).
+    """Save model, optimizer, scheduler, RNG and progress to --save/iter_XXXXXXX (collective);
+    return that folder.
 
     Model and optimizer tensors go in model space, each rank writing its own pieces (nothing
     gathered: checkpoint/state.py); RNG states under this rank's key; the rest is global.
+    With --async-save (``run.saver``) the state is snapshotted and written in the background
+    (checkpoint/async_save.py): the previous background save is waited for first (it becomes
+    ``run.last_checkpoint``; a failure of it raises CheckpointError here), and this one is
+    complete once the next save or the end of ``train`` has waited for it. The time the loop was
+    blocked is printed and written to metrics.jsonl (``save_blocked_ms``), for both kinds.
     """
     cfg, ps = run.cfg, run.ps
+    start = time.perf_counter()
     run.opt.finish_param_sync()  # ZeRO-1 --overlap-param-gather: weights must be complete first
     space = ModelSpace(run.chunks, ps)
     tree = {**model_state(space),
@@ -430,11 +444,19 @@ def save_checkpoint(run: Run, state: TrainState) -> str:
             ckpt.rank_key("rng", ps.rank): rng_state(),
             "dropout_call": max(chunk.rng.call for chunk in run.chunks),
             "train": dataclasses.asdict(state)}
-    path = ckpt.save(cfg.checkpoint.save, state.iteration, tree, layout=_layout(ps, cfg),
-                     config=_portable_config(cfg), coords=_coords(ps), keep=cfg.checkpoint.keep_checkpoints)
-    run.last_checkpoint = path
+    where = dict(layout=_layout(ps, cfg), config=_portable_config(cfg), coords=_coords(ps),
+                 keep=cfg.checkpoint.keep_checkpoints)
+    root, background = cfg.checkpoint.save, run.saver is not None
+    if background:
+        run.last_checkpoint = run.saver.start(root, state.iteration, tree, **where) or run.last_checkpoint
+        path = ckpt.iteration_dir(root, state.iteration)
+    else:
+        path = run.last_checkpoint = ckpt.save(root, state.iteration, tree, **where)
+    blocked = time.perf_counter() - start
+    run.logger.checkpoint(state.iteration, state.consumed_samples, path, blocked, background)
     if ps.rank == 0:
-        print(f"saved checkpoint {path}", flush=True)
+        print(f"{'saving checkpoint' if background else 'saved checkpoint'} {path}"
+              f"{' in the background' if background else ''} (loop blocked {1000 * blocked:.1f} ms)", flush=True)
     return path
 
 
