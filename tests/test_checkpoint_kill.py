@@ -27,7 +27,7 @@ SAVES_PER_TRIAL = 3
 
 def _state(iteration: int, rank: int) -> dict:
     return {"model": {"w": torch.full((8, 4), float(iteration))},
-            f"optimizer/rank{rank}": {"m": torch.full((16,), iteration + rank / 10)},
+            ckpt.rank_key("optimizer", rank): {"m": torch.full((16,), iteration + rank / 10)},
             "train": {"iteration": iteration}}
 
 
@@ -65,8 +65,8 @@ def _worker(rank: int, init_file: str, root: str, kill: tuple, out: str) -> None
             fh.write(f"resume failed: {e}")
         raise
     resumed_ok = loaded is None or (torch.equal(loaded["model"]["w"], _state(it, rank)["model"]["w"])
-                                    and torch.equal(loaded[f"optimizer/rank{rank}"]["m"],
-                                                    _state(it, rank)[f"optimizer/rank{rank}"]["m"]))
+                                    and torch.equal(loaded["optimizer"]["m"],  # this rank's own subtree
+                                                    _state(it, rank)[ckpt.rank_key("optimizer", rank)]["m"]))
     with open(f"{out}.{rank}", "w") as fh:
         fh.write(f"{it} {int(resumed_ok)}")
     dist.barrier()  # both have resumed before any kill

@@ -150,8 +150,8 @@ def test_inspect_shows_iteration_layout_and_tensors(trained, capsys):
     assert rc == 0 and err == ""
     assert out.startswith(f"checkpoint {trained}/iter_0000002\niteration 2 | layout tp=1 pp=1 ")
     assert "world size 1" in out
-    # vocab 100 padded to 112; 112 × 32 × 4 bytes
-    assert re.search(r"\n  model/embedding\.word_embeddings\.weight@tp0of1 +\[112, 32\] +float32 +14,336\n", out)
+    # model space: the vocabulary unpadded (100, not 112); 100 × 32 × 4 bytes
+    assert re.search(r"\n  model/embedding\.word_embeddings\.weight +\[100, 32\] +float32 +12,800\n", out)
     rc, out, _ = _cli(capsys, "inspect", str(trained / "iter_0000001"))
     assert rc == 0 and "iteration 1 |" in out
 

@@ -57,7 +57,7 @@ def test_a_run_in_samples_takes_the_steps_that_fit_with_megatrons_sample_schedul
 
 def _ramped(rank, world, tmp, save):
     cfg = _by_samples(tmp)
-    cfg.checkpoint.save = save
+    cfg.checkpoint.save, cfg.checkpoint.keep_checkpoints = save, 100  # keep every checkpoint to count them
     return trainer.pretrain(cfg, F64)
 
 
