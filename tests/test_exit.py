@@ -3,6 +3,7 @@ stops after the same iteration, saves first with --save, and returns normally (e
 without the end-of-run evaluation."""
 
 import os
+import signal
 
 import pytest
 
@@ -53,3 +54,46 @@ def test_early_exit_stops_every_rank_after_the_same_iteration_and_saves(tmp_path
     assert results == [(3, []), (3, [])]  # no evaluation after an early exit
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
 
+
+
+def _signal_rank1_after(iteration: int):
+    """train_step that sends rank 1 its own SIGTERM right after ``iteration`` (rank 0 gets none)."""
+    real = trainer.train_step
+
+    def step(run, state):
+        loss = real(run, state)
+        if run.ps.rank == 1 and state.iteration == iteration:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+    return step
+
+
+def _losses(rank, world, tmp, flags, signal_at=None, load=False):
+    import torch
+    if signal_at is not None:
+        trainer.train_step = _signal_rank1_after(signal_at)
+    cfg = _config(tmp, **flags)  # dropout on (the default): the RNG state must resume too
+    if load:
+        cfg.checkpoint.load = cfg.checkpoint.save
+    summary = trainer.pretrain(cfg, dtype=torch.float64)
+    return summary["iterations"], summary["train_losses"], summary["val_losses"]
+
+
+def test_sigterm_on_one_rank_stops_every_rank_saves_and_the_resumed_run_repeats_the_losses(tmp_path):
+    """--exit-signal-handler: SIGTERM on rank 1 after iteration 2 → both ranks stop after iteration
+    2 (the flag is reduced over ranks), save it, return normally; resuming gives, in float64, the
+    losses of iterations 3..6 of an uninterrupted run, exactly."""
+    whole = run_distributed(_losses, 2, str(tmp_path / "whole"), {})
+    cut = run_distributed(_losses, 2, str(tmp_path / "cut"), {"exit_signal_handler": True}, 2)
+    assert [c[0] for c in cut] == [2, 2] and cut[0][2] == []  # no evaluation after the stop
+    assert (tmp_path / "cut" / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    rest = run_distributed(_losses, 2, str(tmp_path / "cut"), {"exit_signal_handler": True}, None, True)
+    assert rest[0][0] == ITERS
+    assert cut[0][1] + rest[0][1] == whole[0][1]
+
+
+def test_the_signal_flag_records_the_signal_and_puts_the_old_handler_back():
+    with trainer.SignalFlag("SIGUSR1") as flag:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.received
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL

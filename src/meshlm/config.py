@@ -151,6 +151,11 @@ class TrainingConfig:
     exit_duration_in_mins: Optional[int] = opt(
         None, "stop after the first iteration that ends this many minutes after the job started, "
         "the slowest rank's clock deciding (checkpointing first; exit status 0)")
+    exit_signal_handler: bool = opt(
+        False, "on --exit-signal, stop after the current iteration on every rank (checkpointing first; "
+        "exit status 0)", action="store_true")
+    exit_signal: str = opt("SIGTERM", "the signal --exit-signal-handler waits for",
+                           choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"])
     calculate_per_token_loss: bool = opt(
         False, "loss = sum of token losses / loss tokens of the global batch (default: mean of "
         "micro-batch means)", action="store_true")

@@ -14,6 +14,7 @@ uninterrupted one; --finetune, --no-load-optim and --no-load-rng restore less (l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -47,6 +48,7 @@ from ..parallel.random import MODEL_PARALLEL_SEED_OFFSET
 from ..parallel.pipeline import (bubble_fraction, build_model_chunks, forward_backward, reduce_losses,
                                 virtual_size)
 from .metrics import MetricsLogger, flops_per_iteration, require_tensorboard
+from .stop_signal import SignalFlag
 
 
 @dataclass
@@ -78,6 +80,7 @@ class Run:
     last_checkpoint: Optional[str] = None
     saver: Optional[AsyncSaver] = None  # --async-save (with --save)
     loaders: dict = dataclasses.field(default_factory=dict)  # id(dataset) → its MicroBatchLoader
+    stop_signal: Optional[SignalFlag] = None  # --exit-signal-handler
 
     def micro_batches(self, dataset, consumed_samples: int):
         """This DP rank's micro-batches of ``dataset`` from sample ``consumed_samples`` on, read
@@ -103,17 +106,21 @@ def pretrain(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> dict:
     dtype: the params' dtype, None to pick it from the flags (see ``build``).
     Raises TrainingError on a NaN/inf loss (naming the iteration and the last good checkpoint)
     unless --skip-nan-steps, CheckpointError for a bad --load, ConfigError/DataError from builders.
+    Under --exit-signal-handler, --exit-signal only sets a flag (stop_signal.py) from here to the end.
     """
-    run = build(cfg, dtype)
-    state = TrainState()
-    if cfg.checkpoint.load:
-        state = load_checkpoint(run)
-    _note_start(run, state)
-    run.logger.begin(state.iteration)
-    try:
-        return train(run, state)
-    finally:
-        run.logger.close()
+    t = cfg.training
+    with SignalFlag(t.exit_signal) if t.exit_signal_handler else contextlib.nullcontext() as stop:
+        run = build(cfg, dtype)
+        run.stop_signal = stop
+        state = TrainState()
+        if cfg.checkpoint.load:
+            state = load_checkpoint(run)
+        _note_start(run, state)
+        run.logger.begin(state.iteration)
+        try:
+            return train(run, state)
+        finally:
+            run.logger.close()
 
 
 def _note_start(run: Run, state: TrainState) -> None:
@@ -232,8 +239,9 @@ def train(run: Run, state: TrainState) -> dict:
     """The loop from ``state`` to the run's iterations: step, log, evaluate, save; then a last
     evaluation and checkpoint, and a sample. As in Megatron, a step whose number of micro-batches
     differs from the previous step's (a --rampup-batch-size ramp) is preceded by a checkpoint under
-    --save. An early exit (--exit-duration-in-mins, --exit-interval; checked after each iteration's
-    save, in Megatron's order) saves (with --save) and returns at once."""
+    --save. An early exit (--exit-signal-handler, --exit-duration-in-mins, --exit-interval; checked
+    after each iteration's save, as Megatron's checkpoint_and_decide_exit) saves (with --save) and
+    returns at once."""
     cfg, t = run.cfg, run.cfg.training
     save_every = cfg.checkpoint.save_interval
     losses, val_losses, saved_at, exited = [], [], None, False
@@ -254,7 +262,7 @@ def train(run: Run, state: TrainState) -> dict:
         if cfg.checkpoint.save and save_every and it % save_every == 0:
             save_checkpoint(run, state)
             saved_at = it
-        exited = _out_of_time(run, start) or _at_exit_interval(run, it)
+        exited = _agreed_stop(run, start, it) or _at_exit_interval(run, it)
         if exited:
             break
     run.opt.finish_param_sync()  # no all-gather may still be in flight when the process ends
@@ -287,21 +295,27 @@ def _job_start(ps: ParallelState) -> float:
     return float(start.item())
 
 
-def _out_of_time(run: Run, start: Optional[float]) -> bool:
-    """--exit-duration-in-mins: True on every rank once any rank's clock says more than that many
-    minutes have passed since ``start`` (a MAX over ranks, so all stop at the same iteration and
-    none waits in a collective). Collective over all ranks, one host sync, when the flag is set."""
-    limit = run.cfg.training.exit_duration_in_mins
-    if not limit:
+def _agreed_stop(run: Run, start: Optional[float], iteration: int) -> bool:
+    """True on every rank once any rank has received --exit-signal (--exit-signal-handler) or once
+    any rank's clock says more than --exit-duration-in-mins minutes have passed since ``start``: a
+    MAX over ranks, so all stop at the same iteration and none waits in a collective. Collective
+    over all ranks, one host sync, only when one of the two flags is set."""
+    t, signalled = run.cfg.training, run.stop_signal
+    limit = t.exit_duration_in_mins
+    if not limit and signalled is None:
         return False
-    minutes = (_wall_clock() - start) / 60.0
-    up = torch.tensor([int(minutes > limit)], dtype=torch.int32, device=run.ps.device)
+    minutes = (_wall_clock() - start) / 60.0 if limit else 0.0
+    up = torch.tensor([int(bool(limit) and minutes > limit), int(signalled is not None and signalled.received)],
+                      dtype=torch.int32, device=run.ps.device)
     if run.ps.world_size > 1:
         torch.distributed.all_reduce(up, op=torch.distributed.ReduceOp.MAX)
-    done = bool(up.item())
-    if done and run.ps.rank == 0:
+    out_of_time, got_signal = (bool(x) for x in up.tolist())
+    if run.ps.rank == 0 and got_signal:
+        print(f"exiting after iteration {iteration}: {t.exit_signal} received (--exit-signal-handler)",
+              flush=True)
+    if run.ps.rank == 0 and out_of_time:
         print(f"exiting after {minutes:.2f} minutes (--exit-duration-in-mins {limit})", flush=True)
-    return done
+    return out_of_time or got_signal
 
 
 def _at_exit_interval(run: Run, iteration: int) -> bool:
