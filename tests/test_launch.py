@@ -3,8 +3,10 @@ is reported as one line naming its rank, not as the elastic agent's tracebacks."
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -165,3 +167,31 @@ def test_under_torchrun_a_config_error_is_printed_once(tmp_path):
     out = torchrun("pretrain", *TINY, "--global-batch-size", "7", cwd=tmp_path)
     assert out.returncode != 0
     assert out.stderr.count("meshlm: error:") == 1 and "--global-batch-size 7" in out.stderr
+
+
+def _last_logged_iteration(metrics: str) -> int:
+    if not os.path.isfile(metrics):
+        return 0
+    records = [json.loads(line) for line in open(metrics) if line.strip()]
+    return max((r["iteration"] for r in records if "lm_loss" in r or "loss" in r), default=0)
+
+
+def test_sigterm_to_the_launcher_stops_the_workers_after_a_checkpoint_with_exit_0(tmp_path):
+    """--exit-signal-handler: SIGTERM to `meshlm pretrain` reaches its workers (not their data-loader
+    processes), which finish the iteration, save it and exit 0; so does the launcher."""
+    proc = subprocess.Popen([sys.executable, "-m", "meshlm", "pretrain", *TINY, "--eval-interval", "100000",
+                             "--train-iters", "100000", "--nproc-per-node", "2", "--run-dir", "run",
+                             "--save", "ckpt", "--exit-signal-handler"],
+                            cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = str(tmp_path / "run" / "logs" / "metrics.jsonl")
+    deadline = time.monotonic() + 240
+    while _last_logged_iteration(metrics) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out + err
+    assert "meshlm: stopped on SIGTERM (--exit-signal-handler)" in out
+    stopped = _last_logged_iteration(metrics)
+    assert 2 <= stopped < 100000
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
+    assert f"exiting after iteration {stopped}: SIGTERM received" in out

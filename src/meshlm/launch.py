@@ -15,7 +15,9 @@ Three ways a ``meshlm pretrain`` process can find itself:
 Every worker copies its stdout/stderr to ``<log dir>/rank<R>.log`` (appending across runs). When a
 self-launched worker fails, the launcher prints one line naming the rank (and the worker's own
 error message, or its exit code or signal and the tail of what it wrote in this run) instead of
-the elastic agent's tracebacks. Self-launched workers die with their launcher.
+the elastic agent's tracebacks. Self-launched workers die with their launcher. Under
+``--exit-signal-handler`` the launcher passes ``--exit-signal`` on to its workers (instead of the
+agent's stop-and-kill) and exits 0 once they have saved and exited 0 (:func:`_forward_signal`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ LAUNCHER_PID_ENV = "MESHLM_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 ERROR_PREFIX = "meshlm: error: "
 LOG_TAIL_LINES = 30
+AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the elastic agent's (LaunchConfig's default)
 
 
 def is_self_launched_worker() -> bool:
@@ -220,6 +223,51 @@ def _environ(defaults: dict, forced: dict):
                 os.environ[key] = value
 
 
+def _worker_pids() -> list:
+    """Pids of this process's children that are self-launched workers (MESHLM_WORKER=1 in their
+    environment), read from /proc (Linux; an empty list elsewhere)."""
+    me, pids = os.getpid(), []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                parent = int(fh.read().rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid
+            if parent != me:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                if f"{WORKER_ENV}=1".encode() in fh.read().split(b"\0"):
+                    pids.append(int(entry))
+        except (OSError, IndexError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+    return pids
+
+
+@contextlib.contextmanager
+def _forward_signal(name):
+    """Inside the block, signal ``name`` (None: do nothing) is passed on to each worker process
+    alone, not its process group, so their --exit-signal-handler stops them after the current
+    iteration. Yields the list of signals received (empty if none came). The elastic agent must
+    not handle ``name`` itself (it would stop the workers and kill them 30 s later): launch_local
+    leaves it out of the agent's ``signals_to_handle``."""
+    received = []
+    if name is None:
+        yield received
+        return
+    sig = signal.Signals[name]
+
+    def forward(signum, frame):
+        received.append(signum)
+        for pid in _worker_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+    previous = signal.signal(sig, forward)
+    try:
+        yield received
+    finally:
+        signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+
 @contextlib.contextmanager
 def _agent_log(path: str):
     """Send torch.distributed's (elastic agent's) log records to ``path`` instead of the console."""
@@ -269,7 +317,10 @@ def launch_local(cfg: Config, config_path: str, nproc: int) -> int:
     usable cores // nproc (unless set), NCCL_NVLS_ENABLE=0 (unless set), MESHLM_WORKER=1 and this
     process's pid (see :func:`exit_with_launcher`).
 
-    Returns 0 on success, 1 when a worker crashed (after printing which rank, its exit code or
+    With --exit-signal-handler, --exit-signal sent to this process goes to the workers
+    (:func:`_forward_signal`); they save and exit 0 after their current iteration, and so does this.
+
+    Returns 0 on success (also after such a stop), 1 when a worker crashed (after printing which rank, its exit code or
     signal, and the tail of what it wrote to its log in this run), 130 on interrupt. Raises
     MeshlmError carrying a worker's own one-line error written in this run (a data or config
     problem found inside the worker).
@@ -278,17 +329,21 @@ def launch_local(cfg: Config, config_path: str, nproc: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    t = cfg.training
+    forwarded = t.exit_signal if t.exit_signal_handler else None
     launch_cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                               role="meshlm", rdzv_backend="c10d", rdzv_endpoint="localhost:0",
                               max_restarts=0, monitor_interval=0.1,
-                              logs_specs=DefaultLogsSpecs(log_dir=os.devnull))
+                              logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
+                              signals_to_handle=",".join(s for s in AGENT_SIGNALS if s != forwarded))
     log_dir = os.path.dirname(worker_log_path(cfg, 0))
     defaults = {"OMP_NUM_THREADS": str(worker_threads(nproc)), "NCCL_NVLS_ENABLE": "0"}
     forced = {WORKER_ENV: "1", LAUNCHER_PID_ENV: str(os.getpid())}
     argv = ["-u", "-m", "meshlm", "pretrain", "--config", config_path]
     log_start = {rank: _log_size(worker_log_path(cfg, rank)) for rank in range(nproc)}  # logs append
     try:
-        with _environ(defaults, forced), _agent_log(os.path.join(log_dir, "launcher.log")):
+        with _environ(defaults, forced), _agent_log(os.path.join(log_dir, "launcher.log")), \
+                _forward_signal(forwarded) as received:
             elastic_launch(launch_cfg, sys.executable)(*argv)
     except ChildFailedError as e:
         # the first rank that failed by itself, not one the agent then stopped with SIGTERM
@@ -307,4 +362,8 @@ def launch_local(cfg: Config, config_path: str, nproc: int) -> int:
     except SignalException as e:
         print(f"meshlm: interrupted ({e.sigval.name}); workers stopped", file=sys.stderr)
         return 130
+    if received:
+        saved = ", saved a checkpoint" if cfg.checkpoint.save else ""
+        print(f"meshlm: stopped on {t.exit_signal} (--exit-signal-handler): every worker finished its "
+              f"iteration{saved} and exited", flush=True)
     return 0
