@@ -137,13 +137,14 @@ def test_checkpoint_and_exit_switches_and_rotary_percent_have_the_same_meaning(c
     from meshlm.config import config_fields, flag_of
     from meshlm.megatron_flags import DIFFERENT_DEFAULTS
     flags = ("--finetune", "--no-load-optim", "--no-load-rng", "--exit-duration-in-mins", "--exit-interval",
-             "--rotary-percent")
+             "--exit-signal-handler", "--exit-signal", "--rotary-percent")
     config_flags = {flag_of(f) for _, f in config_fields()}
     for flag in flags:
         assert flag in MEGATRON_FLAGS and flag in config_flags and flag not in DIFFERENT_DEFAULTS
     argv = ["pretrain", "--mock-data", "--vocab-size", "1000", "--dry-run", "--world-size", "1",
             "--position-embedding-type", "rope", "--rotary-percent", "0.5", "--exit-duration-in-mins", "230",
-            "--exit-interval", "1000", "--finetune", "--no-load-optim", "--no-load-rng"]
+            "--exit-interval", "1000", "--exit-signal-handler", "--exit-signal", "SIGUSR1", "--finetune",
+            "--no-load-optim", "--no-load-rng"]
     assert main(argv) == 0, capsys.readouterr().err
     assert "--finetune --no-load-optim --no-load-rng ignored without --load" in capsys.readouterr().out
 
