@@ -53,7 +53,7 @@ def test_a_killed_worker_restarts_from_the_latest_checkpoint_and_repeats_the_uni
     reference = _trajectory(tmp_path / "whole" / "run")
     assert [r[:2] for r in reference] == [(i, i * GLOBAL_BATCH) for i in range(1, ITERS + 1)]
     assert _trajectory(tmp_path / "cut" / "run") == reference  # exact: every loss, every position
-    (first, again), (expected, none) = _printed(tmp_path / "cut" / "run"), _printed(tmp_path / "whole" / "run")
+    (first, again), (expected, none) = (_printed(tmp_path / d / "run") for d in ("cut", "whole"))
     assert none == [] and len(expected) == ITERS
     # the first attempt printed iterations 1..4 or 1..5 (rank 0 may print 5 before the agent stops it);
     # the restarted one resumes from the checkpoint of iteration 4: 5..8, each line as uninterrupted

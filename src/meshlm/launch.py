@@ -320,10 +320,10 @@ def launch_local(cfg: Config, config_path: str, nproc: int) -> int:
     With --exit-signal-handler, --exit-signal sent to this process goes to the workers
     (:func:`_forward_signal`); they save and exit 0 after their current iteration, and so does this.
 
-    Returns 0 on success (also after such a stop), 1 when a worker crashed (after printing which rank, its exit code or
-    signal, and the tail of what it wrote to its log in this run), 130 on interrupt. Raises
-    MeshlmError carrying a worker's own one-line error written in this run (a data or config
-    problem found inside the worker).
+    Returns 0 on success (also after such a stop), 1 when a worker crashed (after printing which
+    rank, its exit code or signal, and the tail of what it wrote to its log in this run), 130 on
+    interrupt. Raises MeshlmError carrying a worker's own one-line error written in this run (a
+    data or config problem found inside the worker).
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -305,8 +305,8 @@ def _agreed_stop(run: Run, start: Optional[float], iteration: int) -> bool:
     if not limit and signalled is None:
         return False
     minutes = (_wall_clock() - start) / 60.0 if limit else 0.0
-    up = torch.tensor([int(bool(limit) and minutes > limit), int(signalled is not None and signalled.received)],
-                      dtype=torch.int32, device=run.ps.device)
+    flags = [bool(limit) and minutes > limit, signalled is not None and signalled.received]
+    up = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=run.ps.device)
     if run.ps.world_size > 1:
         torch.distributed.all_reduce(up, op=torch.distributed.ReduceOp.MAX)
     out_of_time, got_signal = (bool(x) for x in up.tolist())
