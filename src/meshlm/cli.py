@@ -104,6 +104,12 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
     from .validate import notes, validate
 
     cfg = config_from_args(args)
+    empty = [f"--{name.replace('_', '-')}" for name in ("data_path", "train_data_path", "valid_data_path",
+                                                        "test_data_path")
+             if name in explicit_fields(args) and not getattr(cfg.data, name)]
+    if empty:  # e.g. `--data-path $DATA_PATH` with DATA_PATH unset: never the embedded default instead
+        raise ConfigError([f"{flag} is given without a prefix; give the dataset prefix(es) (e.g. {flag} "
+                           f"data/web_text_document), or drop the flag" for flag in empty])
     embedded = not given_sources(cfg.data)
     if embedded:
         cfg = config_from_args(args, base=embedded_default())
@@ -146,6 +152,12 @@ def _dry_run(args: argparse.Namespace) -> int:
     from .validate import notes, validate
 
     cfg = config_from_args(args)
+    empty = [f"--{name.replace('_', '-')}" for name in ("data_path", "train_data_path", "valid_data_path",
+                                                        "test_data_path")
+             if name in explicit_fields(args) and not getattr(cfg.data, name)]
+    if empty:  # e.g. `--data-path $DATA_PATH` with DATA_PATH unset: never the embedded default instead
+        raise ConfigError([f"{flag} is given without a prefix; give the dataset prefix(es) (e.g. {flag} "
+                           f"data/web_text_document), or drop the flag" for flag in empty])
     embedded = not given_sources(cfg.data)
     if embedded:
         cfg = config_from_args(args, base=embedded_default())

@@ -18,15 +18,12 @@ def vocab_of(cfg: Config) -> tuple:
     """(vocabulary size, how it was found): --vocab-size, the tokenizer's, or an assumption."""
     d = cfg.data
     from .data.tokenizer import EXTRA_TYPES, build_tokenizer
-    if d.tokenizer_type in EXTRA_TYPES and d.tokenizer_model:  # read by validate already: cheap
+    if d.tokenizer_type in (*EXTRA_TYPES, "HuggingFaceTokenizer") and d.tokenizer_model:  # one-line errors
         return build_tokenizer(d, cfg.model.vocab_size).vocab_size, d.tokenizer_model
     if cfg.model.vocab_size:
         return cfg.model.vocab_size, "--vocab-size"
     if d.tokenizer_type == "GPT2BPETokenizer":
         return _GPT2_VOCAB, "GPT-2"
-    if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model:
-        from tokenizers import Tokenizer
-        return Tokenizer.from_file(d.tokenizer_model).get_vocab_size(), d.tokenizer_model
     return 32000, "assumed: the tokenizer is not known yet"
 
 

@@ -113,7 +113,11 @@ def blends(d) -> list:
         return [("--data-path", parse_data_path(d.data_path))]
     if d.data_args_path is not None:
         flag = f"--data-args-path {d.data_args_path}"
-        return [(flag, parse_data_path(_read(d.data_args_path, "--data-args-path").split(), flag))]
+        tokens = _read(d.data_args_path, "--data-args-path").split()
+        if not tokens:
+            raise ConfigError(f"{flag}: the file holds no dataset prefix; write the --data-path tokens into it "
+                              f"(e.g. 0.7 data/a_text_document 0.3 data/b_text_document)")
+        return [(flag, parse_data_path(tokens, flag))]
     if d.per_split_data_args_path is not None:
         path = d.per_split_data_args_path
         flags = [f"--per-split-data-args-path {path} ({key})" for key in ("train", "valid", "test")]
