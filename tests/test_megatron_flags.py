@@ -167,7 +167,7 @@ def _example_args(tmp_path, valid: bool) -> list:
     """The script's five arguments, with a real tokenizer.json and stand-in .bin/.idx files."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
-    Tokenizer(WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    Tokenizer(WordLevel({"<unk>": 0, "a": 1, "<|endoftext|>": 2}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
     for name in ("train_text_document", "valid_text_document"):
         for ext in (".bin", ".idx"):
             (tmp_path / (name + ext)).write_text("x")

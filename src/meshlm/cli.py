@@ -106,7 +106,7 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
     cfg = config_from_args(args)
     empty = [f"--{name.replace('_', '-')}" for name in ("data_path", "train_data_path", "valid_data_path",
                                                         "test_data_path")
-             if name in explicit_fields(args) and not getattr(cfg.data, name)]
+             if f"data.{name}" in vars(args) and not getattr(cfg.data, name)]  # given on the command line
     if empty:  # e.g. `--data-path $DATA_PATH` with DATA_PATH unset: never the embedded default instead
         raise ConfigError([f"{flag} is given without a prefix; give the dataset prefix(es) (e.g. {flag} "
                            f"data/web_text_document), or drop the flag" for flag in empty])
@@ -154,7 +154,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     empty = [f"--{name.replace('_', '-')}" for name in ("data_path", "train_data_path", "valid_data_path",
                                                         "test_data_path")
-             if name in explicit_fields(args) and not getattr(cfg.data, name)]
+             if f"data.{name}" in vars(args) and not getattr(cfg.data, name)]  # given on the command line
     if empty:  # e.g. `--data-path $DATA_PATH` with DATA_PATH unset: never the embedded default instead
         raise ConfigError([f"{flag} is given without a prefix; give the dataset prefix(es) (e.g. {flag} "
                            f"data/web_text_document), or drop the flag" for flag in empty])
