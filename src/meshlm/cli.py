@@ -99,21 +99,10 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
     the model is saved to <run_dir>/checkpoints (unless --save), so the run ends with a sample.
     Raises ConfigError listing every problem, DataError for an unusable corpus.
     """
-    from .config import config_from_args, dump_yaml, explicit_fields, world_size_of
-    from .data.sources import given_sources
+    from .config import dump_yaml, explicit_fields, world_size_of
     from .validate import notes, validate
 
-    cfg = config_from_args(args)
-    empty = [f"--{name.replace('_', '-')}" for name in ("data_path", "train_data_path", "valid_data_path",
-                                                        "test_data_path")
-             if f"data.{name}" in vars(args) and not getattr(cfg.data, name)]  # given on the command line
-    if empty:  # e.g. `--data-path $DATA_PATH` with DATA_PATH unset: never the embedded default instead
-        raise ConfigError([f"{flag} is given without a prefix; give the dataset prefix(es) (e.g. {flag} "
-                           f"data/web_text_document), or drop the flag" for flag in empty])
-    embedded = not given_sources(cfg.data)
-    if embedded:
-        cfg = config_from_args(args, base=embedded_default())
-        _fit_embedded(cfg, explicit_fields(args))
+    cfg, embedded = _config_and_source(args)
     run_dir = cfg.logging.run_dir = cfg.logging.run_dir or _new_run_dir()
     print(f"meshlm: run directory {run_dir}", flush=True)
     from .megatron_flags import startup_lines
@@ -142,26 +131,36 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
     return cfg
 
 
+def _config_and_source(args: argparse.Namespace) -> tuple:
+    """(Config from the flags, whether it trains on the embedded default): without data flags the
+    embedded default's settings apply. Raises ConfigError when a data flag is given on the command
+    line without a prefix (e.g. `--data-path $DATA_PATH` with DATA_PATH unset): never the embedded
+    default instead."""
+    from .config import config_from_args, explicit_fields
+    from .data.sources import given_sources
+    cfg = config_from_args(args)
+    empty = [f"--{name.replace('_', '-')}" for name in ("data_path", "train_data_path", "valid_data_path",
+                                                        "test_data_path")
+             if f"data.{name}" in vars(args) and not getattr(cfg.data, name)]
+    if empty:
+        raise ConfigError([f"{flag} is given without a prefix; give the dataset prefix(es) (e.g. {flag} "
+                           f"data/web_text_document), or drop the flag" for flag in empty])
+    if given_sources(cfg.data):
+        return cfg, False
+    cfg = config_from_args(args, base=embedded_default())
+    _fit_embedded(cfg, explicit_fields(args))
+    return cfg, True
+
+
 def _dry_run(args: argparse.Namespace) -> int:
     """Check everything a launch checks for the job's world size, print the layout and per-rank
     memory, and return 0 without starting a worker (or writing anything)."""
-    from .config import config_from_args, default_nproc, explicit_fields
-    from .data.sources import given_sources
+    from .config import default_nproc, explicit_fields
     from .dry_run import report
     from .megatron_flags import startup_lines
     from .validate import notes, validate
 
-    cfg = config_from_args(args)
-    empty = [f"--{name.replace('_', '-')}" for name in ("data_path", "train_data_path", "valid_data_path",
-                                                        "test_data_path")
-             if f"data.{name}" in vars(args) and not getattr(cfg.data, name)]  # given on the command line
-    if empty:  # e.g. `--data-path $DATA_PATH` with DATA_PATH unset: never the embedded default instead
-        raise ConfigError([f"{flag} is given without a prefix; give the dataset prefix(es) (e.g. {flag} "
-                           f"data/web_text_document), or drop the flag" for flag in empty])
-    embedded = not given_sources(cfg.data)
-    if embedded:
-        cfg = config_from_args(args, base=embedded_default())
-        _fit_embedded(cfg, explicit_fields(args))
+    cfg, embedded = _config_and_source(args)
     world = args.world_size or args.nnodes * default_nproc(cfg)
     for note in notes(cfg) + startup_lines(args, explicit_fields(args)):
         print(f"meshlm: note: {note}", flush=True)
