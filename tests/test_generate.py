@@ -75,6 +75,19 @@ def test_greedy_generation_is_the_argmax_continuation(trained, capsys):
     assert printed == [str(i) for i in ids]
 
 
+def test_a_prompt_longer_than_the_context_is_noted_not_cropped_silently(trained, capsys):
+    tmp, _ = trained
+    load = os.path.join(tmp, "tp2", "ckpt")
+    context = generate.load_model(load)[0].max_context
+    args = _args(load, temperature=0, max_new_tokens=2)
+    args.prompt = " ".join(["5"] * context)
+    assert generate.run(args) == 0
+    err = capsys.readouterr().err
+    assert f"the prompt's {context} tokens and --max-new-tokens 2 exceed this model's context of {context}" in err
+    assert generate.run(_args(load, temperature=0, max_new_tokens=2)) == 0
+    assert "exceed" not in capsys.readouterr().err
+
+
 def test_top_k_1_and_tiny_top_p_sample_the_greedy_token(trained):
     tmp, _ = trained
     model, tok = generate.load_model(os.path.join(tmp, "tp2", "ckpt"))

@@ -40,3 +40,45 @@ def test_dry_run_names_a_tokenizer_file_of_the_wrong_kind(tmp_path, capsys):
     err = _refused(capsys, SHAPE + ["--data-path", str(tmp_path / "d_text_document"), "--tokenizer-type",
                                     "HuggingFaceTokenizer", "--tokenizer-model", str(bad), "--dry-run"])
     assert f"--tokenizer-model {bad}" in err and len(err.splitlines()) == 1
+
+
+def test_a_converted_checkpoint_of_a_null_vocabulary_loads_with_a_tokenizer_of_that_size(tmp_path):
+    """`convert --from-hf` saves --vocab-size 512 (no tokenizer.json beside the weights); a run that
+    leaves the vocabulary to its tokenizer was refused with `--vocab-size saved=512 now=None`."""
+    import json
+
+    from meshlm.checkpoint.state import check_model_config
+    from meshlm.config import Config
+    from meshlm.errors import CheckpointError
+    saved = Config()
+    saved.model.vocab_size = 512
+    (tmp_path / "config.json").write_text(json.dumps(saved.to_dict()))
+    now = Config().model
+    check_model_config(str(tmp_path), now, vocab_size=512)
+    with pytest.raises(CheckpointError, match="--vocab-size saved=512 now=500"):
+        check_model_config(str(tmp_path), now, vocab_size=500)
+
+
+def test_help_shows_a_disable_switch_as_off_by_default(capsys):
+    import re
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"--disable-bias-linear [^\[]*\[default: off\]", text)
+    assert re.search(r"--swiglu [^\[]*\[default: off\]", text)
+
+
+def test_a_data_prefix_given_with_its_bin_extension_is_named_with_the_fix(tmp_path, capsys):
+    for name in ("d_text_document.bin", "d_text_document.idx"):
+        (tmp_path / name).write_bytes(b"x")
+    given = str(tmp_path / "d_text_document.bin")
+    err = _refused(capsys, SHAPE + ["--data-path", given, "--vocab-size", "64", "--tokenizer-type",
+                                    "NullTokenizer", "--dry-run"])
+    assert f"give the prefix without .bin: {tmp_path / 'd_text_document'}" in err
+    assert ".bin.bin" in err and ".bin.idx" not in err  # one line per prefix
+
+
+def test_rotary_percent_without_rotary_positions_is_refused(capsys):
+    err = _refused(capsys, SHAPE + ["--mock-data", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer",
+                                    "--rotary-percent", "0.5", "--dry-run"])
+    assert "--rotary-percent 0.5 applies to rotary positions only" in err

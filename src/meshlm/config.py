@@ -387,7 +387,11 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 def _help(f) -> str:
     """A field's help, with meshlm's default and, where it differs on purpose, Megatron's."""
     from .megatron_flags import DIFFERENT_DEFAULTS
-    text = f"{f.metadata['help']} [default: {f.default_factory() if f.default is dataclasses.MISSING else f.default}]"
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    action = f.metadata.get("action")
+    if action in ("store_true", "store_false"):  # a switch: is it given by default? (never, here)
+        default = "on" if default == (action == "store_true") else "off"
+    text = f"{f.metadata['help']} [default: {default}]"
     if flag_of(f) in DIFFERENT_DEFAULTS:
         megatron, why = DIFFERENT_DEFAULTS[flag_of(f)]
         text += f" (Megatron: {megatron}; differs on purpose: {why})"

@@ -193,6 +193,9 @@ def _model_problems(m: ModelConfig) -> list:
     if m.rotary_percent > 1:
         problems.append(f"--rotary-percent {m.rotary_percent} is above 1; give the fraction of each head's "
                         f"dimensions to rotate, in (0, 1]")
+    elif m.position_embedding_type != "rope" and m.rotary_percent != 1.0:
+        problems.append(f"--rotary-percent {m.rotary_percent} applies to rotary positions only; add "
+                        f"--position-embedding-type rope or drop --rotary-percent")
     elif m.position_embedding_type == "rope" and 0 < m.rotary_percent and rotary_dim(m) == 0:
         problems.append(f"--rotary-percent {m.rotary_percent} × head dim {head_dim(m)} rotates no dimension; "
                         f"give at least {1 / head_dim(m):g}")
@@ -372,6 +375,15 @@ def _data_problems(cfg: Config) -> list:
     return problems
 
 
+def _missing_data_fix(prefix: str) -> str:
+    """The fix for a data prefix whose .bin/.idx is missing: drop a ".bin"/".idx" given with the
+    prefix (Megatron's --data-path takes the path without them), else make the files."""
+    stem, ext = os.path.splitext(prefix)
+    if ext in (".bin", ".idx") and os.path.isfile(stem + ".bin") and os.path.isfile(stem + ".idx"):
+        return f"give the prefix without {ext}: {stem}"
+    return "run `meshlm preprocess` to make it"
+
+
 def _file_problems(cfg: Config) -> list:
     """No data at all, or missing data / tokenizer / checkpoint paths, each naming its flag."""
     problems = []
@@ -386,8 +398,8 @@ def _file_problems(cfg: Config) -> list:
         for flag, prefix in prefixes(data):
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(prefix + ext):
-                    problems.append(f"{flag}: {prefix + ext} does not exist "
-                                    f"(run `meshlm preprocess` to make it)")
+                    problems.append(f"{flag}: {prefix + ext} does not exist ({_missing_data_fix(prefix)})")
+                    break
     except ConfigError as e:
         problems.extend(e.problems)
     # only the files the chosen tokenizer reads: a YAML's GPT-2 files do not block a switch to

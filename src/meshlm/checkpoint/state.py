@@ -38,8 +38,12 @@ def _architecture(m: C.ModelConfig) -> dict:
     return arch
 
 
-def check_model_config(path: str, model: C.ModelConfig, load: Optional[str] = None) -> None:
+def check_model_config(path: str, model: C.ModelConfig, load: Optional[str] = None,
+                       vocab_size: Optional[int] = None) -> None:
     """Compare ``model`` with the model section of the checkpoint folder's config.json.
+
+    vocab_size: this run's vocabulary (its tokenizer's), compared where --vocab-size is unset on
+    either side; a config that leaves it to the tokenizer is checked by the embedding's shape at load.
 
     Raises CheckpointError, one line listing every differing architecture field as
     ``--flag saved=X now=Y`` (``--disable-bias-linear`` shown as the flag's own sense), or
@@ -53,6 +57,9 @@ def check_model_config(path: str, model: C.ModelConfig, load: Optional[str] = No
         except ConfigError as e:
             raise ValueError(f"{CONFIG}: {e}") from None
     saved, now = _architecture(saved_model), _architecture(model)
+    now["vocab_size"] = now["vocab_size"] or vocab_size
+    if saved["vocab_size"] is None or now["vocab_size"] is None:
+        del saved["vocab_size"]
     fields = {f.name: f for f in dataclasses.fields(C.ModelConfig)}
     diffs = []
     for name in (n for n in now if n in saved):  # position fields differ with the position type

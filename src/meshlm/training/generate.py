@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -81,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model, tokenizer = load_model(args.load, device=device)
     check_prompt(tokenizer, args.prompt)
+    n = len(tokenizer.encode(args.prompt))
+    if n + args.max_new_tokens > model.max_context:
+        print(f"note: the prompt's {n} tokens and --max-new-tokens {args.max_new_tokens} exceed this model's "
+              f"context of {model.max_context} tokens; it sees only the last {model.max_context}",
+              file=sys.stderr)
     text = sample_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     print(args.prompt + text)

@@ -571,7 +571,7 @@ def _read_checkpoint(run: Run) -> Optional[tuple]:
         return None
     path = ckpt.checkpoint_dir(c.load, checksums=c.verify_integrity)  # may fall back, saying so
     if not c.finetune:
-        check_model_config(path, cfg.model, load=c.load)
+        check_model_config(path, cfg.model, load=c.load, vocab_size=run.tokenizer.vocab_size)
     run.opt.finish_param_sync()
     space = ModelSpace(run.chunks, ps)
     targets = model_state(space, load=True)
