@@ -52,6 +52,14 @@ def test_a_ramp_walked_by_hand():
     assert s.sizes() == [8, 16, 24, 32, 40, 48, 56, 64]
 
 
+def test_the_ramp_ends_at_the_first_step_of_the_full_batch():
+    """G 16, ramp 8 → 16 over 8 samples: the step at c = 0 takes 8, the one at c = 8 = SAMPLES
+    int(8 / 8) = 1 increment, i.e. 16 already (the dry-run said "from iteration 3")."""
+    s = BatchSchedule(16, 4, (8, 8, 8))
+    assert [s.batch_at(c) for c in (0, 8)] == [8, 16]
+    assert s.ramp_end() == (1, 8) and s.iterations(40) == 1 + 1 + (40 - 24) // 16
+
+
 def test_config_derives_the_schedule_and_the_run_length():
     cfg = Config()
     t = cfg.training

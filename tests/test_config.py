@@ -126,8 +126,10 @@ def test_missing_data_files_name_the_file(tmp_path):
     cfg.data.data_path = [str(tmp_path / "corpus_text_document")]
     cfg.data.tokenizer_type = "NullTokenizer"
     msgs = problems_of(cfg)
-    assert any("--data-path" in m and "corpus_text_document.bin" in m for m in msgs)
-    assert any("corpus_text_document.idx" in m for m in msgs)
+    assert [m for m in msgs if "corpus_text_document" in m] == [
+        f"--data-path: {tmp_path / 'corpus_text_document.bin'} does not exist (run `meshlm preprocess` to make it)"]
+    (tmp_path / "corpus_text_document.bin").write_bytes(b"")
+    assert any("corpus_text_document.idx does not exist" in m for m in problems_of(cfg))
 
 
 def test_no_data_source_at_all():

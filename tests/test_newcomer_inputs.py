@@ -82,3 +82,29 @@ def test_rotary_percent_without_rotary_positions_is_refused(capsys):
     err = _refused(capsys, SHAPE + ["--mock-data", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer",
                                     "--rotary-percent", "0.5", "--dry-run"])
     assert "--rotary-percent 0.5 applies to rotary positions only" in err
+
+
+def test_checkpoint_switches_without_their_folder_are_noted(capsys):
+    assert main(SHAPE + ["--mock-data", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer",
+                         "--async-save", "--verify-integrity", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "note: --verify-integrity ignored without --load" in out
+    assert "note: --async-save ignored without --save" in out
+
+
+@pytest.mark.parametrize("action", ["inspect", "verify"])
+def test_checkpoint_commands_name_their_argument_not_load(tmp_path, capsys, action):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for path, what in ((afile, "a file, not a folder"), (tmp_path / "absent", "no such folder"),
+                       (tmp_path, "not a checkpoint")):
+        err = _refused(capsys, ["checkpoint", action, str(path)])
+        assert f"{path}: {what}" in err and "--load" not in err
+
+
+def test_a_file_given_as_load_is_named_a_file(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    err = _refused(capsys, SHAPE + ["--mock-data", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer",
+                                    "--load", str(afile), "--dry-run"])
+    assert f"--load {afile}: a file, not a directory" in err

@@ -69,8 +69,13 @@ class BatchSchedule:
         return steps
 
     def ramp_end(self) -> tuple:
-        """(steps, consumed samples) when the ramp is over: the first step from there takes G."""
-        return self._ramp_steps(float("inf")) if self.ramp else (0, 0)
+        """(steps, consumed samples) before the first step that takes G: the ramp's steps (a step
+        that starts at exactly c = SAMPLES already takes G)."""
+        steps = consumed = 0
+        while self.batch_at(consumed) < self.global_batch:
+            consumed += self.batch_at(consumed)
+            steps += 1
+        return steps, consumed
 
     def _ramp_steps(self, limit) -> tuple:
         """(steps, consumed) after stepping from 0 while consumed ≤ SAMPLES and consumed ≤ limit."""

@@ -414,7 +414,8 @@ def _file_problems(cfg: Config) -> list:
         problems += _tokenizer_problems(cfg)
     load = cfg.checkpoint.load
     if load and not os.path.isdir(load) and load != cfg.checkpoint.save:
-        problems.append(f"--load {load}: no such directory (with --save {load} too, a fresh run starts there)")
+        what = "a file, not a directory" if os.path.exists(load) else "no such directory"
+        problems.append(f"--load {load}: {what} (with --save {load} too, a fresh run starts there)")
     from .checkpoint.hf import is_hf_folder
     if load and is_hf_folder(load):  # a Hugging Face model to fine-tune
         from .checkpoint.convert import hf_load_problems
@@ -461,4 +462,8 @@ def notes(cfg: Config) -> list:
     if switches and not c.load:
         lines.append(f"{' '.join(switches)} ignored without --load (as in Megatron): the run starts from "
                      f"its initial weights; add --load CHECKPOINT_DIR to start from a checkpoint")
+    if c.verify_integrity and not c.load:
+        lines.append("--verify-integrity ignored without --load: it checks the checkpoint a run loads")
+    if c.async_save and not c.save:
+        lines.append("--async-save ignored without --save: this run writes no checkpoint; add --save DIR")
     return lines

@@ -323,7 +323,8 @@ def _choose(root: str, iteration: Optional[int], checksums: bool) -> tuple:
     """
     if iteration is None:
         if not os.path.isdir(root):
-            raise CheckpointError(f"--load {root}: no such directory; point --load at a folder written by --save")
+            what = "a file, not a directory" if os.path.exists(root) else "no such directory"
+            raise CheckpointError(f"--load {root}: {what}; point --load at a folder written by --save")
         iteration = read_tracker(root)
         if iteration is None:
             problems = check_loadable(root)

@@ -57,9 +57,15 @@ def _layout(text: str) -> tuple:
 
 def folder_of(path: str, latest_only: bool = False) -> str:
     """The checkpoint folder DIR means: DIR itself when it holds a manifest, else the --save
-    folder's checkpoint a load would take (``latest_only``: the tracker's, with no fallback)."""
+    folder's checkpoint a load would take (``latest_only``: the tracker's, with no fallback).
+    CheckpointError naming DIR when it is no folder, or a folder of neither kind."""
     if os.path.isfile(os.path.join(path, ckpt.MANIFEST)):
         return path
+    fix = "give a run's --save folder or one of its iter_XXXXXXX folders"
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: {'a file, not a folder' if os.path.exists(path) else 'no such folder'}; {fix}")
+    if not os.path.isfile(os.path.join(path, ckpt.TRACKER)):
+        raise CheckpointError(f"{path}: not a checkpoint (neither {ckpt.TRACKER} nor {ckpt.MANIFEST}); {fix}")
     if latest_only and os.path.isdir(path) and ckpt.read_tracker(path) is not None:
         return ckpt.checkpoint_dir(path, ckpt.read_tracker(path))
     return ckpt.checkpoint_dir(path)
