@@ -167,6 +167,11 @@ def _dry_run(args: argparse.Namespace) -> int:
     validate(cfg, world, check_files=not embedded, cuda=True)
     for line in report(cfg, world):
         print(f"meshlm: dry run: {line}", flush=True)
+    from .dry_run import vocab_of
+    from .planner.gpus import PRESETS
+    from .planner.lint import lint
+    for warning in lint(cfg, world, min(world, default_nproc(cfg)), PRESETS["H100-80GB"], vocab_of(cfg)[0]):
+        print(f"meshlm: dry run: warning: {warning}", flush=True)
     print("meshlm: dry run: all checks passed; no worker started", flush=True)
     return 0
 
@@ -231,9 +236,21 @@ def _add_pretrain(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(_run=_run_pretrain)
 
 
+def _add_plan(parser: argparse.ArgumentParser) -> None:
+    """`meshlm plan`: pretrain's flags (any launch script can be planned) plus the cluster's."""
+    from .config import add_config_args
+    from .megatron_flags import add_no_effect_args
+    add_config_args(parser)
+    add_no_effect_args(parser)
+    import_module(".planner.command", __package__).add_arguments(parser)
+    parser.set_defaults(_run=lambda args: import_module(".planner.command", __package__).run(args, _config_and_source))
+
+
 COMMANDS = {
     "pretrain": ("train a GPT/Llama model (Megatron flags; embedded default corpus without data flags)",
                  _add_pretrain),
+    "plan": ("plan a launch: per-rank memory, the fastest layouts that fit a cluster, with their flags "
+             "(pretrain's flags + --num-gpus --gpus-per-node --gpu; --calibrate measures this machine)", _add_plan),
     "preprocess": ("tokenize jsonl/text files into Megatron .bin/.idx files",
                    _delegate(".data.preprocess", "add_arguments", "run")),
     "tokenizer": ("tokenizer tools: `meshlm tokenizer train`", _add_tokenizer_arguments),
@@ -283,7 +300,7 @@ def main(argv=None) -> int:
         args, extra = parser.parse_known_args(argv)
         if extra:  # a Megatron flag meshlm lacks, or a typo: all of them in one line
             from .megatron_flags import refusal
-            raise refusal(extra) if command == "pretrain" else ConfigError(
+            raise refusal(extra) if command in ("pretrain", "plan") else ConfigError(
                 f"unrecognized arguments: {' '.join(extra)}; see `meshlm {command} --help`")
         return args._run(args) or 0
     except MeshlmError as e:

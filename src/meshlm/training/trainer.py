@@ -119,6 +119,9 @@ def pretrain(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> dict:
         run.logger.begin(state.iteration)
         try:
             return train(run, state)
+        except torch.OutOfMemoryError as e:  # one message: predicted, allocated, layouts that fit
+            from ..planner.oom import explain_oom
+            raise TrainingError(explain_oom(cfg, e, world=run.ps.world_size, vocab=run.tokenizer.vocab_size)) from e
         finally:
             run.logger.close()
 

@@ -1,0 +1,77 @@
+"""``meshlm plan --calibrate``: measure this machine's GPU (or CPU) and store it as a GPU profile.
+
+Measured, each as the best of a few timed repeats after a warm-up:
+- GEMM throughput at the model's shapes (the micro-batch's tokens × h × QKV width, × h × MLP width,
+  × MLP width × h; bf16 on CUDA, fp32 on CPU); ``gemm_efficiency`` is the achieved fraction of the
+  peak divided by ``cost.gemm_efficiency``'s size factor at those shapes, so the planner reproduces
+  the measurement at the model's dimensions;
+- device-memory bandwidth: a copy of a large buffer (read + write bytes / time);
+- with more than one CUDA device, the device-to-device copy bandwidth between GPUs 0 and 1 as the
+  intra-node link (an estimate of NCCL's bus bandwidth; inter-node is kept from the base profile).
+The peak is the data-sheet figure (``training.metrics.peak_tflops``) where the device is known,
+else (CPU, unknown GPUs) the best GEMM throughput measured. ``quick`` uses small shapes (tests).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from ..config import Config, ffn_hidden, head_dim, query_groups
+from ..training.metrics import peak_tflops
+from .cost import gemm_efficiency
+from .gpus import GPU, PRESETS
+
+
+def _best(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def calibrate(cfg: Config, *, quick: bool = False, base: GPU = PRESETS["H200-141GB"]) -> GPU:
+    """A GPU profile measured on this machine for cfg's model shapes (see the module docstring)."""
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    m = cfg.model
+    h, f = m.hidden_size, ffn_hidden(m)
+    qkv = (m.num_attention_heads + 2 * query_groups(m)) * head_dim(m)
+    tokens = cfg.training.micro_batch_size * m.seq_length
+    if quick:
+        h, f, qkv, tokens = min(h, 256), min(f, 512), min(qkv, 384), min(tokens, 256)
+    shapes = [(tokens, h, qkv), (tokens, h, f), (tokens, f, h)]
+    flops, seconds = 0.0, 0.0
+    for mm, k, n in shapes:
+        a = torch.randn(mm, k, device=dev, dtype=dtype)
+        b = torch.randn(k, n, device=dev, dtype=dtype)
+        seconds += _best(lambda: a @ b, 3 if quick else 10, sync)
+        flops += 2.0 * mm * k * n
+    achieved = flops / seconds
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    peak = (peak_tflops(name, torch.bfloat16) or 0) * 1e12 if cuda else 0.0
+    peak = peak or achieved
+    size = gemm_efficiency(replace(base, gemm_efficiency=1.0), tokens, h, qkv, f)
+    n = (16 if quick else 512) * 2 ** 20
+    src = torch.empty(n, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    hbm = 2 * n / _best(lambda: dst.copy_(src), 3 if quick else 10, sync)
+    props = torch.cuda.get_device_properties(0) if cuda else None
+    memory = props.total_memory if cuda else base.memory_bytes
+    link = base.intra_node_bytes_per_s
+    if cuda and torch.cuda.device_count() > 1:
+        other = torch.empty(n, dtype=torch.uint8, device="cuda:1")
+        link = n / _best(lambda: other.copy_(src), 5, lambda: (torch.cuda.synchronize(0), torch.cuda.synchronize(1)))
+    return replace(base, name=name, memory_bytes=memory, peak_flops=peak, hbm_bytes_per_s=hbm,
+                   intra_node_bytes_per_s=link, gemm_efficiency=min(1.0, achieved / peak / size),
+                   source=f"measured by meshlm plan --calibrate on {name} ({'quick' if quick else 'full'} shapes "
+                          f"{shapes}; GEMM {achieved / 1e12:.2f} TFLOP/s; memory copy {hbm / 1e9:.1f} GB/s)")

@@ -1,0 +1,111 @@
+"""``meshlm plan``: pretrain's flags plus a cluster → per-rank memory, ranked layouts, exclusions.
+
+Prints (or, with --json, writes to stdout as one JSON document; bytes and seconds) the model, the
+cluster, launch warnings (``lint``), the memory and step time of the flags' own layout, the feasible
+layouts fastest first with their exact flags, and why every other layout is excluded.
+``--calibrate`` measures this machine instead and stores a GPU profile (``gpus.profile_dir()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..config import default_nproc, global_batch
+from .gpus import OVERRIDES, PRESETS, GiB, resolve_gpu, save_profile
+from .layout import Layout
+
+_CATEGORIES = ("weights", "grads", "optimizer", "activations", "loss")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cluster flags (pretrain's flags are added by the CLI)."""
+    g = parser.add_argument_group("cluster (meshlm plan)")
+    g.add_argument("--num-gpus", type=int, default=None, help="GPUs of the job (default: the launch's world size)")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (one NVLink domain)")
+    g.add_argument("--gpu", default="H100-80GB", help=f"GPU preset ({', '.join(PRESETS)}) or a calibrated profile's name")
+    g.add_argument("--gpu-profile", default=None, help="a GPU profile JSON (written by --calibrate)")
+    for key, (_, _unit) in OVERRIDES.items():
+        g.add_argument(f"--gpu-{key}", type=float, default=None, help=f"override the GPU's {key.replace('-', ' ')}")
+    g.add_argument("--top", type=int, default=10, help="layouts to print")
+    g.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    g.add_argument("--calibrate", action="store_true", help="measure this machine's GEMMs, memory bandwidth and "
+                   "links and store a GPU profile (to --gpu-profile, or the profile folder)")
+    g.add_argument("--quick", action="store_true", help="--calibrate with small shapes (seconds, CPU tests)")
+
+
+def _row(name: str, lay: Layout, mem, time) -> str:
+    return (f"{name:>4} {lay.describe():<26} {lay.micro_batch:>5} {lay.recompute_name:<18} "
+            f"{'yes' if lay.distributed_optimizer else 'no':>4} {mem.device_bytes / GiB:>8.1f} {time.total:>9.3f} "
+            f"{time.tokens_per_s:>11,.0f} {time.mfu:>5.3f}  {' '.join(lay.flags())}")
+
+
+def run(args: argparse.Namespace, config_and_source) -> int:
+    """Run `meshlm plan` with parsed args; config_and_source is cli._config_and_source."""
+    from ..dry_run import vocab_of
+    from .memory import estimate
+    from .search import evaluate, layout_problems, search
+    from .lint import lint
+    cfg, _ = config_and_source(args)
+    if args.calibrate:
+        from .calibrate import calibrate
+        gpu = calibrate(cfg, quick=args.quick)
+        path = save_profile(gpu, args.gpu_profile)
+        print(json.dumps(gpu.to_json()) if args.json else f"meshlm plan: GPU profile of {gpu.name} written to {path}; "
+              f"use it with --gpu-profile {path}")
+        return 0
+    gpu = resolve_gpu(args.gpu, args.gpu_profile, {k: getattr(args, "gpu_" + k.replace("-", "_")) for k in OVERRIDES})
+    world = args.num_gpus or default_nproc(cfg)
+    per_node = min(args.gpus_per_node, world)
+    vocab, source = vocab_of(cfg)
+    cfg.training.global_batch_size = global_batch(cfg, world) or cfg.training.micro_batch_size
+    half = cfg.training.bf16 or cfg.training.fp16
+    mine = Layout.of(cfg, world)
+    warnings = lint(cfg, world, per_node, gpu, vocab)
+    problems = layout_problems(cfg, mine, per_node)
+    current = None if problems else evaluate(cfg, mine, gpu, vocab, per_node, half)
+    fits, excluded = search(cfg, world, gpu, vocab, gpus_per_node=per_node, half=half)
+    doc = {"model": {"num_layers": cfg.model.num_layers, "hidden_size": cfg.model.hidden_size,
+                     "num_attention_heads": cfg.model.num_attention_heads, "seq_length": cfg.model.seq_length,
+                     "vocab_size": vocab, "vocab_source": str(source),
+                     "global_batch_size": cfg.training.global_batch_size},
+           "cluster": {"num_gpus": world, "gpus_per_node": per_node, "gpu": gpu.to_json()},
+           "warnings": warnings, "current": current.to_json() if current else {"problems": problems},
+           "layouts": [f.to_json() for f in fits], "excluded": excluded}
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    m = cfg.model
+    print(f"model: {m.num_layers} layers, h {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
+          f"vocabulary {vocab}; global batch {cfg.training.global_batch_size}")
+    print(f"cluster: {world} × {gpu.name} ({gpu.memory_bytes / GiB:.1f} GiB, {gpu.peak_flops / 1e12:.0f} TFLOP/s bf16), "
+          f"{per_node} per node; profile: {gpu.source}")
+    for w in warnings:
+        print(f"warning: {w}")
+    if current is None:
+        print("your layout cannot run: " + "; ".join(problems))
+    else:
+        mem, t = current.memory, current.time
+        print(f"your layout {mine.describe()}, micro-batch {mine.micro_batch}, {mine.recompute_name} recompute "
+              f"(stage {mem.stage}, {mem.params:,} parameters):")
+        for k in _CATEGORIES:
+            print(f"  {k:<12} {getattr(mem, k) / GiB:8.2f} GiB")
+        print(f"  {'peak':<12} {mem.peak_bytes / GiB:8.2f} GiB (torch max allocated; grads "
+              f"{'held' if mem.grads_at_peak else 'not yet allocated'} at the activation peak); device "
+              f"{mem.device_bytes / GiB:.2f} GiB of {gpu.memory_bytes / GiB:.1f}")
+        print(f"  activations: {mem.activations_per_layer / GiB:.3f} GiB a layer × {mem.in_flight:g} in flight")
+        print(f"  step {t.total:.3f} s: compute {t.compute:.3f} (recompute {t.recompute:.3f}), TP {t.tp_comm:.3f}, "
+              f"bubble {t.bubble:.3f}, PP p2p {t.pp_p2p:.3f}, DP exposed {t.dp_exposed:.3f} of {t.dp_comm:.3f}, "
+              f"optimizer {t.optimizer:.3f}; {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.3f}; largest cost: {t.bottleneck}")
+    print(f"feasible layouts: {len(fits)}, fastest first (memory per GPU incl. CUDA context; step s):")
+    print(f"{'rank':>4} {'layout':<26} {'micro':>5} {'recompute':<18} {'ZeRO':>4} {'GiB':>8} {'step s':>9} "
+          f"{'tokens/s':>11} {'MFU':>5}  flags")
+    for i, f in enumerate(fits[:args.top]):
+        print(_row(str(i + 1), f.layout, f.memory, f.time))
+    if fits:
+        print(f"best layout's largest cost: {fits[0].time.bottleneck}")
+    print(f"excluded ({len(excluded)}):")
+    for e in excluded:
+        print(f"  {e['layout']}: {e['reason']}")
+    print("  CP > 1: not searched (context parallelism does not train yet in meshlm)")
+    return 0

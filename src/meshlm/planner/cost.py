@@ -1,0 +1,189 @@
+"""Step-time model of a layout: compute, TP/PP/DP communication, pipeline bubble, optimizer.
+
+Per micro-batch, on the slowest pipeline stage (the last one: it also computes the logits):
+
+- GEMMs: the model FLOPs of its layers and logits (``training.metrics.flops_per_iteration``,
+  Narayanan et al. 2021 §5.1, taken as f(L = 1) − f(L = 0) per layer), less attention core, divided
+  by TP × CP, at ``peak × gemm_efficiency(M, K, N)`` — a saturating curve per GEMM dimension,
+  x / (x + GEMM_HALF_DIM), with M the micro-batch's tokens, h, the per-rank attention width a·d/t and
+  MLP width f/t. Attention core (12·s²·a·d·b FLOPs a layer, fwd + bwd, the 4·s·a·d-per-token term of
+  the same formula) runs at ``peak × attention_efficiency``. Recompute adds forward work: full, one
+  forward of every layer (1/3 of its FLOPs and its element-wise passes); selective, core attention's.
+- element-wise kernels (norms, RoPE, activations, residuals, the loss): memory-bound, about
+  ``ELEMENTWISE_PASSES`` reads and writes of every byte a layer stores for backward
+  (``memory.layer_terms``), and of the logits, at the GPU's HBM bandwidth.
+- TP (Megatron's f/g, Shoeybi et al. 2019 §3): without SP, 2 all-reduces of the [s, b, h] activation
+  in forward and 2 in backward, each 2(t−1)/t · bytes / NVLink bandwidth; with SP, 4 all-gathers or
+  reduce-scatters in forward and 6 in backward (meshlm all-gathers the s/t QKV and FC1 inputs again),
+  each (t−1)/t · bytes / bandwidth; full recompute repeats the forward ones. meshlm's TP collectives
+  are blocking, so all of it is on the critical path, plus ``COLLECTIVE_LATENCY_S`` each.
+- the main_grad fold after each backward (bf16 grad added into the fp32 buffer, 10 bytes a parameter).
+
+Per step: (m + (p − 1)/v) micro-batch times (the bubble is the (p − 1)/v part: Narayanan et al. 2021
+§2.2, ``schedules.analytic_bubble_fraction`` of the wall time), PP p2p sends of the [s, b, h/t]
+activation (2·(v·m + p − 1) on the critical path, over NVLink or, when a stage boundary crosses a node,
+the inter-node link), the DP reduction of fp32 gradients (ring all-reduce 2(n−1)/n · 4 bytes/param, or
+under ZeRO-1 reduce-scatter (n−1)/n · 4 + all-gather of bf16 params (n−1)/n · 2, over NVLink when the
+DP × TP group fits a node, else the NIC), of which ``--overlap-grad-reduce`` hides what fits in the last
+micro-batch's backward (never the last bucket; the ZeRO-1 all-gather is counted exposed), and the
+optimizer: ``OPTIMIZER_BYTES_PER_PARAM`` of HBM traffic per parameter (fused AdamW reads grad, master,
+two moments and writes three: 28; the grad norm 4; master → bf16 copy 6), / DP under ZeRO-1.
+
+Calibration (H200, bench/RESULTS.md 2026-12-01 profile of llama-1b, micro 8, seq 2048): GEMMs 148.3 ms,
+attention 21.7 ms, element-wise 23.1 ms, optimizer and copies ~15 ms of a 211 ms step. The model puts
+them at 148, 22, 22 and 12 ms. The constants below are those of every GPU and run.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+
+from ..config import Config, global_batch, head_dim, num_microbatches, padded_vocab_size, ffn_hidden
+from ..parallel.schedules import analytic_bubble_fraction
+from ..training.metrics import flops_per_iteration
+from .gpus import GPU
+from .layout import Layout
+from .memory import layer_terms
+
+GEMM_HALF_DIM = 64  # a GEMM dimension of x reaches x / (x + 64) of the large-GEMM efficiency
+ELEMENTWISE_PASSES = 4  # HBM bytes moved by element-wise kernels per byte stored for backward
+OPTIMIZER_BYTES_PER_PARAM = 38
+FOLD_BYTES_PER_PARAM = 10
+COLLECTIVE_LATENCY_S = 20e-6
+STEP_OVERHEAD_S = 0.0
+
+
+def gemm_efficiency(gpu: GPU, *dims: float) -> float:
+    """Fraction of peak for GEMMs with these dimensions: gpu.gemm_efficiency × Π x / (x + 64)."""
+    eff = gpu.gemm_efficiency
+    for x in dims:
+        eff *= x / (x + GEMM_HALF_DIM)
+    return eff
+
+
+@dataclass
+class StepTime:
+    """Seconds of one optimizer step on the slowest rank, by component, and what follows from them.
+
+    compute: GEMMs, attention and element-wise work of every micro-batch (recompute included);
+    recompute: the part of compute that recomputation adds; tp_comm: TP/SP collectives; bubble:
+    pipeline fill and drain; pp_p2p: activation sends between stages; dp_comm: the whole DP reduction;
+    dp_exposed: the part of it not hidden behind backward; optimizer: the update and the main_grad
+    folds; total; tokens_per_s of the job; mfu (model FLOPs, no recompute, over world × peak);
+    bottleneck: the largest cost besides useful compute, named with its cause.
+    """
+
+    compute: float
+    recompute: float
+    tp_comm: float
+    bubble: float
+    pp_p2p: float
+    dp_comm: float
+    dp_exposed: float
+    optimizer: float
+    total: float
+    tokens_per_s: float
+    mfu: float
+    bubble_fraction: float
+    bottleneck: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _flops(cfg: Config, layers: int, batch: int, vocab: int) -> float:
+    m = copy.copy(cfg.model)
+    m.num_layers = layers
+    return flops_per_iteration(m, batch, vocab)
+
+
+def _ring(n: int, nbytes: float, bandwidth: float, reduce: bool = True) -> float:
+    """All-reduce (reduce=True: 2(n−1)/n) or all-gather / reduce-scatter ((n−1)/n) of nbytes."""
+    if n <= 1:
+        return 0.0
+    return (2 if reduce else 1) * (n - 1) / n * nbytes / bandwidth + COLLECTIVE_LATENCY_S
+
+
+def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_node: int, params_per_rank: int,
+              half: bool = True) -> StepTime:
+    """The step time of ``layout`` (see the module docstring); cfg carries --global-batch-size.
+    params_per_rank: parameters of the largest stage (memory.estimate's ``params``)."""
+    c = layout.apply(cfg)
+    m = c.model
+    t, pp, vp, dp = layout.tp, layout.pp, layout.vp, layout.dp
+    b, s, h, a = layout.micro_batch, m.seq_length, m.hidden_size, m.num_attention_heads
+    act = 2 if half else 4
+    nmb = num_microbatches(c, layout.world)
+    padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, t)
+    split = t * layout.cp
+    layers_last = m.num_layers // pp  # meshlm splits evenly unless --decoder-*-pipeline-num-layers
+    layer = _flops(c, 1, b, padded) - _flops(c, 0, b, padded)
+    attention = 12.0 * s * s * a * head_dim(m) * b
+    logits = _flops(c, 0, b, padded)
+    eff = gemm_efficiency(gpu, b * s / layout.cp, h, a * head_dim(m) / t, ffn_hidden(m) / t)
+    gemm_s = ((layer - attention) * layers_last + logits) / split / (gpu.peak_flops * eff)
+    attn_s = attention * layers_last / split / (gpu.peak_flops * gpu.attention_efficiency)
+    stored = sum(layer_terms(m, b, tp=t, sp=layout.sequence_parallel, act_bytes=act).values()) / layout.cp
+    elem_s = ELEMENTWISE_PASSES * (stored * layers_last + act * s * b * padded / t) / gpu.hbm_bytes_per_s
+    r = layout.recompute
+    if r.granularity == "full":
+        recompute_s = (gemm_s + attn_s + elem_s) / 3
+    elif r.selective:
+        recompute_s = attn_s / 3
+    else:
+        recompute_s = 0.0
+    link_tp = gpu.intra_node_bytes_per_s if t <= gpus_per_node else gpu.inter_node_bytes_per_s
+    x = act * s * b * h / layout.cp
+    if t > 1 and layout.sequence_parallel:
+        ops = 10 + (4 if r.granularity == "full" else 0)
+        tp_s = layers_last * ops * _ring(t, x, link_tp, reduce=False)
+    elif t > 1:
+        ops = 4 + (2 if r.granularity == "full" else 0)
+        tp_s = layers_last * ops * _ring(t, x, link_tp)
+    else:
+        tp_s = 0.0
+    fold_s = FOLD_BYTES_PER_PARAM * params_per_rank / gpu.hbm_bytes_per_s
+    per_mb = gemm_s + attn_s + elem_s + recompute_s + tp_s
+    compute = nmb * (gemm_s + attn_s + elem_s + recompute_s)
+    bubble = (pp - 1) / vp * per_mb
+    stride = t * layout.cp * dp  # GPUs between neighbouring pipeline stages
+    link_pp = gpu.intra_node_bytes_per_s if stride * pp <= gpus_per_node else gpu.inter_node_bytes_per_s
+    p2p = 2 * (vp * nmb + pp - 1) * (x / (t if layout.sequence_parallel else 1) / link_pp + COLLECTIVE_LATENCY_S) \
+        if pp > 1 else 0.0
+    link_dp = gpu.intra_node_bytes_per_s if dp * t * layout.cp <= gpus_per_node else gpu.inter_node_bytes_per_s
+    n = dp * layout.cp
+    grads = 4 * params_per_rank
+    if layout.distributed_optimizer:
+        dp_s = _ring(n, grads, link_dp, reduce=False) + _ring(n, 2 * params_per_rank, link_dp, reduce=False)
+        gather_s = _ring(n, 2 * params_per_rank, link_dp, reduce=False)
+    else:
+        dp_s, gather_s = _ring(n, grads, link_dp), 0.0
+    if layout.overlap_grad_reduce and n > 1:
+        bucket = max(40_000_000, 1_000_000 * dp)
+        reduce_s = dp_s - gather_s
+        hidden = min(reduce_s * (1 - min(1.0, bucket / max(params_per_rank, 1))), 2 / 3 * per_mb)
+        dp_exposed = reduce_s - hidden + gather_s
+    else:
+        dp_exposed = dp_s
+    opt_s = OPTIMIZER_BYTES_PER_PARAM * params_per_rank / (dp if layout.distributed_optimizer else 1) \
+        / gpu.hbm_bytes_per_s + nmb * fold_s
+    total = nmb * per_mb + bubble + p2p + dp_exposed + opt_s + STEP_OVERHEAD_S
+    gb = global_batch(c, layout.world)
+    model_flops = flops_per_iteration(m, gb, padded)
+    costs = {
+        f"pipeline bubble (p−1)/(v·m) with m = {nmb} micro-batches": bubble,
+        f"TP{' + SP' if layout.sequence_parallel else ''} collectives ({t} ranks, "
+        f"{'NVLink' if link_tp == gpu.intra_node_bytes_per_s else 'inter-node link'})": nmb * tp_s,
+        f"DP gradient reduction over the {'intra-node NVLink' if link_dp == gpu.intra_node_bytes_per_s else 'inter-node link'} "
+        f"({n} ranks), exposed": dp_exposed,
+        f"PP p2p over the {'NVLink' if link_pp == gpu.intra_node_bytes_per_s else 'inter-node link'}": p2p,
+        "optimizer step and main_grad folds (HBM-bound)": opt_s,
+        f"{layout.recompute_name} recompute": nmb * recompute_s,
+    }
+    name, worst = max(costs.items(), key=lambda kv: kv[1])
+    return StepTime(compute=compute, recompute=nmb * recompute_s, tp_comm=nmb * tp_s, bubble=bubble, pp_p2p=p2p,
+                    dp_comm=dp_s, dp_exposed=dp_exposed, optimizer=opt_s, total=total,
+                    tokens_per_s=gb * s / total, mfu=model_flops / (layout.world * total * gpu.peak_flops),
+                    bubble_fraction=analytic_bubble_fraction(pp, nmb, vp) if pp > 1 else 0.0,
+                    bottleneck=f"{name}: {100 * worst / total:.0f}% of the step")

@@ -1,0 +1,133 @@
+"""GPU profiles the planner computes with: presets, flag overrides, and calibrated JSON files.
+
+A profile holds what the memory and step-time models need of one GPU and its links:
+
+- ``memory_bytes``: device memory (what ``torch.cuda.get_device_properties().total_memory`` reports).
+- ``peak_flops``: dense bf16 tensor-core peak, FLOP/s: ``training.metrics.peak_tflops`` (NVIDIA data
+  sheets: A100 312, H100/H200 SXM 989.4 TFLOP/s), the figure MFU is measured against.
+- ``gemm_efficiency``: the fraction of the peak cuBLAS reaches on large bf16 GEMMs; smaller GEMM
+  dimensions get less through the saturating curve of ``planner.cost.gemm_efficiency``.
+- ``attention_efficiency``: the fraction of the peak the flash/cuDNN attention kernels reach.
+- ``hbm_bytes_per_s``: achievable device-memory bandwidth (copy kernels; about 85% of the data sheet).
+- ``intra_node_bytes_per_s`` / ``inter_node_bytes_per_s``: achievable NCCL bus bandwidth per GPU inside
+  a node (NVLink) and across nodes (one 200/400 Gb/s NIC per GPU), the ``busbw`` of nccl-tests, so a
+  ring all-reduce of B bytes over n ranks takes 2(n−1)/n · B / bandwidth.
+
+Preset figures. Memory, peak and link speeds are NVIDIA data-sheet figures (A100 SXM4 80GB: HBM2e
+2.04 TB/s, NVLink 3 600 GB/s both directions; H100 SXM5: HBM3 3.35 TB/s, NVLink 4 900 GB/s; H200 SXM:
+HBM3e 4.8 TB/s, NVLink 4; HDR InfiniBand 200 Gb/s per A100, NDR 400 Gb/s per H100/H200), derated to
+achievable: HBM × 0.85, NVLink per direction × 0.8, NIC × 0.9. The efficiencies are calibrated on this
+project's H200 measurements (bench/RESULTS.md, 2026-12-01, llama-1b at micro-batch 8, seq 2048: GEMMs
+148.3 ms for 105 TFLOP = 0.72 of peak; flash attention 21.7 ms for 13.2 TFLOP = 0.61) and used for the
+other Hopper/Ampere presets alike. H200 memory is the lent machine's 143,771 MiB.
+
+``meshlm plan --calibrate`` measures a profile on this machine and writes it as JSON to
+``$XDG_CACHE_HOME/meshlm/gpus/<name>.json`` (default ``~/.cache/meshlm/gpus/``), or to
+``--gpu-profile PATH``; ``--gpu NAME`` then finds it by name, ``--gpu-profile PATH`` by path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..errors import ConfigError
+from ..training.metrics import peak_tflops
+
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU kind and its links; units: bytes, FLOP/s, bytes/s (see the module docstring)."""
+
+    name: str
+    memory_bytes: float
+    peak_flops: float
+    hbm_bytes_per_s: float
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    gemm_efficiency: float = 0.77
+    attention_efficiency: float = 0.61
+    source: str = "preset"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _preset(name: str, device_name: str, memory_bytes: float, hbm: float, nvlink_per_direction: float,
+            nic_gbit: float) -> GPU:
+    return GPU(name=name, memory_bytes=memory_bytes, peak_flops=peak_tflops(device_name, torch.bfloat16) * 1e12,
+               hbm_bytes_per_s=0.85 * hbm, intra_node_bytes_per_s=0.8 * nvlink_per_direction,
+               inter_node_bytes_per_s=0.9 * nic_gbit / 8 * 1e9)
+
+
+PRESETS = {
+    "A100-80GB": _preset("A100-80GB", "NVIDIA A100-SXM4-80GB", 80 * GiB, 2.039e12, 300e9, 200),
+    "H100-80GB": _preset("H100-80GB", "NVIDIA H100 80GB HBM3", 80 * GiB, 3.35e12, 450e9, 400),
+    "H200-141GB": _preset("H200-141GB", "NVIDIA H200", 143771 * 2 ** 20, 4.8e12, 450e9, 400),
+}
+
+# --gpu-* override flags: flag suffix → (field, factor from the flag's unit to the field's)
+OVERRIDES = {
+    "memory-gib": ("memory_bytes", GiB),
+    "tflops": ("peak_flops", 1e12),
+    "hbm-gbps": ("hbm_bytes_per_s", 1e9),
+    "nvlink-gbps": ("intra_node_bytes_per_s", 1e9),
+    "internode-gbps": ("inter_node_bytes_per_s", 1e9),
+    "gemm-efficiency": ("gemm_efficiency", 1.0),
+}
+
+
+def profile_dir() -> str:
+    """Where --calibrate stores profiles: $XDG_CACHE_HOME/meshlm/gpus (default ~/.cache/meshlm/gpus)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "meshlm", "gpus")
+
+
+def slug(device_name: str) -> str:
+    """A file name for a device name: 'NVIDIA H200' → 'NVIDIA-H200'."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", device_name).strip("-") or "device"
+
+
+def save_profile(gpu: GPU, path: Optional[str] = None) -> str:
+    """Write ``gpu`` as JSON to ``path`` (default profile_dir()/<name>.json); return the path."""
+    path = path or os.path.join(profile_dir(), f"{slug(gpu.name)}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(gpu.to_json(), fh, indent=1)
+    return path
+
+
+def load_profile(path: str) -> GPU:
+    """A profile JSON written by save_profile. ConfigError if missing or malformed."""
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+        return GPU(**{f.name: data[f.name] for f in dataclasses.fields(GPU) if f.name in data})
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"--gpu-profile {path}: not a meshlm GPU profile ({e}); write one with "
+                          f"`meshlm plan --calibrate`") from None
+
+
+def resolve_gpu(name: str, profile: Optional[str] = None, overrides: Optional[dict] = None) -> GPU:
+    """The GPU the planner uses: --gpu-profile PATH, else the preset --gpu NAME, else a calibrated
+    profile of that name in profile_dir(); then each given override (OVERRIDES keys, in the flags'
+    units). ConfigError naming the presets when nothing matches."""
+    if profile:
+        gpu = load_profile(profile)
+    elif name in PRESETS:
+        gpu = PRESETS[name]
+    elif os.path.exists(os.path.join(profile_dir(), f"{slug(name)}.json")):
+        gpu = load_profile(os.path.join(profile_dir(), f"{slug(name)}.json"))
+    else:
+        raise ConfigError(f"--gpu {name!r} is neither a preset ({', '.join(PRESETS)}) nor a calibrated profile "
+                          f"in {profile_dir()}; run `meshlm plan --calibrate` on that GPU or pass --gpu-profile")
+    changes = {OVERRIDES[k][0]: v * OVERRIDES[k][1] for k, v in (overrides or {}).items() if v is not None}
+    return dataclasses.replace(gpu, **changes) if changes else gpu

@@ -1,0 +1,102 @@
+"""A parallel layout as the planner sees it: sizes, micro-batch, recompute, optimizer sharding.
+
+``Layout.of(cfg, world)`` reads one from a config, ``layout.apply(cfg)`` writes one into a copy of a
+config (so meshlm's own checks and stage partition judge it), ``layout.flags()`` gives the exact
+``meshlm pretrain`` flags.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from ..config import Config, dp_size
+from ..model.recompute import Recompute
+from ..parallel.pipeline import virtual_size
+
+FULL = Recompute("full", "uniform", 1)  # the planner's full recompute: every layer checkpointed alone
+SELECTIVE = Recompute("selective")
+NONE = Recompute()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """TP × CP × PP × DP ranks (PP with vp virtual stages per rank), the micro-batch (samples),
+    recompute (meshlm.model.recompute.Recompute), ZeRO-1 and sequence parallelism."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vp: int = 1
+    cp: int = 1
+    micro_batch: int = 1
+    recompute: Recompute = field(default=NONE)
+    distributed_optimizer: bool = False
+    sequence_parallel: bool = False
+    overlap_grad_reduce: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def recompute_name(self) -> str:
+        r = self.recompute
+        if r.granularity != "full":
+            return r.granularity or "none"
+        return f"full ({r.method} {r.num_layers})"
+
+    @classmethod
+    def of(cls, cfg: Config, world: int) -> "Layout":
+        p, t = cfg.parallel, cfg.training
+        return cls(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=max(1, dp_size(cfg, world)),
+                   vp=virtual_size(cfg), cp=p.context_parallel_size, micro_batch=t.micro_batch_size,
+                   recompute=Recompute.of(t), distributed_optimizer=p.use_distributed_optimizer and dp_size(cfg, world) > 1,
+                   sequence_parallel=p.sequence_parallel, overlap_grad_reduce=p.overlap_grad_reduce)
+
+    def apply(self, cfg: Config) -> Config:
+        """A copy of ``cfg`` with this layout (its --nproc-per-node set to the layout's world). The
+        global batch stays cfg's --global-batch-size, which the planner sets before it searches."""
+        c = copy.deepcopy(cfg)
+        p, t = c.parallel, c.training
+        p.tensor_model_parallel_size, p.pipeline_model_parallel_size = self.tp, self.pp
+        p.context_parallel_size, p.nproc_per_node = self.cp, self.world
+        p.virtual_pipeline_model_parallel_size = self.vp if self.vp > 1 else None
+        p.num_layers_per_virtual_pipeline_stage = None
+        p.sequence_parallel, p.use_distributed_optimizer = self.sequence_parallel, self.distributed_optimizer
+        t.micro_batch_size, t.gradient_accumulation_steps = self.micro_batch, None
+        t.recompute_activations = False
+        t.recompute_granularity, t.recompute_method = self.recompute.granularity, self.recompute.method
+        t.recompute_num_layers = self.recompute.num_layers
+        p.overlap_grad_reduce = self.overlap_grad_reduce
+        return c
+
+    def flags(self) -> list:
+        """The meshlm pretrain flags of this layout (sizes at 1 left out, DP implied by the world)."""
+        out = []
+        if self.tp > 1:
+            out += ["--tensor-model-parallel-size", str(self.tp)]
+        if self.sequence_parallel:
+            out.append("--sequence-parallel")
+        if self.pp > 1:
+            out += ["--pipeline-model-parallel-size", str(self.pp)]
+        if self.vp > 1:
+            out += ["--virtual-pipeline-model-parallel-size", str(self.vp)]
+        if self.cp > 1:
+            out += ["--context-parallel-size", str(self.cp)]
+        out += ["--micro-batch-size", str(self.micro_batch)]
+        r = self.recompute
+        if r.selective:
+            out.append("--recompute-activations")
+        elif r.granularity == "full":
+            out += ["--recompute-granularity", "full", "--recompute-method", r.method,
+                    "--recompute-num-layers", str(r.num_layers)]
+        if self.distributed_optimizer:
+            out.append("--use-distributed-optimizer")
+        if self.overlap_grad_reduce and self.dp > 1:
+            out.append("--overlap-grad-reduce")
+        return out
+
+    def describe(self) -> str:
+        v = f" (v {self.vp})" if self.vp > 1 else ""
+        return f"TP {self.tp}{' SP' if self.sequence_parallel else ''} × PP {self.pp}{v} × DP {self.dp}"

@@ -1,0 +1,192 @@
+"""Per-rank memory of a layout: weights, gradients, optimizer states, activations, loss buffers.
+
+Model state (bytes per parameter of the rank's stage, from ``dry_run.stage_params``):
+
+- ``"meshlm"`` accounting, what meshlm allocates (optim/optimizer.py, parallel/data.py): bf16/fp16
+  params 2, fp32 ``main_grad`` 4 (meshlm always accumulates in fp32), fp32 master 4 + Adam moments
+  4 + 4 = 12, or 12/DP under --use-distributed-optimizer (ZeRO-1, Rajbhandari et al. 2020 §5.1); fp32
+  training: 4 + 4 + 8 (no separate master). The grad buffers are padded to 64 × DP per bucket under
+  ZeRO-1 (ignored here: < 0.01%). Gradient memory exists only from the first backward to the next
+  zero_grad, so with one micro-batch and PP = 1 it is not held at the activation peak (start of
+  backward) — counted in ``peak_bytes`` only when gradients are held while activations are.
+- ``"classic"`` mixed-precision accounting (Rajbhandari et al. 2020 §3.1; the issue's seed figures):
+  fp16 params 2 + fp16 grads 2 + fp32 master and two moments 12 = 16 bytes per parameter. It
+  differs from meshlm's by the 2 bytes of fp32 (not fp16) gradients per parameter.
+
+Activations per transformer layer follow Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", §4 (s sequence, b micro-batch, h hidden, a heads, t TP;
+2-byte activations, 1-byte dropout masks): without parallelism sbh(34 + 5as/h) bytes, of which 10sbh
+sit in the replicated regions (two norm inputs, the QKV and MLP inputs, two dropout masks), 24sbh in
+the TP regions (Q, K, V, the attention output, the MLP's 4h fc1 output and activation output) and
+5as²b in core attention (softmax output, its dropout mask and output). TP divides the last two:
+sbh(10 + 24/t + 5as/(ht)); sequence parallelism also the first: sbh/t · (34 + 5as/h); selective
+recompute drops core attention: 34sbh/t; full recompute keeps each checkpointed layer's input, 2sbh
+(/t under SP), and rebuilds one layer at a time in backward. ``layer_terms`` generalises the terms to
+meshlm's shapes (query groups, SwiGLU's two fc1 halves, no dropout masks at dropout 0, fp32
+activations on CPU) and reduces to the paper's figures for a GPT layer.
+
+Flash attention. meshlm's attention is SDPA (flash/cuDNN on GPUs), which never stores the s×s
+scores: the 5as²b term is absent. In its place SDPA keeps for backward its own output (2sb·a·d bytes
+— the output projection keeps another copy, its input after the [b, a, s, d] → [s, b, a·d] transpose)
+and the log-sum-exp (4·a·s·b bytes, fp32). Selective recompute drops those two (bench/RESULTS.md,
+2026-12-01: predicted 1.02 GiB for llama-1b, measured −1.01 GiB). ``flash=False`` gives the paper's
+math-attention term instead (Megatron's unfused softmax).
+
+Micro-batches in flight: under 1F1B the first stage holds min(m, p) micro-batches of its layers, the
+last stage one; interleaved with v stages the first holds L·(1 + (p−1)/(p·v)) layers' worth (Megatron's
+``interleaved_schedule_memory_penalty``, theoretical_memory_usage.py), the last ((v−1)·p + 1) chunks.
+
+Loss buffers (last stage): the bf16 logits [s·b, V/t] and their gradient at the start of backward,
+2 × 2 bytes per element, plus the final norm's and the output layer's inputs (2 × 2sbh).
+Calibrated: with these terms llama-1b (micro-batch 8, seq 2048, bench/results.jsonl, peak 36.73 GiB
+after lazy grads) is predicted at 36.8 GiB and llama-3b (seq 4096, micro 2, selective, 4 micro-batches,
+76.56 GiB) at 77.1 GiB, so the allocator overhead in ``max_memory_allocated`` is taken as 0. What the
+device needs beyond that (``device_bytes``): the CUDA context and cuBLAS/NCCL workspaces, taken as
+``CONTEXT_BYTES`` (typical of torch 2.x on Hopper), and the caching allocator's fragmentation,
+``FRAGMENTATION`` of the peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..config import Config, ModelConfig, head_dim, num_microbatches, query_groups, ffn_hidden
+from ..dry_run import stage_params
+from .layout import Layout
+
+GiB = 2 ** 30
+CONTEXT_BYTES = 0.75 * GiB  # CUDA context, cuBLAS and NCCL workspaces: outside max_memory_allocated
+FRAGMENTATION = 0.05  # caching-allocator reserve beyond the allocated peak
+STATE_BYTES = {  # bytes per parameter: (weights, grads, optimizer before ZeRO-1)
+    ("meshlm", True): (2, 4, 12), ("meshlm", False): (4, 4, 8),
+    ("classic", True): (2, 2, 12), ("classic", False): (4, 4, 8),
+}
+
+
+def state_bytes(params: float, *, half: bool = True, dp: int = 1, distributed_optimizer: bool = False,
+                accounting: str = "meshlm") -> dict:
+    """{"weights", "grads", "optimizer"} bytes for ``params`` parameters (see the module docstring).
+    accounting: "meshlm" (fp32 main_grad) or "classic" (fp16 grads). ZeRO-1 divides the optimizer by dp."""
+    w, g, o = STATE_BYTES[(accounting, half)]
+    return {"weights": w * params, "grads": g * params,
+            "optimizer": o * params / (dp if distributed_optimizer else 1)}
+
+
+def layer_terms(m: ModelConfig, b: int, *, tp: int = 1, sp: bool = False, flash: bool = True,
+                act_bytes: int = 2) -> dict:
+    """Bytes one transformer layer keeps for backward (no recompute), by term; s = m.seq_length.
+
+    Replicated-region terms are divided by tp only under sequence parallelism; TP-region terms by tp.
+    Returns {"norm_inputs", "qkv_input", "mlp_input", "dropout_masks", "qkv", "attention_output",
+    "fc1_output", "activation_output", "core_attention"}; core_attention is the s² term (flash=False)
+    or SDPA's own output and log-sum-exp (flash=True).
+    """
+    s, h, a, d = m.seq_length, m.hidden_size, m.num_attention_heads, head_dim(m)
+    sbh, q, kv, f = s * b * h, a * d, query_groups(m) * d, ffn_hidden(m)
+    rep = tp if sp else 1
+    masks = (m.hidden_dropout > 0) * 2 * sbh
+    if flash:
+        core = act_bytes * s * b * q + 4 * a * s * b
+    else:
+        core = (act_bytes + (act_bytes + 1 if m.attention_dropout > 0 else 0)) * a * s * s * b
+    return {
+        "norm_inputs": 2 * act_bytes * sbh / rep, "qkv_input": act_bytes * sbh / rep,
+        "mlp_input": act_bytes * sbh / rep, "dropout_masks": masks / rep,
+        "qkv": act_bytes * s * b * (q + 2 * kv) / tp, "attention_output": act_bytes * s * b * q / tp,
+        "fc1_output": act_bytes * s * b * f * (2 if m.swiglu else 1) / tp,
+        "activation_output": act_bytes * s * b * f / tp, "core_attention": core / tp,
+    }
+
+
+def layer_bytes(m: ModelConfig, b: int, layout: Layout, *, checkpointed: bool = False, flash: bool = True,
+                act_bytes: int = 2) -> float:
+    """Bytes one layer keeps: all terms; without core attention under selective recompute; only the
+    layer input (act_bytes·sbh, /tp under SP) when the layer is checkpointed (full recompute)."""
+    if checkpointed:
+        return act_bytes * m.seq_length * b * m.hidden_size / (layout.tp if layout.sequence_parallel else 1)
+    terms = layer_terms(m, b, tp=layout.tp, sp=layout.sequence_parallel, flash=flash, act_bytes=act_bytes)
+    if layout.recompute.selective:
+        terms.pop("core_attention")
+    return sum(terms.values())
+
+
+@dataclass
+class Memory:
+    """Bytes on the rank that needs the most: its stage, model state and activations by category.
+
+    activations = in-flight micro-batches × the stage's stored layer activations (+ one layer rebuilt
+    under full recompute); loss = the last stage's logits, their gradient and the output layer's
+    inputs; peak_bytes = what torch.cuda.max_memory_allocated reports (grads only when held at the
+    activation peak); device_bytes = peak + CUDA context + allocator fragmentation.
+    """
+
+    stage: int
+    params: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    activations_per_layer: float
+    in_flight: float
+    loss: float
+    grads_at_peak: bool
+    peak_bytes: float
+    device_bytes: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _in_flight(stage_rank: int, pp: int, vp: int, m: int) -> tuple:
+    """(chunk micro-batches in flight, layers per chunk as a fraction of the rank's layers): Megatron's
+    1F1B warm-up (p − r − 1) + 1, interleaved (p − r − 1)·2 + (v − 1)·p + 1, capped at m·v."""
+    if pp == 1:
+        return 1, 1.0
+    if vp == 1:
+        return min(m, pp - stage_rank), 1.0
+    return min(m * vp, (pp - stage_rank - 1) * 2 + (vp - 1) * pp + 1), 1.0 / vp
+
+
+def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "meshlm", flash: bool = True,
+             half: bool = True) -> Memory:
+    """Memory of ``layout`` for cfg's model and global batch: the largest of the first and the last
+    pipeline stage (module docstring). ``cfg`` must carry --global-batch-size. ConfigError if the
+    layers cannot be split over the stages (meshlm's own partition rules)."""
+    from ..config import padded_vocab_size
+    from ..parallel.pipeline import stage_layers
+    c = layout.apply(cfg)
+    m = c.model
+    act = 2 if half else 4
+    params = stage_params(c, vocab)
+    ranges = stage_layers(c)
+    nmb = num_microbatches(c, layout.world)
+    b, s, h = layout.micro_batch, m.seq_length, m.hidden_size
+    rep = layout.tp if layout.sequence_parallel else 1
+    full_layer = layer_bytes(m, b, layout, flash=flash, act_bytes=act)
+    best = None
+    for rank in sorted({0, layout.pp - 1}):
+        layers = [n for chunk in ranges[rank::layout.pp] for n in [len(chunk)]]
+        stored = 0.0
+        for n in layers:
+            for start, end, ckpt in layout.recompute.segments(n):
+                # a checkpointed group keeps its first layer's input only
+                stored += layer_bytes(m, b, layout, checkpointed=True, act_bytes=act) if ckpt else \
+                    (end - start) * full_layer
+        chunks, share = _in_flight(rank, layout.pp, layout.vp, nmb)
+        acts = stored * share * chunks + (full_layer if layout.recompute.granularity == "full" else 0.0)
+        loss = 0.0
+        if rank == layout.pp - 1:
+            padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, layout.tp)
+            loss = 2 * act * s * b * padded / layout.tp + 2 * act * s * b * h / rep
+        st = state_bytes(params[rank], half=half, dp=layout.dp, distributed_optimizer=layout.distributed_optimizer,
+                         accounting=accounting)
+        held = nmb > 1 or layout.pp > 1
+        peak = st["weights"] + st["optimizer"] + acts + loss + (st["grads"] if held else 0.0)
+        peak = max(peak, st["weights"] + st["optimizer"] + st["grads"])
+        mem = Memory(stage=rank, params=params[rank], weights=st["weights"], grads=st["grads"],
+                     optimizer=st["optimizer"], activations=acts, activations_per_layer=full_layer,
+                     in_flight=chunks * share, loss=loss, grads_at_peak=held, peak_bytes=peak,
+                     device_bytes=peak * (1 + FRAGMENTATION) + CONTEXT_BYTES)
+        if best is None or mem.peak_bytes > best.peak_bytes:
+            best = mem
+    return best

@@ -1,0 +1,117 @@
+"""Enumerate the layouts of a model on a cluster, keep those that fit, rank them by step time.
+
+Searched: TP ∈ powers of two, PP ∈ divisors of the world / TP, v ∈ {1, 2, 4} (PP > 1), DP the rest,
+micro-batch ∈ powers of two dividing the global batch / DP, recompute none / selective / full
+(uniform, 1 layer), the distributed optimizer when DP > 1; SP on whenever TP > 1 and
+--overlap-grad-reduce whenever DP > 1 (both cost nothing in memory and only help). CP is not searched:
+meshlm's context parallelism does not train yet. The global batch is the flags' (kept fixed).
+
+A layout is excluded, with its reason, when meshlm's own checks refuse it (``validate``: heads, query
+groups, MLP width, vocabulary and layers not divisible, interleaving's micro-batch rule, the global
+batch not divisible by micro × DP), when its TP group would cross a node (TP's blocking per-layer
+collectives over the inter-node link), or when no variant of it fits in the GPU's memory
+(``memory.Memory.device_bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..config import Config
+from ..errors import ConfigError
+from .cost import StepTime, step_time
+from .gpus import GPU, GiB
+from .layout import FULL, NONE, SELECTIVE, Layout
+from .memory import Memory, estimate
+
+
+@dataclass
+class Candidate:
+    """A layout that fits, with its memory and step time."""
+
+    layout: Layout
+    memory: Memory
+    time: StepTime
+
+    def to_json(self) -> dict:
+        lay = self.layout
+        return {"tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "dp": lay.dp, "cp": lay.cp, "micro_batch": lay.micro_batch,
+                "recompute": lay.recompute_name, "distributed_optimizer": lay.distributed_optimizer,
+                "sequence_parallel": lay.sequence_parallel, "flags": " ".join(lay.flags()),
+                "memory": self.memory.to_json(), "time": self.time.to_json()}
+
+
+def _powers(limit: int) -> list:
+    out, x = [], 1
+    while x <= limit:
+        out.append(x)
+        x *= 2
+    return out
+
+
+def layout_problems(cfg: Config, layout: Layout, gpus_per_node: int) -> list:
+    """Why meshlm would refuse ``layout`` for cfg (validate's one-line messages), plus a TP group
+    that crosses a node; empty when it can run."""
+    from ..validate import _layout_problems
+    problems = []
+    if layout.tp > gpus_per_node or gpus_per_node % layout.tp:
+        problems.append(f"TP group of {layout.tp} crosses a node ({gpus_per_node} GPUs per node): TP's blocking "
+                        f"per-layer collectives would run over the inter-node link; keep TP ≤ {gpus_per_node}")
+    try:
+        problems += _layout_problems(layout.apply(cfg), layout.world)
+    except ConfigError as e:
+        problems += e.problems
+    return problems
+
+
+def evaluate(cfg: Config, layout: Layout, gpu: GPU, vocab: int, gpus_per_node: int, half: bool = True) -> Candidate:
+    """Memory and step time of one (valid) layout."""
+    mem = estimate(cfg, layout, vocab, half=half)
+    return Candidate(layout, mem, step_time(cfg, layout, gpu, vocab, gpus_per_node=gpus_per_node,
+                                            params_per_rank=mem.params, half=half))
+
+
+def search(cfg: Config, world: int, gpu: GPU, vocab: int, *, gpus_per_node: int, half: bool = True) -> tuple:
+    """(candidates that fit, fastest first; excluded as [{"layout", "reason"}]) for cfg's model and
+    --global-batch-size on ``world`` GPUs of ``gpu`` in nodes of ``gpus_per_node``."""
+    gb = cfg.training.global_batch_size
+    fits, excluded = [], []
+    for tp in _powers(world):
+        for pp in [d for d in range(1, world // tp + 1) if (world // tp) % d == 0]:
+            dp = world // (tp * pp)
+            for vp in ([1, 2, 4] if pp > 1 else [1]):
+                base = Layout(tp=tp, pp=pp, dp=dp, vp=vp, sequence_parallel=tp > 1, overlap_grad_reduce=dp > 1)
+                if vp > 1 and (cfg.model.num_layers % (pp * vp)):
+                    continue  # not worth a line: the same (tp, pp) at v = 1 is reported
+                micros = [b for b in _powers(gb // dp)] or [1]
+                valid, first = [], None
+                for b in micros:
+                    lay = replace(base, micro_batch=b)
+                    problems = layout_problems(cfg, lay, gpus_per_node)
+                    if problems:
+                        first = first or problems
+                    else:
+                        valid.append(lay)
+                if not valid:
+                    excluded.append({"layout": base.describe(), "reason": (first or ["no micro-batch divides "
+                                     f"the global batch {gb} / DP {dp}"])[0]})
+                    continue
+                found, smallest = False, None
+                for lay in valid:
+                    for r in (NONE, SELECTIVE, FULL):
+                        for zero in ([False, True] if dp > 1 else [False]):
+                            cand = replace(lay, recompute=r, distributed_optimizer=zero)
+                            mem = estimate(cfg, cand, vocab, half=half)
+                            if mem.device_bytes <= gpu.memory_bytes:
+                                fits.append(evaluate(cfg, cand, gpu, vocab, gpus_per_node, half))
+                                found = True
+                            elif smallest is None or mem.device_bytes < smallest[1].device_bytes:
+                                smallest = (cand, mem)
+                if not found and smallest:
+                    cand, mem = smallest
+                    excluded.append({"layout": base.describe(), "reason": (
+                        f"does not fit: even micro-batch {cand.micro_batch}, {cand.recompute_name} recompute"
+                        f"{', distributed optimizer' if cand.distributed_optimizer else ''} needs "
+                        f"{mem.device_bytes / GiB:.1f} GiB > {gpu.memory_bytes / GiB:.1f} GiB of {gpu.name}")})
+    fits.sort(key=lambda c: (c.time.total, c.memory.device_bytes))
+    return fits, excluded

@@ -1,0 +1,60 @@
+"""meshlm plan (--json, --calibrate), the launch lint in --dry-run, and the out-of-memory message."""
+
+import argparse
+import json
+
+import torch
+
+from meshlm.cli import main
+from meshlm.config import add_config_args, config_from_args
+from meshlm.planner.gpus import PRESETS, load_profile
+from meshlm.planner.oom import explain_oom
+
+GPT = ["--model", "gpt2-1.3b", "--vocab-size", "50257", "--mock-data", "--micro-batch-size", "4",
+       "--global-batch-size", "64", "--bf16"]
+
+
+def test_plan_json_document(capsys):
+    assert main(["plan", *GPT, "--num-gpus", "8", "--gpu", "H100-80GB", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["cluster"]["num_gpus"] == 8 and doc["layouts"]
+    best = doc["layouts"][0]
+    assert best["memory"]["device_bytes"] <= PRESETS["H100-80GB"].memory_bytes
+    assert "--micro-batch-size" in best["flags"] and best["time"]["total"] > 0
+    assert doc["current"]["memory"]["weights"] > 0  # the flags' own layout (DP 8)
+
+
+def test_plan_tables_and_lint_warnings(capsys):
+    assert main(["plan", *GPT, "--num-gpus", "8", "--pipeline-model-parallel-size", "8", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: PP 8 = one node's GPUs, but the model fits at PP 1 with DP 8" in out
+    assert "feasible layouts" in out and "excluded" in out
+
+
+def test_dry_run_prints_lint_warnings(capsys):
+    assert main(["pretrain", "--model", "tiny", "--mock-data", "--vocab-size", "256", "--tensor-model-parallel-size",
+                 "2", "--dry-run", "--world-size", "2"]) == 0
+    assert "warning: TP 2 without --sequence-parallel" in capsys.readouterr().out
+
+
+def test_calibrate_on_cpu_writes_a_profile(tmp_path, capsys):
+    path = tmp_path / "cpu.json"
+    assert main(["plan", "--model", "tiny", "--mock-data", "--vocab-size", "256", "--calibrate", "--quick",
+                 "--gpu-profile", str(path)]) == 0
+    gpu = load_profile(str(path))
+    assert gpu.peak_flops > 0 and gpu.hbm_bytes_per_s > 0 and 0 < gpu.gemm_efficiency <= 1
+    assert main(["plan", *GPT, "--num-gpus", "1", "--gpu-profile", str(path), "--json"]) == 0
+    capsys.readouterr()
+
+
+def test_explain_oom_names_prediction_allocation_and_fixes():
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    cfg = config_from_args(p.parse_args(["--model", "llama-3b", "--vocab-size", "128256", "--seq-length", "4096",
+                                         "--micro-batch-size", "8", "--global-batch-size", "8", "--bf16"]))
+    exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    msg = explain_oom(cfg, exc, world=1, vocab=128256, gpu=PRESETS["H100-80GB"], gpus_per_node=1)
+    assert "CUDA out of memory" in msg
+    assert "planner's prediction per GPU: weights" in msg and "activations" in msg
+    assert "allocated when it failed" in msg
+    assert "layouts that fit (planner): " in msg and ("--recompute" in msg or "--micro-batch-size 1" in msg)

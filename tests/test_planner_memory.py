@@ -1,0 +1,103 @@
+"""Planner memory model: seed figures, Korthikanti et al. 2022 activation figures, meshlm's own bytes."""
+
+import argparse
+
+import pytest
+import torch
+
+from meshlm.config import ModelConfig, add_config_args, config_from_args
+from meshlm.model.presets import PRESETS
+from meshlm.planner.layout import FULL, SELECTIVE, Layout
+from meshlm.planner.memory import estimate, layer_bytes, layer_terms, state_bytes
+
+
+def cfg_of(*argv):
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    return config_from_args(p.parse_args(list(argv)))
+
+
+def test_seed_figures_175b_classic_mixed_precision():
+    # 175e9 params: fp16 weights 2 B, fp16 grads 2 B, fp32 master + 2 Adam moments 12 B
+    st = state_bytes(175e9, accounting="classic")
+    assert st == {"weights": 350e9, "grads": 350e9, "optimizer": 2100e9}
+    total = sum(st.values())
+    assert total == 2800e9
+    assert -(-total // 80e9) == 35  # ≥ 35 GPUs of 80 GB before activations
+    # meshlm accumulates in fp32 main_grads: 4 B of grads, 3150 GB in all; ZeRO-1 over 8 divides the 12
+    ours = state_bytes(175e9)
+    assert ours["grads"] == 700e9 and sum(ours.values()) == 3150e9
+    assert state_bytes(175e9, dp=8, distributed_optimizer=True)["optimizer"] == 2100e9 / 8
+
+
+def _gpt(h, a, L, s=2048):
+    return ModelConfig(num_layers=L, hidden_size=h, num_attention_heads=a, seq_length=s,
+                       hidden_dropout=0.1, attention_dropout=0.1)
+
+
+# Korthikanti et al. 2022 §4 (Table 2 forms), math attention (flash=False), b = 1, s = 2048, t = 8:
+# GPT-3 175B: h 12288, a 96: sbh = 2048·12288 = 25,165,824; 5as/h = 5·96·2048/12288 = 80
+#   no parallelism sbh·(34 + 80)            = 2,868,903,936
+#   TP 8:  sbh·(10 + 24/8 + 80/8) = sbh·23  =   578,813,952
+#   TP 8 + SP: sbh·114/8                    =   358,612,992
+#   TP 8 + SP + selective: sbh·34/8         =   106,954,752
+#   full recompute + SP: 2·sbh/8            =     6,291,456
+# MT-NLG 530B: h 20480, a 128: sbh = 41,943,040; 5as/h = 64
+#   no parallelism sbh·98 = 4,110,417,920; TP 8 + SP sbh·98/8 = 513,802,240; + selective sbh·34/8 = 178,257,920
+@pytest.mark.parametrize("h,a,layout,expected", [
+    (12288, 96, Layout(), 2_868_903_936),
+    (12288, 96, Layout(tp=8), 578_813_952),
+    (12288, 96, Layout(tp=8, sequence_parallel=True), 358_612_992),
+    (12288, 96, Layout(tp=8, sequence_parallel=True, recompute=SELECTIVE), 106_954_752),
+    (20480, 128, Layout(), 4_110_417_920),
+    (20480, 128, Layout(tp=8, sequence_parallel=True), 513_802_240),
+    (20480, 128, Layout(tp=8, sequence_parallel=True, recompute=SELECTIVE), 178_257_920),
+])
+def test_korthikanti_activation_figures(h, a, layout, expected):
+    assert layer_bytes(_gpt(h, a, 96), 1, layout, flash=False) == pytest.approx(expected, rel=1e-12)
+
+
+def test_full_recompute_and_flash_terms():
+    m = _gpt(12288, 96, 96)
+    assert layer_bytes(m, 1, Layout(tp=8, sequence_parallel=True), checkpointed=True) == 6_291_456
+    # flash: no s² term; SDPA keeps its output (2·s·b·a·d) and log-sum-exp (4·a·s·b) instead
+    terms = layer_terms(m, 1, tp=8, sp=True, flash=True)
+    assert terms["core_attention"] == (2 * 2048 * 12288 + 4 * 96 * 2048) / 8
+
+
+def test_interleaved_in_flight_is_megatrons_penalty():
+    cfg = cfg_of("--model", "gpt3-175b", "--vocab-size", "50257", "--global-batch-size", "64", "--bf16")
+    one = estimate(cfg, Layout(tp=8, pp=8, sequence_parallel=True), 50257)
+    two = estimate(cfg, Layout(tp=8, pp=8, vp=2, sequence_parallel=True), 50257)
+    assert one.in_flight == 8  # 1F1B: the first stage holds p micro-batches of its layers
+    assert two.in_flight == pytest.approx(8 * (1 + 7 / 16))  # p·(1 + (p−1)/(p·v))
+    assert two.activations == pytest.approx(one.activations * (1 + 7 / 16))
+
+
+def test_llama1b_calibration_point():
+    # bench/results.jsonl: llama-1b, micro 8, seq 2048, bf16, fast path: peak 36.73 GiB
+    cfg = cfg_of("--model", "llama-1b", "--num-attention-heads", "16", "--untie-embeddings-and-output-weights",
+                 "--vocab-size", "32000", "--seq-length", "2048", "--max-position-embeddings", "2048",
+                 "--micro-batch-size", "8", "--global-batch-size", "8", "--bf16")
+    mem = estimate(cfg, Layout.of(cfg, 1), 32000)
+    assert not mem.grads_at_peak  # one micro-batch, PP 1: grads are allocated only during backward
+    assert mem.peak_bytes / 2 ** 30 == pytest.approx(36.73, rel=0.03)
+
+
+def _built_state(rank, world, argv):
+    from meshlm.training.trainer import build
+    run = build(cfg_of(*argv), torch.float32)
+    weights = sum(b.param_data.numel() * b.param_data.element_size() for b in run.ddp.buffers)
+    optim = sum(t.numel() * t.element_size() for s in run.opt.shards for t in (s.exp_avg, s.exp_avg_sq))
+    grads = sum(b.numel * b.grad_dtype.itemsize for b in run.ddp.buffers)
+    return {"weights": weights, "grads": grads, "optimizer": optim}
+
+
+def test_planned_state_matches_a_built_cpu_run():
+    from distributed import run_distributed
+    argv = ["--model", "tiny", "--mock-data", "--vocab-size", "256", "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--train-iters", "1"]
+    built = run_distributed(_built_state, 1, argv)[0]
+    cfg = cfg_of(*argv)
+    mem = estimate(cfg, Layout.of(cfg, 1), 256, half=False)  # CPU trains in fp32: 4 + 4 + 8 bytes
+    assert {"weights": mem.weights, "grads": mem.grads, "optimizer": mem.optimizer} == built
