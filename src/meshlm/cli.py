@@ -152,6 +152,13 @@ def _config_and_source(args: argparse.Namespace) -> tuple:
     return cfg, True
 
 
+def _plan_config(args: argparse.Namespace) -> tuple:
+    """(Config from the flags alone, False): a plan needs no data, and the embedded default's
+    settings (a small model at TP=2 × PP=2) are not what a planned launch script asks for."""
+    from .config import config_from_args
+    return config_from_args(args), False
+
+
 def _dry_run(args: argparse.Namespace) -> int:
     """Check everything a launch checks for the job's world size, print the layout and per-rank
     memory, and return 0 without starting a worker (or writing anything)."""
@@ -243,7 +250,7 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser)
     add_no_effect_args(parser)
     import_module(".planner.command", __package__).add_arguments(parser)
-    parser.set_defaults(_run=lambda args: import_module(".planner.command", __package__).run(args, _config_and_source))
+    parser.set_defaults(_run=lambda args: import_module(".planner.command", __package__).run(args, _plan_config))
 
 
 COMMANDS = {
