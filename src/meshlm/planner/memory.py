@@ -36,8 +36,14 @@ Micro-batches in flight: under 1F1B the first stage holds min(m, p) micro-batche
 last stage one; interleaved with v stages the first holds L·(1 + (p−1)/(p·v)) layers' worth (Megatron's
 ``interleaved_schedule_memory_penalty``, theoretical_memory_usage.py), the last ((v−1)·p + 1) chunks.
 
-Loss buffers (last stage): the bf16 logits [s·b, V/t] and their gradient at the start of backward,
-2 × 2 bytes per element, plus the final norm's and the output layer's inputs (2 × 2sbh).
+Loss buffers (last stage): the bf16 logits [s·b, V/t], 2 bytes per element (their gradient is
+written into the same buffer, parallel/cross_entropy.py), plus the final norm's and the output
+layer's inputs (2 × 2sbh).
+
+Optimizer step: measured on the H200 (bench/RESULTS.md, planner check 2026-12-01), the peak of a run
+whose activations are small (micro-batch 1, or full recompute) is the resting state (weights, grads,
+optimizer) plus one more copy of the weights — 2.12 GiB above it for llama-1b, 5.98 GiB for llama-3b,
+their bf16 weight sizes — so the state peak counts the weights twice.
 Calibrated: with these terms llama-1b (micro-batch 8, seq 2048, bench/results.jsonl, peak 36.73 GiB
 after lazy grads) is predicted at 36.8 GiB and llama-3b (seq 4096, micro 2, selective, 4 micro-batches,
 76.56 GiB) at 77.1 GiB, so the allocator overhead in ``max_memory_allocated`` is taken as 0. What the
@@ -177,12 +183,12 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
         loss = 0.0
         if rank == layout.pp - 1:
             padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, layout.tp)
-            loss = 2 * act * s * b * padded / layout.tp + 2 * act * s * b * h / rep
+            loss = act * s * b * padded / layout.tp + 2 * act * s * b * h / rep
         st = state_bytes(params[rank], half=half, dp=layout.dp, distributed_optimizer=layout.distributed_optimizer,
                          accounting=accounting)
         held = nmb > 1 or layout.pp > 1
         peak = st["weights"] + st["optimizer"] + acts + loss + (st["grads"] if held else 0.0)
-        peak = max(peak, st["weights"] + st["optimizer"] + st["grads"])
+        peak = max(peak, 2 * st["weights"] + st["optimizer"] + st["grads"])  # the step's weight-sized transient
         mem = Memory(stage=rank, params=params[rank], weights=st["weights"], grads=st["grads"],
                      optimizer=st["optimizer"], activations=acts, activations_per_layer=full_layer,
                      in_flight=chunks * share, loss=loss, grads_at_peak=held, peak_bytes=peak,
