@@ -73,7 +73,7 @@ def leave() -> None:
     _now = None
 
 
-def call(name: str, group, fn, *args, **kwargs):
+def call(name: str, group, fn, /, *args, **kwargs):
     """``fn(*args, **kwargs)`` (a blocking torch.distributed call over ``group``) between
     ``enter(name, group)`` and ``leave()``; returns its result."""
     enter(name, group)
