@@ -20,6 +20,7 @@ from meshlm.training import trainer
 from test_launch import TINY, clean_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(os.path.dirname(HERE), "src")
 
 
 def _config(tmp: str, iters: int = 4, **training) -> Config:
@@ -46,7 +47,8 @@ def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout_naming_it(t
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            os.path.join(HERE, "inject_faults.py"), "pretrain", *args],
                           cwd=tmp_path, capture_output=True, text=True, timeout=100,
-                          env=clean_env(OMP_NUM_THREADS="1", FAULT="hang:1:2", MESHLM_DISTRIBUTED_TIMEOUT_S="3"))
+                          env=clean_env(OMP_NUM_THREADS="1", FAULT="hang:1:2", MESHLM_DISTRIBUTED_TIMEOUT_S="3",
+                                        PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])))
     elapsed = time.monotonic() - start
     assert done.returncode != 0
     assert elapsed < 60
