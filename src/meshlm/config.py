@@ -103,7 +103,8 @@ class ParallelConfig:
     use_cpu_initialization: bool = opt(True, "build each full weight from the seed, keep this rank's slice "
                                        "(on by default in meshlm)", action="store_true")
     nproc_per_node: Optional[int] = opt(None, "local workers to start (default: GPUs, or as the layout needs on CPU)")
-    distributed_timeout_minutes: int = opt(10, "timeout of collectives in minutes")
+    distributed_timeout_minutes: int = opt(10, "timeout of collectives in minutes: a collective that waits longer "
+                                           "ends the job, naming the ranks that did not arrive")
 
 
 @dataclass
@@ -131,6 +132,11 @@ class TrainingConfig:
     hysteresis: int = opt(2, "fp16 overflows tolerated before the scale halves")
     skip_nan_steps: bool = opt(False, "skip a step with NaN/inf loss instead of stopping (bf16/fp32)",
                                action="store_true")
+    check_for_nan_in_loss_and_grad: bool = opt(
+        True, "with a NaN/inf step, name the rank(s) whose local gradients were non-finite (one sum per "
+        "gradient bucket before its DP reduction)", flag="--no-check-for-nan-in-loss-and-grad", action="store_false")
+    loss_spike_threshold: float = opt(0.0, "log a loss spike when a step's loss exceeds this factor × the mean "
+                                      "of the last 20 losses (0: off)", metavar="FACTOR")
     recompute_activations: bool = opt(False, "selective recompute: the same as --recompute-granularity selective",
                                       action="store_true")
     recompute_granularity: Optional[str] = opt(
@@ -251,6 +257,8 @@ class LoggingConfig:
     run_dir: Optional[str] = opt(None, "run directory (default runs/<time>)")
     log_dir: Optional[str] = opt(None, "where metrics.jsonl goes (default <run-dir>/logs)")
     tensorboard_dir: Optional[str] = opt(None, "write TensorBoard scalars here")
+    heartbeat_interval: float = opt(60.0, "seconds between heartbeat lines in each rank's log (0: off)",
+                                    metavar="SECONDS")
 
 
 @dataclass

@@ -59,7 +59,8 @@ DIFFERENT_DEFAULTS = {
 # meshlm flags that Megatron does not have (besides --config and --model).
 MESHLM_ONLY = ("--pipeline-schedule", "--nproc-per-node", "--skip-nan-steps", "--fast-path",
                "--eval-at-start", "--run-dir", "--log-dir", "--gradient-accumulation-steps",
-               "--dry-run", "--world-size", "--nnodes", "--keep-checkpoints")
+               "--dry-run", "--world-size", "--nnodes", "--keep-checkpoints", "--loss-spike-threshold",
+               "--heartbeat-interval")
 
 
 def add_no_effect_args(parser: argparse.ArgumentParser) -> None:

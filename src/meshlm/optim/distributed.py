@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..parallel import watchdog
 from ..parallel.data import all_gather_flat
 from .optimizer import MixedPrecisionOptimizer
 
@@ -66,6 +67,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool):
         """All-gather each rank's [n] shard into full [n × DP] (in place when shard aliases full)."""
+        if async_op:
+            return self._start_gather(full, shard, True)
+        watchdog.call("all_gather of the ZeRO-1 params", self.ddp.group, self._start_gather, full, shard, False)
+
+    def _start_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool):
         if self.ddp.single_tensor_collectives:
             return all_gather_flat(full, shard, group=self.ddp.group, async_op=async_op)
         return dist.all_gather(list(full.chunk(self.ddp.size)), shard, group=self.ddp.group, async_op=async_op)
@@ -94,10 +100,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for b in buckets:
             handle = self._pending.pop(b, None)
             if handle is not None:
-                handle.wait()
+                watchdog.call("all_gather of the ZeRO-1 params", self.ddp.group, handle.wait)
 
     def finish_param_sync(self) -> None:
         """Wait for every parameter all-gather still in flight."""
         for handle in self._pending.values():
-            handle.wait()
+            watchdog.call("all_gather of the ZeRO-1 params", self.ddp.group, handle.wait)
         self._pending.clear()

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from .. import fast
 from ..dtypes import HALF, wide
+from ..parallel import watchdog
 from .adamw import Group, adamw_
 from .scaler import build_scaler
 from .schedule import scheduler_for
@@ -184,10 +185,10 @@ class MixedPrecisionOptimizer:
         """Wait for parameter all-gathers still in flight (ZeRO-1 with --overlap-param-gather)."""
 
     # ------------------------------------------------------------------ step parts
-    def _all_reduce(self, t: torch.Tensor, groups, op) -> None:
+    def _all_reduce(self, t: torch.Tensor, groups, op, what: str) -> None:
         for g in groups:
             if g is not None:
-                dist.all_reduce(t, op=op, group=g)
+                watchdog.call(f"all_reduce of the {what}", g, dist.all_reduce, t, op=op, group=g)
 
     def _unscale_and_check(self, grads: list, inv_scale: float) -> bool:
         """Multiply grads by inv_scale in place; True if any grad on any rank is inf/NaN."""
@@ -195,7 +196,7 @@ class MixedPrecisionOptimizer:
         found = torch.zeros(1, device=device)
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), inv_scale, device=device))
-        self._all_reduce(found, self.inf_groups, dist.ReduceOp.MAX)
+        self._all_reduce(found, self.inf_groups, dist.ReduceOp.MAX, "inf/NaN flag")
         return bool(found.item() > 0)
 
     def grad_norm(self, grads: list, loss: Optional[torch.Tensor] = None) -> float:
@@ -207,7 +208,7 @@ class MixedPrecisionOptimizer:
             sq += torch.stack(torch._foreach_norm(views)).double().pow(2).sum()
         if loss is not None:
             sq += 0.0 * loss.to(sq.device, torch.float64).reshape(-1)[:1]
-        self._all_reduce(sq, self.norm_groups, dist.ReduceOp.SUM)
+        self._all_reduce(sq, self.norm_groups, dist.ReduceOp.SUM, "squared grad norm")
         return float(sq.sqrt().item())
 
     def _adamw(self, grads: list, grad_scale: float) -> None:

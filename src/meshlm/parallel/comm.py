@@ -23,6 +23,8 @@ all-gather), and ``ring_bytes`` = bytes this rank sends under a ring algorithm o
 all-reduce 2(p−1)/p·bytes, reduce-scatter (p−1)/p·bytes, all-gather (p−1)·bytes. Read it with
 ``snapshot_stats()``, clear it with ``reset_stats()``.
 
+Every blocking collective here is bracketed by ``watchdog.enter``/``leave`` (hang reports name it).
+
 gloo lacks reduce-scatter on older torch: ``reduce_scatter`` falls back to all-reduce + slice
 there (same result, recorded as one reduce-scatter); NCCL uses the native op.
 """
@@ -34,6 +36,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+from . import watchdog
 
 stats: dict = defaultdict(lambda: {"calls": 0, "bytes": 0, "ring_bytes": 0.0})
 
@@ -76,7 +80,11 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if size == 1:
         return t
     _record("all_reduce", t, size)
-    dist.all_reduce(t, op=op, group=group)
+    watchdog.enter("all_reduce", group)
+    try:
+        dist.all_reduce(t, op=op, group=group)
+    finally:
+        watchdog.leave()
     return t
 
 
@@ -87,13 +95,17 @@ def all_gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
         return t
     _record("all_gather", t, size)
     t = t.movedim(dim, 0).contiguous()
-    if dist.get_backend(group) == "nccl":
-        out = torch.empty((size * t.shape[0],) + t.shape[1:], dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, t, group=group)
-    else:
-        parts = [torch.empty_like(t) for _ in range(size)]
-        dist.all_gather(parts, t, group=group)
-        out = torch.cat(parts)
+    watchdog.enter("all_gather", group)
+    try:
+        if dist.get_backend(group) == "nccl":
+            out = torch.empty((size * t.shape[0],) + t.shape[1:], dtype=t.dtype, device=t.device)
+            dist.all_gather_into_tensor(out, t, group=group)
+        else:
+            parts = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(parts, t, group=group)
+            out = torch.cat(parts)
+    finally:
+        watchdog.leave()
     return out.movedim(0, dim)
 
 
@@ -104,13 +116,17 @@ def reduce_scatter(t: torch.Tensor, group, dim: int) -> torch.Tensor:
         return t
     _record("reduce_scatter", t, size)
     t = t.movedim(dim, 0).contiguous()
-    if dist.get_backend(group) == "nccl":
-        out = torch.empty((t.shape[0] // size,) + t.shape[1:], dtype=t.dtype, device=t.device)
-        dist.reduce_scatter_tensor(out, t, group=group)
-    else:
-        t = t.clone()  # never sum into the caller's tensor
-        dist.all_reduce(t, group=group)
-        out = t.chunk(size)[group_rank(group)].contiguous()
+    watchdog.enter("reduce_scatter", group)
+    try:
+        if dist.get_backend(group) == "nccl":
+            out = torch.empty((t.shape[0] // size,) + t.shape[1:], dtype=t.dtype, device=t.device)
+            dist.reduce_scatter_tensor(out, t, group=group)
+        else:
+            t = t.clone()  # never sum into the caller's tensor
+            dist.all_reduce(t, group=group)
+            out = t.chunk(size)[group_rank(group)].contiguous()
+    finally:
+        watchdog.leave()
     return out.movedim(0, dim)
 
 

@@ -30,6 +30,10 @@ otherwise ``finish_grad_sync`` runs them all. Buckets of one buffer always launc
 every DP rank issues the same collectives in the same order and results are bitwise identical
 with overlap on and off.
 
+Under --check-for-nan-in-loss-and-grad (the default) each bucket's sum is taken just before its
+reduction (no host sync): ``local_grads_finite`` tells, after a failed NaN/inf check, whether
+this rank's own gradients were the non-finite ones (training/faults.py).
+
 After the DP reduction, ``finish_grad_sync`` all-reduces over TP the gradients of replicated
 params marked ``sequence_parallel`` (under ``--sequence-parallel``), and over the embedding
 group the ``shared_embedding`` params' gradients (tied embeddings, PP > 1).
@@ -46,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..dtypes import wide
+from . import watchdog
 from .comm import group_rank, group_size
 from .mesh import ParallelState
 
@@ -192,6 +197,9 @@ class DistributedDataParallel:
         self.size, self.rank = group_size(self.group), group_rank(self.group)
         self.use_distributed_optimizer = p.use_distributed_optimizer
         self.overlap = p.overlap_grad_reduce
+        self.check_local_grads = cfg.training.check_for_nan_in_loss_and_grad
+        self._local_sums = []  # one 0-dim sum per bucket launched this step, taken before its reduction
+        self._checked_sums = []  # the last finished step's
         self.sequence_parallel = p.sequence_parallel and ps.tp > 1
         self.tied_embeddings = ps.pp > 1 and not cfg.model.untie_embeddings_and_output_weights
         self.bucket_size = p.ddp_bucket_size or max(40_000_000, 1_000_000 * ps.dp)
@@ -296,6 +304,8 @@ class DistributedDataParallel:
         bucket.launched = True
         if bucket.grad is None:  # no param of the bucket got a gradient this step
             buf.allocate_grad(bucket)
+        if self.check_local_grads:  # NaN/inf anywhere makes the sum non-finite (training/faults.py)
+            self._local_sums.append(bucket.grad.sum())
         if self.group is None:
             return
         data = bucket.grad
@@ -321,11 +331,16 @@ class DistributedDataParallel:
             while buf.next_launch < len(buf.buckets):
                 self._launch(buf, buf.buckets[buf.next_launch])
         spans = []
+        kind = "reduce_scatter" if self.use_distributed_optimizer else "all_reduce"
         for buf in self.buffers:
-            for bucket in buf.buckets:
+            for i, bucket in enumerate(buf.buckets):
                 t = _mark(self.ps.device)
                 if bucket.handle is not None:
-                    bucket.handle.wait()
+                    watchdog.enter(f"{kind} of DP gradient bucket {i}", self.group)
+                    try:
+                        bucket.handle.wait()
+                    finally:
+                        watchdog.leave()
                 spans.append((t, _mark(self.ps.device)))
         if self.sequence_parallel:
             self._all_reduce_marked("sequence_parallel", self.ps.tp_group)
@@ -342,12 +357,25 @@ class DistributedDataParallel:
         if not grads or group is None:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
+        watchdog.enter(f"all_reduce of the {attr} gradients", group)
+        try:
+            dist.all_reduce(flat, group=group)
+        finally:
+            watchdog.leave()
         for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(piece.view_as(g))
         self._bytes += flat.numel() * flat.element_size()
 
+    def local_grads_finite(self):
+        """Whether this rank's gradients of the last step were finite before the DP reduction
+        (None when --no-check-for-nan-in-loss-and-grad). Reads device values: call only after a
+        failed global check."""
+        if not self.check_local_grads:
+            return None
+        return bool(all(torch.isfinite(s) for s in self._checked_sums))
+
     def _reset(self) -> None:
+        self._checked_sums, self._local_sums = self._local_sums, []
         for buf in self.buffers:
             buf.next_launch = 0
             for bucket in buf.buckets:

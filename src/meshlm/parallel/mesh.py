@@ -27,6 +27,11 @@ def init_distributed(timeout_minutes: int = 10) -> None:
 
     NCCL when CUDA is available, else gloo. Sets the CUDA device to LOCAL_RANK.
     A process started outside any launcher becomes a world of one (gloo on a free local port).
+
+    A collective that outlasts ``timeout_minutes`` ends the job: on NCCL through NCCL's own
+    watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=1, set unless given: abort the communicators and the
+    process); on gloo through meshlm's (parallel/watchdog.py, which names the missing ranks), so
+    gloo's own timeout is set a minute later, never to pre-empt that report.
     """
     if dist.is_initialized():
         return
@@ -47,8 +52,9 @@ def init_distributed(timeout_minutes: int = 10) -> None:
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(env.get("LOCAL_RANK", 0)))
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     dist.init_process_group(backend="nccl" if use_cuda else "gloo",
-                            timeout=timedelta(minutes=timeout_minutes))
+                            timeout=timedelta(minutes=timeout_minutes + (0 if use_cuda else 1)))
 
 
 @dataclass

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.variable import Variable
 
+from . import watchdog
 from .mesh import ParallelState
 from .schedules import P2P
 
@@ -55,8 +56,7 @@ class StageComm:
                dist.P2POp(dist.irecv, bufs[1], self.prev, self.ps.pp_group),
                dist.P2POp(dist.isend, bufs[2], self.prev, self.ps.pp_group),
                dist.P2POp(dist.irecv, bufs[3], self.next, self.ps.pp_group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        _post_and_wait(ops, "pp send/recv (connection warm-up)", self.ps.pp_group, (self.prev, self.next))
 
     def run(self, step: P2P, outgoing: dict) -> dict:
         """Post every op of ``step`` as one batch and wait for all of them.
@@ -64,19 +64,32 @@ class StageComm:
         outgoing: {Action(SEND_*): tensor} for the sends. Returns {Action(RECV_*): tensor} of
         fresh buffers [s, b, h] filled by the peers.
         """
-        ops, received = [], {}
+        ops, received, peers = [], {}, []
         for op in step.ops:
             if op.kind.startswith("SEND"):
                 peer = self.next if op.kind == "SEND_F" else self.prev
                 ops.append(dist.P2POp(dist.isend, outgoing[op].contiguous(), peer, self.ps.pp_group))
+                peers.append(peer)
             else:
                 peer = self.prev if op.kind == "RECV_F" else self.next
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.ps.device)
                 received[op] = buf
                 ops.append(dist.P2POp(dist.irecv, buf, peer, self.ps.pp_group))
+                peers.append(peer)
+        if ops:
+            name = "pp " + " + ".join(op.kind.lower().replace("_", " ") for op in step.ops)
+            _post_and_wait(ops, name, self.ps.pp_group, tuple(dict.fromkeys(peers)))
+        return received
+
+
+def _post_and_wait(ops: list, name: str, group, peers: tuple) -> None:
+    """Post ``ops`` as one batch and wait for all of them (watched as ``name`` with ``peers``)."""
+    watchdog.enter(name, group, peers)
+    try:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        return received
+    finally:
+        watchdog.leave()
 
 
 def release(output: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ from ..config import Config, num_microbatches as config_num_microbatches
 from .. import fast
 from ..dtypes import at_least_fp32
 from ..errors import ConfigError
+from . import watchdog
 from .mesh import ParallelState
 from .p2p import StageComm, backward_from, release
 from .schedules import Action, P2P, build_schedule, resolve_schedule, schedule_problem
@@ -295,7 +296,7 @@ def _global_loss_tokens(run: "_Executor", ps: ParallelState) -> torch.Tensor:
     n = torch.stack([b["loss_mask"].to(torch.float64).sum() for b in run.batches])
     n = n.sum().reshape(1)
     if ps.dp_cp_group is not None:
-        dist.all_reduce(n, group=ps.dp_cp_group)
+        watchdog.call("all_reduce of the loss tokens", ps.dp_cp_group, dist.all_reduce, n, group=ps.dp_cp_group)
     return n.clamp(min=1)[0]
 
 
@@ -319,9 +320,10 @@ def reduce_losses(losses: list, ps: ParallelState, per_token: bool = False) -> t
         else:
             t[0], t[1] = loss.mean(), 1.0
     if ps.pp_group is not None:
-        dist.broadcast(t, src=ps.pp_ranks[-1], group=ps.pp_group)
+        watchdog.call("broadcast of the loss", ps.pp_group, dist.broadcast, t, src=ps.pp_ranks[-1],
+                      group=ps.pp_group)
     if ps.dp_cp_group is not None:
-        dist.all_reduce(t, group=ps.dp_cp_group)
+        watchdog.call("all_reduce of the loss", ps.dp_cp_group, dist.all_reduce, t, group=ps.dp_cp_group)
     return (t[0] / t[1].clamp(min=1)).reshape(1)
 
 

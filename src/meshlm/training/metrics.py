@@ -156,12 +156,14 @@ class MetricsLogger:
         self._iters = self._loss_n = self._samples = 0
         self._loss_sum = self._time_s = self._comm_s = 0.0
         self._grad_norm = None
+        self._spike = False
 
     def train_step(self, iteration: int, consumed_samples: int, *, lm_loss: Optional[float], lr: float,
                    grad_norm: Optional[float], iter_s: float, loss_scale: float = 1.0,
                    skipped: bool = False, nan: bool = False, comm_s: Optional[float] = None,
                    bubble: Optional[float] = None, timeline: Optional[list] = None,
-                   global_batch: Optional[int] = None) -> Optional[dict]:
+                   global_batch: Optional[int] = None, rank_iter_s: Optional[list] = None,
+                   loss_spike: bool = False) -> Optional[dict]:
         """Record one iteration (iter_s seconds); on a log iteration print/write and return the record.
 
         global_batch: this step's samples (default the constructor's; --rampup-batch-size changes
@@ -169,12 +171,17 @@ class MetricsLogger:
         comm_s: seconds spent waiting for the DP gradient reduction after backward (the exposed,
         non-overlapped part). bubble: idle share of the pipeline schedule, averaged over the stages (0–1);
         timeline: this iteration's forward_backward events, written to metrics.jsonl.
+        rank_iter_s: on a log iteration, every rank's seconds per iteration outside collectives
+        over the interval, in rank order (training/stragglers.py), written as ``rank_iter_s``.
+        loss_spike: this iteration's loss was a spike (training/faults.py): the interval's record
+        gets ``"loss_spike": true``.
         """
         self._iters += 1
         self._batch = self.global_batch if global_batch is None else global_batch
         self._samples += self._batch
         self._time_s += iter_s
         self._comm_s += comm_s or 0.0
+        self._spike = self._spike or loss_spike
         self.skipped_total += int(skipped)
         self.nan_total += int(nan)
         if lm_loss is not None and not skipped and not nan:
@@ -186,6 +193,10 @@ class MetricsLogger:
             return None
         rec = self._record(iteration, consumed_samples, lr, loss_scale, comm_s is not None,
                            bubble, timeline)
+        if rank_iter_s is not None:
+            rec["rank_iter_s"] = rank_iter_s
+        if self._spike:
+            rec["loss_spike"] = True
         self._reset()
         if self.enabled:
             print(self._line(rec), flush=True)

@@ -44,11 +44,14 @@ from ..batches import BatchSchedule
 from ..optim.schedule import scheduler_for
 from ..parallel.data import DistributedDataParallel
 from ..parallel.mesh import ParallelState, init_distributed
+from ..parallel import watchdog
 from ..parallel.random import MODEL_PARALLEL_SEED_OFFSET
 from ..parallel.pipeline import (bubble_fraction, build_model_chunks, forward_backward, reduce_losses,
                                 virtual_size)
+from .faults import LossSpikes, nan_origin
 from .metrics import MetricsLogger, flops_per_iteration, require_tensorboard
 from .stop_signal import SignalFlag
+from .stragglers import StragglerWatch
 
 
 @dataclass
@@ -81,6 +84,8 @@ class Run:
     saver: Optional[AsyncSaver] = None  # --async-save (with --save)
     loaders: dict = dataclasses.field(default_factory=dict)  # id(dataset) → its MicroBatchLoader
     stop_signal: Optional[SignalFlag] = None  # --exit-signal-handler
+    stragglers: Optional[StragglerWatch] = None
+    spikes: Optional[LossSpikes] = None  # --loss-spike-threshold
 
     def micro_batches(self, dataset, consumed_samples: int):
         """This DP rank's micro-batches of ``dataset`` from sample ``consumed_samples`` on, read
@@ -104,26 +109,38 @@ def pretrain(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> dict:
     "val_losses" ([(iteration, loss)]), "first_val_loss", "last_val_loss", "last_checkpoint"}.
 
     dtype: the params' dtype, None to pick it from the flags (see ``build``).
-    Raises TrainingError on a NaN/inf loss (naming the iteration and the last good checkpoint)
-    unless --skip-nan-steps, CheckpointError for a bad --load, ConfigError/DataError from builders.
+    Raises TrainingError on a NaN/inf loss or gradients (naming the iteration, the rank(s) where
+    it arose and the last good checkpoint) unless --skip-nan-steps, CheckpointError for a bad
+    --load, ConfigError/DataError from builders.
     Under --exit-signal-handler, --exit-signal only sets a flag (stop_signal.py) from here to the end.
+    From ``build`` on, this rank's hang watchdog and heartbeat run (parallel/watchdog.py).
     """
     t = cfg.training
     with SignalFlag(t.exit_signal) if t.exit_signal_handler else contextlib.nullcontext() as stop:
         run = build(cfg, dtype)
         run.stop_signal = stop
-        state = TrainState()
-        if cfg.checkpoint.load:
-            state = load_checkpoint(run)
-        _note_start(run, state)
-        run.logger.begin(state.iteration)
+        dog = watchdog.start(run.ps, cfg.parallel.distributed_timeout_minutes, cfg.logging.heartbeat_interval,
+                             _heartbeat_log(cfg, run.ps.rank))
         try:
+            state = TrainState()
+            if cfg.checkpoint.load:
+                state = load_checkpoint(run)
+            _note_start(run, state)
+            run.logger.begin(state.iteration)
             return train(run, state)
         except torch.OutOfMemoryError as e:  # one message: predicted, allocated, layouts that fit
             from ..planner.oom import explain_oom
             raise TrainingError(explain_oom(cfg, e, world=run.ps.world_size, vocab=run.tokenizer.vocab_size)) from e
         finally:
             run.logger.close()
+            if dog is not None:
+                dog.stop()
+
+
+def _heartbeat_log(cfg: C.Config, rank: int) -> Optional[str]:
+    """This rank's log (launch.py's ``rank<R>.log``), where heartbeats go; None without a log dir."""
+    from ..launch import worker_log_path
+    return worker_log_path(cfg, rank) if cfg.logging.log_dir or cfg.logging.run_dir else None
 
 
 def _note_start(run: Run, state: TrainState) -> None:
@@ -197,7 +214,7 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
     saver = AsyncSaver(ps.world_size, p.distributed_timeout_minutes) \
         if cfg.checkpoint.async_save and cfg.checkpoint.save else None
     return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb, batches, iters,
-               saver=saver)
+               saver=saver, stragglers=StragglerWatch(ps), spikes=LossSpikes(t.loss_spike_threshold))
 
 
 def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
@@ -337,7 +354,8 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     it = state.iteration + 1
     log_now = it % t.log_interval == 0 or it == run.train_iters
     timeline = [] if log_now and ps.pp > 1 else None
-    start = time.perf_counter()
+    start, waited = time.perf_counter(), watchdog.waited_s()
+    watchdog.at(it, "forward-backward")
     run.ddp.zero_grad()
     batch = run.batches.batch_at(state.consumed_samples)
     data = run.micro_batches(run.train_ds, state.consumed_samples)
@@ -349,14 +367,19 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     lr = run.sched.lr
     loss_t = reduce_losses(outputs, ps, t.calculate_per_token_loss)
     read_loss = _start_read(loss_t)  # copied before the step's sync: reading it waits for no update
+    watchdog.at(it, "optimizer step")
     result = run.opt.step(loss_t)  # its grad norm is the step's one host sync; a NaN loss skips it too
     loss = read_loss()
     nan = not math.isfinite(loss)
     if nan and not run.logger.fp16:  # fp16: the loss scaler backs off and the run goes on
-        _stop_unless_skipping(run, it, f"lm loss is {loss}")
+        _stop_unless_skipping(run, it, f"lm loss is {loss}", outputs)
     elif not result.ok:  # inf/NaN gradients under bf16/fp32, or fp16 at --min-loss-scale
-        _stop_unless_skipping(run, it, "gradients are inf/NaN")
+        _stop_unless_skipping(run, it, "gradients are inf/NaN", outputs)
     grad_norm, skipped = (None if nan else result.grad_norm), result.skipped or not result.ok
+    spike_mean = None if skipped or nan else run.spikes.check(loss)
+    if spike_mean is not None and ps.is_logging_rank:
+        print(f"loss spike at iteration {it}: lm loss {loss:.6E} > {t.loss_spike_threshold:g} × the mean "
+              f"{spike_mean:.6E} of the last {len(run.spikes.recent)} losses (--loss-spike-threshold)", flush=True)
     if not skipped:
         run.sched.step(run.opt, batch)
     state.iteration = it
@@ -364,11 +387,16 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     bubble = None
     if timeline is not None:
         timeline, bubble = _pipeline_timeline(ps, timeline, (start, schedule_end))
+    iter_s = time.perf_counter() - start
+    run.stragglers.add(iter_s, watchdog.waited_s() - waited)
     run.logger.train_step(it, state.consumed_samples, lm_loss=None if nan else loss, lr=lr,
-                          grad_norm=grad_norm, iter_s=time.perf_counter() - start,
+                          grad_norm=grad_norm, iter_s=iter_s,
                           loss_scale=run.opt.loss_scale, skipped=skipped and not nan, nan=nan,
                           comm_s=run.ddp.stats.exposed_s if ps.dp * ps.cp > 1 else None,
-                          bubble=bubble, timeline=timeline, global_batch=batch)
+                          bubble=bubble, timeline=timeline, global_batch=batch,
+                          rank_iter_s=run.stragglers.gather() if log_now else None,
+                          loss_spike=spike_mean is not None)
+    watchdog.at(it, "between steps", step_ended=True)
     return None if skipped or nan else loss
 
 
@@ -396,12 +424,17 @@ def _pipeline_timeline(ps: ParallelState, timeline: list, window: tuple) -> tupl
     return events, sum(st["bubble"] for st in stages) / ps.pp
 
 
-def _stop_unless_skipping(run: Run, iteration: int, what: str) -> None:
-    """Raise TrainingError naming the iteration and the last good checkpoint, unless --skip-nan-steps."""
+def _stop_unless_skipping(run: Run, iteration: int, what: str, outputs: list) -> None:
+    """Raise TrainingError naming the iteration, the rank(s) where the NaN/inf arose
+    (faults.nan_origin: collective) and the last good checkpoint, unless --skip-nan-steps, where
+    rank 0 prints the same facts and the step is skipped."""
+    origin = nan_origin(run.ps, outputs, run.ddp.local_grads_finite())
     if not run.cfg.training.skip_nan_steps:
-        raise TrainingError(f"iteration {iteration}: {what}; last good checkpoint: "
+        raise TrainingError(f"iteration {iteration}: {what} ({origin}); last good checkpoint: "
                             f"{run.last_checkpoint or 'none'}; resume from it with a lower --lr, "
                             f"or pass --skip-nan-steps")
+    if run.ps.rank == 0:
+        print(f"iteration {iteration}: {what} ({origin}); step skipped (--skip-nan-steps)", flush=True)
 
 
 @torch.no_grad()
@@ -412,6 +445,7 @@ def evaluate(run: Run, state: TrainState, index: int) -> float:
     batch validation samples (Megatron's valid sample count), wrapping round if the split is short.
     """
     cfg, ps, t = run.cfg, run.ps, run.cfg.training
+    watchdog.at(state.iteration, "evaluation")
     span = t.eval_iters * run.global_batch
     offset = index * span if (index + 1) * span <= len(run.valid_ds) else 0
     for chunk in run.chunks:
@@ -452,6 +486,7 @@ def save_checkpoint(run: Run, state: TrainState) -> str:
     blocked is printed and written to metrics.jsonl (``save_blocked_ms``), for both kinds.
     """
     cfg, ps = run.cfg, run.ps
+    watchdog.at(state.iteration, "checkpoint save")
     start = time.perf_counter()
     run.opt.finish_param_sync()  # ZeRO-1 --overlap-param-gather: weights must be complete first
     space = ModelSpace(run.chunks, ps)

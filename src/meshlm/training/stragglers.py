@@ -1,0 +1,61 @@
+"""Stragglers: every rank's own step time, gathered at log intervals, and the rank that lags.
+
+Collectives make every rank's wall-clock step equally long (the fast ones wait for the slow one),
+so a straggler shows only in the time a rank spends *outside* collectives: its own work. Each rank
+adds up, per iteration, its step's seconds less the seconds it waited inside collectives
+(parallel/watchdog.py's ``waited_s``); at each log iteration one all_gather over the world of one
+float per rank gives every rank's mean over the interval, in rank order — metrics.jsonl's
+``rank_iter_s``. A rank whose value exceeds ``FACTOR`` × the median of all ranks (and the median
+by at least ``MIN_EXCESS_S``) for ``CONSECUTIVE`` log intervals in a row is a straggler: rank 0
+prints one line naming it, its time and the median (again after each further ``CONSECUTIVE``).
+
+On CUDA the collectives return before they finish, so the host-side measure sees little of the
+wait and a slow GPU is not told apart this way (Megatron's --log-straggler times kernels instead).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import watchdog
+
+FACTOR = 1.2
+CONSECUTIVE = 3
+MIN_EXCESS_S = 0.002
+
+
+class StragglerWatch:
+    """This rank's own-work seconds of the interval's iterations, and every rank's lag streak."""
+
+    def __init__(self, ps):
+        self.ps = ps
+        self.own_s, self.iters = 0.0, 0
+        self.streak = [0] * ps.world_size
+
+    def add(self, iter_s: float, waited_s: float) -> None:
+        """One iteration of ``iter_s`` seconds, ``waited_s`` of them inside collectives."""
+        self.own_s += max(0.0, iter_s - waited_s)
+        self.iters += 1
+
+    def gather(self) -> list:
+        """Every rank's mean own-work seconds per iteration since the last call (rank order);
+        prints the straggler line on rank 0. Collective over the world (log iterations only)."""
+        mine = torch.tensor([self.own_s / max(self.iters, 1)], dtype=torch.float64, device=self.ps.device)
+        self.own_s, self.iters = 0.0, 0
+        if self.ps.world_size == 1:
+            return [float(mine.item())]
+        parts = [torch.empty_like(mine) for _ in range(self.ps.world_size)]
+        watchdog.call("all_gather of the step times", None, dist.all_gather, parts, mine)
+        times = [float(p.item()) for p in parts]
+        median = statistics.median(times)
+        for r, t in enumerate(times):
+            lags = t > FACTOR * median and t - median > MIN_EXCESS_S
+            self.streak[r] = self.streak[r] + 1 if lags else 0
+            if lags and self.streak[r] % CONSECUTIVE == 0 and self.ps.rank == 0:
+                print(f"straggler: rank {r} took {1000 * t:.1f} ms per iteration outside collectives, "
+                      f"> {FACTOR}× the median {1000 * median:.1f} ms of all {len(times)} ranks, "
+                      f"for {self.streak[r]} log intervals in a row", flush=True)
+        return times
