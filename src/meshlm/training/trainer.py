@@ -42,6 +42,7 @@ from ..errors import CheckpointError, DataError, TrainingError
 from ..optim.optimizer import build_optimizer
 from ..batches import BatchSchedule
 from ..optim.schedule import scheduler_for
+from ..parallel import comm
 from ..parallel.data import DistributedDataParallel
 from ..parallel.mesh import ParallelState, init_distributed
 from ..parallel.random import MODEL_PARALLEL_SEED_OFFSET
@@ -334,6 +335,8 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     it = state.iteration + 1
     log_now = it % t.log_interval == 0 or it == run.train_iters
     timeline = [] if log_now and ps.pp > 1 else None
+    if log_now:
+        comm.start_timing()  # TP collectives and PP waits of this step (metrics.jsonl comm_s)
     start = time.perf_counter()
     run.ddp.zero_grad()
     batch = run.batches.batch_at(state.consumed_samples)
@@ -361,11 +364,12 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     bubble = None
     if timeline is not None:
         timeline, bubble = _pipeline_timeline(ps, timeline, (start, schedule_end))
+    timed = comm.stop_timing() if log_now else None  # after the step's host sync: events have fired
     run.logger.train_step(it, state.consumed_samples, lm_loss=None if nan else loss, lr=lr,
                           grad_norm=grad_norm, iter_s=time.perf_counter() - start,
                           loss_scale=run.opt.loss_scale, skipped=skipped and not nan, nan=nan,
                           comm_s=run.ddp.stats.exposed_s if ps.dp * ps.cp > 1 else None,
-                          bubble=bubble, timeline=timeline, global_batch=batch)
+                          bubble=bubble, timeline=timeline, global_batch=batch, timed_comm_s=timed)
     return None if skipped or nan else loss
 
 
