@@ -99,11 +99,15 @@ def test_bubble_near_the_analytic_value_is_dominant_and_fixed_by_micro_batches_a
 
 def test_stage_imbalance_names_the_slow_stage_and_the_uneven_split_flag():
     tl = timeline(4, 4, [10.0, 10.0, 10.0, 20.0])
-    report = analyze([rec(i, bubble_fraction=0.55, pipeline_timeline=tl) for i in range(1, 5)],
-                     config(pipeline_model_parallel_size=4))
+    records = [rec(i, bubble_fraction=0.55, pipeline_timeline=tl) for i in range(1, 5)]
+    cfg = config(pipeline_model_parallel_size=4)
+    cfg["model"]["num_layers"] = 16  # 4 a stage; the last one takes 1 so that the others split 15 evenly
+    report = analyze(records, cfg)
     [imb] = by_kind(report, "imbalance")
     assert report["pipeline"]["slowest_stage"] == 3 and report["pipeline"]["imbalance"] == pytest.approx(0.6)
     assert imb["fixes"][0]["flags"] == {"--decoder-last-pipeline-num-layers": "1"}
+    cfg["model"]["num_layers"] = 8  # 2 a stage: neither 7 nor 8 splits over 3 stages
+    assert by_kind(analyze(records, cfg), "imbalance")[0]["fixes"][0]["flags"] == {}
     # a measured bubble far above the analytic one also offers fewer stages
     assert "--pipeline-model-parallel-size" in fix_flags(by_kind(report, "bubble")[0])
 

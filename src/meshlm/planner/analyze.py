@@ -262,13 +262,22 @@ def _pipeline_findings(pl: dict, pp_share: Optional[float], f: _Flags) -> list:
         s = pl["slowest_stage"]
         flag = "--decoder-first-pipeline-num-layers" if s == 0 else "--decoder-last-pipeline-num-layers" \
             if s == p - 1 else None
-        fewer = str(f.layers // p - 1) if f.layers and f.pp else "fewer"
-        fixes = [Fix({flag: fewer}, f"give stage {s} fewer layers")] if flag else \
-            [Fix({}, f"stage {s} is a middle stage: move layers with --decoder-first/last-pipeline-num-layers")]
+        n = _fewer_layers(f.layers, p) if f.layers else "fewer"
+        if flag and n is not None:
+            fixes = [Fix({flag: str(n)}, f"give stage {s} fewer layers, the other stages the rest evenly")]
+        else:
+            fixes = [Fix({}, f"stage {s} cannot give up a layer with the other stages split evenly: more "
+                             f"layers per stage, or move layers with --decoder-first/last-pipeline-num-layers")]
         busy = ", ".join(f"{b:.1f}" for b in pl["stage_busy_ms"])
         out.append(Finding("imbalance", "warn", f"stage {s} is busy {100 * pl['imbalance']:.0f}% longer than the "
                            f"stages' mean (busy ms per stage: {busy}): the others wait for it", None, fixes))
     return out
+
+
+def _fewer_layers(layers: int, p: int) -> Optional[int]:
+    """The most layers below layers/p an end stage can hold with the other p − 1 stages splitting
+    the rest evenly (meshlm's and Megatron's rule for the uneven split); None if there is none."""
+    return next((n for n in range(layers // p - 1, -1, -1) if (layers - n) % (p - 1) == 0), None)
 
 
 def _memory(records: list, f: _Flags) -> Finding:
