@@ -171,14 +171,12 @@ class _Flags:
     def __init__(self, config: Optional[dict]):
         c = config or {}
         p, t, m = c.get("parallel", {}), c.get("training", {}), c.get("model", {})
-        self.known = bool(config)
         self.tp, self.pp = p.get("tensor_model_parallel_size"), p.get("pipeline_model_parallel_size")
         self.overlap, self.bucket = p.get("overlap_grad_reduce"), p.get("ddp_bucket_size")
         self.zero = p.get("use_distributed_optimizer")
         self.micro, self.global_batch = t.get("micro_batch_size"), t.get("global_batch_size")
         self.recompute = t.get("recompute_granularity") or ("selective" if t.get("recompute_activations") else None)
         self.layers = m.get("num_layers")
-        self.lr = c.get("optimizer", {}).get("lr")
 
     def times(self, value, factor, flag):
         """{flag: value × factor} when value is known, else {flag: "×factor"} (advice)."""
