@@ -23,7 +23,7 @@ def meshlm(*argv, cwd):
 def test_help_lists_every_command(tmp_path):
     out = meshlm("--help", cwd=tmp_path)
     assert out.returncode == 0 and out.stderr == ""
-    for command in ("pretrain", "preprocess", "tokenizer", "generate", "convert"):
+    for command in ("pretrain", "preprocess", "tokenizer", "generate", "convert", "analyze"):
         assert command in out.stdout
 
 

@@ -25,6 +25,14 @@ all-reduce 2(p−1)/p·bytes, reduce-scatter (p−1)/p·bytes, all-gather (p−1
 
 Every blocking collective here is bracketed by ``watchdog.enter``/``leave`` (hang reports name it).
 
+Exposed time (what metrics.jsonl's ``comm_s`` reports): these collectives run inline, so the
+step waits for all of their time. Between ``start_timing()`` and ``stop_timing()`` (the trainer's
+log iterations only) each one is timed under its kind ("tp" here; parallel/p2p.py times "pp"):
+wall time on CPU; on CUDA two events on the compute stream around it, read after the step's one
+host sync, so no extra sync. Off, a collective pays one global check. Collectives traced by
+torch.compile (the compiled layers of the CUDA fast path) are not timed: the check reads
+``torch.compiler.is_compiling()`` first, so dynamo adds no guard and no graph break.
+
 gloo lacks reduce-scatter on older torch: ``reduce_scatter`` falls back to all-reduce + slice
 there (same result, recorded as one reduce-scatter); NCCL uses the native op.
 """
@@ -32,7 +40,9 @@ there (same result, recorded as one reduce-scatter); NCCL uses the native op.
 from __future__ import annotations
 
 import copy
+import time
 from collections import defaultdict
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -64,6 +74,57 @@ def _record(op: str, t: torch.Tensor, size: int) -> None:
     s["ring_bytes"] += _RING_FACTOR[op](size) * nbytes
 
 
+# ----------------------------------------------------------------------------- exposed-time timing
+
+_timing: Optional[dict] = None  # kind → [(start mark, end mark)] while timing is on
+
+
+def start_timing() -> None:
+    """Time every collective from now until ``stop_timing`` (see the module doc)."""
+    global _timing
+    _timing = defaultdict(list)
+
+
+def stop_timing() -> dict:
+    """Stop timing; return {kind: seconds} of the collectives timed since ``start_timing``
+    (empty if it was not started). On CUDA call it after a host sync (the events have fired)."""
+    global _timing
+    spans, _timing = _timing or {}, None
+    return {kind: sum(elapsed(a, b) for a, b in marks) for kind, marks in spans.items()}
+
+
+def begin_timed(device: torch.device):
+    """The start mark of a collective when timing is on (and not under torch.compile), else None."""
+    if torch.compiler.is_compiling() or _timing is None:
+        return None
+    return mark(device)
+
+
+def end_timed(kind: str, start, device: torch.device) -> None:
+    """Close the span opened by ``begin_timed`` (nothing when it returned None)."""
+    if start is not None and _timing is not None:
+        _timing[kind].append((start, mark(device)))
+
+
+def mark(device: torch.device):
+    """A point in time on this rank's compute timeline: perf_counter on CPU; on CUDA an event on
+    the current stream, which fires when the work queued before it (backward, or a collective once
+    waited on) is done — so spans measure what the GPU waited, with no host sync."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def elapsed(a, b) -> float:
+    """Seconds from mark a to mark b (on CUDA, waits for b to fire)."""
+    if isinstance(a, float):
+        return b - a
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -81,10 +142,12 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
         return t
     _record("all_reduce", t, size)
     watchdog.enter("all_reduce", group)
+    start = begin_timed(t.device)
     try:
         dist.all_reduce(t, op=op, group=group)
     finally:
         watchdog.leave()
+    end_timed("tp", start, t.device)
     return t
 
 
@@ -96,6 +159,7 @@ def all_gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
     _record("all_gather", t, size)
     t = t.movedim(dim, 0).contiguous()
     watchdog.enter("all_gather", group)
+    start = begin_timed(t.device)
     try:
         if dist.get_backend(group) == "nccl":
             out = torch.empty((size * t.shape[0],) + t.shape[1:], dtype=t.dtype, device=t.device)
@@ -106,6 +170,7 @@ def all_gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
             out = torch.cat(parts)
     finally:
         watchdog.leave()
+    end_timed("tp", start, t.device)
     return out.movedim(0, dim)
 
 
@@ -117,6 +182,7 @@ def reduce_scatter(t: torch.Tensor, group, dim: int) -> torch.Tensor:
     _record("reduce_scatter", t, size)
     t = t.movedim(dim, 0).contiguous()
     watchdog.enter("reduce_scatter", group)
+    start = begin_timed(t.device)
     try:
         if dist.get_backend(group) == "nccl":
             out = torch.empty((t.shape[0] // size,) + t.shape[1:], dtype=t.dtype, device=t.device)
@@ -127,6 +193,7 @@ def reduce_scatter(t: torch.Tensor, group, dim: int) -> torch.Tensor:
             out = t.chunk(size)[group_rank(group)].contiguous()
     finally:
         watchdog.leave()
+    end_timed("tp", start, t.device)
     return out.movedim(0, dim)
 
 

@@ -42,7 +42,6 @@ group the ``shared_embedding`` params' gradients (tied embeddings, PP > 1).
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -51,7 +50,7 @@ import torch.distributed as dist
 
 from ..dtypes import wide
 from . import watchdog
-from .comm import group_rank, group_size
+from .comm import elapsed as _elapsed, group_rank, group_size, mark as _mark
 from .mesh import ParallelState
 
 # Flat-tensor collectives (torch >= 2.13 names, older names before): [n·size] → [n] and back.
@@ -392,21 +391,3 @@ class DistributedDataParallel:
             q.grad = None
         self._reset()
 
-
-def _mark(device: torch.device):
-    """A point in time on this rank's compute timeline: perf_counter on CPU; on CUDA an event on
-    the current stream, which fires when the work queued before it (backward, or a bucket's
-    reduction once waited on) is done — so spans measure what the GPU waited, with no host sync."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def _elapsed(a, b) -> float:
-    """Seconds from mark a to mark b (on CUDA, waits for b to fire)."""
-    if isinstance(a, float):
-        return b - a
-    b.synchronize()
-    return a.elapsed_time(b) / 1e3

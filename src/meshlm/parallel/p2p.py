@@ -4,7 +4,9 @@ Every tensor that crosses a stage boundary has one shape known from the config,
 [s, b, h] (sequence-parallel: [s/tp, b, h]; context-parallel: s/cp), and the params dtype, so no
 shape is exchanged. One P2P step of a schedule is posted as one batch
 (``torch.distributed.batch_isend_irecv``: an NCCL group on GPUs, isend/irecv lists on gloo) and
-waited for as a whole.
+waited for as a whole. While comm.py's timing is on (log iterations) the time a rank is blocked
+in those waits is recorded as kind "pp": transfer plus waiting for the peer stage, so it holds the
+pipeline bubble too.
 
 Memory: once a stage's output has been sent, only its autograd graph is needed; ``release``
 frees its storage (Megatron's ``deallocate_output_tensor``) and ``backward_from`` later runs the
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from torch.autograd.variable import Variable
 
 from . import watchdog
+from .comm import begin_timed, end_timed
 from .mesh import ParallelState
 from .schedules import P2P
 
@@ -78,7 +81,9 @@ class StageComm:
                 peers.append(peer)
         if ops:
             name = "pp " + " + ".join(op.kind.lower().replace("_", " ") for op in step.ops)
+            start = begin_timed(self.ps.device)
             _post_and_wait(ops, name, self.ps.pp_group, tuple(dict.fromkeys(peers)))
+            end_timed("pp", start, self.ps.device)
         return received
 
 

@@ -85,6 +85,13 @@ def max_memory_gb() -> Optional[float]:
     return torch.cuda.max_memory_allocated() / 2 ** 30
 
 
+def device_memory_gb() -> Optional[float]:
+    """Total memory of this rank's GPU in GiB (what headroom is measured against); None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2 ** 30
+
+
 def memory_gb() -> Optional[float]:
     """Bytes allocated by torch on this rank's GPU now (between steps: weights, gradients and
     optimizer state, the part the bytes-per-parameter estimate covers), in GiB; None on CPU."""
@@ -113,7 +120,11 @@ class MetricsLogger:
 
     Values in a line are averages over the iterations since the previous line (loss over the
     iterations that were not skipped), as in Megatron. ``mem_allocated_gb`` is the logging
-    rank's memory in use after the step, ``mem_max_allocated_gb`` its peak (GiB). Every rank may call the methods; only ``enabled`` ones print and write.
+    rank's memory in use after the step, ``mem_max_allocated_gb`` its peak, ``mem_total_gb`` the
+    device's size (GiB). ``comm_s`` holds exposed communication seconds per iteration by kind
+    ("dp": averaged over the interval; "tp", "pp", …: timed on the log iteration, see
+    parallel/comm.py) and ``comm_share`` each as a share of the iteration time they were measured
+    in. Every rank may call the methods; only ``enabled`` ones print and write.
     ``flops_per_iter`` counts a step of ``global_batch`` samples; a step of another size (a
     --rampup-batch-size ramp) counts in proportion.
     """
@@ -163,7 +174,7 @@ class MetricsLogger:
                    skipped: bool = False, nan: bool = False, comm_s: Optional[float] = None,
                    bubble: Optional[float] = None, timeline: Optional[list] = None,
                    global_batch: Optional[int] = None, rank_iter_s: Optional[list] = None,
-                   loss_spike: bool = False) -> Optional[dict]:
+                   loss_spike: bool = False, timed_comm_s: Optional[dict] = None) -> Optional[dict]:
         """Record one iteration (iter_s seconds); on a log iteration print/write and return the record.
 
         global_batch: this step's samples (default the constructor's; --rampup-batch-size changes
@@ -175,11 +186,14 @@ class MetricsLogger:
         over the interval, in rank order (training/stragglers.py), written as ``rank_iter_s``.
         loss_spike: this iteration's loss was a spike (training/faults.py): the interval's record
         gets ``"loss_spike": true``.
+        timed_comm_s: {kind: exposed seconds} of this (log) iteration's inline collectives and
+        pipeline waits (``comm.stop_timing()``).
         """
         self._iters += 1
         self._batch = self.global_batch if global_batch is None else global_batch
         self._samples += self._batch
         self._time_s += iter_s
+        self._last_iter_s = iter_s
         self._comm_s += comm_s or 0.0
         self._spike = self._spike or loss_spike
         self.skipped_total += int(skipped)
@@ -192,7 +206,7 @@ class MetricsLogger:
         if iteration % self.log_interval and iteration != self.train_iters:
             return None
         rec = self._record(iteration, consumed_samples, lr, loss_scale, comm_s is not None,
-                           bubble, timeline)
+                           bubble, timeline, timed_comm_s or {})
         if rank_iter_s is not None:
             rec["rank_iter_s"] = rank_iter_s
         if self._spike:
@@ -203,7 +217,7 @@ class MetricsLogger:
             self._write(rec)
         return rec
 
-    def _record(self, iteration, consumed, lr, loss_scale, has_comm, bubble, timeline) -> dict:
+    def _record(self, iteration, consumed, lr, loss_scale, has_comm, bubble, timeline, timed) -> dict:
         n, t = self._iters, self._time_s
         tflops = self.flops_per_iter * self._samples / self.global_batch / t / self.world_size / 1e12 \
             if t > 0 else None
@@ -216,12 +230,18 @@ class MetricsLogger:
             "tflops_per_gpu": tflops,
             "mfu": tflops / self.peak if tflops is not None and self.peak else None,
             "mem_allocated_gb": memory_gb(), "mem_max_allocated_gb": max_memory_gb(),
+            "mem_total_gb": device_memory_gb(),
             "skipped_iters": self.skipped_total, "nan_iters": self.nan_total,
         }
         if self.fp16:
             rec["loss_scale"] = loss_scale
         if has_comm and t > 0:
             rec["exposed_comm_share"] = self._comm_s / t
+        comm_s = ({"dp": self._comm_s / n} if has_comm else {}) | dict(timed)
+        if comm_s and t > 0:
+            rec["comm_s"] = comm_s
+            rec["comm_share"] = {k: (self._comm_s / t if k == "dp" else v / self._last_iter_s)
+                                 for k, v in comm_s.items()}
         if bubble is not None:
             rec["bubble_fraction"] = bubble
         if timeline:
@@ -247,8 +267,9 @@ class MetricsLogger:
             parts.append(f"mem (GiB): {r['mem_allocated_gb']:.2f} (peak {r['mem_max_allocated_gb']:.2f})")
         if "bubble_fraction" in r:
             parts.append(f"bubble: {100 * r['bubble_fraction']:.1f}%")
-        if "exposed_comm_share" in r:
-            parts.append(f"exposed DP comm: {100 * r['exposed_comm_share']:.1f}%")
+        if r.get("comm_share"):
+            parts.append("exposed comm: " + " ".join(f"{k.upper()} {100 * v:.1f}%"
+                                                     for k, v in r["comm_share"].items()))
         if self.fp16 or r["skipped_iters"] or r["nan_iters"]:
             parts += [f"number of skipped iterations: {r['skipped_iters']:3d}",
                       f"number of nan iterations: {r['nan_iters']:3d}"]

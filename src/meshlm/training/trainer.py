@@ -42,6 +42,7 @@ from ..errors import CheckpointError, DataError, TrainingError
 from ..optim.optimizer import build_optimizer
 from ..batches import BatchSchedule
 from ..optim.schedule import scheduler_for
+from ..parallel import comm
 from ..parallel.data import DistributedDataParallel
 from ..parallel.mesh import ParallelState, init_distributed
 from ..parallel import watchdog
@@ -354,6 +355,8 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     it = state.iteration + 1
     log_now = it % t.log_interval == 0 or it == run.train_iters
     timeline = [] if log_now and ps.pp > 1 else None
+    if log_now:
+        comm.start_timing()  # TP collectives and PP waits of this step (metrics.jsonl comm_s)
     start, waited = time.perf_counter(), watchdog.waited_s()
     watchdog.at(it, "forward-backward")
     run.ddp.zero_grad()
@@ -389,11 +392,12 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
         timeline, bubble = _pipeline_timeline(ps, timeline, (start, schedule_end))
     iter_s = time.perf_counter() - start
     run.stragglers.add(iter_s, watchdog.waited_s() - waited)
+    timed = comm.stop_timing() if log_now else None  # after the step's host sync: events have fired
     run.logger.train_step(it, state.consumed_samples, lm_loss=None if nan else loss, lr=lr,
                           grad_norm=grad_norm, iter_s=iter_s,
                           loss_scale=run.opt.loss_scale, skipped=skipped and not nan, nan=nan,
                           comm_s=run.ddp.stats.exposed_s if ps.dp * ps.cp > 1 else None,
-                          bubble=bubble, timeline=timeline, global_batch=batch,
+                          bubble=bubble, timeline=timeline, global_batch=batch, timed_comm_s=timed,
                           rank_iter_s=run.stragglers.gather() if log_now else None,
                           loss_spike=spike_mean is not None)
     watchdog.at(it, "between steps", step_ended=True)

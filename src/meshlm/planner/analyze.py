@@ -1,0 +1,404 @@
+"""`meshlm analyze RUN_DIR`: read a run's metrics.jsonl, say where the step time goes, name the
+dominant cost and the meshlm flags that address each finding.
+
+Inputs (training/metrics.py writes them on every logged iteration): ``comm_share`` (exposed
+communication by kind, a share of the iteration: "dp" the wait for the gradient reduction after
+backward, "tp" the inline TP/SP collectives, "pp" the time blocked in pipeline p2p waits),
+``bubble_fraction`` and ``pipeline_timeline`` (F/B events per stage) under PP > 1,
+``tokens_per_sec``, ``lm_loss``, ``nan_iters``, ``mem_max_allocated_gb`` / ``mem_total_gb`` and,
+where the trainer records them, ``rank_iter_s`` (per-rank step seconds) and ``loss_spike``.
+RUN_DIR/config.yaml (or a checkpoint's config.json) gives the flags the fixes start from.
+
+Step breakdown: the median over the logged iterations (the first is left out as warm-up when
+there are three or more) of the DP share, the TP share and the pipeline bubble (the idle share
+of the schedule, which holds the PP p2p waits: a stage waiting for its neighbour is the bubble,
+so the two are one cost; "pp" is shown as its part). The largest of the three is the dominant
+cost when it takes at least ``DOMINANT_MIN`` of the step; otherwise the step is compute-bound.
+The analytic bubble is (p − 1)/(v·m + p − 1) of the step, i.e. (p − 1)/(v·m) of the compute
+(Narayanan et al. 2021 §2.2), with p stages, m micro-batches and v chunks read from the timeline.
+
+Predicted gains: ``analyze(..., predictor=f)`` calls ``f(config, flags)`` for each fix — config
+the run's config dict (or None), flags the fix's {flag: value} changes (value None for a switch)
+— and records its answer (the predicted fraction of step time saved, e.g. 0.2, or None) as the
+fix's ``predicted_gain``. The planner supplies such a function; without one the field is None.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import statistics
+from typing import Callable, Optional
+
+from ..errors import ConfigError
+
+COMM_WARN = 0.30        # issue 13: communication above 30% of the step is worth fixing
+NOTE_MIN = 0.10         # a cost below this share is not mentioned
+DOMINANT_MIN = 0.15     # the largest cost is "dominant" only from this share of the step
+BUBBLE_WARN = 0.25      # measured bubble share that deserves a fix
+BUBBLE_EXCESS = 0.10    # measured − analytic bubble beyond which the schedule is not the only cause
+IMBALANCE_WARN = 0.15   # slowest stage's busy time over the stages' mean, minus 1
+MEMORY_TIGHT = 0.90     # peak / device memory: close to an out-of-memory
+MEMORY_SPARE = 0.50     # peak / device memory: room for a larger micro-batch or less recompute
+THROUGHPUT_DROP = 0.25  # last-window tokens/s below the first window's by this share
+SPIKE_RATIO, SPIKE_NATS = 1.2, 0.3  # loss over the median of the previous records by both
+STRAGGLER_RATIO = 1.15  # a rank's step time over the median rank's
+
+KIND_NAMES = {"dp": "DP gradient reduction", "tp": "TP/SP collectives", "pp": "PP p2p waits",
+              "cp": "CP collectives", "bubble": "pipeline bubble"}
+
+Predictor = Callable[[Optional[dict], dict], Optional[float]]
+
+
+@dataclasses.dataclass
+class Fix:
+    """One remedy: meshlm flags to change ({flag: value}, None for a switch; empty for advice)."""
+
+    flags: dict
+    why: str
+    predicted_gain: Optional[float] = None  # fraction of step time saved, from the predictor
+
+
+@dataclasses.dataclass
+class Finding:
+    """kind: dp, tp, pp, cp, bubble, imbalance, memory, throughput, loss_spike, nan, straggler.
+    severity: "warn" (costs time or risks the run), "info" (worth knowing), "ok"."""
+
+    kind: str
+    severity: str
+    message: str
+    share: Optional[float] = None  # share of the step this cost takes
+    fixes: list = dataclasses.field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- reading a run
+
+def metrics_path(run_dir: str) -> str:
+    """metrics.jsonl of RUN_DIR (RUN_DIR/logs/, RUN_DIR itself, or the file); ConfigError if none."""
+    for path in (os.path.join(run_dir, "logs", "metrics.jsonl"), os.path.join(run_dir, "metrics.jsonl"), run_dir):
+        if os.path.isfile(path):
+            return path
+    raise ConfigError(f"meshlm analyze {run_dir}: no metrics.jsonl there or in its logs/ folder; give the run "
+                      f"directory of a `meshlm pretrain` run (its --run-dir) or the metrics.jsonl file")
+
+
+def load_run(run_dir: str) -> tuple:
+    """(training records in file order, config dict or None) of a run directory.
+
+    Training records are the metrics.jsonl lines with "iter_ms" (not evaluation or checkpoint
+    lines). The config is RUN_DIR/config.yaml, else the newest checkpoint's config.json below it.
+    Raises ConfigError for a missing or unreadable metrics.jsonl.
+    """
+    path = metrics_path(run_dir)
+    records = []
+    with open(path) as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                raise ConfigError(f"{path} line {n} is not JSON; is it a meshlm metrics.jsonl?") from None
+            if isinstance(rec, dict) and "iter_ms" in rec:
+                records.append(rec)
+    folder = run_dir if os.path.isdir(run_dir) else os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    return records, _config_of(folder)
+
+
+def _config_of(folder: str) -> Optional[dict]:
+    import yaml
+    yaml_path = os.path.join(folder, "config.yaml")
+    if os.path.isfile(yaml_path):
+        with open(yaml_path) as fh:
+            return yaml.safe_load(fh)
+    saved = sorted(glob.glob(os.path.join(folder, "*", "iter_*", "config.json")) +
+                   glob.glob(os.path.join(folder, "iter_*", "config.json")))
+    if saved:
+        with open(saved[-1]) as fh:
+            return json.load(fh)
+    return None
+
+
+# ----------------------------------------------------------------------------- the analysis
+
+def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Predictor] = None) -> dict:
+    """The report of one run as a JSON-able dict.
+
+    records: training records of metrics.jsonl (``load_run``). config: the run's config dict
+    (sections model, training, parallel, …) or None. predictor: see the module doc.
+    Returns {"iterations": [first, last], "step_ms", "breakdown": {kind: share}, "dominant": kind
+    or "compute", "pipeline": {...} or None, "findings": [Finding as dict]}; ConfigError if there
+    is no training record.
+    """
+    if not records:
+        raise ConfigError("metrics.jsonl has no training record yet; analyze a run after its first "
+                          "--log-interval iterations")
+    steady = records[1:] if len(records) >= 3 else records
+    flags = _Flags(config)
+    breakdown = {}
+    for kind in ("dp", "tp", "cp", "pp"):
+        values = [r["comm_share"][kind] for r in steady if kind in (r.get("comm_share") or {})]
+        if values:
+            breakdown[kind] = statistics.median(values)
+    pipeline = _pipeline(steady)
+    if pipeline:
+        breakdown["bubble"] = pipeline["measured"]
+    costs = {k: v for k, v in breakdown.items() if k != "pp"}
+    top = max(costs, key=costs.get, default=None)
+    dominant = top if top and costs[top] >= DOMINANT_MIN else "compute"
+    findings = [_comm(kind, share, flags) for kind, share in costs.items() if kind != "bubble"]
+    if pipeline:
+        findings += _pipeline_findings(pipeline, breakdown.get("pp"), flags)
+    findings += [_memory(records, flags), _throughput(steady), *_loss(records), _stragglers(steady)]
+    findings = [f for f in findings if f is not None]
+    findings.sort(key=lambda f: ({"warn": 0, "info": 1, "ok": 2}[f.severity], -(f.share or 0)))
+    for f in findings:
+        for fix in f.fixes:
+            if predictor is not None and fix.flags:
+                fix.predicted_gain = predictor(config, dict(fix.flags))
+    return {"iterations": [records[0]["iteration"], records[-1]["iteration"]],
+            "step_ms": statistics.median(r["iter_ms"] for r in steady),
+            "breakdown": breakdown, "dominant": dominant, "pipeline": pipeline,
+            "findings": [dataclasses.asdict(f) for f in findings]}
+
+
+class _Flags:
+    """The run's settings a fix starts from (None where the config is unknown)."""
+
+    def __init__(self, config: Optional[dict]):
+        c = config or {}
+        p, t, m = c.get("parallel", {}), c.get("training", {}), c.get("model", {})
+        self.tp, self.pp = p.get("tensor_model_parallel_size"), p.get("pipeline_model_parallel_size")
+        self.overlap, self.bucket = p.get("overlap_grad_reduce"), p.get("ddp_bucket_size")
+        self.zero = p.get("use_distributed_optimizer")
+        self.micro, self.global_batch = t.get("micro_batch_size"), t.get("global_batch_size")
+        self.recompute = t.get("recompute_granularity") or ("selective" if t.get("recompute_activations") else None)
+        self.layers = m.get("num_layers")
+
+    def times(self, value, factor, flag):
+        """{flag: value × factor} when value is known, else {flag: "×factor"} (advice)."""
+        return {flag: str(int(value * factor)) if value else f"×{factor:g}"}
+
+
+def _comm(kind: str, share: float, f: _Flags) -> Optional[Finding]:
+    if share < NOTE_MIN:
+        return None
+    severity = "warn" if share > COMM_WARN else "info"
+    msg = f"{KIND_NAMES[kind]}: {100 * share:.0f}% of the step is exposed communication (not hidden behind compute)"
+    fixes = []
+    if kind == "dp":
+        if not f.overlap:
+            fixes.append(Fix({"--overlap-grad-reduce": None}, "overlap each bucket's reduction with backward"))
+        if f.bucket is not None and f.bucket < 40_000_000:
+            fixes.append(Fix({"--ddp-bucket-size": "40000000"},
+                             f"fewer, larger reductions (now {f.bucket:,} elements a bucket)"))
+        fixes.append(Fix(f.times(f.global_batch, 2, "--global-batch-size"),
+                         "more gradient accumulation: the same reduction per step over twice the compute"))
+        fixes.append(Fix(f.times(f.micro, 2, "--micro-batch-size"),
+                         "a larger micro-batch: more compute per reduction (if memory allows)"))
+    elif kind in ("tp", "cp"):
+        size = f.tp if kind == "tp" else None
+        fixes.append(Fix({"--tensor-model-parallel-size": str(size // 2) if size and size > 1 else "smaller",
+                          "--pipeline-model-parallel-size": str(2 * f.pp) if f.pp else "larger"},
+                         "less TP, more PP: fewer collectives per layer for the same memory per GPU"))
+        fixes.append(Fix({}, "keep each TP group inside one node (TP ≤ GPUs per node, --nproc-per-node): "
+                             "its collectives then use NVLink, not the inter-node network"))
+        fixes.append(Fix(f.times(f.micro, 2, "--micro-batch-size"),
+                         "a larger micro-batch: fewer, larger messages where latency dominates"))
+    return Finding(kind, severity, msg, share, fixes)
+
+
+def _pipeline(steady: list) -> Optional[dict]:
+    """Measured and analytic bubble and per-stage busy time, from the records under PP > 1."""
+    bubbles = [r["bubble_fraction"] for r in steady if r.get("bubble_fraction") is not None]
+    timelines = [r["pipeline_timeline"] for r in steady if r.get("pipeline_timeline")]
+    if not bubbles or not timelines:
+        return None
+    last = timelines[-1]
+    p = len({e["stage"] for e in last})
+    m = len({e["mb"] for e in last})
+    v = len({e["chunk"] for e in last})
+    busy = [statistics.median(sum(e["end"] - e["start"] for e in tl if e["stage"] == s) for tl in timelines)
+            for s in range(p)]
+    mean = sum(busy) / p
+    return {"stages": p, "microbatches": m, "virtual": v, "measured": statistics.median(bubbles),
+            "analytic": (p - 1) / (v * m + p - 1), "analytic_of_compute": (p - 1) / (v * m),
+            "stage_busy_ms": [1000 * b for b in busy], "imbalance": max(busy) / mean - 1 if mean > 0 else 0.0,
+            "slowest_stage": max(range(p), key=busy.__getitem__)}
+
+
+def _pipeline_findings(pl: dict, pp_share: Optional[float], f: _Flags) -> list:
+    p, m, v = pl["stages"], pl["microbatches"], pl["virtual"]
+    measured, analytic = pl["measured"], pl["analytic"]
+    waits = f"; {100 * pp_share:.0f}% of the last stage's step is spent in p2p waits" if pp_share else ""
+    msg = (f"pipeline bubble {100 * measured:.0f}% of the step against {100 * analytic:.0f}% analytic "
+           f"((p−1)/(v·m+p−1) with p={p}, m={m}, v={v}; (p−1)/(v·m) = {100 * pl['analytic_of_compute']:.0f}% "
+           f"of compute){waits}")
+    out = []
+    if measured >= NOTE_MIN:
+        fixes = [Fix(f.times(f.global_batch, 2, "--global-batch-size"),
+                     f"more micro-batches per step: m={2 * m} gives {100 * (p - 1) / (2 * v * m + p - 1):.0f}% analytic")]
+        if f.micro and f.micro > 1:
+            fixes.append(Fix({"--micro-batch-size": str(f.micro // 2)}, "twice the micro-batches for the same batch"))
+        per_rank = f.layers // p if f.layers and f.pp else None
+        if per_rank and per_rank >= 2 and v == 1:
+            fixes.append(Fix({"--num-layers-per-virtual-pipeline-stage": str(per_rank // 2)},
+                             f"interleaved 1F1B, v=2: {100 * (p - 1) / (2 * m + p - 1):.0f}% analytic "
+                             f"(needs micro-batches a multiple of PP)"))
+        elif not per_rank:
+            fixes.append(Fix({"--num-layers-per-virtual-pipeline-stage": "layers per stage / 2"},
+                             "interleaved 1F1B divides the bubble by v"))
+        if measured - analytic > BUBBLE_EXCESS:
+            fixes.append(Fix({"--pipeline-model-parallel-size": str(p // 2) if p >= 2 else "smaller"},
+                             f"fewer stages: the bubble exceeds the schedule's by {100 * (measured - analytic):.0f} "
+                             f"points (p2p latency or stage imbalance)"))
+        out.append(Finding("bubble", "warn" if measured > BUBBLE_WARN else "info", msg, measured, fixes))
+    if pl["imbalance"] > IMBALANCE_WARN:
+        s = pl["slowest_stage"]
+        flag = "--decoder-first-pipeline-num-layers" if s == 0 else "--decoder-last-pipeline-num-layers" \
+            if s == p - 1 else None
+        n = _fewer_layers(f.layers, p) if f.layers else "fewer"
+        if flag and n is not None:
+            fixes = [Fix({flag: str(n)}, f"give stage {s} fewer layers, the other stages the rest evenly")]
+        else:
+            fixes = [Fix({}, f"stage {s} cannot give up a layer with the other stages split evenly: more "
+                             f"layers per stage, or move layers with --decoder-first/last-pipeline-num-layers")]
+        busy = ", ".join(f"{b:.1f}" for b in pl["stage_busy_ms"])
+        out.append(Finding("imbalance", "warn", f"stage {s} is busy {100 * pl['imbalance']:.0f}% longer than the "
+                           f"stages' mean (busy ms per stage: {busy}): the others wait for it", None, fixes))
+    return out
+
+
+def _fewer_layers(layers: int, p: int) -> Optional[int]:
+    """The most layers below layers/p an end stage can hold with the other p − 1 stages splitting
+    the rest evenly (meshlm's and Megatron's rule for the uneven split); None if there is none."""
+    return next((n for n in range(layers // p - 1, -1, -1) if (layers - n) % (p - 1) == 0), None)
+
+
+def _memory(records: list, f: _Flags) -> Finding:
+    peaks = [r["mem_max_allocated_gb"] for r in records if r.get("mem_max_allocated_gb") is not None]
+    totals = [r["mem_total_gb"] for r in records if r.get("mem_total_gb")]
+    if not peaks or not totals:
+        return Finding("memory", "ok", "memory headroom: not recorded (a CPU run records no device memory)")
+    peak, total = max(peaks), totals[-1]
+    used = peak / total
+    msg = f"peak memory {peak:.1f} GiB of {total:.1f} GiB ({100 * used:.0f}%, headroom {total - peak:.1f} GiB)"
+    if used > MEMORY_TIGHT:
+        fixes = [Fix({"--recompute-granularity": "selective"} if not f.recompute else
+                     {"--recompute-granularity": "full", "--recompute-method": "uniform"},
+                     "recompute activations in backward")]
+        if not f.zero:
+            fixes.append(Fix({"--use-distributed-optimizer": None}, "shard the optimizer states over DP (ZeRO-1)"))
+        if f.micro and f.micro > 1:
+            fixes.append(Fix({"--micro-batch-size": str(f.micro // 2)}, "half the activations"))
+        return Finding("memory", "warn", msg + ": close to out of memory", used, fixes)
+    if used < MEMORY_SPARE:
+        fixes = [Fix(f.times(f.micro, 2, "--micro-batch-size"), "use the spare memory for larger GEMMs")]
+        if f.recompute:
+            fixes.append(Fix({"--recompute-granularity": None}, "drop recompute (saves its forward again)"))
+        return Finding("memory", "info", msg + ": room to spare", used, fixes)
+    return Finding("memory", "ok", msg)
+
+
+def _throughput(steady: list) -> Optional[Finding]:
+    rates = [r["tokens_per_sec"] for r in steady if r.get("tokens_per_sec")]
+    if len(rates) < 4:
+        return None
+    k = max(1, len(rates) // 3)
+    first, last = statistics.median(rates[:k]), statistics.median(rates[-k:])
+    change = last / first - 1
+    msg = f"throughput {first:,.0f} → {last:,.0f} tokens/s (first vs last third of the logged iterations)"
+    if change < -THROUGHPUT_DROP:
+        return Finding("throughput", "warn", msg + f": dropped {100 * -change:.0f}%", -change,
+                       [Fix({}, "look for other processes or throttling on the nodes, data loading (raise "
+                                "--num-workers), or checkpoint saves in the window (--async-save)")])
+    return Finding("throughput", "ok", msg)
+
+
+def _loss(records: list) -> list:
+    """Loss spikes (the trainer's "loss_spike", or a jump over the previous records) and NaNs."""
+    out, spikes = [], []
+    for i, r in enumerate(records):
+        loss = r.get("lm_loss")
+        prev = [x["lm_loss"] for x in records[max(0, i - 5):i] if x.get("lm_loss") is not None]
+        jump = loss is not None and len(prev) >= 3 and loss > SPIKE_RATIO * statistics.median(prev) \
+            and loss - statistics.median(prev) > SPIKE_NATS
+        if r.get("loss_spike") or jump:
+            spikes.append(r["iteration"])
+    if spikes:
+        out.append(Finding("loss_spike", "warn", f"loss spikes at iteration(s) {', '.join(map(str, spikes))}", None,
+                           [Fix({"--lr": "lower"}, "a smaller learning rate"),
+                            Fix({"--lr-warmup-iters": "longer"}, "a longer warm-up"),
+                            Fix({"--clip-grad": "1.0"}, "clip the gradient norm (0 turns clipping off)")]))
+    nans = max((r.get("nan_iters") or 0) for r in records)
+    skipped = max((r.get("skipped_iters") or 0) for r in records)
+    if nans:
+        out.append(Finding("nan", "warn", f"{nans} iteration(s) had a NaN/inf loss", None,
+                           [Fix({"--bf16": None}, "bf16 instead of fp16 (no overflow at the same range)"),
+                            Fix({"--lr": "lower"}, "a smaller learning rate; resume from the last checkpoint "
+                                                   "before the first NaN")]))
+    elif skipped:
+        out.append(Finding("nan", "info", f"{skipped} step(s) skipped for inf/NaN gradients (fp16 loss-scale "
+                           f"back-off is normal at the start)"))
+    return out
+
+
+def _stragglers(steady: list) -> Optional[Finding]:
+    rows = [r["rank_iter_s"] for r in steady if r.get("rank_iter_s")]
+    if not rows:
+        return None
+    slow = {}
+    for row in rows:
+        median = statistics.median(row)
+        worst = max(range(len(row)), key=row.__getitem__)
+        if median > 0 and row[worst] > STRAGGLER_RATIO * median:
+            slow.setdefault(worst, []).append(row[worst] / median - 1)
+    rank, lags = max(slow.items(), key=lambda kv: len(kv[1]), default=(None, []))
+    if rank is None or len(lags) * 2 < len(rows):
+        return Finding("straggler", "ok", f"no straggler: every rank within {100 * (STRAGGLER_RATIO - 1):.0f}% "
+                       f"of the median rank")
+    lag = statistics.median(lags)
+    return Finding("straggler", "warn", f"rank {rank} is the slowest in {len(lags)} of {len(rows)} logged "
+                   f"iterations, {100 * lag:.0f}% behind the median rank: every collective waits for it", lag,
+                   [Fix({}, f"check rank {rank}'s node (other processes, clocks, a slower link or disk)")])
+
+
+# ----------------------------------------------------------------------------- output
+
+def format_report(report: dict, title: str = "") -> str:
+    """The report as plain text: step breakdown, pipeline, findings with their fixes."""
+    first, last = report["iterations"]
+    lines = [f"meshlm analyze {title}".rstrip() + f": iterations {first}–{last}, "
+             f"step {report['step_ms']:.1f} ms (median)", "", "where the step goes (exposed, share of the step):"]
+    b = report["breakdown"]
+    for kind, share in b.items():
+        mark = "  ← dominant" if kind == report["dominant"] else ""
+        part = "   (part of the bubble)" if kind == "pp" and "bubble" in b else ""
+        lines.append(f"  {KIND_NAMES[kind]:<24} {100 * share:5.1f}%{part}{mark}")
+    rest = max(0.0, 1.0 - sum(v for k, v in b.items() if k != "pp" or "bubble" not in b))
+    lines.append(f"  {'compute and other':<24} {100 * rest:5.1f}%" +
+                 ("  ← dominant" if report["dominant"] == "compute" else ""))
+    lines += ["", "findings:"]
+    for f in report["findings"]:
+        lines.append(f"  [{f['severity']}] {f['message']}")
+        for fix in f["fixes"]:
+            flags = " ".join(k if v is None else f"{k} {v}" for k, v in fix["flags"].items())
+            gain = f" (planner: {100 * fix['predicted_gain']:.0f}% faster)" if fix["predicted_gain"] else ""
+            lines.append(f"      fix: {flags + ': ' if flags else ''}{fix['why']}{gain}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run's directory (--run-dir), its logs/ folder "
+                        "or its metrics.jsonl")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
+
+
+def run(args: argparse.Namespace, predictor: Optional[Predictor] = None) -> int:
+    records, config = load_run(args.run_dir)
+    report = analyze(records, config, predictor)
+    print(json.dumps(report, indent=1) if args.json else format_report(report, args.run_dir))
+    return 0

@@ -1,0 +1,217 @@
+"""meshlm analyze on synthetic metrics.jsonl records: one test per kind of finding, the
+predictor hook, the CLI, and the records metrics.py and comm.py write for it (fast)."""
+
+import json
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from meshlm import cli
+from meshlm.parallel import comm
+from meshlm.planner.analyze import analyze, format_report
+from meshlm.training.metrics import MetricsLogger
+
+
+def rec(i, *, iter_ms=100.0, tokens=1000.0, loss=None, **extra):
+    r = {"iteration": i, "iter_ms": iter_ms, "tokens_per_sec": tokens, "lm_loss": 5.0 - 0.1 * i if loss is None
+         else loss, "nan_iters": 0, "skipped_iters": 0, "mem_max_allocated_gb": None, "mem_total_gb": None}
+    r.update(extra)
+    return r
+
+
+def config(**parallel):
+    training = {k: parallel.pop(k) for k in ("micro_batch_size", "global_batch_size") if k in parallel}
+    return {"parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                         "overlap_grad_reduce": False, "ddp_bucket_size": None, **parallel},
+            "training": {"micro_batch_size": 1, "global_batch_size": 8, **training},
+            "model": {"num_layers": 8}, "optimizer": {"lr": 1e-3}}
+
+
+def by_kind(report, kind):
+    return [f for f in report["findings"] if f["kind"] == kind]
+
+
+def fix_flags(finding):
+    return [flag for fix in finding["fixes"] for flag in fix["flags"]]
+
+
+def warns(report):
+    return [f["kind"] for f in report["findings"] if f["severity"] == "warn"]
+
+
+def test_dp_communication_above_30_percent_is_dominant_with_overlap_bucket_and_accumulation_fixes():
+    records = [rec(i, comm_share={"dp": 0.45}) for i in range(1, 7)]
+    report = analyze(records, config(ddp_bucket_size=1000))
+    assert report["dominant"] == "dp" and report["breakdown"]["dp"] == pytest.approx(0.45)
+    [dp] = by_kind(report, "dp")
+    assert dp["severity"] == "warn"
+    flags = {k: v for fix in dp["fixes"] for k, v in fix["flags"].items()}
+    assert flags["--overlap-grad-reduce"] is None and flags["--ddp-bucket-size"] == "40000000"
+    assert flags["--global-batch-size"] == "16"
+    # already overlapped with default buckets: those two fixes are not offered
+    report = analyze(records, config(overlap_grad_reduce=True))
+    assert {"--overlap-grad-reduce", "--ddp-bucket-size"}.isdisjoint(fix_flags(by_kind(report, "dp")[0]))
+
+
+def test_dp_share_below_the_threshold_is_information_and_the_step_compute_bound():
+    report = analyze([rec(i, comm_share={"dp": 0.12}) for i in range(1, 7)])
+    assert report["dominant"] == "compute"
+    assert by_kind(report, "dp")[0]["severity"] == "info" and "dp" not in warns(report)
+    assert by_kind(analyze([rec(i, comm_share={"dp": 0.02}) for i in range(1, 7)]), "dp") == []
+
+
+def test_tp_communication_suggests_less_tp_more_pp_with_the_runs_sizes():
+    report = analyze([rec(i, comm_share={"tp": 0.5, "dp": 0.1}) for i in range(1, 5)],
+                     config(tensor_model_parallel_size=8, pipeline_model_parallel_size=2))
+    assert report["dominant"] == "tp"
+    flags = by_kind(report, "tp")[0]["fixes"][0]["flags"]
+    assert flags == {"--tensor-model-parallel-size": "4", "--pipeline-model-parallel-size": "4"}
+
+
+def timeline(p, m, busy_ms):
+    """One 1F1B-like timeline: each stage's F and B of every micro-batch, busy_ms[s] in total."""
+    events, t = [], 0.0
+    for s in range(p):
+        each = busy_ms[s] / 1000 / (2 * m)
+        for mb in range(m):
+            for kind in "FB":
+                events.append({"mb": mb, "chunk": 0, "kind": kind, "stage": s, "start": t, "end": t + each})
+                t += each
+    return events
+
+
+def test_bubble_near_the_analytic_value_is_dominant_and_fixed_by_micro_batches_and_interleaving():
+    tl = timeline(4, 2, [10.0] * 4)
+    report = analyze([rec(i, bubble_fraction=0.62, pipeline_timeline=tl, comm_share={"pp": 0.5})
+                      for i in range(1, 6)], config(pipeline_model_parallel_size=4))
+    pl = report["pipeline"]
+    assert (pl["stages"], pl["microbatches"], pl["virtual"]) == (4, 2, 1)
+    assert pl["analytic"] == pytest.approx(3 / 5) and pl["analytic_of_compute"] == pytest.approx(3 / 2)
+    assert report["dominant"] == "bubble"  # the PP waits are part of the bubble, never counted twice
+    [bubble] = by_kind(report, "bubble")
+    flags = {k: v for fix in bubble["fixes"] for k, v in fix["flags"].items()}
+    assert flags["--global-batch-size"] == "16" and flags["--num-layers-per-virtual-pipeline-stage"] == "1"
+    assert "--pipeline-model-parallel-size" not in flags  # measured ≈ analytic: the schedule is the cause
+    assert by_kind(report, "imbalance") == []
+    assert "60% analytic" in format_report(report)
+
+
+def test_stage_imbalance_names_the_slow_stage_and_the_uneven_split_flag():
+    tl = timeline(4, 4, [10.0, 10.0, 10.0, 20.0])
+    records = [rec(i, bubble_fraction=0.55, pipeline_timeline=tl) for i in range(1, 5)]
+    cfg = config(pipeline_model_parallel_size=4)
+    cfg["model"]["num_layers"] = 16  # 4 a stage; the last one takes 1 so that the others split 15 evenly
+    report = analyze(records, cfg)
+    [imb] = by_kind(report, "imbalance")
+    assert report["pipeline"]["slowest_stage"] == 3 and report["pipeline"]["imbalance"] == pytest.approx(0.6)
+    assert imb["fixes"][0]["flags"] == {"--decoder-last-pipeline-num-layers": "1"}
+    cfg["model"]["num_layers"] = 8  # 2 a stage: neither 7 nor 8 splits over 3 stages
+    assert by_kind(analyze(records, cfg), "imbalance")[0]["fixes"][0]["flags"] == {}
+    # a measured bubble far above the analytic one also offers fewer stages
+    assert "--pipeline-model-parallel-size" in fix_flags(by_kind(report, "bubble")[0])
+
+
+@pytest.mark.parametrize("peak,severity,flag", [(76.0, "warn", "--use-distributed-optimizer"),
+                                                (20.0, "info", "--micro-batch-size"), (50.0, "ok", None)])
+def test_memory_headroom_against_the_device(peak, severity, flag):
+    records = [rec(i, mem_max_allocated_gb=peak, mem_total_gb=80.0) for i in range(1, 4)]
+    [mem] = by_kind(analyze(records, config()), "memory")
+    assert mem["severity"] == severity and f"{peak:.1f} GiB of 80.0 GiB" in mem["message"]
+    assert flag is None or flag in fix_flags(mem)
+    assert by_kind(analyze([rec(1)]), "memory")[0]["severity"] == "ok"  # CPU: not recorded
+
+
+def test_a_throughput_drop_is_flagged_and_a_steady_one_is_not():
+    drop = [rec(i, tokens=1000.0 if i <= 5 else 600.0) for i in range(1, 11)]
+    assert "throughput" in warns(analyze(drop))
+    steady = [rec(i, tokens=1000.0 + 30 * (-1) ** i) for i in range(1, 11)]
+    assert by_kind(analyze(steady), "throughput")[0]["severity"] == "ok"
+
+
+def test_loss_spikes_from_the_trainers_flag_or_a_jump_and_nans_are_warnings():
+    records = [rec(i) for i in range(1, 11)]
+    assert by_kind(analyze(records), "loss_spike") == []
+    records[6]["lm_loss"] = 9.0
+    records[8]["loss_spike"] = True
+    [spike] = by_kind(analyze(records), "loss_spike")
+    assert "iteration(s) 7, 9" in spike["message"] and "--lr" in fix_flags(spike)
+    records[-1]["nan_iters"] = 2
+    [nan] = by_kind(analyze(records), "nan")
+    assert nan["severity"] == "warn" and "2 iteration(s)" in nan["message"]
+
+
+def test_a_rank_slow_in_most_iterations_is_a_straggler():
+    slow = [rec(i, rank_iter_s=[0.10, 0.10, 0.14, 0.10]) for i in range(1, 7)]
+    [s] = by_kind(analyze(slow), "straggler")
+    assert s["severity"] == "warn" and s["message"].startswith("rank 2 ")
+    noisy = [rec(i, rank_iter_s=[0.10, 0.105, 0.10, 0.10]) for i in range(1, 7)]
+    assert by_kind(analyze(noisy), "straggler")[0]["severity"] == "ok"
+
+
+def test_a_healthy_run_has_no_warning_and_is_compute_bound():
+    report = analyze([rec(i, comm_share={"dp": 0.03}) for i in range(1, 9)])
+    assert report["dominant"] == "compute" and warns(report) == []
+
+
+def test_the_predictor_hook_receives_config_and_flags_and_its_gain_is_reported():
+    seen = []
+
+    def predictor(cfg, flags):
+        seen.append((cfg, flags))
+        return 0.25 if "--overlap-grad-reduce" in flags else None
+
+    cfg = config()
+    report = analyze([rec(i, comm_share={"dp": 0.5}) for i in range(1, 5)], cfg, predictor)
+    fixes = by_kind(report, "dp")[0]["fixes"]
+    assert fixes[0]["flags"] == {"--overlap-grad-reduce": None} and fixes[0]["predicted_gain"] == 0.25
+    assert all(c is cfg for c, _ in seen) and all(f["predicted_gain"] is None for f in fixes[1:])
+    assert "(planner: 25% faster)" in format_report(report)
+
+
+def test_cli_prints_text_and_json_and_refuses_a_folder_without_metrics(tmp_path, capsys):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in [rec(i, comm_share={"dp": 0.4}) for i in range(1, 5)]
+                  + [{"iteration": 4, "val_loss": 3.0}]) + "\n")
+    (tmp_path / "config.yaml").write_text("parallel:\n  ddp_bucket_size: 500\n")
+    assert cli.main(["analyze", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "DP gradient reduction     40.0%  ← dominant" in text and "--ddp-bucket-size 40000000" in text
+    assert cli.main(["analyze", str(tmp_path / "logs" / "metrics.jsonl"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dominant"] == "dp"
+    assert cli.main(["analyze", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "no metrics.jsonl" in err[0]
+
+
+def test_metrics_record_comm_seconds_and_shares_by_kind(tmp_path, capsys):
+    log = MetricsLogger(enabled=True, log_dir=str(tmp_path), train_iters=2, log_interval=2, global_batch=2,
+                        seq_length=4, flops_per_iter=1.0, world_size=2, dtype=torch.float32)
+    log.train_step(1, 2, lm_loss=1.0, lr=0.1, grad_norm=1.0, iter_s=1.0, comm_s=0.2)
+    r = log.train_step(2, 4, lm_loss=1.0, lr=0.1, grad_norm=1.0, iter_s=0.5, comm_s=0.1,
+                       timed_comm_s={"tp": 0.1, "pp": 0.05})
+    assert r["comm_s"] == pytest.approx({"dp": 0.15, "tp": 0.1, "pp": 0.05})
+    # dp over the interval's time; tp and pp over the log iteration they were timed in
+    assert r["comm_share"] == pytest.approx({"dp": 0.2, "tp": 0.2, "pp": 0.1})
+    assert "exposed comm: DP 20.0% TP 20.0% PP 10.0%" in capsys.readouterr().out
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["comm_share"]["tp"] == pytest.approx(0.2)
+
+
+def _timed_collectives(rank, world):
+    group = torch.distributed.new_group([0, 1])
+    x = torch.ones(1000)
+    comm.all_reduce(x, group)
+    untimed = comm.stop_timing()
+    comm.start_timing()
+    comm.all_reduce(x, group)
+    comm.all_gather(x, group, 0)
+    comm.reduce_scatter(torch.ones(4, 10), group, 0)
+    timed = comm.stop_timing()
+    return untimed, timed, comm.stop_timing()
+
+
+def test_collectives_are_timed_as_tp_only_between_start_and_stop():
+    for untimed, timed, after in run_distributed(_timed_collectives, 2):
+        assert untimed == {} and after == {}
+        assert set(timed) == {"tp"} and 0 < timed["tp"] < 10
