@@ -1,4 +1,4 @@
-"""The ``meshlm`` command: pretrain, preprocess, tokenizer train, generate, convert.
+"""The ``meshlm`` command: pretrain, preprocess, tokenizer train, generate, convert, report.
 
 Each subcommand's flags come from the module that does the work (``config.add_config_args`` for
 pretrain, ``data.preprocess.add_arguments``, …), and are only imported when that subcommand runs,
@@ -243,6 +243,8 @@ COMMANDS = {
                    "[--layout TP,PP,DP]`", _add_checkpoint_arguments),
     "convert": ("convert between Hugging Face model folders (Llama, Mistral, GPT-2) and meshlm checkpoints",
                 _delegate(".checkpoint.convert", "add_arguments", "run")),
+    "report": ("write an HTML report of one or more runs (curves, pipeline timeline; --trace for Perfetto)",
+               _delegate(".report.page", "add_arguments", "run")),
 }
 
 
