@@ -73,6 +73,6 @@ def bubble_line(events: list, measured, v: int) -> str:
     v = max(v, s["v"])
     a = analytic_bubble(s["pp"], s["m"], v)
     formula = f"(p−1)/(v·m) = {s['pp'] - 1}/({v}·{s['m']})" if v > 1 else f"(p−1)/m = {s['pp'] - 1}/{s['m']}"
-    got = "not recorded" if measured is None else f"{100 * measured:.1f}% of the step's wall time"
+    got = "not recorded" if measured is None else f"{100 * measured:.1f}% of the wall time of the step"
     return (f"measured bubble: {got}; analytic (equal-cost stages) {formula} = {100 * a['of_compute']:.1f}% "
             f"of the compute time, i.e. {100 * a['of_wall']:.1f}% of the wall time")
