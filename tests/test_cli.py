@@ -23,14 +23,14 @@ def meshlm(*argv, cwd):
 def test_help_lists_every_command(tmp_path):
     out = meshlm("--help", cwd=tmp_path)
     assert out.returncode == 0 and out.stderr == ""
-    for command in ("pretrain", "preprocess", "tokenizer", "generate", "convert", "analyze"):
+    for command in ("pretrain", "preprocess", "tokenizer", "generate", "convert", "plan", "analyze", "report"):
         assert command in out.stdout
 
 
 @pytest.mark.parametrize("argv,expect", [(["pretrain"], "--tensor-model-parallel-size"),
                                          (["preprocess"], "--output-prefix"),
                                          (["tokenizer", "train"], "--vocab-size"),
-                                         (["generate"], "--")])
+                                         (["generate"], "--"), (["report"], "--trace")])
 def test_subcommand_help_is_clean(argv, expect, capsys):
     with pytest.raises(SystemExit) as info:
         main([*argv, "--help"])

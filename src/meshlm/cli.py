@@ -1,4 +1,4 @@
-"""The ``meshlm`` command: pretrain, preprocess, tokenizer train, generate, convert, analyze.
+"""The ``meshlm`` command: pretrain, preprocess, tokenizer train, generate, convert, plan, analyze, report.
 
 Each subcommand's flags come from the module that does the work (``config.add_config_args`` for
 pretrain, ``data.preprocess.add_arguments``, …), and are only imported when that subcommand runs,
@@ -269,6 +269,8 @@ COMMANDS = {
                 _delegate(".checkpoint.convert", "add_arguments", "run")),
     "analyze": ("read a run's metrics.jsonl: where the step time goes, the dominant cost, the flags that fix it",
                 _delegate(".planner.analyze", "add_arguments", "run")),
+    "report": ("write an HTML report of one or more runs (curves, pipeline timeline; --trace for Perfetto)",
+               _delegate(".report.page", "add_arguments", "run")),
 }
 
 

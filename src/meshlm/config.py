@@ -259,6 +259,23 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = opt(None, "write TensorBoard scalars here")
     heartbeat_interval: float = opt(60.0, "seconds between heartbeat lines in each rank's log (0: off)",
                                     metavar="SECONDS")
+    # profiling (Megatron's ProfilingConfig; training/profiling.py)
+    profile: bool = opt(False, "profile iterations --profile-step-start+1 … --profile-step-end on --profile-ranks: "
+                        "with --use-pytorch-profiler a torch profiler trace in <run-dir>/torch_profile, else "
+                        "cudaProfilerStart/Stop for `nsys profile --capture-range=cudaProfilerApi`",
+                        action="store_true")
+    profile_step_start: int = opt(10, "profiling starts after this many iterations")
+    profile_step_end: int = opt(12, "profiling stops after this iteration")
+    profile_ranks: list[int] = opt([], "global ranks to profile (default: all)", nargs="+")
+    use_pytorch_profiler: bool = opt(False, "--profile records a torch profiler trace (Perfetto, TensorBoard)",
+                                     action="store_true")
+    pytorch_profiler_collect_shapes: bool = opt(False, "the torch profiler records tensor shapes",
+                                                action="store_true")
+    pytorch_profiler_collect_callstack: bool = opt(False, "the torch profiler records Python call stacks",
+                                                   action="store_true")
+    nvtx_ranges: bool = opt(False, "NVTX ranges (forward, backward, each collective, optimizer step) during "
+                            "the --profile steps, for Nsight Systems; with the torch profiler the same "
+                            "ranges appear as user annotations", action="store_true")
 
 
 @dataclass

@@ -53,6 +53,7 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     problems += _packing_problems(cfg)
     problems += _data_problems(cfg)
     problems += _output_problems(cfg)
+    problems += _profile_problems(cfg, world)
     if check_files:
         problems += _file_problems(cfg)
     if problems:  # a problem two checks find (e.g. building the tokenizer repeats a flag check) once
@@ -63,7 +64,8 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
 # or interval (≥ 1) unless listed as allowed to be 0; a float may be 0 unless listed as positive;
 # a few have an upper bound (exclusive) as well.
 _INT_MAY_BE_ZERO = {"seed", "eval_iters", "lr_warmup_iters", "lr_warmup_samples", "num_workers",
-                    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"}
+                    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                    "profile_step_start"}
 _FLOAT_POSITIVE = {"norm_epsilon", "rotary_base", "rotary_percent", "init_method_std",
                    "initial_loss_scale", "min_loss_scale", "adam_eps"}
 _BELOW = {"hidden_dropout": (1, "1"), "attention_dropout": (1, "1"), "adam_beta1": (1, "1"),
@@ -440,6 +442,11 @@ def _tokenizer_problems(cfg: Config) -> list:
     return []
 
 
+def _profile_problems(cfg: Config, world: int) -> list:
+    from .training.profiling import problems  # imports torch: only when a config is checked
+    return problems(cfg, world)
+
+
 def _output_problems(cfg: Config) -> list:
     """Each folder the run writes is a directory, or can be created as one, and is writable."""
     from .folders import output_folder_problem
@@ -466,4 +473,5 @@ def notes(cfg: Config) -> list:
         lines.append("--verify-integrity ignored without --load: it checks the checkpoint a run loads")
     if c.async_save and not c.save:
         lines.append("--async-save ignored without --save: this run writes no checkpoint; add --save DIR")
-    return lines
+    from .training.profiling import notes as profile_notes
+    return lines + profile_notes(cfg)

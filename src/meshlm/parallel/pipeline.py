@@ -27,6 +27,7 @@ from ..config import Config, num_microbatches as config_num_microbatches
 from .. import fast
 from ..dtypes import at_least_fp32
 from ..errors import ConfigError
+from ..training.profiling import annotate
 from . import watchdog
 from .mesh import ParallelState
 from .p2p import StageComm, backward_from, release
@@ -256,7 +257,8 @@ class _Executor:
         x = None if first else self.received.pop(Action("RECV_F", a.mb, a.chunk))
         if x is not None and not self.forward_only:
             x.requires_grad_()
-        with self._record(a), torch.no_grad() if self.forward_only else contextlib.nullcontext():
+        with self._record(a), annotate(a.kind, a.mb, a.chunk), \
+                torch.no_grad() if self.forward_only else contextlib.nullcontext():
             out = self.chunks[a.chunk](batch["tokens"] if first else None,
                                        labels=batch["labels"] if last else None, hidden_states=x,
                                        position_ids=batch.get("position_ids"),
@@ -280,7 +282,7 @@ class _Executor:
     def backward(self, a: Action) -> None:
         stage = a.chunk * self.ps.pp + self.ps.pp_rank
         x, out = self.held.pop((a.mb, a.chunk))
-        with self._record(a):
+        with self._record(a), annotate(a.kind, a.mb, a.chunk):
             if stage == self.last_stage:
                 out.backward()
             else:

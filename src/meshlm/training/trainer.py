@@ -50,6 +50,7 @@ from ..parallel.random import MODEL_PARALLEL_SEED_OFFSET
 from ..parallel.pipeline import (bubble_fraction, build_model_chunks, forward_backward, reduce_losses,
                                 virtual_size)
 from .faults import LossSpikes, nan_origin
+from . import profiling, progress
 from .metrics import MetricsLogger, flops_per_iteration, require_tensorboard
 from .stop_signal import SignalFlag
 from .stragglers import StragglerWatch
@@ -270,13 +271,17 @@ def train(run: Run, state: TrainState) -> dict:
     if t.eval_at_start and state.iteration == 0 and run.valid_ds is not None:
         val_losses.append((0, evaluate(run, state, 0)))
     microbatches = run.batches.microbatches_at(state.consumed_samples)
+    prof = profiling.for_run(cfg, run.ps)
+    bar = progress.for_run(run.ps.is_logging_rank, run.train_iters, state.iteration)
     while state.iteration < run.train_iters:
         previous, microbatches = microbatches, run.batches.microbatches_at(state.consumed_samples)
         if microbatches != previous and cfg.checkpoint.save and saved_at != state.iteration:
             save_checkpoint(run, state)
             saved_at = state.iteration
-        loss = train_step(run, state)
+        with prof.step(state.iteration):
+            loss = train_step(run, state)
         losses.append(loss)
+        bar.update(state.iteration, loss)
         it = state.iteration
         if t.eval_interval and it % t.eval_interval == 0 and run.valid_ds is not None:
             val_losses.append((it, evaluate(run, state, it // t.eval_interval - 1)))
@@ -286,6 +291,8 @@ def train(run: Run, state: TrainState) -> dict:
         exited = _agreed_stop(run, start, it) or _at_exit_interval(run, it)
         if exited:
             break
+    prof.close()
+    bar.close()
     run.opt.finish_param_sync()  # no all-gather may still be in flight when the process ends
     if not exited and run.valid_ds is not None and (not val_losses or val_losses[-1][0] != state.iteration):
         val_losses.append((state.iteration, evaluate(run, state, state.iteration // max(t.eval_interval, 1))))
@@ -371,7 +378,8 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     loss_t = reduce_losses(outputs, ps, t.calculate_per_token_loss)
     read_loss = _start_read(loss_t)  # copied before the step's sync: reading it waits for no update
     watchdog.at(it, "optimizer step")
-    result = run.opt.step(loss_t)  # its grad norm is the step's one host sync; a NaN loss skips it too
+    with profiling.annotate("optimizer step"):
+        result = run.opt.step(loss_t)  # its grad norm is the step's one host sync; a NaN loss skips it too
     loss = read_loss()
     nan = not math.isfinite(loss)
     if nan and not run.logger.fp16:  # fp16: the loss scaler backs off and the run goes on

@@ -1,0 +1,136 @@
+"""Reading a run for the report: its metrics.jsonl records, its config.yaml, its pipeline timeline.
+
+A run directory is what ``meshlm pretrain`` writes: ``config.yaml`` and ``logs/metrics.jsonl``
+(MetricsLogger: one JSON object per line; a training record has ``iter_ms``, an evaluation
+record ``val_loss``, a checkpoint record ``checkpoint``). ``load_run`` also takes the logs folder
+or the metrics.jsonl file itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..errors import DataError
+
+
+@dataclass
+class RunData:
+    """One run as the report sees it.
+
+    train: training records in iteration order; evals: validation records; config: the run's
+    config.yaml as a nested dict ({} when absent); seq_length: tokens per sample (config, else 1
+    so "tokens" falls back to samples).
+    """
+
+    name: str
+    path: str
+    train: list = field(default_factory=list)
+    evals: list = field(default_factory=list)
+    config: dict = field(default_factory=dict)
+
+    @property
+    def seq_length(self) -> int:
+        return int(self.config.get("model", {}).get("seq_length") or 1)
+
+    def tokens(self, record: dict) -> float:
+        """Training tokens consumed when ``record`` was written (consumed samples × seq length)."""
+        return float(record["consumed_samples"]) * self.seq_length
+
+    def series(self, key: str, x: str = "tokens", records: Optional[list] = None) -> list:
+        """[(x, value)] of ``key`` over the training records (or ``records``) that have it; x is
+        "tokens", "iteration" or "time" (seconds since the first step: the sum of iter_ms over the
+        logged intervals, each record standing for the iterations since the one before)."""
+        rows = self.train if records is None else records
+        clock, last_it, out = 0.0, 0, []
+        for r in rows:
+            if x == "time" and "iter_ms" in r:
+                clock += r["iter_ms"] * (r["iteration"] - last_it) / 1000.0
+                last_it = r["iteration"]
+            if r.get(key) is None:
+                continue
+            where = {"tokens": lambda: self.tokens(r), "iteration": lambda: float(r["iteration"]),
+                     "time": lambda: clock}[x]()
+            out.append((where, float(r[key])))
+        return out
+
+    def last_timeline(self) -> Optional[dict]:
+        """The last logged iteration's pipeline timeline: {"iteration", "events", "bubble"} or None
+        (a run without pipeline parallelism logs none)."""
+        for r in reversed(self.train):
+            if r.get("pipeline_timeline"):
+                return {"iteration": r["iteration"], "events": r["pipeline_timeline"],
+                        "bubble": r.get("bubble_fraction")}
+        return None
+
+    @property
+    def pipeline(self) -> dict:
+        """{"pp", "v"}: pipeline ranks and model chunks per rank, from the config (1 when absent)."""
+        p = self.config.get("parallel", {})
+        return {"pp": int(p.get("pipeline_model_parallel_size") or 1),
+                "v": int(p.get("virtual_pipeline_model_parallel_size") or 1)}
+
+
+def metrics_path(path: str) -> str:
+    """The metrics.jsonl of ``path``: a run directory (its config's log_dir, else logs/), a logs
+    folder, or the file itself. DataError naming the path when there is none."""
+    if os.path.isfile(path):
+        return path
+    candidates = [os.path.join(path, "logs", "metrics.jsonl"), os.path.join(path, "metrics.jsonl")]
+    log_dir = _read_config(path).get("logging", {}).get("log_dir")
+    if log_dir:
+        candidates.insert(0, os.path.join(log_dir, "metrics.jsonl"))
+    for c in candidates:
+        if os.path.isfile(c):
+            return c
+    raise DataError(f"{path}: no logs/metrics.jsonl here; give the run directory `meshlm pretrain` "
+                    f"named in its first line (--run-dir), or its metrics.jsonl")
+
+
+def _read_config(run_dir: str) -> dict:
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        return {}
+    import yaml
+    with open(path) as fh:
+        loaded = yaml.safe_load(fh)
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def load_run(path: str, name: Optional[str] = None) -> RunData:
+    """Read the run at ``path`` (see metrics_path). name: its label in legends (default: the run
+    directory's name). DataError naming the file and line of a record that is not JSON."""
+    metrics = metrics_path(path)
+    logs = os.path.dirname(os.path.abspath(metrics))
+    run_dir = os.path.dirname(logs) if os.path.basename(logs) == "logs" else logs
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.yaml")):
+        run_dir = path
+    run = RunData(name=name or os.path.basename(os.path.normpath(os.path.abspath(run_dir))),
+                  path=run_dir, config=_read_config(run_dir))
+    with open(metrics) as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{metrics} line {number}: not JSON ({e.msg}); is it a metrics.jsonl "
+                                f"that `meshlm pretrain` wrote?") from None
+            if "val_loss" in rec:
+                run.evals.append(rec)
+            elif "iter_ms" in rec:
+                run.train.append(rec)
+    run.train.sort(key=lambda r: r["iteration"])
+    run.evals.sort(key=lambda r: r["iteration"])
+    return run
+
+
+def unique_names(runs: list) -> None:
+    """Give runs with the same name a " (2)", " (3)" … suffix so every legend entry is distinct."""
+    seen: dict = {}
+    for run in runs:
+        n = seen[run.name] = seen.get(run.name, 0) + 1
+        if n > 1:
+            run.name = f"{run.name} ({n})"

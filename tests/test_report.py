@@ -1,0 +1,155 @@
+"""meshlm report's pieces on synthetic data: charts, timeline, trace, findings, profiling flags,
+progress bar. The report of real runs (and Chromium) is tests/test_report_run.py."""
+
+import io
+import json
+
+import pytest
+
+from meshlm.config import Config
+from meshlm.errors import DataError
+from meshlm.parallel.schedules import analytic_bubble_fraction, compute_order
+from meshlm.report import page, svg, timeline, trace
+from meshlm.report.data import RunData, load_run
+from meshlm.training import profiling, progress
+from report_html import parse_html
+
+
+def schedule_events(pp, m, v=1, name="1f1b"):
+    """F/B events of every rank, one time unit per action in the rank's own order (layout only)."""
+    events = []
+    for rank in range(pp):
+        t = float(rank)
+        for group in compute_order(name, pp, rank, m, v):
+            for a in group:
+                events.append({"stage": rank, "chunk": a.chunk, "mb": a.mb, "kind": a.kind,
+                               "start": t, "end": t + 0.9})
+                t += 1.0
+    return events
+
+
+@pytest.mark.parametrize("pp,m,v,name", [(2, 4, 1, "1f1b"), (3, 6, 1, "gpipe"), (2, 4, 2, "interleaved")])
+def test_timeline_has_one_row_per_stage_and_an_f_and_b_bar_per_microbatch_chunk(pp, m, v, name):
+    doc = parse_html(timeline.timeline_svg(schedule_events(pp, m, v, name)))
+    rows = doc.find_all("g", "stage")
+    assert [r.attrs["data-stage"] for r in rows] == [str(s) for s in range(pp)]
+    for r in rows:
+        bars = r.find_all("rect", "bar")
+        assert len(bars) == int(r.attrs["data-bars"]) == 2 * m * v
+        assert sorted((b.attrs["data-kind"], b.attrs["data-mb"], b.attrs["data-chunk"]) for b in bars) == \
+            sorted((k, str(mb), str(c)) for k in "FB" for mb in range(m) for c in range(v))
+
+
+def test_analytic_bubble_is_narayanans_and_the_schedules_module_s():
+    a = timeline.analytic_bubble(4, 8, 2)
+    assert a["of_compute"] == pytest.approx(3 / 16)
+    assert a["of_wall"] == analytic_bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
+    line = timeline.bubble_line(schedule_events(2, 4), 0.3, 1)
+    assert "30.0%" in line and "(p−1)/m = 1/4 = 25.0%" in line and "20.0% of the wall time" in line
+
+
+def test_trace_is_chrome_json_with_one_process_per_stage_and_complete_events(tmp_path):
+    events = schedule_events(3, 4)
+    path = tmp_path / "t.json"
+    trace.write_trace([("a", events), ("b", schedule_events(2, 2))], str(path))
+    d = json.loads(path.read_text())
+    evs = d["traceEvents"]
+    assert {e["ph"] for e in evs} == {"X", "M"}
+    names = {e["pid"]: e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {0: "a stage 0", 1: "a stage 1", 2: "a stage 2", 1000: "b stage 0", 1001: "b stage 1"}
+    xs = [e for e in evs if e["ph"] == "X" and e["pid"] < 1000]
+    assert len(xs) == 2 * 4 * 3 and {e["tid"] for e in xs} == {1, 2}
+    first = min(events, key=lambda e: (e["stage"], e["start"]))
+    x0 = next(e for e in xs if e["pid"] == 0 and e["ts"] == 0)
+    assert x0["name"] == f'{first["kind"]}{first["mb"]}' and x0["dur"] == pytest.approx(0.9e6)
+
+
+def _run(name, records, evals=(), pp=2):
+    return RunData(name=name, path=name, train=list(records), evals=list(evals),
+                   config={"model": {"seq_length": 8}, "parallel": {"pipeline_model_parallel_size": pp}})
+
+
+def _records(n, **extra):
+    return [dict({"iteration": i, "consumed_samples": 4 * i, "lm_loss": 5.0 - 0.1 * i, "lr": 1e-3,
+                  "grad_norm": 1.0, "iter_ms": 100.0, "tokens_per_sec": 320.0}, **extra) for i in range(1, n + 1)]
+
+
+def test_comm_share_by_kind_from_comm_s_else_exposed_comm_share_as_dp():
+    by_kind = _run("a", _records(3, comm_s={"dp": 0.01, "tp": 0.02}))
+    dp_only = _run("b", _records(3, exposed_comm_share=0.25))
+    specs = {k: s for k, _, s, *_ in page.chart_specs([by_kind, dp_only])}
+    series = {s.name: s.points for s in specs["comm"]}
+    assert [c for p in series["a dp"] for c in p] == pytest.approx([0.1, 0.1, 0.2, 0.1, 0.3, 0.1])
+    assert [y for _, y in series["a tp"]] == [pytest.approx(0.2)] * 3
+    assert [y for _, y in series["b dp"]] == [0.25] * 3
+    # tokens = consumed samples × seq length
+    assert {s.name: s.points for s in specs["loss"]}["a train"][0] == (32.0, 4.9)
+
+
+def test_page_has_findings_first_one_series_per_run_and_a_predicted_timeline():
+    runs = [_run("a", _records(4, pipeline_timeline=schedule_events(2, 2), bubble_fraction=0.4),
+                 [{"iteration": 4, "consumed_samples": 16, "val_loss": 4.0}]),
+            _run("b", _records(2))]
+    findings = [{"title": "DP comm exposed", "detail": "<40% of the step>", "fix": "--overlap-grad-reduce"}]
+    html = page.build_page(runs, findings, predicted={"a": schedule_events(2, 2)})
+    doc = parse_html(html)
+    assert html.index('id="findings"') < html.index('id="summary"') and "&lt;40% of the step&gt;" in html
+    charts = {c.attrs["data-chart"]: c for c in doc.find_all("svg", "chart")}
+    assert [g.attrs["data-series"] for g in charts["lr"].find_all("g", "series")] == ["a", "b"]
+    assert [g.attrs["data-series"] for g in charts["loss"].find_all("g", "series")] == \
+        ["a train", "a validation", "b train"]
+    assert {d.attrs["data-chart"] for d in doc.find_all("div", "note")} == {"mfu", "memory", "comm"}
+    assert [t.attrs["data-timeline"] for t in doc.find_all("svg", "timeline")] == ["measured", "predicted"]
+    assert "http://" not in html and "https://" not in html
+
+
+def test_load_run_names_a_missing_run_and_a_bad_line(tmp_path):
+    with pytest.raises(DataError, match="no logs/metrics.jsonl"):
+        load_run(str(tmp_path))
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.jsonl").write_text(json.dumps(_records(1)[0]) + "\n{oops\n")
+    with pytest.raises(DataError, match="line 2: not JSON"):
+        load_run(str(tmp_path))
+
+
+def test_nice_ticks_cover_the_range():
+    for lo, hi in [(4.845, 4.87), (1e-4, 6e-4), (0, 1), (100, 512), (3, 3)]:
+        t = svg.nice_ticks(lo, hi)
+        assert t[0] <= lo and t[-1] >= hi and len(t) >= 2
+
+
+def test_profiling_flag_checks_and_notes():
+    cfg = Config()
+    lg = cfg.logging
+    lg.profile, lg.profile_step_start, lg.profile_step_end, lg.profile_ranks = True, 5, 5, [0, 7]
+    problems = profiling.problems(cfg, 4)
+    assert any("--profile-step-end 5 must be greater" in p for p in problems)
+    assert any("--profile-ranks 7: no such rank" in p for p in problems)
+    lg.profile, lg.nvtx_ranges = False, True
+    assert profiling.notes(cfg) == ["--nvtx-ranges --profile-ranks ignored without --profile (as in Megatron); "
+                                    "add --profile"]
+
+
+def test_annotate_is_the_shared_null_context_when_profiling_is_off():
+    assert profiling.annotate("F", 0) is profiling.annotate("optimizer step") is profiling._NULL
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_draws_on_the_terminal_only_and_clears_before_lines(monkeypatch):
+    term, log = _Terminal(), _Terminal()
+    monkeypatch.setattr("sys.stdout", log)
+    bar = progress.for_run(True, 10, 0, terminal=term)
+    assert isinstance(bar, progress.ProgressBar)
+    bar.update(1, 5.5)
+    bar.update(10, 5.25)
+    print(" iteration 10/10 | lm loss ...")
+    bar.close()
+    shown = term.getvalue()
+    assert "10/10" in shown and "ETA 0:00" in shown and "lm loss 5.25" in shown and "\x1b[2K" in shown
+    assert log.getvalue() == " iteration 10/10 | lm loss ...\n"  # no bar in the log
+    assert progress.for_run(False, 10, 0, terminal=term).__class__.__name__ == "_NoBar"
+    assert progress.for_run(True, 10, 0, terminal=io.StringIO()).__class__.__name__ == "_NoBar"
