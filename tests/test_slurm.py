@@ -49,10 +49,17 @@ def _free_port() -> int:
 
 
 def _job_env(**extra) -> dict:
-    """What both paths give the script: CPU mode with 2 workers, this Python and source tree."""
+    """What both paths give the script: CPU mode with 2 workers, this Python and source tree; none
+    of the SLURM_* variables of a job the tests themselves might run in."""
     path = os.pathsep.join(p for p in (os.path.join(REPO, "src"), HERE, os.environ.get("PYTHONPATH")) if p)
-    return clean_env(CPU_ONLY="1", NPROC_PER_NODE="2", OMP_NUM_THREADS="1", RDZV_PORT=str(_free_port()),
-                     PYTHON=sys.executable, PYTHONPATH=path, **extra)
+    env = {k: v for k, v in clean_env().items() if not k.startswith("SLURM_")}
+    try:
+        socket.gethostbyname(socket.gethostname())
+    except OSError:  # a host that cannot resolve its own name: rendezvous on the loopback address
+        env["RDZV_HOST"] = "127.0.0.1"
+    env.update(CPU_ONLY="1", NPROC_PER_NODE="2", OMP_NUM_THREADS="1", RDZV_PORT=str(_free_port()),
+               PYTHON=sys.executable, PYTHONPATH=path, **extra)
+    return env
 
 
 def _simulated_env(folder, **extra) -> dict:
