@@ -31,7 +31,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tail(path: str, lines: int = 8) -> str:
+def tail(path: str, lines: int = 8) -> str:
+    """The last ``lines`` lines of a log file (or a note that it was not written)."""
     if not os.path.isfile(path):
         return f"({path} was not written)"
     return "\n".join(open(path, errors="replace").read().splitlines()[-lines:])
@@ -103,8 +104,8 @@ class Cluster:
         for name, proc in self.daemons.items():
             if proc.poll() is not None:
                 return (f"{name} exited with status {proc.returncode}; the end of its log:\n"
-                        f"{_tail(os.path.join(self.folder, name + '.log'))}\n"
-                        f"{_tail(os.path.join(self.folder, name + '.out'))}")
+                        f"{tail(os.path.join(self.folder, name + '.log'))}\n"
+                        f"{tail(os.path.join(self.folder, name + '.out'))}")
         return None
 
 
@@ -154,4 +155,4 @@ def _wait_until_idle(cluster: Cluster) -> None:
             return
         time.sleep(0.5)
     raise SlurmUnavailable(f"the node was not idle {START_S:.0f} s after the daemons started (sinfo: {state!r}); "
-                           f"slurmd's log ends:\n{_tail(os.path.join(cluster.folder, 'slurmd.log'))}")
+                           f"slurmd's log ends:\n{tail(os.path.join(cluster.folder, 'slurmd.log'))}")
