@@ -15,6 +15,9 @@ import socket
 import subprocess
 import tempfile
 import time
+from typing import Optional
+
+from distributed import _free_port
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo")
 PACKAGES = "slurmctld slurmd slurm-client munge"
@@ -23,12 +26,6 @@ START_S = 30.0
 
 class SlurmUnavailable(Exception):
     """Why a real Slurm could not be started here (one line, or one line and a log's end)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tail(path: str, lines: int = 8) -> str:
@@ -72,9 +69,9 @@ class Cluster:
         self.daemons: dict = {}
 
     def _daemon(self, name: str, *argv: str) -> None:
-        log = open(os.path.join(self.folder, f"{name}.out"), "w")
-        self.daemons[name] = subprocess.Popen([name, *argv], stdout=log, stderr=subprocess.STDOUT,
-                                              env=self.env, cwd=self.folder)
+        with open(os.path.join(self.folder, f"{name}.out"), "w") as log:
+            self.daemons[name] = subprocess.Popen([name, *argv], stdout=log, stderr=subprocess.STDOUT,
+                                                  env=self.env, cwd=self.folder)
 
     def run(self, *argv: str) -> str:
         """A client command's stdout (CalledProcessError on failure)."""
@@ -100,7 +97,7 @@ class Cluster:
                 proc.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def _why_down(self) -> str:
+    def _why_down(self) -> Optional[str]:
         for name, proc in self.daemons.items():
             if proc.poll() is not None:
                 return (f"{name} exited with status {proc.returncode}; the end of its log:\n"

@@ -23,6 +23,7 @@ import warnings
 import pytest
 
 import slurm_cluster
+from distributed import _free_port
 from test_launch import TINY, clean_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -41,12 +42,6 @@ pytestmark = pytest.mark.slow  # three launches of 2 workers (about 20 CPU-secon
 
 class SlurmPathWarning(UserWarning):
     """Names the path test_slurm took: real Slurm, or simulated (and why)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _job_env(**extra) -> dict:
