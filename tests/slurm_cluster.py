@@ -4,7 +4,7 @@ slurm.conf of one node and one partition, no cgroups, no accounting.
 
 :func:`start` returns a :class:`Cluster` or raises :class:`SlurmUnavailable` saying exactly why
 it could not (a program missing, not root, a daemon that exited or never reported the node idle,
-with the end of its log). :meth:`Cluster.stop` ends the three daemons it started, by their pids.
+with the end of its log, or a trivial job that failed). :meth:`Cluster.stop` ends the three daemons it started, by their pids.
 """
 
 from __future__ import annotations
@@ -132,6 +132,7 @@ def start(cpus: int = 2) -> Cluster:
         cluster._daemon("slurmctld", "-D", "-c", "-f", cluster.conf)
         cluster._daemon("slurmd", "-D", "-f", cluster.conf, "-N", host)
         _wait_until_idle(cluster)
+        _run_a_trivial_job(cluster)
     except BaseException:
         cluster.stop()
         raise
@@ -153,3 +154,16 @@ def _wait_until_idle(cluster: Cluster) -> None:
         time.sleep(0.5)
     raise SlurmUnavailable(f"the node was not idle {START_S:.0f} s after the daemons started (sinfo: {state!r}); "
                            f"slurmd's log ends:\n{tail(os.path.join(cluster.folder, 'slurmd.log'))}")
+
+
+def _run_a_trivial_job(cluster: Cluster) -> None:
+    """Slurm that starts but cannot run a job here (slurmstepd refused by the container) is no
+    cluster for the test either: say so instead of failing the sbatch script's test."""
+    try:
+        out = subprocess.run(["srun", "--nodes=1", "--ntasks=1", "true"], env=cluster.env, capture_output=True,
+                             text=True, timeout=START_S)
+    except subprocess.TimeoutExpired:
+        raise SlurmUnavailable(f"`srun true` did not end within {START_S:.0f} s; slurmd's log ends:\n"
+                               f"{tail(os.path.join(cluster.folder, 'slurmd.log'))}") from None
+    if out.returncode != 0:
+        raise SlurmUnavailable(f"`srun true` failed (status {out.returncode}): {out.stderr.strip()}")
