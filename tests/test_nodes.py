@@ -29,7 +29,7 @@ from test_restart import ENTRY, NO_SHARED_STORE, attempts, torchrun, trajectory
 ITERS, SAVE_EVERY, VOCAB = 8, 2, 128
 SHAPE = ["--vocab-size", str(VOCAB), "--tokenizer-type", "NullTokenizer", "--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--tensor-model-parallel-size", "2", "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-iters", "0",
+         "--tensor-model-parallel-size", "2", "--hidden-dropout", "0", "--attention-dropout", "0", "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-iters", "0",
          "--split", "1,0,0", "--num-workers", "0", "--distributed-timeout-minutes", "2"]
 FLOAT64 = {"FLOAT64": "1"}
 
@@ -147,7 +147,7 @@ def test_a_node_leaving_an_elastic_job_leaves_the_other_training_on_from_the_res
     # node 0 hosts the rendezvous store (it survives); the dead node's keep-alive expires in 3 s;
     # a round of fewer than 2 nodes closes 3 s after the first has joined
     conf = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
-    argv = _argv(data, tmp_path / "cache")
+    argv = _argv(data, tmp_path / "cache", keep_checkpoints=ITERS)  # the resumed one stays, to copy
     leaving = _node(tmp_path, port, argv, "1:2", conf + ",is_host=0", restarts=1)
     staying = _node(tmp_path, port, argv, "1:2", conf + ",is_host=1", restarts=1)
     _wait_for_checkpoint(tmp_path / "ckpt", 4, staying)
