@@ -144,9 +144,10 @@ def _wait_for_checkpoint(root, iteration, proc, timeout=180):
 def test_a_node_leaving_an_elastic_job_leaves_the_other_training_on_from_the_resharded_checkpoint(
         data, one_node, tmp_path):
     port = _free_port()
-    # node 0 hosts the rendezvous store (it survives); the dead node's keep-alive expires in 3 s;
-    # a round of fewer than 2 nodes closes 3 s after the first has joined
-    conf = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
+    # the staying node hosts the rendezvous store (which dies with its host); the leaving node starts
+    # first, so it is waiting for the store when the round opens; a dead node's keep-alive expires
+    # in 3 s; a round of fewer than 2 nodes closes 5 s after the first node joined
+    conf = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
     argv = _argv(data, tmp_path / "cache", keep_checkpoints=ITERS)  # the resumed one stays, to copy
     leaving = _node(tmp_path, port, argv, "1:2", conf + ",is_host=0", restarts=1)
     staying = _node(tmp_path, port, argv, "1:2", conf + ",is_host=1", restarts=1)

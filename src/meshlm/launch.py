@@ -10,7 +10,8 @@ Three ways a ``meshlm pretrain`` process can find itself:
 * **user-launched job** (``torchrun …`` or Slurm's ``srun`` set RANK / SLURM_PROCID): rank 0
   resolves the config — including preparing the embedded default corpus, which therefore needs a
   run directory on a filesystem every node sees — and broadcasts it while the others wait
-  (:func:`resolve_on_rank0`); then every rank runs :func:`run_worker`.
+  (:func:`resolve_on_rank0`; each node keeps its own --data-cache-path); then every rank runs
+  :func:`run_worker`.
 
 Every worker copies its stdout/stderr to ``<log dir>/rank<R>.log`` (appending across runs). When a
 self-launched worker fails, the launcher prints one line naming the rank (and the worker's own
