@@ -50,16 +50,15 @@ def attempts(run_dir) -> list:
 
 
 def kill_moments(seed: int) -> list:
-    """KILLS moments "rank:iteration:where" in the order of iterations: a save kill only where a
-    save happens. Each attempt resumes from a checkpoint before its kill's iteration, so it reaches
-    the next kill's iteration (the same or a later one) again."""
+    """KILLS moments "rank:iteration:where" in the order of iterations: half after the step of a
+    random iteration, half inside the save of a random iteration that saves, each of a random rank.
+    Each attempt resumes from a checkpoint before its kill's iteration, so it reaches the next
+    kill's iteration (the same or a later one) again."""
     rng = random.Random(seed)
-    moments = []
-    for _ in range(KILLS):
-        it = rng.randint(1, ITERS)
-        where = "save" if it % SAVE_EVERY == 0 and rng.random() < 0.5 else "step"
-        moments.append((it, where == "save", rng.randrange(2)))
-    return [f"{rank}:{it}:{'save' if save else 'step'}" for it, save, rank in sorted(moments)]
+    saves = range(SAVE_EVERY, ITERS + 1, SAVE_EVERY)
+    moments = [(rng.randint(1, ITERS), "step") for _ in range(KILLS // 2)]
+    moments += [(rng.choice(saves), "save") for _ in range(KILLS - KILLS // 2)]
+    return [f"{rng.randrange(2)}:{it}:{where}" for it, where in sorted(moments, key=lambda m: (m[0], m[1] == "save"))]
 
 
 def _job(cwd, restarts=0, **env):
