@@ -160,6 +160,8 @@ def test_a_node_leaving_an_elastic_job_leaves_the_other_training_on_from_the_res
     assert log.count("world=4 TP=2 CP=1 DP=2 PP=1") == 1 and log.count("world=2 TP=2 CP=1 DP=1 PP=1") == 1
     assert "global batch 8 = 4 micro-batches × 2 × DP 1" in log
     assert first == 0 and 4 <= resumed < ITERS and resumed % SAVE_EVERY == 0
+    assert [int(line[0]) for line in before][:resumed] == list(range(1, resumed + 1))
+    assert [int(line[0]) for line in after] == list(range(resumed + 1, ITERS + 1))  # on from the checkpoint
     reference, ours = trajectory(one_node / "run"), trajectory(tmp_path / "run")
     assert [r[:2] for r in ours] == [r[:2] for r in reference]  # every iteration, every sample position
     assert ours[:resumed] == reference[:resumed]  # the 4-worker attempt: exact
