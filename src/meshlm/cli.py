@@ -193,8 +193,8 @@ def _run_pretrain(args: argparse.Namespace) -> int:
         return launch.run_worker(config_from_args(args))
     with contextlib.ExitStack() as held:  # the --run-dir and --save locks, held until the run ends
         if launch.in_launched_job():  # torchrun / srun started every rank; rank 0 resolves and locks
-            timeout = config_from_args(args).parallel.distributed_timeout_minutes
-            return launch.run_worker(launch.resolve_on_rank0(lambda: resolve_config(args, held), timeout))
+            return launch.run_worker(launch.resolve_on_rank0(lambda: resolve_config(args, held),
+                                                             config_from_args(args)))
         cfg = resolve_config(args, held)
         nproc = default_nproc(cfg)
         if nproc == 1:

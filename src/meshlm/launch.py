@@ -10,7 +10,8 @@ Three ways a ``meshlm pretrain`` process can find itself:
 * **user-launched job** (``torchrun …`` or Slurm's ``srun`` set RANK / SLURM_PROCID): rank 0
   resolves the config — including preparing the embedded default corpus, which therefore needs a
   run directory on a filesystem every node sees — and broadcasts it while the others wait
-  (:func:`resolve_on_rank0`); then every rank runs :func:`run_worker`.
+  (:func:`resolve_on_rank0`; each node keeps its own --data-cache-path); then every rank runs
+  :func:`run_worker`.
 
 Every worker copies its stdout/stderr to ``<log dir>/rank<R>.log`` (appending across runs). When a
 self-launched worker fails, the launcher prints one line naming the rank (and the worker's own
@@ -56,7 +57,15 @@ def in_launched_job() -> bool:
 
 
 def job_rank() -> int:
+    """This process's global rank: RANK (torchrun), else SLURM_PROCID, else 0."""
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def local_rank() -> int:
+    """This process's rank on its node: LOCAL_RANK (torchrun, and meshlm's own launcher), else
+    SLURM_LOCALID (srun without torchrun), else 0. Picks the GPU, and the node's leader
+    (local rank 0) does the node's file-system duties (data/gpt_dataset.py's index cache)."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
 
 
 def worker_log_path(cfg: Config, rank: int) -> str:
@@ -169,9 +178,17 @@ def run_worker(cfg: Config) -> int:
     return 0
 
 
-def resolve_on_rank0(resolve: Callable[[], Config], timeout_minutes: int) -> Config:
+# Settings each node keeps from its own command line (or --config) instead of taking rank 0's: they
+# name folders on that node's own file system.
+NODE_LOCAL = (("data", "data_cache_path"),)
+
+
+def resolve_on_rank0(resolve: Callable[[], Config], own: Config) -> Config:
     """In a user-launched job: rank 0 runs ``resolve()`` (run dir, default corpus, validation,
-    config.yaml) while the other ranks wait, then every rank gets rank 0's config.
+    config.yaml) while the other ranks wait, then every rank gets rank 0's config, except for the
+    :data:`NODE_LOCAL` settings, which every rank takes from ``own`` (its own flags' Config, also
+    the source of --distributed-timeout-minutes) where it sets them: two nodes may give different
+    --data-cache-path folders.
 
     A MeshlmError on rank 0 is re-raised there; the other ranks exit with status 2 quietly, so the
     job reports the problem once. Collective over the whole job (a broadcast from rank 0).
@@ -180,7 +197,7 @@ def resolve_on_rank0(resolve: Callable[[], Config], timeout_minutes: int) -> Con
 
     from .parallel.mesh import init_distributed
 
-    init_distributed(timeout_minutes)
+    init_distributed(own.parallel.distributed_timeout_minutes)
     if dist.get_rank() == 0:
         payload, error = None, None
         try:
@@ -200,7 +217,12 @@ def resolve_on_rank0(resolve: Callable[[], Config], timeout_minutes: int) -> Con
         if "error" in payload:
             dist.destroy_process_group()
             raise SystemExit(2)
-    return Config.from_dict(payload["config"])
+    cfg = Config.from_dict(payload["config"])
+    for section, name in NODE_LOCAL:
+        value = getattr(getattr(own, section), name)
+        if value is not None:
+            setattr(getattr(cfg, section), name, value)
+    return cfg
 
 
 # ----------------------------------------------------------------------------- launcher

@@ -18,12 +18,14 @@ import hashlib
 import json
 import math
 import os
+import socket
 
 import numpy as np
 import torch
 
 from ..config import global_batch, run_iterations, run_samples
 from ..errors import ConfigError, DataError
+from ..launch import local_rank
 from .blend import SURPLUS, BlendedDataset, samples_per_dataset
 from .indexed import IndexedDataset
 from .packing import Packing
@@ -149,9 +151,12 @@ class GPTDataset:
     ``ds[i]`` → {"tokens": int64 [s], "labels": int64 [s], "loss_mask": float32 [s]}, plus
     "position_ids" / "document_ids" int64 [s] under ``packing`` (data/packing.py).
     Indices are read from / written to ``cache_dir`` (default ``<data dir>/cache/GPTDataset_indices``)
-    under an md5 of :attr:`description`; only global rank 0 builds them, other ranks wait on a
-    barrier and load, so on several nodes the cache folder must be shared (as in Megatron).
-    Raises DataError if the range holds no tokens or the cache is not writable.
+    under an md5 of :attr:`description`. Global rank 0 builds them first (as in Megatron); then the
+    leader (local rank 0) of every node that does not see them — its cache folder is on a file
+    system of its own, or a --data-cache-path of its own — builds the same files; the other ranks
+    wait for both steps and load. Collective when torch.distributed is initialised.
+    Raises DataError (on every rank alike) if the range holds no tokens or a cache folder is not
+    writable.
     """
 
     def __init__(self, indexed: IndexedDataset, split: str, doc_range: tuple, num_samples: int,
@@ -174,16 +179,26 @@ class GPTDataset:
         if not indexed.sequence_lengths[begin:end].any():  # checked on every rank: no one waits in vain
             raise DataError(f"--data-path {indexed.prefix}: the {split} split (sequences [{begin}, {end}) "
                             f"of {len(indexed)}) holds no tokens; change --split {split_string} or add documents")
-        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        distributed = torch.distributed.is_initialized()
+        rank0 = not distributed or torch.distributed.get_rank() == 0
         self.cache_hit = all(os.path.isfile(p) for p in paths + [desc_path])
-        if rank0 and not self.cache_hit:
+
+        def build():
             arrays = build_indices(indexed.sequence_lengths, np.arange(begin, end), num_samples, seq_length, seed)
-            self._save(cache_dir, paths, arrays, desc_path)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+            return self._save(cache_dir, paths, arrays, desc_path)
+        problem = build() if rank0 and not self.cache_hit else None
+        if distributed:
+            problem = _agreed(problem)
+            if problem is None and not rank0 and local_rank() == 0 and \
+                    not all(os.path.isfile(p) for p in paths + [desc_path]):
+                problem = build()  # this node does not see rank 0's files
+            problem = _agreed(problem)
+        if problem:
+            raise DataError(problem)
         self.document_index, self.sample_index, self.shuffle_index = (np.load(p, mmap_mode="r") for p in paths)
 
-    def _save(self, cache_dir, paths, arrays, desc_path):
+    def _save(self, cache_dir, paths, arrays, desc_path) -> str | None:
+        """Write the index files (each atomically); None, or the problem as one line."""
         try:
             os.makedirs(cache_dir, exist_ok=True)
             for path, arr in zip(paths, arrays):
@@ -194,8 +209,9 @@ class GPTDataset:
                 f.write(self.description)
             os.replace(desc_path + ".tmp", desc_path)
         except OSError as e:
-            raise DataError(f"--data-cache-path {cache_dir}: cannot write the sample indices ({e.strerror}); "
-                            f"point --data-cache-path at a writable folder") from None
+            return (f"--data-cache-path {cache_dir}: cannot write the sample indices ({e.strerror}) on "
+                    f"{socket.gethostname()}; point --data-cache-path at a writable folder")
+        return None
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
@@ -215,6 +231,14 @@ class GPTDataset:
 
     def __getitem__(self, i: int) -> dict:
         return _item(self.tokens(i), self.seq_length, self.packing)
+
+
+def _agreed(problem: str | None) -> str | None:
+    """The lowest rank's problem (None if no rank has one), known to every rank: a collective that
+    also keeps every rank waiting until the builders are done."""
+    problems = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(problems, problem)
+    return next((p for p in problems if p), None)
 
 
 class MockGPTDataset:
