@@ -161,6 +161,8 @@ def _moe_problems(cfg: Config, world: int) -> list:
                         f"data-parallel ranks); use a divisor of {dpcp} or more processes")
     if tp > 1 and not p.sequence_parallel:
         problems.append("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as in Megatron-LM)")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        problems.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as in Megatron-LM)")
     shared = m.moe_shared_expert_intermediate_size
     if shared and shared % tp:
         problems.append(f"--moe-shared-expert-intermediate-size {shared} is not divisible by "

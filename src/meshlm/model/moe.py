@@ -5,8 +5,8 @@ needs at TP > 1; each TP rank routes its own rows):
   logits = x W_rᵀ [T, E] (fp32 at least), router z-loss attached;
   scores and top-k (``route``; Megatron's topk_routing_with_score_function): softmax over the k
   chosen logits, or over all E first with --moe-router-pre-softmax (not renormalised); sigmoid,
-  normalised over the k chosen. The expert bias (aux-loss-free balancing) shifts only the choice;
-  the gates come from the unbiased scores.
+  normalised over the k chosen. The expert bias (aux-loss-free balancing; sigmoid scores, as in
+  Megatron) shifts only the choice; the gates come from the unbiased scores.
   capacity (--moe-expert-capacity-factor): ceil(T·k/E · cf) routes per expert on this rank and
   micro-batch, extra routes dropped by lowest probability or latest position (``drop``);
   load-balancing loss (``aux_loss``) attached to the gates;
@@ -83,15 +83,15 @@ def route(logits: torch.Tensor, k: int, score_function: str = "softmax", pre_sof
           bias: torch.Tensor | None = None) -> tuple:
     """(gates [T, E] zero except the chosen, routing_map [T, E] bool) for logits [T, E].
 
-    Megatron's topk_routing_with_score_function (no groups, no scaling factor): see module doc."""
+    Megatron's topk_routing_with_score_function (no groups, no scaling factor): see module doc.
+    bias [E] (expert bias) is used with sigmoid scores only, as there (validate requires sigmoid)."""
     if score_function == "softmax":
         if pre_softmax:
             scores = torch.softmax(logits, dim=-1)
-            _, idx = torch.topk(scores if bias is None else scores + bias, k, dim=1)
-            top = scores.gather(1, idx)
+            top, idx = torch.topk(scores, k, dim=1)
         else:
-            _, idx = torch.topk(logits if bias is None else logits + bias, k, dim=1)
-            top = torch.softmax(logits.gather(1, idx), dim=-1)
+            top, idx = torch.topk(logits, k, dim=1)
+            top = torch.softmax(top, dim=-1)
     else:
         scores = torch.sigmoid(logits)
         _, idx = torch.topk(scores if bias is None else scores + bias, k, dim=1)
