@@ -61,6 +61,9 @@ class Case:
     fast: str = "off"            # --fast-path: "on" compiles the layers and loss, fused AdamW
     per_token: bool = False      # --calculate-per-token-loss
     packed: bool = False         # --eod-mask-loss --reset-position-ids --reset-attention-mask
+    experts: int = 0             # --num-experts (0: dense); the MoE fields below need it
+    ep: int = 1                  # --expert-model-parallel-size
+    moe: tuple = ()              # other MoE flags: ((config field, value), …)
 
     @property
     def world(self) -> int:
@@ -69,7 +72,7 @@ class Case:
     def model_key(self) -> tuple:
         """What the single-process reference depends on."""
         return (self.tied, self.pos, self.rotary, self.norm, self.swiglu, self.groups, self.micro,
-                self.layers, self.per_token, self.packed)
+                self.layers, self.per_token, self.packed, self.experts, self.moe)
 
     def __str__(self) -> str:
         default = Case()
@@ -109,6 +112,10 @@ def config(case: Case, global_batch: int = GLOBAL_BATCH):
     t.log_interval, t.eval_interval = 1, 1000
     t.calculate_per_token_loss = case.per_token
     cfg.data.eod_mask_loss = cfg.data.reset_position_ids = cfg.data.reset_attention_mask = case.packed
+    if case.experts:
+        m.num_experts, m.moe_ffn_hidden_size, p.expert_model_parallel_size = case.experts, 12, case.ep
+        for name, value in case.moe:
+            setattr(m, name, value)
     cfg.data.mock_data, cfg.data.split = True, "1,0,0"
     o.lr, o.min_lr, o.lr_warmup_iters, o.clip_grad = 1e-2, 1e-3, 1, 0.5
     validate(cfg, world=case.world, check_files=False)
@@ -143,15 +150,15 @@ def poison_pending_gathers(opt) -> None:
     original = opt._gather
 
     class Deferred:
-        def __init__(self, full, shard):
-            self.full, self.shard = full, shard.clone()
+        def __init__(self, full, shard, kw):
+            self.full, self.shard, self.kw = full, shard.clone(), kw
             full.fill_(float("nan"))
 
         def wait(self):
-            original(self.full, self.shard, async_op=False)
+            original(self.full, self.shard, async_op=False, **self.kw)
 
-    opt._gather = lambda full, shard, async_op: (Deferred(full, shard) if async_op
-                                                 else original(full, shard, async_op=False))
+    opt._gather = lambda full, shard, async_op, **kw: (Deferred(full, shard, kw) if async_op
+                                                       else original(full, shard, async_op=False, **kw))
 
 
 def _full_params(run) -> dict:
@@ -210,7 +217,7 @@ _REFERENCES: dict = {}
 def _single(case: Case) -> Case:
     return Case(tied=case.tied, pos=case.pos, rotary=case.rotary, norm=case.norm, swiglu=case.swiglu,
                 groups=case.groups, micro=case.micro, layers=case.layers, per_token=case.per_token,
-                packed=case.packed)
+                packed=case.packed, experts=case.experts, moe=case.moe)
 
 
 def references(cases: list) -> list:

@@ -12,6 +12,7 @@ the functions at the bottom, never stored twice. Checking a config is ``meshlm.v
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import math
 import os
@@ -77,6 +78,29 @@ class ModelConfig:
     init_method_std: float = opt(0.02, "std of the normal weight init")
     vocab_size: Optional[int] = opt(None, "vocabulary size (mock data / null tokenizer; else from the tokenizer)")
     make_vocab_size_divisible_by: int = opt(128, "pad the vocabulary to a multiple of this × TP")
+    num_experts: Optional[int] = opt(None, "routed experts per MoE layer (none or 0: dense MLPs only)")
+    moe_ffn_hidden_size: Optional[int] = opt(None, "hidden size of each routed expert (default --ffn-hidden-size)")
+    moe_router_topk: int = opt(2, "experts each token is routed to (k)")
+    moe_layer_freq: str = opt("1", "which layers are MoE: N = layers 0, N, 2N, …; or a pattern of 1 (MoE) "
+                              "and 0 (dense) per layer, e.g. \"([0]+[1]*3)*2\"")
+    moe_shared_expert_intermediate_size: Optional[int] = opt(
+        None, "hidden size of the shared expert every token also goes through (none: no shared expert)")
+    moe_router_score_function: str = opt("softmax", "router scores: softmax (over the k chosen, or over all "
+                                         "with --moe-router-pre-softmax) or sigmoid (normalised over the k)",
+                                         choices=["softmax", "sigmoid"])
+    moe_router_pre_softmax: bool = opt(False, "softmax over all experts before the top-k (gates not "
+                                       "renormalised)", action="store_true")
+    moe_aux_loss_coeff: float = opt(0.0, "load-balancing loss coefficient α (Switch/GShard: α·E·Σ f_i·P_i)")
+    moe_z_loss_coeff: Optional[float] = opt(None, "router z-loss coefficient (ST-MoE: mean logsumexp²)")
+    moe_router_enable_expert_bias: bool = opt(
+        False, "aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the scores for the top-k choice, "
+        "moved each step by --moe-router-bias-update-rate towards the mean load", action="store_true")
+    moe_router_bias_update_rate: float = opt(1e-3, "step of the expert bias update")
+    moe_expert_capacity_factor: Optional[float] = opt(
+        None, "expert capacity = ceil(tokens × k / experts × this) per micro-batch and rank; routes beyond "
+        "it are dropped (none: no dropping)")
+    moe_token_drop_policy: str = opt("probs", "which routes an expert over capacity keeps: the highest "
+                                     "probabilities, or the earliest positions", choices=["probs", "position"])
 
 
 @dataclass
@@ -85,6 +109,8 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = opt(1, "tensor parallel size (TP)")
     pipeline_model_parallel_size: int = opt(1, "pipeline parallel size (PP)")
+    expert_model_parallel_size: int = opt(1, "expert parallel size (EP): the routed experts split over EP "
+                                          "ranks carved out of DP × CP")
     context_parallel_size: int = opt(1, "context parallel size (CP)")
     sequence_parallel: bool = opt(False, "Megatron sequence parallelism (needs TP > 1)", action="store_true")
     virtual_pipeline_model_parallel_size: Optional[int] = opt(None, "virtual stages per pipeline rank")
@@ -541,6 +567,46 @@ def ffn_hidden(m: ModelConfig) -> int:
     if m.swiglu:
         return 64 * math.ceil(8 * m.hidden_size / 3 / 64)
     return 4 * m.hidden_size
+
+
+def moe_ffn(m: ModelConfig) -> int:
+    """Routed expert width: --moe-ffn-hidden-size, else the dense MLP's (Megatron)."""
+    return m.moe_ffn_hidden_size or ffn_hidden(m)
+
+
+def moe_layer_pattern(m: ModelConfig) -> list:
+    """[bool] per layer: whether its MLP is an MoE (all False without --num-experts). Megatron's
+    --moe-layer-freq: an int N makes layers 0, N, 2N, … MoE; a list expression of 0/1 (``[1]*3+[0]``,
+    ``([0]+[1]*3)*2``) gives each layer. Raises ConfigError naming the flag for anything else or a
+    pattern whose length is not --num-layers."""
+    if not m.num_experts:
+        return [False] * m.num_layers
+    text = str(m.moe_layer_freq).strip()
+    try:
+        value = _pattern_value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError):
+        raise ConfigError(f"--moe-layer-freq {text!r}: give an integer N or a list of 0/1 per layer such as "
+                          f"\"([0]+[1]*3)*2\"") from None
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(f"--moe-layer-freq {text}: give a positive integer")
+        return [i % value == 0 for i in range(m.num_layers)]
+    if len(value) != m.num_layers or any(v not in (0, 1) for v in value):
+        raise ConfigError(f"--moe-layer-freq {text!r} gives {len(value)} entries for --num-layers {m.num_layers}; "
+                          f"give one 0 (dense) or 1 (MoE) per layer")
+    return [bool(v) for v in value]
+
+
+def _pattern_value(node):
+    """The value of a --moe-layer-freq expression: ints, lists of them, + and * only (no eval)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        return [_pattern_value(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        a, b = _pattern_value(node.left), _pattern_value(node.right)
+        return a + b if isinstance(node.op, ast.Add) else a * b
+    raise ValueError(node)
 
 
 def query_groups(m: ModelConfig) -> int:

@@ -16,7 +16,8 @@ import os
 from typing import Optional
 
 from .config import (Config, ModelConfig, batch_schedule, config_fields, ffn_hidden, flag_of, global_batch,
-                     head_dim, max_positions, query_groups, rotary_dim, run_iterations, world_size_of)
+                     head_dim, max_positions, moe_layer_pattern, query_groups, rotary_dim, run_iterations,
+                     world_size_of)
 from .values import kind_of
 from .errors import ConfigError
 
@@ -48,6 +49,7 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     world = world_size_of(cfg) if world is None else world
     problems += _layout_problems(cfg, world)
     problems += _model_problems(cfg.model)
+    problems += _moe_problems(cfg, world)
     problems += _training_problems(cfg, cuda)
     problems += _run_length_problems(cfg, world)
     problems += _packing_problems(cfg)
@@ -65,9 +67,9 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
 # a few have an upper bound (exclusive) as well.
 _INT_MAY_BE_ZERO = {"seed", "eval_iters", "lr_warmup_iters", "lr_warmup_samples", "num_workers",
                     "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                    "profile_step_start"}
+                    "profile_step_start", "num_experts"}
 _FLOAT_POSITIVE = {"norm_epsilon", "rotary_base", "rotary_percent", "init_method_std",
-                   "initial_loss_scale", "min_loss_scale", "adam_eps"}
+                   "initial_loss_scale", "min_loss_scale", "adam_eps", "moe_expert_capacity_factor"}
 _BELOW = {"hidden_dropout": (1, "1"), "attention_dropout": (1, "1"), "adam_beta1": (1, "1"),
           "adam_beta2": (1, "1"), "seed": (2 ** 32, "2**32")}
 
@@ -136,6 +138,37 @@ def _layout_problems(cfg: Config, world: int) -> list:
     if world % (tp * cp * pp) == 0:  # layers per stage, virtual stages, schedule
         from .parallel.pipeline import validate_pipeline
         problems += validate_pipeline(cfg, world)
+    return problems
+
+
+def _moe_problems(cfg: Config, world: int) -> list:
+    """MoE flags (Megatron's rules): k ≤ experts, experts split evenly over EP, EP inside DP × CP,
+    sequence parallelism under TP (each TP rank routes its own s/tp tokens), the layer pattern."""
+    m, p = cfg.model, cfg.parallel
+    ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
+    if not m.num_experts:
+        return [f"--expert-model-parallel-size {ep} needs --num-experts"] if ep > 1 else []
+    problems = []
+    try:
+        moe_layer_pattern(m)
+    except ConfigError as e:
+        problems.append(str(e))
+    if m.moe_router_topk > m.num_experts:
+        problems.append(f"--moe-router-topk {m.moe_router_topk} is more than --num-experts {m.num_experts}")
+    if m.num_experts % ep:
+        problems.append(f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+    dpcp = world // max(1, tp * p.pipeline_model_parallel_size)
+    if dpcp % ep:
+        problems.append(f"--expert-model-parallel-size {ep} must divide DP × CP = {dpcp} (experts split the "
+                        f"data-parallel ranks); use a divisor of {dpcp} or more processes")
+    if tp > 1 and not p.sequence_parallel:
+        problems.append("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as in Megatron-LM)")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        problems.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as in Megatron-LM)")
+    shared = m.moe_shared_expert_intermediate_size
+    if shared and shared % tp:
+        problems.append(f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
+                        f"--tensor-model-parallel-size {tp}")
     return problems
 
 

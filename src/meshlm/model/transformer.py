@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import max_positions, padded_vocab_size
+from ..config import max_positions, moe_layer_pattern, padded_vocab_size
 from ..data.packing import attention_mask
 from ..fast import compile_module
 from ..parallel import comm
@@ -35,6 +35,7 @@ from ..parallel.random import RNGTracker
 from ..parallel.tensor import ShardedInit, VocabParallelEmbedding, contiguous_index, mark_partitioned
 from .attention import SelfAttention
 from .mlp import MLP
+from .moe import MoELayer, MoEState
 from .recompute import Recompute
 
 EMBEDDING_KEY = (-1, "embedding.word_embeddings.weight")  # (layer, name) of the word embedding
@@ -84,10 +85,14 @@ class TransformerLayer(nn.Module):
     RNG), which torch.compile fuses; the keyed streams of parallel/random.py cannot be traced and
     would split each compiled layer. Without SP at TP > 1 the residual stream is replicated over TP,
     so its masks must agree across TP ranks: the keyed streams stay.
+
+    moe_state: the chunk's MoEState when this layer's MLP is a mixture of experts (model/moe.py;
+    not compiled: its dispatch reads the routes' counts on the host).
     """
 
     def __init__(self, cfg, ps, layer: int, init, scaled_init, rng, seq: SequenceSlice, *,
-                 sequence_parallel: bool, params_dtype, fast: bool = False, recompute_core: bool = False):
+                 sequence_parallel: bool, params_dtype, fast: bool = False, recompute_core: bool = False,
+                 moe_state: MoEState | None = None):
         super().__init__()
         self.layer, self.rng, self.seq, self.p = layer, rng, seq, cfg.hidden_dropout
         self.plain_dropout = fast and (ps.tp == 1 or sequence_parallel)
@@ -96,9 +101,10 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(cfg, ps, layer, init, scaled_init, rng, fast=fast,
                                             recompute_core=recompute_core, **kw)
         self.pre_mlp_layernorm = Norm(cfg, sequence_parallel, params_dtype, ps.device)
-        self.mlp = MLP(cfg, ps, init, scaled_init, **kw)
+        self.mlp = MLP(cfg, ps, init, scaled_init, **kw) if moe_state is None else \
+            MoELayer(cfg, ps, layer, init, scaled_init, moe_state, **kw)
 
-        if fast:
+        if fast and moe_state is None:
             compile_module(self)
 
     def forward(self, x: torch.Tensor, call: int, positions=None, mask=None) -> torch.Tensor:
@@ -222,10 +228,12 @@ class GPTModel(nn.Module):
         if pre_process:
             self.embedding = Embedding(cfg, ps, vocab_size, self.padded_vocab, init, self.rng, seq, fast=fast, **kw)
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
+        self.moe_state, moe = MoEState(), moe_layer_pattern(cfg)
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(cfg, ps, i, lambda name, i=i: init(i, name),
                                      lambda name, i=i: init(i, name, scaled_std), self.rng, seq, fast=fast,
-                                     recompute_core=recompute.selective, **kw)
+                                     recompute_core=recompute.selective,
+                                     moe_state=self.moe_state if moe[i] else None, **kw)
             for i in layer_ids})
         if post_process:
             self.final_layernorm = Norm(cfg, sequence_parallel, params_dtype, ps.device)

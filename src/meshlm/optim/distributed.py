@@ -54,6 +54,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                              "cfg.parallel.use_distributed_optimizer")
         super().__init__(cfg, ps, chunks, ddp)
         self.norm_groups = [ps.mp_group, ddp.group]
+        self.expert_norm_groups = []  # experts' shards: EDP × EP = DP × CP, covered by ddp.group
         self.overlap_param_gather = cfg.parallel.overlap_param_gather
         self._pending = {}  # id(bucket) → handle of its param all-gather
         if self.overlap_param_gather:
@@ -62,28 +63,32 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 for block in _blocks(chunk):
                     self._hook_block(block, recurse=True)
 
-    def _shard_range(self, bucket) -> tuple:
-        return bucket.shard(self.ddp.rank, self.ddp.size)
+    def _shard_range(self, buf, bucket) -> tuple:
+        return bucket.shard(buf.rank, buf.size)
 
-    def _gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool):
-        """All-gather each rank's [n] shard into full [n × DP] (in place when shard aliases full)."""
+    def _gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool, buf=None):
+        """All-gather each rank's [n] shard into full [n × group size] over ``buf``'s group (the
+        DP × CP group by default; in place when shard aliases full)."""
         if async_op:
-            return self._start_gather(full, shard, True)
-        watchdog.call("all_gather of the ZeRO-1 params", self.ddp.group, self._start_gather, full, shard, False)
+            return self._start_gather(full, shard, True, buf)
+        group = buf.group if buf is not None else self.ddp.group
+        watchdog.call("all_gather of the ZeRO-1 params", group, self._start_gather, full, shard, False, buf)
 
-    def _start_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool):
-        if self.ddp.single_tensor_collectives:
-            return all_gather_flat(full, shard, group=self.ddp.group, async_op=async_op)
-        return dist.all_gather(list(full.chunk(self.ddp.size)), shard, group=self.ddp.group, async_op=async_op)
+    def _start_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool, buf=None):
+        group, size = (buf.group, buf.size) if buf is not None else (self.ddp.group, self.ddp.size)
+        single = buf.single_tensor if buf is not None else self.ddp.single_tensor_collectives
+        if single:
+            return all_gather_flat(full, shard, group=group, async_op=async_op)
+        return dist.all_gather(list(full.chunk(size)), shard, group=group, async_op=async_op)
 
     def _publish(self) -> None:
         """Copy masters into this rank's param shards, then all-gather every bucket's params."""
         super()._publish()
-        if self.ddp.group is None:
-            return
         for s in reversed(self.shards):  # forward order: the first layers' bucket first
+            if s.buf.group is None:
+                continue
             full = s.buf.param_data[s.bucket.start:s.bucket.end]
-            handle = self._gather(full, s.param, async_op=self.overlap_param_gather)
+            handle = self._gather(full, s.param, async_op=self.overlap_param_gather, buf=s.buf)
             if self.overlap_param_gather:
                 self._pending[id(s.bucket)] = handle
 

@@ -12,7 +12,8 @@ One ``step()`` (Megatron's order):
   2. global gradient norm: squares summed over this rank's grads with each parameter counted
      once (TP-replicated params on tp_rank 0 only; the last stage's copy of a tied embedding not
      counted when PP > 1; under ZeRO-1 each rank's shard), all-reduced over TP × PP (and DP × CP
-     under ZeRO-1). With loss scale 1 (bf16/fp32) the norm is the inf/NaN check: a non-finite
+     under ZeRO-1), MoE experts' squares first summed over EP (each EP rank holds other experts;
+     under ZeRO-1 the DP × CP reduction covers that). With loss scale 1 (bf16/fp32) the norm is the inf/NaN check: a non-finite
      grad anywhere makes it non-finite on every rank, so the step needs this one host sync;
   3. on inf/NaN: skip the update and back off the loss scale (fp16); under bf16/fp32 there is
      nothing to back off, so ``ok`` is False and the trainer stops with a message naming the
@@ -70,8 +71,10 @@ def param_names(chunks) -> dict:
 
 
 def counts_in_norm(p: torch.Tensor, ps) -> bool:
-    """Whether this rank's copy of p enters the global grad norm (each param counted once)."""
-    if not getattr(p, "tensor_model_parallel", False) and ps.tp_rank != 0:
+    """Whether this rank's copy of p enters the global grad norm (each param counted once; MoE
+    experts are whole on every TP rank)."""
+    replicated = not getattr(p, "tensor_model_parallel", False) or getattr(p, "expert", False)
+    if replicated and ps.tp_rank != 0:
         return False
     return not (getattr(p, "shared_embedding", False) and ps.pp > 1 and not ps.is_first_stage)
 
@@ -135,11 +138,13 @@ class MixedPrecisionOptimizer:
         self.norm_groups = [ps.mp_group]
         self.inf_groups = [ps.mp_group, ddp.group]
         self.names = param_names(chunks)
-        self.shards = [Shard(buf, b, *self._shard_range(b), self.names, ps) for buf in ddp.buffers for b in buf.buckets]
+        self.shards = [Shard(buf, b, *self._shard_range(buf, b), self.names, ps)
+                       for buf in ddp.buffers for b in buf.buckets]
+        self.expert_norm_groups = [ps.ep_group] if any(buf.expert for buf in ddp.buffers) else []  # see grad_norm
         self.fused = fast.enabled(cfg.training.fast_path, ps.device)
         self._groups = None  # [(adamw Group, [(shard index, lo, hi)] of its grads)], built on first use
 
-    def _shard_range(self, bucket) -> tuple:
+    def _shard_range(self, buf, bucket) -> tuple:
         return bucket.start, bucket.end
 
     # ------------------------------------------------------------------ public API
@@ -202,10 +207,17 @@ class MixedPrecisionOptimizer:
     def grad_norm(self, grads: list, loss: Optional[torch.Tensor] = None) -> float:
         """Global L2 norm of the gradients (see counts_in_norm), reduced over ``norm_groups``;
         NaN when ``loss`` (a tensor, optional) is NaN or inf (0 · loss enters the sum)."""
-        views = [g[f.lo:f.hi] for s, g in zip(self.shards, grads) for f in s.fragments if f.counted]
-        sq = torch.zeros(1, dtype=torch.float64, device=self.ps.device)
-        if views:
-            sq += torch.stack(torch._foreach_norm(views)).double().pow(2).sum()
+        def squares(expert: bool) -> torch.Tensor:
+            views = [g[f.lo:f.hi] for s, g in zip(self.shards, grads) if s.buf.expert == expert
+                     for f in s.fragments if f.counted]
+            sq = torch.zeros(1, dtype=torch.float64, device=self.ps.device)
+            if views:
+                sq += torch.stack(torch._foreach_norm(views)).double().pow(2).sum()
+            return sq
+
+        sq, experts = squares(False), squares(True)
+        self._all_reduce(experts, self.expert_norm_groups, dist.ReduceOp.SUM)
+        sq += experts
         if loss is not None:
             sq += 0.0 * loss.to(sq.device, torch.float64).reshape(-1)[:1]
         self._all_reduce(sq, self.norm_groups, dist.ReduceOp.SUM, "squared grad norm")

@@ -34,9 +34,17 @@ Under --check-for-nan-in-loss-and-grad (the default) each bucket's sum is taken 
 reduction (no host sync): ``local_grads_finite`` tells, after a failed NaN/inf check, whether
 this rank's own gradients were the non-finite ones (training/faults.py).
 
+MoE expert params (``p.expert``, model/moe.py) live in buffers of their own, reduced over the
+expert-data-parallel group ``ps.edp_group`` (the ranks holding the same experts) but divided by
+DP × CP like every other gradient, not by that group's size: the expert-parallel all-to-all's
+backward has already summed the contributions of the tokens of all EP ranks into the owner
+(Megatron's expert_gradient_scaling_factor). Under ZeRO-1 their buckets are sharded over that
+group.
+
 After the DP reduction, ``finish_grad_sync`` all-reduces over TP the gradients of replicated
 params marked ``sequence_parallel`` (under ``--sequence-parallel``), and over the embedding
-group the ``shared_embedding`` params' gradients (tied embeddings, PP > 1).
+group the ``shared_embedding`` params' gradients (tied embeddings, PP > 1), then moves the MoE
+routers' expert biases (model/moe.py ``update_expert_bias``, Megatron's finalize_model_grads).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from ..dtypes import wide
 from . import watchdog
 from .comm import elapsed as _elapsed, group_rank, group_size, mark as _mark
 from .mesh import ParallelState
+from ..model.moe import update_expert_bias
 
 # Flat-tensor collectives (torch >= 2.13 names, older names before): [n·size] → [n] and back.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -105,11 +114,16 @@ class ParamAndGradBuffer:
     ``allocate_grad`` to ``release_grads``. Each param's ``.data`` becomes a view into
     ``param_data`` (so ZeRO-1 can all-gather a bucket in one call) and ``p.main_grad`` a view into
     its bucket's grad (None while released). Built with every grad allocated and zero.
+
+    group: the group its buckets are reduced over (None: no reduction), with this rank's ``rank``
+    and the ``size``; expert: it holds MoE expert params; single_tensor: the group supports the
+    flat reduce-scatter / all-gather (``supports_single_tensor_collectives``).
     """
 
     def __init__(self, params: list, grad_dtype: torch.dtype, bucket_size: int, pad_to: int,
-                 own_bucket=lambda p: False):
-        self.params = params
+                 own_bucket=lambda p: False, *, group=None, expert: bool = False, single_tensor: bool = True):
+        self.params, self.group, self.expert, self.single_tensor = params, group, expert, single_tensor
+        self.size, self.rank = group_size(group), group_rank(group)
         self.index, self.buckets, self.next_launch = {}, [], 0
         offset, current = 0, []
 
@@ -185,9 +199,10 @@ class DistributedDataParallel:
     """Gradient buffers, hooks and DP reduction for a list of model chunks (see module doc).
 
     chunks: the model chunks of this rank (1, or v under interleaved PP). ps: the ParallelState.
-    cfg: the Config (reads cfg.parallel and cfg.model.untie_embeddings_and_output_weights).
-    Attributes read by the optimizer: ``buffers`` (list of ParamAndGradBuffer), ``group``
-    (ps.dp_cp_group), ``use_distributed_optimizer``; ``stats`` (GradSyncStats) for metrics.
+    cfg: the Config (reads cfg.parallel, cfg.model.untie_embeddings_and_output_weights and the
+    expert-bias rate). Attributes read by the optimizer: ``buffers`` (list of ParamAndGradBuffer,
+    each with its reduction group), ``group`` (ps.dp_cp_group), ``use_distributed_optimizer``;
+    ``stats`` (GradSyncStats) for metrics.
     """
 
     def __init__(self, chunks, ps: ParallelState, cfg):
@@ -203,7 +218,9 @@ class DistributedDataParallel:
         self.tied_embeddings = ps.pp > 1 and not cfg.model.untie_embeddings_and_output_weights
         self.bucket_size = p.ddp_bucket_size or max(40_000_000, 1_000_000 * ps.dp)
         self.single_tensor_collectives = supports_single_tensor_collectives(self.group)
-        pad_to = 64 * self.size if self.use_distributed_optimizer else 1
+        self.chunks, self.bias_rate = list(chunks), cfg.model.moe_router_bias_update_rate
+        has_experts = any(getattr(q, "expert", False) for c in chunks for q in c.parameters())
+        expert_single = supports_single_tensor_collectives(ps.edp_group) if has_experts else True
         # ZeRO-1 + tied embeddings: the shared weight gets its own bucket so the first and last
         # stage shard it identically and the embedding all-reduce can follow the reduce-scatter.
         own = (lambda q: getattr(q, "shared_embedding", False)) \
@@ -211,10 +228,14 @@ class DistributedDataParallel:
         self.buffers, self._where = [], {}
         for chunk in reversed(list(chunks)):
             params = [q for q in chunk.parameters() if q.requires_grad][::-1]
-            for dtype in dict.fromkeys(q.dtype for q in params):
-                group = [q for q in params if q.dtype == dtype]
+            for dtype, expert in dict.fromkeys((q.dtype, getattr(q, "expert", False)) for q in params):
+                group = [q for q in params if q.dtype == dtype and getattr(q, "expert", False) == expert]
                 grad_dtype = wide(dtype) if p.accumulate_allreduce_grads_in_fp32 else dtype
-                buf = ParamAndGradBuffer(group, grad_dtype, self.bucket_size, pad_to, own)
+                reduce_group = ps.edp_group if expert else self.group
+                pad_to = 64 * group_size(reduce_group) if self.use_distributed_optimizer else 1
+                buf = ParamAndGradBuffer(group, grad_dtype, self.bucket_size, pad_to, own, group=reduce_group,
+                                         expert=expert,
+                                         single_tensor=expert_single if expert else self.single_tensor_collectives)
                 self.buffers.append(buf)
                 for b in buf.buckets:
                     for q in b.params:
@@ -298,22 +319,24 @@ class DistributedDataParallel:
             self._sync = True
 
     def _launch(self, buf: ParamAndGradBuffer, bucket: Bucket) -> None:
-        """Start the async reduction of one bucket: ÷ group size, then all-reduce/reduce-scatter."""
+        """Start the async reduction of one bucket: ÷ DP × CP, then all-reduce/reduce-scatter over
+        the buffer's group."""
         buf.next_launch += 1
         bucket.launched = True
         if bucket.grad is None:  # no param of the bucket got a gradient this step
             buf.allocate_grad(bucket)
         if self.check_local_grads:  # NaN/inf anywhere makes the sum non-finite (training/faults.py)
             self._local_sums.append(bucket.grad.sum())
-        if self.group is None:
-            return
         data = bucket.grad
-        data.div_(self.size)
-        if self.use_distributed_optimizer and self.single_tensor_collectives:
-            shard = bucket.grad_range(*bucket.shard(self.rank, self.size))
-            bucket.handle = reduce_scatter_flat(shard, data, group=self.group, async_op=True)
+        if self.size > 1:
+            data.div_(self.size)
+        if buf.group is None:
+            return
+        if self.use_distributed_optimizer and buf.single_tensor:
+            shard = bucket.grad_range(*bucket.shard(buf.rank, buf.size))
+            bucket.handle = reduce_scatter_flat(shard, data, group=buf.group, async_op=True)
         else:
-            bucket.handle = dist.all_reduce(data, group=self.group, async_op=True)
+            bucket.handle = dist.all_reduce(data, group=buf.group, async_op=True)
         self._bytes += data.numel() * data.element_size()
 
     # ------------------------------------------------------------------ after backward
@@ -335,7 +358,8 @@ class DistributedDataParallel:
             for i, bucket in enumerate(buf.buckets):
                 t = _mark(self.ps.device)
                 if bucket.handle is not None:
-                    watchdog.enter(f"{kind} of DP gradient bucket {i}", self.group)
+                    what = "expert " if buf.expert else ""
+                    watchdog.enter(f"{kind} of {what}DP gradient bucket {i}", buf.group)
                     try:
                         bucket.handle.wait()
                     finally:
@@ -345,6 +369,7 @@ class DistributedDataParallel:
             self._all_reduce_marked("sequence_parallel", self.ps.tp_group)
         if self.tied_embeddings and self.ps.embedding_group is not None:
             self._all_reduce_marked("shared_embedding", self.ps.embedding_group)
+        update_expert_bias(self.chunks, self.ps, self.bias_rate)
         stats.marks, stats.spans = (t0, _mark(self.ps.device)), spans
         stats.bytes_reduced = self._bytes
         self.stats = stats

@@ -69,6 +69,10 @@ class ParallelState:
       pp_group      the stages of one pipeline
       mp_group      tp × pp ranks of one model replica (gradient-norm reduction)
       embedding_group  first and last stage of a pipeline (tied embeddings), None if PP == 1
+      ep_group      ranks that split one MoE layer's routed experts (expert parallel): EP
+                    consecutive dp × cp ranks of one (pp, tp) slice (Megatron's tp-cp-ep-dp-pp)
+      edp_group     ranks that hold the same experts and average their gradients (expert data
+                    parallel): the dp × cp / EP ranks of one (pp, tp) slice with this ep_rank
     pp_ranks: global ranks of this pipeline's stages in order (for p2p send/recv).
     """
 
@@ -82,6 +86,8 @@ class ParallelState:
     cp_rank: int = 0
     dp_rank: int = 0
     pp_rank: int = 0
+    ep: int = 1
+    ep_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     tp_group: Optional[object] = None
     cp_group: Optional[object] = None
@@ -90,6 +96,8 @@ class ParallelState:
     pp_group: Optional[object] = None
     mp_group: Optional[object] = None
     embedding_group: Optional[object] = None
+    ep_group: Optional[object] = None
+    edp_group: Optional[object] = None
     pp_ranks: tuple = (0,)
     tp_ranks: tuple = (0,)
     dp_ranks: tuple = (0,)
@@ -101,15 +109,17 @@ class ParallelState:
         return cls(device=device or torch.device("cpu"))
 
     @classmethod
-    def build(cls, tp: int = 1, pp: int = 1, cp: int = 1) -> "ParallelState":
+    def build(cls, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> "ParallelState":
         """Create every group. Collective: all ranks must call it with the same sizes.
 
-        Raises ConfigError if the world size is not divisible by TP × CP × PP.
+        Raises ConfigError if the world size is not divisible by TP × CP × PP, or DP × CP by EP.
         """
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % (tp * cp * pp):
             raise ConfigError(f"world size {world} is not divisible by TP×CP×PP = {tp}×{cp}×{pp}")
         dp = world // (tp * cp * pp)
+        if (dp * cp) % ep:
+            raise ConfigError(f"--expert-model-parallel-size {ep} does not divide DP × CP = {dp * cp}")
         grid = torch.arange(world).view(pp, dp, cp, tp)  # rank = ((pp*DP + dp)*CP + cp)*TP + tp
         pp_r, dp_r, cp_r, tp_r = [int(i) for i in (grid == rank).nonzero()[0]]
 
@@ -130,13 +140,17 @@ class ParallelState:
         pp_g, pp_ranks = groups(grid.permute(1, 2, 3, 0).reshape(-1, pp))
         mp_g, _ = groups(grid.permute(1, 2, 0, 3).reshape(-1, pp * tp))
         emb = groups([[r[0], r[-1]] if pp > 1 else [r[0]] for r in grid.permute(1, 2, 3, 0).reshape(-1, pp)])
+        slices = grid.permute(0, 3, 1, 2).reshape(pp, tp, dp * cp // ep, ep)  # [pp, tp, edp, ep]
+        ep_g, ep_ranks = groups(slices.reshape(-1, ep))
+        edp_g, _ = groups(slices.permute(0, 1, 3, 2).reshape(-1, dp * cp // ep))
         emb_g = emb[0] if emb is not None else None  # middle stages belong to no embedding group
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         return cls(world_size=world, rank=rank, tp=tp, cp=cp, dp=dp, pp=pp, tp_rank=tp_r, cp_rank=cp_r,
                    dp_rank=dp_r, pp_rank=pp_r, device=device, tp_group=tp_g, cp_group=cp_g,
                    dp_group=dp_g, dp_cp_group=dpcp_g, pp_group=pp_g, mp_group=mp_g,
-                   embedding_group=emb_g, pp_ranks=pp_ranks, tp_ranks=tp_ranks, dp_ranks=dp_ranks)
+                   embedding_group=emb_g, ep=ep, ep_rank=ep_ranks.index(rank), ep_group=ep_g,
+                   edp_group=edp_g, pp_ranks=pp_ranks, tp_ranks=tp_ranks, dp_ranks=dp_ranks)
 
     # ------------------------------------------------------------------ pipeline helpers
     @property
@@ -163,5 +177,6 @@ class ParallelState:
         return self.is_last_stage and self.tp_rank == 0 and self.cp_rank == 0 and self.dp_rank == 0
 
     def describe(self) -> str:
-        return (f"world={self.world_size} TP={self.tp} CP={self.cp} DP={self.dp} PP={self.pp} "
+        ep = f" EP={self.ep}" if self.ep > 1 else ""
+        return (f"world={self.world_size} TP={self.tp} CP={self.cp} DP={self.dp} PP={self.pp}{ep} "
                 f"(rank {self.rank}: tp={self.tp_rank} cp={self.cp_rank} dp={self.dp_rank} pp={self.pp_rank})")

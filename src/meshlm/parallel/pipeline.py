@@ -198,6 +198,10 @@ def forward_backward(chunks: list, data_iter: Iterator[dict], *, ps: ParallelSta
     run = _Executor(chunks, data_iter, ps, comm, num_microbatches, forward_only, loss_scale, timeline)
     if cfg.training.calculate_per_token_loss:
         run.per_token = _global_loss_tokens(run, ps) if not forward_only else True
+    for chunk in chunks:  # MoE aux losses get the LM loss's gradient scale (model/moe.py)
+        if hasattr(chunk, "moe_state"):
+            chunk.moe_state.scale = loss_scale * ps.dp * ps.cp / run.per_token \
+                if isinstance(run.per_token, torch.Tensor) else loss_scale / num_microbatches
     last_b = max((i for i, s in enumerate(steps) if isinstance(s, Action) and s.kind == "B"), default=-1)
     for i, step in enumerate(steps):
         if isinstance(step, P2P):

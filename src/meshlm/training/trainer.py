@@ -175,7 +175,7 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
     if cfg.logging.tensorboard_dir:
         require_tensorboard()  # every rank fails alike, before any collective
     ps = ParallelState.build(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                             p.context_parallel_size)
+                             p.context_parallel_size, p.expert_model_parallel_size)
     random.seed(t.seed)
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)

@@ -1,0 +1,302 @@
+"""Mixture-of-experts MLP (Megatron-core's MoELayer): router, routed experts, optional shared expert.
+
+Per layer, on this rank's tokens x [s, b, h] ([s/tp, b, h] under sequence parallelism, which MoE
+needs at TP > 1; each TP rank routes its own rows):
+  logits = x W_rᵀ [T, E] (fp32 at least), router z-loss attached;
+  scores and top-k (``route``; Megatron's topk_routing_with_score_function): softmax over the k
+  chosen logits, or over all E first with --moe-router-pre-softmax (not renormalised); sigmoid,
+  normalised over the k chosen. The expert bias (aux-loss-free balancing; sigmoid scores, as in
+  Megatron) shifts only the choice; the gates come from the unbiased scores.
+  capacity (--moe-expert-capacity-factor): ceil(T·k/E · cf) routes per expert on this rank and
+  micro-batch, extra routes dropped by lowest probability or latest position (``drop``);
+  load-balancing loss (``aux_loss``) attached to the gates;
+  dispatch to the experts (EP all-to-all, parallel/experts.py), expert MLPs, gate-weighted sum;
+  plus the shared expert's output (a TP-split MLP on every token).
+
+Auxiliary losses enter backward through ``AttachLoss``: the forward value is unchanged, backward
+feeds the loss a gradient of ``MoEState.scale``, which the pipeline sets to what it multiplies
+the LM loss by (loss_scale / micro-batches; under --calculate-per-token-loss
+loss_scale · DP · CP / N, the loss then weighted by the micro-batch's tokens), so aux and LM
+gradients are averaged alike (Megatron's MoEAuxLossAutoScaler).
+
+Experts are meshlm MLPs at TP = 1 (expert TP 1), named by their **global** index
+(``mlp.experts.local_experts.<e>.linear_fc1.weight``), so checkpoints are layout-free; each EP
+rank holds experts [r·E/EP, (r+1)·E/EP). Their params carry ``expert = True`` (reduced over the
+expert-data-parallel group: parallel/data.py) and, under SP, ``sequence_parallel = True`` (TP
+ranks saw different tokens: their grads are summed over TP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import moe_ffn
+from ..dtypes import wide
+from ..parallel.experts import dispatch_combine
+from .mlp import MLP
+
+
+class MoEState:
+    """What the MoE layers of one model chunk share: ``scale`` of the aux-loss gradients (set by
+    the pipeline per step) and this step's routing statistics per layer (``stats``: layer →
+    {"tokens": [E] routes per expert (after dropping), "routes": routes before dropping,
+    "aux", "z": summed loss values (unscaled by their coefficients' gradient), "calls"})."""
+
+    def __init__(self):
+        self.scale = 1.0
+        self.stats: dict = {}
+
+    def record(self, layer: int, **values) -> None:
+        s = self.stats.setdefault(layer, {})
+        for k, v in values.items():
+            v = v.detach() if isinstance(v, torch.Tensor) else v
+            s[k] = s[k] + v if k in s else v
+
+
+class AttachLoss(torch.autograd.Function):
+    """y = x; backward also gives ``loss`` the gradient ``state.scale`` (see module doc)."""
+
+    @staticmethod
+    def forward(ctx, x, loss, state):
+        ctx.state = state
+        ctx.save_for_backward(loss)
+        return x
+
+    @staticmethod
+    def backward(ctx, dy):
+        (loss,) = ctx.saved_tensors
+        return dy, torch.ones_like(loss) * ctx.state.scale, None
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward (full recompute re-running a forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def route(logits: torch.Tensor, k: int, score_function: str = "softmax", pre_softmax: bool = False,
+          bias: torch.Tensor | None = None) -> tuple:
+    """(gates [T, E] zero except the chosen, routing_map [T, E] bool) for logits [T, E].
+
+    Megatron's topk_routing_with_score_function (no groups, no scaling factor): see module doc.
+    bias [E] (expert bias) is used with sigmoid scores only, as there (validate requires sigmoid)."""
+    if score_function == "softmax":
+        if pre_softmax:
+            scores = torch.softmax(logits, dim=-1)
+            top, idx = torch.topk(scores, k, dim=1)
+        else:
+            top, idx = torch.topk(logits, k, dim=1)
+            top = torch.softmax(top, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        _, idx = torch.topk(scores if bias is None else scores + bias, k, dim=1)
+        top = scores.gather(1, idx)
+        if k > 1:
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    gates = torch.zeros_like(logits).scatter(1, idx, top)
+    return gates, torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+
+
+def capacity(tokens: int, experts: int, k: int, factor: float) -> int:
+    """Routes an expert may take: ceil(tokens · k / experts · factor) (Megatron's get_capacity)."""
+    return math.ceil(tokens * k / experts * factor)
+
+
+def drop(gates: torch.Tensor, routing_map: torch.Tensor, cap: int, policy: str = "probs") -> tuple:
+    """(gates, routing_map) with at most ``cap`` routes per expert: the highest gates (probs) or
+    the earliest tokens (position); the others' gates zeroed."""
+    if cap >= gates.shape[0]:
+        return gates, routing_map
+    if policy == "probs":
+        keep_idx = torch.topk(gates, cap, dim=0).indices
+        keep = torch.zeros_like(routing_map).scatter(0, keep_idx, True) & routing_map
+    else:
+        keep = routing_map & (routing_map.long().cumsum(0) <= cap)
+    return gates * keep, keep
+
+
+def aux_loss(logits: torch.Tensor, k: int, score_function: str, coeff: float, tp_group=None) -> tuple:
+    """(loss, tokens per expert [E]) of Switch/GShard balancing: coeff · E/(k·T²) · Σ_i P_i · f_i, with
+    P_i the summed scores of this rank's rows and f_i the routes of the top-k of those scores
+    counted over every rank of ``tp_group`` (which split the micro-batch's T tokens), so summing
+    the ranks' losses gives the loss of the whole micro-batch (Megatron's
+    switch_load_balancing_loss_func on compute_routing_scores_for_aux_loss)."""
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    idx = torch.topk(scores, k, dim=1).indices
+    counts = torch.zeros_like(scores).scatter(1, idx, 1.0).sum(0)
+    tokens = logits.shape[0]
+    if tp_group is not None:
+        dist.all_reduce(counts, group=tp_group)
+        tokens *= dist.get_world_size(tp_group)
+    E = logits.shape[1]
+    return (scores.sum(0) * counts).sum() * (E * coeff / (k * tokens * tokens)), counts
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """coeff · mean_t (logsumexp_j logits_tj)² (ST-MoE, Zoph et al. 2022, eq. 5)."""
+    return coeff * torch.logsumexp(logits, dim=-1).square().mean()
+
+
+class Router(nn.Module):
+    """weight [E, h]: logits of this rank's tokens; ``expert_bias`` [E] fp32 buffer (aux-loss-free)
+    and ``tokens_per_expert`` [E], the routes counted this step for its update."""
+
+    def __init__(self, cfg, ps, init, *, sequence_parallel: bool, params_dtype):
+        super().__init__()
+        E = cfg.num_experts
+        w = init("mlp.router.weight").weight((E, cfg.hidden_size), 0, torch.arange(E), params_dtype, ps.device)
+        self.weight = nn.Parameter(w)
+        self.weight.sequence_parallel = sequence_parallel
+        self.use_bias = cfg.moe_router_enable_expert_bias
+        self.register_buffer("expert_bias", torch.zeros(E, device=ps.device), persistent=False)
+        self.register_buffer("tokens_per_expert", torch.zeros(E, device=ps.device), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, h] → logits [T, E] in at least fp32."""
+        dtype = wide(x.dtype)
+        return F.linear(x.to(dtype), self.weight.to(dtype))
+
+
+class Experts(nn.Module):
+    """This EP rank's routed experts: MLPs (TP = 1) under their global indices ``local_experts.<e>``.
+
+    ``forward(x, counts)``: x [N, h] rows sorted by local expert, counts [E_local] int64 → [N, h].
+    One grouped GEMM per projection (``torch._grouped_mm``, weights stacked) where torch has it
+    and ``grouped`` (CUDA, fp32/bf16/fp16), else a loop over the experts (every expert runs, on
+    zero rows if it got none, so each gets a gradient, zero when unused).
+    """
+
+    def __init__(self, cfg, ps, init, scaled_init, *, sequence_parallel: bool, params_dtype):
+        super().__init__()
+        E, ep = cfg.num_experts, max(1, ps.ep)
+        first = ps.ep_rank * (E // ep)
+        self.ids = list(range(first, first + E // ep))
+        expert_cfg = dataclasses.replace(cfg, ffn_hidden_size=moe_ffn(cfg))
+        expert_ps = dataclasses.replace(ps, tp=1, tp_rank=0, tp_group=None)
+
+        def renamed(fn, e):
+            return lambda name: fn(name.replace("mlp.", f"mlp.experts.local_experts.{e}.", 1))
+
+        self.local_experts = nn.ModuleDict({
+            str(e): MLP(expert_cfg, expert_ps, renamed(init, e), renamed(scaled_init, e),
+                        sequence_parallel=False, params_dtype=params_dtype) for e in self.ids})
+        for p in self.parameters():
+            p.expert, p.sequence_parallel = True, sequence_parallel
+        self.swiglu, self.gelu_approximate = cfg.swiglu, "tanh" if cfg.openai_gelu else "none"
+        self.grouped = (hasattr(torch, "_grouped_mm") and ps.device.type == "cuda"
+                        and params_dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+    def _act(self, y: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(y, approximate=self.gelu_approximate)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        experts = list(self.local_experts.values())
+        if not self.grouped:
+            return torch.cat([e(rows) for e, rows in zip(experts, x.split(counts.tolist()))])
+        offs = counts.cumsum(0).to(torch.int32)
+        fc1 = [e.linear_fc1 for e in experts]
+        fc2 = [e.linear_fc2 for e in experts]
+        y = torch._grouped_mm(x, torch.stack([m.weight for m in fc1]).transpose(1, 2), offs=offs)
+        row_expert = None
+        if fc1[0].bias is not None:
+            row_expert = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=torch.int32),
+                                            right=True)
+            y = y + torch.stack([m.bias for m in fc1])[row_expert]
+        y = torch._grouped_mm(self._act(y), torch.stack([m.weight for m in fc2]).transpose(1, 2), offs=offs)
+        if row_expert is not None:
+            y = y + torch.stack([m.bias for m in fc2])[row_expert]
+        return y
+
+
+class MoELayer(nn.Module):
+    """The MLP of an MoE layer: x [s, b, h] ([s/tp, b, h] under SP) → same shape (module doc).
+
+    state: the chunk's MoEState; layer: the global layer index (for statistics).
+    """
+
+    def __init__(self, cfg, ps, layer: int, init, scaled_init, state: MoEState, *, sequence_parallel: bool,
+                 params_dtype):
+        super().__init__()
+        self.cfg, self.ps, self.layer, self.state = cfg, ps, layer, state
+        self.tp_group = ps.tp_group if sequence_parallel else None
+        kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+        self.router = Router(cfg, ps, init, **kw)
+        self.experts = Experts(cfg, ps, init, scaled_init, **kw)
+        self.shared_experts = None
+        if cfg.moe_shared_expert_intermediate_size:
+            shared_cfg = dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_expert_intermediate_size)
+            self.shared_experts = MLP(shared_cfg, ps, lambda n: init(n.replace("mlp.", "mlp.shared_experts.", 1)),
+                                      lambda n: scaled_init(n.replace("mlp.", "mlp.shared_experts.", 1)), **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg, state = self.cfg, self.state
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        logits = self.router(tokens)
+        training = self.training and torch.is_grad_enabled()
+        record = training and not _in_backward()
+        if training and cfg.moe_z_loss_coeff:
+            tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
+            z = z_loss(logits, cfg.moe_z_loss_coeff / tp)
+            if record:
+                state.record(self.layer, z=z * tp / cfg.moe_z_loss_coeff)
+            logits = AttachLoss.apply(logits, z * self._token_weight(tokens), state)
+        bias = self.router.expert_bias if self.router.use_bias else None
+        gates, routing_map = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function,
+                                   cfg.moe_router_pre_softmax, bias)
+        routes = routing_map.sum(0)
+        if cfg.moe_expert_capacity_factor is not None:
+            cap = capacity(tokens.shape[0], cfg.num_experts, cfg.moe_router_topk, cfg.moe_expert_capacity_factor)
+            gates, routing_map = drop(gates, routing_map, cap, cfg.moe_token_drop_policy)
+        if training and cfg.moe_aux_loss_coeff:
+            aux, _ = aux_loss(logits, cfg.moe_router_topk, cfg.moe_router_score_function, cfg.moe_aux_loss_coeff,
+                              self.tp_group)
+            if record:
+                state.record(self.layer, aux=aux / cfg.moe_aux_loss_coeff)
+            gates = AttachLoss.apply(gates, aux * self._token_weight(tokens), state)
+        kept = routing_map.sum(0)
+        if record:
+            state.record(self.layer, tokens=kept.to(torch.float64), routes=routes.sum().to(torch.float64), calls=1)
+            if self.router.use_bias:
+                self.router.tokens_per_expert += kept
+        y = dispatch_combine(tokens, gates, routing_map, self.experts, self.ps.ep_group)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x).reshape(-1, shape[-1])
+        return y.reshape(shape)
+
+    def _token_weight(self, tokens: torch.Tensor) -> float:
+        """1, or under --calculate-per-token-loss the micro-batch's tokens on this DP×CP rank."""
+        if not isinstance(self.state.scale, torch.Tensor):
+            return 1.0
+        tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
+        return float(tokens.shape[0] * tp)
+
+
+@torch.no_grad()
+def update_expert_bias(chunks, ps, rate: float) -> None:
+    """Aux-loss-free balancing step (DeepSeek-V3 §2.1.2): for each router with an expert bias,
+    sum its step's tokens per expert over every rank of the pipeline stage (TP, then DP × CP), then
+    bias += rate · sign(mean load − load), identical on every rank; reset the counts. Collective
+    over TP and DP × CP: every rank calls it once per step."""
+    routers = [m for c in chunks for m in c.modules() if isinstance(m, Router) and m.use_bias]
+    if not routers:
+        return
+    counts = torch.stack([r.tokens_per_expert for r in routers])
+    for group in (ps.tp_group, ps.dp_cp_group):
+        if group is not None:
+            dist.all_reduce(counts, group=group)
+    for r, c in zip(routers, counts):
+        r.expert_bias += rate * torch.sign(c.mean() - c)
+        r.tokens_per_expert.zero_()

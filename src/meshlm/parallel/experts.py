@@ -1,0 +1,88 @@
+"""Expert-parallel token dispatch: routes to their experts' EP ranks and back (all-to-all).
+
+``dispatch_combine`` (Megatron's MoEAlltoAllTokenDispatcher, in order):
+  1. permute: the routes (token, expert) of routing_map [T, E], expert-major (stable: by expert,
+     then token), their rows gathered; counts [E] routes per expert;
+  2. counts exchange: one all_to_all_single of the counts over the EP group, so each rank learns
+     how many rows every source sends to each of its local experts; then one host read of the
+     counts for the split sizes;
+  3. all_to_all_single of the rows with those split sizes (autograd: the backward is the reverse
+     all-to-all); the rows arrive [source rank][local expert] and are regrouped expert-major;
+  4. the experts (``experts(x, counts)``);
+  5. the inverse regrouping, the reverse all-to-all, and the gate-weighted sum of each token's k
+     results in token order (index_add).
+EP rank r holds experts [r·E/EP, (r+1)·E/EP); the EP group is ParallelState.ep_group (None at
+EP = 1: steps 2–3 and 5's exchange vanish). Every token's result is the same function of the
+token as on one process: the layout changes where a row is computed, never its arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .comm import group_size
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows [Σ in_splits, h] → [Σ out_splits, h] over ``group``; backward the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        out_splits, in_splits = ctx.splits
+        dx = dy.new_empty((sum(in_splits),) + tuple(dy.shape[1:]))
+        dist.all_to_all_single(dx, dy.contiguous(), in_splits, out_splits, group=ctx.group)
+        return dx, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
+    """Autograd-aware uneven all-to-all of rows: send x's rows in ``in_splits`` chunks to the
+    group's ranks in order, receive ``out_splits`` rows from each."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+def _regroup(x: torch.Tensor, sizes: list, outer: int, inner: int) -> torch.Tensor:
+    """Chunks of x laid out [outer][inner] (``sizes`` flat, row-major) → laid out [inner][outer]."""
+    if outer == 1 or inner == 1:
+        return x
+    chunks = x.split(sizes)
+    return torch.cat([chunks[o * inner + i] for i in range(inner) for o in range(outer)])
+
+
+def dispatch_combine(tokens: torch.Tensor, gates: torch.Tensor, routing_map: torch.Tensor, experts,
+                     group) -> torch.Tensor:
+    """Σ_e gates[t, e] · expert_e(tokens[t]) for each token t over its routes (module doc).
+
+    tokens [T, h]; gates [T, E] (fp32 or wider, zero off the routes); routing_map [T, E] bool;
+    experts(x [N, h] sorted by local expert, counts [E_local] int64) → [N, h]. Returns [T, h]
+    in tokens' dtype. Collective over ``group`` (the EP group; None at EP = 1).
+    """
+    T, E = routing_map.shape
+    expert_idx, token_idx = routing_map.t().nonzero(as_tuple=True)  # expert-major, then token
+    rows = tokens.index_select(0, token_idx)
+    counts = routing_map.sum(0)
+    ep = group_size(group)
+    local = E // ep
+    if ep == 1:
+        y = experts(rows, counts)
+    else:
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=group)
+        sent_list, recv_list = counts.tolist(), received.tolist()  # the one host read of the exchange
+        send = [sum(sent_list[r * local:(r + 1) * local]) for r in range(ep)]
+        recv = [sum(recv_list[r * local:(r + 1) * local]) for r in range(ep)]
+        x = _regroup(all_to_all(rows, recv, send, group), recv_list, ep, local)
+        local_counts = received.view(ep, local).sum(0)
+        y = experts(x, local_counts)
+        by_expert = [recv_list[s * local + e] for e in range(local) for s in range(ep)]
+        y = all_to_all(_regroup(y, by_expert, local, ep), send, recv, group)
+    weighted = y.to(gates.dtype) * gates[token_idx, expert_idx].unsqueeze(1)
+    out = torch.zeros((T, tokens.shape[1]), dtype=gates.dtype, device=tokens.device)
+    return out.index_add(0, token_idx, weighted).to(tokens.dtype)

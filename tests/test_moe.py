@@ -1,0 +1,164 @@
+"""MoE at EP = 1: routing, balancing losses and capacity against megatron-core's own functions;
+experts by grouped GEMM against the per-expert loop; the layer against a token-by-token sum;
+zero-token experts; the layer pattern; a short run where aux loss / expert bias even out the load."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from meshlm.config import Config, moe_layer_pattern
+from meshlm.errors import ConfigError
+from meshlm.model import moe
+from meshlm.parallel.mesh import ParallelState
+from meshlm.validate import validate
+
+mcore = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+
+
+def _logits(T=32, E=8, seed=0):
+    return torch.randn(T, E, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("score,pre,bias", [("softmax", False, False), ("softmax", True, False),
+                                            ("sigmoid", False, True), ("sigmoid", False, False)])
+def test_route_matches_megatron_core(score, pre, bias):
+    logits = _logits()
+    b = torch.linspace(-0.5, 0.5, 8, dtype=torch.float64) if bias else None
+    gates, routing_map = moe.route(logits, 2, score, pre, b)
+    want_gates, want_map = mcore.topk_routing_with_score_function(
+        logits, 2, use_pre_softmax=pre, score_function=score, expert_bias=b)
+    assert torch.equal(routing_map, want_map)
+    torch.testing.assert_close(gates, want_gates, rtol=1e-6, atol=1e-7)  # megatron-core's softmax is fp32
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_aux_and_z_loss_match_megatron_core(score):
+    logits = _logits()
+    loss, counts = moe.aux_loss(logits, 2, score, 1e-2)
+    routing_map, scores = mcore.compute_routing_scores_for_aux_loss(logits, 2, score)
+    want = mcore.switch_load_balancing_loss_func(scores, routing_map.sum(0), 32, 2, 8, 1e-2)
+    assert torch.equal(counts, routing_map.sum(0).to(counts.dtype))
+    torch.testing.assert_close(loss, want.to(loss.dtype), rtol=1e-6, atol=0)  # fp32 softmax there
+    torch.testing.assert_close(moe.z_loss(logits, 1e-3), mcore.z_loss_func(logits, 1e-3), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.5])
+def test_capacity_dropping_matches_arithmetic_and_megatron_core(factor):
+    logits = _logits(T=40, E=4, seed=3)
+    gates, routing_map = moe.route(logits, 2)
+    cap = moe.capacity(40, 4, 2, factor)
+    assert cap == mcore.get_capacity(40 * 2, 4, factor) == math.ceil(40 * 2 / 4 * factor)
+    kept_gates, kept = moe.drop(gates, routing_map, cap, "probs")
+    want_gates, want_map = mcore.apply_router_token_dropping(gates, routing_map, 2, factor, "probs")
+    assert torch.equal(kept, want_map) and torch.equal(kept_gates, want_gates)
+    expected_dropped = sum(max(0, int(n) - cap) for n in routing_map.sum(0))
+    assert int(routing_map.sum() - kept.sum()) == expected_dropped
+    print(f"capacity factor {factor}: capacity {cap}, dropped {expected_dropped}/{int(routing_map.sum())} routes")
+    pos_gates, pos = moe.drop(gates, routing_map, cap, "position")
+    assert int(routing_map.sum() - pos.sum()) == expected_dropped
+    for e in range(4):  # position: each expert keeps its earliest routes
+        chosen = routing_map[:, e].nonzero().squeeze(1)
+        assert torch.equal(pos[:, e].nonzero().squeeze(1), chosen[:cap])
+    assert torch.equal(pos_gates, gates * pos)
+
+
+def _cfg(**moe_flags):
+    cfg = Config()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 2, 16, 4, 8, 64
+    m.hidden_dropout = m.attention_dropout = 0.0
+    m.num_experts, m.moe_ffn_hidden_size = 4, 8
+    for k, v in moe_flags.items():
+        setattr(m, k, v)
+    cfg.data.mock_data = True
+    validate(cfg, world=1, check_files=False)
+    return cfg.model
+
+
+def _layer(m, dtype=torch.float64):
+    from meshlm.parallel.tensor import ShardedInit
+    ps = ParallelState.single()
+    init = lambda name: ShardedInit((1, 0, name), 0.2)  # noqa: E731
+    return moe.MoELayer(m, ps, 0, init, init, moe.MoEState(), sequence_parallel=False, params_dtype=dtype)
+
+
+@pytest.mark.parametrize("swiglu,shared", [(False, None), (True, 8)])
+def test_layer_is_the_gate_weighted_sum_of_its_experts(swiglu, shared):
+    m = _cfg(swiglu=swiglu, moe_shared_expert_intermediate_size=shared, add_bias_linear=not swiglu)
+    layer = _layer(m)
+    x = torch.randn(8, 2, 16, dtype=torch.float64)
+    y = layer(x)
+    tokens = x.reshape(-1, 16)
+    gates, _ = moe.route(layer.router(tokens), 2)
+    want = torch.stack([sum(gates[t, e] * layer.experts.local_experts[str(e)](tokens[t:t + 1])[0]
+                            for e in range(4) if gates[t, e] > 0) for t in range(16)])
+    if shared:
+        want = want + layer.shared_experts(x).reshape(-1, 16)
+    torch.testing.assert_close(y.reshape(-1, 16), want, rtol=1e-12, atol=1e-14)
+
+
+def test_grouped_gemm_equals_the_expert_loop():
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    m = _cfg(swiglu=True, add_bias_linear=True)
+    layer = _layer(m, torch.float32)
+    x = torch.randn(8, 2, 16)
+    outs, grads = [], []
+    for grouped in (False, True):
+        layer.zero_grad()
+        layer.experts.grouped = grouped
+        y = layer(x)
+        y.square().sum().backward()
+        outs.append(y)
+        grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_unused_expert_gets_a_zero_gradient_and_one_expert_for_all_trains():
+    m = _cfg(moe_router_topk=1)
+    layer = _layer(m)
+    with torch.no_grad():  # every token prefers expert 2
+        layer.router.weight.zero_()
+        layer.router.weight[2] = 1.0
+    x = torch.rand(8, 2, 16, dtype=torch.float64) + 0.1
+    layer(x).square().sum().backward()
+    for e in range(4):
+        g = layer.experts.local_experts[str(e)].linear_fc1.weight.grad
+        assert g is not None, f"expert {e} has no gradient"
+        assert (g.abs().sum() > 0) == (e == 2), f"expert {e}"
+    opt = torch.optim.SGD(layer.parameters(), lr=0.05)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = layer(x).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0], losses
+
+
+def test_moe_layer_freq_and_validation():
+    m = _cfg(num_layers=4, moe_layer_freq="2")
+    assert moe_layer_pattern(m) == [True, False, True, False]
+    m.moe_layer_freq = "([0]+[1])*2"
+    assert moe_layer_pattern(m) == [False, True, False, True]
+    m.moe_layer_freq = "[1]*3"
+    with pytest.raises(ConfigError, match="--moe-layer-freq"):
+        moe_layer_pattern(m)
+    m.moe_layer_freq = "__import__('os')"
+    with pytest.raises(ConfigError, match="--moe-layer-freq"):
+        moe_layer_pattern(m)
+    cfg = Config()
+    cfg.model.num_experts, cfg.parallel.expert_model_parallel_size = 6, 4
+    cfg.parallel.tensor_model_parallel_size = 2
+    cfg.data.mock_data = True
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world=4, check_files=False)
+    text = str(e.value)
+    assert "--num-experts 6 is not divisible by --expert-model-parallel-size 4" in text
+    assert "must divide DP × CP = 2" in text and "needs --sequence-parallel" in text
