@@ -48,6 +48,11 @@ CASES = {  # name: (vocabulary, flags)
     "llama3b-m2-selective-acc2": (128256, L3B + ["--micro-batch-size", "2", "--global-batch-size", "4"] + SEL),
     "llama3b-m4": (128256, L3B + ["--micro-batch-size", "4", "--global-batch-size", "4"]),
     "llama3b-m8-full": (128256, L3B + ["--micro-batch-size", "8", "--global-batch-size", "8"] + FULL),
+    # second set, run after the model was revised on the first (an independent check)
+    "llama1b-m2-acc4": (32000, L1B + ["--micro-batch-size", "2", "--global-batch-size", "8"]),
+    "llama1b-m12-selective": (32000, L1B + ["--micro-batch-size", "12", "--global-batch-size", "12"] + SEL),
+    "llama3b-m1": (128256, L3B + ["--micro-batch-size", "1", "--global-batch-size", "1"]),
+    "llama3b-m6-selective": (128256, L3B + ["--micro-batch-size", "6", "--global-batch-size", "6"] + SEL),
 }
 TINY_CASES = {"tiny-m2": (256, TINY + ["--micro-batch-size", "2", "--global-batch-size", "4"]),
               "tiny-m4-full": (256, TINY + ["--micro-batch-size", "4", "--global-batch-size", "4"] + FULL)}
