@@ -61,15 +61,18 @@ class Case:
     fast: str = "off"            # --fast-path: "on" compiles the layers and loss, fused AdamW
     per_token: bool = False      # --calculate-per-token-loss
     packed: bool = False         # --eod-mask-loss --reset-position-ids --reset-attention-mask
+    cp: int = 1                  # --context-parallel-size
+    cp_comm: str = "p2p"         # --cp-comm-type
+    masked: tuple = ()           # positions whose loss mask is 0 in every sample (MaskedData)
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     def model_key(self) -> tuple:
         """What the single-process reference depends on."""
         return (self.tied, self.pos, self.rotary, self.norm, self.swiglu, self.groups, self.micro,
-                self.layers, self.per_token, self.packed)
+                self.layers, self.per_token, self.packed, self.masked)
 
     def __str__(self) -> str:
         default = Case()
@@ -95,6 +98,7 @@ def config(case: Case, global_batch: int = GLOBAL_BATCH):
     if case.groups:
         m.group_query_attention, m.num_query_groups = True, case.groups
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = case.tp, case.pp
+    p.context_parallel_size, m.cp_comm_type = case.cp, case.cp_comm
     p.sequence_parallel, p.pipeline_schedule = case.sp, case.schedule
     p.virtual_pipeline_model_parallel_size = case.vpp
     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers = case.first, case.last
@@ -118,10 +122,11 @@ def config(case: Case, global_batch: int = GLOBAL_BATCH):
 class MaskedData:
     """GLOBAL_BATCH × STEPS samples of random ids with EOD (VOCAB − 1) tokens inside; each sample
     masks a different random subset of its tokens, and sample 3 is fully masked (its micro-batch
-    adds zero loss). ``packing`` (data/packing.py) adds EOD masking, position and document ids."""
+    adds zero loss); positions in ``masked`` are masked in every sample. ``packing``
+    (data/packing.py) adds EOD masking, position and document ids."""
 
-    def __init__(self, packing=None):
-        self.packing = packing
+    def __init__(self, packing=None, masked: tuple = ()):
+        self.packing, self.masked = packing, list(masked)
 
     def __len__(self) -> int:
         return GLOBAL_BATCH * STEPS
@@ -132,6 +137,7 @@ class MaskedData:
         mask = torch.from_numpy((rng.random(SEQ) < 0.7).astype(np.float32))
         if i == 3:
             mask.zero_()
+        mask[self.masked] = 0
         item = {"tokens": ids[:-1], "labels": ids[1:], "loss_mask": mask}
         return self.packing.apply(item) if self.packing else item
 
@@ -176,7 +182,7 @@ def train_layout(case: Case, poison: bool = True) -> dict:
 
     cfg = config(case)
     run = trainer.build(cfg, dtype=torch.float64)
-    run.train_ds = MaskedData(Packing.of(cfg.data, EOD))
+    run.train_ds = MaskedData(Packing.of(cfg.data, EOD), case.masked)
     if poison and case.overlap_param and run.ps.dp > 1:
         poison_pending_gathers(run.opt)
     norms, step = [], run.opt.step
@@ -210,7 +216,7 @@ _REFERENCES: dict = {}
 def _single(case: Case) -> Case:
     return Case(tied=case.tied, pos=case.pos, rotary=case.rotary, norm=case.norm, swiglu=case.swiglu,
                 groups=case.groups, micro=case.micro, layers=case.layers, per_token=case.per_token,
-                packed=case.packed)
+                packed=case.packed, masked=case.masked)
 
 
 def references(cases: list) -> list:

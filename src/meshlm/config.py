@@ -77,6 +77,8 @@ class ModelConfig:
     init_method_std: float = opt(0.02, "std of the normal weight init")
     vocab_size: Optional[int] = opt(None, "vocabulary size (mock data / null tokenizer; else from the tokenizer)")
     make_vocab_size_divisible_by: int = opt(128, "pad the vocabulary to a multiple of this × TP")
+    cp_comm_type: str = opt("p2p", "context-parallel attention: p2p (K/V passed round a ring, overlapped with "
+                            "attention) or all_gather (K/V gathered; cheap with GQA)", choices=["p2p", "all_gather"])
 
 
 @dataclass
