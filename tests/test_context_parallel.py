@@ -55,7 +55,7 @@ def test_cp2_checkpoint_resumes_at_cp1(tmp_path):
 
 @pytest.mark.parametrize("change,words", [
     (dict(seq=12, cp=4), "--seq-length 12 is not divisible by 2 × --context-parallel-size 4"),
-    (dict(seq=24, cp=2, tp=4, sp=True), "--seq-length 24 / --context-parallel-size 2 is not divisible by "
+    (dict(seq=20, cp=2, tp=4, sp=True), "--seq-length 20 / --context-parallel-size 2 is not divisible by "
                                          "--tensor-model-parallel-size 4"),
     (dict(dropout=0.1, cp=2), "--attention-dropout 0.1: the context-parallel attention has no dropout"),
 ])
