@@ -135,7 +135,7 @@ def piece_forward(q, k, v, causal: bool, mask=None):
     if _flash(q, mask):
         n = q.shape[1]
         out, lse, cum_q, cum_k, _, _, rng, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, _expand(k, n), _expand(v, n), 0.0, causal)
+            q.contiguous(), _expand(k, n).contiguous(), _expand(v, n).contiguous(), 0.0, causal)
         return out.float(), lse, (cum_q, cum_k, rng, unused)
     s = _scores(q, k, causal, mask)
     lse = torch.logsumexp(s, dim=-1)
@@ -151,8 +151,8 @@ def piece_backward(dout, q, k, v, out, lse, causal: bool, mask=None, state=None)
     if _flash(q, mask):
         cum_q, cum_k, rng, unused = state
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, _expand(k, n), _expand(v, n), out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal,
-            rng, unused)
+            *(t.contiguous() for t in (dout, q, _expand(k, n), _expand(v, n), out, lse)), cum_q, cum_k,
+            q.shape[2], k.shape[2], 0.0, causal, rng, unused)
         return dq.float(), _fold(dk.float(), g), _fold(dv.float(), g)
     s = _scores(q, k, causal, mask)
     w = s.dtype
