@@ -64,15 +64,18 @@ class Case:
     experts: int = 0             # --num-experts (0: dense); the MoE fields below need it
     ep: int = 1                  # --expert-model-parallel-size
     moe: tuple = ()              # other MoE flags: ((config field, value), …)
+    cp: int = 1                  # --context-parallel-size
+    cp_comm: str = "p2p"         # --cp-comm-type
+    masked: tuple = ()           # positions whose loss mask is 0 in every sample (MaskedData)
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     def model_key(self) -> tuple:
         """What the single-process reference depends on."""
         return (self.tied, self.pos, self.rotary, self.norm, self.swiglu, self.groups, self.micro,
-                self.layers, self.per_token, self.packed, self.experts, self.moe)
+                self.layers, self.per_token, self.packed, self.experts, self.moe, self.masked)
 
     def __str__(self) -> str:
         default = Case()
@@ -98,6 +101,7 @@ def config(case: Case, global_batch: int = GLOBAL_BATCH):
     if case.groups:
         m.group_query_attention, m.num_query_groups = True, case.groups
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = case.tp, case.pp
+    p.context_parallel_size, m.cp_comm_type = case.cp, case.cp_comm
     p.sequence_parallel, p.pipeline_schedule = case.sp, case.schedule
     p.virtual_pipeline_model_parallel_size = case.vpp
     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers = case.first, case.last
@@ -125,10 +129,11 @@ def config(case: Case, global_batch: int = GLOBAL_BATCH):
 class MaskedData:
     """GLOBAL_BATCH × STEPS samples of random ids with EOD (VOCAB − 1) tokens inside; each sample
     masks a different random subset of its tokens, and sample 3 is fully masked (its micro-batch
-    adds zero loss). ``packing`` (data/packing.py) adds EOD masking, position and document ids."""
+    adds zero loss); positions in ``masked`` are masked in every sample. ``packing``
+    (data/packing.py) adds EOD masking, position and document ids."""
 
-    def __init__(self, packing=None):
-        self.packing = packing
+    def __init__(self, packing=None, masked: tuple = ()):
+        self.packing, self.masked = packing, list(masked)
 
     def __len__(self) -> int:
         return GLOBAL_BATCH * STEPS
@@ -139,6 +144,7 @@ class MaskedData:
         mask = torch.from_numpy((rng.random(SEQ) < 0.7).astype(np.float32))
         if i == 3:
             mask.zero_()
+        mask[self.masked] = 0
         item = {"tokens": ids[:-1], "labels": ids[1:], "loss_mask": mask}
         return self.packing.apply(item) if self.packing else item
 
@@ -183,7 +189,7 @@ def train_layout(case: Case, poison: bool = True) -> dict:
 
     cfg = config(case)
     run = trainer.build(cfg, dtype=torch.float64)
-    run.train_ds = MaskedData(Packing.of(cfg.data, EOD))
+    run.train_ds = MaskedData(Packing.of(cfg.data, EOD), case.masked)
     if poison and case.overlap_param and run.ps.dp > 1:
         poison_pending_gathers(run.opt)
     norms, step = [], run.opt.step
@@ -217,7 +223,7 @@ _REFERENCES: dict = {}
 def _single(case: Case) -> Case:
     return Case(tied=case.tied, pos=case.pos, rotary=case.rotary, norm=case.norm, swiglu=case.swiglu,
                 groups=case.groups, micro=case.micro, layers=case.layers, per_token=case.per_token,
-                packed=case.packed, experts=case.experts, moe=case.moe)
+                packed=case.packed, experts=case.experts, moe=case.moe, masked=case.masked)
 
 
 def references(cases: list) -> list:

@@ -567,16 +567,19 @@ def test_there_are_examples():
     assert len(EXAMPLES) >= 3
 
 
-def test_context_parallel_is_refused_until_it_trains():
-    """--context-parallel-size only builds groups for now: training with it must be refused."""
+def test_context_parallel_needs_attention_dropout_0():
+    """--context-parallel-size 2 trains (tests/test_context_parallel.py); with the default attention
+    dropout it is refused naming the fix, and with --attention-dropout 0 it validates."""
     from meshlm.config import Config
     from meshlm.validate import validate
     from meshlm.errors import ConfigError
     cfg = Config()
     cfg.data.mock_data, cfg.model.vocab_size = True, 128
     cfg.parallel.context_parallel_size = 2
-    with pytest.raises(ConfigError, match="--context-parallel-size 2"):
+    with pytest.raises(ConfigError, match="set --attention-dropout 0 with --context-parallel-size 2"):
         validate(cfg, world=2)
+    cfg.model.attention_dropout = 0.0
+    validate(cfg, world=2)
 
 
 def test_files_of_an_unused_tokenizer_are_not_required(tmp_path):

@@ -52,7 +52,6 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     problems += _moe_problems(cfg, world)
     problems += _training_problems(cfg, cuda)
     problems += _run_length_problems(cfg, world)
-    problems += _packing_problems(cfg)
     problems += _data_problems(cfg)
     problems += _output_problems(cfg)
     problems += _profile_problems(cfg, world)
@@ -130,9 +129,7 @@ def _layout_problems(cfg: Config, world: int) -> list:
     problems += _tp_split_problems(cfg)
     if p.sequence_parallel and tp == 1:
         problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if cp > 1:
-        problems.append(f"--context-parallel-size {cp}: context parallelism builds its process groups "
-                        f"but does not train yet; use --context-parallel-size 1")
+    problems += _context_problems(cfg)
     if p.overlap_param_gather and not p.use_distributed_optimizer:
         problems.append("--overlap-param-gather needs --use-distributed-optimizer")
     if world % (tp * cp * pp) == 0:  # layers per stage, virtual stages, schedule
@@ -163,6 +160,9 @@ def _moe_problems(cfg: Config, world: int) -> list:
                         f"data-parallel ranks); use a divisor of {dpcp} or more processes")
     if tp > 1 and not p.sequence_parallel:
         problems.append("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as in Megatron-LM)")
+    if p.context_parallel_size > 1:  # the router's load counts are not yet summed over the CP group
+        problems.append("MoE (--num-experts) with --context-parallel-size > 1 is not supported yet; "
+                        "use --context-parallel-size 1")
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
         problems.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as in Megatron-LM)")
     shared = m.moe_shared_expert_intermediate_size
@@ -202,6 +202,28 @@ def _tp_split_problems(cfg: Config) -> list:
         problems.append(f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp} "
                         f"(needed by --sequence-parallel); use --seq-length "
                         f"{_nearest_multiples(m.seq_length, tp)}")
+    return problems
+
+
+def _context_problems(cfg: Config) -> list:
+    """Context parallelism (parallel/context.py): 2·CP equal chunks of the sequence, SP's share of
+    a CP rank's s/CP rows, no attention dropout in the CP attention."""
+    m, p = cfg.model, cfg.parallel
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    if cp == 1:
+        return []
+    problems = []
+    if m.seq_length % (2 * cp):
+        problems.append(f"--seq-length {m.seq_length} is not divisible by 2 × --context-parallel-size {cp} "
+                        f"(each CP rank holds 2 of 2·CP equal chunks); use --seq-length "
+                        f"{_nearest_multiples(m.seq_length, 2 * cp)}")
+    elif p.sequence_parallel and (m.seq_length // cp) % tp:
+        problems.append(f"--seq-length {m.seq_length} / --context-parallel-size {cp} is not divisible by "
+                        f"--tensor-model-parallel-size {tp} (needed by --sequence-parallel); use --seq-length "
+                        f"{_nearest_multiples(m.seq_length, cp * tp * 2)}")
+    if m.attention_dropout:
+        problems.append(f"--attention-dropout {m.attention_dropout}: the context-parallel attention has no "
+                        f"dropout; set --attention-dropout 0 with --context-parallel-size {cp}")
     return problems
 
 
@@ -341,17 +363,6 @@ def _rampup_problems(cfg: Config, world: int, dp: int) -> list:
         return [f"{flag}: the ramp's global batch {odd[0]} is {odd[0] // step} micro-batches, but interleaved "
                 f"1F1B needs a multiple of --pipeline-model-parallel-size {pp}; make START and INCREMENT "
                 f"multiples of micro × DP × PP = {step * pp}"]
-    return []
-
-
-def _packing_problems(cfg: Config) -> list:
-    """The packed-document switches (Megatron's arguments.py rules)."""
-    d = cfg.data
-    packed = [f for f, on in (("--reset-position-ids", d.reset_position_ids),
-                              ("--reset-attention-mask", d.reset_attention_mask)) if on]
-    if packed and cfg.parallel.context_parallel_size > 1:
-        return [f"{' and '.join(packed)} need --context-parallel-size 1 (packed documents are not "
-                f"split over CP here)"]
     return []
 
 

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import head_dim, max_positions, query_groups, rotary_dim
 from ..dtypes import at_least_fp32, wide
-from ..parallel import comm
+from ..parallel import comm, context
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, contiguous_index
 
 
@@ -85,6 +85,11 @@ class SelfAttention(nn.Module):
     dropout draws from the device's default generator (a per-TP-rank stream, as Megatron's); else
     one SDPA call per head with its own keyed stream (masks independent of TP), which is slower.
     recompute_core: selective recompute (model/recompute.py): core attention re-runs in backward.
+
+    Under context parallelism (ps.cp > 1) x holds this CP rank's two sequence chunks
+    (parallel/context.py), ``positions`` their global positions, and ``mask`` is instead the whole
+    sequence's document_ids int64 [b, s] (or None): core attention is ``context.attention`` over
+    ps.cp_group with --cp-comm-type (attention dropout 0: checked by meshlm.validate).
     """
 
     def __init__(self, cfg, ps, layer: int, init, scaled_init, rng, *, sequence_parallel: bool,
@@ -93,6 +98,8 @@ class SelfAttention(nn.Module):
         self.recompute_core = recompute_core
         a, g, d, tp, r = cfg.num_attention_heads, query_groups(cfg), head_dim(cfg), ps.tp, ps.tp_rank
         self.layer, self.rng, self.group = layer, rng, ps.tp_group
+        self.cp_group = ps.cp_group if ps.cp > 1 else None
+        self.cp_comm_type = cfg.cp_comm_type
         self.heads, self.groups, self.d = a // tp, g, d
         self.first_head = r * self.heads
         self.rotary = None
@@ -148,6 +155,8 @@ class SelfAttention(nn.Module):
     def _core(self, q, k, v, call, mask=None):
         """Core attention: q [b, n, s, d], k/v [b, n_kv, s, d] → softmax(qkᵀ/√d + causal or ``mask``)·v
         [b, n, s, d]."""
+        if self.cp_group is not None:
+            return context.attention(q, k, v, self.cp_group, self.cp_comm_type, mask)
         p = self.dropout if self.training else 0.0
         if p == 0.0 or self.fast:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,

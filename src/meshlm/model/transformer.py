@@ -214,7 +214,7 @@ class GPTModel(nn.Module):
         super().__init__()
         assert not sequence_parallel or cfg.seq_length % ps.tp == 0, "checked by meshlm.validate"
         self.pre_process, self.post_process, self.recompute, self.fast = pre_process, post_process, recompute, fast
-        self.sequence_parallel, self.group = sequence_parallel, ps.tp_group
+        self.sequence_parallel, self.group, self.cp = sequence_parallel, ps.tp_group, ps.cp
         self.vocab_size = vocab_size
         self.padded_vocab = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, ps.tp)
         self.rng = RNGTracker(seed, ps.device)
@@ -263,7 +263,10 @@ class GPTModel(nn.Module):
         int64 [b, s] of packed documents (data/packing.py), None for 0..s-1 and one causal mask."""
         call = self.rng.next_call() if self.training else 0
         x = self.embedding(tokens, call, position_ids) if self.pre_process else hidden_states
-        mask = None if document_ids is None else attention_mask(document_ids)
+        if self.cp > 1:  # the CP attention masks each block itself (parallel/context.py)
+            mask = document_ids
+        else:
+            mask = None if document_ids is None else attention_mask(document_ids)
         layers = list(self.layers.values())
         for start, end, checkpointed in self.recompute.segments(len(layers)):
             if checkpointed and self.training:

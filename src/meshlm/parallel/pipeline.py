@@ -29,6 +29,7 @@ from ..dtypes import at_least_fp32
 from ..errors import ConfigError
 from ..training.profiling import annotate
 from . import watchdog
+from .context import sequence_loss_tokens
 from .mesh import ParallelState
 from .p2p import StageComm, backward_from, release
 from .schedules import Action, P2P, build_schedule, resolve_schedule, schedule_problem
@@ -176,7 +177,7 @@ def forward_backward(chunks: list, data_iter: Iterator[dict], *, ps: ParallelSta
     data_iter yields {"tokens", "labels": [b, s] int64, "loss_mask": [b, s] fp32} and, for packed
     documents, "position_ids" / "document_ids" [b, s] int64 (data/packing.py); every rank of a
     pipeline draws the same ``num_microbatches`` of them. Each micro-batch's loss is
-    sum(loss·mask)/sum(mask)/num_microbatches, times ``loss_scale`` for backward, so gradients
+    sum(loss·mask)·CP/sum(mask)/num_microbatches (sum(mask) over the CP group), times ``loss_scale`` for backward, so gradients
     equal those of one pass over the whole batch. With --calculate-per-token-loss it is
     sum(loss·mask)·DP·CP/N instead, N the loss tokens of the global batch (all micro-batches,
     all DP×CP ranks: one all-reduce before the first forward), so that after DP averaging the
@@ -185,8 +186,9 @@ def forward_backward(chunks: list, data_iter: Iterator[dict], *, ps: ParallelSta
     backward but this rank's last.
 
     Returns on the last stage one {"lm_loss": detached fp32 scalar (micro-batch mean, unscaled; the
-    micro-batch sum under --calculate-per-token-loss), "num_tokens": 0-dim tensor} per micro-batch
-    in order, [] elsewhere. timeline, if a list, receives
+    micro-batch sum under --calculate-per-token-loss; under CP that mean × CP, see above, whose mean
+    over DP×CP is the batch's), "num_tokens": 0-dim tensor} per micro-batch in order, [] elsewhere.
+    timeline, if a list, receives
     {"mb", "chunk", "kind": "F"|"B", "start", "end" (s, time.perf_counter), "in_flight": micro-batch
     chunks held between their F and B after this action}; on CUDA each entry synchronizes.
     Raises ConfigError if the schedule cannot run this layout.
@@ -270,8 +272,8 @@ class _Executor:
             if last:
                 mask = batch["loss_mask"].float()
                 lm = torch.where(mask > 0, at_least_fp32(out) * mask, 0.0).sum()
-                if self.per_token is None:
-                    lm = lm / mask.sum().clamp(min=1)
+                if self.per_token is None:  # the sequence's mean × CP: DP×CP averaging gives the mean
+                    lm = lm * self.ps.cp / sequence_loss_tokens(mask, self.ps)
                 # tensors, not numbers: a host sync here would drain the GPU queue every micro-batch
                 self.losses[a.mb] = {"lm_loss": lm.detach(), "num_tokens": mask.sum().detach()}
                 if self.per_token is None:

@@ -43,6 +43,7 @@ from ..optim.optimizer import build_optimizer
 from ..batches import BatchSchedule
 from ..optim.schedule import scheduler_for
 from ..parallel import comm
+from ..parallel.context import split_batches
 from ..parallel.data import DistributedDataParallel
 from ..parallel.mesh import ParallelState, init_distributed
 from ..parallel import watchdog
@@ -91,11 +92,12 @@ class Run:
 
     def micro_batches(self, dataset, consumed_samples: int):
         """This DP rank's micro-batches of ``dataset`` from sample ``consumed_samples`` on, read
-        ahead by --num-workers processes (data/loader.py); one loader per dataset, kept across steps."""
+        ahead by --num-workers processes (data/loader.py); one loader per dataset, kept across steps.
+        Under CP each is this CP rank's part of the sequence (parallel/context.py split_batch)."""
         loader = self.loaders.get(id(dataset))
         if loader is None or loader.dataset is not dataset:
             loader = self.loaders[id(dataset)] = rank_loader(dataset, self.cfg, self.ps)
-        return loader.at(consumed_samples)
+        return split_batches(loader.at(consumed_samples), self.ps)
 
 
 def params_dtype(cfg: C.Config, device: torch.device) -> torch.dtype:
