@@ -40,7 +40,8 @@ def warns(report):
     return [f["kind"] for f in report["findings"] if f["severity"] == "warn"]
 
 
-def test_a_communication_bound_run_is_named_dp_bound_with_overlap_and_bucket_fixes(tmp_path, capsys):
+def test_a_communication_bound_run_is_named_dp_bound_with_overlap_and_bucket_fixes(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no calibrated profile of "cpu"
     records, report = _report(tmp_path, "comm", 2)
     assert all(set(r["comm_s"]) == {"dp"} for r in records)
     assert report["dominant"] == "dp", report["breakdown"]
@@ -48,8 +49,12 @@ def test_a_communication_bound_run_is_named_dp_bound_with_overlap_and_bucket_fix
     flags = {k for fix in dp["fixes"] for k in fix["flags"]}
     assert {"--overlap-grad-reduce", "--ddp-bucket-size"} <= flags
     assert cli.main(["analyze", str(tmp_path)]) == 0
-    assert "DP gradient reduction" in next(line for line in capsys.readouterr().out.splitlines()
-                                           if "← dominant" in line)
+    out = capsys.readouterr().out
+    assert "DP gradient reduction" in next(line for line in out.splitlines() if "← dominant" in line)
+    # a CPU run: the planner predicts for its H200 preset and says so; the bucket fix gains
+    assert "predicted gains are the planner's step-time model (meshlm plan) for 2 × H200-141GB" in out
+    assert "the run's device cpu has no profile" in out
+    assert "% faster)" in next(line for line in out.splitlines() if "--ddp-bucket-size" in line)
 
 
 def test_a_bubble_bound_run_is_named_bubble_bound_against_the_analytic_bubble(tmp_path, capsys):

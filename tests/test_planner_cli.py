@@ -37,6 +37,20 @@ def test_dry_run_prints_lint_warnings(capsys):
     assert "warning: TP 2 without --sequence-parallel" in capsys.readouterr().out
 
 
+def test_dry_run_memory_is_the_planners_estimate_of_the_same_layout(capsys):
+    layout = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--recompute-activations"]
+    assert main(["pretrain", *GPT, *layout, "--dry-run", "--world-size", "8"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if "memory" in x]
+    assert main(["plan", *GPT, *layout, "--num-gpus", "8", "--json"]) == 0
+    mem = json.loads(capsys.readouterr().out)["current"]["memory"]
+    GiB = 2 ** 30
+    assert f"weights {mem['weights'] / GiB:.2f} GiB + grads {mem['grads'] / GiB:.2f} GiB + optimizer " \
+           f"{mem['optimizer'] / GiB:.2f} GiB" in lines[0]
+    assert f"activations {mem['activations'] / GiB:.2f} GiB" in lines[0] and "selective recompute" in lines[0]
+    assert f"{mem['peak_bytes'] / GiB:.2f} GiB allocated, about {mem['device_bytes'] / GiB:.2f} GiB" in lines[1]
+    assert "9 bytes/parameter" in lines[0]  # 2 + 4 + 12/DP under ZeRO-1 (DP 4)
+
+
 def test_calibrate_on_cpu_writes_a_profile(tmp_path, capsys):
     path = tmp_path / "cpu.json"
     assert main(["plan", "--model", "tiny", "--mock-data", "--vocab-size", "256", "--calibrate", "--quick",

@@ -153,3 +153,31 @@ def test_progress_bar_draws_on_the_terminal_only_and_clears_before_lines(monkeyp
     assert log.getvalue() == " iteration 10/10 | lm loss ...\n"  # no bar in the log
     assert progress.for_run(False, 10, 0, terminal=term).__class__.__name__ == "_NoBar"
     assert progress.for_run(True, 10, 0, terminal=io.StringIO()).__class__.__name__ == "_NoBar"
+
+
+def test_report_command_puts_the_analyzers_findings_first_and_the_planners_timeline_beside_the_measured(
+        tmp_path, capsys):
+    from meshlm import cli
+    from meshlm.config import dump_yaml
+    from test_trainer import tiny_config
+    cfg = tiny_config(str(tmp_path), pp=2, micro=1, global_batch=4)  # 4 micro-batches of 1
+    dump_yaml(cfg, str(tmp_path / "config.yaml"))
+    measured = schedule_events(2, 4)
+    records = _records(4, pipeline_timeline=measured, bubble_fraction=0.45, comm_share={"pp": 0.3},
+                       world_size=2, device="cpu")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert cli.main(["report", str(tmp_path), "--output", str(tmp_path / "r.html")]) == 0
+    html = (tmp_path / "r.html").read_text()
+    doc = parse_html(html)
+    [block] = doc.find_all("section")[:1]
+    assert block.attrs["id"] == "findings" and "pipeline bubble" in html and "45% of the step" in html
+    assert "(planner: " in html  # the bubble fixes carry the planner's predicted gain
+    tls = {t.attrs["data-timeline"]: t for t in doc.find_all("svg", "timeline")}
+    assert set(tls) == {"measured", "predicted"}
+    for kind in ("measured", "predicted"):
+        rows = tls[kind].find_all("g", "stage")
+        assert [r.attrs["data-bars"] for r in rows] == ["8", "8"]  # F and B of 4 micro-batches a stage
+    assert cli.main(["report", str(tmp_path), "--output", str(tmp_path / "n.html"), "--no-predict"]) == 0
+    plain = (tmp_path / "n.html").read_text()
+    assert 'data-timeline="predicted"' not in plain and "(planner: " not in plain and 'id="findings"' in plain

@@ -30,7 +30,8 @@ RUNS = {  # name → (flags, processes, micro-batches per step)
              "--profile-ranks", "1", "--nvtx-ranges"], 2, 2),
 }
 CHART_SERIES = {"loss": ["train", "validation"], "lr": [""], "grad_norm": [""], "tokens_per_sec": [""]}
-NOT_ON_CPU = {"mfu", "memory", "comm"}  # MFU and memory need a GPU; DP × CP = 1 has no exposed comm
+NOT_ON_CPU = {"mfu", "memory"}  # MFU and memory need a GPU
+COMM_KINDS = {"tp2pp2": ["pp", "tp"], "pp2": ["pp"]}  # exposed comm timed by kind (no DP: DP × CP = 1)
 
 
 def meshlm(*argv, cwd):
@@ -74,7 +75,9 @@ def check_page(html_text, names):
     assert "http://" not in html_text and "https://" not in html_text
     doc = parse_html(html_text)
     charts = {c.attrs["data-chart"]: c for c in doc.find_all("svg", "chart")}
-    assert set(charts) == set(CHART_SERIES)
+    assert set(charts) == set(CHART_SERIES) | {"comm"}
+    assert [g.attrs["data-series"] for g in charts["comm"].find_all("g", "series")] == \
+        [f"{n} {k}" for n in names for k in COMM_KINDS[n]]
     assert {d.attrs["data-chart"] for d in doc.find_all("div", "note")} == NOT_ON_CPU
     for key, parts in CHART_SERIES.items():
         series = charts[key].find_all("g", "series")
@@ -83,8 +86,9 @@ def check_page(html_text, names):
             points = g.find_all("polyline")[0].attrs["points"].split()
             assert int(g.attrs["data-points"]) == len(points) >= 2, (key, g.attrs)
     timelines = doc.find_all("svg", "timeline")
-    assert len(timelines) == len(names)
-    for tl, name in zip(timelines, names):
+    # each run's measured timeline, then the planner's predicted one for the same layout
+    assert [t.attrs["data-timeline"] for t in timelines] == ["measured", "predicted"] * len(names)
+    for tl, name in zip(timelines, [n for n in names for _ in range(2)]):
         m = RUNS[name][2]
         rows = tl.find_all("g", "stage")
         assert [r.attrs["data-stage"] for r in rows] == ["0", "1"]
@@ -93,6 +97,9 @@ def check_page(html_text, names):
             assert sorted((b.attrs["data-kind"], int(b.attrs["data-mb"])) for b in bars) == \
                 sorted((k, mb) for k in "FB" for mb in range(m))
     assert len(doc.find_all("p", "bubble")) == len(names)
+    # the analyzer's findings stand first: each PP = 2 run's bubble at least
+    assert doc.find_all("section")[0].attrs["id"] == "findings"
+    assert all(f"{n}: " in html_text for n in names) and "pipeline bubble" in html_text
     return doc
 
 

@@ -162,6 +162,34 @@ def test_skip_nan_steps_skips_the_update_and_counts_it(tmp_path):
     assert [r["nan_iters"] for r in lines if "lm_loss" in r] == [0, 1, 1]
 
 
+# ----------------------------------------------------------------------------- out of memory
+
+def _oom_in_the_first_step(rank, world, tmp):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    trainer.forward_backward = out_of_memory  # this spawned process only
+    try:
+        trainer.pretrain(tiny_config(tmp, iters=2))
+    except Exception as e:
+        return type(e).__name__, str(e), type(e.__cause__).__name__
+    return None
+
+
+def test_an_out_of_memory_step_is_one_training_error_with_the_planners_prediction_and_fitting_flags(tmp_path):
+    kind, message, cause = run_distributed(_oom_in_the_first_step, 1, str(tmp_path))[0]
+    assert (kind, cause) == ("TrainingError", "OutOfMemoryError")
+    first, *facts = message.splitlines()
+    assert first.startswith("out of memory on a ") and "TP 1 × PP 1 × DP 1, micro-batch 2" in first
+    assert "Tried to allocate 2.00 GiB" in first
+    predicted = next(line for line in facts if line.startswith("planner's prediction per GPU: "))
+    for category in ("weights", "grads", "optimizer", "activations", "logits/loss", "peak"):
+        assert category in predicted, category
+    assert "allocated when it failed: n/a (no CUDA device)" in facts
+    fits = next(line for line in facts if line.startswith("layouts that fit (planner): "))
+    assert "--micro-batch-size" in fits and " GiB)" in fits
+
+
 # ----------------------------------------------------------------------------- --load == --save, fresh
 
 def _fresh_with_load_equal_save(rank, world, tmp):

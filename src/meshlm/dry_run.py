@@ -2,8 +2,8 @@
 
 Parameters are counted from the model shape (no model is built): embedding (+ learned positions),
 per layer two norms, QKV and output projections, the MLP, a final norm and an untied output layer.
-Bytes per parameter are the optimizer's (``memory_report``): bf16/fp16 2 + 4 + 12, or 2 + 4 + 12/DP
-under --use-distributed-optimizer; fp32 4 + 4 + 8 (or 8/DP).
+Memory per rank is the planner's estimate (planner/memory.py: model state by precision and ZeRO-1,
+activations per layer and in flight, logits), the same figures `meshlm plan` prints.
 """
 
 from __future__ import annotations
@@ -73,11 +73,6 @@ def report(cfg: Config, world: int) -> list:
     dp = dp_size(cfg, world)
     vocab, source = vocab_of(cfg)
     params = stage_params(cfg, vocab)
-    half = t.bf16 or t.fp16
-    weights, grads, optim = (2, 4, 12) if half else (4, 4, 8)
-    optim = optim / dp if p.use_distributed_optimizer else optim
-    per = weights + grads + optim
-    biggest = max(params)
     return [
         f"layout: world {world} = TP {p.tensor_model_parallel_size} × CP {p.context_parallel_size} × "
         f"PP {p.pipeline_model_parallel_size} × DP {dp}",
@@ -86,8 +81,29 @@ def report(cfg: Config, world: int) -> list:
         *run_lines(cfg, world),
         f"parameters per rank by pipeline stage: {', '.join(f'{n / 1e6:.1f}M' for n in params)} "
         f"(vocabulary {vocab}, {source})",
-        f"memory per rank (largest stage, {'bf16/fp16' if half else 'fp32'}): weights "
-        f"{biggest * weights / 2**30:.2f} GiB + grads {biggest * grads / 2**30:.2f} GiB + optimizer "
-        f"{biggest * optim / 2**30:.2f} GiB = {biggest * per / 2**30:.2f} GiB ({per:g} bytes/parameter; "
-        f"activations not counted)",
+        *memory_lines(cfg, world, vocab),
     ]
+
+
+def memory_lines(cfg: Config, world: int, vocab: int) -> list:
+    """The planner's per-rank memory of this launch (planner/memory.py ``estimate``, the one
+    formula ``meshlm plan`` and the out-of-memory message use): model state and activations of
+    the rank that needs the most, its peak and its device total."""
+    import copy
+    from .planner.layout import Layout
+    from .planner.memory import GiB, estimate
+    c = copy.deepcopy(cfg)
+    c.training.global_batch_size = global_batch(cfg, world)
+    half = bool(c.training.bf16 or c.training.fp16)
+    lay = Layout.of(c, world)
+    mem = estimate(c, lay, vocab, half=half)
+    state = mem.weights + mem.grads + mem.optimizer
+    return [f"memory per rank (planner, pipeline stage {mem.stage}, {'bf16/fp16' if half else 'fp32'}, "
+            f"{mem.params / 1e6:.1f}M parameters): weights {mem.weights / GiB:.2f} GiB + grads {mem.grads / GiB:.2f} "
+            f"GiB + optimizer {mem.optimizer / GiB:.2f} GiB = {state / GiB:.2f} GiB ({state / mem.params:g} "
+            f"bytes/parameter); activations {mem.activations / GiB:.2f} GiB ({mem.activations_per_layer / GiB:.3f} "
+            f"a layer, {lay.recompute_name} recompute, × {mem.in_flight:g} in flight) + logits/loss "
+            f"{mem.loss / GiB:.2f} GiB",
+            f"memory peak per rank (planner): {mem.peak_bytes / GiB:.2f} GiB allocated, about "
+            f"{mem.device_bytes / GiB:.2f} GiB of device memory with the CUDA context and allocator reserve "
+            f"(`meshlm plan` with the same flags compares it with a GPU and ranks the layouts that fit)"]

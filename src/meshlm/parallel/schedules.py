@@ -23,7 +23,7 @@ for every schedule here under NCCL's rules (in-order matching per rank pair, tag
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple, Optional
 
 from ..errors import ConfigError
 
@@ -186,13 +186,18 @@ class SimResult:
     peak_in_flight: list
 
 
-def simulate(schedules: list, pp: int, v: int, f_time: float = 1.0, b_time: float = 1.0) -> SimResult:
+def simulate(schedules: list, pp: int, v: int, f_time: float = 1.0, b_time: float = 1.0, *,
+             duration: Optional[Callable[[int, Action], float]] = None, p2p_time: float = 0.0,
+             timeline: Optional[list] = None) -> SimResult:
     """Run every rank's schedule against the others under NCCL's rules; raise on a deadlock.
 
     Messages between a pair of ranks are matched in posting order, regardless of kind (NCCL
     ignores tags), and each matched pair must name the same tensor (same micro-batch and model
-    stage), else AssertionError. A P2P step completes once all its ops are matched.
-    Communication is free; F and B take ``f_time``/``b_time`` per chunk.
+    stage), else AssertionError. A P2P step completes once all its ops are matched, ``p2p_time``
+    after the later of the two posts. F and B take ``f_time``/``b_time`` per chunk, or
+    ``duration(rank, action)`` when given. timeline, if a list, receives one event per F/B in
+    the form pipeline.forward_backward logs, tagged with the rank: {"stage", "chunk", "mb",
+    "kind", "start", "end"}.
     """
     n = len(schedules)
     pos = [0] * n
@@ -221,7 +226,11 @@ def simulate(schedules: list, pp: int, v: int, f_time: float = 1.0, b_time: floa
             while pos[r] < len(schedules[r]):
                 step = schedules[r][pos[r]]
                 if isinstance(step, Action):
-                    clock[r] += f_time if step.kind == "F" else b_time
+                    start = clock[r]
+                    clock[r] += duration(r, step) if duration else f_time if step.kind == "F" else b_time
+                    if timeline is not None:
+                        timeline.append({"stage": r, "chunk": step.chunk, "mb": step.mb, "kind": step.kind,
+                                         "start": start, "end": clock[r]})
                     live[r] += 1 if step.kind == "F" else -1
                     peak[r] = max(peak[r], live[r])
                     pos[r] += 1
@@ -234,7 +243,7 @@ def simulate(schedules: list, pp: int, v: int, f_time: float = 1.0, b_time: floa
                         key = (r, peer) if sending else (peer, r)
                         ch = channels.setdefault(key, {"send": [], "recv": []})
                         ch["send" if sending else "recv"].append((msg, clock[r], (r, pos[r], i)))
-                        _match(ch, matched)
+                        _match(ch, matched, p2p_time)
                     posted[r] = True
                     progress = True
                 done = [matched.get((r, pos[r], i)) for i in range(len(step.ops))]
@@ -251,12 +260,13 @@ def simulate(schedules: list, pp: int, v: int, f_time: float = 1.0, b_time: floa
     return SimResult(makespan=max(clock), finish=clock, peak_in_flight=peak)
 
 
-def _match(ch: dict, matched: dict) -> None:
-    """Pair the oldest unmatched send with the oldest unmatched receive of one channel."""
+def _match(ch: dict, matched: dict, p2p_time: float = 0.0) -> None:
+    """Pair the oldest unmatched send with the oldest unmatched receive of one channel; both are
+    done ``p2p_time`` after the later post."""
     while ch["send"] and ch["recv"]:
         (smsg, st, sid), (rmsg, rt, rid) = ch["send"].pop(0), ch["recv"].pop(0)
         assert smsg == rmsg, f"p2p mismatch: sent {smsg}, receiver expected {rmsg}"
-        ready = max(st, rt)
+        ready = max(st, rt) + p2p_time
         matched[sid] = ready
         matched[rid] = ready
 

@@ -6,7 +6,10 @@ communication by kind, a share of the iteration: "dp" the wait for the gradient 
 backward, "tp" the inline TP/SP collectives, "pp" the time blocked in pipeline p2p waits),
 ``bubble_fraction`` and ``pipeline_timeline`` (F/B events per stage) under PP > 1,
 ``tokens_per_sec``, ``lm_loss``, ``nan_iters``, ``mem_max_allocated_gb`` / ``mem_total_gb`` and,
-where the trainer records them, ``rank_iter_s`` (per-rank step seconds) and ``loss_spike``.
+where the trainer records them, ``rank_iter_s`` and ``loss_spike``. ``rank_iter_s`` is each rank's
+seconds per iteration outside collectives — its step time minus the time it waited inside them
+(training/stragglers.py) — so it is each rank's own compute, not the wall-clock step, which
+collectives make equal on every rank; the straggler finding uses the live watch's thresholds.
 RUN_DIR/config.yaml (or a checkpoint's config.json) gives the flags the fixes start from.
 
 Step breakdown: the median over the logged iterations (the first is left out as warm-up when
@@ -20,7 +23,9 @@ The analytic bubble is (p − 1)/(v·m + p − 1) of the step, i.e. (p − 1)/(v
 Predicted gains: ``analyze(..., predictor=f)`` calls ``f(config, flags)`` for each fix — config
 the run's config dict (or None), flags the fix's {flag: value} changes (value None for a switch)
 — and records its answer (the predicted fraction of step time saved, e.g. 0.2, or None) as the
-fix's ``predicted_gain``. The planner supplies such a function; without one the field is None.
+fix's ``predicted_gain``. ``meshlm analyze`` passes the planner's (planner/predict.py: the
+time per sample that cost.step_time saves under the fix's flags, for the run's recorded GPU) unless
+--no-predict, and says so in its output; without a predictor the field is None.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import statistics
 from typing import Callable, Optional
 
 from ..errors import ConfigError
+from ..training.stragglers import FACTOR as STRAGGLER_RATIO, MIN_EXCESS_S
 
 COMM_WARN = 0.30        # issue 13: communication above 30% of the step is worth fixing
 NOTE_MIN = 0.10         # a cost below this share is not mentioned
@@ -45,7 +51,6 @@ MEMORY_TIGHT = 0.90     # peak / device memory: close to an out-of-memory
 MEMORY_SPARE = 0.50     # peak / device memory: room for a larger micro-batch or less recompute
 THROUGHPUT_DROP = 0.25  # last-window tokens/s below the first window's by this share
 SPIKE_RATIO, SPIKE_NATS = 1.2, 0.3  # loss over the median of the previous records by both
-STRAGGLER_RATIO = 1.15  # a rank's step time over the median rank's
 
 KIND_NAMES = {"dp": "DP gradient reduction", "tp": "TP/SP collectives", "pp": "PP p2p waits",
               "cp": "CP collectives", "bubble": "pipeline bubble"}
@@ -354,15 +359,16 @@ def _stragglers(steady: list) -> Optional[Finding]:
     for row in rows:
         median = statistics.median(row)
         worst = max(range(len(row)), key=row.__getitem__)
-        if median > 0 and row[worst] > STRAGGLER_RATIO * median:
+        if median > 0 and row[worst] > STRAGGLER_RATIO * median and row[worst] - median > MIN_EXCESS_S:
             slow.setdefault(worst, []).append(row[worst] / median - 1)
     rank, lags = max(slow.items(), key=lambda kv: len(kv[1]), default=(None, []))
     if rank is None or len(lags) * 2 < len(rows):
-        return Finding("straggler", "ok", f"no straggler: every rank within {100 * (STRAGGLER_RATIO - 1):.0f}% "
-                       f"of the median rank")
+        return Finding("straggler", "ok", f"no straggler: every rank's compute time outside collectives within "
+                       f"{100 * (STRAGGLER_RATIO - 1):.0f}% of the median rank's")
     lag = statistics.median(lags)
     return Finding("straggler", "warn", f"rank {rank} is the slowest in {len(lags)} of {len(rows)} logged "
-                   f"iterations, {100 * lag:.0f}% behind the median rank: every collective waits for it", lag,
+                   f"iterations: its compute time outside collectives is {100 * lag:.0f}% above the median "
+                   f"rank's, and every collective waits for it", lag,
                    [Fix({}, f"check rank {rank}'s node (other processes, clocks, a slower link or disk)")])
 
 
@@ -384,21 +390,50 @@ def format_report(report: dict, title: str = "") -> str:
     lines += ["", "findings:"]
     for f in report["findings"]:
         lines.append(f"  [{f['severity']}] {f['message']}")
-        for fix in f["fixes"]:
-            flags = " ".join(k if v is None else f"{k} {v}" for k, v in fix["flags"].items())
-            gain = f" (planner: {100 * fix['predicted_gain']:.0f}% faster)" if fix["predicted_gain"] else ""
-            lines.append(f"      fix: {flags + ': ' if flags else ''}{fix['why']}{gain}")
+        lines += [f"      fix: {fix_text(fix)}" for fix in f["fixes"]]
+    if report.get("predicted_by"):
+        lines += ["", report["predicted_by"]]
     return "\n".join(lines)
+
+
+def fix_text(fix: dict) -> str:
+    """A fix (as in the report dict) in one line: its flags, why, and the predicted gain."""
+    flags = " ".join(k if v is None else f"{k} {v}" for k, v in fix["flags"].items())
+    return f"{flags + ': ' if flags else ''}{fix['why']}{_gain(fix['predicted_gain'])}"
+
+
+def _gain(gain: Optional[float]) -> str:
+    """" (planner: 25% faster)" / " (planner: 3.2% slower)"; "" without a prediction."""
+    if gain is None:
+        return ""
+    pct = 100 * abs(gain)
+    spec = ".0f" if pct >= 10 else ".1f"
+    return f" (planner: {pct:{spec}}% {'faster' if gain >= 0 else 'slower'})"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run's directory (--run-dir), its logs/ folder "
                         "or its metrics.jsonl")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
+    parser.add_argument("--no-predict", action="store_true", help="leave out the planner's predicted gain of "
+                        "each fix")
+    parser.add_argument("--gpu", default=None, help="predict for this GPU preset or calibrated profile's name "
+                        "(default: the run's recorded device)")
+    parser.add_argument("--gpu-profile", default=None, help="predict with this GPU profile JSON (meshlm plan "
+                        "--calibrate)")
 
 
 def run(args: argparse.Namespace, predictor: Optional[Predictor] = None) -> int:
+    """Print the report of args.run_dir; the fixes' gains come from ``predictor``, by default the
+    planner's (planner/predict.py) unless --no-predict."""
     records, config = load_run(args.run_dir)
+    note = None
+    if predictor is None and not args.no_predict:
+        from .gpus import resolve_gpu
+        from .predict import planner_predictor
+        gpu = resolve_gpu(args.gpu or "", args.gpu_profile) if args.gpu or args.gpu_profile else None
+        predictor, note = planner_predictor(config, records, gpu)
     report = analyze(records, config, predictor)
+    report["predicted_by"] = note
     print(json.dumps(report, indent=1) if args.json else format_report(report, args.run_dir))
     return 0

@@ -24,8 +24,9 @@ Per step: (m + (p − 1)/v) micro-batch times (the bubble is the (p − 1)/v par
 activation (2·(v·m + p − 1) on the critical path, over NVLink or, when a stage boundary crosses a node,
 the inter-node link), the DP reduction of fp32 gradients (ring all-reduce 2(n−1)/n · 4 bytes/param, or
 under ZeRO-1 reduce-scatter (n−1)/n · 4 + all-gather of bf16 params (n−1)/n · 2, over NVLink when the
-DP × TP group fits a node, else the NIC), of which ``--overlap-grad-reduce`` hides what fits in the last
-micro-batch's backward (never the last bucket; the ZeRO-1 all-gather is counted exposed), and the
+DP × TP group fits a node, else the NIC; one ``COLLECTIVE_LATENCY_S`` per bucket of
+``--ddp-bucket-size`` elements, default max(40M, 1M × DP) as parallel/data.py), of which
+``--overlap-grad-reduce`` hides what fits in the last micro-batch's backward (never the last bucket; the ZeRO-1 all-gather is counted exposed), and the
 optimizer: ``OPTIMIZER_BYTES_PER_PARAM`` of HBM traffic per parameter (fused AdamW reads grad, master,
 two moments and writes three: 28; the grad norm 4; master → bf16 copy 6), / DP under ZeRO-1.
 
@@ -37,6 +38,7 @@ them at 148, 22, 22 and 12 ms. The constants below are those of every GPU and ru
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import asdict, dataclass
 
 from ..config import Config, global_batch, head_dim, num_microbatches, padded_vocab_size, ffn_hidden
@@ -105,27 +107,23 @@ def _ring(n: int, nbytes: float, bandwidth: float, reduce: bool = True) -> float
     return (2 if reduce else 1) * (n - 1) / n * nbytes / bandwidth + COLLECTIVE_LATENCY_S
 
 
-def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_node: int, params_per_rank: int,
-              half: bool = True) -> StepTime:
-    """The step time of ``layout`` (see the module docstring); cfg carries --global-batch-size.
-    params_per_rank: parameters of the largest stage (memory.estimate's ``params``)."""
-    c = layout.apply(cfg)
+def _work(c: Config, layout: Layout, gpu: GPU, padded: int, layers: int, logits: bool, act: int,
+          gpus_per_node: int) -> dict:
+    """Seconds of one micro-batch's forward + backward on one rank holding ``layers`` layers (and
+    the logits when ``logits``), by component: gemm, attn, elem, recompute, tp, and tp_forward (the
+    TP collectives of the forward pass, a part of tp)."""
     m = c.model
-    t, pp, vp, dp = layout.tp, layout.pp, layout.vp, layout.dp
-    b, s, h, a = layout.micro_batch, m.seq_length, m.hidden_size, m.num_attention_heads
-    act = 2 if half else 4
-    nmb = num_microbatches(c, layout.world)
-    padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, t)
+    t, b, s, h, a = layout.tp, layout.micro_batch, m.seq_length, m.hidden_size, m.num_attention_heads
     split = t * layout.cp
-    layers_last = m.num_layers // pp  # meshlm splits evenly unless --decoder-*-pipeline-num-layers
     layer = _flops(c, 1, b, padded) - _flops(c, 0, b, padded)
     attention = 12.0 * s * s * a * head_dim(m) * b
-    logits = _flops(c, 0, b, padded)
+    head = _flops(c, 0, b, padded) if logits else 0.0
     eff = gemm_efficiency(gpu, b * s / layout.cp, h, a * head_dim(m) / t, ffn_hidden(m) / t)
-    gemm_s = ((layer - attention) * layers_last + logits) / split / (gpu.peak_flops * eff)
-    attn_s = attention * layers_last / split / (gpu.peak_flops * gpu.attention_efficiency)
+    gemm_s = ((layer - attention) * layers + head) / split / (gpu.peak_flops * eff)
+    attn_s = attention * layers / split / (gpu.peak_flops * gpu.attention_efficiency)
     stored = sum(layer_terms(m, b, tp=t, sp=layout.sequence_parallel, act_bytes=act).values()) / layout.cp
-    elem_s = ELEMENTWISE_PASSES * (stored * layers_last + act * s * b * padded / t) / gpu.hbm_bytes_per_s
+    elem_s = ELEMENTWISE_PASSES * (stored * layers + (act * s * b * padded / t if logits else 0.0)) \
+        / gpu.hbm_bytes_per_s
     r = layout.recompute
     if r.granularity == "full":
         recompute_s = (gemm_s + attn_s + elem_s) / 3
@@ -135,32 +133,85 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
         recompute_s = 0.0
     link_tp = gpu.intra_node_bytes_per_s if t <= gpus_per_node else gpu.inter_node_bytes_per_s
     x = act * s * b * h / layout.cp
+    again = 1 if r.granularity == "full" else 0  # full recompute repeats the forward's collectives
     if t > 1 and layout.sequence_parallel:
-        ops = 10 + (4 if r.granularity == "full" else 0)
-        tp_s = layers_last * ops * _ring(t, x, link_tp, reduce=False)
+        fwd, ops, one = 4, 10 + 4 * again, _ring(t, x, link_tp, reduce=False)
     elif t > 1:
-        ops = 4 + (2 if r.granularity == "full" else 0)
-        tp_s = layers_last * ops * _ring(t, x, link_tp)
+        fwd, ops, one = 2, 4 + 2 * again, _ring(t, x, link_tp)
     else:
-        tp_s = 0.0
+        fwd, ops, one = 0, 0, 0.0
+    return {"gemm": gemm_s, "attn": attn_s, "elem": elem_s, "recompute": recompute_s,
+            "tp": layers * ops * one, "tp_forward": layers * fwd * one, "link_tp": link_tp}
+
+
+def _pp_link(layout: Layout, gpu: GPU, gpus_per_node: int) -> float:
+    """Bandwidth between neighbouring pipeline stages: NVLink when the whole pipeline (stride
+    TP × CP × DP apart) fits in a node, else the inter-node link."""
+    stride = layout.tp * layout.cp * layout.dp  # GPUs between neighbouring pipeline stages
+    return gpu.intra_node_bytes_per_s if stride * layout.pp <= gpus_per_node else gpu.inter_node_bytes_per_s
+
+
+def p2p_seconds(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int, half: bool = True) -> float:
+    """Seconds of one PP send of a micro-batch's [s, b, h] activation (or its gradient), /t under
+    SP, /cp: bytes / link bandwidth + ``COLLECTIVE_LATENCY_S``."""
+    m = cfg.model
+    x = (2 if half else 4) * m.seq_length * layout.micro_batch * m.hidden_size / layout.cp
+    return x / (layout.tp if layout.sequence_parallel else 1) / _pp_link(layout, gpu, gpus_per_node) \
+        + COLLECTIVE_LATENCY_S
+
+
+def stage_times(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_node: int,
+                half: bool = True) -> list:
+    """[(forward s, backward s)] of one micro-batch on each model stage (stage = chunk · PP + rank,
+    parallel/schedules.py), its layers from meshlm's own partition (``pipeline.stage_layers``), the
+    logits on the last stage. Forward is a third of the GEMM, attention and element-wise work
+    (backward computes two gradients a GEMM: 2× the forward FLOPs) plus the forward's TP
+    collectives; backward the rest, with any recompute."""
+    from ..parallel.pipeline import stage_layers
+    c = layout.apply(cfg)
+    m = c.model
+    padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, layout.tp)
+    ranges = stage_layers(c)
+    out = []
+    for stage, layers in enumerate(ranges):
+        w = _work(c, layout, gpu, padded, len(layers), stage == len(ranges) - 1, 2 if half else 4, gpus_per_node)
+        work = w["gemm"] + w["attn"] + w["elem"]
+        out.append((work / 3 + w["tp_forward"], 2 * work / 3 + w["recompute"] + w["tp"] - w["tp_forward"]))
+    return out
+
+
+def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_node: int, params_per_rank: int,
+              half: bool = True) -> StepTime:
+    """The step time of ``layout`` (see the module docstring); cfg carries --global-batch-size.
+    params_per_rank: parameters of the largest stage (memory.estimate's ``params``)."""
+    c = layout.apply(cfg)
+    m = c.model
+    t, pp, vp, dp = layout.tp, layout.pp, layout.vp, layout.dp
+    s = m.seq_length
+    act = 2 if half else 4
+    nmb = num_microbatches(c, layout.world)
+    padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, t)
+    layers_last = m.num_layers // pp  # meshlm splits evenly unless --decoder-*-pipeline-num-layers
+    w = _work(c, layout, gpu, padded, layers_last, True, act, gpus_per_node)
+    gemm_s, attn_s, elem_s, recompute_s, tp_s, link_tp = (w[k] for k in ("gemm", "attn", "elem", "recompute",
+                                                                          "tp", "link_tp"))
     fold_s = FOLD_BYTES_PER_PARAM * params_per_rank / gpu.hbm_bytes_per_s
     per_mb = gemm_s + attn_s + elem_s + recompute_s + tp_s
     compute = nmb * (gemm_s + attn_s + elem_s + recompute_s)
     bubble = (pp - 1) / vp * per_mb
-    stride = t * layout.cp * dp  # GPUs between neighbouring pipeline stages
-    link_pp = gpu.intra_node_bytes_per_s if stride * pp <= gpus_per_node else gpu.inter_node_bytes_per_s
-    p2p = 2 * (vp * nmb + pp - 1) * (x / (t if layout.sequence_parallel else 1) / link_pp + COLLECTIVE_LATENCY_S) \
-        if pp > 1 else 0.0
+    link_pp = _pp_link(layout, gpu, gpus_per_node)
+    p2p = 2 * (vp * nmb + pp - 1) * p2p_seconds(c, layout, gpu, gpus_per_node, half) if pp > 1 else 0.0
     link_dp = gpu.intra_node_bytes_per_s if dp * t * layout.cp <= gpus_per_node else gpu.inter_node_bytes_per_s
     n = dp * layout.cp
     grads = 4 * params_per_rank
+    bucket = c.parallel.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)  # parallel/data.py's default
+    latency = (math.ceil(params_per_rank / bucket) - 1) * COLLECTIVE_LATENCY_S if n > 1 else 0.0
     if layout.distributed_optimizer:
-        dp_s = _ring(n, grads, link_dp, reduce=False) + _ring(n, 2 * params_per_rank, link_dp, reduce=False)
-        gather_s = _ring(n, 2 * params_per_rank, link_dp, reduce=False)
+        gather_s = _ring(n, 2 * params_per_rank, link_dp, reduce=False) + latency
+        dp_s = _ring(n, grads, link_dp, reduce=False) + latency + gather_s
     else:
-        dp_s, gather_s = _ring(n, grads, link_dp), 0.0
+        dp_s, gather_s = _ring(n, grads, link_dp) + latency, 0.0
     if layout.overlap_grad_reduce and n > 1:
-        bucket = max(40_000_000, 1_000_000 * dp)
         reduce_s = dp_s - gather_s
         hidden = min(reduce_s * (1 - min(1.0, bucket / max(params_per_rank, 1))), 2 / 3 * per_mb)
         dp_exposed = reduce_s - hidden + gather_s

@@ -131,3 +131,23 @@ def resolve_gpu(name: str, profile: Optional[str] = None, overrides: Optional[di
                           f"in {profile_dir()}; run `meshlm plan --calibrate` on that GPU or pass --gpu-profile")
     changes = {OVERRIDES[k][0]: v * OVERRIDES[k][1] for k, v in (overrides or {}).items() if v is not None}
     return dataclasses.replace(gpu, **changes) if changes else gpu
+
+
+DEVICE_PRESETS = (("H200", "H200-141GB"), ("H100", "H100-80GB"), ("A100", "A100-80GB"))  # name substring → preset
+
+
+def gpu_of_device(device_name: Optional[str], fallback: str = "H200-141GB") -> tuple:
+    """(GPU, where it came from) for the device a run recorded (metrics.jsonl's ``device``, e.g.
+    "NVIDIA H200" or "cpu"): a calibrated profile of that name in profile_dir(), else the preset
+    whose name the device's contains, else the ``fallback`` preset, said so in the second item."""
+    if device_name:
+        path = os.path.join(profile_dir(), f"{slug(device_name)}.json")
+        if os.path.exists(path):
+            return load_profile(path), f"calibrated profile {path}"
+        for needle, preset in DEVICE_PRESETS:
+            if needle in device_name:
+                return PRESETS[preset], f"preset {preset} (the run's device {device_name})"
+    where = f"the run's device {device_name} has no profile" if device_name else "the run recorded no device"
+    return PRESETS[fallback], (f"preset {fallback}: {where}; `meshlm plan --calibrate` on that machine "
+                               f"stores one")
+

@@ -3,8 +3,9 @@
 The page holds, per chart, one series per run (legend by run name): training and validation loss
 against tokens, learning rate, grad norm, tokens/s and MFU against time, memory, exposed
 communication share by kind, and each run's pipeline timeline of its last logged iteration with
-the measured bubble beside the analytic one. Findings (the analyzer's: title, detail, fix) stand
-at the top when given. Everything is inline (CSS, SVG): no script, no external URL, so it opens
+the measured bubble beside the analytic one and, under it, the planner's predicted timeline for the
+same layout. The analyzer's findings (planner/analyze.py, with the planner's predicted gains) stand
+at the top. Everything is inline (CSS, SVG): no script, no external URL, so it opens
 with the network off and can be mailed as one file. ``--trace`` also writes the timelines as a
 Chrome/Perfetto trace (trace.py).
 """
@@ -145,6 +146,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HTML file to write (default: <first RUN_DIR>/report.html)")
     parser.add_argument("--trace", default=None, metavar="FILE.json",
                         help="also write the pipeline timelines as a Chrome/Perfetto trace (JSON trace events)")
+    parser.add_argument("--no-predict", action="store_true",
+                        help="leave out the planner's predictions (fix gains, predicted pipeline timeline)")
+
+
+def planner_views(runs: list, predict: bool = True) -> tuple:
+    """(findings, predicted) for build_page: the analyzer's warn and info findings of every run
+    (planner/analyze.py, each fix with the planner's predicted gain unless not ``predict``) as
+    {title, detail, fix}, and {run name: the planner's predicted timeline} (planner/predict.py)
+    for the runs with a pipeline timeline."""
+    from ..planner.analyze import KIND_NAMES, analyze, fix_text
+    from ..planner.predict import planner_predictor, run_timeline
+    findings, predicted = [], {}
+    for r in runs:
+        if not r.train:
+            continue
+        predictor, note = planner_predictor(r.config, r.train) if predict else (None, None)
+        for f in analyze(r.train, r.config or None, predictor)["findings"]:
+            if f["severity"] == "ok":
+                continue
+            fixes = "; ".join(fix_text(x) for x in f["fixes"]) or "none offered"
+            findings.append({"title": f"{r.name}: {f['severity']}: {KIND_NAMES.get(f['kind'], f['kind'])}",
+                             "detail": f["message"] + (f" ({note})" if note and any(
+                                 x["predicted_gain"] is not None for x in f["fixes"]) else ""), "fix": fixes})
+        if predict and r.last_timeline():
+            events, _ = run_timeline(r.config, r.train)
+            if events:
+                predicted[r.name] = events
+    return findings, predicted
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,8 +181,9 @@ def run(args: argparse.Namespace) -> int:
     runs = [load_run(p) for p in args.runs]
     unique_names(runs)
     out = args.output or os.path.join(runs[0].path, "report.html")
+    findings, predicted = planner_views(runs, predict=not args.no_predict)
     with open(out, "w", encoding="utf-8") as fh:
-        fh.write(build_page(runs))
+        fh.write(build_page(runs, findings, predicted))
     print(f"meshlm: report {out}", flush=True)
     if args.trace:
         timelines = [(r.name, tl["events"]) for r in runs if (tl := r.last_timeline())]

@@ -121,10 +121,11 @@ class MetricsLogger:
     Values in a line are averages over the iterations since the previous line (loss over the
     iterations that were not skipped), as in Megatron. ``mem_allocated_gb`` is the logging
     rank's memory in use after the step, ``mem_max_allocated_gb`` its peak, ``mem_total_gb`` the
-    device's size (GiB). ``comm_s`` holds exposed communication seconds per iteration by kind
-    ("dp": averaged over the interval; "tp", "pp", …: timed on the log iteration, see
-    parallel/comm.py) and ``comm_share`` each as a share of the iteration time they were measured
-    in. Every rank may call the methods; only ``enabled`` ones print and write.
+    device's size (GiB); ``device`` the CUDA device's name ("cpu" without one) and ``world_size``
+    the job's ranks (the planner's predictions for the run start from both). ``comm_s`` holds
+    exposed communication seconds per iteration by kind ("dp": averaged over the interval; "tp",
+    "pp", …: timed on the log iteration, see parallel/comm.py) and ``comm_share`` each as a share
+    of the iteration time they were measured in. Every rank may call the methods; only ``enabled`` ones print and write.
     ``flops_per_iter`` counts a step of ``global_batch`` samples; a step of another size (a
     --rampup-batch-size ramp) counts in proportion.
     """
@@ -136,6 +137,7 @@ class MetricsLogger:
         self.global_batch, self.seq_length = global_batch, seq_length
         self.flops_per_iter, self.world_size, self.fp16 = flops_per_iter, world_size, fp16
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        self.device = device_name or "cpu"
         self.peak = peak_tflops(device_name, dtype)
         self.path = None
         self.tb = None
@@ -232,6 +234,7 @@ class MetricsLogger:
             "mem_allocated_gb": memory_gb(), "mem_max_allocated_gb": max_memory_gb(),
             "mem_total_gb": device_memory_gb(),
             "skipped_iters": self.skipped_total, "nan_iters": self.nan_total,
+            "device": self.device, "world_size": self.world_size,
         }
         if self.fp16:
             rec["loss_scale"] = loss_scale
