@@ -216,7 +216,7 @@ class MixedPrecisionOptimizer:
             return sq
 
         sq, experts = squares(False), squares(True)
-        self._all_reduce(experts, self.expert_norm_groups, dist.ReduceOp.SUM)
+        self._all_reduce(experts, self.expert_norm_groups, dist.ReduceOp.SUM, "squared expert grad norm")
         sq += experts
         if loss is not None:
             sq += 0.0 * loss.to(sq.device, torch.float64).reshape(-1)[:1]
