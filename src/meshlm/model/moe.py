@@ -147,8 +147,9 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """weight [E, h]: logits of this rank's tokens; ``expert_bias`` [E] fp32 buffer (aux-loss-free)
-    and ``tokens_per_expert`` [E], the routes counted this step for its update."""
+    """weight [E, h]: logits of this rank's tokens; ``expert_bias`` [E] fp32 buffer (aux-loss-free;
+    persistent: checkpoints hold it, one global tensor per layer, the same on every rank) and
+    ``tokens_per_expert`` [E], the routes counted this step for its update (zero between steps)."""
 
     def __init__(self, cfg, ps, init, *, sequence_parallel: bool, params_dtype):
         super().__init__()
@@ -157,7 +158,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(w)
         self.weight.sequence_parallel = sequence_parallel
         self.use_bias = cfg.moe_router_enable_expert_bias
-        self.register_buffer("expert_bias", torch.zeros(E, device=ps.device), persistent=False)
+        self.register_buffer("expert_bias", torch.zeros(E, device=ps.device), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(E, device=ps.device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
