@@ -96,7 +96,7 @@ def test_import_at_ep2_gives_transformers_logits(mixtral, tmp_path):
 
 
 def test_what_meshlm_cannot_express_is_one_line(mixtral):
-    folder, model, _ = mixtral
+    _, model, _ = mixtral
     hf = model.config.to_dict()
     with pytest.raises(CheckpointError, match="router_jitter_noise=0.01"):
         model_from_hf(dict(hf, router_jitter_noise=0.01), "x/config.json")
