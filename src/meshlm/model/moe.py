@@ -38,6 +38,7 @@ from torch import nn
 
 from ..config import moe_ffn
 from ..dtypes import wide
+from ..parallel import watchdog
 from ..parallel.experts import dispatch_combine
 from .mlp import MLP
 
@@ -323,7 +324,7 @@ def routing_stats(chunks, ps, cfg) -> dict:
         if state is not None:
             state.stats.clear()
     if ps.world_size > 1:
-        dist.all_reduce(table)
+        watchdog.call("all_reduce of the MoE routing statistics", None, dist.all_reduce, table)
     tp = ps.tp if ps.tp > 1 else 1  # MoE at TP > 1 runs under SP: each TP rank records its rows' share
     out = {}
     for layer in range(L):
