@@ -10,6 +10,12 @@ gradient clipping at 1.0 with foreach kernels. Weights normal(0, 0.02), output p
 GeLU FFN 4h, tied embeddings, multi-head attention, --dropout p on the embedding, attention
 probabilities (SDPA dropout_p) and both residual branches, as meshlm's --hidden-dropout and
 --attention-dropout.
+--experts E --topk k: Mixtral's MoE block instead of the MLP (a plain-PyTorch MoE: router
+Linear(h, E), top-k of the logits with softmax over the k, Switch load-balancing loss
+--aux-coeff·E/(k·T²)·Σ P_i·f_i added to the loss, tokens sorted by expert and one SwiGLU
+nn.Linear pair per expert in a loop, results scattered back with index_add); only the attention
+part of each block is compiled (the expert loop has data-dependent shapes). Without CUDA it runs
+on CPU, uncompiled, for a smoke test.
 
 Usage: python bench/baseline.py [--arch gpt --dropout 0.1] --layers 16 --hidden 2048 --heads 16 --groups 8 --ffn 8192 \
            --vocab 32000 --seq 2048 --micro-batch 8 --iters 20
@@ -42,15 +48,52 @@ class Block(nn.Module):
         self.fc1 = nn.Linear(h, 2 * ffn, bias=False)
         self.fc2 = nn.Linear(ffn, h, bias=False)
 
-    def forward(self, x, cos, sin):
+    def attend(self, x, cos, sin):
+        """x + attention(norm1(x)), then norm2 of that: (residual, MLP input), both [b, s, h]."""
         b, s, _ = x.shape
         q, k, v = self.qkv(self.norm1(x)).split([self.heads * self.d, self.groups * self.d, self.groups * self.d], -1)
         q, k, v = (t.view(b, s, -1, self.d).transpose(1, 2) for t in (q, k, v))  # [b, n, s, d]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, s, -1))
-        gate, up = self.fc1(self.norm2(x)).chunk(2, -1)
+        return x, self.norm2(x)
+
+    def forward(self, x, cos, sin):
+        x, y = self.attend(x, cos, sin)
+        gate, up = self.fc1(y).chunk(2, -1)
         return x + self.fc2(F.silu(gate) * up)
+
+
+class MoEBlock(Block):
+    """The Llama block with an MoE of ``experts`` SwiGLU experts (top-k) as its MLP; ``aux`` holds
+    the last forward's load-balancing loss."""
+
+    def __init__(self, h: int, heads: int, groups: int, ffn: int, eps: float, experts: int, topk: int, coeff: float):
+        super().__init__(h, heads, groups, ffn, eps)
+        del self.fc1, self.fc2
+        self.k, self.coeff = topk, coeff
+        self.router = nn.Linear(h, experts, bias=False)
+        self.experts = nn.ModuleList(nn.ModuleDict({"fc1": nn.Linear(h, 2 * ffn, bias=False),
+                                                    "fc2": nn.Linear(ffn, h, bias=False)}) for _ in range(experts))
+
+    def forward(self, x, cos, sin):
+        x, y = self.attend(x, cos, sin)
+        shape, y = y.shape, y.reshape(-1, y.shape[-1])
+        logits = self.router(y).float()
+        top, idx = torch.topk(logits, self.k, dim=-1)
+        gates = torch.softmax(top, dim=-1).flatten()
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        token = order // self.k
+        counts = torch.bincount(flat, minlength=len(self.experts))
+        T, E = y.shape[0], len(self.experts)
+        self.aux = self.coeff * E / (self.k * T * T) * (torch.softmax(logits, -1).sum(0) * counts).sum()
+        outs = []
+        for e, rows in zip(self.experts, y[token].split(counts.tolist())):  # one host sync per layer
+            gate, up = e["fc1"](rows).chunk(2, -1)
+            outs.append(e["fc2"](F.silu(gate) * up))
+        out = torch.cat(outs).float() * gates[order].unsqueeze(1)
+        return x + torch.zeros(y.shape, device=y.device).index_add_(0, token, out).to(x.dtype).view(shape)
 
 
 class GPTBlock(nn.Module):
@@ -78,15 +121,21 @@ def rotate(x, cos, sin):
     return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
 
-def init_and_compile(model: nn.Module, layers: int) -> None:
-    """Normal(0, 0.02) matrices (output projections 0.02/√(2L), as GPT-2), then each block and the
-    loss under torch.compile."""
+def init_and_compile(model: nn.Module, layers: int, compile: bool = True) -> None:
+    """Normal(0, 0.02) matrices (output projections 0.02/√(2L), as GPT-2), then each block (an MoE
+    block: its attention part) and the loss under torch.compile."""
     for name, p in model.named_parameters():
         if p.dim() == 2:
             std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "fc2.weight")) else 0.02
             nn.init.normal_(p, 0.0, std)
+    if not compile:
+        model.loss = model._loss
+        return
     for blk in model.blocks:
-        blk.compile()
+        if isinstance(blk, MoEBlock):
+            blk.attend = torch.compile(blk.attend)
+        else:
+            blk.compile()
     model.loss = torch.compile(model._loss)
 
 
@@ -100,7 +149,8 @@ class Llama(nn.Module):
         super().__init__()
         h = a.hidden
         self.embed = nn.Embedding(a.vocab, h)
-        self.blocks = nn.ModuleList(Block(h, a.heads, a.groups, a.ffn, 1e-5) for _ in range(a.layers))
+        self.blocks = nn.ModuleList((MoEBlock(h, a.heads, a.groups, a.ffn, 1e-5, a.experts, a.topk, a.aux_coeff)
+                                     if a.experts else Block(h, a.heads, a.groups, a.ffn, 1e-5)) for _ in range(a.layers))
         self.norm = nn.RMSNorm(h, eps=1e-5)
         self.head = nn.Linear(h, a.vocab, bias=False)
         d = h // a.heads
@@ -109,7 +159,7 @@ class Llama(nn.Module):
         ang = torch.cat([ang, ang], -1)
         self.register_buffer("cos", ang.cos().float(), persistent=False)
         self.register_buffer("sin", ang.sin().float(), persistent=False)
-        init_and_compile(self, a.layers)
+        init_and_compile(self, a.layers, a.compile)
 
     def _loss(self, x, labels):
         return cross_entropy(self.head(self.norm(x)), labels)
@@ -118,7 +168,9 @@ class Llama(nn.Module):
         x = self.embed(tokens)
         for blk in self.blocks:
             x = blk(x, self.cos, self.sin)
-        return self.loss(x, labels)
+        loss = self.loss(x, labels)
+        return loss + sum(blk.aux for blk in self.blocks) if self.blocks and isinstance(self.blocks[0], MoEBlock) \
+            else loss
 
 
 class GPT(nn.Module):
@@ -130,7 +182,7 @@ class GPT(nn.Module):
         self.embed, self.pos = nn.Embedding(a.vocab, h), nn.Embedding(a.seq, h)
         self.blocks = nn.ModuleList(GPTBlock(h, a.heads, a.ffn, a.dropout) for _ in range(a.layers))
         self.norm = nn.LayerNorm(h)
-        init_and_compile(self, a.layers)
+        init_and_compile(self, a.layers, a.compile)
 
     def _loss(self, x, labels):
         return cross_entropy(F.linear(self.norm(x), self.embed.weight), labels)
@@ -145,26 +197,29 @@ class GPT(nn.Module):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in [("layers", 16), ("hidden", 2048), ("heads", 16), ("groups", 8), ("ffn", 8192),
-                          ("vocab", 32000), ("seq", 2048), ("micro-batch", 8), ("iters", 20), ("warmup", 3)]:
+                          ("vocab", 32000), ("seq", 2048), ("micro-batch", 8), ("iters", 20), ("warmup", 3),
+                          ("experts", 0), ("topk", 2)]:
         ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--aux-coeff", type=float, default=1e-2, help="MoE load-balancing coefficient")
     ap.add_argument("--rope-base", type=float, default=500000.0)
     ap.add_argument("--arch", choices=["llama", "gpt"], default="llama")
     ap.add_argument("--dropout", type=float, default=0.0, help="GPT only")
     a = ap.parse_args()
     torch._dynamo.config.recompile_limit = 64  # one cache entry per block; the default 8 falls back to eager
     torch.manual_seed(0)
-    dev = torch.device("cuda")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    a.compile = dev.type == "cuda"
     model = (Llama if a.arch == "llama" else GPT)(a).to(dev)
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
     params = list(model.parameters())
     times, losses = [], []
     for it in range(a.iters):
         start = time.perf_counter()  # wall time of the whole step, as meshlm's iteration time
         data = torch.randint(0, a.vocab, (a.micro_batch, a.seq + 1), device=dev)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
             loss = model(data[:, :-1], data[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
@@ -177,7 +232,8 @@ def main() -> None:
     n = sum(p.numel() for p in params)
     print("BASELINE " + json.dumps({
         "params": n, "iter_ms": ms, "tokens_per_sec": a.micro_batch * a.seq / (ms / 1e3),
-        "peak_mem_gb": torch.cuda.max_memory_allocated() / 2 ** 30, "losses": losses}), flush=True)
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if dev.type == "cuda" else 0.0,
+        "losses": losses}), flush=True)
 
 
 if __name__ == "__main__":

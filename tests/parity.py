@@ -5,8 +5,10 @@ one process (DESIGN.md, "Correctness rule").
 (``trainer.build``: process groups, model chunks, DP buffers and buckets, the (distributed)
 optimizer, LR schedule, logger) with float64 params, feeds it the synthetic ``MaskedData``
 (random tokens, loss masks that differ between samples, one fully masked sample) and calls
-``trainer.train_step`` STEPS times. It returns the losses, the grad norms and every parameter as a
-full (TP=1) float64 tensor under its global name — from every rank, so DP replicas are checked too.
+``trainer.train_step`` STEPS times. It returns the losses, the grad norms, the MoE routing figures
+of each logged step (metrics.jsonl's moe_*: global over ranks, so equal in every layout) and every
+parameter as a full (TP=1) float64 tensor under its global name — from every rank, so DP replicas
+are checked too.
 
 ``reference(case)`` is the same run as one process (every parallel size 1), cached per model.
 ``assert_parity`` compares them at 1e-10 relative: rounding in float64 stays near 1e-15, a real
@@ -200,10 +202,21 @@ def train_layout(case: Case, poison: bool = True) -> dict:
         return result
 
     run.opt.step = recording_step
+    records, log = [], run.logger.train_step
+    run.logger.train_step = lambda *a, **k: (lambda rec: (records.append(rec), rec)[1])(log(*a, **k))
     state = trainer.TrainState()
     losses = [trainer.train_step(run, state) for _ in range(STEPS)]
     run.opt.finish_param_sync()
-    return {"losses": losses, "norms": norms, "params": _full_params(run)}
+    moe = [_flat({k: v for k, v in rec.items() if k.startswith("moe_")}) for rec in records if rec]
+    return {"losses": losses, "norms": norms, "params": _full_params(run), "moe": moe}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """{"a.b": number} of nested dicts of numbers (None kept)."""
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def _worker(rank: int, world: int, cases: list, poison: bool) -> list:
@@ -254,6 +267,9 @@ def parity_errors(case: Case, results: list, ref: dict) -> list:
             for i, (a, b) in enumerate(zip(r[what], ref[what])):
                 if a is None or abs(a - b) > TOL * abs(b):
                     bad.append(f"rank {rank} step {i + 1} {what[:-1]}: {a} vs {b}")
+        for i, (got, want) in enumerate(zip(r["moe"], ref["moe"])):  # routing figures (MoE metrics)
+            bad += [f"rank {rank} step {i + 1} {k}: {got.get(k)} vs {v}" for k, v in want.items()
+                    if (got.get(k) is None) != (v is None) or (v is not None and abs(got[k] - v) > TOL * abs(v))]
         for name, t in r["params"].items():
             want = ref["params"][name.split(" (")[0]]
             err = rel_err(t, want)

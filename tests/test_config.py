@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from meshlm.config import (Config, add_config_args, config_from_args, dump_yaml, head_dim,
-                           query_groups)
+                           moe_ffn, moe_layer_pattern, query_groups)
 from meshlm.errors import ConfigError
 from meshlm.model.presets import PRESETS, apply_preset
 from meshlm.validate import notes, validate
@@ -550,6 +550,14 @@ def test_preset_shapes_match_the_published_models():
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (12, 768, 12, 1024)
     assert m.position_embedding_type == "learned_absolute" and m.normalization == "LayerNorm"
     assert not m.swiglu and m.add_bias_linear and query_groups(m) == 12 and m.ffn_hidden_size is None
+    apply_preset(cfg, "mixtral-8x7b")  # Mixtral-8x7B-v0.1: the Mistral-7B block, 8 experts, top-2
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, query_groups(m), moe_ffn(m)) == \
+        (32, 4096, 32, 8, 14336)
+    assert (m.num_experts, m.moe_router_topk, m.rotary_base, m.moe_router_score_function) == (8, 2, 1e6, "softmax")
+    assert all(moe_layer_pattern(m))
+    apply_preset(cfg, "llama2-7b")
+    assert cfg.model.num_experts is None and cfg.model.moe_aux_loss_coeff == 0.0
 
 
 # ----------------------------------------------------------------------------- examples

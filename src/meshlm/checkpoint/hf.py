@@ -1,4 +1,4 @@
-"""Hugging Face safetensors weights ↔ meshlm's full weights, for Llama, Mistral and GPT-2.
+"""Hugging Face safetensors weights ↔ meshlm's full weights, for Llama, Mistral, Mixtral and GPT-2.
 
 One table (``rules``) says which Hugging Face tensors make each meshlm tensor; import and
 export both read it. meshlm's full (TP=1) weights are those of ``parallel.tensor.
@@ -9,6 +9,9 @@ unpadded, fused QKV rows [Q (a·d); K (g·d); V (g·d)], fused SwiGLU fc1 rows [
   o_proj → linear_proj; gate_proj, up_proj stacked into linear_fc1; down_proj → linear_fc2;
   input_layernorm, post_attention_layernorm (→ pre_mlp_layernorm); model.embed_tokens,
   model.norm, lm_head (absent when tied). Query head j reads key/value head j // (a/g) in both.
+- Mixtral: as Mistral, the MLP an MoE (``block_sparse_moe.``, the layout transformers writes):
+  gate → mlp.router; experts.{e}.w1 (gate), w3 (up) stacked into
+  mlp.experts.local_experts.{e}.linear_fc1, w2 → its linear_fc2 (experts under global indices).
 - GPT-2 (``transformer.h.{i}.``): Conv1D weights are [in, out] (y = x W + b), so each is
   transposed; c_attn's columns are already q | k | v. wte, wpe, ln_f; lm_head tied to wte.
 
@@ -83,6 +86,9 @@ def rules(arch: str, m: C.ModelConfig) -> list:
                          (a * d, g * d, g * d)) for s in bias]
             out += [Rule(q + "self_attention.linear_proj" + s, (p + "self_attn.o_proj" + s,)) for s in bias]
             out.append(Rule(q + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",)))
+            if arch == "mixtral":
+                out += _mixtral_moe(p + "block_sparse_moe.", q + "mlp.", m)
+                continue
             out += [Rule(q + "mlp.linear_fc1" + s, (p + "mlp.gate_proj" + s, p + "mlp.up_proj" + s), (f, f))
                     for s in bias]
             out += [Rule(q + "mlp.linear_fc2" + s, (p + "mlp.down_proj" + s,)) for s in bias]
@@ -90,6 +96,17 @@ def rules(arch: str, m: C.ModelConfig) -> list:
         embedding = "model.embed_tokens.weight"
     out.append(Rule("output_layer.weight", (embedding,), tied_copy=True) if tied
                else Rule("output_layer.weight", ("lm_head.weight",)))
+    return out
+
+
+def _mixtral_moe(p: str, q: str, m: C.ModelConfig) -> list:
+    """The rules of one Mixtral MoE MLP: HF prefix ``p`` (…block_sparse_moe.), meshlm ``q`` (…mlp.)."""
+    f = C.moe_ffn(m)
+    out = [Rule(q + "router.weight", (p + "gate.weight",))]
+    for e in range(m.num_experts):
+        hf, ours = f"{p}experts.{e}.", f"{q}experts.local_experts.{e}."
+        out += [Rule(ours + "linear_fc1.weight", (hf + "w1.weight", hf + "w3.weight"), (f, f)),
+                Rule(ours + "linear_fc2.weight", (hf + "w2.weight",))]
     return out
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face ``config.json`` ↔ meshlm's model flags, for Llama, Mistral and GPT-2.
+"""Hugging Face ``config.json`` ↔ meshlm's model flags, for Llama, Mistral, Mixtral and GPT-2.
 
 Fields read (transformers' names; ``rope_parameters`` is transformers ≥ 5, ``rope_theta`` and
 ``rope_scaling`` earlier versions):
@@ -7,7 +7,14 @@ Fields read (transformers' names; ``rope_parameters`` is transformers ≥ 5, ``r
   (→ --group-query-attention --num-query-groups), head_dim (→ --kv-channels), intermediate_size
   (→ --ffn-hidden-size), vocab_size, rms_norm_eps, rope theta (→ --rotary-base),
   tie_word_embeddings, attention_bias / mlp_bias (llama; → --disable-bias-linear when false),
-  max_position_embeddings, hidden_act (silu only: SwiGLU), sliding_window (mistral).
+  max_position_embeddings, hidden_act (silu only: SwiGLU), sliding_window (mistral, mixtral).
+- mixtral: as mistral, plus num_local_experts (→ --num-experts, every layer MoE),
+  num_experts_per_tok (→ --moe-router-topk), intermediate_size (the experts' width). Its router
+  (softmax over all experts, top-k, renormalised over the k) is meshlm's default softmax routing
+  (softmax over the k chosen logits): the same gates. router_jitter_noise must be 0.
+  router_aux_loss_coef is neither read nor written: HF's loss is another function (it pools all
+  layers' tokens and sums the top-k one-hots; Megatron's is per layer, divided by k), so one
+  coefficient does not carry over; pass --moe-aux-loss-coeff.
 - gpt2: n_embd, n_layer, n_head, n_inner (default 4·n_embd), n_positions, layer_norm_epsilon,
   activation_function (gelu_new → --openai-gelu, gelu → exact GeLU), tie_word_embeddings.
 
@@ -28,7 +35,7 @@ from typing import Optional
 from .. import config as C
 from ..errors import CheckpointError
 
-ARCHITECTURES = ("llama", "mistral", "gpt2")
+ARCHITECTURES = ("llama", "mistral", "mixtral", "gpt2")
 CONFIG = "config.json"
 
 
@@ -36,7 +43,7 @@ CONFIG = "config.json"
 class HFModel:
     """A Hugging Face model described in meshlm's terms.
 
-    arch: "llama" | "mistral" | "gpt2". model: {ModelConfig field: value}. window: Mistral's
+    arch: "llama" | "mistral" | "mixtral" | "gpt2". model: {ModelConfig field: value}. window: Mistral's
     sliding window in tokens (None: full attention). max_positions: the position limit.
     """
 
@@ -110,9 +117,15 @@ def _llama(hf: dict, arch: str, where: str) -> HFModel:
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         add_bias_linear=attn_bias, max_position_embeddings=positions,
         hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
-        init_method_std=float(hf.get("initializer_range", 0.02)))
+        init_method_std=float(hf.get("initializer_range", 0.02)), num_experts=None)
+    if arch == "mixtral":
+        if float(hf.get("router_jitter_noise") or 0.0):
+            raise _refuse(where, "router_jitter_noise", hf["router_jitter_noise"], "meshlm's router adds no noise")
+        model.update(num_experts=_need(hf, "num_local_experts", where), moe_router_topk=_need(hf, "num_experts_per_tok", where),
+                     moe_ffn_hidden_size=None, moe_layer_freq="1", moe_shared_expert_intermediate_size=None,
+                     moe_router_score_function="softmax", moe_router_pre_softmax=False)
     out = HFModel(arch, model, positions)
-    if arch == "mistral" and hf.get("sliding_window") is not None:
+    if arch in ("mistral", "mixtral") and hf.get("sliding_window") is not None:
         out.window = int(hf["sliding_window"])
         out.notes.append(f"{where}: sliding_window={out.window}: meshlm attends over the whole sequence, "
                          f"which equals Mistral's window only for sequences of at most {out.window} tokens")
@@ -210,10 +223,11 @@ def model_flags(hf_model: HFModel) -> str:
 # ----------------------------------------------------------------------------- export
 
 def _export_arch(m: C.ModelConfig, arch: Optional[str]) -> str:
-    """The HF architecture for ``m``: ``arch`` if given (checked), else llama (RoPE) or gpt2."""
+    """The HF architecture for ``m``: ``arch`` if given (checked), else mixtral (MoE), llama (RoPE)
+    or gpt2."""
     rope = m.position_embedding_type == "rope"
-    arch = arch or ("llama" if rope else "gpt2")
-    llama_like = arch in ("llama", "mistral")
+    arch = arch or ("mixtral" if m.num_experts else "llama" if rope else "gpt2")
+    llama_like = arch in ("llama", "mistral", "mixtral")
     wanted = [("--position-embedding-type", m.position_embedding_type, "rope" if llama_like else "learned_absolute"),
               ("--normalization", m.normalization, "RMSNorm" if llama_like else "LayerNorm"),
               ("--swiglu", m.swiglu, llama_like)]
@@ -221,8 +235,15 @@ def _export_arch(m: C.ModelConfig, arch: Optional[str]) -> str:
         wanted += [("--disable-bias-linear", not m.add_bias_linear, False),
                    ("--group-query-attention", C.query_groups(m) != m.num_attention_heads, False),
                    ("--kv-channels", C.head_dim(m), m.hidden_size // m.num_attention_heads)]
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         wanted.append(("--disable-bias-linear", not m.add_bias_linear, True))
+    if arch == "mixtral":
+        wanted += [("--moe-layer-freq (MoE layers)", sum(C.moe_layer_pattern(m)), m.num_layers),
+                   ("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size, None),
+                   ("--moe-router-score-function", m.moe_router_score_function, "softmax"),
+                   ("--moe-router-pre-softmax", m.moe_router_pre_softmax, False)]
+    else:
+        wanted.append(("--num-experts", m.num_experts or None, None))
     for flag, value, need in wanted:
         if value != need:
             raise CheckpointError(f"the checkpoint's model has {flag} {value}; a Hugging Face {arch} model "
@@ -233,7 +254,8 @@ def _export_arch(m: C.ModelConfig, arch: Optional[str]) -> str:
 def hf_config_from_model(m: C.ModelConfig, vocab_size: int, arch: Optional[str] = None) -> dict:
     """The Hugging Face config.json (a dict) of the meshlm model ``m`` with ``vocab_size`` rows.
 
-    arch: "llama", "mistral" or "gpt2"; default llama for RoPE models, gpt2 otherwise. Raises
+    arch: "llama", "mistral", "mixtral" or "gpt2"; default mixtral for MoE models, llama for RoPE
+    models, gpt2 otherwise. Raises
     CheckpointError naming the flag that the architecture cannot express.
     """
     arch = _export_arch(m, arch)
@@ -245,16 +267,20 @@ def hf_config_from_model(m: C.ModelConfig, vocab_size: int, arch: Optional[str] 
                 "layer_norm_epsilon": m.norm_epsilon, "activation_function": "gelu_new" if m.openai_gelu else "gelu",
                 "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
                 "initializer_range": m.init_method_std, "tie_word_embeddings": tied, "dtype": "float32"}
-    out = {"architectures": ["MistralForCausalLM" if arch == "mistral" else "LlamaForCausalLM"],
+    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+    out = {"architectures": [names[arch]],
            "model_type": arch, "vocab_size": vocab_size, "hidden_size": m.hidden_size,
-           "intermediate_size": C.ffn_hidden(m), "num_hidden_layers": m.num_layers,
+           "intermediate_size": C.moe_ffn(m) if arch == "mixtral" else C.ffn_hidden(m),
+           "num_hidden_layers": m.num_layers,
            "num_attention_heads": m.num_attention_heads, "num_key_value_heads": C.query_groups(m),
            "head_dim": C.head_dim(m), "hidden_act": "silu", "max_position_embeddings": C.max_positions(m),
            "rms_norm_eps": m.norm_epsilon, "rope_theta": m.rotary_base,
            "rope_parameters": {"rope_type": "default", "rope_theta": m.rotary_base},
            "attention_dropout": m.attention_dropout, "initializer_range": m.init_method_std,
            "tie_word_embeddings": tied, "dtype": "float32"}
-    if arch == "mistral":
+    if arch == "mixtral":
+        out.update(num_local_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk, router_jitter_noise=0.0)
+    if arch in ("mistral", "mixtral"):
         out["sliding_window"] = None
     else:
         out["attention_bias"] = out["mlp_bias"] = m.add_bias_linear

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..config import moe_ffn
 from ..dtypes import wide
+from ..parallel import watchdog
 from ..parallel.experts import dispatch_combine
 from .mlp import MLP
 
@@ -147,8 +148,9 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """weight [E, h]: logits of this rank's tokens; ``expert_bias`` [E] fp32 buffer (aux-loss-free)
-    and ``tokens_per_expert`` [E], the routes counted this step for its update."""
+    """weight [E, h]: logits of this rank's tokens; ``expert_bias`` [E] fp32 buffer (aux-loss-free;
+    persistent: checkpoints hold it, one global tensor per layer, the same on every rank) and
+    ``tokens_per_expert`` [E], the routes counted this step for its update (zero between steps)."""
 
     def __init__(self, cfg, ps, init, *, sequence_parallel: bool, params_dtype):
         super().__init__()
@@ -157,7 +159,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(w)
         self.weight.sequence_parallel = sequence_parallel
         self.use_bias = cfg.moe_router_enable_expert_bias
-        self.register_buffer("expert_bias", torch.zeros(E, device=ps.device), persistent=False)
+        self.register_buffer("expert_bias", torch.zeros(E, device=ps.device), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(E, device=ps.device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -300,3 +302,58 @@ def update_expert_bias(chunks, ps, rate: float) -> None:
     for r, c in zip(routers, counts):
         r.expert_bias += rate * torch.sign(c.mean() - c)
         r.tokens_per_expert.zero_()
+
+
+def routing_stats(chunks, ps, cfg) -> dict:
+    """The routing statistics the MoE layers recorded since the last call, summed over every rank
+    (TP, DP × CP, PP: each rank routes its own tokens; EP ranks are DP ranks), then reset.
+
+    Returns {layer: {"tokens": [E] routes per expert after dropping, "routes": routes before
+    dropping, "aux": mean load-balancing loss per micro-batch over its coefficient (None when
+    --moe-aux-loss-coeff is 0), "z": the same for the z-loss}} for the MoE layers that trained.
+    Collective over all ranks: every rank calls it at the same iterations (the log iterations).
+    """
+    E, L = cfg.num_experts, cfg.num_layers
+    table = torch.zeros(L, E + 4, dtype=torch.float64, device=ps.device)
+    for chunk in chunks:
+        state = getattr(chunk, "moe_state", None)
+        for layer, s in (state.stats.items() if state is not None else ()):
+            table[layer, :E] += s["tokens"]
+            table[layer, E:] += torch.stack([torch.as_tensor(s.get(k, 0.0), dtype=torch.float64, device=ps.device)
+                                             for k in ("routes", "aux", "z", "calls")])
+        if state is not None:
+            state.stats.clear()
+    if ps.world_size > 1:
+        watchdog.call("all_reduce of the MoE routing statistics", None, dist.all_reduce, table)
+    tp = ps.tp if ps.tp > 1 else 1  # MoE at TP > 1 runs under SP: each TP rank records its rows' share
+    out = {}
+    for layer in range(L):
+        routes, aux, z, calls = table[layer, E:].tolist()
+        if calls:
+            out[layer] = {"tokens": table[layer, :E].tolist(), "routes": routes,
+                          "aux": aux * tp / calls if cfg.moe_aux_loss_coeff else None,  # TP shares add up
+                          "z": z / calls if cfg.moe_z_loss_coeff else None}  # each rank's is a mean
+    return out
+
+
+def routing_summary(stats: dict, iterations: int) -> dict:
+    """Log-line figures of ``routing_stats`` over ``iterations`` steps: moe_aux_loss and
+    moe_z_loss (means over the MoE layers; None when off), moe_tokens_per_expert {"min", "max"
+    (routes per step, over layers and experts), "imbalance" (max / mean, averaged over the
+    layers; 1 is perfectly even)}, moe_imbalance_per_layer {layer: max / mean}, and
+    moe_dropped_fraction (routes dropped by the capacity over routes chosen). {} without stats."""
+    if not stats:
+        return {}
+    def mean(key):
+        values = [s[key] for s in stats.values() if s[key] is not None]
+        return sum(values) / len(values) if values else None
+    tokens = [t / iterations for s in stats.values() for t in s["tokens"]]
+    per_layer = {layer: max(s["tokens"]) * len(s["tokens"]) / max(sum(s["tokens"]), 1e-30)
+                 for layer, s in stats.items()}
+    routes = sum(s["routes"] for s in stats.values())
+    kept = sum(sum(s["tokens"]) for s in stats.values())
+    return {"moe_aux_loss": mean("aux"), "moe_z_loss": mean("z"),
+            "moe_tokens_per_expert": {"min": min(tokens), "max": max(tokens),
+                                      "imbalance": sum(per_layer.values()) / len(per_layer)},
+            "moe_imbalance_per_layer": per_layer,
+            "moe_dropped_fraction": 1.0 - kept / routes if routes else 0.0}

@@ -1,4 +1,4 @@
-"""Named model shapes for ``--model``: GPT-2/GPT-3 and Llama families.
+"""Named model shapes for ``--model``: GPT-2/GPT-3, Llama, Mistral and Mixtral families.
 
 Each preset sets ModelConfig fields only (shape, norm, activation, positions, tying, bias,
 dropout); it is applied on top of the defaults and below ``--config`` YAML and flags, so
@@ -17,18 +17,26 @@ Sources:
     RoPE base 500000, GQA with 8 KV heads, context 8192; 3.2-1B/3B tie input and output embeddings.
     Llama 3.1+ long-context RoPE scaling is not modelled.
   mistral-7b: Mistral-7B-v0.3 config (GQA 8, RoPE base 1e6, no sliding window).
+  mixtral-8x7b: Mixtral-8x7B-v0.1 config (Jiang et al. 2024, "Mixtral of Experts", Table 1): the
+    Mistral-7B block with every MLP an MoE of 8 SwiGLU experts of 14336, top-2 softmax routing;
+    load-balancing coefficient 1e-2 as in Megatron-LM's Mixtral example.
+  mixtral-tiny, mixtral-small: the same design at test size (seconds per step on a CPU core) and
+    at bench size (16 layers of 1024, 8 experts of 3584, top-2: with a 32k vocabulary 1.5B
+    parameters, 0.5B used per token), shapes of our choosing.
 """
 
 from __future__ import annotations
 
 from ..errors import ConfigError
 
-_GPT = dict(normalization="LayerNorm", norm_epsilon=1e-5, swiglu=False,
+_DENSE = dict(num_experts=None, moe_router_topk=2, moe_aux_loss_coeff=0.0)  # a preset leaves no MoE behind
+
+_GPT = dict(_DENSE, normalization="LayerNorm", norm_epsilon=1e-5, swiglu=False,
             position_embedding_type="learned_absolute", untie_embeddings_and_output_weights=False,
             add_bias_linear=True, hidden_dropout=0.1, attention_dropout=0.1, init_method_std=0.02,
             group_query_attention=False, num_query_groups=None, ffn_hidden_size=None, kv_channels=None)
 
-_LLAMA = dict(normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, position_embedding_type="rope",
+_LLAMA = dict(_DENSE, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, position_embedding_type="rope",
               untie_embeddings_and_output_weights=True, add_bias_linear=False, hidden_dropout=0.0,
               attention_dropout=0.0, init_method_std=0.02, group_query_attention=False,
               num_query_groups=None, kv_channels=None)
@@ -45,6 +53,12 @@ def _llama(layers: int, hidden: int, heads: int, ffn: int, *, groups=None, seq: 
                 ffn_hidden_size=ffn, seq_length=seq, max_position_embeddings=max_pos or seq,
                 rotary_base=base, group_query_attention=groups is not None, num_query_groups=groups,
                 untie_embeddings_and_output_weights=not tied)
+
+
+def _mixtral(layers: int, hidden: int, heads: int, ffn: int, *, groups: int, experts: int = 8, seq: int,
+             max_pos=None) -> dict:
+    return dict(_llama(layers, hidden, heads, ffn, groups=groups, seq=seq, base=1000000.0, max_pos=max_pos),
+                num_experts=experts, moe_router_topk=2, moe_aux_loss_coeff=1e-2)
 
 
 PRESETS: dict[str, dict] = {
@@ -66,6 +80,9 @@ PRESETS: dict[str, dict] = {
     "llama3-8b": _llama(32, 4096, 32, 14336, groups=8, seq=8192, base=500000.0),
     "llama3-70b": _llama(80, 8192, 64, 28672, groups=8, seq=8192, base=500000.0),
     "mistral-7b": _llama(32, 4096, 32, 14336, groups=8, seq=8192, base=1000000.0, max_pos=32768),
+    "mixtral-tiny": _mixtral(2, 64, 4, 128, groups=2, experts=4, seq=128),
+    "mixtral-small": _mixtral(16, 1024, 16, 3584, groups=8, seq=2048),
+    "mixtral-8x7b": _mixtral(32, 4096, 32, 14336, groups=8, seq=4096, max_pos=32768),
 }
 
 

@@ -232,9 +232,15 @@ def load_full_state_dict(model: nn.Module, full: dict) -> None:
     """Copy full (TP=1) weights into this rank's shards (inverse of gather_full_state_dict).
 
     Raises KeyError for a parameter missing from ``full``. Padding rows are set to zero.
+    Persistent buffers that ``full`` holds (the MoE expert bias of a checkpoint) are copied too;
+    those it lacks (a Hugging Face import) keep their values.
     """
     for name, p in model.named_parameters():
         src = full[name].to(device=p.device, dtype=p.dtype)
         if getattr(p, "tensor_model_parallel", False):
             src = _take(src, p.partition_dim, p.partition_index.to(p.device))
         p.copy_(src)
+    persistent = model.state_dict(keep_vars=True)
+    for name, b in model.named_buffers():
+        if name in full and name in persistent:
+            b.copy_(full[name].to(device=b.device, dtype=b.dtype))

@@ -11,6 +11,8 @@ s the *training* sequence length, V the padded vocabulary):
     output projection  2·a·d·h
     MLP                2·h·f·2  (GeLU: fc1, fc2)   or  2·h·f·3  (SwiGLU: gate, up, down)
     logits (once)      2·h·V
+    MoE layer's MLP    2·h·(k·f_e + f_s)·(2 or 3) + 2·h·E   (k routed experts of width f_e, the
+                       shared expert's f_s, the router over E experts: what one token computes)
 
     FLOPs/iteration = 3 · B · s · (L · per-layer + 2·h·V)     (backward = 2× forward)
 
@@ -32,8 +34,9 @@ from typing import Optional
 
 import torch
 
-from ..config import ModelConfig, ffn_hidden, head_dim, query_groups
+from ..config import ModelConfig, ffn_hidden, head_dim, moe_ffn, moe_layer_pattern, query_groups
 from ..errors import ConfigError
+from ..model.moe import routing_summary
 
 # Dense (no sparsity) bf16/fp16 tensor-core peak, TFLOP/s, from NVIDIA's data sheets. Matched
 # against torch.cuda.get_device_name() in order: the first entry whose substrings all occur wins.
@@ -74,8 +77,13 @@ def flops_per_iteration(m: ModelConfig, global_batch: int, padded_vocab: int) ->
     """Model FLOPs of one training iteration (forward + backward), formula in the module doc."""
     h, s, L = m.hidden_size, m.seq_length, m.num_layers
     a, g, d, f = m.num_attention_heads, query_groups(m), head_dim(m), ffn_hidden(m)
-    per_layer = 2 * h * d * (a + 2 * g) + 4 * s * a * d + 2 * a * d * h + 2 * h * f * (3 if m.swiglu else 2)
-    return 3.0 * global_batch * s * (L * per_layer + 2 * h * padded_vocab)
+    mats = 3 if m.swiglu else 2
+    attention = 2 * h * d * (a + 2 * g) + 4 * s * a * d + 2 * a * d * h
+    moe = sum(moe_layer_pattern(m))
+    moe_mlp = 2 * h * (m.moe_router_topk * moe_ffn(m) + (m.moe_shared_expert_intermediate_size or 0)) * mats \
+        + 2 * h * (m.num_experts or 0)
+    mlps = (L - moe) * 2 * h * f * mats + moe * moe_mlp
+    return 3.0 * global_batch * s * (L * attention + mlps + 2 * h * padded_vocab)
 
 
 def max_memory_gb() -> Optional[float]:
@@ -176,7 +184,8 @@ class MetricsLogger:
                    skipped: bool = False, nan: bool = False, comm_s: Optional[float] = None,
                    bubble: Optional[float] = None, timeline: Optional[list] = None,
                    global_batch: Optional[int] = None, rank_iter_s: Optional[list] = None,
-                   loss_spike: bool = False, timed_comm_s: Optional[dict] = None) -> Optional[dict]:
+                   loss_spike: bool = False, timed_comm_s: Optional[dict] = None,
+                   moe: Optional[dict] = None) -> Optional[dict]:
         """Record one iteration (iter_s seconds); on a log iteration print/write and return the record.
 
         global_batch: this step's samples (default the constructor's; --rampup-batch-size changes
@@ -190,6 +199,8 @@ class MetricsLogger:
         gets ``"loss_spike": true``.
         timed_comm_s: {kind: exposed seconds} of this (log) iteration's inline collectives and
         pipeline waits (``comm.stop_timing()``).
+        moe: on a log iteration, the interval's ``model.moe.routing_stats``: the record gets
+        ``routing_summary``'s moe_* figures (per step over the interval) and the line shows them.
         """
         self._iters += 1
         self._batch = self.global_batch if global_batch is None else global_batch
@@ -209,6 +220,8 @@ class MetricsLogger:
             return None
         rec = self._record(iteration, consumed_samples, lr, loss_scale, comm_s is not None,
                            bubble, timeline, timed_comm_s or {})
+        if moe is not None:
+            rec.update(routing_summary(moe, self._iters))
         if rank_iter_s is not None:
             rec["rank_iter_s"] = rank_iter_s
         if self._spike:
@@ -268,6 +281,12 @@ class MetricsLogger:
                   "MFU: " + ("n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%")]
         if r["mem_allocated_gb"] is not None:
             parts.append(f"mem (GiB): {r['mem_allocated_gb']:.2f} (peak {r['mem_max_allocated_gb']:.2f})")
+        if "moe_tokens_per_expert" in r:
+            n = r["moe_tokens_per_expert"]
+            parts += [f"moe {k} loss: {_fmt(r[f'moe_{k}_loss'], '.4E')}" for k in ("aux", "z")
+                      if r[f"moe_{k}_loss"] is not None]
+            parts.append(f"tokens/expert: min {n['min']:.0f} max {n['max']:.0f} imbalance {n['imbalance']:.2f}"
+                         f" dropped {100 * r['moe_dropped_fraction']:.1f}%")
         if "bubble_fraction" in r:
             parts.append(f"bubble: {100 * r['bubble_fraction']:.1f}%")
         if r.get("comm_share"):

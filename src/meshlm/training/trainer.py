@@ -39,6 +39,7 @@ from ..data.loader import rank_loader
 from ..data.sources import blends, prefixes as data_prefixes
 from ..data.tokenizer import NullTokenizer, build_tokenizer
 from ..errors import CheckpointError, DataError, TrainingError
+from ..model.moe import routing_stats
 from ..optim.optimizer import build_optimizer
 from ..batches import BatchSchedule
 from ..optim.schedule import scheduler_for
@@ -409,7 +410,8 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
                           comm_s=run.ddp.stats.exposed_s if ps.dp * ps.cp > 1 else None,
                           bubble=bubble, timeline=timeline, global_batch=batch, timed_comm_s=timed,
                           rank_iter_s=run.stragglers.gather() if log_now else None,
-                          loss_spike=spike_mean is not None)
+                          loss_spike=spike_mean is not None,
+                          moe=routing_stats(run.chunks, ps, cfg.model) if log_now and cfg.model.num_experts else None)
     watchdog.at(it, "between steps", step_ended=True)
     return None if skipped or nan else loss
 

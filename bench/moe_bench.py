@@ -1,0 +1,141 @@
+"""MoE benchmark (issue 14): a Mixtral-shaped model at EP=1 in meshlm against a plain-PyTorch MoE
+of the same shape (bench/baseline.py --experts), in one invocation, on one GPU.
+
+Usage (lent H200, repository root):
+    PYTHONPATH=src python bench/moe_bench.py --out $OUT --results $OUT/results.jsonl --date 2026-12-02
+    PYTHONPATH=src python bench/moe_bench.py --tiny --out /tmp/moe-bench   # CPU smoke test (seconds)
+
+Shape: preset ``mixtral-small`` (16 layers, h 1024, 16 heads / 8 KV groups, 8 SwiGLU experts of
+3584, top-2, load-balancing coefficient 1e-2), vocabulary 32000, sequence 2048, bf16,
+--mock-data; --tiny: preset ``mixtral-tiny`` at sequence 128 on CPU. Baseline first, then meshlm
+(default fast path), each its own process; per side the median of the iterations after --warmup
+(wall clock of the whole step). FLOPs per token are meshlm's model FLOPs
+(training/metrics.py ``flops_per_iteration``: the k routed experts a token uses, the router,
+attention, logits; ×3 for backward) for both sides, so TFLOP/s and MFU compare like with like;
+MFU against the dense bf16 peak of ``metrics.PEAK_TFLOPS`` (n/a on CPU). meshlm's row also keeps
+the routing figures of its last logged iteration (tokens per expert imbalance, aux loss).
+One JSON row goes to --results ("bench": "moe"); the markdown table to stdout and <out>/moe_bench.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from bench import COMMON, run_baseline
+
+SHAPES = {  # preset, flags, baseline shape (the preset's numbers), micro-batch, iterations, warm-up
+    "full": ("mixtral-small", ["--vocab-size", "32000", "--seq-length", "2048", "--max-position-embeddings", "2048"],
+             dict(layers=16, hidden=1024, heads=16, groups=8, ffn=3584, vocab=32000, seq=2048, experts=8, topk=2,
+                  aux_coeff=0.01, rope_base=1e6), 8, 14, 4),
+    "tiny": ("mixtral-tiny", ["--vocab-size", "512", "--seq-length", "128", "--max-position-embeddings", "128"],
+             dict(layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=512, seq=128, experts=4, topk=2,
+                  aux_coeff=0.01, rope_base=1e6), 2, 4, 1),
+}
+
+
+def model_flops_per_token(preset: str, flags: list) -> float:
+    """meshlm's model FLOPs per token (forward + backward) of the preset with the flags."""
+    from meshlm.config import Config, padded_vocab_size
+    from meshlm.model.presets import apply_preset
+    from meshlm.training.metrics import flops_per_iteration
+    cfg = Config()
+    apply_preset(cfg, preset)
+    m = cfg.model
+    m.vocab_size, m.seq_length = int(flags[flags.index("--vocab-size") + 1]), int(flags[flags.index("--seq-length") + 1])
+    return flops_per_iteration(m, 1, padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)) / m.seq_length
+
+
+def run_meshlm(preset: str, flags: list, micro: int, out: str, iters: int, warmup: int) -> dict:
+    """One `meshlm pretrain` process on one device; medians of its metrics.jsonl after warm-up."""
+    run_dir = os.path.join(out, "runs", "meshlm-moe")
+    cmd = [sys.executable, "-m", "meshlm", "pretrain", "--model", preset, *flags, *COMMON,
+           "--micro-batch-size", str(micro), "--global-batch-size", str(micro), "--train-iters", str(iters),
+           "--nproc-per-node", "1", "--run-dir", run_dir]
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"), capture_output=True, text=True)
+    with open(os.path.join(out, "meshlm-moe.log"), "w") as fh:
+        fh.write(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "logs", "metrics.jsonl")) if line.strip()]
+    rows = [r for r in rows if r.get("iter_ms") is not None]
+    timed = rows[warmup:]
+    return {"iter_ms": statistics.median(r["iter_ms"] for r in timed),
+            "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
+            "peak_mem_gb": max((r.get("mem_max_allocated_gb") or 0.0) for r in timed),
+            "losses": [r["lm_loss"] for r in rows], "imbalance": rows[-1]["moe_tokens_per_expert"]["imbalance"],
+            "aux_loss": rows[-1]["moe_aux_loss"], "wall_s": round(time.time() - t0, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="the CPU smoke-test shape")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results.jsonl"))
+    ap.add_argument("--date", default=datetime.date.today().isoformat())
+    ap.add_argument("--micro-batch", type=int, default=None)
+    args = ap.parse_args()
+    import torch
+
+    from meshlm.training.metrics import peak_tflops
+    preset, flags, shape, micro, iters, warmup = SHAPES["tiny" if args.tiny else "full"]
+    micro = args.micro_batch or micro
+    os.makedirs(args.out, exist_ok=True)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    peak = peak_tflops(gpu, torch.bfloat16)
+    per_token = model_flops_per_token(preset, flags)
+    base = run_baseline(shape, micro, args.out, iters, warmup)
+    print(f"baseline: {base}", flush=True)
+    ours = run_meshlm(preset, flags + ([] if args.tiny else ["--bf16"]), micro, args.out, iters, warmup)
+    print(f"meshlm: {ours}", flush=True)
+    if "error" in ours:
+        raise SystemExit(f"meshlm failed: {ours['error']}")
+
+    def tflops(r):
+        return None if "error" in r else per_token * r["tokens_per_sec"] / 1e12
+
+    def mfu(r):
+        return None if tflops(r) is None or not peak else round(tflops(r) / peak, 4)
+
+    ok = "error" not in base
+    rec = {"date": args.date, "gpu": gpu or "cpu", "gpus": 1, "bench": "moe", "case": f"{preset} ep1",
+           "model": f"{preset} L{shape['layers']} h{shape['hidden']} a{shape['heads']}/g{shape['groups']} "
+                    f"{shape['experts']}x ffn{shape['ffn']} top-{shape['topk']} V{shape['vocab']}",
+           "seq": shape["seq"], "micro_batch": micro, "flops_per_token": per_token,
+           "tokens_per_sec": round(ours["tokens_per_sec"], 1), "tflops_per_gpu": round(tflops(ours), 2),
+           "mfu": mfu(ours), "peak_mem_gb": round(ours["peak_mem_gb"], 2), "iter_ms": round(ours["iter_ms"], 1),
+           "baseline_tokens_per_sec": round(base["tokens_per_sec"], 1) if ok else None,
+           "baseline_tflops_per_gpu": round(tflops(base), 2) if ok else None, "baseline_mfu": mfu(base) if ok else None,
+           "baseline_peak_mem_gb": round(base["peak_mem_gb"], 2) if ok else None,
+           "baseline_error": None if ok else base["error"],
+           "vs_baseline": round(ours["tokens_per_sec"] / base["tokens_per_sec"], 3) if ok else None,
+           "imbalance_last": round(ours["imbalance"], 3), "aux_loss_last": ours["aux_loss"],
+           "first_losses": [round(x, 4) for x in ours["losses"][:5]],
+           "baseline_first_losses": [round(x, 4) for x in base["losses"][:5]] if ok else None}
+    print(json.dumps(rec), flush=True)
+    with open(args.results, "a") as fh:
+        fh.write(json.dumps(rec) + "\n")
+
+    def fmt(x, spec):
+        return "n/a" if x is None else format(x, spec)
+    table = "\n".join([
+        "| side | tokens/s | TFLOP/s | MFU | peak GiB | ms/iter |", "|---|---|---|---|---|---|",
+        f"| plain PyTorch | {fmt(rec['baseline_tokens_per_sec'], ',.0f')} | {fmt(rec['baseline_tflops_per_gpu'], '.1f')} "
+        f"| {fmt(rec['baseline_mfu'], '.3f')} | {fmt(rec['baseline_peak_mem_gb'], '.2f')} | "
+        f"{fmt(base.get('iter_ms'), '.1f')} |",
+        f"| meshlm EP=1 | {rec['tokens_per_sec']:,.0f} | {rec['tflops_per_gpu']:.1f} | {fmt(rec['mfu'], '.3f')} "
+        f"| {rec['peak_mem_gb']:.2f} | {rec['iter_ms']:.1f} |"])
+    with open(os.path.join(args.out, "moe_bench.md"), "w") as fh:
+        fh.write(f"{rec['model']}, seq {rec['seq']}, micro-batch {micro}, {rec['gpu']}\n\n{table}\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
