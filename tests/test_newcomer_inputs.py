@@ -108,3 +108,66 @@ def test_a_file_given_as_load_is_named_a_file(tmp_path, capsys):
     err = _refused(capsys, SHAPE + ["--mock-data", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer",
                                     "--load", str(afile), "--dry-run"])
     assert f"--load {afile}: a file, not a directory" in err
+
+
+# ------------------------------------------------------------------ meshlm analyze / report / plan
+
+def _run_dir(tmp_path, *, tail: str = "", config: str = "parallel: {}\n"):
+    """A run directory with three training records (and ``tail`` appended to metrics.jsonl)."""
+    import json
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    lines = [json.dumps({"iteration": i, "iter_ms": 100.0, "tokens_per_sec": 1000.0, "lm_loss": 5.0 - 0.1 * i,
+                         "nan_iters": 0, "skipped_iters": 0, "mem_max_allocated_gb": None,
+                         "mem_total_gb": None, "consumed_samples": 8 * i, "lr": 1e-3}) for i in (1, 2, 3)]
+    (run / "logs" / "metrics.jsonl").write_text("\n".join(lines) + "\n" + tail)
+    if config is not None:
+        (run / "config.yaml").write_text(config)
+    return run
+
+
+@pytest.mark.parametrize("flag", ["--output", "--trace"])
+@pytest.mark.parametrize("where", ["a directory", "below a file"])
+def test_report_output_paths_it_cannot_write_are_refused_before_anything_is_written(tmp_path, capsys, flag, where):
+    """`meshlm report RUN --output DIR` (or --trace) ended in an IsADirectoryError traceback."""
+    run = _run_dir(tmp_path)
+    target = str(tmp_path) if where == "a directory" else str(run / "config.yaml" / "x.json")
+    err = _refused(capsys, ["report", str(run), flag, target])
+    assert err.startswith(f"meshlm: error: {flag} {target}") and len(err.splitlines()) == 1
+    assert not (run / "report.html").exists()
+
+
+def test_report_output_in_a_missing_folder_creates_it(tmp_path, capsys):
+    run = _run_dir(tmp_path)
+    out = tmp_path / "new" / "folder" / "r.html"
+    assert main(["report", str(run), "--output", str(out)]) == 0
+    assert out.read_text().startswith("<!DOCTYPE html") or "<html" in out.read_text()
+
+
+@pytest.mark.parametrize("command", ["analyze", "report"])
+def test_a_cut_off_last_metrics_line_is_left_out_with_a_note(tmp_path, capsys, command):
+    """A run killed mid-write (or still writing) left `{"iteration": 4, "iter_` as the last line:
+    analyze and report refused the whole run."""
+    run = _run_dir(tmp_path, tail='{"iteration": 4, "iter_')
+    assert main([command, str(run)]) == 0
+    err = capsys.readouterr().err
+    assert "line 4 is cut off" in err and "Traceback" not in err
+    if command == "analyze":
+        assert main(["analyze", str(run), "--json", "--no-predict"]) == 0
+        import json
+        assert json.loads(capsys.readouterr().out)["iterations"] == [1, 3]
+
+
+@pytest.mark.parametrize("command", ["analyze", "report"])
+def test_a_bad_line_in_the_middle_is_still_refused(tmp_path, capsys, command):
+    run = _run_dir(tmp_path, tail='not json\n{"iteration": 5, "iter_ms": 1}\n')
+    err = _refused(capsys, [command, str(run)])
+    assert "metrics.jsonl line 4: not JSON" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["analyze", "report"])
+@pytest.mark.parametrize("text", ["a: [1,\n b: :\n", "- just\n- a list\n"])
+def test_a_damaged_config_yaml_is_one_line_naming_the_file(tmp_path, capsys, command, text):
+    run = _run_dir(tmp_path, config=text)
+    err = _refused(capsys, [command, str(run)])
+    assert f"{run / 'config.yaml'}" in err and len(err.splitlines()) == 1

@@ -98,32 +98,27 @@ def load_run(run_dir: str) -> tuple:
     Raises ConfigError for a missing or unreadable metrics.jsonl.
     """
     path = metrics_path(run_dir)
-    records = []
-    with open(path) as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise ConfigError(f"{path} line {n} is not JSON; is it a meshlm metrics.jsonl?") from None
-            if isinstance(rec, dict) and "iter_ms" in rec:
-                records.append(rec)
+    from ..folders import read_jsonl
+    records = [rec for rec in read_jsonl(path, ConfigError, "a meshlm metrics.jsonl")
+               if isinstance(rec, dict) and "iter_ms" in rec]
     folder = run_dir if os.path.isdir(run_dir) else os.path.dirname(os.path.dirname(os.path.abspath(path)))
     return records, _config_of(folder)
 
 
 def _config_of(folder: str) -> Optional[dict]:
-    import yaml
     yaml_path = os.path.join(folder, "config.yaml")
     if os.path.isfile(yaml_path):
-        with open(yaml_path) as fh:
-            return yaml.safe_load(fh)
+        from ..folders import read_yaml_mapping
+        return read_yaml_mapping(yaml_path, ConfigError)
     saved = sorted(glob.glob(os.path.join(folder, "*", "iter_*", "config.json")) +
                    glob.glob(os.path.join(folder, "iter_*", "config.json")))
     if saved:
-        with open(saved[-1]) as fh:
-            return json.load(fh)
+        try:
+            with open(saved[-1]) as fh:
+                return json.load(fh)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{saved[-1]}: not the JSON config a meshlm checkpoint holds ({e}); "
+                              f"put the run's config.yaml in {folder}") from None
     return None
 
 

@@ -178,12 +178,17 @@ def planner_views(runs: list, predict: bool = True) -> tuple:
 
 def run(args: argparse.Namespace) -> int:
     """Write the report (and the trace); print where. DataError for a path that is not a run."""
+    from ..errors import ConfigError
+    from ..folders import output_file_problem, write_text_file
     runs = [load_run(p) for p in args.runs]
     unique_names(runs)
     out = args.output or os.path.join(runs[0].path, "report.html")
+    problems = [p for p in (output_file_problem("--output" if args.output else "the report", out),
+                            args.trace and output_file_problem("--trace", args.trace, "timeline.json")) if p]
+    if problems:  # before anything is written
+        raise ConfigError(problems)
     findings, predicted = planner_views(runs, predict=not args.no_predict)
-    with open(out, "w", encoding="utf-8") as fh:
-        fh.write(build_page(runs, findings, predicted))
+    write_text_file(out, build_page(runs, findings, predicted))
     print(f"meshlm: report {out}", flush=True)
     if args.trace:
         timelines = [(r.name, tl["events"]) for r in runs if (tl := r.last_timeline())]
