@@ -171,3 +171,40 @@ def test_a_damaged_config_yaml_is_one_line_naming_the_file(tmp_path, capsys, com
     run = _run_dir(tmp_path, config=text)
     err = _refused(capsys, [command, str(run)])
     assert f"{run / 'config.yaml'}" in err and len(err.splitlines()) == 1
+
+
+PLAN = ["plan", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data", "--vocab-size", "512"]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--num-gpus", "0"], "--num-gpus 0"), (["--num-gpus", "-4"], "--num-gpus -4"),
+    (["--gpus-per-node", "0"], "--gpus-per-node 0"), (["--top", "-1"], "--top -1"),
+    (["--num-gpus", "12"], "--num-gpus 12 is not whole nodes"),
+    (["--gpu-tflops", "0"], "--gpu-tflops 0"), (["--gpu-memory-gib", "-5"], "--gpu-memory-gib -5"),
+    (["--gpu-gemm-efficiency", "2"], "--gpu-gemm-efficiency 2"),
+])
+def test_plan_refuses_impossible_cluster_flags(capsys, flags, named):
+    """--gpu-tflops 0 ended in ZeroDivisionError; --num-gpus 0 planned the default world, -4 printed
+    empty tables, --gpu-memory-gib -5 excluded every layout with exit 0."""
+    err = _refused(capsys, PLAN + flags)
+    assert named in err
+
+
+def test_plan_of_a_context_parallel_layout_names_cp_and_splits_the_activations(capsys):
+    """`plan --context-parallel-size 2` printed `your layout TP 1 × PP 1 × DP 1` (CP dropped) with
+    the activations of CP 1, and said context parallelism does not train yet."""
+    import json
+    argv = ["plan", "--model", "gpt2-125m", "--seq-length", "8192", "--micro-batch-size", "1",
+            "--global-batch-size", "8", "--mock-data", "--vocab-size", "50304", "--attention-dropout", "0",
+            "--num-gpus", "8"]
+    mem = {}
+    for cp in (1, 2, 4):
+        assert main(argv + ["--context-parallel-size", str(cp), "--json"]) == 0
+        mem[cp] = json.loads(capsys.readouterr().out)["current"]["memory"]
+    for cp in (2, 4):
+        assert mem[cp]["activations_per_layer"] == pytest.approx(mem[1]["activations_per_layer"] / cp)
+        assert mem[cp]["loss"] == pytest.approx(mem[1]["loss"] / cp)
+    assert main(argv + ["--context-parallel-size", "2", "--top", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "your layout TP 1 × CP 2 × PP 1 × DP 4" in out and "does not train yet" not in out
