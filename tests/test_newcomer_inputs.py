@@ -208,3 +208,39 @@ def test_plan_of_a_context_parallel_layout_names_cp_and_splits_the_activations(c
     assert main(argv + ["--context-parallel-size", "2", "--top", "0"]) == 0
     out = capsys.readouterr().out
     assert "your layout TP 1 × CP 2 × PP 1 × DP 4" in out and "does not train yet" not in out
+
+
+def _pretrain_config(argv):
+    import argparse
+
+    from meshlm.config import add_config_args, config_from_args
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    return config_from_args(p.parse_args(argv))
+
+
+def _built_params(rank, world, argv):
+    import torch
+
+    from meshlm.training.trainer import build
+    run = build(_pretrain_config(argv), torch.float32)
+    return sum(b.param_data.numel() for b in run.ddp.buffers)
+
+
+def test_dry_run_and_plan_count_moe_parameters_as_the_built_model(capsys):
+    """The planner counted an MoE model as its dense twin (136,960 instead of 203,648 on each rank),
+    and without --nproc-per-node a CPU run with --expert-model-parallel-size 2 was refused
+    ("must divide DP × CP = 1") instead of starting the 2 workers the layout needs."""
+    import torch
+    from distributed import run_distributed
+
+    from meshlm.config import default_nproc
+    from meshlm.dry_run import stage_params
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1", "--mock-data",
+            "--vocab-size", "512", "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size",
+            "2", "--swiglu", "--moe-shared-expert-intermediate-size", "96", "--moe-layer-freq", "[1,0]"]
+    cfg = _pretrain_config(argv)
+    assert torch.cuda.is_available() or default_nproc(cfg) == 2
+    built = run_distributed(_built_params, 2, argv)
+    assert stage_params(cfg, 512) == [built[0]] and built[0] == built[1]
