@@ -39,7 +39,7 @@ import statistics
 from typing import Callable, Optional
 
 from ..errors import ConfigError
-from ..training.stragglers import FACTOR as STRAGGLER_RATIO, MIN_EXCESS_S
+from ..training.stragglers import CONSECUTIVE as STRAGGLER_INTERVALS, FACTOR as STRAGGLER_RATIO, MIN_EXCESS_S
 
 COMM_WARN = 0.30        # issue 13: communication above 30% of the step is worth fixing
 NOTE_MIN = 0.10         # a cost below this share is not mentioned
@@ -357,6 +357,9 @@ def _stragglers(steady: list) -> Optional[Finding]:
         if median > 0 and row[worst] > STRAGGLER_RATIO * median and row[worst] - median > MIN_EXCESS_S:
             slow.setdefault(worst, []).append(row[worst] / median - 1)
     rank, lags = max(slow.items(), key=lambda kv: len(kv[1]), default=(None, []))
+    if rank is not None and len(lags) < STRAGGLER_INTERVALS:  # the live watch's patience: one slow step is no straggler
+        return Finding("straggler", "ok", f"no straggler: rank {rank} was slow in {len(lags)} of {len(rows)} logged "
+                       f"iterations only (a straggler is slow in at least {STRAGGLER_INTERVALS} and in most)")
     if rank is None or len(lags) * 2 < len(rows):
         return Finding("straggler", "ok", f"no straggler: every rank's compute time outside collectives within "
                        f"{100 * (STRAGGLER_RATIO - 1):.0f}% of the median rank's")
