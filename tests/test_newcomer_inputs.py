@@ -244,3 +244,21 @@ def test_dry_run_and_plan_count_moe_parameters_as_the_built_model(capsys):
     assert torch.cuda.is_available() or default_nproc(cfg) == 2
     built = run_distributed(_built_params, 2, argv)
     assert stage_params(cfg, 512) == [built[0]] and built[0] == built[1]
+
+
+@pytest.mark.parametrize("command", ["analyze", "report"])
+def test_a_run_stopped_by_an_error_says_so(tmp_path, capsys, command):
+    """A run stopped by a NaN at iteration 3 was analyzed as healthy iterations 1–2: the error line is
+    only in the worker logs, never in metrics.jsonl."""
+    import os
+    run = _run_dir(tmp_path)
+    log = run / "logs" / "rank1.log"
+    log.write_text("meshlm: error: iteration 4: lm loss is nan (local loss non-finite on rank(s) 1)\n")
+    assert main([command, str(run), "--no-predict"]) == 0
+    text = capsys.readouterr().out if command == "analyze" else (run / "report.html").read_text()
+    assert "the run stopped with an error: iteration 4: lm loss is nan" in text
+    old = os.path.getmtime(run / "logs" / "metrics.jsonl") - 60  # an earlier attempt's error: the job went on
+    os.utime(log, (old, old))
+    assert main([command, str(run), "--no-predict"]) == 0
+    text = capsys.readouterr().out if command == "analyze" else (run / "report.html").read_text()
+    assert "the run stopped" not in text

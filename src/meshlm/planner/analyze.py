@@ -122,6 +122,30 @@ def _config_of(folder: str) -> Optional[dict]:
     return None
 
 
+def stop_finding(logs_dir: str) -> Optional[dict]:
+    """A "stopped" warn finding (as analyze()'s findings) when a worker's log in ``logs_dir`` ends the
+    run with a ``meshlm: error:`` line (a NaN/inf loss, a hang, a crash named by meshlm): the run's
+    last logged record does not say so, the worker logs do. A log last written before metrics.jsonl
+    (an earlier attempt's error, the job restarted and went on) does not count."""
+    errors = []
+    metrics = os.path.join(logs_dir, "metrics.jsonl")
+    since = os.path.getmtime(metrics) - 1.0 if os.path.exists(metrics) else 0.0
+    for path in sorted(glob.glob(os.path.join(logs_dir, "rank*.log"))):
+        try:
+            if os.path.getmtime(path) < since:
+                continue
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                errors += [line.strip()[len("meshlm: error:"):].strip() for line in fh
+                           if line.startswith("meshlm: error:")]
+        except OSError:
+            continue
+    if not errors:
+        return None
+    first = errors[0]
+    return dataclasses.asdict(Finding("stopped", "warn", f"the run stopped with an error: {first}", None,
+                                      [Fix({}, f"see {logs_dir}/rank*.log ({len(errors)} error line(s))")]))
+
+
 # ----------------------------------------------------------------------------- the analysis
 
 def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Predictor] = None) -> dict:
@@ -432,6 +456,9 @@ def run(args: argparse.Namespace, predictor: Optional[Predictor] = None) -> int:
         gpu = resolve_gpu(args.gpu or "", args.gpu_profile) if args.gpu or args.gpu_profile else None
         predictor, note = planner_predictor(config, records, gpu)
     report = analyze(records, config, predictor)
+    stopped = stop_finding(os.path.dirname(os.path.abspath(metrics_path(args.run_dir))))
+    if stopped:
+        report["findings"].insert(0, stopped)
     report["predicted_by"] = note
     print(json.dumps(report, indent=1) if args.json else format_report(report, args.run_dir))
     return 0

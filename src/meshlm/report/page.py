@@ -155,14 +155,15 @@ def planner_views(runs: list, predict: bool = True) -> tuple:
     (planner/analyze.py, each fix with the planner's predicted gain unless not ``predict``) as
     {title, detail, fix}, and {run name: the planner's predicted timeline} (planner/predict.py)
     for the runs with a pipeline timeline."""
-    from ..planner.analyze import KIND_NAMES, analyze, fix_text
+    from ..planner.analyze import KIND_NAMES, analyze, fix_text, stop_finding
     from ..planner.predict import planner_predictor, run_timeline
     findings, predicted = [], {}
     for r in runs:
         if not r.train:
             continue
         predictor, note = planner_predictor(r.config, r.train) if predict else (None, None)
-        for f in analyze(r.train, r.config or None, predictor)["findings"]:
+        stopped = stop_finding(os.path.join(r.path, "logs"))
+        for f in [stopped] * bool(stopped) + analyze(r.train, r.config or None, predictor)["findings"]:
             if f["severity"] == "ok":
                 continue
             fixes = "; ".join(fix_text(x) for x in f["fixes"]) or "none offered"
