@@ -262,3 +262,22 @@ def test_a_run_stopped_by_an_error_says_so(tmp_path, capsys, command):
     assert main([command, str(run), "--no-predict"]) == 0
     text = capsys.readouterr().out if command == "analyze" else (run / "report.html").read_text()
     assert "the run stopped" not in text
+
+
+def test_the_example_launch_script_without_arguments_prints_its_usage(tmp_path):
+    """`DRY_RUN=1 examples/train_llama3_8b_distributed.sh` (as the README names it) ended in
+    `line 21: $1: unbound variable`."""
+    import os
+    import subprocess
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "examples" / "train_llama3_8b_distributed.sh"
+    done = subprocess.run(["bash", str(script)], env=dict(os.environ, DRY_RUN="1"), capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("usage: ") and "unbound" not in done.stderr
+
+
+def test_the_slurm_script_gives_the_node_s_cpus_to_its_one_task():
+    """Without sbatch --cpus-per-task the srun step got Slurm's default 1 CPU per task: torchrun
+    and every worker of the node bound to one core."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "examples" / "slurm" / "train.sbatch").read_text()
+    assert '--cpus-per-task="${SLURM_CPUS_PER_TASK:-$CORES}"' in text and "CORES=${SLURM_CPUS_ON_NODE" in text
