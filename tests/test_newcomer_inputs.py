@@ -281,3 +281,15 @@ def test_the_slurm_script_gives_the_node_s_cpus_to_its_one_task():
     from pathlib import Path
     text = (Path(__file__).resolve().parent.parent / "examples" / "slurm" / "train.sbatch").read_text()
     assert '--cpus-per-task="${SLURM_CPUS_PER_TASK:-$CORES}"' in text and "CORES=${SLURM_CPUS_ON_NODE" in text
+
+
+def test_a_profile_range_beyond_the_run_is_noted(capsys):
+    """`--profile` (default iterations 11–12) on a 4-iteration run profiled nothing, silently."""
+    argv = SHAPE[:-1] + ["4", "--mock-data", "--vocab-size", "64", "--profile", "--dry-run"]
+    assert main(argv) == 0
+    assert "iterations 11–12 (--profile-step-start 10, --profile-step-end 12) are beyond the run's 4 iterations: " \
+           "nothing is profiled" in capsys.readouterr().out
+    assert main(argv + ["--profile-step-start", "2", "--profile-step-end", "6"]) == 0
+    assert "only iterations 3–4 of 3–6 are profiled" in capsys.readouterr().out
+    assert main(argv + ["--profile-step-start", "1", "--profile-step-end", "3"]) == 0
+    assert "--profile:" not in capsys.readouterr().out
