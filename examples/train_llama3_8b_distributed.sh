@@ -18,6 +18,11 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-29500}
 
+if [ $# -lt 4 ]; then
+    echo "usage: $0 CHECKPOINT_PATH TENSORBOARD_LOGS_PATH TOKENIZER_JSON TRAIN_DATA_PATH [VALID_DATA_PATH]" \
+         "(DRY_RUN=1 for a dry run; see the comment at the top)" >&2
+    exit 2
+fi
 CHECKPOINT_PATH=$1        # where checkpoints go (and are resumed from)
 TENSORBOARD_LOGS_PATH=$2  # TensorBoard scalars
 TOKENIZER_MODEL=$3        # a Hugging Face tokenizer.json

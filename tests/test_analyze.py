@@ -220,3 +220,13 @@ def test_collectives_are_timed_as_tp_only_between_start_and_stop():
     for untimed, timed, after in run_distributed(_timed_collectives, 2):
         assert untimed == {} and after == {}
         assert set(timed) == {"tp"} and 0 < timed["tp"] < 10
+
+
+def test_one_slow_logged_iteration_is_no_straggler():
+    """A 2-iteration run (rank 0 slow in its checkpoint-saving iteration) was reported as
+    `[warn] rank 0 is the slowest in 1 of 2 logged iterations`; the live watch needs 3 in a row."""
+    rows = [rec(1, rank_iter_s=[0.30, 0.23]), rec(2, rank_iter_s=[0.15, 0.065])]
+    [s] = by_kind(analyze(rows), "straggler")
+    assert s["severity"] == "ok" and "1 of 2" in s["message"]
+    three = [rec(i, rank_iter_s=[0.10, 0.10, 0.14, 0.10]) for i in range(1, 5)]  # the first is warm-up
+    assert by_kind(analyze(three), "straggler")[0]["severity"] == "warn"

@@ -108,3 +108,188 @@ def test_a_file_given_as_load_is_named_a_file(tmp_path, capsys):
     err = _refused(capsys, SHAPE + ["--mock-data", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer",
                                     "--load", str(afile), "--dry-run"])
     assert f"--load {afile}: a file, not a directory" in err
+
+
+# ------------------------------------------------------------------ meshlm analyze / report / plan
+
+def _run_dir(tmp_path, *, tail: str = "", config: str = "parallel: {}\n"):
+    """A run directory with three training records (and ``tail`` appended to metrics.jsonl)."""
+    import json
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    lines = [json.dumps({"iteration": i, "iter_ms": 100.0, "tokens_per_sec": 1000.0, "lm_loss": 5.0 - 0.1 * i,
+                         "nan_iters": 0, "skipped_iters": 0, "mem_max_allocated_gb": None,
+                         "mem_total_gb": None, "consumed_samples": 8 * i, "lr": 1e-3}) for i in (1, 2, 3)]
+    (run / "logs" / "metrics.jsonl").write_text("\n".join(lines) + "\n" + tail)
+    if config is not None:
+        (run / "config.yaml").write_text(config)
+    return run
+
+
+@pytest.mark.parametrize("flag", ["--output", "--trace"])
+@pytest.mark.parametrize("where", ["a directory", "below a file"])
+def test_report_output_paths_it_cannot_write_are_refused_before_anything_is_written(tmp_path, capsys, flag, where):
+    """`meshlm report RUN --output DIR` (or --trace) ended in an IsADirectoryError traceback."""
+    run = _run_dir(tmp_path)
+    target = str(tmp_path) if where == "a directory" else str(run / "config.yaml" / "x.json")
+    err = _refused(capsys, ["report", str(run), flag, target])
+    assert err.startswith(f"meshlm: error: {flag} {target}") and len(err.splitlines()) == 1
+    assert not (run / "report.html").exists()
+
+
+def test_report_output_in_a_missing_folder_creates_it(tmp_path, capsys):
+    run = _run_dir(tmp_path)
+    out = tmp_path / "new" / "folder" / "r.html"
+    assert main(["report", str(run), "--output", str(out)]) == 0
+    assert out.read_text().startswith("<!DOCTYPE html") or "<html" in out.read_text()
+
+
+@pytest.mark.parametrize("command", ["analyze", "report"])
+def test_a_cut_off_last_metrics_line_is_left_out_with_a_note(tmp_path, capsys, command):
+    """A run killed mid-write (or still writing) left `{"iteration": 4, "iter_` as the last line:
+    analyze and report refused the whole run."""
+    run = _run_dir(tmp_path, tail='{"iteration": 4, "iter_')
+    assert main([command, str(run)]) == 0
+    err = capsys.readouterr().err
+    assert "line 4 is cut off" in err and "Traceback" not in err
+    if command == "analyze":
+        assert main(["analyze", str(run), "--json", "--no-predict"]) == 0
+        import json
+        assert json.loads(capsys.readouterr().out)["iterations"] == [1, 3]
+
+
+@pytest.mark.parametrize("command", ["analyze", "report"])
+def test_a_bad_line_in_the_middle_is_still_refused(tmp_path, capsys, command):
+    run = _run_dir(tmp_path, tail='not json\n{"iteration": 5, "iter_ms": 1}\n')
+    err = _refused(capsys, [command, str(run)])
+    assert "metrics.jsonl line 4: not JSON" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["analyze", "report"])
+@pytest.mark.parametrize("text", ["a: [1,\n b: :\n", "- just\n- a list\n"])
+def test_a_damaged_config_yaml_is_one_line_naming_the_file(tmp_path, capsys, command, text):
+    run = _run_dir(tmp_path, config=text)
+    err = _refused(capsys, [command, str(run)])
+    assert f"{run / 'config.yaml'}" in err and len(err.splitlines()) == 1
+
+
+PLAN = ["plan", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data", "--vocab-size", "512"]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--num-gpus", "0"], "--num-gpus 0"), (["--num-gpus", "-4"], "--num-gpus -4"),
+    (["--gpus-per-node", "0"], "--gpus-per-node 0"), (["--top", "-1"], "--top -1"),
+    (["--num-gpus", "12"], "--num-gpus 12 is not whole nodes"),
+    (["--gpu-tflops", "0"], "--gpu-tflops 0"), (["--gpu-memory-gib", "-5"], "--gpu-memory-gib -5"),
+    (["--gpu-gemm-efficiency", "2"], "--gpu-gemm-efficiency 2"),
+])
+def test_plan_refuses_impossible_cluster_flags(capsys, flags, named):
+    """--gpu-tflops 0 ended in ZeroDivisionError; --num-gpus 0 planned the default world, -4 printed
+    empty tables, --gpu-memory-gib -5 excluded every layout with exit 0."""
+    err = _refused(capsys, PLAN + flags)
+    assert named in err
+
+
+def test_plan_of_a_context_parallel_layout_names_cp_and_splits_the_activations(capsys):
+    """`plan --context-parallel-size 2` printed `your layout TP 1 × PP 1 × DP 1` (CP dropped) with
+    the activations of CP 1, and said context parallelism does not train yet."""
+    import json
+    argv = ["plan", "--model", "gpt2-125m", "--seq-length", "8192", "--micro-batch-size", "1",
+            "--global-batch-size", "8", "--mock-data", "--vocab-size", "50304", "--attention-dropout", "0",
+            "--num-gpus", "8"]
+    mem = {}
+    for cp in (1, 2, 4):
+        assert main(argv + ["--context-parallel-size", str(cp), "--json"]) == 0
+        mem[cp] = json.loads(capsys.readouterr().out)["current"]["memory"]
+    for cp in (2, 4):
+        assert mem[cp]["activations_per_layer"] == pytest.approx(mem[1]["activations_per_layer"] / cp)
+        assert mem[cp]["loss"] == pytest.approx(mem[1]["loss"] / cp)
+    assert main(argv + ["--context-parallel-size", "2", "--top", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "your layout TP 1 × CP 2 × PP 1 × DP 4" in out and "does not train yet" not in out
+
+
+def _pretrain_config(argv):
+    import argparse
+
+    from meshlm.config import add_config_args, config_from_args
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    return config_from_args(p.parse_args(argv))
+
+
+def _built_params(rank, world, argv):
+    import torch
+
+    from meshlm.training.trainer import build
+    run = build(_pretrain_config(argv), torch.float32)
+    return sum(b.param_data.numel() for b in run.ddp.buffers)
+
+
+def test_dry_run_and_plan_count_moe_parameters_as_the_built_model(capsys):
+    """The planner counted an MoE model as its dense twin (136,960 instead of 203,648 on each rank),
+    and without --nproc-per-node a CPU run with --expert-model-parallel-size 2 was refused
+    ("must divide DP × CP = 1") instead of starting the 2 workers the layout needs."""
+    import torch
+    from distributed import run_distributed
+
+    from meshlm.config import default_nproc
+    from meshlm.dry_run import stage_params
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1", "--mock-data",
+            "--vocab-size", "512", "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size",
+            "2", "--swiglu", "--moe-shared-expert-intermediate-size", "96", "--moe-layer-freq", "[1,0]"]
+    cfg = _pretrain_config(argv)
+    assert torch.cuda.is_available() or default_nproc(cfg) == 2
+    built = run_distributed(_built_params, 2, argv)
+    assert stage_params(cfg, 512) == [built[0]] and built[0] == built[1]
+
+
+@pytest.mark.parametrize("command", ["analyze", "report"])
+def test_a_run_stopped_by_an_error_says_so(tmp_path, capsys, command):
+    """A run stopped by a NaN at iteration 3 was analyzed as healthy iterations 1–2: the error line is
+    only in the worker logs, never in metrics.jsonl."""
+    import os
+    run = _run_dir(tmp_path)
+    log = run / "logs" / "rank1.log"
+    log.write_text("meshlm: error: iteration 4: lm loss is nan (local loss non-finite on rank(s) 1)\n")
+    assert main([command, str(run), "--no-predict"]) == 0
+    text = capsys.readouterr().out if command == "analyze" else (run / "report.html").read_text()
+    assert "the run stopped with an error: iteration 4: lm loss is nan" in text
+    old = os.path.getmtime(run / "logs" / "metrics.jsonl") - 60  # an earlier attempt's error: the job went on
+    os.utime(log, (old, old))
+    assert main([command, str(run), "--no-predict"]) == 0
+    text = capsys.readouterr().out if command == "analyze" else (run / "report.html").read_text()
+    assert "the run stopped" not in text
+
+
+def test_the_example_launch_script_without_arguments_prints_its_usage(tmp_path):
+    """`DRY_RUN=1 examples/train_llama3_8b_distributed.sh` (as the README names it) ended in
+    `line 21: $1: unbound variable`."""
+    import os
+    import subprocess
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "examples" / "train_llama3_8b_distributed.sh"
+    done = subprocess.run(["bash", str(script)], env=dict(os.environ, DRY_RUN="1"), capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("usage: ") and "unbound" not in done.stderr
+
+
+def test_the_slurm_script_gives_the_node_s_cpus_to_its_one_task():
+    """Without sbatch --cpus-per-task the srun step got Slurm's default 1 CPU per task: torchrun
+    and every worker of the node bound to one core."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "examples" / "slurm" / "train.sbatch").read_text()
+    assert '--cpus-per-task="${SLURM_CPUS_PER_TASK:-$CORES}"' in text and "CORES=${SLURM_CPUS_ON_NODE" in text
+
+
+def test_a_profile_range_beyond_the_run_is_noted(capsys):
+    """`--profile` (default iterations 11–12) on a 4-iteration run profiled nothing, silently."""
+    argv = SHAPE[:-1] + ["4", "--mock-data", "--vocab-size", "64", "--profile", "--dry-run"]
+    assert main(argv) == 0
+    assert "iterations 11–12 (--profile-step-start 10, --profile-step-end 12) are beyond the run's 4 iterations: " \
+           "nothing is profiled" in capsys.readouterr().out
+    assert main(argv + ["--profile-step-start", "2", "--profile-step-end", "6"]) == 0
+    assert "only iterations 3–4 of 3–6 are profiled" in capsys.readouterr().out
+    assert main(argv + ["--profile-step-start", "1", "--profile-step-end", "3"]) == 0
+    assert "--profile:" not in capsys.readouterr().out

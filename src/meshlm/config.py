@@ -509,14 +509,16 @@ def world_size_of(cfg: Config) -> int:
 
 
 def default_nproc(cfg: Config) -> int:
-    """--nproc-per-node, else one per GPU, else what the layout needs (TP×CP×PP) on CPU."""
+    """--nproc-per-node, else one per GPU, else what the layout needs on CPU: TP×CP×PP, times the
+    smallest DP that expert parallelism needs (EP must divide DP × CP)."""
     p = cfg.parallel
     if p.nproc_per_node:
         return p.nproc_per_node
     import torch
     if torch.cuda.is_available():
         return torch.cuda.device_count()
-    return p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size
+    ep, cp = max(1, p.expert_model_parallel_size or 1), p.context_parallel_size
+    return p.tensor_model_parallel_size * cp * p.pipeline_model_parallel_size * (ep // math.gcd(ep, cp))
 
 
 def dp_size(cfg: Config, world: Optional[int] = None) -> int:

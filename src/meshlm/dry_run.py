@@ -9,7 +9,8 @@ activations per layer and in flight, logits), the same figures `meshlm plan` pri
 from __future__ import annotations
 
 from .config import (Config, batch_schedule, dp_size, ffn_hidden, global_batch, head_dim, max_positions,
-                     num_microbatches, padded_vocab_size, query_groups, run_iterations)
+                     moe_ffn, moe_layer_pattern, num_microbatches, padded_vocab_size, query_groups,
+                     run_iterations)
 
 _GPT2_VOCAB = 50257
 
@@ -38,10 +39,21 @@ def stage_params(cfg: Config, vocab: int) -> list:
     split = h * qkv + qkv * bias + m.num_attention_heads * head_dim(m) * h \
         + h * ffn * (2 if m.swiglu else 1) + ffn * (2 if m.swiglu else 1) * bias + ffn * h
     layer = split / tp + 2 * norm + 2 * h * bias
+
+    def mlp(width: int, split_over: int) -> float:  # fc1 (+ bias), fc2 over split_over ranks, fc2's bias whole
+        return (h * width * (2 if m.swiglu else 1) + width * (2 if m.swiglu else 1) * bias + width * h) \
+            / split_over + h * bias
+    # an MoE layer's MLP (model/moe.py): the router [E, h], this EP rank's E/EP experts (TP = 1 each)
+    # and the shared expert (TP-split), instead of the dense MLP
+    moe_layer = layer - mlp(ffn, tp) + (
+        m.num_experts * h + m.num_experts // max(1, p.expert_model_parallel_size) * mlp(moe_ffn(m), 1)
+        + (mlp(m.moe_shared_expert_intermediate_size, tp) if m.moe_shared_expert_intermediate_size else 0)
+    ) if m.num_experts else layer
+    moe = moe_layer_pattern(m)
     embedding = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, tp) * h / tp
     stages = stage_layers(cfg)  # stage s = chunk · PP + rank
-    counts = [sum(len(stages[s]) for s in range(r, len(stages), pp)) for r in range(pp)]
-    params = [n * layer for n in counts]
+    params = [sum(moe_layer if moe[n] else layer for s in range(r, len(stages), pp) for n in stages[s])
+              for r in range(pp)]
     params[0] += embedding + (max_positions(m) * h if m.position_embedding_type == "learned_absolute" else 0)
     params[-1] += norm + (embedding if m.untie_embeddings_and_output_weights or pp > 1 else 0)
     return [int(x) for x in params]

@@ -56,3 +56,70 @@ def output_folder_problem(flag: str, path: str):
     finally:
         remove_created(path, top)
     return None
+
+
+def output_file_problem(flag: str, path: str, example: str = "report.html"):
+    """None when ``path`` can be written as a file (its missing folders are created when it is
+    written); else one line naming ``flag``, the path and the fix. Writes nothing."""
+    if os.path.isdir(path):
+        return f"{flag} {path} is a directory; give a file path (e.g. {os.path.join(path, example)})"
+    folder = os.path.dirname(os.path.abspath(path))
+    problem = output_folder_problem(flag, folder)
+    if problem:
+        return problem.replace(f"{flag} {folder}", f"{flag} {path}: its folder {folder}", 1)
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"{flag} {path} is not writable; give a file you can write to"
+    return None
+
+
+def write_text_file(path: str, text: str) -> None:
+    """Write ``text`` to ``path``, creating its missing folders (checked by output_file_problem)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+def read_jsonl(path: str, error, what: str) -> list:
+    """The JSON records of a .jsonl file, blank lines skipped. A last line that is not JSON and has
+    no newline (the writer was killed mid-line, or is writing it now) is left out, with a note on
+    stderr; any other line that is not JSON raises ``error`` (an exception class) naming the file,
+    the line and ``what`` the file should be."""
+    import json
+    import sys
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        lines = fh.read().split("\n")
+    # split: a file ending in "\n" gives a last element "", so lines[-1] is unterminated iff non-empty
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                print(f"meshlm: note: {path} line {number} is cut off (a run killed while writing it, or "
+                      f"still running): left out", file=sys.stderr, flush=True)
+                break
+            raise error(f"{path} line {number}: not JSON ({e.msg}); is it {what}?") from None
+    return records
+
+
+def read_yaml_mapping(path: str, error) -> dict:
+    """The mapping in a YAML file ({} for an empty file); ``error`` naming the file and line when it
+    is not YAML or not a mapping."""
+    import yaml
+    try:
+        with open(path, encoding="utf-8") as fh:
+            loaded = yaml.safe_load(fh)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise error(f"{path}{where}: not YAML ({getattr(e, 'problem', None) or e}); fix or delete the file "
+                    f"(it is the config.yaml `meshlm pretrain` wrote)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"{path}: cannot be read ({e}); fix or delete the file") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise error(f"{path}: not a YAML mapping of meshlm settings; fix or delete the file")
+    return loaded

@@ -39,7 +39,7 @@ import statistics
 from typing import Callable, Optional
 
 from ..errors import ConfigError
-from ..training.stragglers import FACTOR as STRAGGLER_RATIO, MIN_EXCESS_S
+from ..training.stragglers import CONSECUTIVE as STRAGGLER_INTERVALS, FACTOR as STRAGGLER_RATIO, MIN_EXCESS_S
 
 COMM_WARN = 0.30        # issue 13: communication above 30% of the step is worth fixing
 NOTE_MIN = 0.10         # a cost below this share is not mentioned
@@ -98,33 +98,52 @@ def load_run(run_dir: str) -> tuple:
     Raises ConfigError for a missing or unreadable metrics.jsonl.
     """
     path = metrics_path(run_dir)
-    records = []
-    with open(path) as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise ConfigError(f"{path} line {n} is not JSON; is it a meshlm metrics.jsonl?") from None
-            if isinstance(rec, dict) and "iter_ms" in rec:
-                records.append(rec)
+    from ..folders import read_jsonl
+    records = [rec for rec in read_jsonl(path, ConfigError, "a meshlm metrics.jsonl")
+               if isinstance(rec, dict) and "iter_ms" in rec]
     folder = run_dir if os.path.isdir(run_dir) else os.path.dirname(os.path.dirname(os.path.abspath(path)))
     return records, _config_of(folder)
 
 
 def _config_of(folder: str) -> Optional[dict]:
-    import yaml
     yaml_path = os.path.join(folder, "config.yaml")
     if os.path.isfile(yaml_path):
-        with open(yaml_path) as fh:
-            return yaml.safe_load(fh)
+        from ..folders import read_yaml_mapping
+        return read_yaml_mapping(yaml_path, ConfigError)
     saved = sorted(glob.glob(os.path.join(folder, "*", "iter_*", "config.json")) +
                    glob.glob(os.path.join(folder, "iter_*", "config.json")))
     if saved:
-        with open(saved[-1]) as fh:
-            return json.load(fh)
+        try:
+            with open(saved[-1]) as fh:
+                return json.load(fh)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{saved[-1]}: not the JSON config a meshlm checkpoint holds ({e}); "
+                              f"put the run's config.yaml in {folder}") from None
     return None
+
+
+def stop_finding(logs_dir: str) -> Optional[dict]:
+    """A "stopped" warn finding (as analyze()'s findings) when a worker's log in ``logs_dir`` ends the
+    run with a ``meshlm: error:`` line (a NaN/inf loss, a hang, a crash named by meshlm): the run's
+    last logged record does not say so, the worker logs do. A log last written before metrics.jsonl
+    (an earlier attempt's error, the job restarted and went on) does not count."""
+    errors = []
+    metrics = os.path.join(logs_dir, "metrics.jsonl")
+    since = os.path.getmtime(metrics) - 1.0 if os.path.exists(metrics) else 0.0
+    for path in sorted(glob.glob(os.path.join(logs_dir, "rank*.log"))):
+        try:
+            if os.path.getmtime(path) < since:
+                continue
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                errors += [line.strip()[len("meshlm: error:"):].strip() for line in fh
+                           if line.startswith("meshlm: error:")]
+        except OSError:
+            continue
+    if not errors:
+        return None
+    first = errors[0]
+    return dataclasses.asdict(Finding("stopped", "warn", f"the run stopped with an error: {first}", None,
+                                      [Fix({}, f"see {logs_dir}/rank*.log ({len(errors)} error line(s))")]))
 
 
 # ----------------------------------------------------------------------------- the analysis
@@ -362,6 +381,9 @@ def _stragglers(steady: list) -> Optional[Finding]:
         if median > 0 and row[worst] > STRAGGLER_RATIO * median and row[worst] - median > MIN_EXCESS_S:
             slow.setdefault(worst, []).append(row[worst] / median - 1)
     rank, lags = max(slow.items(), key=lambda kv: len(kv[1]), default=(None, []))
+    if rank is not None and len(lags) < STRAGGLER_INTERVALS:  # the live watch's patience: one slow step is no straggler
+        return Finding("straggler", "ok", f"no straggler: rank {rank} was slow in {len(lags)} of {len(rows)} logged "
+                       f"iterations only (a straggler is slow in at least {STRAGGLER_INTERVALS} and in most)")
     if rank is None or len(lags) * 2 < len(rows):
         return Finding("straggler", "ok", f"no straggler: every rank's compute time outside collectives within "
                        f"{100 * (STRAGGLER_RATIO - 1):.0f}% of the median rank's")
@@ -434,6 +456,9 @@ def run(args: argparse.Namespace, predictor: Optional[Predictor] = None) -> int:
         gpu = resolve_gpu(args.gpu or "", args.gpu_profile) if args.gpu or args.gpu_profile else None
         predictor, note = planner_predictor(config, records, gpu)
     report = analyze(records, config, predictor)
+    stopped = stop_finding(os.path.dirname(os.path.abspath(metrics_path(args.run_dir))))
+    if stopped:
+        report["findings"].insert(0, stopped)
     report["predicted_by"] = note
     print(json.dumps(report, indent=1) if args.json else format_report(report, args.run_dir))
     return 0

@@ -46,6 +46,16 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     from .memory import estimate
     from .search import evaluate, layout_problems, search
     from .lint import lint
+    cluster = [f"{flag} {value}: give {what}" for flag, value, ok, what in (
+        ("--num-gpus", args.num_gpus, args.num_gpus is None or args.num_gpus >= 1, "the job's GPU count (1 or more)"),
+        ("--gpus-per-node", args.gpus_per_node, args.gpus_per_node >= 1, "1 or more"),
+        ("--top", args.top, args.top >= 0, "0 or more layouts to print")) if not ok]
+    if not cluster and args.num_gpus and args.num_gpus > args.gpus_per_node and args.num_gpus % args.gpus_per_node:
+        cluster.append(f"--num-gpus {args.num_gpus} is not whole nodes of --gpus-per-node {args.gpus_per_node}; "
+                       f"give a multiple of {args.gpus_per_node} (or the real --gpus-per-node)")
+    if cluster:
+        from ..errors import ConfigError
+        raise ConfigError(cluster)
     cfg, _ = config_and_source(args)
     if args.calibrate:
         from .calibrate import calibrate
@@ -55,7 +65,7 @@ def run(args: argparse.Namespace, config_and_source) -> int:
               f"use it with --gpu-profile {path}")
         return 0
     gpu = resolve_gpu(args.gpu, args.gpu_profile, {k: getattr(args, "gpu_" + k.replace("-", "_")) for k in OVERRIDES})
-    world = args.num_gpus or default_nproc(cfg)
+    world = args.num_gpus if args.num_gpus is not None else default_nproc(cfg)
     per_node = min(args.gpus_per_node, world)
     vocab, source = vocab_of(cfg)
     cfg.training.global_batch_size = global_batch(cfg, world) or cfg.training.micro_batch_size
@@ -107,5 +117,5 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     print(f"excluded ({len(excluded)}):")
     for e in excluded:
         print(f"  {e['layout']}: {e['reason']}")
-    print("  CP > 1: not searched (context parallelism does not train yet in meshlm)")
+    print("  CP > 1: not searched (give --context-parallel-size C to plan your own CP layout above)")
     return 0

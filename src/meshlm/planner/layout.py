@@ -99,4 +99,5 @@ class Layout:
 
     def describe(self) -> str:
         v = f" (v {self.vp})" if self.vp > 1 else ""
-        return f"TP {self.tp}{' SP' if self.sequence_parallel else ''} × PP {self.pp}{v} × DP {self.dp}"
+        cp = f" × CP {self.cp}" if self.cp > 1 else ""
+        return f"TP {self.tp}{' SP' if self.sequence_parallel else ''}{cp} × PP {self.pp}{v} × DP {self.dp}"

@@ -107,13 +107,16 @@ def layer_terms(m: ModelConfig, b: int, *, tp: int = 1, sp: bool = False, flash:
 def layer_bytes(m: ModelConfig, b: int, layout: Layout, *, checkpointed: bool = False, flash: bool = True,
                 act_bytes: int = 2) -> float:
     """Bytes one layer keeps: all terms; without core attention under selective recompute; only the
-    layer input (act_bytes·sbh, /tp under SP) when the layer is checkpointed (full recompute)."""
+    layer input (act_bytes·sbh, /tp under SP) when the layer is checkpointed (full recompute).
+    Under context parallelism each rank holds s/cp of every sequence: every term / cp (the s² term
+    of non-flash attention as its rank's s/cp queries against all s keys)."""
     if checkpointed:
-        return act_bytes * m.seq_length * b * m.hidden_size / (layout.tp if layout.sequence_parallel else 1)
+        return act_bytes * m.seq_length * b * m.hidden_size / (layout.tp if layout.sequence_parallel else 1) \
+            / layout.cp
     terms = layer_terms(m, b, tp=layout.tp, sp=layout.sequence_parallel, flash=flash, act_bytes=act_bytes)
     if layout.recompute.selective:
         terms.pop("core_attention")
-    return sum(terms.values())
+    return sum(terms.values()) / layout.cp
 
 
 @dataclass
@@ -183,7 +186,7 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
         loss = 0.0
         if rank == layout.pp - 1:
             padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, layout.tp)
-            loss = act * s * b * padded / layout.tp + 2 * act * s * b * h / rep
+            loss = (act * s * b * padded / layout.tp + 2 * act * s * b * h / rep) / layout.cp  # s/cp tokens a rank
         st = state_bytes(params[rank], half=half, dp=layout.dp, distributed_optimizer=layout.distributed_optimizer,
                          accounting=accounting)
         held = nmb > 1 or layout.pp > 1

@@ -3,8 +3,9 @@
 Searched: TP ∈ powers of two, PP ∈ divisors of the world / TP, v ∈ {1, 2, 4} (PP > 1), DP the rest,
 micro-batch ∈ powers of two dividing the global batch / DP, recompute none / selective / full
 (uniform, 1 layer), the distributed optimizer when DP > 1; SP on whenever TP > 1 and
---overlap-grad-reduce whenever DP > 1 (both cost nothing in memory and only help). CP is not searched:
-meshlm's context parallelism does not train yet. The global batch is the flags' (kept fixed).
+--overlap-grad-reduce whenever DP > 1 (both cost nothing in memory and only help). CP is not searched
+(the flags' own --context-parallel-size is planned as "your layout"). The global batch is the flags'
+(kept fixed).
 
 A layout is excluded, with its reason, when meshlm's own checks refuse it (``validate``: heads, query
 groups, MLP width, vocabulary and layers not divisible, interleaving's micro-batch rule, the global

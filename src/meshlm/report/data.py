@@ -8,7 +8,6 @@ or the metrics.jsonl file itself.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -93,10 +92,8 @@ def _read_config(run_dir: str) -> dict:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         return {}
-    import yaml
-    with open(path) as fh:
-        loaded = yaml.safe_load(fh)
-    return loaded if isinstance(loaded, dict) else {}
+    from ..folders import read_yaml_mapping
+    return read_yaml_mapping(path, DataError)
 
 
 def load_run(path: str, name: Optional[str] = None) -> RunData:
@@ -109,19 +106,14 @@ def load_run(path: str, name: Optional[str] = None) -> RunData:
         run_dir = path
     run = RunData(name=name or os.path.basename(os.path.normpath(os.path.abspath(run_dir))),
                   path=run_dir, config=_read_config(run_dir))
-    with open(metrics) as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{metrics} line {number}: not JSON ({e.msg}); is it a metrics.jsonl "
-                                f"that `meshlm pretrain` wrote?") from None
-            if "val_loss" in rec:
-                run.evals.append(rec)
-            elif "iter_ms" in rec:
-                run.train.append(rec)
+    from ..folders import read_jsonl
+    for rec in read_jsonl(metrics, DataError, "a metrics.jsonl that `meshlm pretrain` wrote"):
+        if not isinstance(rec, dict):
+            continue
+        if "val_loss" in rec:
+            run.evals.append(rec)
+        elif "iter_ms" in rec:
+            run.train.append(rec)
     run.train.sort(key=lambda r: r["iteration"])
     run.evals.sort(key=lambda r: r["iteration"])
     return run

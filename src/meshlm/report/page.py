@@ -155,14 +155,15 @@ def planner_views(runs: list, predict: bool = True) -> tuple:
     (planner/analyze.py, each fix with the planner's predicted gain unless not ``predict``) as
     {title, detail, fix}, and {run name: the planner's predicted timeline} (planner/predict.py)
     for the runs with a pipeline timeline."""
-    from ..planner.analyze import KIND_NAMES, analyze, fix_text
+    from ..planner.analyze import KIND_NAMES, analyze, fix_text, stop_finding
     from ..planner.predict import planner_predictor, run_timeline
     findings, predicted = [], {}
     for r in runs:
         if not r.train:
             continue
         predictor, note = planner_predictor(r.config, r.train) if predict else (None, None)
-        for f in analyze(r.train, r.config or None, predictor)["findings"]:
+        stopped = stop_finding(os.path.join(r.path, "logs"))
+        for f in [stopped] * bool(stopped) + analyze(r.train, r.config or None, predictor)["findings"]:
             if f["severity"] == "ok":
                 continue
             fixes = "; ".join(fix_text(x) for x in f["fixes"]) or "none offered"
@@ -178,12 +179,17 @@ def planner_views(runs: list, predict: bool = True) -> tuple:
 
 def run(args: argparse.Namespace) -> int:
     """Write the report (and the trace); print where. DataError for a path that is not a run."""
+    from ..errors import ConfigError
+    from ..folders import output_file_problem, write_text_file
     runs = [load_run(p) for p in args.runs]
     unique_names(runs)
     out = args.output or os.path.join(runs[0].path, "report.html")
+    problems = [p for p in (output_file_problem("--output" if args.output else "the report", out),
+                            args.trace and output_file_problem("--trace", args.trace, "timeline.json")) if p]
+    if problems:  # before anything is written
+        raise ConfigError(problems)
     findings, predicted = planner_views(runs, predict=not args.no_predict)
-    with open(out, "w", encoding="utf-8") as fh:
-        fh.write(build_page(runs, findings, predicted))
+    write_text_file(out, build_page(runs, findings, predicted))
     print(f"meshlm: report {out}", flush=True)
     if args.trace:
         timelines = [(r.name, tl["events"]) for r in runs if (tl := r.last_timeline())]

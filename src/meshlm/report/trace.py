@@ -41,5 +41,5 @@ def write_trace(timelines: list, path: str) -> None:
     events = []
     for i, (name, tl) in enumerate(timelines):
         events += trace_events(tl, name, 1000 * i)
-    with open(path, "w") as fh:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
+    from ..folders import write_text_file
+    write_text_file(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

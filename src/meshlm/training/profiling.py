@@ -200,4 +200,13 @@ def notes(cfg) -> list:
                              ("--profile-ranks", bool(lg.profile_ranks))) if on]
     if flags and not lg.profile:
         return [f"{' '.join(flags)} ignored without --profile (as in Megatron); add --profile"]
+    iters = cfg.training.train_iters
+    if lg.profile and iters is not None and cfg.training.train_samples is None and lg.profile_step_end > iters:
+        start, end = lg.profile_step_start, lg.profile_step_end
+        if start >= iters:
+            return [f"--profile: iterations {start + 1}–{end} (--profile-step-start {start}, --profile-step-end "
+                    f"{end}) are beyond the run's {iters} iterations: nothing is profiled; give "
+                    f"--profile-step-start below {iters}"]
+        return [f"--profile: the run ends at iteration {iters}, so only iterations {start + 1}–{iters} of "
+                f"{start + 1}–{end} are profiled"]
     return []
