@@ -230,3 +230,14 @@ def test_one_slow_logged_iteration_is_no_straggler():
     assert s["severity"] == "ok" and "1 of 2" in s["message"]
     three = [rec(i, rank_iter_s=[0.10, 0.10, 0.14, 0.10]) for i in range(1, 5)]  # the first is warm-up
     assert by_kind(analyze(three), "straggler")[0]["severity"] == "warn"
+
+
+def test_a_speed_fix_the_planner_predicts_slower_is_dropped_but_a_memory_fix_is_kept():
+    """A PP=2 run was told `--micro-batch-size 1 … (planner: 77% slower)` for its bubble."""
+    def predictor(cfg, flags):
+        return -0.77 if "--micro-batch-size" in flags else 0.1
+
+    report = analyze([rec(i, comm_share={"dp": 0.5}) for i in range(1, 5)], config(), predictor)
+    fixes = by_kind(report, "dp")[0]["fixes"]
+    assert fixes and all(f["predicted_gain"] is None or f["predicted_gain"] >= 0 for f in fixes)
+    assert "slower" not in format_report(report)

@@ -293,3 +293,10 @@ def test_a_profile_range_beyond_the_run_is_noted(capsys):
     assert "only iterations 3–4 of 3–6 are profiled" in capsys.readouterr().out
     assert main(argv + ["--profile-step-start", "1", "--profile-step-end", "3"]) == 0
     assert "--profile:" not in capsys.readouterr().out
+
+
+def test_moe_flags_without_num_experts_are_noted(capsys):
+    assert main(SHAPE + ["--mock-data", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer",
+                         "--moe-router-topk", "1", "--moe-aux-loss-coeff", "0.01", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "note: --moe-router-topk --moe-aux-loss-coeff ignored without --num-experts" in out

@@ -11,6 +11,7 @@ reads (data, tokenizer, checkpoint).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Optional
@@ -504,6 +505,11 @@ def notes(cfg: Config) -> list:
     """Settings that are valid but do not do what they may seem to: one line each, printed at start."""
     m, c = cfg.model, cfg.checkpoint
     lines = []
+    moe = [flag_of(f) for f in dataclasses.fields(m) if f.name.startswith("moe_")
+           and getattr(m, f.name) != (f.default_factory() if f.default is dataclasses.MISSING else f.default)]
+    if moe and not m.num_experts:
+        lines.append(f"{' '.join(moe)} ignored without --num-experts: every layer keeps a dense MLP; add "
+                     f"--num-experts N for MoE layers")
     if m.num_query_groups and not m.group_query_attention:
         lines.append(f"--num-query-groups {m.num_query_groups} is ignored without --group-query-attention "
                      f"(as in Megatron): every attention head keeps its own key/value head; add "

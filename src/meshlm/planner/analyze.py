@@ -56,6 +56,7 @@ KIND_NAMES = {"dp": "DP gradient reduction", "tp": "TP/SP collectives", "pp": "P
               "cp": "CP collectives", "bubble": "pipeline bubble"}
 
 Predictor = Callable[[Optional[dict], dict], Optional[float]]
+SPEED_KINDS = ("dp", "tp", "pp", "cp", "bubble", "imbalance")  # findings whose fixes are about step time
 
 
 @dataclasses.dataclass
@@ -183,6 +184,8 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
         for fix in f.fixes:
             if predictor is not None and fix.flags:
                 fix.predicted_gain = predictor(config, dict(fix.flags))
+        if f.kind in SPEED_KINDS:  # a speed fix the planner predicts slower is no fix (memory ones trade speed)
+            f.fixes = [fix for fix in f.fixes if fix.predicted_gain is None or fix.predicted_gain >= 0]
     return {"iterations": [records[0]["iteration"], records[-1]["iteration"]],
             "step_ms": statistics.median(r["iter_ms"] for r in steady),
             "breakdown": breakdown, "dominant": dominant, "pipeline": pipeline,
