@@ -85,6 +85,11 @@ class Cluster:
         fields = self.run("scontrol", "show", "job", "-o", job_id).split()
         return dict(f.split("=", 1) for f in fields if "=" in f)
 
+    def node_state(self) -> str:
+        """sinfo's short state of the one node: "idle", "alloc", "comp" (a job's processes still
+        being cleaned up), …"""
+        return self.run("sinfo", "-h", "-o", "%t").strip()
+
     def stop(self) -> None:
         """End the daemons this cluster started (SIGTERM, then SIGKILL after 10 s)."""
         for proc in reversed(list(self.daemons.values())):
@@ -146,7 +151,7 @@ def _wait_until_idle(cluster: Cluster) -> None:
         if down:
             raise SlurmUnavailable(down)
         try:
-            state = cluster.run("sinfo", "-h", "-o", "%t").strip()
+            state = cluster.node_state()
         except subprocess.CalledProcessError as e:
             state = e.stderr.strip()
         if state == "idle":

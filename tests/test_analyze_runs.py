@@ -69,7 +69,14 @@ def test_a_bubble_bound_run_is_named_bubble_bound_against_the_analytic_bubble(tm
     assert json.loads(capsys.readouterr().out)["dominant"] == "bubble"
 
 
+# What the machine's own timing noise decides (a busy CI host slows a 20 ms iteration by a third);
+# tests/test_analyze.py checks these rules on records whose timings are given.
+TIMING = {"throughput", "straggler"}
+
+
 def test_a_healthy_run_says_nothing_alarming(tmp_path):
     records, report = _report(tmp_path, "healthy", 1)
     assert all("comm_s" not in r and "bubble_fraction" not in r for r in records)
-    assert report["dominant"] == "compute" and warns(report) == [], report["findings"]
+    assert report["dominant"] == "compute", report["breakdown"]
+    assert [k for k in warns(report) if k not in TIMING] == [], report["findings"]
+    assert {f["kind"] for f in report["findings"]} >= {"memory", "throughput"}  # both were judged

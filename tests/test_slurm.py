@@ -146,11 +146,13 @@ def _assert_resumed_as_uninterrupted(run_dir, reference):
 
 def _second_attempt_ended(slurm, job: str) -> bool:
     """True once the requeued job has run to its end; a requeued job waiting for its start time
-    (Slurm holds it about two minutes: EligibleTime) is let start now."""
+    (Slurm holds it about two minutes: EligibleTime) is let start now, once the node is idle: a
+    start while the first attempt's processes are still cleaned up ("comp") fails at once (seen
+    on a 2-core CI host: FAILED, ExitCode 1:0, RunTime 0)."""
     state = slurm.job(job)
     if state.get("Restarts") != "1":
         return False
-    if state["JobState"] == "PENDING":
+    if state["JobState"] == "PENDING" and slurm.node_state() == "idle":
         slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     return state["JobState"] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED")
 
@@ -169,7 +171,9 @@ def test_real_slurm_job_saves_on_the_warning_requeues_and_resumes(slurm, referen
 
     def explain():
         ctld = slurm_cluster.tail(os.path.join(slurm.folder, "slurmctld.log"), 15)
-        return f"job: {slurm.job(job)}\nslurmctld.log:\n{ctld}\n{out_file}:\n{_read(out_file)[-3000:]}"
+        slurmd = slurm_cluster.tail(os.path.join(slurm.folder, "slurmd.log"), 15)
+        return (f"job: {slurm.job(job)}\nslurmctld.log:\n{ctld}\nslurmd.log:\n{slurmd}\n"
+                f"{out_file}:\n{_read(out_file)[-3000:]}")
     try:
         _wait_for(lambda: WAITING in _read(log), f"iteration {STOP_AT} of job {job}", explain=explain)
         slurm.run("scancel", "--signal=TERM", "--batch", job)  # what --signal=B:TERM@120 sends
