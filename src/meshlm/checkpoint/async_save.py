@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+from ..parallel.agree import first_problem
 from . import dist as ckpt
 from .boxes import Boxes
 
@@ -175,13 +176,11 @@ class AsyncSaver:
         return self._thread is not None and self._thread.is_alive()
 
     def _agree(self, problem: Optional[str]) -> Optional[str]:
-        """The lowest rank's problem (None if no rank has one), known to every rank (collective
-        over the writer's group)."""
+        """The lowest rank's problem (None if no rank has one), known to every rank of the writer's
+        group; watched by the hang watchdog only from the main thread."""
         if self.group is None:
             return problem
-        problems = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(problems, problem, group=self.group)
-        return next((p for p in problems if p), None)
+        return first_problem(problem, self.group, watch=threading.current_thread() is threading.main_thread())
 
     def _write(self, root, iteration, state, layout, config, coords, keep) -> None:
         """The writer thread: dist.save's steps, with every rank at every collective; its outcome

@@ -26,6 +26,7 @@ import torch
 from ..config import global_batch, run_iterations, run_samples
 from ..errors import ConfigError, DataError
 from ..launch import local_rank
+from ..parallel.agree import first_problem
 from .blend import SURPLUS, BlendedDataset, samples_per_dataset
 from .indexed import IndexedDataset
 from .packing import Packing
@@ -188,11 +189,11 @@ class GPTDataset:
             return self._save(cache_dir, paths, arrays, desc_path)
         problem = build() if rank0 and not self.cache_hit else None
         if distributed:
-            problem = _agreed(problem)
+            problem = first_problem(problem)
             if problem is None and not rank0 and local_rank() == 0 and \
                     not all(os.path.isfile(p) for p in paths + [desc_path]):
                 problem = build()  # this node does not see rank 0's files
-            problem = _agreed(problem)
+            problem = first_problem(problem)
         if problem:
             raise DataError(problem)
         self.document_index, self.sample_index, self.shuffle_index = (np.load(p, mmap_mode="r") for p in paths)
@@ -231,14 +232,6 @@ class GPTDataset:
 
     def __getitem__(self, i: int) -> dict:
         return _item(self.tokens(i), self.seq_length, self.packing)
-
-
-def _agreed(problem: str | None) -> str | None:
-    """The lowest rank's problem (None if no rank has one), known to every rank: a collective that
-    also keeps every rank waiting until the builders are done."""
-    problems = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(problems, problem)
-    return next((p for p in problems if p), None)
 
 
 class MockGPTDataset:

@@ -44,6 +44,7 @@ from ..optim.optimizer import build_optimizer
 from ..batches import BatchSchedule
 from ..optim.schedule import scheduler_for
 from ..parallel import comm
+from ..parallel.agree import first_problem
 from ..parallel.context import split_batches
 from ..parallel.data import DistributedDataParallel
 from ..parallel.mesh import ParallelState, init_distributed
@@ -234,7 +235,7 @@ def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
             check_token_ids(prefixes, vocab_size)
         except DataError as e:
             problem = str(e)
-    problem = _first_problem(problem, ps)
+    problem = first_problem(problem)
     if problem:
         raise DataError(problem)
 
@@ -561,7 +562,7 @@ def load_checkpoint(run: Run) -> TrainState:
         loaded = _read_checkpoint(run)
     except CheckpointError as e:
         problem = str(e)
-    problem = _first_problem(problem, ps)
+    problem = first_problem(problem)
     if problem:
         raise CheckpointError(problem)
     if loaded is None:
@@ -602,7 +603,7 @@ def _load_weights_only(run: Run) -> TrainState:
         convert.load_weights(run.chunks, run.cfg.model, run.cfg.checkpoint.load)
     except CheckpointError as e:
         problem = str(e)
-    problem = _first_problem(problem, run.ps)
+    problem = first_problem(problem)
     if problem:
         raise CheckpointError(problem)
     run.opt.reload_model_params()
@@ -632,15 +633,6 @@ def _read_checkpoint(run: Run) -> Optional[tuple]:
     if _loads(c, "optim"):
         targets["optimizer"] = optimizer_state(run.opt, space, load=True)
     return ckpt.load(c.load, targets, coords=_coords(ps), iteration=ckpt.read_manifest(path)["iteration"])
-
-
-def _first_problem(problem: Optional[str], ps: ParallelState) -> Optional[str]:
-    """The lowest rank's problem (None if no rank has one), known to every rank."""
-    if ps.world_size == 1:
-        return problem
-    problems = [None] * ps.world_size
-    torch.distributed.all_gather_object(problems, problem)
-    return next((p for p in problems if p), None)
 
 
 def _portable_config(cfg: C.Config) -> dict:
