@@ -241,3 +241,25 @@ def test_a_planted_pickle_payload_never_runs(trained, tmp_path, capsys, where):
         assert rc_inspect == 2 and len(err_inspect.strip().splitlines()) == 1
     else:
         assert rc_inspect == 0
+
+
+def _verify_in_two(rank, world, root):
+    from meshlm.checkpoint import manifest
+    hashed = []
+    real = manifest.sha256_file
+    manifest.sha256_file = lambda path: hashed.append(os.path.basename(path)) or real(path)
+    chosen = ckpt.checkpoint_dir(root, checksums=True)
+    return os.path.basename(chosen), hashed
+
+
+def test_verify_integrity_shares_the_hashing_out_and_every_rank_sees_every_finding(tmp_path, capsys):
+    root = _three(tmp_path)
+    data = tmp_path / "save" / "iter_0000003" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-200] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    (chosen0, hashed0), (chosen1, hashed1) = run_distributed(_verify_in_two, 2, root)
+    assert chosen0 == chosen1 == "iter_0000002"  # rank 1 learns of the flip rank 0 found, or the reverse
+    listed = sorted(ckpt.read_manifest(root + "/iter_0000003")["files"]) + \
+        sorted(ckpt.read_manifest(root + "/iter_0000002")["files"])
+    assert sorted(hashed0 + hashed1) == sorted(listed) and hashed0 and hashed1  # each file once in all

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointError
+from ..parallel.agree import all_problems
 from . import manifest
 from .boxes import Boxes
 from .lock import LOCK_FILE
@@ -309,9 +310,11 @@ def _folder_problem(path: str, checksums: bool) -> Optional[str]:
     if listed is None and isinstance(saved, dict) and saved.get("format_version") == 1:
         return None  # saved before manifests listed files: nothing more to compare
     try:
-        found = manifest.problems(path, listed, checksums=checksums)
+        found = manifest.problems(path, listed, checksums=checksums, share=_world() if checksums else (0, 1))
     except (AttributeError, KeyError, TypeError):
         return f"{MANIFEST} has no valid file list"
+    if checksums:  # each rank hashed its share of the files: every rank learns all the findings
+        found = sorted(set(all_problems(found)))
     return found[0] if found else None
 
 
@@ -363,7 +366,8 @@ def checkpoint_dir(root: str, iteration: Optional[int] = None, *, checksums: boo
     one line naming both: what is wrong with the latest, which one is loaded instead).
 
     Intact: the manifest, .metadata and every file the manifest lists, at its size (a stat each);
-    checksums=True (``--verify-integrity``) also compares each file's SHA-256 (reads them all).
+    checksums=True (``--verify-integrity``) also compares each file's SHA-256: the ranks share the files
+    out (each hashes every world-th one) and combine their findings, so all ranks must call it.
     Raises CheckpointError naming the folder when there is no tracker, or no candidate is intact
     (the latest's problem, as ``damaged``'s one line), or ``iteration`` is given and not intact.
     """

@@ -14,6 +14,18 @@ import torch.distributed as dist
 from . import watchdog
 
 
+def all_problems(problems: list, group=None) -> list:
+    """Every rank's ``problems`` (lists of one-line messages) over ``group`` (None: the world),
+    concatenated in rank order; the same list on every rank. One watched ``all_gather_object``;
+    the identity without torch.distributed or on a group of one."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(problems)
+    gathered: list = [None] * dist.get_world_size(group)
+    watchdog.call("all_gather of the ranks' problems", group, dist.all_gather_object, gathered, list(problems),
+                  group=group)
+    return [p for ranks in gathered for p in ranks]
+
+
 def first_problem(problem: Optional[str], group=None, watch: bool = True) -> Optional[str]:
     """The lowest rank's problem over ``group`` (None: the world), None if no rank has one.
 

@@ -614,9 +614,11 @@ def _load_weights_only(run: Run) -> TrainState:
 
 
 def _read_checkpoint(run: Run) -> Optional[tuple]:
-    """This rank's part of load_checkpoint that has no collective: check --load, compare the
-    saved model config (not under --finetune), read the model tensors (and, unless a switch says
-    otherwise, the optimizer's) into place and the saved values. None for a fresh start."""
+    """This rank's part of load_checkpoint: check --load, compare the saved model config (not under
+    --finetune), read the model tensors (and, unless a switch says otherwise, the optimizer's) into
+    place and the saved values. None for a fresh start. Its one collective is --verify-integrity's
+    (the ranks share the hashing out); every rank reaches it alike, since the checks before it read
+    the same shared --load folder."""
     cfg, ps = run.cfg, run.ps
     c = cfg.checkpoint
     problems = ckpt.check_loadable(c.load, c.save)
