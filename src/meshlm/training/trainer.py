@@ -246,7 +246,8 @@ def report_memory(report: dict, ps: ParallelState) -> None:
     reports = [report]
     if ps.world_size > 1:
         reports = [None] * ps.world_size
-        torch.distributed.all_gather_object(reports, report)
+        watchdog.call("all_gather of the memory reports", None, torch.distributed.all_gather_object,
+                      reports, report)
     if ps.rank != 0:
         return
     def size(n):
@@ -436,7 +437,8 @@ def _pipeline_timeline(ps: ParallelState, timeline: list, window: tuple) -> tupl
     own = {"events": [dict(e, stage=ps.pp_rank) for e in timeline],
            "bubble": bubble_fraction(timeline, window)}
     stages = [None] * ps.pp
-    torch.distributed.all_gather_object(stages, own, group=ps.pp_group)
+    watchdog.call("all_gather of the pipeline timeline", ps.pp_group, torch.distributed.all_gather_object,
+                  stages, own, group=ps.pp_group)
     events = [e for st in stages for e in st["events"]]
     return events, sum(st["bubble"] for st in stages) / ps.pp
 
