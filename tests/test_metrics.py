@@ -115,3 +115,31 @@ def test_tensorboard_dir_without_tensorboard_is_a_clear_config_error(tmp_path, m
     monkeypatch.setattr(builtins, "__import__", no_tensorboard)
     with pytest.raises(ConfigError, match="--tensorboard-dir.*pip install tensorboard"):
         _logger(tmp_path, tensorboard_dir=str(tmp_path / "tb"))
+
+
+class _Writer:
+    """SummaryWriter's add_scalar/close, kept in a list (tensorboard is optional, not installed in CI)."""
+
+    def __init__(self, log_dir):
+        self.scalars = []
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+    def close(self):
+        pass
+
+
+def test_tensorboard_gets_the_moe_routing_communication_and_loss_figures(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics, "require_tensorboard", lambda: _Writer)
+    log = _logger(tmp_path, log_interval=2, tensorboard_dir=str(tmp_path / "tb"))
+    moe = {0: {"tokens": [30.0, 10.0], "routes": 40.0, "aux": 1.5, "z": None},
+           1: {"tokens": [20.0, 20.0], "routes": 50.0, "aux": 0.5, "z": None}}
+    log.train_step(1, 32, lm_loss=4.0, lr=1e-4, grad_norm=1.0, iter_s=0.5, comm_s=0.1)
+    rec = log.train_step(2, 64, lm_loss=3.0, lr=1e-4, grad_norm=1.0, iter_s=0.5, comm_s=0.1, moe=moe)
+    got = {tag: value for tag, value, step in log.tb.scalars if step == 2}
+    assert got["lm loss"] == 3.5 and got["moe/load-balancing-loss"] == 1.0
+    assert got["moe/imbalance-layer-0"] == 1.5 and got["moe/imbalance-layer-1"] == 1.0  # max / mean routes
+    assert got["moe/imbalance"] == 1.25 and got["moe/dropped-fraction"] == pytest.approx(1 - 80 / 90)
+    assert got["communication/dp-s"] == pytest.approx(0.1) == rec["comm_s"]["dp"]
+    assert "moe/z-loss" not in got  # off: no pair

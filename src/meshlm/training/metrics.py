@@ -122,6 +122,31 @@ def _fmt(value, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+_TB_TAGS = [("lm_loss", "lm loss"), ("lr", "learning-rate"), ("grad_norm", "grad-norm"),
+            ("loss_scale", "loss-scale"), ("tokens_per_sec", "throughput/tokens-per-sec"),
+            ("tflops_per_gpu", "throughput/tflops-per-gpu"), ("mfu", "throughput/mfu"),
+            ("exposed_comm_share", "communication/exposed-share"), ("bubble_fraction", "pipeline/bubble-fraction"),
+            ("mem_allocated_gb", "memory/allocated-gib"), ("mem_max_allocated_gb", "memory/max-allocated-gib"),
+            ("val_loss", "lm loss validation"), ("val_ppl", "lm loss validation ppl"),
+            ("save_blocked_ms", "checkpoint/save-blocked-ms"), ("moe_aux_loss", "moe/load-balancing-loss"),
+            ("moe_z_loss", "moe/z-loss"), ("moe_dropped_fraction", "moe/dropped-fraction")]
+
+
+def tensorboard_scalars(rec: dict) -> list:
+    """(tag, value) pairs TensorBoard gets for one metrics.jsonl record: Megatron's tags where it
+    has them ("lm loss", "learning-rate", "grad-norm", "loss-scale"), then throughput, exposed
+    communication ("communication/<kind>-s" per kind of ``comm_s``), the pipeline bubble, memory
+    (GiB), checkpoint blocking (ms) and the MoE routing figures ("moe/imbalance": max / mean routes
+    per expert averaged over the layers, and "moe/imbalance-layer-<l>" per layer). Values that are
+    None or absent give no pair."""
+    out = [(tag, rec[key]) for key, tag in _TB_TAGS if rec.get(key) is not None]
+    out += [(f"communication/{kind}-s", v) for kind, v in sorted((rec.get("comm_s") or {}).items())]
+    if rec.get("moe_tokens_per_expert"):
+        out.append(("moe/imbalance", rec["moe_tokens_per_expert"]["imbalance"]))
+        out += [(f"moe/imbalance-layer-{layer}", v) for layer, v in sorted(rec["moe_imbalance_per_layer"].items())]
+    return out
+
+
 class MetricsLogger:
     """Accumulates per-iteration numbers; every ``log_interval`` prints Megatron's line and
     appends one JSON object to ``<log_dir>/metrics.jsonl`` (logging rank only).
@@ -325,16 +350,8 @@ class MetricsLogger:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(rec) + "\n")
         if self.tb is not None:
-            it = rec["iteration"]
-            for key, tag in [("lm_loss", "lm loss"), ("lr", "learning-rate"), ("grad_norm", "grad-norm"),
-                             ("tokens_per_sec", "throughput/tokens-per-sec"),
-                             ("tflops_per_gpu", "throughput/tflops-per-gpu"), ("mfu", "throughput/mfu"),
-                             ("mem_allocated_gb", "memory/allocated-gib"),
-                             ("mem_max_allocated_gb", "memory/max-allocated-gib"),
-                             ("val_loss", "lm loss validation"), ("val_ppl", "lm loss validation ppl"),
-                             ("save_blocked_ms", "checkpoint/save-blocked-ms")]:
-                if rec.get(key) is not None:
-                    self.tb.add_scalar(tag, rec[key], it)
+            for tag, value in tensorboard_scalars(rec):
+                self.tb.add_scalar(tag, value, rec["iteration"])
 
     def close(self) -> None:
         if self.tb is not None:
