@@ -24,9 +24,11 @@ row of it is fully masked; with packed documents (--reset-attention-mask) a piec
 document mask and a fully masked row has lse −inf and weight 0 (never the 0 a fused kernel would
 return). The backward of each piece is taken against the merged output and lse (Dao 2023,
 FlashAttention-2, Alg. 2): P = exp(S − lse), dV = Pᵀ·dO, dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)),
-dQ = dS·K/√d, dK = dSᵀ·Q/√d. On CUDA with bf16/fp16 and no document mask the pieces run the flash
-kernels (``aten._scaled_dot_product_flash_attention`` and its backward); elsewhere the matmul
-form below, computed in ``wide(dtype)`` (float64 stays float64).
+dQ = dS·K/√d, dK = dSᵀ·Q/√d. On CUDA with bf16/fp16 and no document mask the pieces run a fused
+kernel that returns the lse: cuDNN's (``aten._scaled_dot_product_cudnn_attention`` and its
+backward; the backend public SDPA picks on Hopper) where it runs this head size, else the flash
+kernels (``aten._scaled_dot_product_flash_attention``); elsewhere the matmul form below, computed
+in ``wide(dtype)`` (float64 stays float64).
 """
 
 from __future__ import annotations
@@ -97,8 +99,50 @@ def _allowed(pos_q, pos_k, docs):
     return (same & (pos_k[None, :] <= pos_q[:, None]))[:, None]
 
 
-def _flash(q, mask) -> bool:
-    return q.is_cuda and q.dtype in HALF and mask is None
+KERNELS = ["cudnn", "flash"]  # the fused kernels the pieces try, in order (bench/cp_attention.py sets it)
+_RUNS: dict = {}  # (kernel, dtype, head dim, causal, device) → whether the kernel ran a tiny piece
+
+
+def _kernel(q, mask, causal: bool):
+    """The fused kernel for a piece: "cudnn", "flash", or None (the matmul form: CPU, float32/64,
+    or a document mask). cuDNN is taken where a tiny forward and backward of this dtype, head size
+    and causality ran once in this process (its plans do not cover every head size and GPU)."""
+    if not (q.is_cuda and q.dtype in HALF and mask is None):
+        return None
+    for name in KERNELS:
+        if name == "flash":
+            return name
+        key = (name, q.dtype, q.shape[-1], causal, q.device)
+        if key not in _RUNS:
+            _RUNS[key] = _cudnn_runs(q, causal)
+        if _RUNS[key]:
+            return name
+    return None
+
+
+def _cudnn_runs(q, causal: bool) -> bool:
+    t = torch.randn(1, 1, 64, q.shape[-1], device=q.device, dtype=q.dtype)
+    try:
+        out, lse, state = _cudnn_forward(t, t, t, causal)
+        _cudnn_backward(torch.ones_like(t), t, t, t, out.to(t.dtype), lse, causal, state)
+        torch.cuda.synchronize(q.device)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _cudnn_forward(q, k, v, causal):
+    """cuDNN attention with its lse ([b, n, sq, 1] fp32 → [b, n, sq]); state for the backward."""
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, causal)
+    return out.float(), lse.view(lse.shape[:3]), (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, causal, state):
+    cum_q, cum_k, max_q, max_k, seed, offset = state
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        *(t.contiguous() for t in (dout, q, k, v, out)), lse.float().unsqueeze(-1).contiguous(), seed, offset,
+        None, cum_q, cum_k, max_q, max_k, 0.0, causal)
 
 
 def _expand(t, heads):
@@ -130,13 +174,16 @@ def piece_forward(q, k, v, causal: bool, mask=None):
     """softmax(q·kᵀ/√d + mask)·v of one piece: q [b, n, sq, d], k/v [b, g, sk, d] (g | n), causal
     (top-left, sq == sk) or ``mask`` bool [b, 1, sq, sk] (True = attend) → (out [b, n, sq, d] in
     ``wide(q.dtype)``, lse [b, n, sq] natural log in ``wide``; −inf on a row that sees no key,
-    kernel state for ``piece_backward``: None, or the flash kernel's (cum_seq_q, cum_seq_k,
-    rng_state, unused) outputs)."""
-    if _flash(q, mask):
-        n = q.shape[1]
+    kernel state for ``piece_backward``: None, or (the fused kernel's name, its outputs the backward
+    takes))."""
+    kernel, n = _kernel(q, mask, causal), q.shape[1]
+    if kernel == "cudnn":
+        out, lse, state = _cudnn_forward(q, _expand(k, n), _expand(v, n), causal)
+        return out, lse, (kernel, state)
+    if kernel == "flash":
         out, lse, cum_q, cum_k, _, _, rng, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             q.contiguous(), _expand(k, n).contiguous(), _expand(v, n).contiguous(), 0.0, causal)
-        return out.float(), lse, (cum_q, cum_k, rng, unused)
+        return out.float(), lse, (kernel, (cum_q, cum_k, rng, unused))
     s = _scores(q, k, causal, mask)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse)[..., None])
@@ -148,11 +195,15 @@ def piece_backward(dout, q, k, v, out, lse, causal: bool, mask=None, state=None)
     the piece's kernel ``state`` from piece_forward: (dq [b, n, sq, d], dk, dv [b, g, sk, d]) in
     ``wide(q.dtype)``."""
     n, g = q.shape[1], k.shape[1]
-    if _flash(q, mask):
-        cum_q, cum_k, rng, unused = state
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            *(t.contiguous() for t in (dout, q, _expand(k, n), _expand(v, n), out, lse)), cum_q, cum_k,
-            q.shape[2], k.shape[2], 0.0, causal, rng, unused)
+    if state is not None:
+        kernel, outputs = state
+        if kernel == "cudnn":
+            dq, dk, dv = _cudnn_backward(dout, q, _expand(k, n), _expand(v, n), out, lse, causal, outputs)
+        else:
+            cum_q, cum_k, rng, unused = outputs
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                *(t.contiguous() for t in (dout, q, _expand(k, n), _expand(v, n), out, lse)), cum_q, cum_k,
+                q.shape[2], k.shape[2], 0.0, causal, rng, unused)
         return dq.float(), _fold(dk.float(), g), _fold(dv.float(), g)
     s = _scores(q, k, causal, mask)
     w = s.dtype
