@@ -164,6 +164,17 @@ def test_moe_layer_freq_and_validation():
     assert "must divide DP × CP = 2" in text and "needs --sequence-parallel" in text
 
 
+def test_moe_with_context_parallelism_validates_and_ep_stays_inside_dp_cp():
+    cfg = Config()
+    cfg.model.num_experts, cfg.parallel.context_parallel_size = 4, 2
+    cfg.model.attention_dropout, cfg.data.mock_data, cfg.model.vocab_size = 0.0, True, 64
+    cfg.parallel.expert_model_parallel_size = 4  # EP over DP 2 × CP 2
+    validate(cfg, world=4, check_files=False)
+    cfg.model.num_experts = cfg.parallel.expert_model_parallel_size = 8
+    with pytest.raises(ConfigError, match="must divide DP × CP = 4"):
+        validate(cfg, world=4, check_files=False)
+
+
 # ----------------------------------------------------------------------------- balancing on real text
 
 BALANCING = {  # run name → MoE flags; each balanced run is compared with its unbalanced twin

@@ -1,7 +1,8 @@
 """MoE checkpoints: the expert bias is saved (one global tensor per layer), so a resumed run goes on
 exactly; a checkpoint saved at EP=2 (DP=4, distributed optimizer: expert states sharded over the
 expert-data-parallel group) continues at EP=2 and at EP=1 as the uninterrupted single process
-(float64, every loss, grad norm and weight within 1e-10 relative: tests/parity.py)."""
+(float64, every loss, grad norm and weight within 1e-10 relative: tests/parity.py); one saved at
+CP = 2 × EP = 2 continues at CP = 1 likewise."""
 
 import os
 
@@ -93,3 +94,18 @@ def test_ep2_checkpoint_with_its_expert_bias_resumes_at_ep2_and_ep1_exactly(tmp_
     # the control: restarting the bias from zero changes the continuation (the test can fail)
     assert _errors([forgotten], ref), "a resume without the saved bias trains alike: the test proves nothing"
     print(f"losses after resume: {ref['losses'][SAVED_AT:]} (bias forgotten: {forgotten['losses']})")
+
+
+def test_cp2_ep2_checkpoint_resumes_at_cp1_exactly(tmp_path):
+    root = str(tmp_path)
+    saved = Case(experts=4, moe=FLAGS, cp=2, ep=2, bucket=None)
+    run_distributed(_train, saved.world, saved, root, None, SAVED_AT, "saved")
+    ref, resumed = run_distributed(_cp1_runs, 1, root)[0]
+    bad = _errors([resumed], ref)
+    assert not bad, "\n".join(bad[:20])
+
+
+def _cp1_runs(rank, world, root):
+    """The uninterrupted single process, and its continuation from the CP = 2 checkpoint."""
+    return (_train(rank, world, SINGLE, root, None, STEPS, None),
+            _train(rank, world, SINGLE, root, "saved", STEPS - SAVED_AT, None))

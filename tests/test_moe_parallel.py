@@ -1,9 +1,12 @@
-"""Expert parallelism equals one process (float64, gloo; DESIGN.md "Correctness rule").
+"""Expert parallelism and MoE under context parallelism equal one process (float64, gloo;
+DESIGN.md "Correctness rule").
 
 Every case trains the same MoE model (layers 0 and 2 MoE with 4 experts, top-2, sigmoid scores
 with the aux-loss-free expert bias, load-balancing and z-loss, a shared expert) through the
-production path, and compares losses, grad norms and every updated weight — router, experts,
-shared expert, the rest — with the single-process run (tests/parity.py), at 1e-10 relative.
+production path, and compares losses, grad norms, the logged routing figures and every updated
+weight — router, experts, shared expert, the rest — with the single-process run
+(tests/parity.py), at 1e-10 relative. Under CP the load-balancing loss counts the routes of the
+whole sequence (summed over TP × CP), so a CP rank's share differs from a loss of its own tokens.
 """
 
 from __future__ import annotations
@@ -27,3 +30,13 @@ def test_ep_with_tp_sp_pp_and_the_distributed_optimizer():
     assert_parity(moe_case(dp=2, tp=2, sp=True, ep=2),
                   moe_case(dp=2, pp=2, ep=2, schedule="1f1b"),
                   moe_case(dp=4, ep=2, dist_opt=True, overlap_grad=True, overlap_param=True))
+
+
+def test_moe_under_cp2_with_and_without_ep_and_per_token_loss_equals_one_process():
+    assert_parity(moe_case(cp=2), moe_case(cp=2, ep=2, per_token=True))
+
+
+def test_moe_under_cp2_with_tp_sp_and_ep_over_dp_cp_with_zero1():
+    """EP = 2 inside CP = 2 at TP = 2 + SP (token group TP × CP); EP = 4 over DP × CP under ZeRO-1."""
+    assert_parity(moe_case(cp=2, tp=2, sp=True, ep=2),
+                  moe_case(cp=2, dp=2, ep=4, dist_opt=True, overlap_grad=True))

@@ -161,9 +161,6 @@ def _moe_problems(cfg: Config, world: int) -> list:
                         f"data-parallel ranks); use a divisor of {dpcp} or more processes")
     if tp > 1 and not p.sequence_parallel:
         problems.append("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as in Megatron-LM)")
-    if p.context_parallel_size > 1:  # the router's load counts are not yet summed over the CP group
-        problems.append("MoE (--num-experts) with --context-parallel-size > 1 is not supported yet; "
-                        "use --context-parallel-size 1")
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
         problems.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as in Megatron-LM)")
     shared = m.moe_shared_expert_intermediate_size

@@ -1,23 +1,29 @@
 """Mixture-of-experts MLP (Megatron-core's MoELayer): router, routed experts, optional shared expert.
 
 Per layer, on this rank's tokens x [s, b, h] ([s/tp, b, h] under sequence parallelism, which MoE
-needs at TP > 1; each TP rank routes its own rows):
-  logits = x W_rᵀ [T, E] (fp32 at least), router z-loss attached;
+needs at TP > 1; [s/cp, b, h] under context parallelism; each rank routes its own rows; the
+ranks that split one micro-batch's tokens — TP under SP, times CP — are the *token group*,
+``ParallelState.tp_cp_group``):
+  logits = x W_rᵀ [T, E] (fp32 at least), router z-loss attached (this rank's mean over the
+  token group's size: the shares add up to the micro-batch's mean);
   scores and top-k (``route``; Megatron's topk_routing_with_score_function): softmax over the k
   chosen logits, or over all E first with --moe-router-pre-softmax (not renormalised); sigmoid,
   normalised over the k chosen. The expert bias (aux-loss-free balancing; sigmoid scores, as in
   Megatron) shifts only the choice; the gates come from the unbiased scores.
   capacity (--moe-expert-capacity-factor): ceil(T·k/E · cf) routes per expert on this rank and
-  micro-batch, extra routes dropped by lowest probability or latest position (``drop``);
-  load-balancing loss (``aux_loss``) attached to the gates;
+  micro-batch (T local, as in Megatron: what is dropped depends on the SP/CP split), extra
+  routes dropped by lowest probability or latest position (``drop``);
+  load-balancing loss (``aux_loss``, the routes counted over the token group) attached to the gates;
   dispatch to the experts (EP all-to-all, parallel/experts.py), expert MLPs, gate-weighted sum;
   plus the shared expert's output (a TP-split MLP on every token).
 
 Auxiliary losses enter backward through ``AttachLoss``: the forward value is unchanged, backward
 feeds the loss a gradient of ``MoEState.scale``, which the pipeline sets to what it multiplies
-the LM loss by (loss_scale / micro-batches; under --calculate-per-token-loss
-loss_scale · DP · CP / N, the loss then weighted by the micro-batch's tokens), so aux and LM
-gradients are averaged alike (Megatron's MoEAuxLossAutoScaler).
+the LM loss by (loss_scale · CP / micro-batches; under --calculate-per-token-loss
+loss_scale · DP · CP / N, the loss then weighted by the micro-batch's tokens, T times the token
+group's size), so aux and LM gradients are averaged alike (Megatron's MoEAuxLossAutoScaler):
+each rank's aux and z-loss are its shares of the micro-batch's, whose gradients sum over TP
+(``sequence_parallel`` params) and are averaged over DP × CP, which the factor CP undoes.
 
 Experts are meshlm MLPs at TP = 1 (expert TP 1), named by their **global** index
 (``mlp.experts.local_experts.<e>.linear_fc1.weight``), so checkpoints are layout-free; each EP
@@ -39,6 +45,7 @@ from torch import nn
 from ..config import moe_ffn
 from ..dtypes import wide
 from ..parallel import watchdog
+from ..parallel.comm import group_size
 from ..parallel.experts import dispatch_combine
 from .mlp import MLP
 
@@ -121,12 +128,13 @@ def drop(gates: torch.Tensor, routing_map: torch.Tensor, cap: int, policy: str =
     return gates * keep, keep
 
 
-def aux_loss(logits: torch.Tensor, k: int, score_function: str, coeff: float, tp_group=None) -> tuple:
+def aux_loss(logits: torch.Tensor, k: int, score_function: str, coeff: float, group=None) -> tuple:
     """(loss, tokens per expert [E]) of Switch/GShard balancing: coeff · E/(k·T²) · Σ_i P_i · f_i, with
     P_i the summed scores of this rank's rows and f_i the routes of the top-k of those scores
-    counted over every rank of ``tp_group`` (which split the micro-batch's T tokens), so summing
-    the ranks' losses gives the loss of the whole micro-batch (Megatron's
-    switch_load_balancing_loss_func on compute_routing_scores_for_aux_loss)."""
+    counted over every rank of ``group`` (the token group: TP under SP × CP, which split the
+    micro-batch's T tokens evenly; one all-reduce), so summing the ranks' losses gives the loss of
+    the whole micro-batch (Megatron's switch_load_balancing_loss_func on
+    compute_routing_scores_for_aux_loss, counts reduced over its tp_cp group). logits [T_local, E]."""
     if score_function == "softmax":
         scores = torch.softmax(logits, dim=-1)
     else:
@@ -135,9 +143,9 @@ def aux_loss(logits: torch.Tensor, k: int, score_function: str, coeff: float, tp
     idx = torch.topk(scores, k, dim=1).indices
     counts = torch.zeros_like(scores).scatter(1, idx, 1.0).sum(0)
     tokens = logits.shape[0]
-    if tp_group is not None:
-        dist.all_reduce(counts, group=tp_group)
-        tokens *= dist.get_world_size(tp_group)
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+        tokens *= dist.get_world_size(group)
     E = logits.shape[1]
     return (scores.sum(0) * counts).sum() * (E * coeff / (k * tokens * tokens)), counts
 
@@ -232,7 +240,8 @@ class MoELayer(nn.Module):
                  params_dtype):
         super().__init__()
         self.cfg, self.ps, self.layer, self.state = cfg, ps, layer, state
-        self.tp_group = ps.tp_group if sequence_parallel else None
+        self.token_group = ps.tp_cp_group if sequence_parallel else ps.cp_group  # module doc
+        self.split = group_size(self.token_group)
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
         self.router = Router(cfg, ps, init, **kw)
         self.experts = Experts(cfg, ps, init, scaled_init, **kw)
@@ -250,10 +259,9 @@ class MoELayer(nn.Module):
         training = self.training and torch.is_grad_enabled()
         record = training and not _in_backward()
         if training and cfg.moe_z_loss_coeff:
-            tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
-            z = z_loss(logits, cfg.moe_z_loss_coeff / tp)
+            z = z_loss(logits, cfg.moe_z_loss_coeff / self.split)
             if record:
-                state.record(self.layer, z=z * tp / cfg.moe_z_loss_coeff)
+                state.record(self.layer, z=z * self.split / cfg.moe_z_loss_coeff)
             logits = AttachLoss.apply(logits, z * self._token_weight(tokens), state)
         bias = self.router.expert_bias if self.router.use_bias else None
         gates, routing_map = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function,
@@ -264,7 +272,7 @@ class MoELayer(nn.Module):
             gates, routing_map = drop(gates, routing_map, cap, cfg.moe_token_drop_policy)
         if training and cfg.moe_aux_loss_coeff:
             aux, _ = aux_loss(logits, cfg.moe_router_topk, cfg.moe_router_score_function, cfg.moe_aux_loss_coeff,
-                              self.tp_group)
+                              self.token_group)
             if record:
                 state.record(self.layer, aux=aux / cfg.moe_aux_loss_coeff)
             gates = AttachLoss.apply(gates, aux * self._token_weight(tokens), state)
@@ -279,11 +287,11 @@ class MoELayer(nn.Module):
         return y.reshape(shape)
 
     def _token_weight(self, tokens: torch.Tensor) -> float:
-        """1, or under --calculate-per-token-loss the micro-batch's tokens on this DP×CP rank."""
+        """1, or under --calculate-per-token-loss the micro-batch's tokens on this DP rank (this
+        rank's T times the token group's size; Megatron's num_local_tokens · tp_cp size)."""
         if not isinstance(self.state.scale, torch.Tensor):
             return 1.0
-        tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
-        return float(tokens.shape[0] * tp)
+        return float(tokens.shape[0] * self.split)
 
 
 @torch.no_grad()
@@ -325,13 +333,13 @@ def routing_stats(chunks, ps, cfg) -> dict:
             state.stats.clear()
     if ps.world_size > 1:
         watchdog.call("all_reduce of the MoE routing statistics", None, dist.all_reduce, table)
-    tp = ps.tp if ps.tp > 1 else 1  # MoE at TP > 1 runs under SP: each TP rank records its rows' share
+    shares = ps.tp * ps.cp  # MoE at TP > 1 runs under SP: each TP × CP rank records its rows' share
     out = {}
     for layer in range(L):
         routes, aux, z, calls = table[layer, E:].tolist()
         if calls:
             out[layer] = {"tokens": table[layer, :E].tolist(), "routes": routes,
-                          "aux": aux * tp / calls if cfg.moe_aux_loss_coeff else None,  # TP shares add up
+                          "aux": aux * shares / calls if cfg.moe_aux_loss_coeff else None,  # shares add up
                           "z": z / calls if cfg.moe_z_loss_coeff else None}  # each rank's is a mean
     return out
 

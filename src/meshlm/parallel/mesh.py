@@ -66,6 +66,9 @@ class ParallelState:
       cp_group      ranks that split one sequence (context parallel)
       dp_group      ranks that hold the same model shard and average gradients
       dp_cp_group   dp × cp ranks: gradient reduction under context parallelism
+      tp_cp_group   tp × cp ranks: those that split one micro-batch's tokens under SP and CP
+                    (MoE routing counts; Megatron's tp_cp group); the tp or cp group itself
+                    when the other size is 1
       pp_group      the stages of one pipeline
       mp_group      tp × pp ranks of one model replica (gradient-norm reduction)
       embedding_group  first and last stage of a pipeline (tied embeddings), None if PP == 1
@@ -93,6 +96,7 @@ class ParallelState:
     cp_group: Optional[object] = None
     dp_group: Optional[object] = None
     dp_cp_group: Optional[object] = None
+    tp_cp_group: Optional[object] = None
     pp_group: Optional[object] = None
     mp_group: Optional[object] = None
     embedding_group: Optional[object] = None
@@ -137,6 +141,7 @@ class ParallelState:
         cp_g, _ = groups(grid.permute(0, 1, 3, 2).reshape(-1, cp))
         dp_g, dp_ranks = groups(grid.permute(0, 2, 3, 1).reshape(-1, dp))
         dpcp_g, _ = groups(grid.permute(0, 3, 1, 2).reshape(-1, dp * cp))
+        tpcp_g = groups(grid.reshape(-1, cp * tp))[0] if tp > 1 and cp > 1 else (tp_g if cp == 1 else cp_g)
         pp_g, pp_ranks = groups(grid.permute(1, 2, 3, 0).reshape(-1, pp))
         mp_g, _ = groups(grid.permute(1, 2, 0, 3).reshape(-1, pp * tp))
         emb = groups([[r[0], r[-1]] if pp > 1 else [r[0]] for r in grid.permute(1, 2, 3, 0).reshape(-1, pp)])
@@ -148,7 +153,7 @@ class ParallelState:
             else torch.device("cpu")
         return cls(world_size=world, rank=rank, tp=tp, cp=cp, dp=dp, pp=pp, tp_rank=tp_r, cp_rank=cp_r,
                    dp_rank=dp_r, pp_rank=pp_r, device=device, tp_group=tp_g, cp_group=cp_g,
-                   dp_group=dp_g, dp_cp_group=dpcp_g, pp_group=pp_g, mp_group=mp_g,
+                   dp_group=dp_g, dp_cp_group=dpcp_g, tp_cp_group=tpcp_g, pp_group=pp_g, mp_group=mp_g,
                    embedding_group=emb_g, ep=ep, ep_rank=ep_ranks.index(rank), ep_group=ep_g,
                    edp_group=edp_g, pp_ranks=pp_ranks, tp_ranks=tp_ranks, dp_ranks=dp_ranks)
 

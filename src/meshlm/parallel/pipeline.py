@@ -203,7 +203,7 @@ def forward_backward(chunks: list, data_iter: Iterator[dict], *, ps: ParallelSta
     for chunk in chunks:  # MoE aux losses get the LM loss's gradient scale (model/moe.py)
         if hasattr(chunk, "moe_state"):
             chunk.moe_state.scale = loss_scale * ps.dp * ps.cp / run.per_token \
-                if isinstance(run.per_token, torch.Tensor) else loss_scale / num_microbatches
+                if isinstance(run.per_token, torch.Tensor) else loss_scale * ps.cp / num_microbatches
     last_b = max((i for i, s in enumerate(steps) if isinstance(s, Action) and s.kind == "B"), default=-1)
     for i, step in enumerate(steps):
         if isinstance(step, P2P):
