@@ -56,9 +56,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..config import Config, ModelConfig, head_dim, num_microbatches, query_groups, ffn_hidden
+from ..config import Config, ModelConfig, ffn_hidden, head_dim, moe_layer_pattern, num_microbatches, query_groups
 from ..dry_run import stage_params
 from .layout import Layout
+from .moe_cp import moe_mlp_terms, padded
 
 GiB = 2 ** 30
 CONTEXT_BYTES = 0.75 * GiB  # CUDA context, cuBLAS and NCCL workspaces: outside max_memory_allocated
@@ -105,15 +106,19 @@ def layer_terms(m: ModelConfig, b: int, *, tp: int = 1, sp: bool = False, flash:
 
 
 def layer_bytes(m: ModelConfig, b: int, layout: Layout, *, checkpointed: bool = False, flash: bool = True,
-                act_bytes: int = 2) -> float:
+                act_bytes: int = 2, moe: bool = False) -> float:
     """Bytes one layer keeps: all terms; without core attention under selective recompute; only the
     layer input (act_bytes·sbh, /tp under SP) when the layer is checkpointed (full recompute).
-    Under context parallelism each rank holds s/cp of every sequence: every term / cp (the s² term
-    of non-flash attention as its rank's s/cp queries against all s keys)."""
+    moe: an MoE layer, whose MLP keeps ``moe_cp.moe_mlp_terms`` instead of the dense fc1 and
+    activation outputs. Under context parallelism each rank holds s/cp of every sequence: every
+    term / cp (the s² term of non-flash attention as its rank's s/cp queries against all s keys)."""
     if checkpointed:
         return act_bytes * m.seq_length * b * m.hidden_size / (layout.tp if layout.sequence_parallel else 1) \
             / layout.cp
     terms = layer_terms(m, b, tp=layout.tp, sp=layout.sequence_parallel, flash=flash, act_bytes=act_bytes)
+    if moe:
+        del terms["fc1_output"], terms["activation_output"]
+        terms.update(moe_mlp_terms(m, b, layout, act_bytes=act_bytes))
     if layout.recompute.selective:
         terms.pop("core_attention")
     return sum(terms.values()) / layout.cp
@@ -131,6 +136,7 @@ class Memory:
 
     stage: int
     params: int
+    expert_params: int
     weights: float
     grads: float
     optimizer: float
@@ -166,33 +172,40 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
     c = layout.apply(cfg)
     m = c.model
     act = 2 if half else 4
-    params = stage_params(c, vocab)
+    params, experts = stage_params(c, vocab), stage_params(c, vocab, expert=True)
     ranges = stage_layers(c)
     nmb = num_microbatches(c, layout.world)
     b, s, h = layout.micro_batch, m.seq_length, m.hidden_size
     rep = layout.tp if layout.sequence_parallel else 1
-    full_layer = layer_bytes(m, b, layout, flash=flash, act_bytes=act)
+    moe = moe_layer_pattern(m)
+    per_layer = {kind: layer_bytes(m, b, layout, flash=flash, act_bytes=act, moe=kind) for kind in set(moe)}
+    zero, group = layout.distributed_optimizer, layout.dp * layout.cp
     best = None
     for rank in sorted({0, layout.pp - 1}):
-        layers = [n for chunk in ranges[rank::layout.pp] for n in [len(chunk)]]
+        chunks_of_rank = ranges[rank::layout.pp]
         stored = 0.0
-        for n in layers:
-            for start, end, ckpt in layout.recompute.segments(n):
+        for chunk in chunks_of_rank:
+            for start, end, ckpt in layout.recompute.segments(len(chunk)):
                 # a checkpointed group keeps its first layer's input only
                 stored += layer_bytes(m, b, layout, checkpointed=True, act_bytes=act) if ckpt else \
-                    (end - start) * full_layer
+                    sum(per_layer[moe[n]] for n in chunk[start:end])
+        full_layer = max((per_layer[moe[n]] for chunk in chunks_of_rank for n in chunk), default=0.0)
         chunks, share = _in_flight(rank, layout.pp, layout.vp, nmb)
         acts = stored * share * chunks + (full_layer if layout.recompute.granularity == "full" else 0.0)
         loss = 0.0
         if rank == layout.pp - 1:
-            padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, layout.tp)
-            loss = (act * s * b * padded / layout.tp + 2 * act * s * b * h / rep) / layout.cp  # s/cp tokens a rank
-        st = state_bytes(params[rank], half=half, dp=layout.dp, distributed_optimizer=layout.distributed_optimizer,
-                         accounting=accounting)
+            vocab_tp = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, layout.tp)
+            loss = (act * s * b * vocab_tp / layout.tp + 2 * act * s * b * h / rep) / layout.cp  # s/cp tokens a rank
+        # dense params sharded over DP × CP, routed experts over the expert-DP ranks (DP × CP / EP)
+        dense = state_bytes(padded(params[rank] - experts[rank], group, zero), half=half, dp=group,
+                            distributed_optimizer=zero, accounting=accounting)
+        routed = state_bytes(padded(experts[rank], layout.edp, zero) if experts[rank] else 0, half=half,
+                             dp=layout.edp, distributed_optimizer=zero, accounting=accounting)
+        st = {k: dense[k] + routed[k] for k in dense}
         held = nmb > 1 or layout.pp > 1
         peak = st["weights"] + st["optimizer"] + acts + loss + (st["grads"] if held else 0.0)
         peak = max(peak, 2 * st["weights"] + st["optimizer"] + st["grads"])  # the step's weight-sized transient
-        mem = Memory(stage=rank, params=params[rank], weights=st["weights"], grads=st["grads"],
+        mem = Memory(stage=rank, params=params[rank], expert_params=experts[rank], weights=st["weights"], grads=st["grads"],
                      optimizer=st["optimizer"], activations=acts, activations_per_layer=full_layer,
                      in_flight=chunks * share, loss=loss, grads_at_peak=held, peak_bytes=peak,
                      device_bytes=peak * (1 + FRAGMENTATION) + CONTEXT_BYTES)
