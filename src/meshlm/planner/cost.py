@@ -1,10 +1,13 @@
-"""Step-time model of a layout: compute, TP/PP/DP communication, pipeline bubble, optimizer.
+"""Step-time model of a layout: compute, TP/CP/EP/PP/DP communication, pipeline bubble, optimizer.
 
-Per micro-batch, on the slowest pipeline stage (the last one: it also computes the logits):
+Per micro-batch, on the slowest pipeline rank (its model chunks summed; the last one also computes
+the logits):
 
 - GEMMs: the model FLOPs of its layers and logits (``training.metrics.flops_per_iteration``,
-  Narayanan et al. 2021 §5.1, taken as f(L = 1) − f(L = 0) per layer), less attention core, divided
-  by TP × CP, at ``peak × gemm_efficiency(M, K, N)`` — a saturating curve per GEMM dimension,
+  Narayanan et al. 2021 §5.1, taken as f(L = 1) − f(L = 0) per dense layer; an MoE layer's MLP as
+  ``training.metrics.mlp_flops_per_token``, its routed experts at their own GEMM shape: ``moe_cp``),
+  less attention core, divided by TP × CP (CP: each rank has s/CP tokens and, zigzag-balanced, 1/CP
+  of the causal attention work), at ``peak × gemm_efficiency(M, K, N)`` — a saturating curve per GEMM dimension,
   x / (x + GEMM_HALF_DIM), with M the micro-batch's tokens, h, the per-rank attention width a·d/t and
   MLP width f/t. Attention core (12·s²·a·d·b FLOPs a layer, fwd + bwd, the 4·s·a·d-per-token term of
   the same formula) runs at ``peak × attention_efficiency``. Recompute adds forward work: full, one
@@ -16,19 +19,25 @@ Per micro-batch, on the slowest pipeline stage (the last one: it also computes t
   in forward and 2 in backward, each 2(t−1)/t · bytes / NVLink bandwidth; with SP, 4 all-gathers or
   reduce-scatters in forward and 6 in backward (meshlm all-gathers the s/t QKV and FC1 inputs again),
   each (t−1)/t · bytes / bandwidth; full recompute repeats the forward ones. meshlm's TP collectives
-  are blocking, so all of it is on the critical path, plus ``COLLECTIVE_LATENCY_S`` each.
+  are blocking, so all of it is on the critical path, plus ``COLLECTIVE_LATENCY_S`` each. An MoE
+  layer without a shared expert has no MLP collectives (its experts run at TP 1 on the rank's s/t rows).
+- EP all-to-all and CP's K/V exchange (ring, partly hidden behind the blocks' attention, or
+  all-gather): ``moe_cp.ep_seconds`` and ``moe_cp.cp_seconds``, each layer; full recompute repeats
+  their forward part.
 - the main_grad fold after each backward (bf16 grad added into the fp32 buffer, 10 bytes a parameter).
 
 Per step: (m + (p − 1)/v) micro-batch times (the bubble is the (p − 1)/v part: Narayanan et al. 2021
 §2.2, ``schedules.analytic_bubble_fraction`` of the wall time), PP p2p sends of the [s, b, h/t]
 activation (2·(v·m + p − 1) on the critical path, over NVLink or, when a stage boundary crosses a node,
-the inter-node link), the DP reduction of fp32 gradients (ring all-reduce 2(n−1)/n · 4 bytes/param, or
+the inter-node link), the DP reduction of fp32 gradients over n = DP × CP ranks (the routed experts'
+over the DP × CP / EP expert-DP ranks) (ring all-reduce 2(n−1)/n · 4 bytes/param, or
 under ZeRO-1 reduce-scatter (n−1)/n · 4 + all-gather of bf16 params (n−1)/n · 2, over NVLink when the
 DP × TP group fits a node, else the NIC; one ``COLLECTIVE_LATENCY_S`` per bucket of
 ``--ddp-bucket-size`` elements, default max(40M, 1M × DP) as parallel/data.py), of which
 ``--overlap-grad-reduce`` hides what fits in the last micro-batch's backward (never the last bucket; the ZeRO-1 all-gather is counted exposed), and the
 optimizer: ``OPTIMIZER_BYTES_PER_PARAM`` of HBM traffic per parameter (fused AdamW reads grad, master,
-two moments and writes three: 28; the grad norm 4; master → bf16 copy 6), / DP under ZeRO-1.
+two moments and writes three: 28; the grad norm 4; master → bf16 copy 6), / DP × CP under ZeRO-1
+(experts / DP × CP / EP).
 
 Calibration (H200, bench/RESULTS.md 2026-12-01 profile of llama-1b, micro 8, seq 2048): GEMMs 148.3 ms,
 attention 21.7 ms, element-wise 23.1 ms, optimizer and copies ~15 ms of a 211 ms step. The model puts

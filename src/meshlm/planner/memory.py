@@ -4,9 +4,12 @@ Model state (bytes per parameter of the rank's stage, from ``dry_run.stage_param
 
 - ``"meshlm"`` accounting, what meshlm allocates (optim/optimizer.py, parallel/data.py): bf16/fp16
   params 2, fp32 ``main_grad`` 4 (meshlm always accumulates in fp32), fp32 master 4 + Adam moments
-  4 + 4 = 12, or 12/DP under --use-distributed-optimizer (ZeRO-1, Rajbhandari et al. 2020 §5.1); fp32
-  training: 4 + 4 + 8 (no separate master). The grad buffers are padded to 64 × DP per bucket under
-  ZeRO-1 (ignored here: < 0.01%). Gradient memory exists only from the first backward to the next
+  4 + 4 = 12, or under --use-distributed-optimizer (ZeRO-1, Rajbhandari et al. 2020 §5.1) 12/(DP × CP)
+  — the distributed optimizer shards over the DP × CP group — and, for the routed experts (E/EP of
+  them a MoE layer), 12/(DP × CP / EP), the expert-data-parallel group they are reduced and sharded
+  over (``moe_cp``); fp32 training: 4 + 4 + 8 (no separate master). Under ZeRO-1 each buffer
+  (params, grads) is padded to a multiple of 64 × its group (``moe_cp.padded``, exact for one bucket
+  a buffer). Gradient memory exists only from the first backward to the next
   zero_grad, so with one micro-batch and PP = 1 it is not held at the activation peak (start of
   backward) — counted in ``peak_bytes`` only when gradients are held while activations are.
 - ``"classic"`` mixed-precision accounting (Rajbhandari et al. 2020 §3.1; the issue's seed figures):
@@ -31,6 +34,9 @@ scores: the 5as²b term is absent. In its place SDPA keeps for backward its own 
 and the log-sum-exp (4·a·s·b bytes, fp32). Selective recompute drops those two (bench/RESULTS.md,
 2026-12-01: predicted 1.02 GiB for llama-1b, measured −1.01 GiB). ``flash=False`` gives the paper's
 math-attention term instead (Megatron's unfused softmax).
+
+MoE layers keep ``moe_cp.moe_mlp_terms`` (the dispatched routes, the experts' outputs, the
+combine's fp32 copies, routing indices) instead of the dense MLP's fc1 and activation outputs.
 
 Micro-batches in flight: under 1F1B the first stage holds min(m, p) micro-batches of its layers, the
 last stage one; interleaved with v stages the first holds L·(1 + (p−1)/(p·v)) layers' worth (Megatron's

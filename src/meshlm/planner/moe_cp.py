@@ -25,7 +25,8 @@ which MoE needs at TP > 1); R = k·T their routes; E experts of width f_e, EP ra
   (``moe_mlp_terms``, checked against a MoELayer's saved tensors in tests/test_planner_moe_cp.py): the
   dispatched rows act·R·h, the experts' fc1 and activation outputs act·R·f_e·(2 | 1) + act·R·f_e (as
   the dense terms count SwiGLU), the combine's fp32 copies of the expert outputs, 2·4·R·h, the
-  routing indices and gates 32·R bytes, the router's fp32 copy of its input 4·T·h (bf16/fp16 only),
+  routing indices and gates 32·R bytes, the router's fp32 copies of its input and weight 4·(T + E)·h
+  (bf16/fp16 only),
   and a shared expert's fc1 and activation outputs as a dense MLP of width f_s (the aux and z losses
   keep a few more T × E fp32 tensors, left out).
 - Model state: a rank holds E/EP experts per MoE layer (``dry_run.stage_params``); their gradients
@@ -74,7 +75,8 @@ def moe_mlp_terms(m: ModelConfig, b: int, layout, *, act_bytes: int = 2) -> dict
     T = b * m.seq_length / (t if layout.sequence_parallel else 1)
     R, f_e, f_s = m.moe_router_topk * T, moe_ffn(m), m.moe_shared_expert_intermediate_size or 0
     h, gates = m.hidden_size, 2 if m.swiglu else 1
-    return {"router": 32 * R + (4 * T * h if act_bytes < 4 else 0), "dispatched": act_bytes * R * h,
+    wide_copies = 4 * (T + m.num_experts) * h if act_bytes < 4 else 0  # the router's fp32 input and weight
+    return {"router": 32 * R + wide_copies, "dispatched": act_bytes * R * h,
             "expert_fc1": act_bytes * R * f_e * gates, "expert_activation": act_bytes * R * f_e,
             "combine": 2 * 4 * R * h,
             "shared_fc1": act_bytes * b * m.seq_length * f_s * gates / t,
