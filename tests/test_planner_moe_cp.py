@@ -140,7 +140,7 @@ def test_ep_all_to_all_is_four_exchanges_of_the_routes_leaving_the_rank():
     # EP 16 over two nodes: 8 of the 15 other ranks sit on the other node, behind the NIC
     fwd16, _ = ep_seconds(m, b, Layout(dp=16, ep=16), H100, 8, act_bytes=act)
     nic = 8 / 16 * routes * h * act / H100.inter_node_bytes_per_s + COLLECTIVE_LATENCY_S
-    assert fwd16 == pytest.approx(2 * nic + COLLECTIVE_LATENCY_S, rel=1e-12) and fwd16 > 5 * fwd
+    assert fwd16 == pytest.approx(2 * nic + COLLECTIVE_LATENCY_S, rel=1e-12) and fwd16 > 3 * fwd
 
 
 def test_cp_ring_hides_each_hop_behind_a_block_and_exposes_the_fp32_gradient_hops():

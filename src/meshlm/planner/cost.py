@@ -151,7 +151,7 @@ def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: b
         + expert_s
     attn_layer_s = attention / split / (gpu.peak_flops * gpu.attention_efficiency)
     attn_s = attn_layer_s * layers
-    stored = [layer_bytes(m, b, replace(layout, recompute=NONE), act_bytes=act, moe=kind) for kind in (False, True)]
+    stored = {kind: layer_bytes(m, b, replace(layout, recompute=NONE), act_bytes=act, moe=kind) for kind in set(moe)}
     elem_s = ELEMENTWISE_PASSES * (sum(stored[k] for k in moe) + (act * s * b * padded / t if logits else 0.0)) \
         / gpu.hbm_bytes_per_s
     r = layout.recompute
