@@ -134,8 +134,9 @@ def layer_bytes(m: ModelConfig, b: int, layout: Layout, *, checkpointed: bool = 
 class Memory:
     """Bytes on the rank that needs the most: its stage, model state and activations by category.
 
-    activations = in-flight micro-batches × the stage's stored layer activations (+ one layer rebuilt
-    under full recompute); loss = the last stage's logits, their gradient and the output layer's
+    params: its parameters, of which expert_params are its routed experts' (sharded over DP × CP / EP);
+    activations = in-flight micro-batches × the stage's stored layer activations (+ its largest layer,
+    activations_per_layer, rebuilt under full recompute); loss = the last stage's logits, their gradient and the output layer's
     inputs; peak_bytes = what torch.cuda.max_memory_allocated reports (grads only when held at the
     activation peak); device_bytes = peak + CUDA context + allocator fragmentation.
     """
@@ -211,8 +212,8 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
         held = nmb > 1 or layout.pp > 1
         peak = st["weights"] + st["optimizer"] + acts + loss + (st["grads"] if held else 0.0)
         peak = max(peak, 2 * st["weights"] + st["optimizer"] + st["grads"])  # the step's weight-sized transient
-        mem = Memory(stage=rank, params=params[rank], expert_params=experts[rank], weights=st["weights"], grads=st["grads"],
-                     optimizer=st["optimizer"], activations=acts, activations_per_layer=full_layer,
+        mem = Memory(stage=rank, params=params[rank], expert_params=experts[rank], weights=st["weights"],
+                     grads=st["grads"], optimizer=st["optimizer"], activations=acts, activations_per_layer=full_layer,
                      in_flight=chunks * share, loss=loss, grads_at_peak=held, peak_bytes=peak,
                      device_bytes=peak * (1 + FRAGMENTATION) + CONTEXT_BYTES)
         if best is None or mem.peak_bytes > best.peak_bytes:

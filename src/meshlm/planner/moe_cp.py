@@ -8,15 +8,17 @@ which MoE needs at TP > 1); R = k·T their routes; E experts of width f_e, EP ra
   expert, 2·h·(k·f_e + f_s)·(2 GeLU | 3 SwiGLU) (``training.metrics.mlp_flops_per_token``); backward
   2× forward. This is Megatron-LM's ``num_floating_point_operations`` (``moe_layer_flops``: the
   ``moe_router_topk`` experts routed to and the shared expert; it leaves out the router) and the
-  "active parameters" count of Jiang et al. 2024, "Mixtral of Experts" §2 (2 of 8 experts a token,
-  13B of 47B). EP does not divide it: each rank computes the routes sent to its E/EP experts, as many
-  as its own T tokens send out when routing is balanced, which the planner assumes (the aux loss or
-  the expert bias keep it near; a hot expert's rank gets more). The expert GEMMs run at TP 1 on
-  R·EP/E rows per local expert, which sets their efficiency (``expert_rows``).
-- All-to-all (GShard, Lepikhin et al. 2020 §3.2; Switch Transformer, Fedus et al. 2021 §2.2 and
-  Fig. 3): per MoE layer and micro-batch, dispatch and combine in forward and their gradients in
-  backward, 4 all-to-alls; in each a rank sends R·h·bytes·(EP − 1)/EP (the R/EP routes of each other
-  EP rank), plus one counts exchange (latency only) in forward. meshlm's all-to-all blocks
+  "active parameters" count of Jiang et al. 2024, "Mixtral of Experts", arXiv 2401.04088 (2 of 8
+  experts a token: 13B of 47B parameters). EP does not divide it: each rank computes the routes sent
+  to its E/EP experts, as many as its own T tokens send out when routing is balanced, which the
+  planner assumes (the aux loss or the expert bias keep it near; a hot expert's rank gets more). The
+  expert GEMMs run at TP 1 on R·EP/E rows per local expert, which sets their efficiency
+  (``expert_rows``).
+- All-to-all (GShard, Lepikhin et al. 2020, arXiv 2006.16668: AllToAll dispatch and combine; Switch
+  Transformer, Fedus et al. 2021, arXiv 2101.03961): per MoE layer and micro-batch, dispatch and
+  combine in forward and their gradients in backward, 4 all-to-alls; in each a rank sends
+  R·h·bytes·(EP − 1)/EP (the R/EP routes of each other EP rank), plus one counts exchange (latency
+  only) in forward. meshlm's all-to-all blocks
   (experts.py), so all of it is exposed; full recompute repeats the forward ones. The EP group's
   ranks are TP apart inside the DP × CP ranks: min(EP, GPUs per node / TP) of them share a node and
   exchange over NVLink while the others use the NIC, at once: max(NVLink bytes / its bandwidth,
@@ -26,9 +28,9 @@ which MoE needs at TP > 1); R = k·T their routes; E experts of width f_e, EP ra
   dispatched rows act·R·h, the experts' fc1 and activation outputs act·R·f_e·(2 | 1) + act·R·f_e (as
   the dense terms count SwiGLU), the combine's fp32 copies of the expert outputs, 2·4·R·h, the
   routing indices and gates 32·R bytes, the router's fp32 copies of its input and weight 4·(T + E)·h
-  (bf16/fp16 only),
-  and a shared expert's fc1 and activation outputs as a dense MLP of width f_s (the aux and z losses
-  keep a few more T × E fp32 tensors, left out).
+  (bf16/fp16 only), and a shared expert's fc1 and activation outputs as a dense MLP of width f_s (the
+  aux and z losses keep a few more T × E fp32 tensors, left out; so is the per-layer transient of
+  the exchange buffers, freed before the next layer).
 - Model state: a rank holds E/EP experts per MoE layer (``dry_run.stage_params``); their gradients
   are reduced over, and under ZeRO-1 their optimizer state sharded over, the expert-data-parallel
   group of DP × CP / EP ranks (parallel/data.py, optim/distributed.py), the rest over DP × CP.
@@ -40,7 +42,7 @@ query-key pairs (c = s/2CP) of the s²/2 in all, without masked blocks. K/V of t
 are kv = 2·b·(s/CP)·(g/TP)·d·act bytes a layer (g query groups of head dim d).
 
 - ``--cp-comm-type p2p`` (ring; Liu et al. 2023, "Ring Attention with Blockwise Transformers",
-  arXiv 2310.01889 §3; Megatron-Core's context_parallel feature docs): forward, kv passed on CP − 1
+  arXiv 2310.01889; Megatron-Core's context_parallel feature docs): forward, kv passed on CP − 1
   times, each hop overlapped with the attention of the block already held (1/CP of the layer's
   attention forward): exposed max(0, hop − block) a hop. Backward, as meshlm's ring does it: kv
   passed CP − 1 times again, overlapped with each block's backward (twice its forward), and the
@@ -48,7 +50,9 @@ are kv = 2·b·(s/CP)·(g/TP)·d·act bytes a layer (g query groups of head dim 
   waits for it before the next block).
 - ``all_gather`` (Llama 3, arXiv 2407.21783 §3.3.2): forward all-gathers every rank's kv, backward
   gathers it again and reduce-scatters dK/dV (fp32 at bf16); blocking, all exposed.
-- The CP group's ranks are TP apart: NVLink when TP × CP fits a node, else the NIC.
+- The CP group's ranks are TP apart: NVLink when TP × CP fits a node, else the NIC. The ring's
+  spare K/V buffer and the all-gather's full-sequence K/V (one layer at a time) are left out of
+  memory.
 """
 
 from __future__ import annotations
