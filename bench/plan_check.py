@@ -64,7 +64,8 @@ def predict(flags: list, vocab: int) -> dict:
     cfg = config_from_args(parser.parse_args(flags + COMMON))
     lay = Layout.of(cfg, 1)
     mem = estimate(cfg, lay, vocab)
-    t = step_time(cfg, lay, PRESETS["H200-141GB"], vocab, gpus_per_node=1, params_per_rank=mem.params)
+    t = step_time(cfg, lay, PRESETS["H200-141GB"], vocab, gpus_per_node=1, params_per_rank=mem.params,
+                  expert_params_per_rank=mem.expert_params)
     return {"peak_gib": mem.peak_bytes / GiB, "step_ms": 1000 * t.total, "activations_gib": mem.activations / GiB,
             "state_gib": (mem.weights + mem.optimizer + (mem.grads if mem.grads_at_peak else 0)) / GiB}
 

@@ -8,6 +8,8 @@ activations per layer and in flight, logits), the same figures `meshlm plan` pri
 
 from __future__ import annotations
 
+from typing import Optional
+
 from .config import (Config, batch_schedule, dp_size, ffn_hidden, global_batch, head_dim, max_positions,
                      moe_ffn, moe_layer_pattern, num_microbatches, padded_vocab_size, query_groups,
                      run_iterations)
@@ -28,8 +30,12 @@ def vocab_of(cfg: Config) -> tuple:
     return 32000, "assumed: the tokenizer is not known yet"
 
 
-def stage_params(cfg: Config, vocab: int) -> list:
-    """Parameters held by one TP rank of each pipeline stage (TP-split weights / TP, the rest whole)."""
+def stage_params(cfg: Config, vocab: int, *, expert: Optional[bool] = None) -> list:
+    """Parameters held by one TP rank of each pipeline stage (TP-split weights / TP, the rest whole).
+
+    expert: None, every parameter; True, only this EP rank's routed experts (E/EP expert MLPs per
+    MoE layer: the params reduced over, and under ZeRO-1 sharded over, the expert-data-parallel
+    group); False, all but those."""
     from .parallel.pipeline import stage_layers
     m, p = cfg.model, cfg.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
@@ -45,18 +51,21 @@ def stage_params(cfg: Config, vocab: int) -> list:
             / split_over + h * bias
     # an MoE layer's MLP (model/moe.py): the router [E, h], this EP rank's E/EP experts (TP = 1 each)
     # and the shared expert (TP-split), instead of the dense MLP
-    moe_layer = layer - mlp(ffn, tp) + (
-        m.num_experts * h + m.num_experts // max(1, p.expert_model_parallel_size) * mlp(moe_ffn(m), 1)
-        + (mlp(m.moe_shared_expert_intermediate_size, tp) if m.moe_shared_expert_intermediate_size else 0)
+    experts = m.num_experts // max(1, p.expert_model_parallel_size) * mlp(moe_ffn(m), 1) if m.num_experts else 0
+    moe_layer = layer - mlp(ffn, tp) + m.num_experts * h + experts + (
+        mlp(m.moe_shared_expert_intermediate_size, tp) if m.moe_shared_expert_intermediate_size else 0
     ) if m.num_experts else layer
     moe = moe_layer_pattern(m)
-    embedding = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, tp) * h / tp
     stages = stage_layers(cfg)  # stage s = chunk · PP + rank
-    params = [sum(moe_layer if moe[n] else layer for s in range(r, len(stages), pp) for n in stages[s])
-              for r in range(pp)]
+    layers = [[n for s in range(r, len(stages), pp) for n in stages[s]] for r in range(pp)]
+    routed = [sum(experts for n in mine if moe[n]) for mine in layers]
+    if expert:
+        return [int(x) for x in routed]
+    params = [sum(moe_layer if moe[n] else layer for n in mine) for mine in layers]
+    embedding = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, tp) * h / tp
     params[0] += embedding + (max_positions(m) * h if m.position_embedding_type == "learned_absolute" else 0)
     params[-1] += norm + (embedding if m.untie_embeddings_and_output_weights or pp > 1 else 0)
-    return [int(x) for x in params]
+    return [int(x - (r if expert is False else 0)) for x, r in zip(params, routed)]
 
 
 def run_lines(cfg: Config, world: int) -> list:

@@ -27,7 +27,8 @@ Every blocking collective here is bracketed by ``watchdog.enter``/``leave`` (han
 
 Exposed time (what metrics.jsonl's ``comm_s`` reports): these collectives run inline, so the
 step waits for all of their time. Between ``start_timing()`` and ``stop_timing()`` (the trainer's
-log iterations only) each one is timed under its kind ("tp" here; parallel/p2p.py times "pp"):
+log iterations only) each one is timed under its kind ("tp" here, "cp" for context parallelism's
+K/V, parallel/context.py; parallel/p2p.py times "pp", parallel/experts.py "ep"):
 wall time on CPU; on CUDA two events on the compute stream around it, read after the step's one
 host sync, so no extra sync. Off, a collective pays one global check. Collectives traced by
 torch.compile (the compiled layers of the CUDA fast path) are not timed: the check reads
@@ -151,8 +152,9 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
-def all_gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """Concatenate every rank's t along dim (rank order): [.., n, ..] → [.., p·n, ..]."""
+def all_gather(t: torch.Tensor, group, dim: int, kind: str = "tp") -> torch.Tensor:
+    """Concatenate every rank's t along dim (rank order): [.., n, ..] → [.., p·n, ..]; timed under
+    ``kind`` ("cp" for context parallelism's K/V)."""
     size = group_size(group)
     if size == 1:
         return t
@@ -170,12 +172,13 @@ def all_gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
             out = torch.cat(parts)
     finally:
         watchdog.leave()
-    end_timed("tp", start, t.device)
+    end_timed(kind, start, t.device)
     return out.movedim(0, dim)
 
 
-def reduce_scatter(t: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """Sum t over group and keep this rank's 1/p slice along dim: [.., p·n, ..] → [.., n, ..]."""
+def reduce_scatter(t: torch.Tensor, group, dim: int, kind: str = "tp") -> torch.Tensor:
+    """Sum t over group and keep this rank's 1/p slice along dim: [.., p·n, ..] → [.., n, ..];
+    timed under ``kind``."""
     size = group_size(group)
     if size == 1:
         return t
@@ -193,7 +196,7 @@ def reduce_scatter(t: torch.Tensor, group, dim: int) -> torch.Tensor:
             out = t.chunk(size)[group_rank(group)].contiguous()
     finally:
         watchdog.leave()
-    end_timed("tp", start, t.device)
+    end_timed(kind, start, t.device)
     return out.movedim(0, dim)
 
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..dtypes import HALF, wide
-from . import comm
+from . import comm, watchdog
 
 COMM_TYPES = ("p2p", "all_gather")
 
@@ -302,9 +302,17 @@ def _exchange(t: torch.Tensor, group, ranks: list, r: int):
     return buf, dist.batch_isend_irecv(ops)
 
 
-def _wait(reqs):
-    for req in reqs:
-        req.wait()
+def _wait(reqs, group, ranks: list, r: int, device):
+    """Wait for a ring exchange, watched (the two neighbours) and timed as "cp"."""
+    p = len(ranks)
+    watchdog.enter("cp ring K/V exchange", group, tuple(dict.fromkeys((ranks[(r + 1) % p], ranks[(r - 1) % p]))))
+    start = comm.begin_timed(device)
+    try:
+        for req in reqs:
+            req.wait()
+    finally:
+        watchdog.leave()
+    comm.end_timed("cp", start, device)
 
 
 class _Ring(torch.autograd.Function):
@@ -323,7 +331,7 @@ class _Ring(torch.autograd.Function):
             _Pieces(_ring_pieces(r, src, c), pos[r], pos[src], docs, ctx.states).forward(
                 q, kv[0], kv[1], acc_out, acc_lse)
             if i < p - 1:
-                _wait(reqs)
+                _wait(reqs, group, ranks, r, q.device)
                 kv = incoming
         out = acc_out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc_lse, docs)
@@ -347,7 +355,7 @@ class _Ring(torch.autograd.Function):
             _Pieces(_ring_pieces(r, src, c), pos[r], pos[src], docs, ctx.states).backward(
                 dout, q, kv[0], kv[1], out, lse, dq, dkv)
             dkv, dreqs = _exchange(dkv, group, ranks, r)  # after CP hops back at its owner
-            _wait(dreqs + (reqs if i < p - 1 else []))
+            _wait(dreqs + (reqs if i < p - 1 else []), group, ranks, r, q.device)
             if i < p - 1:
                 kv = incoming
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
@@ -366,7 +374,7 @@ def _natural_order(cp: int) -> torch.Tensor:
 
 def _gather_kv(k, v, group, cp):
     """K/V of every rank, [2, b, g, s, d] in sequence order."""
-    kv = comm.all_gather(torch.stack([k, v]), group, dim=3)
+    kv = comm.all_gather(torch.stack([k, v]), group, dim=3, kind="cp")
     two, b, g, s, d = kv.shape
     order = _natural_order(cp).to(kv.device)
     return kv.view(two, b, g, 2 * cp, s // (2 * cp), d)[:, :, :, order].reshape(two, b, g, s, d)
@@ -398,7 +406,7 @@ class _AllGather(torch.autograd.Function):
         two, b, g, s, d = dkv.shape
         inverse = torch.argsort(_natural_order(p)).to(dkv.device)
         dkv = dkv.view(two, b, g, 2 * p, s // (2 * p), d)[:, :, :, inverse].reshape(two, b, g, s, d)
-        dkv = comm.reduce_scatter(dkv, group, dim=3)
+        dkv = comm.reduce_scatter(dkv, group, dim=3, kind="cp")
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 

@@ -12,7 +12,9 @@
   5. the inverse regrouping, the reverse all-to-all, and the gate-weighted sum of each token's k
      results in token order (index_add).
 EP rank r holds experts [r·E/EP, (r+1)·E/EP); the EP group is ParallelState.ep_group (None at
-EP = 1: steps 2–3 and 5's exchange vanish). Every token's result is the same function of the
+EP = 1: steps 2–3 and 5's exchange vanish). Every exchange (forward and backward) is watched
+(``watchdog``: a hang names it) and, on the trainer's log iterations, timed under the kind "ep"
+(metrics.jsonl's ``comm_s``; parallel/comm.py's exposed-time timing). Every token's result is the same function of the
 token as on one process: the layout changes where a row is computed, never its arithmetic.
 """
 
@@ -21,7 +23,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm import group_size
+from . import watchdog
+from .comm import begin_timed, end_timed, group_size
+
+
+def _exchange(name: str, out: torch.Tensor, x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+    """dist.all_to_all_single(out, x, ...) over the EP group, watched and timed as "ep"."""
+    watchdog.enter(name, group)
+    start = begin_timed(x.device)
+    try:
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    finally:
+        watchdog.leave()
+    end_timed("ep", start, x.device)
+    return out
 
 
 class _AllToAll(torch.autograd.Function):
@@ -31,14 +46,13 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+        return _exchange("all_to_all of the MoE tokens", out, x.contiguous(), out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, dy):
         out_splits, in_splits = ctx.splits
         dx = dy.new_empty((sum(in_splits),) + tuple(dy.shape[1:]))
-        dist.all_to_all_single(dx, dy.contiguous(), in_splits, out_splits, group=ctx.group)
+        _exchange("all_to_all of the MoE token gradients", dx, dy.contiguous(), in_splits, out_splits, ctx.group)
         return dx, None, None, None
 
 
@@ -73,8 +87,8 @@ def dispatch_combine(tokens: torch.Tensor, gates: torch.Tensor, routing_map: tor
     if ep == 1:
         y = experts(rows, counts)
     else:
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=group)
+        received = _exchange("all_to_all of the MoE token counts", torch.empty_like(counts), counts, None, None,
+                             group)
         sent_list, recv_list = counts.tolist(), received.tolist()  # the one host read of the exchange
         send = [sum(sent_list[r * local:(r + 1) * local]) for r in range(ep)]
         recv = [sum(recv_list[r * local:(r + 1) * local]) for r in range(ep)]

@@ -232,5 +232,6 @@ def start(ps, timeout_minutes: float, heartbeat_s: float = 0.0, log_path: Option
     """Start this rank's Watchdog for the groups of ParallelState ``ps`` (None without a process group)."""
     if not dist.is_initialized():
         return None
-    groups = {kind: getattr(ps, f"{kind}_group") for kind in ("tp", "cp", "dp", "dp_cp", "pp", "mp", "embedding")}
+    groups = {kind: getattr(ps, f"{kind}_group") for kind in ("tp", "cp", "dp", "dp_cp", "pp", "mp", "embedding",
+                                                                 "ep", "edp")}
     return Watchdog(ps.rank, groups, timeout_seconds(timeout_minutes), heartbeat_s, log_path).start()

@@ -3,7 +3,9 @@ dominant cost and the meshlm flags that address each finding.
 
 Inputs (training/metrics.py writes them on every logged iteration): ``comm_share`` (exposed
 communication by kind, a share of the iteration: "dp" the wait for the gradient reduction after
-backward, "tp" the inline TP/SP collectives, "pp" the time blocked in pipeline p2p waits),
+backward, "tp" the inline TP/SP collectives, "cp" context parallelism's K/V exchange (ring waits,
+or its all-gather and reduce-scatter), "ep" the MoE expert-parallel all-to-alls (tokens, their
+gradients and the counts), "pp" the time blocked in pipeline p2p waits),
 ``bubble_fraction`` and ``pipeline_timeline`` (F/B events per stage) under PP > 1,
 ``tokens_per_sec``, ``lm_loss``, ``nan_iters``, ``mem_max_allocated_gb`` / ``mem_total_gb`` and,
 where the trainer records them, ``rank_iter_s`` and ``loss_spike``. ``rank_iter_s`` is each rank's
@@ -53,10 +55,10 @@ THROUGHPUT_DROP = 0.25  # last-window tokens/s below the first window's by this 
 SPIKE_RATIO, SPIKE_NATS = 1.2, 0.3  # loss over the median of the previous records by both
 
 KIND_NAMES = {"dp": "DP gradient reduction", "tp": "TP/SP collectives", "pp": "PP p2p waits",
-              "cp": "CP collectives", "bubble": "pipeline bubble"}
+              "cp": "CP K/V exchange", "ep": "EP all-to-all", "bubble": "pipeline bubble"}
 
 Predictor = Callable[[Optional[dict], dict], Optional[float]]
-SPEED_KINDS = ("dp", "tp", "pp", "cp", "bubble", "imbalance")  # findings whose fixes are about step time
+SPEED_KINDS = ("dp", "tp", "pp", "cp", "ep", "bubble", "imbalance")  # findings whose fixes are about step time
 
 
 @dataclasses.dataclass
@@ -70,7 +72,7 @@ class Fix:
 
 @dataclasses.dataclass
 class Finding:
-    """kind: dp, tp, pp, cp, bubble, imbalance, memory, throughput, loss_spike, nan, straggler.
+    """kind: dp, tp, pp, cp, ep, bubble, imbalance, memory, throughput, loss_spike, nan, straggler.
     severity: "warn" (costs time or risks the run), "info" (worth knowing), "ok"."""
 
     kind: str
@@ -164,7 +166,7 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
     steady = records[1:] if len(records) >= 3 else records
     flags = _Flags(config)
     breakdown = {}
-    for kind in ("dp", "tp", "cp", "pp"):
+    for kind in ("dp", "tp", "cp", "ep", "pp"):
         values = [r["comm_share"][kind] for r in steady if kind in (r.get("comm_share") or {})]
         if values:
             breakdown[kind] = statistics.median(values)
@@ -199,6 +201,8 @@ class _Flags:
         c = config or {}
         p, t, m = c.get("parallel", {}), c.get("training", {}), c.get("model", {})
         self.tp, self.pp = p.get("tensor_model_parallel_size"), p.get("pipeline_model_parallel_size")
+        self.cp, self.ep = p.get("context_parallel_size"), p.get("expert_model_parallel_size")
+        self.cp_comm, self.groups = m.get("cp_comm_type"), m.get("num_query_groups")
         self.overlap, self.bucket = p.get("overlap_grad_reduce"), p.get("ddp_bucket_size")
         self.zero = p.get("use_distributed_optimizer")
         self.micro, self.global_batch = t.get("micro_batch_size"), t.get("global_batch_size")
@@ -226,8 +230,22 @@ def _comm(kind: str, share: float, f: _Flags) -> Optional[Finding]:
                          "more gradient accumulation: the same reduction per step over twice the compute"))
         fixes.append(Fix(f.times(f.micro, 2, "--micro-batch-size"),
                          "a larger micro-batch: more compute per reduction (if memory allows)"))
-    elif kind in ("tp", "cp"):
-        size = f.tp if kind == "tp" else None
+    elif kind == "ep":
+        if f.ep and f.ep > 1:
+            fixes.append(Fix({"--expert-model-parallel-size": str(f.ep // 2)},
+                             "fewer expert-parallel ranks: each token's routes cross to fewer other GPUs"))
+        fixes.append(Fix({}, "keep each EP group inside one node (EP × TP ≤ GPUs per node): its all-to-alls then "
+                             "use NVLink, not the inter-node network"))
+    elif kind == "cp":
+        if f.cp_comm != "all_gather":
+            fixes.append(Fix({"--cp-comm-type": "all_gather"}, "gather K/V once instead of passing it round the "
+                             "ring" + (" (cheap with GQA: few K/V heads)" if f.groups else "")))
+        if f.cp and f.cp > 1:
+            fixes.append(Fix({"--context-parallel-size": str(f.cp // 2)},
+                             "fewer CP ranks: larger blocks per ring step hide more of each K/V hop"))
+        fixes.append(Fix({}, "keep each CP group inside one node (CP × TP ≤ GPUs per node)"))
+    elif kind == "tp":
+        size = f.tp
         fixes.append(Fix({"--tensor-model-parallel-size": str(size // 2) if size and size > 1 else "smaller",
                           "--pipeline-model-parallel-size": str(2 * f.pp) if f.pp else "larger"},
                          "less TP, more PP: fewer collectives per layer for the same memory per GPU"))

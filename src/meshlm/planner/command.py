@@ -44,7 +44,8 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     """Run `meshlm plan` with parsed args; config_and_source is cli._config_and_source."""
     from ..dry_run import vocab_of
     from .memory import estimate
-    from .search import evaluate, layout_problems, search
+    from ..config import moe_layer_pattern
+    from .search import LONG_SEQUENCE, evaluate, layout_problems, search
     from .lint import lint
     cluster = [f"{flag} {value}: give {what}" for flag, value, ok, what in (
         ("--num-gpus", args.num_gpus, args.num_gpus is None or args.num_gpus >= 1, "the job's GPU count (1 or more)"),
@@ -104,8 +105,9 @@ def run(args: argparse.Namespace, config_and_source) -> int:
               f"{'held' if mem.grads_at_peak else 'not yet allocated'} at the activation peak); device "
               f"{mem.device_bytes / GiB:.2f} GiB of {gpu.memory_bytes / GiB:.1f}")
         print(f"  activations: {mem.activations_per_layer / GiB:.3f} GiB a layer × {mem.in_flight:g} in flight")
+        moe_cp = (f"EP {t.ep_comm:.3f}, " if mine.ep > 1 else "") + (f"CP {t.cp_comm:.3f}, " if mine.cp > 1 else "")
         print(f"  step {t.total:.3f} s: compute {t.compute:.3f} (recompute {t.recompute:.3f}), TP {t.tp_comm:.3f}, "
-              f"bubble {t.bubble:.3f}, PP p2p {t.pp_p2p:.3f}, DP exposed {t.dp_exposed:.3f} of {t.dp_comm:.3f}, "
+              f"{moe_cp}bubble {t.bubble:.3f}, PP p2p {t.pp_p2p:.3f}, DP exposed {t.dp_exposed:.3f} of {t.dp_comm:.3f}, "
               f"optimizer {t.optimizer:.3f}; {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.3f}; largest cost: {t.bottleneck}")
     print(f"feasible layouts: {len(fits)}, fastest first (memory per GPU incl. CUDA context; step s):")
     print(f"{'rank':>4} {'layout':<26} {'micro':>5} {'recompute':<18} {'ZeRO':>4} {'GiB':>8} {'step s':>9} "
@@ -117,5 +119,9 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     print(f"excluded ({len(excluded)}):")
     for e in excluded:
         print(f"  {e['layout']}: {e['reason']}")
-    print("  CP > 1: not searched (give --context-parallel-size C to plan your own CP layout above)")
+    if any(moe_layer_pattern(cfg.model)):
+        print("  CP > 1: not searched for an MoE model (meshlm does not run MoE with CP yet)")
+    elif cfg.model.seq_length < LONG_SEQUENCE:
+        print(f"  CP > 1: not searched below a {LONG_SEQUENCE}-token sequence (give --context-parallel-size C "
+              f"to plan your own CP layout above)")
     return 0

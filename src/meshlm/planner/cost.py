@@ -1,10 +1,13 @@
-"""Step-time model of a layout: compute, TP/PP/DP communication, pipeline bubble, optimizer.
+"""Step-time model of a layout: compute, TP/CP/EP/PP/DP communication, pipeline bubble, optimizer.
 
-Per micro-batch, on the slowest pipeline stage (the last one: it also computes the logits):
+Per micro-batch, on the slowest pipeline rank (its model chunks summed; the last one also computes
+the logits):
 
 - GEMMs: the model FLOPs of its layers and logits (``training.metrics.flops_per_iteration``,
-  Narayanan et al. 2021 §5.1, taken as f(L = 1) − f(L = 0) per layer), less attention core, divided
-  by TP × CP, at ``peak × gemm_efficiency(M, K, N)`` — a saturating curve per GEMM dimension,
+  Narayanan et al. 2021 §5.1, taken as f(L = 1) − f(L = 0) per dense layer; an MoE layer's MLP as
+  ``training.metrics.mlp_flops_per_token``, its routed experts at their own GEMM shape: ``moe_cp``),
+  less attention core, divided by TP × CP (CP: each rank has s/CP tokens and, zigzag-balanced, 1/CP
+  of the causal attention work), at ``peak × gemm_efficiency(M, K, N)`` — a saturating curve per GEMM dimension,
   x / (x + GEMM_HALF_DIM), with M the micro-batch's tokens, h, the per-rank attention width a·d/t and
   MLP width f/t. Attention core (12·s²·a·d·b FLOPs a layer, fwd + bwd, the 4·s·a·d-per-token term of
   the same formula) runs at ``peak × attention_efficiency``. Recompute adds forward work: full, one
@@ -16,19 +19,25 @@ Per micro-batch, on the slowest pipeline stage (the last one: it also computes t
   in forward and 2 in backward, each 2(t−1)/t · bytes / NVLink bandwidth; with SP, 4 all-gathers or
   reduce-scatters in forward and 6 in backward (meshlm all-gathers the s/t QKV and FC1 inputs again),
   each (t−1)/t · bytes / bandwidth; full recompute repeats the forward ones. meshlm's TP collectives
-  are blocking, so all of it is on the critical path, plus ``COLLECTIVE_LATENCY_S`` each.
+  are blocking, so all of it is on the critical path, plus ``COLLECTIVE_LATENCY_S`` each. An MoE
+  layer without a shared expert has no MLP collectives (its experts run at TP 1 on the rank's s/t rows).
+- EP all-to-all and CP's K/V exchange (ring, partly hidden behind the blocks' attention, or
+  all-gather): ``moe_cp.ep_seconds`` and ``moe_cp.cp_seconds``, each layer; full recompute repeats
+  their forward part.
 - the main_grad fold after each backward (bf16 grad added into the fp32 buffer, 10 bytes a parameter).
 
 Per step: (m + (p − 1)/v) micro-batch times (the bubble is the (p − 1)/v part: Narayanan et al. 2021
 §2.2, ``schedules.analytic_bubble_fraction`` of the wall time), PP p2p sends of the [s, b, h/t]
 activation (2·(v·m + p − 1) on the critical path, over NVLink or, when a stage boundary crosses a node,
-the inter-node link), the DP reduction of fp32 gradients (ring all-reduce 2(n−1)/n · 4 bytes/param, or
+the inter-node link), the DP reduction of fp32 gradients over n = DP × CP ranks (the routed experts'
+over the DP × CP / EP expert-DP ranks) (ring all-reduce 2(n−1)/n · 4 bytes/param, or
 under ZeRO-1 reduce-scatter (n−1)/n · 4 + all-gather of bf16 params (n−1)/n · 2, over NVLink when the
 DP × TP group fits a node, else the NIC; one ``COLLECTIVE_LATENCY_S`` per bucket of
 ``--ddp-bucket-size`` elements, default max(40M, 1M × DP) as parallel/data.py), of which
 ``--overlap-grad-reduce`` hides what fits in the last micro-batch's backward (never the last bucket; the ZeRO-1 all-gather is counted exposed), and the
 optimizer: ``OPTIMIZER_BYTES_PER_PARAM`` of HBM traffic per parameter (fused AdamW reads grad, master,
-two moments and writes three: 28; the grad norm 4; master → bf16 copy 6), / DP under ZeRO-1.
+two moments and writes three: 28; the grad norm 4; master → bf16 copy 6), / DP × CP under ZeRO-1
+(experts / DP × CP / EP).
 
 Calibration (H200, bench/RESULTS.md 2026-12-01 profile of llama-1b, micro 8, seq 2048): GEMMs 148.3 ms,
 attention 21.7 ms, element-wise 23.1 ms, optimizer and copies ~15 ms of a 211 ms step. The model puts
@@ -41,18 +50,21 @@ import copy
 import math
 from dataclasses import asdict, dataclass
 
-from ..config import Config, global_batch, head_dim, num_microbatches, padded_vocab_size, ffn_hidden
+from dataclasses import replace
+
+from ..config import (Config, ffn_hidden, global_batch, head_dim, moe_ffn, moe_layer_pattern, num_microbatches,
+                      padded_vocab_size)
 from ..parallel.schedules import analytic_bubble_fraction
-from ..training.metrics import flops_per_iteration
-from .gpus import GPU
-from .layout import Layout
-from .memory import layer_terms
+from ..training.metrics import flops_per_iteration, mlp_flops_per_token
+from .gpus import COLLECTIVE_LATENCY_S, GPU
+from .layout import NONE, Layout
+from .memory import layer_bytes
+from .moe_cp import cp_link, cp_seconds, ep_seconds, expert_rows
 
 GEMM_HALF_DIM = 64  # a GEMM dimension of x reaches x / (x + 64) of the large-GEMM efficiency
 ELEMENTWISE_PASSES = 4  # HBM bytes moved by element-wise kernels per byte stored for backward
 OPTIMIZER_BYTES_PER_PARAM = 38
 FOLD_BYTES_PER_PARAM = 10
-COLLECTIVE_LATENCY_S = 20e-6
 STEP_OVERHEAD_S = 0.0
 
 
@@ -69,16 +81,20 @@ class StepTime:
     """Seconds of one optimizer step on the slowest rank, by component, and what follows from them.
 
     compute: GEMMs, attention and element-wise work of every micro-batch (recompute included);
-    recompute: the part of compute that recomputation adds; tp_comm: TP/SP collectives; bubble:
-    pipeline fill and drain; pp_p2p: activation sends between stages; dp_comm: the whole DP reduction;
-    dp_exposed: the part of it not hidden behind backward; optimizer: the update and the main_grad
-    folds; total; tokens_per_s of the job; mfu (model FLOPs, no recompute, over world × peak);
-    bottleneck: the largest cost besides useful compute, named with its cause.
+    recompute: the part of compute that recomputation adds; tp_comm: TP/SP collectives; ep_comm: MoE
+    expert-parallel all-to-alls; cp_comm: the exposed part of CP's K/V exchange; bubble: pipeline
+    fill and drain; pp_p2p: activation sends between stages; dp_comm: the whole DP reduction (dense
+    gradients over DP × CP, experts' over DP × CP / EP); dp_exposed: the part of it not hidden behind
+    backward; optimizer: the update and the main_grad folds; total; tokens_per_s of the job; mfu
+    (model FLOPs, no recompute, over world × peak); bottleneck: the largest cost besides useful
+    compute, named with its cause.
     """
 
     compute: float
     recompute: float
     tp_comm: float
+    ep_comm: float
+    cp_comm: float
     bubble: float
     pp_p2p: float
     dp_comm: float
@@ -96,7 +112,7 @@ class StepTime:
 
 def _flops(cfg: Config, layers: int, batch: int, vocab: int) -> float:
     m = copy.copy(cfg.model)
-    m.num_layers = layers
+    m.num_layers, m.num_experts = layers, None  # dense layers; MoE MLPs are added by _work
     return flops_per_iteration(m, batch, vocab)
 
 
@@ -107,25 +123,40 @@ def _ring(n: int, nbytes: float, bandwidth: float, reduce: bool = True) -> float
     return (2 if reduce else 1) * (n - 1) / n * nbytes / bandwidth + COLLECTIVE_LATENCY_S
 
 
-def _work(c: Config, layout: Layout, gpu: GPU, padded: int, layers: int, logits: bool, act: int,
+def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: bool, act: int,
           gpus_per_node: int) -> dict:
-    """Seconds of one micro-batch's forward + backward on one rank holding ``layers`` layers (and
-    the logits when ``logits``), by component: gemm, attn, elem, recompute, tp, and tp_forward (the
-    TP collectives of the forward pass, a part of tp)."""
+    """Seconds of one micro-batch's forward + backward on one rank holding layers whose MoE flags
+    are ``moe`` (and the logits when ``logits``), by component: gemm, attn, elem, recompute, tp, ep,
+    cp, and the forward parts of the last three (tp_forward, ep_forward, cp_forward). MoE layers'
+    routed experts run at the efficiency of their own GEMM shape (moe_cp.expert_rows × h × f_e)."""
     m = c.model
     t, b, s, h, a = layout.tp, layout.micro_batch, m.seq_length, m.hidden_size, m.num_attention_heads
     split = t * layout.cp
+    layers, n_moe = len(moe), sum(moe)
     layer = _flops(c, 1, b, padded) - _flops(c, 0, b, padded)
     attention = 12.0 * s * s * a * head_dim(m) * b
     head = _flops(c, 0, b, padded) if logits else 0.0
     eff = gemm_efficiency(gpu, b * s / layout.cp, h, a * head_dim(m) / t, ffn_hidden(m) / t)
-    gemm_s = ((layer - attention) * layers + head) / split / (gpu.peak_flops * eff)
-    attn_s = attention * layers / split / (gpu.peak_flops * gpu.attention_efficiency)
-    stored = sum(layer_terms(m, b, tp=t, sp=layout.sequence_parallel, act_bytes=act).values()) / layout.cp
-    elem_s = ELEMENTWISE_PASSES * (stored * layers + (act * s * b * padded / t if logits else 0.0)) \
+    expert_s = 0.0
+    if n_moe:
+        tokens = 3.0 * b * s  # fwd + bwd, per token
+        routed = 2 * h * m.moe_router_topk * moe_ffn(m) * (3 if m.swiglu else 2)
+        other = mlp_flops_per_token(m, True) - routed - mlp_flops_per_token(m, False)  # router, shared − dense
+        layer_moe_extra = tokens * other
+        expert_s = n_moe * tokens * routed / split / (
+            gpu.peak_flops * gemm_efficiency(gpu, expert_rows(m, b, layout), h, moe_ffn(m)))
+    else:
+        layer_moe_extra = 0.0
+    gemm_s = ((layer - attention) * layers + layer_moe_extra * n_moe + head) / split / (gpu.peak_flops * eff) \
+        + expert_s
+    attn_layer_s = attention / split / (gpu.peak_flops * gpu.attention_efficiency)
+    attn_s = attn_layer_s * layers
+    stored = {kind: layer_bytes(m, b, replace(layout, recompute=NONE), act_bytes=act, moe=kind) for kind in set(moe)}
+    elem_s = ELEMENTWISE_PASSES * (sum(stored[k] for k in moe) + (act * s * b * padded / t if logits else 0.0)) \
         / gpu.hbm_bytes_per_s
     r = layout.recompute
-    if r.granularity == "full":
+    full = r.granularity == "full"
+    if full:
         recompute_s = (gemm_s + attn_s + elem_s) / 3
     elif r.selective:
         recompute_s = attn_s / 3
@@ -133,15 +164,22 @@ def _work(c: Config, layout: Layout, gpu: GPU, padded: int, layers: int, logits:
         recompute_s = 0.0
     link_tp = gpu.intra_node_bytes_per_s if t <= gpus_per_node else gpu.inter_node_bytes_per_s
     x = act * s * b * h / layout.cp
-    again = 1 if r.granularity == "full" else 0  # full recompute repeats the forward's collectives
+    again = 1 if full else 0  # full recompute repeats the forward's collectives
+    # per half layer (attention, MLP): SP 2 collectives forward and 3 backward, else 1 and 1; an MoE
+    # MLP without a shared expert has none (its experts run at TP 1 on the rank's own s/t tokens)
     if t > 1 and layout.sequence_parallel:
-        fwd, ops, one = 4, 10 + 4 * again, _ring(t, x, link_tp, reduce=False)
+        fwd, bwd, one = 2, 3, _ring(t, x, link_tp, reduce=False)
     elif t > 1:
-        fwd, ops, one = 2, 4 + 2 * again, _ring(t, x, link_tp)
+        fwd, bwd, one = 1, 1, _ring(t, x, link_tp)
     else:
-        fwd, ops, one = 0, 0, 0.0
+        fwd, bwd, one = 0, 0, 0.0
+    halves = layers + layers - (0 if m.moe_shared_expert_intermediate_size else n_moe)
+    ep_f, ep_b = ep_seconds(m, b, layout, gpu, gpus_per_node, act_bytes=act)
+    cp_f, cp_b = cp_seconds(c, b, layout, gpu, gpus_per_node, attn_layer_s / 3, act_bytes=act)
     return {"gemm": gemm_s, "attn": attn_s, "elem": elem_s, "recompute": recompute_s,
-            "tp": layers * ops * one, "tp_forward": layers * fwd * one, "link_tp": link_tp}
+            "tp": halves * (fwd * (1 + again) + bwd) * one, "tp_forward": halves * fwd * one,
+            "ep": n_moe * (ep_f * (1 + again) + ep_b), "ep_forward": n_moe * ep_f,
+            "cp": layers * (cp_f * (1 + again) + cp_b), "cp_forward": layers * cp_f, "link_tp": link_tp}
 
 
 def _pp_link(layout: Layout, gpu: GPU, gpus_per_node: int) -> float:
@@ -160,30 +198,35 @@ def p2p_seconds(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int, half:
         + COLLECTIVE_LATENCY_S
 
 
+def _stage_work(c: Config, layout: Layout, gpu: GPU, vocab: int, gpus_per_node: int, act: int) -> list:
+    """_work of every model stage (stage = chunk · PP + rank), its layers from meshlm's own partition
+    (``pipeline.stage_layers``), the logits on the last stage."""
+    from ..parallel.pipeline import stage_layers
+    padded = padded_vocab_size(vocab, c.model.make_vocab_size_divisible_by, layout.tp)
+    ranges, moe = stage_layers(c), moe_layer_pattern(c.model)
+    return [_work(c, layout, gpu, padded, [moe[n] for n in layers], stage == len(ranges) - 1, act, gpus_per_node)
+            for stage, layers in enumerate(ranges)]
+
+
 def stage_times(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_node: int,
                 half: bool = True) -> list:
-    """[(forward s, backward s)] of one micro-batch on each model stage (stage = chunk · PP + rank,
-    parallel/schedules.py), its layers from meshlm's own partition (``pipeline.stage_layers``), the
-    logits on the last stage. Forward is a third of the GEMM, attention and element-wise work
-    (backward computes two gradients a GEMM: 2× the forward FLOPs) plus the forward's TP
-    collectives; backward the rest, with any recompute."""
-    from ..parallel.pipeline import stage_layers
-    c = layout.apply(cfg)
-    m = c.model
-    padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, layout.tp)
-    ranges = stage_layers(c)
+    """[(forward s, backward s)] of one micro-batch on each model stage (``_stage_work``). Forward is
+    a third of the GEMM, attention and element-wise work (backward computes two gradients a GEMM:
+    2× the forward FLOPs) plus the forward's TP, EP and CP communication; backward the rest, with
+    any recompute."""
     out = []
-    for stage, layers in enumerate(ranges):
-        w = _work(c, layout, gpu, padded, len(layers), stage == len(ranges) - 1, 2 if half else 4, gpus_per_node)
+    for w in _stage_work(layout.apply(cfg), layout, gpu, vocab, gpus_per_node, 2 if half else 4):
         work = w["gemm"] + w["attn"] + w["elem"]
-        out.append((work / 3 + w["tp_forward"], 2 * work / 3 + w["recompute"] + w["tp"] - w["tp_forward"]))
+        forward = sum(w[k + "_forward"] for k in ("tp", "ep", "cp"))
+        out.append((work / 3 + forward, 2 * work / 3 + w["recompute"] + w["tp"] + w["ep"] + w["cp"] - forward))
     return out
 
 
 def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_node: int, params_per_rank: int,
-              half: bool = True) -> StepTime:
+              expert_params_per_rank: int = 0, half: bool = True) -> StepTime:
     """The step time of ``layout`` (see the module docstring); cfg carries --global-batch-size.
-    params_per_rank: parameters of the largest stage (memory.estimate's ``params``)."""
+    params_per_rank: parameters of the largest stage (memory.estimate's ``params``), of which
+    expert_params_per_rank are routed experts (``expert_params``), reduced over DP × CP / EP."""
     c = layout.apply(cfg)
     m = c.model
     t, pp, vp, dp = layout.tp, layout.pp, layout.vp, layout.dp
@@ -191,50 +234,60 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     act = 2 if half else 4
     nmb = num_microbatches(c, layout.world)
     padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, t)
-    layers_last = m.num_layers // pp  # meshlm splits evenly unless --decoder-*-pipeline-num-layers
-    w = _work(c, layout, gpu, padded, layers_last, True, act, gpus_per_node)
-    gemm_s, attn_s, elem_s, recompute_s, tp_s, link_tp = (w[k] for k in ("gemm", "attn", "elem", "recompute",
-                                                                          "tp", "link_tp"))
+    stages = _stage_work(c, layout, gpu, vocab, gpus_per_node, act)
+    keys = ("gemm", "attn", "elem", "recompute", "tp", "ep", "cp")
+    ranks = [{k: sum(w[k] for w in stages[r::pp]) for k in keys} for r in range(pp)]  # a rank's chunks
+    w = max(ranks, key=lambda x: sum(x.values()))  # the slowest pipeline rank
+    gemm_s, attn_s, elem_s, recompute_s, tp_s, ep_s, cp_s = (w[k] for k in keys)
+    link_tp = stages[-1]["link_tp"]
     fold_s = FOLD_BYTES_PER_PARAM * params_per_rank / gpu.hbm_bytes_per_s
-    per_mb = gemm_s + attn_s + elem_s + recompute_s + tp_s
+    per_mb = gemm_s + attn_s + elem_s + recompute_s + tp_s + ep_s + cp_s
     compute = nmb * (gemm_s + attn_s + elem_s + recompute_s)
     bubble = (pp - 1) / vp * per_mb
     link_pp = _pp_link(layout, gpu, gpus_per_node)
     p2p = 2 * (vp * nmb + pp - 1) * p2p_seconds(c, layout, gpu, gpus_per_node, half) if pp > 1 else 0.0
     link_dp = gpu.intra_node_bytes_per_s if dp * t * layout.cp <= gpus_per_node else gpu.inter_node_bytes_per_s
-    n = dp * layout.cp
-    grads = 4 * params_per_rank
+    n, edp = dp * layout.cp, layout.edp
+    dense, experts = params_per_rank - expert_params_per_rank, expert_params_per_rank
     bucket = c.parallel.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)  # parallel/data.py's default
     latency = (math.ceil(params_per_rank / bucket) - 1) * COLLECTIVE_LATENCY_S if n > 1 else 0.0
     if layout.distributed_optimizer:
-        gather_s = _ring(n, 2 * params_per_rank, link_dp, reduce=False) + latency
-        dp_s = _ring(n, grads, link_dp, reduce=False) + latency + gather_s
+        gather_s = _ring(n, 2 * dense, link_dp, reduce=False) + _ring(edp, 2 * experts, link_dp, reduce=False) \
+            + latency
+        dp_s = _ring(n, 4 * dense, link_dp, reduce=False) + _ring(edp, 4 * experts, link_dp, reduce=False) \
+            + latency + gather_s
     else:
-        dp_s, gather_s = _ring(n, grads, link_dp) + latency, 0.0
+        dp_s, gather_s = _ring(n, 4 * dense, link_dp) + _ring(edp, 4 * experts, link_dp) + latency, 0.0
     if layout.overlap_grad_reduce and n > 1:
         reduce_s = dp_s - gather_s
         hidden = min(reduce_s * (1 - min(1.0, bucket / max(params_per_rank, 1))), 2 / 3 * per_mb)
         dp_exposed = reduce_s - hidden + gather_s
     else:
         dp_exposed = dp_s
-    opt_s = OPTIMIZER_BYTES_PER_PARAM * params_per_rank / (dp if layout.distributed_optimizer else 1) \
-        / gpu.hbm_bytes_per_s + nmb * fold_s
+    sharded = dense / n + experts / edp if layout.distributed_optimizer else params_per_rank
+    opt_s = OPTIMIZER_BYTES_PER_PARAM * sharded / gpu.hbm_bytes_per_s + nmb * fold_s
     total = nmb * per_mb + bubble + p2p + dp_exposed + opt_s + STEP_OVERHEAD_S
     gb = global_batch(c, layout.world)
     model_flops = flops_per_iteration(m, gb, padded)
+    nvlink = {True: "NVLink", False: "inter-node link"}
     costs = {
         f"pipeline bubble (p−1)/(v·m) with m = {nmb} micro-batches": bubble,
         f"TP{' + SP' if layout.sequence_parallel else ''} collectives ({t} ranks, "
-        f"{'NVLink' if link_tp == gpu.intra_node_bytes_per_s else 'inter-node link'})": nmb * tp_s,
+        f"{nvlink[link_tp == gpu.intra_node_bytes_per_s]})": nmb * tp_s,
+        f"EP all-to-all ({layout.ep} ranks, "
+        f"{nvlink[layout.ep * t <= gpus_per_node]})": nmb * ep_s,
+        f"CP {c.model.cp_comm_type} K/V exchange, exposed ({layout.cp} ranks, "
+        f"{nvlink[cp_link(layout, gpu, gpus_per_node) == gpu.intra_node_bytes_per_s]})": nmb * cp_s,
         f"DP gradient reduction over the {'intra-node NVLink' if link_dp == gpu.intra_node_bytes_per_s else 'inter-node link'} "
         f"({n} ranks), exposed": dp_exposed,
-        f"PP p2p over the {'NVLink' if link_pp == gpu.intra_node_bytes_per_s else 'inter-node link'}": p2p,
+        f"PP p2p over the {nvlink[link_pp == gpu.intra_node_bytes_per_s]}": p2p,
         "optimizer step and main_grad folds (HBM-bound)": opt_s,
         f"{layout.recompute_name} recompute": nmb * recompute_s,
     }
     name, worst = max(costs.items(), key=lambda kv: kv[1])
-    return StepTime(compute=compute, recompute=nmb * recompute_s, tp_comm=nmb * tp_s, bubble=bubble, pp_p2p=p2p,
-                    dp_comm=dp_s, dp_exposed=dp_exposed, optimizer=opt_s, total=total,
-                    tokens_per_s=gb * s / total, mfu=model_flops / (layout.world * total * gpu.peak_flops),
+    return StepTime(compute=compute, recompute=nmb * recompute_s, tp_comm=nmb * tp_s, ep_comm=nmb * ep_s,
+                    cp_comm=nmb * cp_s, bubble=bubble, pp_p2p=p2p, dp_comm=dp_s, dp_exposed=dp_exposed,
+                    optimizer=opt_s, total=total, tokens_per_s=gb * s / total,
+                    mfu=model_flops / (layout.world * total * gpu.peak_flops),
                     bubble_fraction=analytic_bubble_fraction(pp, nmb, vp) if pp > 1 else 0.0,
                     bottleneck=f"{name}: {100 * worst / total:.0f}% of the step")

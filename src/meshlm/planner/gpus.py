@@ -41,6 +41,7 @@ from ..errors import ConfigError
 from ..training.metrics import peak_tflops
 
 GiB = 2 ** 30
+COLLECTIVE_LATENCY_S = 20e-6  # the start-up cost of one collective or p2p exchange, every link alike
 
 
 @dataclass(frozen=True)

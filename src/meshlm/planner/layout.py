@@ -21,14 +21,16 @@ NONE = Recompute()
 
 @dataclass(frozen=True)
 class Layout:
-    """TP × CP × PP × DP ranks (PP with vp virtual stages per rank), the micro-batch (samples),
-    recompute (meshlm.model.recompute.Recompute), ZeRO-1 and sequence parallelism."""
+    """TP × CP × PP × DP ranks (PP with vp virtual stages per rank), EP (the MoE experts split over
+    ep of the DP × CP ranks, Megatron's layout: not a factor of the world), the micro-batch
+    (samples), recompute (meshlm.model.recompute.Recompute), ZeRO-1 and sequence parallelism."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     vp: int = 1
     cp: int = 1
+    ep: int = 1
     micro_batch: int = 1
     recompute: Recompute = field(default=NONE)
     distributed_optimizer: bool = False
@@ -38,6 +40,11 @@ class Layout:
     @property
     def world(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel ranks: those holding the same experts, DP × CP / EP (parallel/mesh.py)."""
+        return max(1, self.dp * self.cp // self.ep)
 
     @property
     def recompute_name(self) -> str:
@@ -50,8 +57,10 @@ class Layout:
     def of(cls, cfg: Config, world: int) -> "Layout":
         p, t = cfg.parallel, cfg.training
         return cls(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=max(1, dp_size(cfg, world)),
-                   vp=virtual_size(cfg), cp=p.context_parallel_size, micro_batch=t.micro_batch_size,
-                   recompute=Recompute.of(t), distributed_optimizer=p.use_distributed_optimizer and dp_size(cfg, world) > 1,
+                   vp=virtual_size(cfg), cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+                   micro_batch=t.micro_batch_size, recompute=Recompute.of(t),
+                   distributed_optimizer=p.use_distributed_optimizer
+                   and dp_size(cfg, world) * p.context_parallel_size > 1,
                    sequence_parallel=p.sequence_parallel, overlap_grad_reduce=p.overlap_grad_reduce)
 
     def apply(self, cfg: Config) -> Config:
@@ -61,6 +70,7 @@ class Layout:
         p, t = c.parallel, c.training
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size = self.tp, self.pp
         p.context_parallel_size, p.nproc_per_node = self.cp, self.world
+        p.expert_model_parallel_size = self.ep
         p.virtual_pipeline_model_parallel_size = self.vp if self.vp > 1 else None
         p.num_layers_per_virtual_pipeline_stage = None
         p.sequence_parallel, p.use_distributed_optimizer = self.sequence_parallel, self.distributed_optimizer
@@ -84,6 +94,8 @@ class Layout:
             out += ["--virtual-pipeline-model-parallel-size", str(self.vp)]
         if self.cp > 1:
             out += ["--context-parallel-size", str(self.cp)]
+        if self.ep > 1:
+            out += ["--expert-model-parallel-size", str(self.ep)]
         out += ["--micro-batch-size", str(self.micro_batch)]
         r = self.recompute
         if r.selective:
@@ -91,13 +103,14 @@ class Layout:
         elif r.granularity == "full":
             out += ["--recompute-granularity", "full", "--recompute-method", r.method,
                     "--recompute-num-layers", str(r.num_layers)]
-        if self.distributed_optimizer:
+        if self.distributed_optimizer:  # ZeRO-1 shards over DP × CP (experts: over DP × CP / EP)
             out.append("--use-distributed-optimizer")
-        if self.overlap_grad_reduce and self.dp > 1:
+        if self.overlap_grad_reduce and self.dp * self.cp > 1:
             out.append("--overlap-grad-reduce")
         return out
 
     def describe(self) -> str:
         v = f" (v {self.vp})" if self.vp > 1 else ""
         cp = f" × CP {self.cp}" if self.cp > 1 else ""
-        return f"TP {self.tp}{' SP' if self.sequence_parallel else ''}{cp} × PP {self.pp}{v} × DP {self.dp}"
+        ep = f" (EP {self.ep})" if self.ep > 1 else ""
+        return f"TP {self.tp}{' SP' if self.sequence_parallel else ''}{cp} × PP {self.pp}{v} × DP {self.dp}{ep}"

@@ -4,9 +4,12 @@ Model state (bytes per parameter of the rank's stage, from ``dry_run.stage_param
 
 - ``"meshlm"`` accounting, what meshlm allocates (optim/optimizer.py, parallel/data.py): bf16/fp16
   params 2, fp32 ``main_grad`` 4 (meshlm always accumulates in fp32), fp32 master 4 + Adam moments
-  4 + 4 = 12, or 12/DP under --use-distributed-optimizer (ZeRO-1, Rajbhandari et al. 2020 §5.1); fp32
-  training: 4 + 4 + 8 (no separate master). The grad buffers are padded to 64 × DP per bucket under
-  ZeRO-1 (ignored here: < 0.01%). Gradient memory exists only from the first backward to the next
+  4 + 4 = 12, or under --use-distributed-optimizer (ZeRO-1, Rajbhandari et al. 2020 §5.1) 12/(DP × CP)
+  — the distributed optimizer shards over the DP × CP group — and, for the routed experts (E/EP of
+  them a MoE layer), 12/(DP × CP / EP), the expert-data-parallel group they are reduced and sharded
+  over (``moe_cp``); fp32 training: 4 + 4 + 8 (no separate master). Under ZeRO-1 each buffer
+  (params, grads) is padded to a multiple of 64 × its group (``moe_cp.padded``, exact for one bucket
+  a buffer). Gradient memory exists only from the first backward to the next
   zero_grad, so with one micro-batch and PP = 1 it is not held at the activation peak (start of
   backward) — counted in ``peak_bytes`` only when gradients are held while activations are.
 - ``"classic"`` mixed-precision accounting (Rajbhandari et al. 2020 §3.1; the issue's seed figures):
@@ -32,6 +35,9 @@ and the log-sum-exp (4·a·s·b bytes, fp32). Selective recompute drops those tw
 2026-12-01: predicted 1.02 GiB for llama-1b, measured −1.01 GiB). ``flash=False`` gives the paper's
 math-attention term instead (Megatron's unfused softmax).
 
+MoE layers keep ``moe_cp.moe_mlp_terms`` (the dispatched routes, the experts' outputs, the
+combine's fp32 copies, routing indices) instead of the dense MLP's fc1 and activation outputs.
+
 Micro-batches in flight: under 1F1B the first stage holds min(m, p) micro-batches of its layers, the
 last stage one; interleaved with v stages the first holds L·(1 + (p−1)/(p·v)) layers' worth (Megatron's
 ``interleaved_schedule_memory_penalty``, theoretical_memory_usage.py), the last ((v−1)·p + 1) chunks.
@@ -56,9 +62,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..config import Config, ModelConfig, head_dim, num_microbatches, query_groups, ffn_hidden
+from ..config import Config, ModelConfig, ffn_hidden, head_dim, moe_layer_pattern, num_microbatches, query_groups
 from ..dry_run import stage_params
 from .layout import Layout
+from .moe_cp import moe_mlp_terms, padded
 
 GiB = 2 ** 30
 CONTEXT_BYTES = 0.75 * GiB  # CUDA context, cuBLAS and NCCL workspaces: outside max_memory_allocated
@@ -105,15 +112,19 @@ def layer_terms(m: ModelConfig, b: int, *, tp: int = 1, sp: bool = False, flash:
 
 
 def layer_bytes(m: ModelConfig, b: int, layout: Layout, *, checkpointed: bool = False, flash: bool = True,
-                act_bytes: int = 2) -> float:
+                act_bytes: int = 2, moe: bool = False) -> float:
     """Bytes one layer keeps: all terms; without core attention under selective recompute; only the
     layer input (act_bytes·sbh, /tp under SP) when the layer is checkpointed (full recompute).
-    Under context parallelism each rank holds s/cp of every sequence: every term / cp (the s² term
-    of non-flash attention as its rank's s/cp queries against all s keys)."""
+    moe: an MoE layer, whose MLP keeps ``moe_cp.moe_mlp_terms`` instead of the dense fc1 and
+    activation outputs. Under context parallelism each rank holds s/cp of every sequence: every
+    term / cp (the s² term of non-flash attention as its rank's s/cp queries against all s keys)."""
     if checkpointed:
         return act_bytes * m.seq_length * b * m.hidden_size / (layout.tp if layout.sequence_parallel else 1) \
             / layout.cp
     terms = layer_terms(m, b, tp=layout.tp, sp=layout.sequence_parallel, flash=flash, act_bytes=act_bytes)
+    if moe:
+        del terms["fc1_output"], terms["activation_output"]
+        terms.update(moe_mlp_terms(m, b, layout, act_bytes=act_bytes))
     if layout.recompute.selective:
         terms.pop("core_attention")
     return sum(terms.values()) / layout.cp
@@ -123,14 +134,16 @@ def layer_bytes(m: ModelConfig, b: int, layout: Layout, *, checkpointed: bool = 
 class Memory:
     """Bytes on the rank that needs the most: its stage, model state and activations by category.
 
-    activations = in-flight micro-batches × the stage's stored layer activations (+ one layer rebuilt
-    under full recompute); loss = the last stage's logits, their gradient and the output layer's
+    params: its parameters, of which expert_params are its routed experts' (sharded over DP × CP / EP);
+    activations = in-flight micro-batches × the stage's stored layer activations (+ its largest layer,
+    activations_per_layer, rebuilt under full recompute); loss = the last stage's logits, their gradient and the output layer's
     inputs; peak_bytes = what torch.cuda.max_memory_allocated reports (grads only when held at the
     activation peak); device_bytes = peak + CUDA context + allocator fragmentation.
     """
 
     stage: int
     params: int
+    expert_params: int
     weights: float
     grads: float
     optimizer: float
@@ -166,34 +179,41 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
     c = layout.apply(cfg)
     m = c.model
     act = 2 if half else 4
-    params = stage_params(c, vocab)
+    params, experts = stage_params(c, vocab), stage_params(c, vocab, expert=True)
     ranges = stage_layers(c)
     nmb = num_microbatches(c, layout.world)
     b, s, h = layout.micro_batch, m.seq_length, m.hidden_size
     rep = layout.tp if layout.sequence_parallel else 1
-    full_layer = layer_bytes(m, b, layout, flash=flash, act_bytes=act)
+    moe = moe_layer_pattern(m)
+    per_layer = {kind: layer_bytes(m, b, layout, flash=flash, act_bytes=act, moe=kind) for kind in set(moe)}
+    zero, group = layout.distributed_optimizer, layout.dp * layout.cp
     best = None
     for rank in sorted({0, layout.pp - 1}):
-        layers = [n for chunk in ranges[rank::layout.pp] for n in [len(chunk)]]
+        chunks_of_rank = ranges[rank::layout.pp]
         stored = 0.0
-        for n in layers:
-            for start, end, ckpt in layout.recompute.segments(n):
+        for chunk in chunks_of_rank:
+            for start, end, ckpt in layout.recompute.segments(len(chunk)):
                 # a checkpointed group keeps its first layer's input only
                 stored += layer_bytes(m, b, layout, checkpointed=True, act_bytes=act) if ckpt else \
-                    (end - start) * full_layer
+                    sum(per_layer[moe[n]] for n in chunk[start:end])
+        full_layer = max((per_layer[moe[n]] for chunk in chunks_of_rank for n in chunk), default=0.0)
         chunks, share = _in_flight(rank, layout.pp, layout.vp, nmb)
         acts = stored * share * chunks + (full_layer if layout.recompute.granularity == "full" else 0.0)
         loss = 0.0
         if rank == layout.pp - 1:
-            padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, layout.tp)
-            loss = (act * s * b * padded / layout.tp + 2 * act * s * b * h / rep) / layout.cp  # s/cp tokens a rank
-        st = state_bytes(params[rank], half=half, dp=layout.dp, distributed_optimizer=layout.distributed_optimizer,
-                         accounting=accounting)
+            vocab_tp = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, layout.tp)
+            loss = (act * s * b * vocab_tp / layout.tp + 2 * act * s * b * h / rep) / layout.cp  # s/cp tokens a rank
+        # dense params sharded over DP × CP, routed experts over the expert-DP ranks (DP × CP / EP)
+        dense = state_bytes(padded(params[rank] - experts[rank], group, zero), half=half, dp=group,
+                            distributed_optimizer=zero, accounting=accounting)
+        routed = state_bytes(padded(experts[rank], layout.edp, zero) if experts[rank] else 0, half=half,
+                             dp=layout.edp, distributed_optimizer=zero, accounting=accounting)
+        st = {k: dense[k] + routed[k] for k in dense}
         held = nmb > 1 or layout.pp > 1
         peak = st["weights"] + st["optimizer"] + acts + loss + (st["grads"] if held else 0.0)
         peak = max(peak, 2 * st["weights"] + st["optimizer"] + st["grads"])  # the step's weight-sized transient
-        mem = Memory(stage=rank, params=params[rank], weights=st["weights"], grads=st["grads"],
-                     optimizer=st["optimizer"], activations=acts, activations_per_layer=full_layer,
+        mem = Memory(stage=rank, params=params[rank], expert_params=experts[rank], weights=st["weights"],
+                     grads=st["grads"], optimizer=st["optimizer"], activations=acts, activations_per_layer=full_layer,
                      in_flight=chunks * share, loss=loss, grads_at_peak=held, peak_bytes=peak,
                      device_bytes=peak * (1 + FRAGMENTATION) + CONTEXT_BYTES)
         if best is None or mem.peak_bytes > best.peak_bytes:

@@ -1,11 +1,12 @@
 """Enumerate the layouts of a model on a cluster, keep those that fit, rank them by step time.
 
-Searched: TP ∈ powers of two, PP ∈ divisors of the world / TP, v ∈ {1, 2, 4} (PP > 1), DP the rest,
-micro-batch ∈ powers of two dividing the global batch / DP, recompute none / selective / full
-(uniform, 1 layer), the distributed optimizer when DP > 1; SP on whenever TP > 1 and
---overlap-grad-reduce whenever DP > 1 (both cost nothing in memory and only help). CP is not searched
-(the flags' own --context-parallel-size is planned as "your layout"). The global batch is the flags'
-(kept fixed).
+Searched: TP ∈ powers of two, CP ∈ powers of two for a long sequence (≥ ``LONG_SEQUENCE`` tokens,
+dense models: meshlm refuses MoE with CP; else 1), PP ∈ divisors of the world / (TP × CP), v ∈
+{1, 2, 4} (PP > 1), DP the rest, EP ∈ powers of two dividing both the experts and DP × CP for an MoE
+model (else 1), micro-batch ∈ powers of two dividing the global batch / DP, recompute none /
+selective / full (uniform, 1 layer), the distributed optimizer when DP × CP > 1; SP on whenever
+TP > 1 and --overlap-grad-reduce whenever DP × CP > 1 (both cost nothing in memory and only help).
+The global batch is the flags' (kept fixed).
 
 A layout is excluded, with its reason, when meshlm's own checks refuse it (``validate``: heads, query
 groups, MLP width, vocabulary and layers not divisible, interleaving's micro-batch rule, the global
@@ -18,12 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import Config
+from ..config import Config, moe_layer_pattern
 from ..errors import ConfigError
 from .cost import StepTime, step_time
 from .gpus import GPU, GiB
 from .layout import FULL, NONE, SELECTIVE, Layout
 from .memory import Memory, estimate
+
+LONG_SEQUENCE = 8192  # tokens from which CP is searched (Megatron-Core's CP docs: long-context training)
 
 
 @dataclass
@@ -36,7 +39,8 @@ class Candidate:
 
     def to_json(self) -> dict:
         lay = self.layout
-        return {"tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "dp": lay.dp, "cp": lay.cp, "micro_batch": lay.micro_batch,
+        return {"tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep,
+                "micro_batch": lay.micro_batch,
                 "recompute": lay.recompute_name, "distributed_optimizer": lay.distributed_optimizer,
                 "sequence_parallel": lay.sequence_parallel, "flags": " ".join(lay.flags()),
                 "memory": self.memory.to_json(), "time": self.time.to_json()}
@@ -53,13 +57,14 @@ def _powers(limit: int) -> list:
 def layout_problems(cfg: Config, layout: Layout, gpus_per_node: int) -> list:
     """Why meshlm would refuse ``layout`` for cfg (validate's one-line messages), plus a TP group
     that crosses a node; empty when it can run."""
-    from ..validate import _layout_problems
+    from ..validate import _layout_problems, _moe_problems
     problems = []
     if layout.tp > gpus_per_node or gpus_per_node % layout.tp:
         problems.append(f"TP group of {layout.tp} crosses a node ({gpus_per_node} GPUs per node): TP's blocking "
                         f"per-layer collectives would run over the inter-node link; keep TP ≤ {gpus_per_node}")
     try:
-        problems += _layout_problems(layout.apply(cfg), layout.world)
+        applied = layout.apply(cfg)
+        problems += _layout_problems(applied, layout.world) + _moe_problems(applied, layout.world)
     except ConfigError as e:
         problems += e.problems
     return problems
@@ -69,7 +74,29 @@ def evaluate(cfg: Config, layout: Layout, gpu: GPU, vocab: int, gpus_per_node: i
     """Memory and step time of one (valid) layout."""
     mem = estimate(cfg, layout, vocab, half=half)
     return Candidate(layout, mem, step_time(cfg, layout, gpu, vocab, gpus_per_node=gpus_per_node,
-                                            params_per_rank=mem.params, half=half))
+                                            params_per_rank=mem.params, expert_params_per_rank=mem.expert_params,
+                                            half=half))
+
+
+def bases(cfg: Config, world: int) -> list:
+    """The (TP, CP, PP, v, EP) layouts searched (module doc), DP the rest, SP on whenever TP > 1."""
+    m = cfg.model
+    moe = any(moe_layer_pattern(m))
+    out = []
+    for tp in _powers(world):
+        cps = [cp for cp in _powers(world // tp) if m.seq_length % (2 * cp) == 0] \
+            if m.seq_length >= LONG_SEQUENCE and not moe else [1]
+        for cp in cps:
+            rest = world // (tp * cp)
+            for pp in [d for d in range(1, rest + 1) if rest % d == 0]:
+                dp = rest // pp
+                eps = [e for e in _powers(dp * cp) if (dp * cp) % e == 0 and m.num_experts % e == 0] if moe else [1]
+                for vp in ([1, 2, 4] if pp > 1 else [1]):
+                    if vp > 1 and (m.num_layers % (pp * vp)):
+                        continue  # not worth a line: the same (tp, pp) at v = 1 is reported
+                    out += [Layout(tp=tp, cp=cp, pp=pp, dp=dp, vp=vp, ep=ep, sequence_parallel=tp > 1,
+                                   overlap_grad_reduce=dp * cp > 1) for ep in eps]
+    return out
 
 
 def search(cfg: Config, world: int, gpu: GPU, vocab: int, *, gpus_per_node: int, half: bool = True) -> tuple:
@@ -77,42 +104,37 @@ def search(cfg: Config, world: int, gpu: GPU, vocab: int, *, gpus_per_node: int,
     --global-batch-size on ``world`` GPUs of ``gpu`` in nodes of ``gpus_per_node``."""
     gb = cfg.training.global_batch_size
     fits, excluded = [], []
-    for tp in _powers(world):
-        for pp in [d for d in range(1, world // tp + 1) if (world // tp) % d == 0]:
-            dp = world // (tp * pp)
-            for vp in ([1, 2, 4] if pp > 1 else [1]):
-                base = Layout(tp=tp, pp=pp, dp=dp, vp=vp, sequence_parallel=tp > 1, overlap_grad_reduce=dp > 1)
-                if vp > 1 and (cfg.model.num_layers % (pp * vp)):
-                    continue  # not worth a line: the same (tp, pp) at v = 1 is reported
-                micros = [b for b in _powers(gb // dp)] or [1]
-                valid, first = [], None
-                for b in micros:
-                    lay = replace(base, micro_batch=b)
-                    problems = layout_problems(cfg, lay, gpus_per_node)
-                    if problems:
-                        first = first or problems
-                    else:
-                        valid.append(lay)
-                if not valid:
-                    excluded.append({"layout": base.describe(), "reason": (first or ["no micro-batch divides "
-                                     f"the global batch {gb} / DP {dp}"])[0]})
-                    continue
-                found, smallest = False, None
-                for lay in valid:
-                    for r in (NONE, SELECTIVE, FULL):
-                        for zero in ([False, True] if dp > 1 else [False]):
-                            cand = replace(lay, recompute=r, distributed_optimizer=zero)
-                            mem = estimate(cfg, cand, vocab, half=half)
-                            if mem.device_bytes <= gpu.memory_bytes:
-                                fits.append(evaluate(cfg, cand, gpu, vocab, gpus_per_node, half))
-                                found = True
-                            elif smallest is None or mem.device_bytes < smallest[1].device_bytes:
-                                smallest = (cand, mem)
-                if not found and smallest:
-                    cand, mem = smallest
-                    excluded.append({"layout": base.describe(), "reason": (
-                        f"does not fit: even micro-batch {cand.micro_batch}, {cand.recompute_name} recompute"
-                        f"{', distributed optimizer' if cand.distributed_optimizer else ''} needs "
-                        f"{mem.device_bytes / GiB:.1f} GiB > {gpu.memory_bytes / GiB:.1f} GiB of {gpu.name}")})
+    for base in bases(cfg, world):
+        dp = base.dp
+        micros = [b for b in _powers(gb // dp)] or [1]
+        valid, first = [], None
+        for b in micros:
+            lay = replace(base, micro_batch=b)
+            problems = layout_problems(cfg, lay, gpus_per_node)
+            if problems:
+                first = first or problems
+            else:
+                valid.append(lay)
+        if not valid:
+            excluded.append({"layout": base.describe(), "reason": (first or ["no micro-batch divides "
+                             f"the global batch {gb} / DP {dp}"])[0]})
+            continue
+        found, smallest = False, None
+        for lay in valid:
+            for r in (NONE, SELECTIVE, FULL):
+                for zero in ([False, True] if dp * base.cp > 1 else [False]):
+                    cand = replace(lay, recompute=r, distributed_optimizer=zero)
+                    mem = estimate(cfg, cand, vocab, half=half)
+                    if mem.device_bytes <= gpu.memory_bytes:
+                        fits.append(evaluate(cfg, cand, gpu, vocab, gpus_per_node, half))
+                        found = True
+                    elif smallest is None or mem.device_bytes < smallest[1].device_bytes:
+                        smallest = (cand, mem)
+        if not found and smallest:
+            cand, mem = smallest
+            excluded.append({"layout": base.describe(), "reason": (
+                f"does not fit: even micro-batch {cand.micro_batch}, {cand.recompute_name} recompute"
+                f"{', distributed optimizer' if cand.distributed_optimizer else ''} needs "
+                f"{mem.device_bytes / GiB:.1f} GiB > {gpu.memory_bytes / GiB:.1f} GiB of {gpu.name}")})
     fits.sort(key=lambda c: (c.time.total, c.memory.device_bytes))
     return fits, excluded

@@ -73,16 +73,22 @@ def peak_tflops(device_name: Optional[str], dtype: torch.dtype) -> Optional[floa
     return None
 
 
+def mlp_flops_per_token(m: ModelConfig, moe: bool) -> float:
+    """Forward FLOPs one token spends in one layer's MLP (module doc): the dense MLP, or (moe) the
+    k routed experts it is sent to, the shared expert and the router."""
+    h, mats = m.hidden_size, 3 if m.swiglu else 2
+    if not moe:
+        return 2 * h * ffn_hidden(m) * mats
+    return 2 * h * (m.moe_router_topk * moe_ffn(m) + (m.moe_shared_expert_intermediate_size or 0)) * mats \
+        + 2 * h * m.num_experts
+
+
 def flops_per_iteration(m: ModelConfig, global_batch: int, padded_vocab: int) -> float:
     """Model FLOPs of one training iteration (forward + backward), formula in the module doc."""
     h, s, L = m.hidden_size, m.seq_length, m.num_layers
-    a, g, d, f = m.num_attention_heads, query_groups(m), head_dim(m), ffn_hidden(m)
-    mats = 3 if m.swiglu else 2
+    a, g, d = m.num_attention_heads, query_groups(m), head_dim(m)
     attention = 2 * h * d * (a + 2 * g) + 4 * s * a * d + 2 * a * d * h
-    moe = sum(moe_layer_pattern(m))
-    moe_mlp = 2 * h * (m.moe_router_topk * moe_ffn(m) + (m.moe_shared_expert_intermediate_size or 0)) * mats \
-        + 2 * h * (m.num_experts or 0)
-    mlps = (L - moe) * 2 * h * f * mats + moe * moe_mlp
+    mlps = sum(mlp_flops_per_token(m, moe) for moe in moe_layer_pattern(m))
     return 3.0 * global_batch * s * (L * attention + mlps + 2 * h * padded_vocab)
 
 

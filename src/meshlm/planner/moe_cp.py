@@ -1,0 +1,144 @@
+"""MoE layers and context parallelism in the planner: FLOPs, activations and communication per layer.
+
+MoE layers (model/moe.py, parallel/experts.py: Megatron-core's MoELayer with the all-to-all token
+dispatcher). T = the tokens a rank routes per micro-batch, b·s/CP (/TP under sequence parallelism,
+which MoE needs at TP > 1); R = k·T their routes; E experts of width f_e, EP ranks splitting them.
+
+- FLOPs per token, forward: the router 2·h·E and the k experts it is routed to, plus the shared
+  expert, 2·h·(k·f_e + f_s)·(2 GeLU | 3 SwiGLU) (``training.metrics.mlp_flops_per_token``); backward
+  2× forward. This is Megatron-LM's ``num_floating_point_operations`` (``moe_layer_flops``: the
+  ``moe_router_topk`` experts routed to and the shared expert; it leaves out the router) and the
+  "active parameters" count of Jiang et al. 2024, "Mixtral of Experts", arXiv 2401.04088 (2 of 8
+  experts a token: 13B of 47B parameters). EP does not divide it: each rank computes the routes sent
+  to its E/EP experts, as many as its own T tokens send out when routing is balanced, which the
+  planner assumes (the aux loss or the expert bias keep it near; a hot expert's rank gets more). The
+  expert GEMMs run at TP 1 on R·EP/E rows per local expert, which sets their efficiency
+  (``expert_rows``).
+- All-to-all (GShard, Lepikhin et al. 2020, arXiv 2006.16668: AllToAll dispatch and combine; Switch
+  Transformer, Fedus et al. 2021, arXiv 2101.03961): per MoE layer and micro-batch, dispatch and
+  combine in forward and their gradients in backward, 4 all-to-alls; in each a rank sends
+  R·h·bytes·(EP − 1)/EP (the R/EP routes of each other EP rank), plus one counts exchange (latency
+  only) in forward. meshlm's all-to-all blocks
+  (experts.py), so all of it is exposed; full recompute repeats the forward ones. The EP group's
+  ranks are TP apart inside the DP × CP ranks: min(EP, GPUs per node / TP) of them share a node and
+  exchange over NVLink while the others use the NIC, at once: max(NVLink bytes / its bandwidth,
+  NIC bytes / its bandwidth).
+- Activations kept for backward, replacing the dense MLP's fc1 and activation outputs
+  (``moe_mlp_terms``, checked against a MoELayer's saved tensors in tests/test_planner_moe_cp.py): the
+  dispatched rows act·R·h, the experts' fc1 and activation outputs act·R·f_e·(2 | 1) + act·R·f_e (as
+  the dense terms count SwiGLU), the combine's fp32 copies of the expert outputs, 2·4·R·h, the
+  routing indices and gates 32·R bytes, the router's fp32 copies of its input and weight 4·(T + E)·h
+  (bf16/fp16 only), and a shared expert's fc1 and activation outputs as a dense MLP of width f_s (the
+  aux and z losses keep a few more T × E fp32 tensors, left out; so is the per-layer transient of
+  the exchange buffers, freed before the next layer).
+- Model state: a rank holds E/EP experts per MoE layer (``dry_run.stage_params``); their gradients
+  are reduced over, and under ZeRO-1 their optimizer state sharded over, the expert-data-parallel
+  group of DP × CP / EP ranks (parallel/data.py, optim/distributed.py), the rest over DP × CP.
+
+Context parallelism (parallel/context.py): every rank holds s/CP tokens of each sequence in the
+zigzag split (chunks r and 2·CP−1−r of 2·CP), so all GEMM and element-wise work and every activation
+is divided by CP, and so is the causal attention work, exactly: each rank attends 2c²·CP
+query-key pairs (c = s/2CP) of the s²/2 in all, without masked blocks. K/V of the rank's tokens
+are kv = 2·b·(s/CP)·(g/TP)·d·act bytes a layer (g query groups of head dim d).
+
+- ``--cp-comm-type p2p`` (ring; Liu et al. 2023, "Ring Attention with Blockwise Transformers",
+  arXiv 2310.01889; Megatron-Core's context_parallel feature docs): forward, kv passed on CP − 1
+  times, each hop overlapped with the attention of the block already held (1/CP of the layer's
+  attention forward): exposed max(0, hop − block) a hop. Backward, as meshlm's ring does it: kv
+  passed CP − 1 times again, overlapped with each block's backward (twice its forward), and the
+  dK/dV accumulator (fp32 at bf16) passed CP times after each block's backward, exposed (the ring
+  waits for it before the next block).
+- ``all_gather`` (Llama 3, arXiv 2407.21783 §3.3.2): forward all-gathers every rank's kv, backward
+  gathers it again and reduce-scatters dK/dV (fp32 at bf16); blocking, all exposed.
+- The CP group's ranks are TP apart: NVLink when TP × CP fits a node, else the NIC. The ring's
+  spare K/V buffer and the all-gather's full-sequence K/V (one layer at a time) are left out of
+  memory.
+"""
+
+from __future__ import annotations
+
+from ..config import Config, ModelConfig, head_dim, moe_ffn, query_groups
+from .gpus import COLLECTIVE_LATENCY_S as LATENCY_S, GPU
+
+
+def tokens_per_rank(m: ModelConfig, b: int, layout) -> float:
+    """T: the tokens one rank routes per micro-batch, b·s/CP, /TP under sequence parallelism."""
+    return b * m.seq_length / layout.cp / (layout.tp if layout.sequence_parallel else 1)
+
+
+def expert_rows(m: ModelConfig, b: int, layout) -> float:
+    """Rows of one local expert's GEMMs per micro-batch (balanced routing): R·EP/E."""
+    return m.moe_router_topk * tokens_per_rank(m, b, layout) * layout.ep / m.num_experts
+
+
+def moe_mlp_terms(m: ModelConfig, b: int, layout, *, act_bytes: int = 2) -> dict:
+    """Bytes an MoE layer's MLP keeps for backward on one rank (module doc), by term, at CP 1 (the
+    caller divides by CP as for the other terms): {"router", "dispatched", "expert_fc1",
+    "expert_activation", "combine", "shared_fc1", "shared_activation"}."""
+    t = layout.tp
+    T = b * m.seq_length / (t if layout.sequence_parallel else 1)
+    R, f_e, f_s = m.moe_router_topk * T, moe_ffn(m), m.moe_shared_expert_intermediate_size or 0
+    h, gates = m.hidden_size, 2 if m.swiglu else 1
+    wide_copies = 4 * (T + m.num_experts) * h if act_bytes < 4 else 0  # the router's fp32 input and weight
+    return {"router": 32 * R + wide_copies, "dispatched": act_bytes * R * h,
+            "expert_fc1": act_bytes * R * f_e * gates, "expert_activation": act_bytes * R * f_e,
+            "combine": 2 * 4 * R * h,
+            "shared_fc1": act_bytes * b * m.seq_length * f_s * gates / t,
+            "shared_activation": act_bytes * b * m.seq_length * f_s / t}
+
+
+def _a2a_seconds(nbytes: float, layout, gpu: GPU, gpus_per_node: int) -> float:
+    """One all-to-all in which every EP rank holds ``nbytes`` spread evenly over the EP ranks."""
+    ep = layout.ep
+    if ep <= 1:
+        return 0.0
+    local = min(ep, max(1, gpus_per_node // layout.tp))
+    per_peer = nbytes / ep
+    return max((local - 1) * per_peer / gpu.intra_node_bytes_per_s,
+               (ep - local) * per_peer / gpu.inter_node_bytes_per_s) + LATENCY_S
+
+
+def ep_seconds(m: ModelConfig, b: int, layout, gpu: GPU, gpus_per_node: int, *, act_bytes: int = 2) -> tuple:
+    """(forward, backward) seconds of one MoE layer's all-to-alls per micro-batch (module doc):
+    forward the counts exchange and 2 all-to-alls of R·h·act bytes, backward 2 more."""
+    if layout.ep <= 1:
+        return 0.0, 0.0
+    one = _a2a_seconds(m.moe_router_topk * tokens_per_rank(m, b, layout) * m.hidden_size * act_bytes,
+                       layout, gpu, gpus_per_node)
+    return 2 * one + LATENCY_S, 2 * one
+
+
+def kv_bytes(m: ModelConfig, b: int, layout, act_bytes: int = 2) -> float:
+    """K and V of one rank's s/CP tokens in one layer: 2·b·(s/CP)·(g/TP)·d·act bytes."""
+    return 2 * b * m.seq_length / layout.cp * max(1.0, query_groups(m) / layout.tp) * head_dim(m) * act_bytes
+
+
+def cp_link(layout, gpu: GPU, gpus_per_node: int) -> float:
+    """Bandwidth inside the CP group (ranks TP apart): NVLink when TP × CP fits a node."""
+    return gpu.intra_node_bytes_per_s if layout.tp * layout.cp <= gpus_per_node else gpu.inter_node_bytes_per_s
+
+
+def cp_seconds(cfg: Config, b: int, layout, gpu: GPU, gpus_per_node: int, attention_forward_s: float, *,
+               act_bytes: int = 2) -> tuple:
+    """(forward, backward) exposed seconds of one layer's CP communication per micro-batch (module
+    doc); attention_forward_s: the layer's attention-core forward on this rank (its backward 2×)."""
+    cp = layout.cp
+    if cp <= 1:
+        return 0.0, 0.0
+    kv, link = kv_bytes(cfg.model, b, layout, act_bytes), cp_link(layout, gpu, gpus_per_node)
+    grad = kv * 4 / act_bytes  # dK/dV accumulate in fp32 (at least)
+    if cfg.model.cp_comm_type == "all_gather":
+        gather = (cp - 1) * kv / link + LATENCY_S
+        return gather, gather + (cp - 1) * grad / link + LATENCY_S
+    hop, block = kv / link + LATENCY_S, attention_forward_s / cp
+    forward = (cp - 1) * max(0.0, hop - block)
+    return forward, (cp - 1) * max(0.0, hop - 2 * block) + cp * (grad / link + LATENCY_S)
+
+
+def padded(params: float, group: int, distributed_optimizer: bool) -> float:
+    """Elements of a gradient buffer of ``params`` under ZeRO-1: padded to 64 × the group it is
+    sharded over (parallel/data.py; exact for one bucket a buffer, < 64 × group short per extra one)."""
+    if not distributed_optimizer:
+        return params
+    unit = 64 * group
+    return -(-params // unit) * unit
