@@ -55,6 +55,7 @@ device needs beyond that (``device_bytes``): the CUDA context and cuBLAS/NCCL wo
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 from ..config import Config, ModelConfig, head_dim, num_microbatches, query_groups, ffn_hidden
 from ..dry_run import stage_params
@@ -157,10 +158,11 @@ def _in_flight(stage_rank: int, pp: int, vp: int, m: int) -> tuple:
 
 
 def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "meshlm", flash: bool = True,
-             half: bool = True) -> Memory:
+             half: bool = True, stage: Optional[int] = None) -> Memory:
     """Memory of ``layout`` for cfg's model and global batch: the largest of the first and the last
-    pipeline stage (module docstring). ``cfg`` must carry --global-batch-size. ConfigError if the
-    layers cannot be split over the stages (meshlm's own partition rules)."""
+    pipeline stage (module docstring), or of pipeline rank ``stage`` alone (0 or PP − 1: e.g. the
+    last, whose rank logs ``mem_max_allocated_gb``). ``cfg`` must carry --global-batch-size.
+    ConfigError if the layers cannot be split over the stages (meshlm's own partition rules)."""
     from ..config import padded_vocab_size
     from ..parallel.pipeline import stage_layers
     c = layout.apply(cfg)
@@ -173,7 +175,7 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
     rep = layout.tp if layout.sequence_parallel else 1
     full_layer = layer_bytes(m, b, layout, flash=flash, act_bytes=act)
     best = None
-    for rank in sorted({0, layout.pp - 1}):
+    for rank in sorted({0, layout.pp - 1}) if stage is None else [stage]:
         layers = [n for chunk in ranges[rank::layout.pp] for n in [len(chunk)]]
         stored = 0.0
         for n in layers:
