@@ -25,12 +25,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from runs import COMMON, L1B, predict as planned, pretrain  # noqa: E402
+from runs import COMMON, L1B, TINY, predict as planned, pretrain  # noqa: E402
 
 L3B = ["--model", "llama-3b", "--vocab-size", "128256", "--seq-length", "2048", "--max-position-embeddings", "2048"]
 SEL = ["--recompute-activations"]
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-TINY = ["--model", "tiny", "--vocab-size", "256", "--seq-length", "64", "--max-position-embeddings", "64"]
 CASES = {  # name: flags
     "llama1b-m1": L1B + ["--micro-batch-size", "1", "--global-batch-size", "1"],
     "llama1b-m4-selective-acc2": L1B + ["--micro-batch-size", "4", "--global-batch-size", "8"] + SEL,

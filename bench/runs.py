@@ -1,4 +1,4 @@
-"""What the bench scripts share: the flags every case runs with, the llama-1b shape, one `meshlm
+"""What the bench scripts share: the flags every case runs with, the llama-1b and CPU-size shapes, one `meshlm
 pretrain` run on --mock-data as its own process, and the planner's prediction of a run.
 
 ``pretrain`` launches the command users type (`python -m meshlm pretrain … --nproc-per-node N`:
@@ -29,6 +29,7 @@ COMMON = ["--mock-data", "--bf16", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-war
           "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "0"]
 L1B = ["--model", "llama-1b", "--num-attention-heads", "16", "--untie-embeddings-and-output-weights",
        "--vocab-size", "32000", "--seq-length", "2048", "--max-position-embeddings", "2048"]
+TINY = ["--model", "tiny", "--vocab-size", "256", "--seq-length", "64", "--max-position-embeddings", "64"]
 GPU = PRESETS["H200-141GB"]
 
 
