@@ -1,17 +1,19 @@
 """Scaling on several GPUs of one host (issue 17): tokens/s against one GPU, MFU, memory, exposed
 communication and bubble, each beside the planner's prediction; one table, one invocation.
 
-Device command (one `run` call; nvidia-h200-x2, timeout_s 600; estimated wall time ~8.5 minutes:
-the layout tests ~2.5, 7 bench cases ~50 s each, the 1-GPU baseline ~70 s):
-    export PYTHONPATH=src PYTHONUNBUFFERED=1; nvidia-smi -L; timeout 200 python3 -m pytest -q -m gpu
-    -p no:cacheprovider tests/test_layouts_gpu.py 2>&1 | tee $OUT/layouts.log; python3 bench/scaling.py
-    --out /tmp/sc --results $OUT/results.jsonl --record $OUT/RESULTS.md --budget-s 360 2>&1 | tee
-    $OUT/scaling.log; tar czf $OUT/runs.tgz -C /tmp/sc .
-On nvidia-h200-x8 the same command (the 2-GPU tests run on GPUs 0 and 1) with its bench part as
-    python3 bench/scaling.py 1gpu dp2 dp8 8b-tp2pp2dp2 8b-best --out /tmp/sc --results $OUT/results.jsonl
-    --record $OUT/RESULTS.md --budget-s 380        # ~9.5 minutes; the other 2-GPU cases in a second call
-Then copy $OUT/results.jsonl's rows into bench/results.jsonl and $OUT/RESULTS.md's section into
-bench/RESULTS.md. CPU smoke run (gloo, tiny model, 2 processes; writes under --out only):
+Device command: one `run` call, kind nvidia-h200-x2, timeout_s 600, this command line:
+    export PYTHONPATH=src PYTHONUNBUFFERED=1; nvidia-smi -L; timeout 220 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_layouts_gpu.py 2>&1 | tee $OUT/layouts.log; python3 bench/scaling.py --out /tmp/sc --results $OUT/results.jsonl --record $OUT/RESULTS.md --budget-s 340 2>&1 | tee $OUT/scaling.log; tar czf $OUT/runs.tgz -C /tmp/sc .
+Estimated wall time 9–9.5 minutes, bounded at ~570 s by the two limits: the layout tests ~3 minutes
+(8 trainer builds, each compiling its small layers), then the bench: ~15 s of start-up, 20–60 s of
+compilation and 10–20 s of steps a case, ~60–90 s each, so about 5 of the 7 cases fit its 340 s; a
+case that would start later is skipped and named under the table, and a second call with
+`bench/scaling.py pp2-interleaved best-2 …` (the 1-GPU baseline reruns with them) measures the rest.
+On nvidia-h200-x8: the same line with `export CUDA_VISIBLE_DEVICES=0,1;` first (the 2-GPU set), then a
+second call: `export PYTHONPATH=src PYTHONUNBUFFERED=1; python3 bench/scaling.py 1gpu dp8 8b-tp2pp2dp2
+8b-best --out /tmp/sc --results $OUT/results.jsonl --record $OUT/RESULTS.md --budget-s 540 2>&1 | tee
+$OUT/scaling.log; tar czf $OUT/runs.tgz -C /tmp/sc .` (~8 minutes: the 8B cases ~2 minutes each).
+Then append $OUT/results.jsonl to bench/results.jsonl and $OUT/RESULTS.md to bench/RESULTS.md.
+CPU smoke run (gloo, tiny model, 2 processes; writes under --out only):
     PYTHONPATH=src python bench/scaling.py --tiny [case ...]
 
 Cases (CASES; a case needing more GPUs than are visible is skipped, and the 1-GPU case always runs
