@@ -31,12 +31,12 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from runs import COMMON, L1B, pretrain  # noqa: E402
+
 PEAK_TFLOPS = 989.4
-COMMON = ["--mock-data", "--bf16", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "2",
-          "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "0"]
-LLAMA_1B = dict(name="llama-1b h2048 L16 a16/g8 ffn8192 V32000 untied",
-                flags=["--model", "llama-1b", "--num-attention-heads", "16", "--untie-embeddings-and-output-weights",
-                       "--vocab-size", "32000", "--seq-length", "2048", "--max-position-embeddings", "2048"],
+LLAMA_1B = dict(name="llama-1b h2048 L16 a16/g8 ffn8192 V32000 untied", flags=L1B,
                 dims=dict(layers=16, hidden=2048, seq=2048),
                 baseline=dict(layers=16, hidden=2048, heads=16, groups=8, ffn=8192, vocab=32000, seq=2048))
 LLAMA_3B = dict(name="llama-3b h3072 L28 a24/g8 ffn8192 V128256 tied",
@@ -71,21 +71,15 @@ CASES = {
 
 def run_meshlm(name: str, out: str, iters: int, warmup: int) -> dict:
     model, gpus, micro, layout = CASES[name]
-    run_dir = os.path.join(out, "runs", name)
-    cmd = [sys.executable, "-m", "meshlm", "pretrain", *model["flags"], *COMMON, "--micro-batch-size", str(micro),
-           *layout, "--train-iters", str(iters), "--nproc-per-node", str(gpus), "--run-dir", run_dir]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)))
     t0 = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    with open(os.path.join(out, f"{name}.log"), "w") as fh:
-        fh.write(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "logs", "metrics.jsonl")) if line.strip()]
-    rows = [r for r in rows if r.get("iter_ms") is not None]
+    run = pretrain([*model["flags"], *COMMON, "--micro-batch-size", str(micro), *layout, "--train-iters", str(iters)],
+                   gpus, os.path.join(out, "runs", name), os.path.join(out, f"{name}.log"))
+    if "error" in run:
+        return run
+    rows = run["records"]
     losses = [r["lm_loss"] for r in rows]
     rows = rows[warmup:]
-    params = int(re.search(r"([\d,]+) parameters on rank 0", proc.stdout).group(1).replace(",", ""))
+    params = int(re.search(r"([\d,]+) parameters on rank 0", run["stdout"]).group(1).replace(",", ""))
 
     def med(key):
         vals = [r[key] for r in rows if r.get(key) is not None]

@@ -9,7 +9,7 @@ and llama-3b shapes at sequence 2048, bf16, the default fast path), run as its o
 --iters iterations. Measured: the peak of ``mem_max_allocated_gb`` (torch.cuda.max_memory_allocated)
 and the median ``iter_ms`` after --warmup iterations, from the run's metrics.jsonl. Predicted: the
 planner's ``memory.estimate(...).peak_bytes`` (what max_memory_allocated counts: no CUDA context) and
-``cost.step_time(...).total`` with the H200-141GB preset — the same constants for every case. Prints
+``cost.step_time(...).total`` with the H200-141GB preset — the same constants for every case (bench/runs.py). Prints
 the table (markdown) with % errors; appends one JSON row per case to --results and, with --record, the
 table as a section of bench/RESULTS.md. Targets: memory within 10%, step time within 15%.
 """
@@ -21,66 +21,39 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from meshlm.config import add_config_args, config_from_args  # noqa: E402
-from meshlm.planner.cost import step_time  # noqa: E402
-from meshlm.planner.gpus import GiB, PRESETS  # noqa: E402
-from meshlm.planner.layout import Layout  # noqa: E402
-from meshlm.planner.memory import estimate  # noqa: E402
+from runs import COMMON, L1B, TINY, predict as planned, pretrain  # noqa: E402
 
-COMMON = ["--mock-data", "--bf16", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "2",
-          "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "0"]
-L1B = ["--model", "llama-1b", "--num-attention-heads", "16", "--untie-embeddings-and-output-weights",
-       "--vocab-size", "32000", "--seq-length", "2048", "--max-position-embeddings", "2048"]
 L3B = ["--model", "llama-3b", "--vocab-size", "128256", "--seq-length", "2048", "--max-position-embeddings", "2048"]
 SEL = ["--recompute-activations"]
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-TINY = ["--model", "tiny", "--vocab-size", "256", "--seq-length", "64", "--max-position-embeddings", "64"]
-CASES = {  # name: (vocabulary, flags)
-    "llama1b-m1": (32000, L1B + ["--micro-batch-size", "1", "--global-batch-size", "1"]),
-    "llama1b-m4-selective-acc2": (32000, L1B + ["--micro-batch-size", "4", "--global-batch-size", "8"] + SEL),
-    "llama1b-m8": (32000, L1B + ["--micro-batch-size", "8", "--global-batch-size", "8"]),
-    "llama1b-m16-full": (32000, L1B + ["--micro-batch-size", "16", "--global-batch-size", "16"] + FULL),
-    "llama3b-m2-selective-acc2": (128256, L3B + ["--micro-batch-size", "2", "--global-batch-size", "4"] + SEL),
-    "llama3b-m4": (128256, L3B + ["--micro-batch-size", "4", "--global-batch-size", "4"]),
-    "llama3b-m8-full": (128256, L3B + ["--micro-batch-size", "8", "--global-batch-size", "8"] + FULL),
+CASES = {  # name: flags
+    "llama1b-m1": L1B + ["--micro-batch-size", "1", "--global-batch-size", "1"],
+    "llama1b-m4-selective-acc2": L1B + ["--micro-batch-size", "4", "--global-batch-size", "8"] + SEL,
+    "llama1b-m8": L1B + ["--micro-batch-size", "8", "--global-batch-size", "8"],
+    "llama1b-m16-full": L1B + ["--micro-batch-size", "16", "--global-batch-size", "16"] + FULL,
+    "llama3b-m2-selective-acc2": L3B + ["--micro-batch-size", "2", "--global-batch-size", "4"] + SEL,
+    "llama3b-m4": L3B + ["--micro-batch-size", "4", "--global-batch-size", "4"],
+    "llama3b-m8-full": L3B + ["--micro-batch-size", "8", "--global-batch-size", "8"] + FULL,
     # second set, run after the model was revised on the first (an independent check)
-    "llama1b-m2-acc4": (32000, L1B + ["--micro-batch-size", "2", "--global-batch-size", "8"]),
-    "llama1b-m12-selective": (32000, L1B + ["--micro-batch-size", "12", "--global-batch-size", "12"] + SEL),
-    "llama3b-m1": (128256, L3B + ["--micro-batch-size", "1", "--global-batch-size", "1"]),
-    "llama3b-m6-selective": (128256, L3B + ["--micro-batch-size", "6", "--global-batch-size", "6"] + SEL),
+    "llama1b-m2-acc4": L1B + ["--micro-batch-size", "2", "--global-batch-size", "8"],
+    "llama1b-m12-selective": L1B + ["--micro-batch-size", "12", "--global-batch-size", "12"] + SEL,
+    "llama3b-m1": L3B + ["--micro-batch-size", "1", "--global-batch-size", "1"],
+    "llama3b-m6-selective": L3B + ["--micro-batch-size", "6", "--global-batch-size", "6"] + SEL,
 }
-TINY_CASES = {"tiny-m2": (256, TINY + ["--micro-batch-size", "2", "--global-batch-size", "4"]),
-              "tiny-m4-full": (256, TINY + ["--micro-batch-size", "4", "--global-batch-size", "4"] + FULL)}
-
-
-def predict(flags: list, vocab: int) -> dict:
-    parser = argparse.ArgumentParser()
-    add_config_args(parser)
-    cfg = config_from_args(parser.parse_args(flags + COMMON))
-    lay = Layout.of(cfg, 1)
-    mem = estimate(cfg, lay, vocab)
-    t = step_time(cfg, lay, PRESETS["H200-141GB"], vocab, gpus_per_node=1, params_per_rank=mem.params,
-                  expert_params_per_rank=mem.expert_params)
-    return {"peak_gib": mem.peak_bytes / GiB, "step_ms": 1000 * t.total, "activations_gib": mem.activations / GiB,
-            "state_gib": (mem.weights + mem.optimizer + (mem.grads if mem.grads_at_peak else 0)) / GiB}
+TINY_CASES = {"tiny-m2": TINY + ["--micro-batch-size", "2", "--global-batch-size", "4"],
+              "tiny-m4-full": TINY + ["--micro-batch-size", "4", "--global-batch-size", "4"] + FULL}
 
 
 def measure(name: str, flags: list, out: str, iters: int, warmup: int) -> dict:
-    run_dir = os.path.join(out, "runs", name)
-    cmd = [sys.executable, "-m", "meshlm", "pretrain", *flags, *COMMON, "--train-iters", str(iters),
-           "--nproc-per-node", "1", "--run-dir", run_dir]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    with open(os.path.join(out, f"{name}.log"), "w") as fh:
-        fh.write(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
-    rows = [json.loads(x) for x in open(os.path.join(run_dir, "logs", "metrics.jsonl")) if x.strip()]
-    rows = [r for r in rows if r.get("iter_ms") is not None][warmup:]
+    run = pretrain([*flags, *COMMON, "--train-iters", str(iters)], 1, os.path.join(out, "runs", name),
+                   os.path.join(out, f"{name}.log"))
+    if "error" in run:
+        return run
+    rows = run["records"][warmup:]
     peaks = [r["mem_max_allocated_gb"] for r in rows if r.get("mem_max_allocated_gb") is not None]
     return {"step_ms": statistics.median(r["iter_ms"] for r in rows), "peak_gib": max(peaks) if peaks else None}
 
@@ -103,8 +76,8 @@ def main() -> None:
              "| error |", "|---|---|---|---|---|---|---|---|"]
     records = []
     for name in names:
-        vocab, flags = cases[name]
-        pred = predict(flags, vocab)
+        flags = cases[name]
+        pred = planned(flags + COMMON, 1)
         meas = measure(name, flags, args.out, args.iters, args.warmup)
         if "error" in meas:
             print(f"{name}: error {meas['error']}", flush=True)

@@ -74,6 +74,15 @@ def test_interleaved_in_flight_is_megatrons_penalty():
     assert two.activations == pytest.approx(one.activations * (1 + 7 / 16))
 
 
+def test_one_stage_estimate_is_that_stages_and_the_default_the_larger():
+    cfg = cfg_of("--model", "gpt3-175b", "--vocab-size", "50257", "--global-batch-size", "64", "--bf16")
+    lay = Layout(tp=8, pp=8, sequence_parallel=True)
+    first, last = (estimate(cfg, lay, 50257, stage=s) for s in (0, 7))
+    assert (first.stage, last.stage) == (0, 7)
+    assert first.in_flight == 8 and last.in_flight == 1 and last.loss > 0 == first.loss
+    assert estimate(cfg, lay, 50257).peak_bytes == max(first.peak_bytes, last.peak_bytes)
+
+
 def test_llama1b_calibration_point():
     # bench/results.jsonl: llama-1b, micro 8, seq 2048, bf16, fast path: peak 36.73 GiB
     cfg = cfg_of("--model", "llama-1b", "--num-attention-heads", "16", "--untie-embeddings-and-output-weights",

@@ -61,6 +61,7 @@ device needs beyond that (``device_bytes``): the CUDA context and cuBLAS/NCCL wo
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 from ..config import Config, ModelConfig, ffn_hidden, head_dim, moe_layer_pattern, num_microbatches, query_groups
 from ..dry_run import stage_params
@@ -170,10 +171,11 @@ def _in_flight(stage_rank: int, pp: int, vp: int, m: int) -> tuple:
 
 
 def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "meshlm", flash: bool = True,
-             half: bool = True) -> Memory:
+             half: bool = True, stage: Optional[int] = None) -> Memory:
     """Memory of ``layout`` for cfg's model and global batch: the largest of the first and the last
-    pipeline stage (module docstring). ``cfg`` must carry --global-batch-size. ConfigError if the
-    layers cannot be split over the stages (meshlm's own partition rules)."""
+    pipeline stage (module docstring), or of pipeline rank ``stage`` alone (0 or PP − 1: e.g. the
+    last, whose rank logs ``mem_max_allocated_gb``). ``cfg`` must carry --global-batch-size.
+    ConfigError if the layers cannot be split over the stages (meshlm's own partition rules)."""
     from ..config import padded_vocab_size
     from ..parallel.pipeline import stage_layers
     c = layout.apply(cfg)
@@ -188,7 +190,7 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
     per_layer = {kind: layer_bytes(m, b, layout, flash=flash, act_bytes=act, moe=kind) for kind in set(moe)}
     zero, group = layout.distributed_optimizer, layout.dp * layout.cp
     best = None
-    for rank in sorted({0, layout.pp - 1}):
+    for rank in sorted({0, layout.pp - 1}) if stage is None else [stage]:
         chunks_of_rank = ranges[rank::layout.pp]
         stored = 0.0
         for chunk in chunks_of_rank:
