@@ -12,7 +12,18 @@ fresh and the run at iteration 0. ``meshlm generate --load CKPT`` samples from i
 
 Export reads the full weights of a checkpoint saved at any TP/PP layout
 (``state.full_model_state``) and writes config.json plus model.safetensors, or shards with
-model.safetensors.index.json beyond --max-shard-size. A tokenizer.json travels both ways.
+model.safetensors.index.json beyond --max-shard-size; the HF tensors are views of the full weights,
+copied one shard at a time, so the host holds the model plus one shard.
+
+Import builds the model once and fills it tensor by tensor from the safetensors (``hf.HFWeights``:
+one file opened per tensor read), so the host holds about one model plus one tensor.
+
+The tokenizer travels both ways (checkpoint/hf_tokenizer.py): a run's HuggingFaceTokenizer,
+SentencePiece (as tokenizer.model and an equivalent tokenizer.json) or GPT-2 BPE tokenizer is
+written so that ``transformers.AutoTokenizer`` gives meshlm's ids, and bos/eos ids go into
+config.json and generation_config.json; TikTokenizer and NullTokenizer export none (a note says
+why). An HF folder's tokenizer.json, tokenizer.model or vocab.json + merges.txt is copied into the
+checkpoint when its vocabulary is the model's.
 """
 
 from __future__ import annotations

@@ -142,16 +142,8 @@ def write_generation_config(out: str, ids: dict) -> list:
     """generation_config.json with the bos/eos ids (none when both are unknown); the files written."""
     if ids["eos_token_id"] is None and ids["bos_token_id"] is None:
         return []
-    _write_json(os.path.join(out, GENERATION), {**ids, "transformers_version": _transformers_version()})
+    _write_json(os.path.join(out, GENERATION), ids)
     return [GENERATION]
-
-
-def _transformers_version() -> str:
-    try:
-        import transformers
-        return transformers.__version__
-    except ImportError:
-        return "4.0.0"
 
 
 # ----------------------------------------------------------------------------- import

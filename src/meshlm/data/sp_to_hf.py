@@ -18,7 +18,9 @@ become byte pieces ``<0xNN>`` (byte fallback) or ``<unk>``. Control pieces (``<s
 are never matched in text, user-defined pieces always are.
 
 ``to_tokenizers`` raises DataError (one line, naming the file) for what it cannot reproduce
-(WORD/CHAR models, whitespace as a suffix, unescaped whitespace).
+(WORD/CHAR models, whitespace as a suffix, unescaped whitespace). One difference remains for
+unigram models: a tokenizers Unigram may match a control piece written in the text (``</s>``),
+which SentencePiece never does (BPE models exclude those pieces from the merges, so match none).
 """
 
 from __future__ import annotations
