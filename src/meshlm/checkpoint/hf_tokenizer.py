@@ -175,7 +175,8 @@ def import_tokenizer(src: str, save: str, vocab_size: int, arch: str) -> tuple:
     kind = settings["tokenizer_type"]
 
     def at(folder):  # the settings with their files in ``folder``
-        return {k: v if k == "tokenizer_type" else os.path.abspath(os.path.join(folder, v)) for k, v in settings.items()}
+        return {k: v if k == "tokenizer_type" else os.path.abspath(os.path.join(folder, v))
+                for k, v in settings.items()}
     try:
         tok = _build(C.DataConfig(**at(src)), vocab_size)
     except (DataError, ConfigError) as e:
