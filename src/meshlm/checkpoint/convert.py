@@ -12,22 +12,32 @@ fresh and the run at iteration 0. ``meshlm generate --load CKPT`` samples from i
 
 Export reads the full weights of a checkpoint saved at any TP/PP layout
 (``state.full_model_state``) and writes config.json plus model.safetensors, or shards with
-model.safetensors.index.json beyond --max-shard-size. A tokenizer.json travels both ways.
+model.safetensors.index.json beyond --max-shard-size; the HF tensors are views of the full weights,
+copied one shard at a time, so the host holds the model plus one shard.
+
+Import builds the model once and fills it tensor by tensor from the safetensors (``hf.HFWeights``:
+one file opened per tensor read), so the host holds about one model plus one tensor.
+
+The tokenizer travels both ways (checkpoint/hf_tokenizer.py): a run's HuggingFaceTokenizer,
+SentencePiece (as tokenizer.model and an equivalent tokenizer.json) or GPT-2 BPE tokenizer is
+written so that ``transformers.AutoTokenizer`` gives meshlm's ids, and bos/eos ids go into
+config.json and generation_config.json; TikTokenizer and NullTokenizer export none (a note says
+why). An HF folder's tokenizer.json, tokenizer.model or vocab.json + merges.txt is copied into the
+checkpoint when its vocabulary is the model's.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 
 from .. import config as C
-from ..errors import CheckpointError, ConfigError, DataError
+from ..errors import CheckpointError, ConfigError
 from . import dist as ckpt
-from .hf import full_shapes, is_hf_folder, load_into_chunks, read_hf_weights, to_hf_tensors, write_hf_folder
+from .hf import HFWeights, full_shapes, is_hf_folder, load_into_chunks, to_hf_tensors, write_hf_folder
 from .hf_config import ARCHITECTURES, flag_problems, hf_config_from_model, model_from_hf, read_hf_config
+from .hf_tokenizer import export_tokenizer, import_tokenizer, write_generation_config
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -88,28 +98,6 @@ def _hf_model(folder: str, flag: str = "--from-hf"):
     return model_from_hf(read_hf_config(folder), os.path.join(folder, "config.json"))
 
 
-def _tokenizer_settings(src: str, save: str, vocab_size: int) -> tuple:
-    """(data settings, note): the HF folder's tokenizer.json copied into ``save`` when its
-    vocabulary is the model's, else NullTokenizer over the model's vocabulary."""
-    from ..data.tokenizer import build_tokenizer
-    null = {"tokenizer_type": "NullTokenizer"}
-    if not os.path.isfile(os.path.join(src, TOKENIZER_FILES[0])):
-        return null, f"{src} has no tokenizer.json: the checkpoint uses NullTokenizer (token ids as text)"
-    try:
-        tok = build_tokenizer(C.DataConfig(tokenizer_type="HuggingFaceTokenizer",
-                                           tokenizer_model=os.path.join(src, TOKENIZER_FILES[0])))
-    except (DataError, ConfigError) as e:
-        return null, f"tokenizer.json not used ({e}): the checkpoint uses NullTokenizer"
-    if tok.vocab_size != vocab_size:
-        return null, (f"tokenizer.json has {tok.vocab_size} tokens, the model {vocab_size} rows: the checkpoint "
-                      f"uses NullTokenizer; pass --tokenizer-model yourself")
-    for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(src, name)):
-            shutil.copyfile(os.path.join(src, name), os.path.join(save, name))
-    return {"tokenizer_type": "HuggingFaceTokenizer",
-            "tokenizer_model": os.path.abspath(os.path.join(save, TOKENIZER_FILES[0]))}, None
-
-
 def import_hf(src: str, save: str) -> str:
     """Write the Hugging Face folder ``src`` as a weights-only meshlm checkpoint in ``save``
     (iteration 0, TP=1, PP=1; config.json holds the model); return the checkpoint folder.
@@ -131,6 +119,7 @@ def import_hf(src: str, save: str) -> str:
         raise CheckpointError(problem)
     if ckpt.complete_iterations(save) or os.path.isfile(os.path.join(save, ckpt.TRACKER)):
         raise CheckpointError(f"--save {save} already holds a checkpoint; give a new folder")
+    weights = HFWeights(src, hm.arch, hm.model_config())  # checks the tensors' names and shapes, reads none
     for note in hm.notes:
         print(f"meshlm: note: {note}")
     os.makedirs(save, exist_ok=True)
@@ -138,8 +127,8 @@ def import_hf(src: str, save: str) -> str:
     cfg.model = hm.model_config()
     cfg.model.seq_length = min(hm.max_positions, hm.window or hm.max_positions)
     vocab = cfg.model.vocab_size
-    data, note = _tokenizer_settings(src, save, vocab)
-    if note:
+    data, notes = import_tokenizer(src, save, vocab, hm.arch)
+    for note in notes:
         print(f"meshlm: note: {note}")
     for key, value in data.items():
         setattr(cfg.data, key, value)
@@ -148,7 +137,7 @@ def import_hf(src: str, save: str) -> str:
     ps = ParallelState.single()
     model = GPTModel(cfg.model, ps, vocab, seed=cfg.training.seed)
     with torch.no_grad():
-        load_into_chunks([model], read_hf_weights(src, hm.arch, hm.model_config()), src)
+        load_into_chunks([model], weights, src)  # tensor by tensor: the host holds the model + one tensor
     layout = {"tp": 1, "pp": 1, "cp": 1, "virtual_pipeline": 1, "dp": 1}
     return ckpt.save(save, 0, model_state(ModelSpace([model], ps)), layout=layout, config=cfg.to_dict(),
                      coords={"tp": 0, "pp": 0, "cp": 0, "dp": 0})
@@ -176,12 +165,12 @@ def export_hf(load: str, output: str, arch=None, max_shard_bytes: int = _size("5
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise CheckpointError(f"--output {output} exists and is not an empty folder; give a new folder")
     os.makedirs(output, exist_ok=True)
+    tokenizer_files, notes, ids = export_tokenizer(saved.data, output, vocab)
+    for note in notes:
+        print(f"meshlm: note: {note}")
+    hf_config.update(ids)
     files = write_hf_folder(output, tensors, hf_config, max_shard_bytes)
-    d = saved.data
-    if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model and os.path.isfile(d.tokenizer_model):
-        shutil.copyfile(d.tokenizer_model, os.path.join(output, TOKENIZER_FILES[0]))
-        files.append(TOKENIZER_FILES[0])
-    return files
+    return files + write_generation_config(output, ids) + tokenizer_files
 
 
 # ----------------------------------------------------------------------------- fine-tuning
@@ -230,7 +219,7 @@ def load_weights(chunks, m: C.ModelConfig, load: str) -> None:
         problems = flag_problems(hm, m, load)
         if problems:
             raise CheckpointError("; ".join(problems))
-        full = read_hf_weights(load, hm.arch, hm.model_config(), names)
+        full = HFWeights(load, hm.arch, hm.model_config(), names)
     else:
         folder = _weights_only_checkpoint(load)
         check_model_config(folder, m, load=load)

@@ -28,7 +28,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from collections import ChainMap
+from collections.abc import Mapping
+from typing import Optional
 
 import torch
 
@@ -152,21 +154,29 @@ def _weight_files(folder: str) -> dict:
     return out
 
 
-def _reader(files: dict) -> Callable:
-    """get(HF name) → tensor, opening each safetensors file once."""
+def _read(path: str, name: str) -> torch.Tensor:
+    """One tensor of a safetensors file, the file opened for it alone (so no mapping of the file
+    stays resident between tensors: host memory holds this tensor, not the file)."""
     from safetensors import safe_open
-    handles = {}
+    try:
+        with safe_open(path, framework="pt") as fh:
+            return fh.get_tensor(name)
+    except Exception as e:  # the library raises its own SafetensorError
+        raise CheckpointError(f"{path}: cannot read tensor {name} ({e}); the file is damaged "
+                              f"or incomplete") from None
 
-    def get(name):
-        path = files[name]
+
+def _shapes(files: dict) -> dict:
+    """{HF name: shape} from the files' headers (no tensor data read)."""
+    from safetensors import safe_open
+    out = {}
+    for path in sorted(set(files.values())):
         try:
-            if path not in handles:
-                handles[path] = safe_open(path, framework="pt")
-            return handles[path].get_tensor(name)
+            with safe_open(path, framework="pt") as fh:
+                out.update({n: tuple(fh.get_slice(n).get_shape()) for n in fh.keys()})
         except Exception as e:
-            raise CheckpointError(f"{path}: cannot read tensor {name} ({e}); the file is damaged "
-                                  f"or incomplete") from None
-    return get
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    return out
 
 
 def _with_prefix(files: dict, arch: str) -> dict:
@@ -176,37 +186,54 @@ def _with_prefix(files: dict, arch: str) -> dict:
     return files
 
 
-def read_hf_weights(folder: str, arch: str, m: C.ModelConfig, names: Optional[set] = None) -> dict:
-    """{meshlm global name: full tensor (the file's dtype)} from the HF folder's safetensors.
+class HFWeights(Mapping):
+    """{meshlm global name: full tensor (the file's dtype)} of an HF folder's safetensors, read when
+    asked: each access reads that tensor's parts from the files (nothing is cached), so loading a
+    model tensor by tensor holds one tensor besides the model. ``shapes``: {name: full shape},
+    from the file headers.
 
     names: the meshlm tensors wanted (a pipeline stage's); None for all. Raises CheckpointError
     naming a missing tensor, or tensors the folder holds that the model has no place for (e.g.
     biases the config does not announce).
     """
-    files = _with_prefix(_weight_files(folder), arch)
-    plan = rules(arch, m)
-    known = {h for r in plan for h in r.hf}
-    unused = sorted(n for n in files if n not in known and not n.endswith(_BUFFERS))
-    if unused:
-        raise CheckpointError(f"{folder}: holds {len(unused)} tensor(s) the {arch} model of its config.json "
-                              f"has no place for ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''})")
-    plan = [r for r in plan if names is None or r.name in names]
-    missing = [h for r in plan for h in r.hf if h not in files]
-    if missing:
-        raise CheckpointError(f"{folder}: has no tensor {missing[0]}"
-                              f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; "
-                              f"incomplete download, or another model than its config.json says?")
-    get = _reader(files)
-    out = {}
-    for r in plan:
-        parts = [get(h) for h in r.hf]
+
+    def __init__(self, folder: str, arch: str, m: C.ModelConfig, names: Optional[set] = None):
+        files = _with_prefix(_weight_files(folder), arch)
+        plan = rules(arch, m)
+        known = {h for r in plan for h in r.hf}
+        unused = sorted(n for n in files if n not in known and not n.endswith(_BUFFERS))
+        if unused:
+            raise CheckpointError(f"{folder}: holds {len(unused)} tensor(s) the {arch} model of its config.json "
+                                  f"has no place for ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''})")
+        plan = [r for r in plan if names is None or r.name in names]
+        missing = [h for r in plan for h in r.hf if h not in files]
+        if missing:
+            raise CheckpointError(f"{folder}: has no tensor {missing[0]}"
+                                  f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; "
+                                  f"incomplete download, or another model than its config.json says?")
+        self._files, self._plan = files, {r.name: r for r in plan}
+        hf_shapes = _shapes({h: files[h] for r in plan for h in r.hf})
+        self.shapes = {}
+        for r in plan:
+            parts = [hf_shapes[h][::-1] if r.conv1d else hf_shapes[h] for h in r.hf]
+            self.shapes[r.name] = (sum(p[0] for p in parts),) + tuple(parts[0][1:])
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        r = self._plan[name]
+        parts = [_read(self._files[h], h) for h in r.hf]
         parts = [t.t() for t in parts] if r.conv1d else parts
-        out[r.name] = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
-    return out
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+
+    def __iter__(self):
+        return iter(self._plan)
+
+    def __len__(self) -> int:
+        return len(self._plan)
 
 
 def to_hf_tensors(full: dict, arch: str, m: C.ModelConfig) -> dict:
-    """{HF name: contiguous tensor} from meshlm's full weights ({global name: tensor}).
+    """{HF name: tensor} from meshlm's full weights ({global name: tensor}): views of ``full``'s
+    tensors (split, transposed), no copy; ``write_hf_folder`` copies one shard at a time.
 
     Raises CheckpointError naming a tensor the model needs and ``full`` lacks.
     """
@@ -218,14 +245,16 @@ def to_hf_tensors(full: dict, arch: str, m: C.ModelConfig) -> dict:
             raise CheckpointError(f"the checkpoint has no tensor {r.name}; was it saved from this model?")
         parts = full[r.name].split(list(r.sizes), 0) if r.sizes else [full[r.name]]
         for h, t in zip(r.hf, parts):
-            out[h] = (t.t() if r.conv1d else t).contiguous().clone()
+            out[h] = t.t() if r.conv1d else t
     return out
 
 
 def write_hf_folder(out: str, tensors: dict, hf_config: dict, max_shard_bytes: int) -> list:
     """Write config.json and the weights: model.safetensors, or when larger than max_shard_bytes,
     model-0000i-of-0000n.safetensors with model.safetensors.index.json (transformers' layout).
-    Returns the files written. ``out`` must exist and hold none of them."""
+    Returns the files written. ``out`` must exist and hold none of them. ``tensors`` may be views
+    of one another: each shard is copied into contiguous tensors of its own just before it is
+    written, so the host holds ``tensors`` plus one shard."""
     from safetensors.torch import save_file
     shards, size = [[]], 0
     for name, t in tensors.items():
@@ -239,7 +268,9 @@ def write_hf_folder(out: str, tensors: dict, hf_config: dict, max_shard_bytes: i
     files = [SINGLE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for file, names in zip(files, shards):
-        save_file({n: tensors[n] for n in names}, os.path.join(out, file), metadata={"format": "pt"})
+        shard = {n: tensors[n].clone(memory_format=torch.contiguous_format) for n in names}
+        save_file(shard, os.path.join(out, file), metadata={"format": "pt"})
+        del shard
         written.append(file)
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -268,26 +299,28 @@ def full_shapes(chunks) -> dict:
 
 
 def load_into_chunks(chunks, full: dict, source: str) -> None:
-    """Copy full weights into each chunk's parameters, each rank keeping its TP slice the way a
-    fresh model's weights are sliced (``parallel.tensor.load_full_state_dict``).
+    """Copy full weights (a dict, or ``HFWeights`` read tensor by tensor) into each chunk's
+    parameters, each rank keeping its TP slice the way a fresh model's weights are sliced
+    (``parallel.tensor.load_full_state_dict``).
 
     A tied model's last stage (PP > 1) takes ``output_layer.weight`` from the embedding. Raises
     CheckpointError, before copying anything, naming a missing tensor or one of another shape
     (source: the folder, for the message).
     """
     from ..parallel.tensor import load_full_state_dict
-    full = dict(full)
+    shapes = dict(full.shapes) if isinstance(full, HFWeights) else {n: tuple(t.shape) for n, t in full.items()}
     tied_copy = any(getattr(p, "shared_embedding", False) for chunk in chunks
                     for name, p in chunk.named_parameters() if name == "output_layer.weight")
     if tied_copy and "output_layer.weight" not in full and "embedding.word_embeddings.weight" in full:
-        full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
+        full = ChainMap({"output_layer.weight": full["embedding.word_embeddings.weight"]}, full)
+        shapes["output_layer.weight"] = shapes["embedding.word_embeddings.weight"]
     for name, shape in full_shapes(chunks).items():
         if name not in full:
             raise CheckpointError(f"{source}: has no weight for {name}; was it saved from this model?")
-        if tuple(full[name].shape) != shape:
+        if shapes[name] != shape:
             hint = " (the vocabulary: check the tokenizer / --vocab-size)" if "embedding" in name or \
                 "output_layer" in name else ""
-            raise CheckpointError(f"{source}: {name} is {list(full[name].shape)}, the model's {list(shape)}"
+            raise CheckpointError(f"{source}: {name} is {list(shapes[name])}, the model's {list(shape)}"
                                   f"{hint}; pass the model's flags")
     for chunk in chunks:
         load_full_state_dict(chunk, full)

@@ -68,9 +68,16 @@ class ShardedInit:
 
 
 def _take(full: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
-    """full.index_select(dim, index), where indices ≥ full.shape[dim] give zero (padding) rows."""
+    """full.index_select(dim, index), where indices ≥ full.shape[dim] give zero (padding) rows
+    (``full`` itself when index is every row in order)."""
+    n = full.shape[dim]
+    if len(index) == n and bool((index == torch.arange(n, device=index.device)).all()):
+        return full  # every row in order (TP=1, no padding): no copy
+    extra = int(index.max()) + 1 - n
+    if extra <= 0:  # no padding row asked for: one copy, not two
+        return full.index_select(dim, index)
     pad = list(full.shape)
-    pad[dim] = max(int(index.max()) + 1 - full.shape[dim], 0)
+    pad[dim] = extra
     return torch.cat([full, full.new_zeros(pad)], dim).index_select(dim, index)
 
 

@@ -1,0 +1,138 @@
+"""A SentencePiece ``.model`` as a Hugging Face ``tokenizers.Tokenizer`` (a tokenizer.json) that
+gives the same ids, so transformers reads it without sentencepiece or protobuf.
+
+The ``.model`` file is a protobuf ``ModelProto`` (sentencepiece_model.proto): pieces (field 1),
+``trainer_spec`` (2; its ``model_type`` is field 3: 1 unigram, 2 bpe; ``treat_whitespace_as_suffix``
+24) and ``normalizer_spec`` (3: ``name`` 1, ``precompiled_charsmap`` 2, ``add_dummy_prefix`` 3,
+``remove_extra_whitespaces`` 4, ``escape_whitespaces`` 5; the three flags default to true). The few
+fields needed, and each piece's ``type`` (field 3 of a piece: 4 user-defined), are read here with a
+small protobuf reader (no protobuf package); the pieces and scores come from the sentencepiece library.
+
+How SentencePiece encodes (what the tokenizer.json reproduces): the text is normalized by the
+model's character map (none under the ``identity`` rule), then runs of spaces are squeezed and
+the ends stripped (``remove_extra_whitespaces``), "▁" is put in front (``add_dummy_prefix``) and
+every space becomes "▁"; the whole string is then cut by the model: unigram (Viterbi over the
+piece scores) or BPE (repeatedly join the adjacent pair whose joined piece scores highest; a
+tokenizers BPE does the same with merges ranked by that score). Characters outside the pieces
+become byte pieces ``<0xNN>`` (byte fallback) or ``<unk>``. Control pieces (``<s>``, ``</s>``)
+are never matched in text, user-defined pieces always are.
+
+``to_tokenizers`` raises DataError (one line, naming the file) for what it cannot reproduce
+(WORD/CHAR models, whitespace as a suffix, unescaped whitespace). One difference remains for
+unigram models: a tokenizers Unigram may match a control piece written in the text (``</s>``),
+which SentencePiece never does (BPE models exclude those pieces from the merges, so match none).
+"""
+
+from __future__ import annotations
+
+from ..errors import DataError
+
+_UNIGRAM, _BPE = 1, 2  # TrainerSpec.model_type
+_NORMAL, _USER_DEFINED = 1, 4  # SentencePiece.type (field 3 of a piece)
+_DEFAULT_FLAGS = {3: True, 4: True, 5: True}  # add_dummy_prefix, remove_extra_whitespaces, escape_whitespaces
+
+
+def _fields(buf: bytes) -> dict:
+    """{field number: [values]} of one protobuf message: varints as int, length-delimited as bytes
+    (fixed 32/64-bit values are skipped). ValueError on a truncated message."""
+    out, i = {}, 0
+
+    def varint():
+        nonlocal i
+        shift = value = 0
+        while True:
+            if i >= len(buf):
+                raise ValueError("truncated varint")
+            b = buf[i]
+            i += 1
+            value |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                return value
+
+    while i < len(buf):
+        key = varint()
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value = varint()
+        elif wire == 2:
+            n = varint()
+            value, i = buf[i:i + n], i + n
+            if i > len(buf):
+                raise ValueError("truncated field")
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+            continue
+        else:
+            raise ValueError(f"wire type {wire}")
+        out.setdefault(number, []).append(value)
+    return out
+
+
+def model_spec(path: str) -> dict:
+    """{"model_type": 1 unigram | 2 bpe | …, "suffix": treat_whitespace_as_suffix, "charsmap": bytes,
+    "dummy_prefix", "squeeze_spaces", "escape_spaces": bool, "user_defined": [piece ids]} of the
+    SentencePiece model file; DataError naming it when it is not a readable protobuf."""
+    try:
+        with open(path, "rb") as f:
+            model = _fields(f.read())
+        trainer = _fields(model.get(2, [b""])[0])
+        kinds = [_fields(piece).get(3, [_NORMAL])[0] for piece in model.get(1, [])]
+        normalizer = _fields(model.get(3, [b""])[0])
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable SentencePiece model ({e})") from None
+    flag = {n: bool(normalizer[n][0]) if n in normalizer else d for n, d in _DEFAULT_FLAGS.items()}
+    return {"model_type": trainer.get(3, [_UNIGRAM])[0], "suffix": bool(trainer.get(24, [0])[0]),
+            "charsmap": normalizer.get(2, [b""])[0], "dummy_prefix": flag[3], "squeeze_spaces": flag[4],
+            "escape_spaces": flag[5], "user_defined": [i for i, k in enumerate(kinds) if k == _USER_DEFINED]}
+
+
+def ranked_merges(vocab: dict, rank) -> list:
+    """BPE merges [(left, right)] of a vocabulary {token: id}: every split of a token into two tokens,
+    ordered by ``rank(token)`` (lower merges first), then by the ids of the two halves."""
+    merges = []
+    for token in vocab:
+        for k in range(1, len(token)):
+            left, right = token[:k], token[k:]
+            if left in vocab and right in vocab:
+                merges.append((rank(token), vocab[left], vocab[right], left, right))
+    return [(left, right) for *_, left, right in sorted(merges)]
+
+
+def to_tokenizers(path: str):
+    """The ``tokenizers.Tokenizer`` that encodes as the SentencePiece model at ``path`` (no BOS or EOS
+    added, as meshlm's SentencePiece tokenizers; control pieces in the text are plain text when
+    the caller sets ``encode_special_tokens``, as transformers' ``split_special_tokens`` does)."""
+    import sentencepiece
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+
+    spec = model_spec(path)
+    why = ("it is a word or character model" if spec["model_type"] not in (_UNIGRAM, _BPE) else
+           "it treats whitespace as a suffix" if spec["suffix"] else
+           "it does not escape whitespace" if not spec["escape_spaces"] else None)
+    if why:
+        raise DataError(f"{path}: no tokenizer.json equivalent ({why})")
+    sp = sentencepiece.SentencePieceProcessor(model_file=path)
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    byte_fallback = any(sp.is_byte(i) for i in range(len(pieces)))
+    unk = sp.unk_id()
+    if spec["model_type"] == _UNIGRAM:
+        model = models.Unigram([(p, sp.get_score(i)) for i, p in enumerate(pieces)], unk, byte_fallback)
+    else:
+        vocab = {p: i for i, p in enumerate(pieces)}
+        normal = {p: i for p, i in vocab.items() if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i))}
+        model = models.BPE(vocab, ranked_merges(normal, lambda p: -sp.get_score(vocab[p])),
+                           unk_token=pieces[unk], fuse_unk=True, byte_fallback=byte_fallback)
+    tok = Tokenizer(model)
+    steps = [normalizers.Precompiled(spec["charsmap"])] if spec["charsmap"] else []
+    if spec["squeeze_spaces"]:
+        steps += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Replace(Regex("^ | $"), "")]
+    steps += [normalizers.Prepend(" ")] if spec["dummy_prefix"] else []
+    tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if spec["dummy_prefix"] else []))
+    tok.add_special_tokens([AddedToken(p, special=True, normalized=False) for i, p in enumerate(pieces)
+                            if sp.is_control(i) or sp.is_unknown(i)])
+    tok.add_tokens([AddedToken(pieces[i], special=False, normalized=False) for i in spec["user_defined"]])
+    return tok
+
