@@ -1,12 +1,13 @@
 """A SentencePiece ``.model`` as a Hugging Face ``tokenizers.Tokenizer`` (a tokenizer.json) that
-gives the same ids, so transformers reads it without sentencepiece or protobuf.
+gives the same ids, so transformers reads it without sentencepiece or protobuf (the export needs
+both; the reader does not).
 
 The ``.model`` file is a protobuf ``ModelProto`` (sentencepiece_model.proto): pieces (field 1),
 ``trainer_spec`` (2; its ``model_type`` is field 3: 1 unigram, 2 bpe; ``treat_whitespace_as_suffix``
 24) and ``normalizer_spec`` (3: ``name`` 1, ``precompiled_charsmap`` 2, ``add_dummy_prefix`` 3,
-``remove_extra_whitespaces`` 4, ``escape_whitespaces`` 5; the three flags default to true). The few
-fields needed, and each piece's ``type`` (field 3 of a piece: 4 user-defined), are read here with a
-small protobuf reader (no protobuf package); the pieces and scores come from the sentencepiece library.
+``remove_extra_whitespaces`` 4, ``escape_whitespaces`` 5; the three flags default to true). Those
+fields and each piece's ``type`` are read with sentencepiece's own ``sentencepiece_model_pb2``
+(protobuf); the pieces and scores come from the sentencepiece library.
 
 How SentencePiece encodes (what the tokenizer.json reproduces): the text is normalized by the
 model's character map (none under the ``identity`` rule), then runs of spaces are squeezed and
@@ -28,63 +29,30 @@ from __future__ import annotations
 from ..errors import DataError
 
 _UNIGRAM, _BPE = 1, 2  # TrainerSpec.model_type
-_NORMAL, _USER_DEFINED = 1, 4  # SentencePiece.type (field 3 of a piece)
-_DEFAULT_FLAGS = {3: True, 4: True, 5: True}  # add_dummy_prefix, remove_extra_whitespaces, escape_whitespaces
-
-
-def _fields(buf: bytes) -> dict:
-    """{field number: [values]} of one protobuf message: varints as int, length-delimited as bytes
-    (fixed 32/64-bit values are skipped). ValueError on a truncated message."""
-    out, i = {}, 0
-
-    def varint():
-        nonlocal i
-        shift = value = 0
-        while True:
-            if i >= len(buf):
-                raise ValueError("truncated varint")
-            b = buf[i]
-            i += 1
-            value |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                return value
-
-    while i < len(buf):
-        key = varint()
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value = varint()
-        elif wire == 2:
-            n = varint()
-            value, i = buf[i:i + n], i + n
-            if i > len(buf):
-                raise ValueError("truncated field")
-        elif wire in (1, 5):
-            i += 8 if wire == 1 else 4
-            continue
-        else:
-            raise ValueError(f"wire type {wire}")
-        out.setdefault(number, []).append(value)
-    return out
+_USER_DEFINED = 4  # ModelProto.SentencePiece.Type
 
 
 def model_spec(path: str) -> dict:
     """{"model_type": 1 unigram | 2 bpe | …, "suffix": treat_whitespace_as_suffix, "charsmap": bytes,
     "dummy_prefix", "squeeze_spaces", "escape_spaces": bool, "user_defined": [piece ids]} of the
-    SentencePiece model file; DataError naming it when it is not a readable protobuf."""
+    SentencePiece model file, parsed with the sentencepiece package's own ModelProto (which needs
+    protobuf); DataError naming the file when it is not a readable model or protobuf is missing."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError as e:
+        raise DataError(f"{path}: reading a SentencePiece model's settings needs protobuf ({e}); "
+                        f"pip install protobuf") from None
+    model = sentencepiece_model_pb2.ModelProto()
     try:
         with open(path, "rb") as f:
-            model = _fields(f.read())
-        trainer = _fields(model.get(2, [b""])[0])
-        kinds = [_fields(piece).get(3, [_NORMAL])[0] for piece in model.get(1, [])]
-        normalizer = _fields(model.get(3, [b""])[0])
-    except (OSError, ValueError) as e:
+            model.ParseFromString(f.read())
+    except Exception as e:  # protobuf's DecodeError, or an OSError
         raise DataError(f"{path}: not a readable SentencePiece model ({e})") from None
-    flag = {n: bool(normalizer[n][0]) if n in normalizer else d for n, d in _DEFAULT_FLAGS.items()}
-    return {"model_type": trainer.get(3, [_UNIGRAM])[0], "suffix": bool(trainer.get(24, [0])[0]),
-            "charsmap": normalizer.get(2, [b""])[0], "dummy_prefix": flag[3], "squeeze_spaces": flag[4],
-            "escape_spaces": flag[5], "user_defined": [i for i, k in enumerate(kinds) if k == _USER_DEFINED]}
+    t, n = model.trainer_spec, model.normalizer_spec
+    return {"model_type": t.model_type, "suffix": t.treat_whitespace_as_suffix, "charsmap": n.precompiled_charsmap,
+            "dummy_prefix": n.add_dummy_prefix, "squeeze_spaces": n.remove_extra_whitespaces,
+            "escape_spaces": n.escape_whitespaces,
+            "user_defined": [i for i, piece in enumerate(model.pieces) if piece.type == _USER_DEFINED]}
 
 
 def ranked_merges(vocab: dict, rank) -> list:
