@@ -1,4 +1,4 @@
-"""training.metrics: the FLOPs formula, the MFU peak table, the log line, TensorBoard's absence."""
+"""training.metrics: the FLOPs formula, the MFU peak table, the log line, TensorBoard (and its absence)."""
 
 import json
 
@@ -103,9 +103,14 @@ def test_fp16_line_shows_loss_scale_and_skipped_iterations(tmp_path, capsys):
     assert rec["lm_loss"] == 3.0  # the skipped iteration's loss is not averaged in
 
 
-def test_tensorboard_dir_without_tensorboard_is_a_clear_config_error(tmp_path, monkeypatch):
+def test_tensorboard_dir_without_tensorboard_is_noted_before_start_and_the_run_logs_without_it(tmp_path, monkeypatch):
+    """Megatron's behaviour (a warning, training goes on): a launch script with --tensorboard-dir runs
+    unchanged where tensorboard is not installed; the note comes from validate, before any worker."""
     import builtins
-    real_import = builtins.__import__
+    import importlib.util
+
+    from meshlm.validate import notes
+    real_import, real_find = builtins.__import__, importlib.util.find_spec
 
     def no_tensorboard(name, *a, **k):
         if name.startswith("torch.utils.tensorboard") or name == "tensorboard":
@@ -113,8 +118,15 @@ def test_tensorboard_dir_without_tensorboard_is_a_clear_config_error(tmp_path, m
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_tensorboard)
-    with pytest.raises(ConfigError, match="--tensorboard-dir.*pip install tensorboard"):
-        _logger(tmp_path, tensorboard_dir=str(tmp_path / "tb"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real_find(name, *a))
+    cfg = Config()
+    cfg.logging.tensorboard_dir = str(tmp_path / "tb")
+    [line] = [n for n in notes(cfg) if "--tensorboard-dir" in n]
+    assert "not installed" in line and "pip install tensorboard" in line
+    log = _logger(tmp_path, log_interval=1, tensorboard_dir=str(tmp_path / "tb"))
+    assert log.tb is None
+    log.train_step(1, 32, lm_loss=4.0, lr=1e-4, grad_norm=1.0, iter_s=0.5)
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["lm_loss"] == 4.0
 
 
 class _Writer:
@@ -131,7 +143,7 @@ class _Writer:
 
 
 def test_tensorboard_gets_the_moe_routing_communication_and_loss_figures(tmp_path, monkeypatch):
-    monkeypatch.setattr(metrics, "require_tensorboard", lambda: _Writer)
+    monkeypatch.setattr(metrics, "tensorboard_writer", lambda: _Writer)
     log = _logger(tmp_path, log_interval=2, tensorboard_dir=str(tmp_path / "tb"))
     moe = {0: {"tokens": [30.0, 10.0], "routes": 40.0, "aux": 1.5, "z": None},
            1: {"tokens": [20.0, 20.0], "routes": 50.0, "aux": 0.5, "z": None}}

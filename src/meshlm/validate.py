@@ -12,6 +12,7 @@ reads (data, tokenizer, checkpoint).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 from typing import Optional
@@ -511,6 +512,10 @@ def notes(cfg: Config) -> list:
         lines.append(f"--num-query-groups {m.num_query_groups} is ignored without --group-query-attention "
                      f"(as in Megatron): every attention head keeps its own key/value head; add "
                      f"--group-query-attention to use {m.num_query_groups} groups")
+    if cfg.logging.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        lines.append(f"--tensorboard-dir {cfg.logging.tensorboard_dir}: the tensorboard package is not installed, "
+                     f"so no TensorBoard logs are written (as in Megatron; metrics.jsonl has every figure); "
+                     f"pip install tensorboard")
     switches = [flag for flag, on in (("--finetune", c.finetune), ("--no-load-optim", c.no_load_optim),
                                       ("--no-load-rng", c.no_load_rng)) if on]
     if switches and not c.load:

@@ -114,13 +114,13 @@ def memory_gb() -> Optional[float]:
     return torch.cuda.memory_allocated() / 2 ** 30
 
 
-def require_tensorboard():
-    """Return torch.utils.tensorboard.SummaryWriter; ConfigError if tensorboard is missing."""
+def tensorboard_writer():
+    """torch.utils.tensorboard.SummaryWriter, or None when the tensorboard package is missing: then,
+    as in Megatron, the run trains without TensorBoard logs (validate.notes says so at start)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise ConfigError("--tensorboard-dir needs the tensorboard package: pip install tensorboard "
-                          "(or drop --tensorboard-dir)") from None
+        return None
     return SummaryWriter
 
 
@@ -184,7 +184,8 @@ class MetricsLogger:
             os.makedirs(log_dir, exist_ok=True)
             self.path = os.path.join(log_dir, "metrics.jsonl")
         if enabled and tensorboard_dir:
-            self.tb = require_tensorboard()(log_dir=tensorboard_dir)
+            writer = tensorboard_writer()
+            self.tb = writer(log_dir=tensorboard_dir) if writer is not None else None
         self.skipped_total = self.nan_total = 0
         self._batch = global_batch
         self._reset()

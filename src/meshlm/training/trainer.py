@@ -54,7 +54,7 @@ from ..parallel.pipeline import (bubble_fraction, build_model_chunks, forward_ba
                                 virtual_size)
 from .faults import LossSpikes, nan_origin
 from . import profiling, progress
-from .metrics import MetricsLogger, flops_per_iteration, require_tensorboard
+from .metrics import MetricsLogger, flops_per_iteration
 from .stop_signal import SignalFlag
 from .stragglers import StragglerWatch
 
@@ -176,8 +176,6 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
     """
     t, p = cfg.training, cfg.parallel
     init_distributed(p.distributed_timeout_minutes)
-    if cfg.logging.tensorboard_dir:
-        require_tensorboard()  # every rank fails alike, before any collective
     ps = ParallelState.build(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                              p.context_parallel_size, p.expert_model_parallel_size)
     random.seed(t.seed)
