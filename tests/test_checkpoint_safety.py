@@ -263,3 +263,21 @@ def test_verify_integrity_shares_the_hashing_out_and_every_rank_sees_every_findi
     listed = sorted(ckpt.read_manifest(root + "/iter_0000003")["files"]) + \
         sorted(ckpt.read_manifest(root + "/iter_0000002")["files"])
     assert sorted(hashed0 + hashed1) == sorted(listed) and hashed0 and hashed1  # each file once in all
+
+
+def test_a_flipped_byte_in_the_metadata_falls_back_to_the_older_checkpoint_and_says_so_once(tmp_path, capsys):
+    """.metadata keeps its size when a byte flips, so the size check passes; reading it fails, and
+    the load falls back as for any damaged file (a newcomer's case: the run stopped instead)."""
+    from meshlm.checkpoint import convert
+    root = _three(tmp_path)
+    meta = tmp_path / "save" / "iter_0000003" / ".metadata"
+    raw = bytearray(meta.read_bytes())
+    raw[0] ^= 0xFF  # the pickle's protocol opcode
+    meta.write_bytes(bytes(raw))
+    assert not convert.is_weights_only(root)  # the weights-only probe looks quietly
+    assert capsys.readouterr().out == ""
+    it, state = ckpt.load(root)
+    assert it == 2 and torch.equal(state["model"]["w"], _state(2)["model"]["w"])
+    [note] = capsys.readouterr().out.strip().splitlines()
+    assert "iter_0000003 is damaged or incomplete (.metadata is truncated or corrupt" in note
+    assert note.endswith("loading iter_0000002 instead")

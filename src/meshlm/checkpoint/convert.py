@@ -182,7 +182,7 @@ def _weights_only_checkpoint(load: str):
     if not os.path.isfile(os.path.join(load, ckpt.TRACKER)):
         return None
     try:
-        folder = ckpt.checkpoint_dir(load)
+        folder = ckpt.checkpoint_dir(load, quiet=True)
         with reading(folder, load):
             keys = SafeReader(folder).read_metadata().state_dict_metadata
     except (CheckpointError, OSError):

@@ -315,7 +315,20 @@ def _folder_problem(path: str, checksums: bool) -> Optional[str]:
         return f"{MANIFEST} has no valid file list"
     if checksums:  # each rank hashed its share of the files: every rank learns all the findings
         found = sorted(set(all_problems(found)))
-    return found[0] if found else None
+    return found[0] if found else _metadata_problem(path)
+
+
+def _metadata_problem(path: str) -> Optional[str]:
+    """Why DCP's .metadata (a small pickle, read whole by every load) cannot be read, or None: a
+    flipped byte keeps its size, so only reading it shows the damage without --verify-integrity.
+    A pickle naming a class no checkpoint holds is not damage: its CheckpointError is raised."""
+    try:
+        SafeReader(path).read_metadata()
+    except _Corrupt as e:
+        return str(e)
+    except OSError as e:
+        return f".metadata unreadable ({e.strerror})"
+    return None
 
 
 def _choose(root: str, iteration: Optional[int], checksums: bool) -> tuple:
@@ -360,7 +373,8 @@ def _fallback_note(root: str, skipped: list, chosen: str) -> str:
             f"loading {name(chosen)} instead")
 
 
-def checkpoint_dir(root: str, iteration: Optional[int] = None, *, checksums: bool = False) -> str:
+def checkpoint_dir(root: str, iteration: Optional[int] = None, *, checksums: bool = False,
+                   quiet: bool = False) -> str:
     """The checkpoint folder to load: ``iteration``'s, else the tracker's — or, when that one is
     missing, incomplete or damaged, the newest older complete one that is intact (rank 0 prints
     one line naming both: what is wrong with the latest, which one is loaded instead).
@@ -370,9 +384,10 @@ def checkpoint_dir(root: str, iteration: Optional[int] = None, *, checksums: boo
     out (each hashes every world-th one) and combine their findings, so all ranks must call it.
     Raises CheckpointError naming the folder when there is no tracker, or no candidate is intact
     (the latest's problem, as ``damaged``'s one line), or ``iteration`` is given and not intact.
+    quiet: print nothing (a look before the load, which then says it).
     """
     path, note = _choose(root, iteration, checksums)
-    if note and _world()[0] == 0:
+    if note and not quiet and _world()[0] == 0:
         print(f"note: {note}", flush=True)
     return path
 
