@@ -470,6 +470,13 @@ def test_yaml_unknown_key_is_an_error_naming_it(tmp_path):
         parse(["--config", write(tmp_path, "num_layer: 3\n")])
 
 
+def test_yaml_several_unknown_keys_are_all_reported_as_unknown(tmp_path):
+    path = write(tmp_path, "training:\n  micro_batch_sise: 4\n  bar: 2\nbaz: 1\n")
+    with pytest.raises(ConfigError) as e:
+        parse(["--config", path])
+    assert e.value.problems == [f"{path}: unknown keys 'micro_batch_sise', 'bar', 'baz'"]
+
+
 @pytest.mark.parametrize("text,key", [("num_layers: three\n", "num-layers"), ("swiglu: maybe\n", "swiglu"),
                                       ("normalization: BatchNorm\n", "normalization"),
                                       ("hidden_size: 2.5\n", "hidden-size")])

@@ -386,18 +386,18 @@ def apply_mapping(cfg: Config, mapping: dict, source: str) -> None:
     """Set fields from a flat or section-nested mapping (YAML). Unknown keys are errors, and so is
     a field given twice (in two spellings, or flat and in its section)."""
     idx = _index()
-    problems, given = [], {}
+    problems, given, unknown = [], {}, []
     for key, value in _flatten(mapping):
-        field_key = "model_preset" if key == "model_preset" else idx[key][1].name if key in idx else None
+        if key != "model_preset" and key not in idx:
+            unknown.append(key)
+            continue
+        field_key = "model_preset" if key == "model_preset" else idx[key][1].name
         if field_key in given:
             how = "flat and in its section" if given[field_key] == key else f"also as {given[field_key]!r}"
             problems.append(f"{source}: {key!r} is given twice ({how}); keep one")
             continue
         given[field_key] = key
         if key == "model_preset":
-            continue
-        if field_key is None:
-            problems.append(f"{source}: unknown key {key!r}")
             continue
         sec, f = idx[key]
         # YAML spelling of inverted switches: disable_bias_linear: true → add_bias_linear False
@@ -408,6 +408,9 @@ def apply_mapping(cfg: Config, mapping: dict, source: str) -> None:
             setattr(getattr(cfg, sec), f.name, value)
         except ConfigError as e:
             problems.extend(e.problems)
+    if unknown:  # all in one line, as unknown command-line flags are
+        problems.insert(0, f"{source}: unknown key{'s' if len(unknown) > 1 else ''} "
+                           f"{', '.join(map(repr, unknown))}")
     if problems:
         raise ConfigError(problems)
 
