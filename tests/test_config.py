@@ -262,11 +262,12 @@ def test_world_not_divisible_by_model_parallel_size():
     assert any("world size 6" in m and "--nproc-per-node" in m and "multiple of 4" in m for m in msgs)
 
 
-def test_sequence_parallel_needs_tp():
+def test_sequence_parallel_at_tp_1_is_turned_off_with_a_note_as_megatron_does():
     cfg = small()
     cfg.parallel.sequence_parallel = True
-    [msg] = problems_of(cfg)
-    assert "--sequence-parallel" in msg and "--tensor-model-parallel-size" in msg
+    assert any("--sequence-parallel is turned off" in line for line in notes(cfg))
+    validate(cfg, world=1, check_files=False)
+    assert cfg.parallel.sequence_parallel is False
 
 
 def test_virtual_pipeline_rules_come_from_the_pipeline_module():

@@ -211,3 +211,54 @@ def test_example_launch_script_dry_runs_itself(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "all checks passed" in done.stdout and "DP 2" in done.stdout
+
+
+# Megatron's examples/mixtral/train_mixtral_8x7b_distributed.sh, its data flags replaced by mock data
+MIXTRAL = ["pretrain", "--use-mcore-models", "--disable-bias-linear", "--seq-length", "4096",
+           "--max-position-embeddings", "32768", "--num-layers", "32", "--hidden-size", "4096",
+           "--ffn-hidden-size", "14336", "--num-attention-heads", "32", "--init-method-std", "0.01",
+           "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--normalization", "RMSNorm",
+           "--position-embedding-type", "rope", "--swiglu", "--untie-embeddings-and-output-weights",
+           "--group-query-attention", "--num-query-groups", "8", "--no-masked-softmax-fusion",
+           "--no-position-embedding", "--rotary-base", "1000000", "--num-experts", "8", "--moe-router-topk", "2",
+           "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm",
+           "--moe-token-dispatcher-type", "alltoall", "--overlap-param-gather", "--overlap-grad-reduce",
+           "--mock-data", "--vocab-size", "32000", "--split", "99990,8,2", "--micro-batch-size", "1",
+           "--global-batch-size", "256", "--lr", "1e-4", "--train-iters", "500000", "--lr-decay-iters", "320000",
+           "--lr-decay-style", "cosine", "--min-lr", "1.0e-5", "--weight-decay", "0.1", "--lr-warmup-iters", "500",
+           "--clip-grad", "1.0", "--bf16", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size",
+           "4", "--expert-model-parallel-size", "8", "--use-distributed-optimizer", "--sequence-parallel",
+           "--log-interval", "1", "--save-interval", "10000", "--eval-interval", "1000", "--eval-iters", "10",
+           "--no-load-optim", "--no-load-rng", "--dry-run", "--world-size", "64"]
+
+
+def _mixtral(tmp_path):
+    return MIXTRAL + ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+
+
+def test_mixtral_example_dry_runs_unchanged_with_sp_turned_off_at_tp_1(tmp_path, capsys):
+    assert main(_mixtral(tmp_path)) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "note: --sequence-parallel is turned off at --tensor-model-parallel-size 1" in out
+    assert "TP 1 × CP 1 × PP 4 × DP 16" in out
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--moe-router-load-balancing-type", "sinkhorn"],
+     "--moe-router-load-balancing-type sinkhorn: not supported by meshlm, which has aux_loss"),
+    (["--position-embedding-type", "learned_absolute"],
+     "--no-position-embedding is deprecated (as in Megatron) and allowed only with --position-embedding-type rope"),
+])
+def test_mixtral_flags_refuse_what_meshlm_cannot_do_in_one_line(tmp_path, capsys, argv, expected):
+    assert main(_mixtral(tmp_path) + argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err, err
+
+
+def test_load_balancing_none_applies_no_aux_loss():
+    from meshlm.config import ModelConfig
+    from meshlm.model.moe import aux_coeff
+    m = ModelConfig(num_experts=4, moe_aux_loss_coeff=1e-2)
+    assert aux_coeff(m) == 1e-2
+    m.moe_router_load_balancing_type = "none"
+    assert aux_coeff(m) == 0.0

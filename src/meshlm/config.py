@@ -66,6 +66,9 @@ class ModelConfig:
                             "the exact erf form", action="store_true")
     position_embedding_type: str = opt("learned_absolute", "position embeddings",
                                        choices=["learned_absolute", "rope"])
+    add_position_embedding: bool = opt(True, "deprecated in Megatron: allowed only with --position-embedding-type "
+                                       "rope, where it changes nothing", flag="--no-position-embedding",
+                                       action="store_false")
     rotary_base: float = opt(10000.0, "RoPE base theta")
     rotary_percent: float = opt(1.0, "RoPE rotates the first int(this × head dim) dimensions of each head, "
                                 "the rest pass through (partial rotary, e.g. GPT-NeoX 0.25)")
@@ -90,6 +93,9 @@ class ModelConfig:
                                          choices=["softmax", "sigmoid"])
     moe_router_pre_softmax: bool = opt(False, "softmax over all experts before the top-k (gates not "
                                        "renormalised)", action="store_true")
+    moe_router_load_balancing_type: str = opt(
+        "aux_loss", "router load balancing: aux_loss (the --moe-aux-loss-coeff loss) or none (no aux loss); "
+        "Megatron's other kinds are refused")
     moe_aux_loss_coeff: float = opt(0.0, "load-balancing loss coefficient α (Switch/GShard: α·E·Σ f_i·P_i)")
     moe_z_loss_coeff: Optional[float] = opt(None, "router z-loss coefficient (ST-MoE: mean logsumexp²)")
     moe_router_enable_expert_bias: bool = opt(

@@ -44,10 +44,13 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     missing, and a loss scaler there only hides that). --bf16 is accepted on CPU so one config
     runs on both kinds of machine; the trainer keeps fp32 there and prints a note. cuda: whether
     the workers have CUDA (default: whether this machine has; --dry-run assumes GPU workers).
+    As Megatron's validate_args, it turns --sequence-parallel off at TP = 1 (:func:`notes` says so).
     """
     sizes, problems = _numeric_problems(cfg)
     if sizes:  # the checks below divide by these values
         raise ConfigError(sizes + problems)
+    if cfg.parallel.tensor_model_parallel_size == 1:  # Megatron's validate_args turns SP off (notes say so)
+        cfg.parallel.sequence_parallel = False
     world = world_size_of(cfg) if world is None else world
     problems += _layout_problems(cfg, world)
     problems += _model_problems(cfg.model)
@@ -129,8 +132,6 @@ def _layout_problems(cfg: Config, world: int) -> list:
     problems += _accumulation_problems(t, dp)
     problems += _rampup_problems(cfg, world, dp)
     problems += _tp_split_problems(cfg)
-    if p.sequence_parallel and tp == 1:
-        problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
     problems += _context_problems(cfg)
     if p.overlap_param_gather and not p.use_distributed_optimizer:
         problems.append("--overlap-param-gather needs --use-distributed-optimizer")
@@ -148,6 +149,9 @@ def _moe_problems(cfg: Config, world: int) -> list:
     if not m.num_experts:
         return [f"--expert-model-parallel-size {ep} needs --num-experts"] if ep > 1 else []
     problems = []
+    if m.moe_router_load_balancing_type not in ("aux_loss", "none"):
+        problems.append(f"--moe-router-load-balancing-type {m.moe_router_load_balancing_type}: not supported by "
+                        f"meshlm, which has aux_loss (with --moe-aux-loss-coeff) and none")
     try:
         moe_layer_pattern(m)
     except ConfigError as e:
@@ -243,6 +247,9 @@ def _model_problems(m: ModelConfig) -> list:
         problems.append(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
                         f"{m.max_position_embeddings}; raise --max-position-embeddings or shorten "
                         f"--seq-length")
+    if not m.add_position_embedding and m.position_embedding_type != "rope":  # as Megatron's validate_args
+        problems.append("--no-position-embedding is deprecated (as in Megatron) and allowed only with "
+                        "--position-embedding-type rope; use --position-embedding-type instead")
     if m.position_embedding_type == "rope" and head_dim(m) % 2:
         problems.append(f"--position-embedding-type rope needs an even head dimension, got {head_dim(m)} "
                         f"(--hidden-size / --num-attention-heads, or --kv-channels)")
@@ -508,6 +515,9 @@ def notes(cfg: Config) -> list:
     if moe and not m.num_experts:
         lines.append(f"{' '.join(moe)} ignored without --num-experts: every layer keeps a dense MLP; add "
                      f"--num-experts N for MoE layers")
+    if cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size == 1:
+        lines.append("--sequence-parallel is turned off at --tensor-model-parallel-size 1 (as Megatron does): "
+                     "it splits activations over TP ranks, and there is one")
     if m.num_query_groups and not m.group_query_attention:
         lines.append(f"--num-query-groups {m.num_query_groups} is ignored without --group-query-attention "
                      f"(as in Megatron): every attention head keeps its own key/value head; add "

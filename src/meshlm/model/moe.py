@@ -128,6 +128,12 @@ def drop(gates: torch.Tensor, routing_map: torch.Tensor, cap: int, policy: str =
     return gates * keep, keep
 
 
+def aux_coeff(cfg) -> float:
+    """The load-balancing loss coefficient in effect: --moe-aux-loss-coeff, or 0 under
+    --moe-router-load-balancing-type none (Megatron applies no aux loss then)."""
+    return cfg.moe_aux_loss_coeff if cfg.moe_router_load_balancing_type == "aux_loss" else 0.0
+
+
 def aux_loss(logits: torch.Tensor, k: int, score_function: str, coeff: float, group=None) -> tuple:
     """(loss, tokens per expert [E]) of Switch/GShard balancing: coeff · E/(k·T²) · Σ_i P_i · f_i, with
     P_i the summed scores of this rank's rows and f_i the routes of the top-k of those scores
@@ -270,11 +276,11 @@ class MoELayer(nn.Module):
         if cfg.moe_expert_capacity_factor is not None:
             cap = capacity(tokens.shape[0], cfg.num_experts, cfg.moe_router_topk, cfg.moe_expert_capacity_factor)
             gates, routing_map = drop(gates, routing_map, cap, cfg.moe_token_drop_policy)
-        if training and cfg.moe_aux_loss_coeff:
-            aux, _ = aux_loss(logits, cfg.moe_router_topk, cfg.moe_router_score_function, cfg.moe_aux_loss_coeff,
+        if training and aux_coeff(cfg):
+            aux, _ = aux_loss(logits, cfg.moe_router_topk, cfg.moe_router_score_function, aux_coeff(cfg),
                               self.token_group)
             if record:
-                state.record(self.layer, aux=aux / cfg.moe_aux_loss_coeff)
+                state.record(self.layer, aux=aux / aux_coeff(cfg))
             gates = AttachLoss.apply(gates, aux * self._token_weight(tokens), state)
         kept = routing_map.sum(0)
         if record:
@@ -339,7 +345,7 @@ def routing_stats(chunks, ps, cfg) -> dict:
         routes, aux, z, calls = table[layer, E:].tolist()
         if calls:
             out[layer] = {"tokens": table[layer, :E].tolist(), "routes": routes,
-                          "aux": aux * shares / calls if cfg.moe_aux_loss_coeff else None,  # shares add up
+                          "aux": aux * shares / calls if aux_coeff(cfg) else None,  # shares add up
                           "z": z / calls if cfg.moe_z_loss_coeff else None}  # each rank's is a mean
     return out
 
