@@ -15,8 +15,10 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_llama3_8b
 
 def _gpt3(tmp_path):
     """Megatron's examples/gpt3/train_gpt3_175b_distributed.sh flags, paths replaced."""
-    for name in ("vocab.json", "merges.txt", "d_text_document.bin", "d_text_document.idx"):
+    for name in ("d_text_document.bin", "d_text_document.idx"):
         (tmp_path / name).write_text("x")
+    (tmp_path / "vocab.json").write_text('{"<|endoftext|>": 0, "a": 1, "b": 2}')  # a GPT-2 vocabulary of 3
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
     return ["pretrain", "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
             "--seq-length", "2048", "--max-position-embeddings", "2048", "--attention-backend", "auto",
             "--micro-batch-size", "1", "--global-batch-size", "1536",
@@ -47,6 +49,7 @@ def test_gpt3_example_without_missing_flags_dry_runs(tmp_path, capsys):
     assert main(argv + ["--tokenizer-type", "GPT2BPETokenizer"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "TP 8 × CP 1 × PP 16 × DP 8" in out and "global 1536" in out and "12+4+2" not in out
+    assert f"(vocabulary 3, {tmp_path / 'vocab.json'})" in out  # the --vocab-file's size, not GPT-2's 50257
     assert not (tmp_path / "ckpt").exists()
 
 

@@ -8,6 +8,7 @@ activations per layer and in flight, logits), the same figures `meshlm plan` pri
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from .config import (Config, batch_schedule, dp_size, ffn_hidden, global_batch, head_dim, max_positions,
@@ -18,11 +19,15 @@ _GPT2_VOCAB = 50257
 
 
 def vocab_of(cfg: Config) -> tuple:
-    """(vocabulary size, how it was found): --vocab-size, the tokenizer's, or an assumption."""
+    """(vocabulary size, how it was found): the tokenizer's (its files read where they exist),
+    --vocab-size, or an assumption (GPT-2's 50257 for GPT2BPETokenizer without its files).
+    Raises DataError (one line) for a tokenizer file that does not read."""
     d = cfg.data
     from .data.tokenizer import EXTRA_TYPES, build_tokenizer
     if d.tokenizer_type in (*EXTRA_TYPES, "HuggingFaceTokenizer") and d.tokenizer_model:  # one-line errors
         return build_tokenizer(d, cfg.model.vocab_size).vocab_size, d.tokenizer_model
+    if d.tokenizer_type == "GPT2BPETokenizer" and all(p and os.path.isfile(p) for p in (d.vocab_file, d.merge_file)):
+        return build_tokenizer(d).vocab_size, d.vocab_file
     if cfg.model.vocab_size:
         return cfg.model.vocab_size, "--vocab-size"
     if d.tokenizer_type == "GPT2BPETokenizer":
