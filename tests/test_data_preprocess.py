@@ -258,3 +258,28 @@ def test_an_output_prefix_that_cannot_be_written_is_refused_before_tokenizing(tm
 def test_a_directory_given_as_input_is_named(tmp_path):
     with pytest.raises(DataError, match=f"--input {tmp_path} is a directory; give the files in it"):
         preprocess_files([str(tmp_path)], str(tmp_path / "out"), null_cfg(), VOCAB)
+
+
+def _megatron_argv(tmp_path, n_docs):
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": f"{i % 50} {i % 7}"}) + "\n" for i in range(n_docs)))
+    return ["preprocess", "--input", str(path), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", str(VOCAB), "--append-eod", "--workers", "1"]
+
+
+def test_megatron_preprocess_flags_are_accepted_and_log_interval_prints_progress(tmp_path, capsys):
+    from meshlm.cli import main
+    argv = _megatron_argv(tmp_path, 5000) + ["--log-interval", "1000", "--partitions", "1", "--keep-newlines",
+                                             "--lang", "english", "--keep-sequential-samples"]
+    assert main(argv) == 0, capsys.readouterr().err
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("preprocess: ")]
+    assert progress and len(progress) <= 5 and "5,000 documents" in progress[-1]
+    assert len(IndexedDataset(str(tmp_path / "out_text_document"))) == 5000
+
+
+def test_split_sentences_is_refused_in_one_line_naming_it(tmp_path, capsys):
+    from meshlm.cli import main
+    assert main(_megatron_argv(tmp_path, 3) + ["--split-sentences"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--split-sentences: meshlm does not split" in err
+    assert not (tmp_path / "out_text_document.bin").exists()

@@ -19,9 +19,11 @@ import argparse
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Optional
 
 from ..config import TOKENIZER_TYPES, DataConfig
 from ..errors import ConfigError, DataError
@@ -99,11 +101,14 @@ def _progress(total_bytes: int, quiet: bool):
 
 
 def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_keys=("text",),
-                     append_eod: bool = False, workers: int = 1, quiet: bool = False) -> PreprocessStats:
+                     append_eod: bool = False, workers: int = 1, quiet: bool = False,
+                     log_interval: Optional[int] = None) -> PreprocessStats:
     """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.bin/.idx``; return the stats.
 
     tok_cfg: tokenizer fields (tokenizer_type, tokenizer_model, vocab_file, merge_file), e.g. a
     DataConfig. workers > 1 tokenizes in a process pool (order of documents is kept).
+    log_interval: off a terminal (no progress bar), a progress line on stderr each time this many
+    more documents are done (Megatron's --log-interval); None: none.
     Raises ConfigError for bad flags or an output that cannot be written, DataError when an input
     is missing, no record at all is usable, or every usable record's text is empty for some key; on
     any error nothing is written and no temporary file is left.
@@ -112,6 +117,8 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
     keys = check_json_keys(json_keys)
     if workers < 1:
         raise ConfigError(f"--workers {workers}: use 1 or more tokenizer processes")
+    if log_interval is not None and log_interval < 1:
+        raise ConfigError(f"--log-interval {log_interval}: use 1 or more documents between progress lines")
     tok_cfg = SimpleNamespace(**{k: getattr(tok_cfg, k, None) for k in TOKENIZER_FIELDS})
     tokenizer = build_tokenizer(tok_cfg, vocab_size)
     prefixes = [f"{output_prefix}_{key}_document" for key in keys]
@@ -121,7 +128,7 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
     try:
         for prefix in prefixes:
             writers.append(IndexedDatasetWriter(prefix, token_dtype(tokenizer.vocab_size)))
-        stats, text_tokens = _write(inputs, writers, tokenizer, keys, append_eod, workers, quiet)
+        stats, text_tokens = _write(inputs, writers, tokenizer, keys, append_eod, workers, quiet, log_interval)
         _check_written(inputs, stats, keys, text_tokens)
         for writer in writers:
             writer.finalize()
@@ -133,12 +140,13 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
     return stats
 
 
-def _write(inputs, writers, tokenizer, keys, append_eod, workers, quiet) -> tuple:
+def _write(inputs, writers, tokenizer, keys, append_eod, workers, quiet, log_interval=None) -> tuple:
     """Tokenize every record into the writers → (stats, per-key count of text tokens)."""
     stats = PreprocessStats()
     start = time.perf_counter()
     progress, task = _progress(sum(os.path.getsize(p) for p in inputs), quiet)
     text_tokens = [0] * len(keys)
+    lines = log_interval if log_interval and not quiet and progress.disable else None
     pool = None
     if workers > 1:
         pool = multiprocessing.get_context().Pool(workers, _init_worker, (tokenizer, keys, append_eod, True))
@@ -160,6 +168,9 @@ def _write(inputs, writers, tokenizer, keys, append_eod, workers, quiet) -> tupl
                 dt = max(time.perf_counter() - start, 1e-9)
                 progress.update(task, advance=nbytes, docs=stats.documents, dps=stats.documents / dt,
                                 tps=stats.tokens / dt)
+                if lines and stats.documents // lines > (stats.documents - len(good)) // lines:
+                    print(f"preprocess: {stats.documents:,} documents, {stats.documents / dt:,.0f} docs/s, "
+                          f"{stats.tokens / dt:,.0f} tokens/s", file=sys.stderr, flush=True)
     finally:
         if pool is not None:
             pool.terminate()
@@ -200,6 +211,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="TikTokenizer: the first special tokens")
     parser.add_argument("--append-eod", action="store_true", help="append the end-of-document id to each document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--log-interval", type=int, default=None,
+                        help="documents between progress lines when stderr is not a terminal (a terminal "
+                             "shows a progress bar) [default: no lines]")
+    parser.add_argument("--partitions", type=int, default=1,
+                        help="accepted with no effect: meshlm reads the inputs once and spreads the "
+                             "tokenizing over --workers processes, writing one .bin/.idx per key")
+    parser.add_argument("--keep-newlines", action="store_true",
+                        help="accepted with no effect: it only matters with --split-sentences (each "
+                             "document's text is tokenized as it is, newlines kept)")
+    parser.add_argument("--split-sentences", action="store_true",
+                        help="refused: meshlm does not split documents into sentences")
+    parser.add_argument("--lang", default="english",
+                        help="accepted with no effect: the sentence splitter's language (no --split-sentences here)")
+    parser.add_argument("--keep-sequential-samples", action="store_true",
+                        help="accepted with no effect: documents are always written in input order")
 
 
 def report(stats: PreprocessStats) -> None:
@@ -212,8 +238,12 @@ def report(stats: PreprocessStats) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``meshlm preprocess``: returns 0 when a dataset was written (DataError otherwise)."""
+    """``meshlm preprocess``: returns 0 when a dataset was written (DataError otherwise).
+    Raises ConfigError for --split-sentences (Megatron's sentence splitting, which meshlm lacks)."""
+    if args.split_sentences:
+        raise ConfigError("--split-sentences: meshlm does not split documents into sentences; drop it to "
+                          "tokenize each document whole (split the text into sentences first if you need them)")
     stats = preprocess_files(args.input, args.output_prefix, args, args.vocab_size, args.json_keys,
-                             args.append_eod, args.workers)
+                             args.append_eod, args.workers, log_interval=args.log_interval)
     report(stats)
     return 0
