@@ -300,3 +300,17 @@ def test_moe_flags_without_num_experts_are_noted(capsys):
                          "--moe-router-topk", "1", "--moe-aux-loss-coeff", "0.01", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "note: --moe-router-topk --moe-aux-loss-coeff ignored without --num-experts" in out
+
+
+def test_generate_on_a_hugging_face_folder_says_to_convert_it_not_to_give_save(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "model.safetensors").write_bytes(b"")  # only its name matters before conversion
+    err = _refused(capsys, ["generate", "--load", str(tmp_path), "--prompt", "x"])
+    assert f"is a Hugging Face folder, not a meshlm checkpoint; convert it first: meshlm convert --from-hf " \
+           f"{tmp_path} --save CKPT_DIR" in err and "--save " + str(tmp_path) not in err
+
+
+def test_generate_on_a_folder_that_is_no_checkpoint_suggests_no_save(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("x")
+    err = _refused(capsys, ["generate", "--load", str(tmp_path), "--prompt", "x"])
+    assert "is not a meshlm checkpoint directory" in err and "--save" in err and "give --save" not in err

@@ -343,7 +343,7 @@ def _choose(root: str, iteration: Optional[int], checksums: bool) -> tuple:
             raise CheckpointError(f"--load {root}: {what}; point --load at a folder written by --save")
         iteration = read_tracker(root)
         if iteration is None:
-            problems = check_loadable(root)
+            problems = check_loadable(root, fresh=False)  # loading now: no fresh start to suggest
             raise CheckpointError(problems[0] if problems else
                                   f"--load {root}: no {TRACKER}; point --load at a folder written by --save")
         candidates = [iteration] + [it for it in reversed(complete_iterations(root)) if it < iteration]
@@ -406,11 +406,12 @@ def complete_iterations(root: str) -> list:
     return sorted(found)
 
 
-def check_loadable(load: Optional[str], save: Optional[str] = None) -> list:
+def check_loadable(load: Optional[str], save: Optional[str] = None, fresh: bool = True) -> list:
     """Problems with ``--load load`` found from the file system alone (no tensor is read), one line
     each; [] when it can be loaded (possibly from an older checkpoint than the tracker's, see
     ``checkpoint_dir``), or when it is the --save directory without a checkpoint yet (a fresh
-    start). A --load that does not exist is left to meshlm.validate.
+    start). A --load that does not exist is left to meshlm.validate. fresh: whether the hint for a
+    folder that is no checkpoint may suggest --save (pretrain's; False when only loading).
 
     Meant to run before workers start (meshlm.validate) and again in the trainer.
     """
@@ -434,8 +435,12 @@ def check_loadable(load: Optional[str], save: Optional[str] = None) -> list:
             return []
         empty = not [name for name in os.listdir(load) if name != LOCK_FILE]
         what = "is empty" if empty else "is not a meshlm checkpoint directory"
-        return [f"--load {load} {what} (no {TRACKER}); point --load at a run's --save directory, "
-                f"or give --save {load} too to start fresh there"]
+        from .hf import is_hf_folder
+        if is_hf_folder(load) and not fresh:
+            return [f"--load {load} is a Hugging Face folder, not a meshlm checkpoint; convert it first: "
+                    f"meshlm convert --from-hf {load} --save CKPT_DIR, then --load CKPT_DIR"]
+        hint = f", or give --save {load} too to start fresh there" if fresh else ""
+        return [f"--load {load} {what} (no {TRACKER}); point --load at a run's --save directory{hint}"]
     try:
         _choose(load, None, False)
     except CheckpointError as e:
