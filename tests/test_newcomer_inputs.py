@@ -314,3 +314,10 @@ def test_generate_on_a_folder_that_is_no_checkpoint_suggests_no_save(tmp_path, c
     (tmp_path / "notes.txt").write_text("x")
     err = _refused(capsys, ["generate", "--load", str(tmp_path), "--prompt", "x"])
     assert "is not a meshlm checkpoint directory" in err and "--save" in err and "give --save" not in err
+
+
+def test_plan_turns_sequence_parallel_off_at_tp_1_as_a_launch_does(capsys):
+    assert main(["plan", "--model", "llama-1b", "--seq-length", "2048", "--micro-batch-size", "1",
+                 "--global-batch-size", "64", "--bf16", "--mock-data", "--vocab-size", "32000", "--num-gpus", "8",
+                 "--gpus-per-node", "8", "--gpu", "H100-80GB", "--sequence-parallel", "--top", "1"]) == 0
+    assert "your layout TP 1 × PP 1 × DP 8," in capsys.readouterr().out

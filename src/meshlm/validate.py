@@ -49,8 +49,7 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     sizes, problems = _numeric_problems(cfg)
     if sizes:  # the checks below divide by these values
         raise ConfigError(sizes + problems)
-    if cfg.parallel.tensor_model_parallel_size == 1:  # Megatron's validate_args turns SP off (notes say so)
-        cfg.parallel.sequence_parallel = False
+    adjust(cfg)
     world = world_size_of(cfg) if world is None else world
     problems += _layout_problems(cfg, world)
     problems += _model_problems(cfg.model)
@@ -504,6 +503,13 @@ def _output_problems(cfg: Config) -> list:
     folders = [("--save", c.save), ("--run-dir", lg.run_dir), ("--log-dir", lg.log_dir),
                ("--tensorboard-dir", lg.tensorboard_dir), ("--data-cache-path", cfg.data.data_cache_path)]
     return [p for p in (output_folder_problem(flag, path) for flag, path in folders if path) if p]
+
+
+def adjust(cfg: Config) -> None:
+    """What Megatron's validate_args changes rather than refuses: --sequence-parallel is turned off
+    at TP = 1 (there is nothing to split it over; :func:`notes` says so at start)."""
+    if cfg.parallel.tensor_model_parallel_size == 1:
+        cfg.parallel.sequence_parallel = False
 
 
 def notes(cfg: Config) -> list:
