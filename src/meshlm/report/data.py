@@ -117,7 +117,7 @@ def load_run(path: str, name: Optional[str] = None) -> RunData:
         elif "iter_ms" in rec:
             run.train.append(rec)
     if records and not any(isinstance(rec, dict) and "iteration" in rec for rec in records):
-        raise DataError(f"{metrics}: not a meshlm metrics file (none of its {len(records)} records has an "
+        raise DataError(f"{metrics}: not a meshlm metrics file (none of its records has an "
                         f"\"iteration\"); give a run directory or the metrics.jsonl `meshlm pretrain` wrote")
     run.train.sort(key=lambda r: r["iteration"])
     run.evals.sort(key=lambda r: r["iteration"])
