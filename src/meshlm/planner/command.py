@@ -50,7 +50,8 @@ def plan_vocab(cfg) -> tuple:
     The plan needs only shapes, so no data or tokenizer file has to exist."""
     from ..dry_run import vocab_of
     d = cfg.data
-    absent = [f"--{name.replace('_', '-')} {getattr(d, name)}" for name in ("tokenizer_model", "vocab_file", "merge_file")
+    absent = [f"--{name.replace('_', '-')} {getattr(d, name)}"
+              for name in ("tokenizer_model", "vocab_file", "merge_file")
               if getattr(d, name) and not os.path.exists(getattr(d, name))]
     if not absent:
         return vocab_of(cfg)
