@@ -1,5 +1,5 @@
 # Two commands do everything: `make train` (train on the embedded default) and `make test`.
-# A local virtual environment (.venv) is created on first use with a CPU build of torch.
+# A local virtual environment (.venv) is created on first use, with $(TORCH) from the configured pip index.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin

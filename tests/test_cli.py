@@ -168,3 +168,34 @@ def test_the_embedded_default_takes_train_samples_and_a_users_warmup(extra, iter
     fraction = _embedded("--lr-warmup-fraction", "0.1")  # formerly refused: the default's iterations stayed
     assert fraction.optimizer.lr_warmup_iters == 0
     validate(fraction, check_files=False)
+
+
+def test_a_fresh_run_sets_an_earlier_runs_logs_aside_and_a_resume_keeps_them(tmp_path, monkeypatch, capsys):
+    """--run-dir re-used without --load: the earlier run's logs and config.yaml are renamed (one note
+    names where), never overwritten; with --load (a resume) they stay for the trainer to trim."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+
+    def resolve(*extra):
+        resolve_config(build_parser("pretrain").parse_args(["pretrain", *TINY, "--run-dir", "run", *extra]))
+        return [x for x in capsys.readouterr().out.splitlines() if "earlier run" in x]
+
+    assert resolve() == []  # an empty run directory: nothing to move
+    (run / "logs").mkdir()
+    (run / "logs" / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    (run / "logs" / "rank0.log").write_text("first run\n")
+    [note] = resolve()
+    [old_logs] = [p for p in run.iterdir() if p.name.startswith("logs.")]
+    [old_config] = [p for p in run.iterdir() if p.name.startswith("config.") and p.name != "config.yaml"]
+    assert f"run/{old_logs.name} " in note and f"run/{old_config.name} " in note and "--load" in note
+    assert (old_logs / "metrics.jsonl").read_text() == '{"iteration": 1}\n'
+    assert (old_logs / "rank0.log").read_text() == "first run\n" and not (run / "logs").exists()
+    assert (run / "config.yaml").exists() and old_config.read_text()
+    (run / "logs").mkdir()
+    (run / "logs" / "metrics.jsonl").write_text('{"iteration": 2}\n')
+    assert resolve("--load", "ckpt", "--save", "ckpt") == []  # a resume keeps its logs
+    assert (run / "logs" / "metrics.jsonl").read_text() == '{"iteration": 2}\n'
+    (run / "metrics.jsonl").write_text('{"iteration": 3}\n')  # --log-dir = the run dir: its files move
+    [note] = resolve("--log-dir", "run")
+    [inner] = [p for p in run.glob("logs.*/metrics.jsonl") if p.read_text() == '{"iteration": 3}\n']
+    assert f"run/{inner.parent.name} " in note and not (run / "metrics.jsonl").exists()

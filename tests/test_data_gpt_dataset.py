@@ -144,15 +144,16 @@ def test_build_datasets_single_prefix_sizes_and_zero_weight_split(tmp_path):
 
 
 def test_an_empty_test_split_is_not_built_and_noted_in_one_line(tmp_path, capsys):
-    make_dataset(tmp_path / "d", n_docs=292)  # 969,30,1 → test = sequences [292, 292)
+    make_dataset(tmp_path / "d", n_docs=292)  # 969,30,1 → test = documents [292, 292)
     train, valid, test = build_datasets(config([str(tmp_path / "d")], split="969,30,1"))
     assert test is None and len(train) > 0 and len(valid) > 0
     notes = [line for line in capsys.readouterr().out.splitlines() if line]
     assert len(notes) == 1 and "test split" in notes[0] and "--split 969,30,1" in notes[0]
+    assert "the test split (documents [292, 292) of 292;" in notes[0]  # the 292 are documents, not samples
 
 
 def test_an_empty_valid_split_is_not_built_without_evaluation(tmp_path):
-    make_dataset(tmp_path / "d", n_docs=10)  # 969,30,1 → valid = sequences [10, 10)
+    make_dataset(tmp_path / "d", n_docs=10)  # 969,30,1 → valid = documents [10, 10)
     train, valid, test = build_datasets(config([str(tmp_path / "d")], split="969,30,1", eval_iters=0))
     assert len(train) > 0 and valid is None and test is None
 

@@ -94,6 +94,19 @@ def test_import_at_tp1_gives_transformers_logits_and_export_loads_back(hf, arch,
     assert (_logits(back, hf["tokens"]) - expected).abs().max() < ATOL
 
 
+@pytest.mark.parametrize("shard_bytes", [1 << 20, 40])
+def test_exported_files_get_the_mode_of_any_new_file(tmp_path, shard_bytes):
+    """model*.safetensors get 0666 less the umask, as config.json does (safetensors alone writes 0600)."""
+    from meshlm.checkpoint.hf import write_hf_folder
+    mask = os.umask(0o022)
+    try:
+        files = write_hf_folder(str(tmp_path), {"a": torch.zeros(8), "b": torch.ones(8)}, {"x": 1}, shard_bytes)
+    finally:
+        os.umask(mask)
+    assert len(files) == (2 if shard_bytes > 64 else 4)  # 40: a shard per tensor, the index
+    assert {f: oct(os.stat(tmp_path / f).st_mode & 0o777) for f in files} == {f: "0o644" for f in files}
+
+
 def _gather_vocab(logits, ps):
     from meshlm.parallel import comm
     return comm.all_gather(logits.contiguous(), ps.tp_group, -1) if ps.tp > 1 else logits

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -72,3 +73,23 @@ def test_explain_oom_names_prediction_allocation_and_fixes():
     assert "planner's prediction per GPU: weights" in msg and "activations" in msg
     assert "allocated when it failed" in msg
     assert "layouts that fit (planner): " in msg and ("--recompute" in msg or "--micro-batch-size 1" in msg)
+
+
+def test_plan_a_cluster_script_whose_files_are_not_here(tmp_path, monkeypatch, capsys):
+    """The shipped llama3-8b example (data and tokenizer paths of a cluster, --overlap-param-gather) is
+    planned on a machine without those files: one note names the assumed vocabulary."""
+    example = str(Path(__file__).resolve().parent.parent / "examples" / "llama3-8b.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--config", example, "--num-gpus", "8", "--json"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["layouts"] and "problems" not in doc["current"]
+    note = [x for x in captured.err.splitlines() if "note:" in x]
+    assert len(note) == 1 and "llama3/tokenizer.json not found" in note[0]
+    assert f"vocabulary {doc['model']['vocab_size']} " in note[0]
+    assert main(["plan", "--model", "llama3-8b", "--data-path", "/cluster/data/x_text_document", "--tokenizer-type",
+                 "HuggingFaceTokenizer", "--tokenizer-model", "/cluster/tok.json", "--vocab-size", "128256",
+                 "--micro-batch-size", "1", "--global-batch-size", "128", "--bf16", "--num-gpus", "8", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["model"]["vocab_size"] == 128256
+    assert "vocabulary 128256 (--vocab-size)" in captured.err

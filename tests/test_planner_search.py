@@ -50,3 +50,21 @@ def test_scaling_near_linear_in_a_node_sublinear_across():
     assert dp64.time.bottleneck.startswith("DP gradient reduction over the inter-node link")
     assert "intra-node" in evaluate(cfg, Layout(dp=8, micro_batch=4, overlap_grad_reduce=True), H100, 50257,
                                     8).time.bottleneck or best[8].time.dp_exposed < 0.05 * best[8].time.total
+
+
+def test_overlap_param_gather_kept_with_zero1_dropped_without():
+    """examples/llama3-8b.yaml's parallel flags (ZeRO-1 + --overlap-param-gather) on a small model: the
+    search's candidates without ZeRO-1 must not carry --overlap-param-gather (validate refuses it), so
+    layouts are found and the user's own layout is not excluded."""
+    cfg = cfg_of("--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
+                 "--max-position-embeddings", "512", "--vocab-size", "1024", "--tensor-model-parallel-size", "2",
+                 "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                 "--overlap-param-gather", "--micro-batch-size", "1", "--global-batch-size", "128", "--bf16",
+                 "--recompute-activations")
+    fits, excluded = search(cfg, 8, H100, 1024, gpus_per_node=8)
+    assert fits and not [e for e in excluded if "overlap-param-gather" in e["reason"]]
+    assert any(not f.layout.distributed_optimizer for f in fits)
+    mine = Layout.of(cfg, 8)
+    assert mine.distributed_optimizer and mine.describe() in {f.layout.describe() for f in fits}
+    assert mine.apply(cfg).parallel.overlap_param_gather  # the user's choice kept with ZeRO-1
+    assert not Layout(tp=2, dp=4, sequence_parallel=True).apply(cfg).parallel.overlap_param_gather

@@ -110,6 +110,10 @@ def test_load_run_names_a_missing_run_and_a_bad_line(tmp_path):
     (tmp_path / "logs" / "metrics.jsonl").write_text(json.dumps(_records(1)[0]) + "\n{oops\n")
     with pytest.raises(DataError, match="line 2: not JSON"):
         load_run(str(tmp_path))
+    corpus = tmp_path / "corpus.jsonl"  # a jsonl that is not a metrics file: one line naming it
+    corpus.write_text('{"text": "hello"}\n{"text": "world"}\n')
+    with pytest.raises(DataError, match=f"^{corpus}: not a meshlm metrics file"):
+        load_run(str(corpus))
 
 
 def test_nice_ticks_cover_the_range():

@@ -111,6 +111,8 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
     world = world_size_of(cfg)
     validate(cfg, world, check_files=not embedded)
     _lock(held, run_dir, "--run-dir", run_dir)
+    if not cfg.checkpoint.load and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        _set_aside(run_dir, os.path.dirname(launch.worker_log_path(cfg, 0)))
     if embedded:
         from .data.corpus import prepare_default_corpus
         print("meshlm: no --data-path, --train-data-path or --mock-data: training on the embedded default "
@@ -129,6 +131,19 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
     dump_yaml(cfg, path)
     print(f"meshlm: config {path}", flush=True)
     return cfg
+
+
+def _set_aside(run_dir: str, log_dir: str) -> None:
+    """A fresh run (no --load; not a torchrun restart, whose attempts share one log) into a run
+    directory holding an earlier run's logs: rename them aside (run_logs.py) and print where."""
+    from .run_logs import set_aside_old_logs
+    try:
+        note = set_aside_old_logs(run_dir, log_dir)
+    except OSError as e:
+        raise ConfigError([f"--run-dir {run_dir}: cannot move the earlier run's logs aside ({e.strerror}: "
+                           f"{e.filename}); give another --run-dir or move them yourself"]) from None
+    if note:
+        print(f"meshlm: note: {note}", flush=True)
 
 
 def _config_and_source(args: argparse.Namespace) -> tuple:

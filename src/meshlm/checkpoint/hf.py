@@ -249,6 +249,14 @@ def to_hf_tensors(full: dict, arch: str, m: C.ModelConfig) -> dict:
     return out
 
 
+def _new_file_mode(path: str) -> None:
+    """Give ``path`` the mode of any new file (0666 less the umask, e.g. 0644): safetensors writes
+    its file 0600, so others on a shared cluster could not read exported weights."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def write_hf_folder(out: str, tensors: dict, hf_config: dict, max_shard_bytes: int) -> list:
     """Write config.json and the weights: model.safetensors, or when larger than max_shard_bytes,
     model-0000i-of-0000n.safetensors with model.safetensors.index.json (transformers' layout).
@@ -270,6 +278,7 @@ def write_hf_folder(out: str, tensors: dict, hf_config: dict, max_shard_bytes: i
     for file, names in zip(files, shards):
         shard = {n: tensors[n].clone(memory_format=torch.contiguous_format) for n in names}
         save_file(shard, os.path.join(out, file), metadata={"format": "pt"})
+        _new_file_mode(os.path.join(out, file))
         del shard
         written.append(file)
     if len(shards) > 1:

@@ -145,6 +145,12 @@ def _item(x: np.ndarray, seq_length: int, packing: Packing | None = None) -> dic
     return packing.apply(item) if packing else item
 
 
+def documents(begin: int, end: int, total: int) -> str:
+    """A split's range in words: --split divides the .idx's sequences (as Megatron's GPTDataset
+    does), which are its documents unless it was preprocessed with --split-sentences."""
+    return f"documents [{begin}, {end}) of {total}; sentences if preprocessed with --split-sentences"
+
+
 class GPTDataset:
     """``num_samples`` (at least; len() is every whole sample of the epochs used) GPT samples from
     sequences [begin, end) of an indexed dataset.
@@ -178,8 +184,8 @@ class GPTDataset:
         paths = [f"{base}-{name}.npy" for name in ("document_index", "sample_index", "shuffle_index")]
         desc_path = f"{base}-description.txt"
         if not indexed.sequence_lengths[begin:end].any():  # checked on every rank: no one waits in vain
-            raise DataError(f"--data-path {indexed.prefix}: the {split} split (sequences [{begin}, {end}) "
-                            f"of {len(indexed)}) holds no tokens; change --split {split_string} or add documents")
+            raise DataError(f"--data-path {indexed.prefix}: the {split} split ({documents(begin, end, len(indexed))}) "
+                            f"holds no tokens; change --split {split_string} or add documents")
         distributed = torch.distributed.is_initialized()
         rank0 = not distributed or torch.distributed.get_rank() == 0
         self.cache_hit = all(os.path.isfile(p) for p in paths + [desc_path])
@@ -285,7 +291,7 @@ def _drop_empty_splits(split: str, indexed: list, ranges: list, needed: list) ->
             continue
         ds, (lo, hi) = indexed[empty[0]], ranges[empty[0]][s]
         where = (f"--data-path {ds.prefix}: --split {split} leaves the {name} split "
-                 f"(sequences [{lo}, {hi}) of {len(ds)})")
+                 f"({documents(lo, hi, len(ds))})")
         if name == "test":
             build[s] = False
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:

@@ -9,7 +9,10 @@ layouts fastest first with their exact flags, and why every other layout is excl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import sys
 
 from ..config import default_nproc, global_batch
 from .gpus import OVERRIDES, PRESETS, GiB, resolve_gpu, save_profile
@@ -40,9 +43,28 @@ def _row(name: str, lay: Layout, mem, time) -> str:
             f"{time.tokens_per_s:>11,.0f} {time.mfu:>5.3f}  {' '.join(lay.flags())}")
 
 
+def plan_vocab(cfg) -> tuple:
+    """(vocabulary size, how it was found) for the plan: ``dry_run.vocab_of``, except that a tokenizer
+    file that is not on this machine (a cluster launch script's path) is not read: the vocabulary is
+    then --vocab-size or vocab_of's default for the tokenizer type, and one note on stderr says which.
+    The plan needs only shapes, so no data or tokenizer file has to exist."""
+    from ..dry_run import vocab_of
+    d = cfg.data
+    absent = [f"--{name.replace('_', '-')} {getattr(d, name)}"
+              for name in ("tokenizer_model", "vocab_file", "merge_file")
+              if getattr(d, name) and not os.path.exists(getattr(d, name))]
+    if not absent:
+        return vocab_of(cfg)
+    vocab, source = vocab_of(dataclasses.replace(cfg, data=dataclasses.replace(
+        d, tokenizer_model=None, vocab_file=None, merge_file=None)))
+    print(f"meshlm plan: note: {', '.join(absent)} not found here; planning with vocabulary {vocab} "
+          f"({source}){'' if source == '--vocab-size' else '; give --vocab-size N for the real one'}",
+          file=sys.stderr, flush=True)
+    return vocab, f"{source} ({', '.join(absent)} not found)"
+
+
 def run(args: argparse.Namespace, config_and_source) -> int:
     """Run `meshlm plan` with parsed args; config_and_source is cli._config_and_source."""
-    from ..dry_run import vocab_of
     from .memory import estimate
     from ..config import moe_layer_pattern
     from .search import LONG_SEQUENCE, evaluate, layout_problems, search
@@ -70,7 +92,7 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     gpu = resolve_gpu(args.gpu, args.gpu_profile, {k: getattr(args, "gpu_" + k.replace("-", "_")) for k in OVERRIDES})
     world = args.num_gpus if args.num_gpus is not None else default_nproc(cfg)
     per_node = min(args.gpus_per_node, world)
-    vocab, source = vocab_of(cfg)
+    vocab, source = plan_vocab(cfg)
     cfg.training.global_batch_size = global_batch(cfg, world) or cfg.training.micro_batch_size
     half = cfg.training.bf16 or cfg.training.fp16
     mine = Layout.of(cfg, world)

@@ -65,7 +65,8 @@ class Layout:
 
     def apply(self, cfg: Config) -> Config:
         """A copy of ``cfg`` with this layout (its --nproc-per-node set to the layout's world). The
-        global batch stays cfg's --global-batch-size, which the planner sets before it searches."""
+        global batch stays cfg's --global-batch-size, which the planner sets before it searches. cfg's
+        --overlap-param-gather is kept where the layout has ZeRO-1 and dropped where it has not."""
         c = copy.deepcopy(cfg)
         p, t = c.parallel, c.training
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size = self.tp, self.pp
@@ -79,6 +80,8 @@ class Layout:
         t.recompute_granularity, t.recompute_method = self.recompute.granularity, self.recompute.method
         t.recompute_num_layers = self.recompute.num_layers
         p.overlap_grad_reduce = self.overlap_grad_reduce
+        # --overlap-param-gather overlaps ZeRO-1's all-gather: a layout without ZeRO-1 has none to overlap
+        p.overlap_param_gather = p.overlap_param_gather and self.distributed_optimizer
         return c
 
     def flags(self) -> list:

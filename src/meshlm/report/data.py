@@ -98,7 +98,8 @@ def _read_config(run_dir: str) -> dict:
 
 def load_run(path: str, name: Optional[str] = None) -> RunData:
     """Read the run at ``path`` (see metrics_path). name: its label in legends (default: the run
-    directory's name). DataError naming the file and line of a record that is not JSON."""
+    directory's name). DataError naming the file and line of a record that is not JSON, or the file
+    when none of its records is meshlm's (another jsonl, e.g. a corpus)."""
     metrics = metrics_path(path)
     logs = os.path.dirname(os.path.abspath(metrics))
     run_dir = os.path.dirname(logs) if os.path.basename(logs) == "logs" else logs
@@ -107,13 +108,17 @@ def load_run(path: str, name: Optional[str] = None) -> RunData:
     run = RunData(name=name or os.path.basename(os.path.normpath(os.path.abspath(run_dir))),
                   path=run_dir, config=_read_config(run_dir))
     from ..folders import read_jsonl
-    for rec in read_jsonl(metrics, DataError, "a metrics.jsonl that `meshlm pretrain` wrote"):
+    records = read_jsonl(metrics, DataError, "a metrics.jsonl that `meshlm pretrain` wrote")
+    for rec in records:
         if not isinstance(rec, dict):
             continue
         if "val_loss" in rec:
             run.evals.append(rec)
         elif "iter_ms" in rec:
             run.train.append(rec)
+    if records and not any(isinstance(rec, dict) and "iteration" in rec for rec in records):
+        raise DataError(f"{metrics}: not a meshlm metrics file (none of its records has an "
+                        f"\"iteration\"); give a run directory or the metrics.jsonl `meshlm pretrain` wrote")
     run.train.sort(key=lambda r: r["iteration"])
     run.evals.sort(key=lambda r: r["iteration"])
     return run
