@@ -35,6 +35,9 @@ def tail(path: str, lines: int = 8) -> str:
     return "\n".join(open(path, errors="replace").read().splitlines()[-lines:])
 
 
+CRED_EXPIRE_S = 15
+
+
 def slurm_conf(folder: str, host: str, cpus: int) -> str:
     """slurm.conf for one node ``host`` (``cpus`` CPUs, reached at 127.0.0.1) in a partition
     "debug"; daemons as root, state, spool, pid and log files in ``folder``, ports picked free."""
@@ -45,7 +48,9 @@ def slurm_conf(folder: str, host: str, cpus: int) -> str:
         f"SlurmctldPort={_free_port()}",
         f"SlurmdPort={_free_port()}",
         "SlurmUser=root", "SlurmdUser=root",
-        "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={f}/munge.sock",
+        # cred_expire: how long a requeued job waits before it may start again (default 120 s);
+        # sooner, slurmd still holds the first attempt's revoked credential and kills the start
+        "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={f}/munge.sock,cred_expire={CRED_EXPIRE_S}",
         f"StateSaveLocation={f}/state", f"SlurmdSpoolDir={f}/spool",
         f"SlurmctldPidFile={f}/slurmctld.pid", f"SlurmdPidFile={f}/slurmd.pid",
         f"SlurmctldLogFile={f}/slurmctld.log", f"SlurmdLogFile={f}/slurmd.log",

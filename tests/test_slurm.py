@@ -145,16 +145,13 @@ def _assert_resumed_as_uninterrupted(run_dir, reference):
 
 
 def _second_attempt_ended(slurm, job: str) -> bool:
-    """True once the requeued job has run to its end; a requeued job waiting for its start time
-    (Slurm holds it about two minutes: EligibleTime) is let start now, once the node is idle: a
-    start while the first attempt's processes are still cleaned up ("comp") fails at once (seen
-    on a 2-core CI host: FAILED, ExitCode 1:0, RunTime 0)."""
+    """True once the requeued job has run to its end. Slurm starts it by itself after the
+    credential lifetime (slurm_cluster.CRED_EXPIRE_S, EligibleTime); a start forced sooner
+    (scontrol update StartTime=now) is killed: "Killing non-startable batch JobId=2: Job
+    credential revoked" (seen on CI: FAILED, ExitCode 1:0, RunTime 0)."""
     state = slurm.job(job)
-    if state.get("Restarts") != "1":
-        return False
-    if state["JobState"] == "PENDING" and slurm.node_state() == "idle":
-        slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
-    return state["JobState"] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED")
+    return state.get("Restarts") == "1" and \
+        state["JobState"] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED")
 
 
 def test_real_slurm_job_saves_on_the_warning_requeues_and_resumes(slurm, reference, tmp_path):
@@ -178,7 +175,7 @@ def test_real_slurm_job_saves_on_the_warning_requeues_and_resumes(slurm, referen
         _wait_for(lambda: WAITING in _read(log), f"iteration {STOP_AT} of job {job}", explain=explain)
         slurm.run("scancel", "--signal=TERM", "--batch", job)  # what --signal=B:TERM@120 sends
         _wait_for(lambda: _second_attempt_ended(slurm, job), "the requeue and the second attempt",
-                  explain=explain)
+                  timeout=TIMEOUT_S + slurm_cluster.CRED_EXPIRE_S, explain=explain)
     finally:
         if slurm.job(job)["JobState"] in ("PENDING", "RUNNING"):
             slurm.run("scancel", job)
