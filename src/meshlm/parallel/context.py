@@ -287,7 +287,7 @@ def _accumulators(q):
 
 
 def _lse_for_backward(q, lse):
-    """The merged lse as the piece kernels take it: fp32 for the flash kernels."""
+    """The merged lse as the piece kernels take it: fp32 for the fused (cuDNN, flash) kernels."""
     return lse.float() if q.is_cuda and q.dtype in HALF else lse
 
 
