@@ -4,6 +4,12 @@
 a free port, calls ``fn(rank, world_size, *args)`` in each and returns the list of their return
 values (rank order). An exception in any worker fails the caller with that worker's traceback.
 Return values must be picklable (move tensors to CPU; prefer plain floats/lists/tensors).
+
+gloo workers are forked from one forkserver per test session that has already imported torch and
+meshlm (``PRELOAD``): a worker starts in milliseconds instead of paying the ~2 s of imports a fresh
+interpreter costs, and each test still gets processes of its own (nothing leaks between tests: the
+server itself never runs a torch op, initialises a process group or touches CUDA). NCCL workers
+are spawned, so that CUDA starts in a clean process.
 """
 
 from __future__ import annotations
@@ -16,6 +22,18 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+PRELOAD = ["torch", "torch.distributed", "meshlm.training.trainer", "meshlm.checkpoint.convert",
+           "meshlm.training.generate", "distributed", "parity"]
+
+
+def _context(backend: str):
+    if backend == "nccl":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _free_port() -> int:
@@ -49,7 +67,7 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo"):
     backend "nccl": rank r uses GPU r (the GPU tests)."""
     with tempfile.TemporaryDirectory() as outdir:
         port = _free_port()
-        ctx = mp.get_context("spawn")
+        ctx = _context(backend)
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, outdir, backend))
                  for r in range(world_size)]
         for p in procs:
