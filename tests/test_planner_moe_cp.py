@@ -36,7 +36,7 @@ def cfg_of(*argv):
 # ----------------------------------------------------------------------------- model state, exactly
 
 def _built_state(rank, world, argv):
-    from meshlm.optim.optimizer import build_optimizer
+    from meshlm.optim.distributed import build_optimizer
     from meshlm.parallel.data import DistributedDataParallel
     from meshlm.parallel.mesh import ParallelState
     from meshlm.parallel.pipeline import build_model_chunks

@@ -205,7 +205,7 @@ def _trainer_load(folder: str) -> list:
     only checkpoint of a scratch --load directory (a link and a tracker), so an iter_ folder that
     is not the latest is loaded as itself."""
     from ..data.tokenizer import build_tokenizer
-    from ..optim.optimizer import build_optimizer
+    from ..optim.distributed import build_optimizer
     from ..optim.schedule import scheduler_for
     from ..parallel.data import DistributedDataParallel
     from ..parallel.mesh import ParallelState

@@ -40,7 +40,7 @@ from ..data.sources import blends, prefixes as data_prefixes
 from ..data.tokenizer import NullTokenizer, build_tokenizer
 from ..errors import CheckpointError, DataError, TrainingError
 from ..model.moe import routing_stats
-from ..optim.optimizer import build_optimizer
+from ..optim.distributed import build_optimizer
 from ..batches import BatchSchedule
 from ..optim.schedule import scheduler_for
 from ..parallel import comm
