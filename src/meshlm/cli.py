@@ -189,7 +189,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     validate(cfg, world, check_files=not embedded, cuda=True)
     for line in report(cfg, world):
         print(f"meshlm: dry run: {line}", flush=True)
-    from .dry_run import vocab_of
+    from .data.tokenizer import vocab_of
     from .planner.gpus import PRESETS
     from .planner.lint import lint
     for warning in lint(cfg, world, min(world, default_nproc(cfg)), PRESETS["H100-80GB"], vocab_of(cfg)[0]):

@@ -31,7 +31,7 @@ which MoE needs at TP > 1); R = k·T their routes; E experts of width f_e, EP ra
   (bf16/fp16 only), and a shared expert's fc1 and activation outputs as a dense MLP of width f_s (the
   aux and z losses keep a few more T × E fp32 tensors, left out; so is the per-layer transient of
   the exchange buffers, freed before the next layer).
-- Model state: a rank holds E/EP experts per MoE layer (``dry_run.stage_params``); their gradients
+- Model state: a rank holds E/EP experts per MoE layer (``planner/params.py``); their gradients
   are reduced over, and under ZeRO-1 their optimizer state sharded over, the expert-data-parallel
   group of DP × CP / EP ranks (parallel/data.py, optim/distributed.py), the rest over DP × CP.
 
