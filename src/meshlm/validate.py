@@ -467,7 +467,7 @@ def _file_problems(cfg: Config) -> list:
     if load and not os.path.isdir(load) and load != cfg.checkpoint.save:
         what = "a file, not a directory" if os.path.exists(load) else "no such directory"
         problems.append(f"--load {load}: {what} (with --save {load} too, a fresh run starts there)")
-    from .checkpoint.hf import is_hf_folder
+    from .checkpoint.hf_config import is_hf_folder
     if load and is_hf_folder(load):  # a Hugging Face model to fine-tune
         from .checkpoint.convert import hf_load_problems
         problems += hf_load_problems(load, cfg.model)

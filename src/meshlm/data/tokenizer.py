@@ -21,7 +21,7 @@ import json
 import os
 from typing import Optional
 
-from ..config import TOKENIZER_TYPES
+from ..config import TOKENIZER_TYPES, Config
 from ..errors import ConfigError, DataError
 from .outputs import check_output_file, replacing
 from .records import BadRecords, check_inputs, check_json_keys, iter_texts
