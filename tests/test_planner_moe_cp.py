@@ -22,7 +22,7 @@ from meshlm.planner.layout import Layout
 from meshlm.planner.memory import estimate, layer_bytes
 from meshlm.planner.moe_cp import cp_seconds, ep_seconds, kv_bytes, moe_mlp_terms
 from meshlm.planner.search import evaluate, search
-from meshlm.training.metrics import mlp_flops_per_token
+from meshlm.flops import mlp_flops_per_token
 
 H100 = PRESETS["H100-80GB"]
 

@@ -39,6 +39,7 @@ from ..data.loader import rank_loader
 from ..data.sources import blends, prefixes as data_prefixes
 from ..data.tokenizer import NullTokenizer, build_tokenizer
 from ..errors import CheckpointError, DataError, TrainingError
+from ..flops import flops_per_iteration
 from ..model.moe import routing_stats
 from ..optim.distributed import build_optimizer
 from ..batches import BatchSchedule
@@ -54,7 +55,7 @@ from ..parallel.pipeline import (bubble_fraction, build_model_chunks, forward_ba
                                 virtual_size)
 from .faults import LossSpikes, nan_origin
 from . import profiling, progress
-from .metrics import MetricsLogger, flops_per_iteration
+from .metrics import MetricsLogger
 from .stop_signal import SignalFlag
 from .stragglers import StragglerWatch
 
