@@ -27,7 +27,7 @@ from ..config import Config, num_microbatches as config_num_microbatches
 from .. import fast
 from ..dtypes import at_least_fp32
 from ..errors import ConfigError
-from ..training.profiling import annotate
+from ..profile_ranges import annotate
 from . import watchdog
 from .context import sequence_loss_tokens
 from .mesh import ParallelState

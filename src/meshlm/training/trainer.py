@@ -53,6 +53,7 @@ from ..parallel import watchdog
 from ..parallel.random import MODEL_PARALLEL_SEED_OFFSET
 from ..parallel.pipeline import (bubble_fraction, build_model_chunks, forward_backward, reduce_losses,
                                 virtual_size)
+from ..profile_ranges import annotate
 from .faults import LossSpikes, nan_origin
 from . import profiling, progress
 from .metrics import MetricsLogger
@@ -382,7 +383,7 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     loss_t = reduce_losses(outputs, ps, t.calculate_per_token_loss)
     read_loss = _start_read(loss_t)  # copied before the step's sync: reading it waits for no update
     watchdog.at(it, "optimizer step")
-    with profiling.annotate("optimizer step"):
+    with annotate("optimizer step"):
         result = run.opt.step(loss_t)  # its grad norm is the step's one host sync; a NaN loss skips it too
     loss = read_loss()
     nan = not math.isfinite(loss)
