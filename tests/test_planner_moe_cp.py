@@ -39,7 +39,7 @@ def _built_state(rank, world, argv):
     from meshlm.optim.distributed import build_optimizer
     from meshlm.parallel.data import DistributedDataParallel
     from meshlm.parallel.mesh import ParallelState
-    from meshlm.parallel.pipeline import build_model_chunks
+    from meshlm.model.chunks import build_model_chunks
     cfg = cfg_of(*argv)
     p = cfg.parallel
     ps = ParallelState.build(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,

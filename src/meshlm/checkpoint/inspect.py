@@ -205,11 +205,11 @@ def _trainer_load(folder: str) -> list:
     only checkpoint of a scratch --load directory (a link and a tracker), so an iter_ folder that
     is not the latest is loaded as itself."""
     from ..data.tokenizer import build_tokenizer
+    from ..model.chunks import build_model_chunks
     from ..optim.distributed import build_optimizer
     from ..optim.schedule import scheduler_for
     from ..parallel.data import DistributedDataParallel
     from ..parallel.mesh import ParallelState
-    from ..parallel.pipeline import build_model_chunks
     from ..training import trainer
     cfg = _config_at(folder, (1, 1, 1))
     iteration = ckpt.read_manifest(folder)["iteration"]

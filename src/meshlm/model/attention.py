@@ -185,3 +185,12 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g.contiguous()
+
+
+def attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """document_ids int64 [b, s] → bool [b, 1, s, s], True where query i may attend to key j:
+    j ≤ i and both in one document (SDPA's boolean convention; Megatron's mask is its negation)."""
+    s = document_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    return (same & causal)[:, None]

@@ -40,6 +40,7 @@ from ..data.sources import blends, prefixes as data_prefixes
 from ..data.tokenizer import NullTokenizer, build_tokenizer
 from ..errors import CheckpointError, DataError, TrainingError
 from ..flops import flops_per_iteration
+from ..model.chunks import build_model_chunks
 from ..model.moe import routing_stats
 from ..optim.distributed import build_optimizer
 from ..batches import BatchSchedule
@@ -51,8 +52,7 @@ from ..parallel.data import DistributedDataParallel
 from ..parallel.mesh import ParallelState, init_distributed
 from ..parallel import watchdog
 from ..parallel.random import MODEL_PARALLEL_SEED_OFFSET
-from ..parallel.pipeline import (bubble_fraction, build_model_chunks, forward_backward, reduce_losses,
-                                virtual_size)
+from ..parallel.pipeline import bubble_fraction, forward_backward, reduce_losses, virtual_size
 from ..profile_ranges import annotate
 from .faults import LossSpikes, nan_origin
 from . import profiling, progress
