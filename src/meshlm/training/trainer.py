@@ -49,11 +49,12 @@ from ..parallel import comm
 from ..parallel.agree import first_problem
 from ..parallel.context import split_batches
 from ..parallel.data import DistributedDataParallel
-from ..parallel.mesh import ParallelState, init_distributed
+from ..parallel.mesh import ParallelState, init_distributed, local_rank
 from ..parallel import watchdog
 from ..parallel.random import MODEL_PARALLEL_SEED_OFFSET
 from ..parallel.pipeline import bubble_fraction, forward_backward, reduce_losses, virtual_size
 from ..profile_ranges import annotate
+from ..run_logs import worker_log_path
 from .faults import LossSpikes, nan_origin
 from . import profiling, progress
 from .metrics import MetricsLogger
@@ -146,8 +147,7 @@ def pretrain(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> dict:
 
 
 def _heartbeat_log(cfg: C.Config, rank: int) -> Optional[str]:
-    """This rank's log (launch.py's ``rank<R>.log``), where heartbeats go; None without a log dir."""
-    from ..launch import worker_log_path
+    """This rank's log (run_logs.py's ``rank<R>.log``), where heartbeats go; None without a log dir."""
     return worker_log_path(cfg, rank) if cfg.logging.log_dir or cfg.logging.run_dir else None
 
 
@@ -192,7 +192,7 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
         print("note: --bf16/--fp16 ignored on CPU; training in fp32", flush=True)
     tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
     check_data_vocab(cfg, tokenizer.vocab_size, ps)
-    train_ds, valid_ds, _ = build_datasets(cfg, ps=ps)
+    train_ds, valid_ds, _ = build_datasets(cfg, ps=ps, local_rank=local_rank())
     t0 = time.perf_counter()
     chunks = build_model_chunks(cfg, ps, tokenizer.vocab_size, dtype)
     if ps.device.type == "cuda":
