@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, config_and_source) -> int:
         from ..errors import ConfigError
         raise ConfigError(cluster)
     cfg, _ = config_and_source(args)
-    from ..validate import adjust
+    from ..parallel.layout_rules import adjust
     adjust(cfg)  # as a launch would: no SP at TP = 1
     if args.calibrate:
         from .calibrate import calibrate
