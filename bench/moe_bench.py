@@ -43,7 +43,7 @@ SHAPES = {  # preset, flags, baseline shape (the preset's numbers), micro-batch,
 def model_flops_per_token(preset: str, flags: list) -> float:
     """meshlm's model FLOPs per token (forward + backward) of the preset with the flags."""
     from meshlm.config import Config, padded_vocab_size
-    from meshlm.model.presets import apply_preset
+    from meshlm.presets import apply_preset
     from meshlm.flops import flops_per_iteration
     cfg = Config()
     apply_preset(cfg, preset)

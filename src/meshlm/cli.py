@@ -241,7 +241,7 @@ def _add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    import_module(".checkpoint.inspect", __package__).add_arguments(parser)
+    import_module(".inspect_checkpoint", __package__).add_arguments(parser)
 
 
 def _add_pretrain(parser: argparse.ArgumentParser) -> None:

@@ -250,7 +250,7 @@ def _data_problems(cfg: Config) -> list:
     if files and not d.tokenizer_type and not vocab:
         problems.append(f"{files[0]} needs --tokenizer-type (or --vocab-size with NullTokenizer)")
     if cfg.model_preset:
-        from .model.presets import PRESETS
+        from .presets import PRESETS
         if cfg.model_preset not in PRESETS:
             problems.append(f"--model {cfg.model_preset!r} is not a preset; choose one of {', '.join(PRESETS)}")
     return problems
