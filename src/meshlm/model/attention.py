@@ -10,6 +10,9 @@ of Q and columns of the output projection — and:
   computes that slice of k/v, and the slices are all-gathered over TP (backward reduce-scatters
   the grads, so each weight row gets the sum from every rank that used it). Every parameter stays
   uniquely sharded, so gradient norms and optimizer sharding need no special case.
+
+``attention_mask``: the block-diagonal causal mask of packed documents (--reset-attention-mask,
+data/packing.py's ``document_ids``).
 """
 
 from __future__ import annotations

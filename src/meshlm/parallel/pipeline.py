@@ -1,4 +1,4 @@
-"""Pipeline parallelism: stage partition, model chunks, and the forward/backward of one step.
+"""Pipeline parallelism: stage partition, and the forward/backward of one step over the model chunks.
 
 ``forward_backward`` is the entry point every run uses, PP = 1 included: it builds this rank's
 instruction list (``schedules.build_schedule``: none, GPipe, 1F1B or interleaved 1F1B) and
@@ -11,7 +11,7 @@ last rank's count and the rest is split evenly over the middle ranks. With v vir
 (``--virtual-pipeline-model-parallel-size`` or ``--num-layers-per-virtual-pipeline-stage``) each
 rank's layers are split into v chunks, and local chunk c of rank r is model stage s = c·PP + r;
 model stages hold consecutive layers in stage order. Stage 0 holds the embedding, the last stage
-the final norm, output layer and loss.
+the final norm, output layer and loss (model/chunks.py builds the chunks of this rank).
 """
 
 from __future__ import annotations
