@@ -10,9 +10,9 @@ Shape: preset ``mixtral-small`` (16 layers, h 1024, 16 heads / 8 KV groups, 8 Sw
 --mock-data; --tiny: preset ``mixtral-tiny`` at sequence 128 on CPU. Baseline first, then meshlm
 (default fast path), each its own process; per side the median of the iterations after --warmup
 (wall clock of the whole step). FLOPs per token are meshlm's model FLOPs
-(training/metrics.py ``flops_per_iteration``: the k routed experts a token uses, the router,
+(meshlm/flops.py ``flops_per_iteration``: the k routed experts a token uses, the router,
 attention, logits; ×3 for backward) for both sides, so TFLOP/s and MFU compare like with like;
-MFU against the dense bf16 peak of ``metrics.PEAK_TFLOPS`` (n/a on CPU). meshlm's row also keeps
+MFU against the dense bf16 peak of ``flops.PEAK_TFLOPS`` (n/a on CPU). meshlm's row also keeps
 the routing figures of its last logged iteration (tokens per expert imbalance, aux loss).
 One JSON row goes to --results ("bench": "moe"); the markdown table to stdout and <out>/moe_bench.md.
 """
@@ -43,8 +43,8 @@ SHAPES = {  # preset, flags, baseline shape (the preset's numbers), micro-batch,
 def model_flops_per_token(preset: str, flags: list) -> float:
     """meshlm's model FLOPs per token (forward + backward) of the preset with the flags."""
     from meshlm.config import Config, padded_vocab_size
-    from meshlm.model.presets import apply_preset
-    from meshlm.training.metrics import flops_per_iteration
+    from meshlm.presets import apply_preset
+    from meshlm.flops import flops_per_iteration
     cfg = Config()
     apply_preset(cfg, preset)
     m = cfg.model
@@ -84,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from meshlm.training.metrics import peak_tflops
+    from meshlm.flops import peak_tflops
     preset, flags, shape, micro, iters, warmup = SHAPES["tiny" if args.tiny else "full"]
     micro = args.micro_batch or micro
     os.makedirs(args.out, exist_ok=True)

@@ -2,7 +2,7 @@
 
 Usage (the lent H200, one GPU, from the repository root):
     PYTHONPATH=src python bench/plan_check.py --out $OUT [--date D] [case ...]
-    PYTHONPATH=src python bench/plan_check.py --tiny          # CPU smoke run: tiny shapes, no files written
+    PYTHONPATH=src python bench/plan_check.py --tiny          # CPU smoke run: tiny shapes, no results rows
 
 Each case is a `meshlm pretrain` command line on --mock-data (as bench/bench.py launches them: llama-1b
 and llama-3b shapes at sequence 2048, bf16, the default fast path), run as its own process for
@@ -10,7 +10,8 @@ and llama-3b shapes at sequence 2048, bf16, the default fast path), run as its o
 and the median ``iter_ms`` after --warmup iterations, from the run's metrics.jsonl. Predicted: the
 planner's ``memory.estimate(...).peak_bytes`` (what max_memory_allocated counts: no CUDA context) and
 ``cost.step_time(...).total`` with the H200-141GB preset — the same constants for every case (bench/runs.py). Prints
-the table (markdown) with % errors; appends one JSON row per case to --results and, with --record, the
+the table (markdown) with % errors and writes it, with each run's log, under --out (default $OUT, else
+bench/out/plan_check, which git ignores); appends one JSON row per case to --results and, with --record, the
 table as a section of bench/RESULTS.md. Targets: memory within 10%, step time within 15%.
 """
 
@@ -61,7 +62,9 @@ def measure(name: str, flags: list, out: str, iters: int, warmup: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cases", nargs="*")
-    ap.add_argument("--out", default=os.environ.get("OUT", "plan-check-out"))
+    default_out = os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "out", "plan_check"))
+    ap.add_argument("--out", default=default_out,
+                    help="the runs' logs and plan_check.md (default $OUT, else bench/out/plan_check, git-ignored)")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results.jsonl"))
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--iters", type=int, default=7)

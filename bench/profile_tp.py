@@ -14,9 +14,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from meshlm.config import Config
-from meshlm.model.presets import apply_preset
+from meshlm.presets import apply_preset
 from meshlm.parallel.mesh import ParallelState
-from meshlm.parallel.pipeline import build_model_chunks, forward_backward
+from meshlm.model.chunks import build_model_chunks
+from meshlm.parallel.pipeline import forward_backward
 
 MICRO, MB, SEQ, VOCAB = 8, 4, 1024, 50257
 

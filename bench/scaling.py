@@ -31,7 +31,7 @@ around every forward and backward, so one iteration in ``log`` pays that.
 
 Figures: tokens/s of the job; scaling = tokens/s ÷ the same run's 1-GPU tokens/s (target for DP 2,
 with or without the distributed optimizer: ≥ 1.90, goal 1.95); MFU and TFLOP/s/GPU as metrics.jsonl
-logs them (training/metrics.py: model FLOPs ÷ world ÷ 989.4 TFLOP/s); peak = mem_max_allocated_gb of
+logs them (meshlm/flops.py: model FLOPs ÷ world ÷ 989.4 TFLOP/s); peak = mem_max_allocated_gb of
 the logging rank (last stage, first TP/DP rank); exposed communication and bubble = `meshlm
 analyze`'s step breakdown (planner/analyze.py: comm_share by kind, measured bubble). Under the fast
 path TP's collectives run inside compiled layers and are not timed; the planner's shares (column

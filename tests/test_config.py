@@ -12,7 +12,7 @@ import torch
 from meshlm.config import (Config, add_config_args, config_from_args, dump_yaml, head_dim,
                            moe_ffn, moe_layer_pattern, query_groups)
 from meshlm.errors import ConfigError
-from meshlm.model.presets import PRESETS, apply_preset
+from meshlm.presets import PRESETS, apply_preset
 from meshlm.validate import notes, validate
 
 

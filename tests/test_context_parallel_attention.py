@@ -23,7 +23,7 @@ def _inputs(s: int, groups: int, packed: bool):
 
 
 def _reference(s, groups, packed):
-    from meshlm.data.packing import attention_mask
+    from meshlm.model.attention import attention_mask
 
     q, k, v, dout, docs = _inputs(s, groups, packed)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))

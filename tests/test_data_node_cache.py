@@ -1,6 +1,6 @@
 """The sample-index cache on nodes that share no file system: global rank 0 builds, then each
 other node's local rank 0 builds what its own cache folder lacks, the same files; every rank reads
-its node's copy. 4 gloo ranks as 2 "nodes" of 2 (LOCAL_RANK = rank % 2), one cache folder each."""
+its node's copy. 4 gloo ranks as 2 "nodes" of 2 (local rank = rank % 2), one cache folder each."""
 
 import os
 
@@ -18,12 +18,12 @@ def _node_builds(rank, world, prefix, caches, broken):
     once more with node 1's folder ``broken`` (under a regular file: not writable by anyone)."""
     from meshlm.data.indexed import IndexedDataset
     from meshlm.errors import DataError
-    os.environ["LOCAL_RANK"] = str(rank % PER_NODE)
-    node, indexed = rank // PER_NODE, IndexedDataset(prefix)
-    first = GPTDataset(indexed, "train", (0, 100), 50, SEQ, seed=3, cache_dir=caches[node])
-    again = GPTDataset(indexed, "train", (0, 100), 50, SEQ, seed=3, cache_dir=caches[node])
+    node, local, indexed = rank // PER_NODE, rank % PER_NODE, IndexedDataset(prefix)
+    first = GPTDataset(indexed, "train", (0, 100), 50, SEQ, seed=3, cache_dir=caches[node], local_rank=local)
+    again = GPTDataset(indexed, "train", (0, 100), 50, SEQ, seed=3, cache_dir=caches[node], local_rank=local)
     try:
-        GPTDataset(indexed, "train", (0, 100), 50, SEQ, seed=3, cache_dir=[caches[0], broken][node])
+        GPTDataset(indexed, "train", (0, 100), 50, SEQ, seed=3, cache_dir=[caches[0], broken][node],
+                   local_rank=local)
         error = None
     except DataError as e:
         error = str(e)

@@ -9,7 +9,8 @@ import torch
 
 from meshlm.data.gpt_dataset import GPTDataset
 from meshlm.data.indexed import IndexedDataset, IndexedDatasetWriter
-from meshlm.data.packing import Packing, attention_mask
+from meshlm.data.packing import Packing
+from meshlm.model.attention import attention_mask
 from test_data_gpt_dataset import megatron_gpt_dataset
 
 VOCAB, SEQ, EOD = 500, 16, 499

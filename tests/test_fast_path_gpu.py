@@ -6,7 +6,7 @@ import torch
 from meshlm.config import Config
 from meshlm.model.recompute import Recompute
 from meshlm.model.transformer import GPTModel
-from meshlm.optim.optimizer import build_optimizer
+from meshlm.optim.distributed import build_optimizer
 from meshlm.parallel.data import DistributedDataParallel
 from meshlm.parallel.mesh import ParallelState
 

@@ -1,4 +1,4 @@
-"""training.metrics: the FLOPs formula, the MFU peak table, the log line, TensorBoard (and its absence)."""
+"""training.metrics and meshlm.flops: the FLOPs formula, the MFU peak table, the log line, TensorBoard (and its absence)."""
 
 import json
 
@@ -7,6 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from meshlm.config import Config, padded_vocab_size
+from meshlm import flops
 from meshlm.errors import ConfigError
 from meshlm.model.transformer import GPTModel
 from meshlm.parallel.mesh import ParallelState
@@ -28,7 +29,7 @@ def test_flops_equal_narayanan_formula_for_gpt():
     m = _model_cfg(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048)
     B, V, L, h, s = 512, 51200, 24, 2048, 2048
     paper = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
-    assert metrics.flops_per_iteration(m, B, V) == pytest.approx(paper, rel=1e-12)
+    assert flops.flops_per_iteration(m, B, V) == pytest.approx(paper, rel=1e-12)
 
 
 @pytest.mark.parametrize("kw", [{}, {"swiglu": True, "group_query_attention": True, "num_query_groups": 2}])
@@ -44,17 +45,17 @@ def test_flops_match_the_matmuls_torch_counts_in_forward_and_backward(kw):
     d = m.hidden_size // m.num_attention_heads
     core = 3 * B * m.num_layers * 4 * m.seq_length ** 2 * m.num_attention_heads * d
     expected = counter.get_total_flops() + core
-    assert metrics.flops_per_iteration(m, B, padded_vocab_size(vocab, 16, 1)) == expected
+    assert flops.flops_per_iteration(m, B, padded_vocab_size(vocab, 16, 1)) == expected
 
 
 def test_peak_table_knows_h100_h200_a100_and_refuses_to_guess():
-    assert metrics.peak_tflops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4
-    assert metrics.peak_tflops("NVIDIA H200", torch.bfloat16) == 989.4
-    assert metrics.peak_tflops("NVIDIA H100 PCIe", torch.float16) == 756.0
-    assert metrics.peak_tflops("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312.0
-    assert metrics.peak_tflops("NVIDIA GeForce RTX 4090", torch.bfloat16) is None
-    assert metrics.peak_tflops(None, torch.bfloat16) is None  # CPU
-    assert metrics.peak_tflops("NVIDIA H100 80GB HBM3", torch.float32) is None
+    assert flops.peak_tflops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4
+    assert flops.peak_tflops("NVIDIA H200", torch.bfloat16) == 989.4
+    assert flops.peak_tflops("NVIDIA H100 PCIe", torch.float16) == 756.0
+    assert flops.peak_tflops("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312.0
+    assert flops.peak_tflops("NVIDIA GeForce RTX 4090", torch.bfloat16) is None
+    assert flops.peak_tflops(None, torch.bfloat16) is None  # CPU
+    assert flops.peak_tflops("NVIDIA H100 80GB HBM3", torch.float32) is None
 
 
 def _logger(tmp_path, **kw):

@@ -244,7 +244,7 @@ def test_aux_loss_and_expert_bias_even_out_the_load_on_real_text(balancing):
 def test_model_flops_count_the_k_experts_a_token_uses_and_the_router():
     """Each MoE layer's MLP costs a token 2·h·k·f_e·2 (GeLU: fc1, fc2 of its k experts) + 2·h·E
     (the router) instead of the dense 2·h·4h·2; ×3 with backward, × B·s tokens."""
-    from meshlm.training.metrics import flops_per_iteration
+    from meshlm.flops import flops_per_iteration
     moe_cfg = _cfg(num_layers=4, moe_layer_freq="2", moe_router_topk=2)  # layers 0, 2: 4 experts of 8
     dense = _cfg(num_layers=4)
     dense.num_experts = None

@@ -235,7 +235,7 @@ def test_dry_run_and_plan_count_moe_parameters_as_the_built_model(capsys):
     from distributed import run_distributed
 
     from meshlm.config import default_nproc
-    from meshlm.dry_run import stage_params
+    from meshlm.planner.params import stage_params
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1", "--mock-data",
             "--vocab-size", "512", "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size",

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from meshlm.optim.optimizer import build_optimizer
+from meshlm.optim.distributed import build_optimizer
 from meshlm.parallel.data import DistributedDataParallel
 from meshlm.parallel.mesh import ParallelState
 from test_ddp import Toy, batch, make_cfg

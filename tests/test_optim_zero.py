@@ -6,7 +6,8 @@ import torch.nn as nn
 
 from distributed import run_distributed
 from meshlm.optim.distributed import DistributedOptimizer
-from meshlm.optim.optimizer import MixedPrecisionOptimizer, build_optimizer
+from meshlm.optim.distributed import build_optimizer
+from meshlm.optim.optimizer import MixedPrecisionOptimizer
 from meshlm.parallel.data import DistributedDataParallel
 from meshlm.parallel.mesh import ParallelState
 from test_ddp import Toy, batch, dp_backward, make_cfg

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from meshlm.config import ModelConfig, add_config_args, config_from_args
-from meshlm.model.presets import PRESETS
+from meshlm.presets import PRESETS
 from meshlm.planner.layout import FULL, SELECTIVE, Layout
 from meshlm.planner.memory import estimate, layer_bytes, layer_terms, state_bytes
 

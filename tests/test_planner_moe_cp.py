@@ -22,7 +22,7 @@ from meshlm.planner.layout import Layout
 from meshlm.planner.memory import estimate, layer_bytes
 from meshlm.planner.moe_cp import cp_seconds, ep_seconds, kv_bytes, moe_mlp_terms
 from meshlm.planner.search import evaluate, search
-from meshlm.training.metrics import mlp_flops_per_token
+from meshlm.flops import mlp_flops_per_token
 
 H100 = PRESETS["H100-80GB"]
 
@@ -36,10 +36,10 @@ def cfg_of(*argv):
 # ----------------------------------------------------------------------------- model state, exactly
 
 def _built_state(rank, world, argv):
-    from meshlm.optim.optimizer import build_optimizer
+    from meshlm.optim.distributed import build_optimizer
     from meshlm.parallel.data import DistributedDataParallel
     from meshlm.parallel.mesh import ParallelState
-    from meshlm.parallel.pipeline import build_model_chunks
+    from meshlm.model.chunks import build_model_chunks
     cfg = cfg_of(*argv)
     p = cfg.parallel
     ps = ParallelState.build(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,

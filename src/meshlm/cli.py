@@ -189,7 +189,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     validate(cfg, world, check_files=not embedded, cuda=True)
     for line in report(cfg, world):
         print(f"meshlm: dry run: {line}", flush=True)
-    from .dry_run import vocab_of
+    from .data.tokenizer import vocab_of
     from .planner.gpus import PRESETS
     from .planner.lint import lint
     for warning in lint(cfg, world, min(world, default_nproc(cfg)), PRESETS["H100-80GB"], vocab_of(cfg)[0]):
@@ -241,7 +241,7 @@ def _add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    import_module(".checkpoint.inspect", __package__).add_arguments(parser)
+    import_module(".inspect_checkpoint", __package__).add_arguments(parser)
 
 
 def _add_pretrain(parser: argparse.ArgumentParser) -> None:

@@ -424,7 +424,7 @@ def apply_mapping(cfg: Config, mapping: dict, source: str) -> None:
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     """Add one flag per config field, each defaulting to a sentinel so only given flags apply."""
     parser.add_argument("--config", default=None, help="YAML file of config keys (flat or by section)")
-    from .model.presets import PRESETS
+    from .presets import PRESETS
     parser.add_argument("--model", dest="model_preset", default=None, metavar="PRESET",
                         help=f"named model shape, one of {', '.join(PRESETS)} (flags override it)")
     for sec in SECTIONS:
@@ -473,7 +473,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict] = None) -> C
         preset = preset or yaml_map.get("model_preset") or (
             yaml_map.get("model") if isinstance(yaml_map.get("model"), str) else None)
     if preset:
-        from .model.presets import apply_preset
+        from .presets import apply_preset
         apply_preset(cfg, preset)
     if yaml_map:
         apply_mapping(cfg, yaml_map, source=args.config)

@@ -37,6 +37,7 @@ from typing import Callable
 
 from .config import Config
 from .errors import MeshlmError
+from .run_logs import worker_log_path
 
 WORKER_ENV = "MESHLM_WORKER"
 LAUNCHER_PID_ENV = "MESHLM_LAUNCHER_PID"
@@ -59,19 +60,6 @@ def in_launched_job() -> bool:
 def job_rank() -> int:
     """This process's global rank: RANK (torchrun), else SLURM_PROCID, else 0."""
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-
-
-def local_rank() -> int:
-    """This process's rank on its node: LOCAL_RANK (torchrun, and meshlm's own launcher), else
-    SLURM_LOCALID (srun without torchrun), else 0. Picks the GPU, and the node's leader
-    (local rank 0) does the node's file-system duties (data/gpt_dataset.py's index cache)."""
-    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
-
-
-def worker_log_path(cfg: Config, rank: int) -> str:
-    """``<log dir>/rank<R>.log``: a copy of that worker's stdout and stderr."""
-    log_dir = cfg.logging.log_dir or os.path.join(cfg.logging.run_dir or ".", "logs")
-    return os.path.join(log_dir, f"rank{rank}.log")
 
 
 def worker_threads(nproc: int) -> int:

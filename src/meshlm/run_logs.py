@@ -1,4 +1,5 @@
-"""A fresh run into a run directory that already holds a run's logs sets them aside first.
+"""The run's log files: where each rank's log goes, and a fresh run into a run directory that already
+holds a run's logs sets them aside first.
 
 A resumed run (``--load`` given) keeps its logs: the trainer trims ``metrics.jsonl`` to the loaded
 checkpoint and the rank logs append (training/metrics.py ``MetricsLogger.begin``). A fresh run (no
@@ -17,6 +18,13 @@ import time
 from typing import Optional
 
 LOG_FILES = ("metrics.jsonl", "rank*.log", "launcher.log")  # what a run writes into its log folder
+
+
+def worker_log_path(cfg, rank: int) -> str:
+    """``<log dir>/rank<R>.log`` of a Config: a copy of that worker's stdout and stderr (launch.py
+    writes it, the trainer's heartbeats go there)."""
+    log_dir = cfg.logging.log_dir or os.path.join(cfg.logging.run_dir or ".", "logs")
+    return os.path.join(log_dir, f"rank{rank}.log")
 
 
 def _free(stem: str, ext: str = "") -> str:

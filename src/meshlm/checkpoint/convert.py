@@ -34,8 +34,8 @@ import os
 from .. import config as C
 from ..errors import CheckpointError, ConfigError
 from . import dist as ckpt
-from .hf import HFWeights, full_shapes, is_hf_folder, load_into_chunks, to_hf_tensors, write_hf_folder
-from .hf_config import ARCHITECTURES, flag_problems, hf_config_from_model, model_from_hf, read_hf_config
+from .hf import HFWeights, full_shapes, load_into_chunks, to_hf_tensors, write_hf_folder
+from .hf_config import ARCHITECTURES, flag_problems, hf_config_from_model, is_hf_folder, model_from_hf, read_hf_config
 from .hf_tokenizer import export_tokenizer, import_tokenizer, write_generation_config
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

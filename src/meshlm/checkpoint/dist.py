@@ -51,6 +51,7 @@ from ..errors import CheckpointError
 from ..parallel.agree import all_problems
 from . import manifest
 from .boxes import Boxes
+from .hf_config import is_hf_folder
 from .lock import LOCK_FILE
 from .safe_read import SafeReader, _Corrupt, _TensorOnlyPlanner, _check_storage, _load_json, damaged, reading
 
@@ -435,7 +436,6 @@ def check_loadable(load: Optional[str], save: Optional[str] = None, fresh: bool 
             return []
         empty = not [name for name in os.listdir(load) if name != LOCK_FILE]
         what = "is empty" if empty else "is not a meshlm checkpoint directory"
-        from .hf import is_hf_folder
         if is_hf_folder(load) and not fresh:
             return [f"--load {load} is a Hugging Face folder, not a meshlm checkpoint; convert it first: "
                     f"meshlm convert --from-hf {load} --save CKPT_DIR, then --load CKPT_DIR"]

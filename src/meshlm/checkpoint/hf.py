@@ -36,9 +36,8 @@ import torch
 
 from .. import config as C
 from ..errors import CheckpointError
-from .hf_config import CONFIG
+from .hf_config import CONFIG, INDEX
 
-INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # buffers some HF files carry that are not weights (GPT-2's causal mask, old Llama's inv_freq)
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
@@ -113,20 +112,6 @@ def _mixtral_moe(p: str, q: str, m: C.ModelConfig) -> list:
 
 
 # ----------------------------------------------------------------------------- files
-
-def is_hf_folder(path: Optional[str]) -> bool:
-    """True when ``path`` is a folder with a Hugging Face config.json (it has a ``model_type``)
-    and safetensors weights (model.safetensors, a sharded index, or any *.safetensors)."""
-    if not path or not os.path.isfile(os.path.join(path, CONFIG)):
-        return False
-    try:
-        with open(os.path.join(path, CONFIG)) as fh:
-            if "model_type" not in json.load(fh):
-                return False
-    except (OSError, ValueError, TypeError):
-        return False
-    return any(n.endswith(".safetensors") or n == INDEX for n in os.listdir(path))
-
 
 def _weight_files(folder: str) -> dict:
     """{HF tensor name: safetensors file} of the folder (from the index when it is sharded)."""

@@ -34,9 +34,11 @@ from typing import Optional
 
 from .. import config as C
 from ..errors import CheckpointError
+from .architecture import architecture
 
 ARCHITECTURES = ("llama", "mistral", "mixtral", "gpt2")
 CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
 
 
 @dataclass
@@ -180,8 +182,7 @@ def flag_problems(hf_model: HFModel, m: C.ModelConfig, load: str) -> list:
     """Lines saying why a run with model flags ``m`` cannot load the Hugging Face model: each
     architecture flag that differs (``--flag hf=X now=Y``, then the flags to pass), and a
     --seq-length beyond Mistral's sliding window. [] when the run's model is the HF one."""
-    from .state import _architecture  # the fields that decide a model's function and shapes
-    want, now = _architecture(hf_model.model_config()), _architecture(m)
+    want, now = architecture(hf_model.model_config()), architecture(m)
     fields = {f.name: f for f in dataclasses.fields(C.ModelConfig)}
     diffs = []
     for name in want:
@@ -285,3 +286,17 @@ def hf_config_from_model(m: C.ModelConfig, vocab_size: int, arch: Optional[str] 
     else:
         out["attention_bias"] = out["mlp_bias"] = m.add_bias_linear
     return out
+
+
+def is_hf_folder(path: Optional[str]) -> bool:
+    """True when ``path`` is a folder with a Hugging Face config.json (it has a ``model_type``)
+    and safetensors weights (model.safetensors, a sharded index, or any *.safetensors)."""
+    if not path or not os.path.isfile(os.path.join(path, CONFIG)):
+        return False
+    try:
+        with open(os.path.join(path, CONFIG)) as fh:
+            if "model_type" not in json.load(fh):
+                return False
+    except (OSError, ValueError, TypeError):
+        return False
+    return any(n.endswith(".safetensors") or n == INDEX for n in os.listdir(path))

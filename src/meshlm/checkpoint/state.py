@@ -15,36 +15,12 @@ import torch
 from .. import config as C
 from ..dtypes import at_least_fp32
 from ..errors import CheckpointError, ConfigError
+from .architecture import architecture
 from .dist import CONFIG, _check_format, _unflatten, rank_trees, read_config, read_manifest, read_tensors
 from .model_space import ModelSpace
 from .safe_read import SafeReader, reading
 
 # ----------------------------------------------------------------------------- model config
-
-def _architecture(m: C.ModelConfig) -> dict:
-    """{field name: effective value} of the ModelConfig fields that decide the model's function and
-    tensor shapes (defaults resolved, e.g. --ffn-hidden-size None → 4h; MoE fields only for an
-    MoE model, --moe-layer-freq as its layer pattern). Dropout, init, sequence
-    length (except as the learned position table size) may change on resume and are left out, and
-    so may --make-vocab-size-divisible-by (checkpoints hold the unpadded vocabulary)."""
-    arch = {name: getattr(m, name) for name in (
-        "num_layers", "hidden_size", "num_attention_heads", "normalization", "swiglu", "openai_gelu",
-        "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
-        "vocab_size")}
-    arch.update(num_query_groups=C.query_groups(m), ffn_hidden_size=C.ffn_hidden(m), kv_channels=C.head_dim(m))
-    arch["num_experts"] = m.num_experts or None
-    if m.num_experts:  # what routes and where the experts are (the bias, losses and capacity may change)
-        arch.update(moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=C.moe_ffn(m),
-                    moe_layer_freq=str(C.moe_layer_pattern(m)),
-                    moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-                    moe_router_score_function=m.moe_router_score_function,
-                    moe_router_pre_softmax=m.moe_router_pre_softmax)
-    if m.position_embedding_type == "rope":
-        arch.update(rotary_base=m.rotary_base, rotary_percent=m.rotary_percent)
-    else:
-        arch["max_position_embeddings"] = C.max_positions(m)
-    return arch
-
 
 def check_model_config(path: str, model: C.ModelConfig, load: Optional[str] = None,
                        vocab_size: Optional[int] = None) -> None:
@@ -64,7 +40,7 @@ def check_model_config(path: str, model: C.ModelConfig, load: Optional[str] = No
             saved_model = C.Config.from_dict({"model": read_config(path)["model"]}).model
         except ConfigError as e:
             raise ValueError(f"{CONFIG}: {e}") from None
-    saved, now = _architecture(saved_model), _architecture(model)
+    saved, now = architecture(saved_model), architecture(model)
     now["vocab_size"] = now["vocab_size"] or vocab_size
     if saved["vocab_size"] is None or now["vocab_size"] is None:
         del saved["vocab_size"]

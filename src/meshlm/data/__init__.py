@@ -11,7 +11,8 @@ from .corpus import prepare_default_corpus
 from .gpt_dataset import GPTDataset, MockGPTDataset, build_datasets, split_ranges
 from .indexed import IndexedDataset, IndexedDatasetWriter, check_token_ids
 from .sampler import micro_batches
-from .tokenizer import Tokenizer, build_tokenizer, train_bpe
+from .tokenizer import build_tokenizer, train_bpe
+from .tokenizer_base import Tokenizer
 
 __all__ = ["BlendedDataset", "GPTDataset", "IndexedDataset", "IndexedDatasetWriter", "MockGPTDataset",
            "Tokenizer", "build_datasets", "build_tokenizer", "check_token_ids", "micro_batches",

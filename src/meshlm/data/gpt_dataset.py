@@ -25,7 +25,6 @@ import torch
 
 from ..config import global_batch, run_iterations, run_samples
 from ..errors import ConfigError, DataError
-from ..launch import local_rank
 from ..parallel.agree import first_problem
 from .blend import SURPLUS, BlendedDataset, samples_per_dataset
 from .indexed import IndexedDataset
@@ -161,14 +160,15 @@ class GPTDataset:
     under an md5 of :attr:`description`. Global rank 0 builds them first (as in Megatron); then the
     leader (local rank 0) of every node that does not see them — its cache folder is on a file
     system of its own, or a --data-cache-path of its own — builds the same files; the other ranks
-    wait for both steps and load. Collective when torch.distributed is initialised.
+    wait for both steps and load. Collective when torch.distributed is initialised; ``local_rank`` is
+    this process's rank on its node (the caller's: parallel/mesh.py ``local_rank``).
     Raises DataError (on every rank alike) if the range holds no tokens or a cache folder is not
     writable.
     """
 
     def __init__(self, indexed: IndexedDataset, split: str, doc_range: tuple, num_samples: int,
                  seq_length: int, seed: int, split_string: str = "", cache_dir: str | None = None,
-                 tokenizer_identity: str = "", packing: Packing | None = None):
+                 tokenizer_identity: str = "", packing: Packing | None = None, local_rank: int = 0):
         self.indexed, self.seq_length, self.split, self.packing = indexed, seq_length, split, packing
         begin, end = doc_range
         self.description = json.dumps({
@@ -196,7 +196,7 @@ class GPTDataset:
         problem = build() if rank0 and not self.cache_hit else None
         if distributed:
             problem = first_problem(problem)
-            if problem is None and not rank0 and local_rank() == 0 and \
+            if problem is None and not rank0 and local_rank == 0 and \
                     not all(os.path.isfile(p) for p in paths + [desc_path]):
                 problem = build()  # this node does not see rank 0's files
             problem = first_problem(problem)
@@ -315,7 +315,7 @@ def _one_split(blend: list, flag: str, n: int, dataset_of):
     return BlendedDataset(parts, w, sum(samples_per_dataset(w, n)), [p for _, p in blend], flag)
 
 
-def build_datasets(cfg, world_size: int | None = None, ps=None) -> tuple:
+def build_datasets(cfg, world_size: int | None = None, ps=None, local_rank: int = 0) -> tuple:
     """(train, valid, test) datasets for ``cfg``; None for a split the run does not need: weight 0,
     0 samples (valid and test with --eval-iters 0), a test split that holds no tokens, or (per-split
     data) a split without a blend.
@@ -324,7 +324,8 @@ def build_datasets(cfg, world_size: int | None = None, ps=None) -> tuple:
     ``ps.world_size`` (else ``world_size``, else 1) ranks. --data-path (data/sources.py): one prefix
     gives GPTDatasets over the --split ranges, several give BlendedDatasets over GPTDatasets of each
     prefix. --train/valid/test-data-path: each split's blend likewise, over whole datasets (Megatron's
-    blend_per_split). Collective when torch.distributed is initialised (every rank must call it).
+    blend_per_split). Collective when torch.distributed is initialised (every rank must call it, with
+    its rank on its node as ``local_rank``: a node's local rank 0 builds its own index cache).
     Raises ConfigError / DataError on bad flags or files, DataError naming --split when the train
     split (or the valid split, while evaluating) of a dataset holds no tokens, and DataError naming
     the flag when a per-split dataset holds no tokens.
@@ -347,7 +348,7 @@ def build_datasets(cfg, world_size: int | None = None, ps=None) -> tuple:
 
     def gpt(indexed, s, doc_range, n, split_string=""):
         return GPTDataset(indexed, SPLITS[s], doc_range, n, seq, seed, split_string, d.data_cache_path, identity,
-                          packing)
+                          packing, local_rank)
 
     if per_split(d):
         return tuple(None if blend is None or n == 0 else _whole_datasets(blend, flag, s, n, gpt)

@@ -7,7 +7,7 @@ all keyed on the EOD token among a sample's input tokens (``tokens``, not ``labe
 - reset_position_ids: the position after an EOD at index i is 0 (the EOD ends its document);
 - reset_attention_mask: a query never attends to a key at or before an earlier EOD: a block-diagonal
   causal mask. meshlm carries it as ``document_ids`` (the number of EODs strictly before each
-  position) and builds the [s, s] mask in the model (:func:`attention_mask`).
+  position) and builds the [s, s] mask in the model (model/attention.py ``attention_mask``).
 """
 
 from __future__ import annotations
@@ -57,12 +57,3 @@ def position_ids(eod: np.ndarray) -> np.ndarray:
     starts = np.zeros(eod.size, dtype=np.int64)
     starts[1:] = np.where(eod[:-1], index[1:], 0)
     return index - np.maximum.accumulate(starts)
-
-
-def attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """document_ids int64 [b, s] → bool [b, 1, s, s], True where query i may attend to key j:
-    j ≤ i and both in one document (SDPA's boolean convention; Megatron's mask is its negation)."""
-    s = document_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
-    same = document_ids[:, :, None] == document_ids[:, None, :]
-    return (same & causal)[:, None]

@@ -17,49 +17,27 @@ HuggingFaceTokenizer does; it never appends eod (preprocess ``--append-eod`` doe
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 from typing import Optional
 
-from ..config import TOKENIZER_TYPES
+from ..config import TOKENIZER_TYPES, Config
 from ..errors import ConfigError, DataError
 from .outputs import check_output_file, replacing
 from .records import BadRecords, check_inputs, check_json_keys, iter_texts
+from .tokenizer_base import SENTENCEPIECE_TYPES, Tokenizer, file_digest, require_path
+from .tokenizers_extra import build_extra
 
 EOD = "<|endoftext|>"
 EOD_CANDIDATES = (EOD, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
-# built by .tokenizers_extra (one SentencePiece tokenizer under three names, as in Megatron)
-SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 EXTRA_TYPES = SENTENCEPIECE_TYPES + ("TikTokenizer",)
 # what --tokenizer-model is, for the types that read it
 MODEL_FILE = {"HuggingFaceTokenizer": "a tokenizer.json", "TikTokenizer": "Megatron's tiktoken vocabulary .json",
               **{kind: "a SentencePiece .model" for kind in SENTENCEPIECE_TYPES}}
+_GPT2_VOCAB = 50257  # GPT-2's vocabulary: vocab_of's assumption for GPT2BPETokenizer without its files
 # the DataConfig fields a tokenizer is built from
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "tiktoken_pattern",
                     "tiktoken_num_special_tokens", "tokenizer_special_tokens")
-
-
-class Tokenizer:
-    """A text ↔ id mapping. ``vocab_size`` counts every id (added tokens included); ``eod`` is the
-    end-of-document id; ``identity`` is a short string naming the tokenizer (used in cache names)."""
-
-    def __init__(self, vocab_size: int, eod: int, identity: str):
-        self.vocab_size = vocab_size
-        self.eod = eod
-        self.identity = identity
-
-    def encode(self, text: str) -> list:
-        """Token ids of text (no eod appended)."""
-        raise NotImplementedError
-
-    def decode(self, ids) -> str:
-        """Text of a sequence of ids."""
-        raise NotImplementedError
-
-    def encode_batch(self, texts: list) -> list:
-        """Encode many texts; subclasses may parallelise."""
-        return [self.encode(t) for t in texts]
 
 
 class HFTokenizer(Tokenizer):
@@ -100,24 +78,6 @@ class NullTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
-
-
-def file_digest(*paths: str) -> str:
-    """12 hex digits of the MD5 of the files' bytes (names a tokenizer in cache identities)."""
-    h = hashlib.md5(usedforsecurity=False)
-    for p in paths:
-        with open(p, "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()[:12]
-
-
-def require_path(path: Optional[str], flag: str) -> str:
-    """path, if given (else ConfigError naming flag) and present (else DataError)."""
-    if not path:
-        raise ConfigError(f"{flag} is required by this --tokenizer-type")
-    if not os.path.exists(path):
-        raise DataError(f"{flag} {path}: no such file")
-    return path
 
 
 def _config_eos(config: str) -> Optional[str]:
@@ -200,7 +160,6 @@ def build_tokenizer(data_cfg, vocab_size: Optional[int] = None) -> Tokenizer:
     if problem:
         raise ConfigError(problem)
     if kind in EXTRA_TYPES:
-        from .tokenizers_extra import build_extra
         return build_extra(kind, data_cfg, vocab_size)
     if kind == "NullTokenizer":
         if not vocab_size:
@@ -231,6 +190,22 @@ def build_tokenizer(data_cfg, vocab_size: Optional[int] = None) -> Tokenizer:
             raise DataError(f"--vocab-file {vocab}: has no {EOD} token")
         return HFTokenizer(tok, eod, f"GPT2BPE:{file_digest(vocab, merges)}")
     raise ConfigError(f"--tokenizer-type {kind!r} is not supported; use one of {', '.join(TOKENIZER_TYPES)}")
+
+
+def vocab_of(cfg: Config) -> tuple:
+    """(vocabulary size, how it was found): the tokenizer's (its files read where they exist),
+    --vocab-size, or an assumption (GPT-2's 50257 for GPT2BPETokenizer without its files).
+    Raises DataError (one line) for a tokenizer file that does not read."""
+    d = cfg.data
+    if d.tokenizer_type in (*EXTRA_TYPES, "HuggingFaceTokenizer") and d.tokenizer_model:  # one-line errors
+        return build_tokenizer(d, cfg.model.vocab_size).vocab_size, d.tokenizer_model
+    if d.tokenizer_type == "GPT2BPETokenizer" and all(p and os.path.isfile(p) for p in (d.vocab_file, d.merge_file)):
+        return build_tokenizer(d).vocab_size, d.vocab_file
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size, "--vocab-size"
+    if d.tokenizer_type == "GPT2BPETokenizer":
+        return _GPT2_VOCAB, "GPT-2"
+    return 32000, "assumed: the tokenizer is not known yet"
 
 
 def train_bpe(source, vocab_size: int, output_path: str, json_keys=("text",),

@@ -29,7 +29,7 @@ import os
 from typing import Optional
 
 from ..errors import ConfigError, DataError
-from .tokenizer import SENTENCEPIECE_TYPES, Tokenizer, file_digest, require_path
+from .tokenizer_base import SENTENCEPIECE_TYPES, Tokenizer, file_digest, require_path
 
 # Megatron's split patterns (megatron.core.tokenizers.text.libraries.tiktoken_tokenizer)
 TIKTOKEN_PATTERNS = {

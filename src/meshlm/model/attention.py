@@ -10,6 +10,9 @@ of Q and columns of the output projection — and:
   computes that slice of k/v, and the slices are all-gathered over TP (backward reduce-scatters
   the grads, so each weight row gets the sum from every rank that used it). Every parameter stays
   uniquely sharded, so gradient norms and optimizer sharding need no special case.
+
+``attention_mask``: the block-diagonal causal mask of packed documents (--reset-attention-mask,
+data/packing.py's ``document_ids``).
 """
 
 from __future__ import annotations
@@ -185,3 +188,12 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g.contiguous()
+
+
+def attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """document_ids int64 [b, s] → bool [b, 1, s, s], True where query i may attend to key j:
+    j ≤ i and both in one document (SDPA's boolean convention; Megatron's mask is its negation)."""
+    s = document_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    return (same & causal)[:, None]

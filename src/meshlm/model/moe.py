@@ -301,23 +301,6 @@ class MoELayer(nn.Module):
 
 
 @torch.no_grad()
-def update_expert_bias(chunks, ps, rate: float) -> None:
-    """Aux-loss-free balancing step (DeepSeek-V3 §2.1.2): for each router with an expert bias,
-    sum its step's tokens per expert over every rank of the pipeline stage (TP, then DP × CP), then
-    bias += rate · sign(mean load − load), identical on every rank; reset the counts. Collective
-    over TP and DP × CP: every rank calls it once per step."""
-    routers = [m for c in chunks for m in c.modules() if isinstance(m, Router) and m.use_bias]
-    if not routers:
-        return
-    counts = torch.stack([r.tokens_per_expert for r in routers])
-    for group in (ps.tp_group, ps.dp_cp_group):
-        if group is not None:
-            dist.all_reduce(counts, group=group)
-    for r, c in zip(routers, counts):
-        r.expert_bias += rate * torch.sign(c.mean() - c)
-        r.tokens_per_expert.zero_()
-
-
 def routing_stats(chunks, ps, cfg) -> dict:
     """The routing statistics the MoE layers recorded since the last call, summed over every rank
     (TP, DP × CP, PP: each rank routes its own tokens; EP ranks are DP ranks), then reset.

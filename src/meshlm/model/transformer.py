@@ -27,13 +27,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import max_positions, moe_layer_pattern, padded_vocab_size
-from ..data.packing import attention_mask
 from ..fast import compile_module
 from ..parallel import comm
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.random import RNGTracker
 from ..parallel.tensor import ShardedInit, VocabParallelEmbedding, contiguous_index, mark_partitioned
-from .attention import SelfAttention
+from .attention import SelfAttention, attention_mask
 from .mlp import MLP
 from .moe import MoELayer, MoEState
 from .recompute import Recompute

@@ -17,6 +17,8 @@ layer are modules for that reason; tests/test_parity_matrix.py poisons every pen
 NaN to prove it). The hooks run eagerly (``torch._dynamo.disable``) at the boundary of a compiled
 layer, never traced into it. Anything that reads params outside a forward (checkpoint save,
 export, the end of training) calls ``finish_param_sync()`` first.
+
+``build_optimizer`` picks this class or the plain MixedPrecisionOptimizer from the flags.
 """
 
 from __future__ import annotations
@@ -112,3 +114,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for handle in self._pending.values():
             watchdog.call("all_gather of the ZeRO-1 params", self.ddp.group, handle.wait)
         self._pending.clear()
+
+
+def build_optimizer(cfg, ps, chunks, ddp) -> MixedPrecisionOptimizer:
+    """DistributedOptimizer (ZeRO-1) under --use-distributed-optimizer, else MixedPrecisionOptimizer.
+
+    ddp must be the DistributedDataParallel built over the same chunks and cfg.
+    """
+    if cfg.parallel.use_distributed_optimizer:
+        return DistributedOptimizer(cfg, ps, chunks, ddp)
+    return MixedPrecisionOptimizer(cfg, ps, chunks, ddp)

@@ -123,7 +123,7 @@ class Shard:
 class MixedPrecisionOptimizer:
     """AdamW on fp32 masters for plain data parallelism (every DP rank holds the full state).
 
-    Built by ``build_optimizer``; see the module docstring for one step. ``lr`` is set by the
+    Built by ``build_optimizer`` (optim/distributed.py); see the module docstring for one step. ``lr`` is set by the
     scheduler through ``set_lr``; it starts at the schedule's value for iteration 0.
     """
 
@@ -313,14 +313,3 @@ class MixedPrecisionOptimizer:
                (("weights", weights), ("grads", grads), ("optimizer", optim), ("total", total))}
         return {"num_params": n, "weights_bytes": weights, "grads_bytes": grads, "optimizer_bytes": optim,
                 "total_bytes": total, "bytes_per_param": per}
-
-
-def build_optimizer(cfg, ps, chunks, ddp) -> MixedPrecisionOptimizer:
-    """DistributedOptimizer (ZeRO-1) under --use-distributed-optimizer, else MixedPrecisionOptimizer.
-
-    ddp must be the DistributedDataParallel built over the same chunks and cfg.
-    """
-    if cfg.parallel.use_distributed_optimizer:
-        from .distributed import DistributedOptimizer
-        return DistributedOptimizer(cfg, ps, chunks, ddp)
-    return MixedPrecisionOptimizer(cfg, ps, chunks, ddp)

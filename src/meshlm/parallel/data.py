@@ -44,7 +44,8 @@ group.
 After the DP reduction, ``finish_grad_sync`` all-reduces over TP the gradients of replicated
 params marked ``sequence_parallel`` (under ``--sequence-parallel``), and over the embedding
 group the ``shared_embedding`` params' gradients (tied embeddings, PP > 1), then moves the MoE
-routers' expert biases (model/moe.py ``update_expert_bias``, Megatron's finalize_model_grads).
+routers' expert biases (``update_expert_bias``, Megatron's finalize_model_grads; the routers are
+model/moe.py's).
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ from ..dtypes import wide
 from . import watchdog
 from .comm import elapsed as _elapsed, group_rank, group_size, mark as _mark
 from .mesh import ParallelState
-from ..model.moe import update_expert_bias
 
 # Flat-tensor collectives (torch >= 2.13 names, older names before): [n·size] → [n] and back.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -416,3 +416,20 @@ class DistributedDataParallel:
             q.grad = None
         self._reset()
 
+
+def update_expert_bias(chunks, ps, rate: float) -> None:
+    """Aux-loss-free balancing step (DeepSeek-V3 §2.1.2): for each router with an expert bias (a
+    module with an ``expert_bias``, model/moe.py's Router, as in Megatron's finalize_model_grads),
+    sum its step's tokens per expert over every rank of the pipeline stage (TP, then DP × CP), then
+    bias += rate · sign(mean load − load), identical on every rank; reset the counts. Collective
+    over TP and DP × CP: every rank calls it once per step."""
+    routers = [m for c in chunks for m in c.modules() if hasattr(m, "expert_bias") and m.use_bias]
+    if not routers:
+        return
+    counts = torch.stack([r.tokens_per_expert for r in routers])
+    for group in (ps.tp_group, ps.dp_cp_group):
+        if group is not None:
+            dist.all_reduce(counts, group=group)
+    for r, c in zip(routers, counts):
+        r.expert_bias += rate * torch.sign(c.mean() - c)
+        r.tokens_per_expert.zero_()

@@ -22,6 +22,13 @@ import torch.distributed as dist
 from ..errors import ConfigError
 
 
+def local_rank() -> int:
+    """This process's rank on its node: LOCAL_RANK (torchrun, and meshlm's own launcher), else
+    SLURM_LOCALID (srun without torchrun), else 0. The node's leader (local rank 0) does
+    the node's file-system duties: the trainer passes it to data/gpt_dataset.py's index cache."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+
+
 def init_distributed(timeout_minutes: int = 10) -> None:
     """Join the job from the environment (torchrun's RANK/WORLD_SIZE/MASTER_ADDR, or Slurm's).
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: stage partition, model chunks, and the forward/backward of one step.
+"""Pipeline parallelism: stage partition, and the forward/backward of one step over the model chunks.
 
 ``forward_backward`` is the entry point every run uses, PP = 1 included: it builds this rank's
 instruction list (``schedules.build_schedule``: none, GPipe, 1F1B or interleaved 1F1B) and
@@ -11,7 +11,7 @@ last rank's count and the rest is split evenly over the middle ranks. With v vir
 (``--virtual-pipeline-model-parallel-size`` or ``--num-layers-per-virtual-pipeline-stage``) each
 rank's layers are split into v chunks, and local chunk c of rank r is model stage s = c·PP + r;
 model stages hold consecutive layers in stage order. Stage 0 holds the embedding, the last stage
-the final norm, output layer and loss.
+the final norm, output layer and loss (model/chunks.py builds the chunks of this rank).
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, num_microbatches as config_num_microbatches
-from .. import fast
 from ..dtypes import at_least_fp32
 from ..errors import ConfigError
-from ..training.profiling import annotate
+from ..profile_ranges import annotate
 from . import watchdog
 from .context import sequence_loss_tokens
 from .mesh import ParallelState
@@ -130,32 +129,6 @@ def stage_layers(cfg: Config) -> list:
         ranges.append(range(start, start + size))
         start += size
     return ranges
-
-
-def build_model_chunks(cfg: Config, ps: ParallelState, vocab_size: int,
-                       params_dtype: torch.dtype = torch.float32) -> list:
-    """This rank's model chunks: one GPTModel, or v with interleaving (chunk c = model stage c·PP + r).
-
-    Stage 0 gets the embedding (pre_process), the last stage the final norm, output layer and loss
-    (post_process). Weights depend only on the seed and global layer index, so any partition
-    starts from the same model. --fast-path decides compiled layers (meshlm/fast.py). Raises
-    ConfigError for an invalid partition.
-    """
-    from ..model.recompute import Recompute
-    from ..model.transformer import GPTModel
-
-    ranges = stage_layers(cfg)
-    v, last = virtual_size(cfg), len(ranges) - 1
-    chunks = []
-    for c in range(v):
-        s = c * ps.pp + ps.pp_rank
-        chunks.append(GPTModel(cfg.model, ps, vocab_size, seed=cfg.training.seed, layer_ids=ranges[s],
-                               pre_process=s == 0, post_process=s == last,
-                               sequence_parallel=cfg.parallel.sequence_parallel, params_dtype=params_dtype,
-                               recompute=Recompute.of(cfg.training),
-                               use_cpu_initialization=cfg.parallel.use_cpu_initialization,
-                               fast=fast.enabled(cfg.training.fast_path, ps.device)))
-    return chunks
 
 
 def activation_shape(cfg: Config, ps: ParallelState) -> tuple:

@@ -41,7 +41,7 @@ import statistics
 from typing import Callable, Optional
 
 from ..errors import ConfigError
-from ..training.stragglers import CONSECUTIVE as STRAGGLER_INTERVALS, FACTOR as STRAGGLER_RATIO, MIN_EXCESS_S
+from ..straggler_rule import CONSECUTIVE as STRAGGLER_INTERVALS, FACTOR as STRAGGLER_RATIO, MIN_EXCESS_S
 
 COMM_WARN = 0.30        # issue 13: communication above 30% of the step is worth fixing
 NOTE_MIN = 0.10         # a cost below this share is not mentioned

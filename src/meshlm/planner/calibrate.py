@@ -8,7 +8,7 @@ Measured, each as the best of a few timed repeats after a warm-up:
 - device-memory bandwidth: a copy of a large buffer (read + write bytes / time);
 - with more than one CUDA device, the device-to-device copy bandwidth between GPUs 0 and 1 as the
   intra-node link (an estimate of NCCL's bus bandwidth; inter-node is kept from the base profile).
-The peak is the data-sheet figure (``training.metrics.peak_tflops``) where the device is known,
+The peak is the data-sheet figure (``flops.peak_tflops``) where the device is known,
 else (CPU, unknown GPUs) the best GEMM throughput measured. ``quick`` uses small shapes (tests).
 """
 
@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from ..config import Config, ffn_hidden, head_dim, query_groups
-from ..training.metrics import peak_tflops
+from ..flops import peak_tflops
 from .cost import gemm_efficiency
 from .gpus import GPU, PRESETS
 

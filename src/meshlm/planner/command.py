@@ -44,11 +44,11 @@ def _row(name: str, lay: Layout, mem, time) -> str:
 
 
 def plan_vocab(cfg) -> tuple:
-    """(vocabulary size, how it was found) for the plan: ``dry_run.vocab_of``, except that a tokenizer
+    """(vocabulary size, how it was found) for the plan: ``data.tokenizer.vocab_of``, except that a tokenizer
     file that is not on this machine (a cluster launch script's path) is not read: the vocabulary is
     then --vocab-size or vocab_of's default for the tokenizer type, and one note on stderr says which.
     The plan needs only shapes, so no data or tokenizer file has to exist."""
-    from ..dry_run import vocab_of
+    from ..data.tokenizer import vocab_of
     d = cfg.data
     absent = [f"--{name.replace('_', '-')} {getattr(d, name)}"
               for name in ("tokenizer_model", "vocab_file", "merge_file")
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, config_and_source) -> int:
         from ..errors import ConfigError
         raise ConfigError(cluster)
     cfg, _ = config_and_source(args)
-    from ..validate import adjust
+    from ..parallel.layout_rules import adjust
     adjust(cfg)  # as a launch would: no SP at TP = 1
     if args.calibrate:
         from .calibrate import calibrate

@@ -3,9 +3,9 @@
 Per micro-batch, on the slowest pipeline rank (its model chunks summed; the last one also computes
 the logits):
 
-- GEMMs: the model FLOPs of its layers and logits (``training.metrics.flops_per_iteration``,
+- GEMMs: the model FLOPs of its layers and logits (``flops.flops_per_iteration``,
   Narayanan et al. 2021 §5.1, taken as f(L = 1) − f(L = 0) per dense layer; an MoE layer's MLP as
-  ``training.metrics.mlp_flops_per_token``, its routed experts at their own GEMM shape: ``moe_cp``),
+  ``flops.mlp_flops_per_token``, its routed experts at their own GEMM shape: ``moe_cp``),
   less attention core, divided by TP × CP (CP: each rank has s/CP tokens and, zigzag-balanced, 1/CP
   of the causal attention work), at ``peak × gemm_efficiency(M, K, N)`` — a saturating curve per GEMM dimension,
   x / (x + GEMM_HALF_DIM), with M the micro-batch's tokens, h, the per-rank attention width a·d/t and
@@ -54,8 +54,8 @@ from dataclasses import replace
 
 from ..config import (Config, ffn_hidden, global_batch, head_dim, moe_ffn, moe_layer_pattern, num_microbatches,
                       padded_vocab_size)
+from ..flops import flops_per_iteration, mlp_flops_per_token
 from ..parallel.schedules import analytic_bubble_fraction
-from ..training.metrics import flops_per_iteration, mlp_flops_per_token
 from .gpus import COLLECTIVE_LATENCY_S, GPU
 from .layout import NONE, Layout
 from .memory import layer_bytes

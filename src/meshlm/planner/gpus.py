@@ -3,7 +3,7 @@
 A profile holds what the memory and step-time models need of one GPU and its links:
 
 - ``memory_bytes``: device memory (what ``torch.cuda.get_device_properties().total_memory`` reports).
-- ``peak_flops``: dense bf16 tensor-core peak, FLOP/s: ``training.metrics.peak_tflops`` (NVIDIA data
+- ``peak_flops``: dense bf16 tensor-core peak, FLOP/s: ``flops.peak_tflops`` (NVIDIA data
   sheets: A100 312, H100/H200 SXM 989.4 TFLOP/s), the figure MFU is measured against.
 - ``gemm_efficiency``: the fraction of the peak cuBLAS reaches on large bf16 GEMMs; smaller GEMM
   dimensions get less through the saturating curve of ``planner.cost.gemm_efficiency``.
@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 
 from ..errors import ConfigError
-from ..training.metrics import peak_tflops
+from ..flops import peak_tflops
 
 GiB = 2 ** 30
 COLLECTIVE_LATENCY_S = 20e-6  # the start-up cost of one collective or p2p exchange, every link alike

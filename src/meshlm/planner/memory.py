@@ -1,6 +1,6 @@
 """Per-rank memory of a layout: weights, gradients, optimizer states, activations, loss buffers.
 
-Model state (bytes per parameter of the rank's stage, from ``dry_run.stage_params``):
+Model state (bytes per parameter of the rank's stage, from ``planner/params.py``):
 
 - ``"meshlm"`` accounting, what meshlm allocates (optim/optimizer.py, parallel/data.py): bf16/fp16
   params 2, fp32 ``main_grad`` 4 (meshlm always accumulates in fp32), fp32 master 4 + Adam moments
@@ -64,9 +64,9 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ..config import Config, ModelConfig, ffn_hidden, head_dim, moe_layer_pattern, num_microbatches, query_groups
-from ..dry_run import stage_params
 from .layout import Layout
 from .moe_cp import moe_mlp_terms, padded
+from .params import stage_params
 
 GiB = 2 ** 30
 CONTEXT_BYTES = 0.75 * GiB  # CUDA context, cuBLAS and NCCL workspaces: outside max_memory_allocated

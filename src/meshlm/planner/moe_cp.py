@@ -5,7 +5,7 @@ dispatcher). T = the tokens a rank routes per micro-batch, b·s/CP (/TP under se
 which MoE needs at TP > 1); R = k·T their routes; E experts of width f_e, EP ranks splitting them.
 
 - FLOPs per token, forward: the router 2·h·E and the k experts it is routed to, plus the shared
-  expert, 2·h·(k·f_e + f_s)·(2 GeLU | 3 SwiGLU) (``training.metrics.mlp_flops_per_token``); backward
+  expert, 2·h·(k·f_e + f_s)·(2 GeLU | 3 SwiGLU) (``flops.mlp_flops_per_token``); backward
   2× forward. This is Megatron-LM's ``num_floating_point_operations`` (``moe_layer_flops``: the
   ``moe_router_topk`` experts routed to and the shared expert; it leaves out the router) and the
   "active parameters" count of Jiang et al. 2024, "Mixtral of Experts", arXiv 2401.04088 (2 of 8
@@ -31,7 +31,7 @@ which MoE needs at TP > 1); R = k·T their routes; E experts of width f_e, EP ra
   (bf16/fp16 only), and a shared expert's fc1 and activation outputs as a dense MLP of width f_s (the
   aux and z losses keep a few more T × E fp32 tensors, left out; so is the per-layer transient of
   the exchange buffers, freed before the next layer).
-- Model state: a rank holds E/EP experts per MoE layer (``dry_run.stage_params``); their gradients
+- Model state: a rank holds E/EP experts per MoE layer (``planner/params.py``); their gradients
   are reduced over, and under ZeRO-1 their optimizer state sharded over, the expert-data-parallel
   group of DP × CP / EP ranks (parallel/data.py, optim/distributed.py), the rest over DP × CP.
 

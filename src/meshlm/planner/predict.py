@@ -56,7 +56,7 @@ def world_of(config: dict, records: list) -> int:
 def run_model(config: dict, records: list, gpu: Optional[GPU] = None) -> RunModel:
     """The planner's view of a run (module docstring). gpu: a profile to use instead of the
     recorded device's. Raises ConfigError when the config does not load."""
-    from ..dry_run import vocab_of
+    from ..data.tokenizer import vocab_of
     cfg = Config()
     apply_mapping(cfg, config, "the run's config")
     world = world_of(config, records)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from ..config import Config, moe_layer_pattern
 from ..errors import ConfigError
+from ..parallel import layout_rules
 from .cost import StepTime, step_time
 from .gpus import GPU, GiB
 from .layout import FULL, NONE, SELECTIVE, Layout
@@ -57,14 +58,14 @@ def _powers(limit: int) -> list:
 def layout_problems(cfg: Config, layout: Layout, gpus_per_node: int) -> list:
     """Why meshlm would refuse ``layout`` for cfg (validate's one-line messages), plus a TP group
     that crosses a node; empty when it can run."""
-    from ..validate import _layout_problems, _moe_problems
     problems = []
     if layout.tp > gpus_per_node or gpus_per_node % layout.tp:
         problems.append(f"TP group of {layout.tp} crosses a node ({gpus_per_node} GPUs per node): TP's blocking "
                         f"per-layer collectives would run over the inter-node link; keep TP ≤ {gpus_per_node}")
     try:
         applied = layout.apply(cfg)
-        problems += _layout_problems(applied, layout.world) + _moe_problems(applied, layout.world)
+        problems += layout_rules.layout_problems(applied, layout.world)
+        problems += layout_rules.moe_problems(applied, layout.world)
     except ConfigError as e:
         problems += e.problems
     return problems

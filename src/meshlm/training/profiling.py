@@ -14,8 +14,9 @@ each torch.distributed collective (named by its process group: tp, pp, dp, …) 
 step; under the torch profiler the same names appear as user annotations, and each profiled
 iteration is a range "iteration N".
 
-Off (the default), nothing is patched and ``annotate`` returns one shared null context: the only
-cost is a module-global check per call.
+The ranges themselves are meshlm/profile_ranges.py's ``annotate`` (the pipeline's and the trainer's
+too); this module turns them on for the profiled steps. Off (the default), nothing is patched and
+``annotate`` returns one shared null context: the only cost is a module-global check per call.
 """
 
 from __future__ import annotations
@@ -24,44 +25,16 @@ import contextlib
 import functools
 import os
 import sys
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-_NULL = contextlib.nullcontext()
-_ranges = {"on": False, "nvtx": False}  # inside a profiled step: annotate; also push NVTX ranges
+from .. import profile_ranges
+from ..profile_ranges import annotate
 
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "broadcast",
                "reduce_scatter", "all_to_all_single", "all_to_all", "batch_isend_irecv", "send", "recv",
                "all_gather_object", "barrier")  # not isend/irecv: P2POp accepts only the originals
-KIND_NAMES = {"F": "forward", "B": "backward"}
-
-
-def annotate(name: str, mb: Optional[int] = None, chunk: int = 0):
-    """A context naming the code inside (``name``, or "forward mb 3" for ``name`` "F" and mb 3)
-    in the profile: an NVTX range (--nvtx-ranges, CUDA) and a torch profiler user annotation.
-    Outside profiled steps the shared null context."""
-    if not _ranges["on"]:
-        return _NULL
-    if mb is not None:
-        name = f"{KIND_NAMES.get(name, name)} mb {mb}" + (f" chunk {chunk}" if chunk else "")
-    return _Range(name)
-
-
-class _Range:
-    def __init__(self, name: str):
-        self.name, self.record = name, torch.profiler.record_function(name)
-
-    def __enter__(self):
-        if _ranges["nvtx"]:
-            torch.cuda.nvtx.range_push(self.name)
-        self.record.__enter__()
-
-    def __exit__(self, *exc):
-        self.record.__exit__(*exc)
-        if _ranges["nvtx"]:
-            torch.cuda.nvtx.range_pop()
 
 
 def _group_names(ps) -> dict:
@@ -139,7 +112,7 @@ class StepProfiler:
         elif self.cuda:
             torch.cuda.profiler.start()
         if self.torch or self.nvtx:
-            _ranges.update(on=True, nvtx=self.nvtx and self.cuda)
+            profile_ranges.enable(nvtx=self.nvtx and self.cuda)
             self.collectives = _Collectives(self.ps)
 
     def close(self) -> None:
@@ -148,7 +121,7 @@ class StepProfiler:
         self.active = False
         if self.collectives is not None:
             self.collectives.undo()
-            _ranges.update(on=False, nvtx=False)
+            profile_ranges.disable()
         if self.prof is not None:
             self.prof.stop()
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -164,7 +137,7 @@ class _Off:
     """--profile off, or a rank not in --profile-ranks: nothing happens."""
 
     def step(self, done: int):
-        return _NULL
+        return profile_ranges.NULL
 
     def close(self) -> None:
         pass

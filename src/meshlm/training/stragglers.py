@@ -21,10 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import watchdog
-
-FACTOR = 1.2
-CONSECUTIVE = 3
-MIN_EXCESS_S = 0.002
+from ..straggler_rule import CONSECUTIVE, FACTOR, MIN_EXCESS_S
 
 
 class StragglerWatch:

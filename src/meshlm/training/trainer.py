@@ -39,22 +39,25 @@ from ..data.loader import rank_loader
 from ..data.sources import blends, prefixes as data_prefixes
 from ..data.tokenizer import NullTokenizer, build_tokenizer
 from ..errors import CheckpointError, DataError, TrainingError
+from ..flops import flops_per_iteration
+from ..model.chunks import build_model_chunks
 from ..model.moe import routing_stats
-from ..optim.optimizer import build_optimizer
+from ..optim.distributed import build_optimizer
 from ..batches import BatchSchedule
 from ..optim.schedule import scheduler_for
 from ..parallel import comm
 from ..parallel.agree import first_problem
 from ..parallel.context import split_batches
 from ..parallel.data import DistributedDataParallel
-from ..parallel.mesh import ParallelState, init_distributed
+from ..parallel.mesh import ParallelState, init_distributed, local_rank
 from ..parallel import watchdog
 from ..parallel.random import MODEL_PARALLEL_SEED_OFFSET
-from ..parallel.pipeline import (bubble_fraction, build_model_chunks, forward_backward, reduce_losses,
-                                virtual_size)
+from ..parallel.pipeline import bubble_fraction, forward_backward, reduce_losses, virtual_size
+from ..profile_ranges import annotate
+from ..run_logs import worker_log_path
 from .faults import LossSpikes, nan_origin
 from . import profiling, progress
-from .metrics import MetricsLogger, flops_per_iteration
+from .metrics import MetricsLogger
 from .stop_signal import SignalFlag
 from .stragglers import StragglerWatch
 
@@ -144,8 +147,7 @@ def pretrain(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> dict:
 
 
 def _heartbeat_log(cfg: C.Config, rank: int) -> Optional[str]:
-    """This rank's log (launch.py's ``rank<R>.log``), where heartbeats go; None without a log dir."""
-    from ..launch import worker_log_path
+    """This rank's log (run_logs.py's ``rank<R>.log``), where heartbeats go; None without a log dir."""
     return worker_log_path(cfg, rank) if cfg.logging.log_dir or cfg.logging.run_dir else None
 
 
@@ -190,7 +192,7 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
         print("note: --bf16/--fp16 ignored on CPU; training in fp32", flush=True)
     tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
     check_data_vocab(cfg, tokenizer.vocab_size, ps)
-    train_ds, valid_ds, _ = build_datasets(cfg, ps=ps)
+    train_ds, valid_ds, _ = build_datasets(cfg, ps=ps, local_rank=local_rank())
     t0 = time.perf_counter()
     chunks = build_model_chunks(cfg, ps, tokenizer.vocab_size, dtype)
     if ps.device.type == "cuda":
@@ -381,7 +383,7 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     loss_t = reduce_losses(outputs, ps, t.calculate_per_token_loss)
     read_loss = _start_read(loss_t)  # copied before the step's sync: reading it waits for no update
     watchdog.at(it, "optimizer step")
-    with profiling.annotate("optimizer step"):
+    with annotate("optimizer step"):
         result = run.opt.step(loss_t)  # its grad norm is the step's one host sync; a NaN loss skips it too
     loss = read_loss()
     nan = not math.isfinite(loss)

@@ -25,10 +25,10 @@ import tempfile
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..errors import CheckpointError, ConfigError, MeshlmError
-from . import dist as ckpt
-from . import manifest
-from .safe_read import SafeReader, _load_json, reading
+from .checkpoint import dist as ckpt
+from .checkpoint import manifest
+from .checkpoint.safe_read import SafeReader, _load_json, reading
+from .errors import CheckpointError, ConfigError, MeshlmError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +72,7 @@ def folder_of(path: str, latest_only: bool = False) -> str:
 
 
 def _fail(problems: list) -> int:
-    from ..launch import ERROR_PREFIX
+    from .launch import ERROR_PREFIX
     for problem in problems:
         print(f"{ERROR_PREFIX}{problem}", file=sys.stderr)
     return 2
@@ -150,7 +150,7 @@ def _read_everything(folder: str, load: str) -> list:
 
 def _config_at(folder: str, layout: tuple):
     """The checkpoint's saved Config with the parallel layout set to ``layout`` (TP, PP, DP)."""
-    from ..config import Config
+    from .config import Config
     cfg = Config.from_dict(ckpt.read_config(folder))
     p = cfg.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = layout[0], layout[1]
@@ -165,7 +165,7 @@ def _config_at(folder: str, layout: tuple):
 
 def _layout_problems(folder: str, layout: tuple) -> list:
     """The layout's rules (meshlm.validate, shapes only) for the saved config at ``layout``."""
-    from ..validate import validate
+    from .validate import validate
     try:
         with reading(folder):
             cfg = _config_at(folder, layout)
@@ -184,7 +184,7 @@ def _world_of_one():
     """A gloo world of one for the block (the environment and any existing group left as found)."""
     from torch import distributed as dist
 
-    from ..parallel.mesh import init_distributed
+    from .parallel.mesh import init_distributed
     env, ours = dict(os.environ), not dist.is_initialized()
     if ours:  # not a job's worker: a world of one on a free port
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -204,13 +204,13 @@ def _trainer_load(folder: str) -> list:
     load_checkpoint (the path ``meshlm pretrain --load`` takes). The folder is offered to it as the
     only checkpoint of a scratch --load directory (a link and a tracker), so an iter_ folder that
     is not the latest is loaded as itself."""
-    from ..data.tokenizer import build_tokenizer
-    from ..optim.optimizer import build_optimizer
-    from ..optim.schedule import scheduler_for
-    from ..parallel.data import DistributedDataParallel
-    from ..parallel.mesh import ParallelState
-    from ..parallel.pipeline import build_model_chunks
-    from ..training import trainer
+    from .data.tokenizer import build_tokenizer
+    from .model.chunks import build_model_chunks
+    from .optim.distributed import build_optimizer
+    from .optim.schedule import scheduler_for
+    from .parallel.data import DistributedDataParallel
+    from .parallel.mesh import ParallelState
+    from .training import trainer
     cfg = _config_at(folder, (1, 1, 1))
     iteration = ckpt.read_manifest(folder)["iteration"]
     with tempfile.TemporaryDirectory() as root, _world_of_one():

@@ -27,7 +27,7 @@ Sources:
 
 from __future__ import annotations
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 _DENSE = dict(num_experts=None, moe_router_topk=2, moe_aux_loss_coeff=0.0)  # a preset leaves no MoE behind
 

@@ -1,0 +1,34 @@
+"""The model flags a checkpoint must match: what decides a model's function and tensor shapes.
+
+A resume compares them with the checkpoint's saved config (state.py ``check_model_config``), a
+Hugging Face load with the HF model's (hf_config.py ``flag_problems``).
+"""
+
+from __future__ import annotations
+
+from .. import config as C
+
+
+def architecture(m: C.ModelConfig) -> dict:
+    """{field name: effective value} of the ModelConfig fields that decide the model's function and
+    tensor shapes (defaults resolved, e.g. --ffn-hidden-size None → 4h; MoE fields only for an
+    MoE model, --moe-layer-freq as its layer pattern). Dropout, init, sequence
+    length (except as the learned position table size) may change on resume and are left out, and
+    so may --make-vocab-size-divisible-by (checkpoints hold the unpadded vocabulary)."""
+    arch = {name: getattr(m, name) for name in (
+        "num_layers", "hidden_size", "num_attention_heads", "normalization", "swiglu", "openai_gelu",
+        "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
+        "vocab_size")}
+    arch.update(num_query_groups=C.query_groups(m), ffn_hidden_size=C.ffn_hidden(m), kv_channels=C.head_dim(m))
+    arch["num_experts"] = m.num_experts or None
+    if m.num_experts:  # what routes and where the experts are (the bias, losses and capacity may change)
+        arch.update(moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=C.moe_ffn(m),
+                    moe_layer_freq=str(C.moe_layer_pattern(m)),
+                    moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+                    moe_router_score_function=m.moe_router_score_function,
+                    moe_router_pre_softmax=m.moe_router_pre_softmax)
+    if m.position_embedding_type == "rope":
+        arch.update(rotary_base=m.rotary_base, rotary_percent=m.rotary_percent)
+    else:
+        arch["max_position_embeddings"] = C.max_positions(m)
+    return arch

@@ -1,0 +1,38 @@
+"""This rank's model chunks: the GPTModels of its pipeline stages (one, or v under interleaving).
+
+parallel/pipeline.py partitions the layers (``stage_layers``) and runs the chunks it is given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import fast
+from ..config import Config
+from ..parallel.mesh import ParallelState
+from ..parallel.pipeline import stage_layers, virtual_size
+from .recompute import Recompute
+from .transformer import GPTModel
+
+
+def build_model_chunks(cfg: Config, ps: ParallelState, vocab_size: int,
+                       params_dtype: torch.dtype = torch.float32) -> list:
+    """This rank's model chunks: one GPTModel, or v with interleaving (chunk c = model stage c·PP + r).
+
+    Stage 0 gets the embedding (pre_process), the last stage the final norm, output layer and loss
+    (post_process). Weights depend only on the seed and global layer index, so any partition
+    starts from the same model. --fast-path decides compiled layers (meshlm/fast.py). Raises
+    ConfigError for an invalid partition.
+    """
+    ranges = stage_layers(cfg)
+    v, last = virtual_size(cfg), len(ranges) - 1
+    chunks = []
+    for c in range(v):
+        s = c * ps.pp + ps.pp_rank
+        chunks.append(GPTModel(cfg.model, ps, vocab_size, seed=cfg.training.seed, layer_ids=ranges[s],
+                               pre_process=s == 0, post_process=s == last,
+                               sequence_parallel=cfg.parallel.sequence_parallel, params_dtype=params_dtype,
+                               recompute=Recompute.of(cfg.training),
+                               use_cpu_initialization=cfg.parallel.use_cpu_initialization,
+                               fast=fast.enabled(cfg.training.fast_path, ps.device)))
+    return chunks

@@ -1,0 +1,191 @@
+"""The parallel layout's rules: which world, batch, TP/CP/PP/EP sizes a config may run with.
+
+Each function returns every problem as a line naming the flag and the fix: ``layout_problems``
+(world, batch, gradient accumulation, the --rampup-batch-size ramp, every size split over TP, CP,
+and the pipeline's rules from parallel/pipeline.py), ``moe_problems`` (MoE and EP flags). meshlm.validate
+checks a launch with them, the planner every layout it ranks. ``adjust`` is what Megatron changes
+rather than refuses.
+"""
+
+from __future__ import annotations
+
+from ..config import Config, batch_schedule, ffn_hidden, global_batch, head_dim, moe_layer_pattern, query_groups
+from ..errors import ConfigError
+
+
+def _nearest_multiples(value: int, step: int) -> str:
+    """The multiples of ``step`` nearest ``value`` (the one above alone when none is below), for a fix."""
+    lo = (value // step) * step
+    hi = lo + step
+    return f"{lo} or {hi}" if lo > 0 else f"{hi}"
+
+
+def layout_problems(cfg: Config, world: int) -> list:
+    """World, batch, the divisibility rules of TP/CP and (from parallel.pipeline) of PP."""
+    problems = []
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    if world % (tp * cp * pp):
+        problems.append(f"world size {world} is not divisible by TP×CP×PP = {tp}×{cp}×{pp}; "
+                        f"set --nproc-per-node to a multiple of {tp * cp * pp}")
+        dp = 1
+    else:
+        dp = world // (tp * cp * pp)
+    if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
+        step = t.micro_batch_size * dp
+        problems.append(f"--global-batch-size {t.global_batch_size} is not divisible by "
+                        f"--micro-batch-size {t.micro_batch_size} × DP {dp} = {step}; "
+                        f"nearest valid --global-batch-size: {_nearest_multiples(t.global_batch_size, step)}")
+    if m.num_attention_heads % tp:
+        problems.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+                        f"--tensor-model-parallel-size {tp}")
+    groups = query_groups(m)
+    if groups != m.num_attention_heads and m.num_attention_heads % groups == 0:
+        if groups >= tp and groups % tp:
+            problems.append(f"--num-query-groups {groups} is not divisible by "
+                            f"--tensor-model-parallel-size {tp}")
+        elif groups < tp and tp % groups:
+            problems.append(f"--tensor-model-parallel-size {tp} is not a multiple of "
+                            f"--num-query-groups {groups}")
+    problems += _accumulation_problems(t, dp)
+    problems += _rampup_problems(cfg, world, dp)
+    problems += _tp_split_problems(cfg)
+    problems += _context_problems(cfg)
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        problems.append("--overlap-param-gather needs --use-distributed-optimizer")
+    if world % (tp * cp * pp) == 0:  # layers per stage, virtual stages, schedule
+        from .pipeline import validate_pipeline
+        problems += validate_pipeline(cfg, world)
+    return problems
+
+
+def moe_problems(cfg: Config, world: int) -> list:
+    """MoE flags (Megatron's rules): k ≤ experts, experts split evenly over EP, EP inside DP × CP,
+    sequence parallelism under TP (each TP rank routes its own s/tp tokens), the layer pattern."""
+    m, p = cfg.model, cfg.parallel
+    ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
+    if not m.num_experts:
+        return [f"--expert-model-parallel-size {ep} needs --num-experts"] if ep > 1 else []
+    problems = []
+    if m.moe_router_load_balancing_type not in ("aux_loss", "none"):
+        problems.append(f"--moe-router-load-balancing-type {m.moe_router_load_balancing_type}: not supported by "
+                        f"meshlm, which has aux_loss (with --moe-aux-loss-coeff) and none")
+    try:
+        moe_layer_pattern(m)
+    except ConfigError as e:
+        problems.append(str(e))
+    if m.moe_router_topk > m.num_experts:
+        problems.append(f"--moe-router-topk {m.moe_router_topk} is more than --num-experts {m.num_experts}")
+    if m.num_experts % ep:
+        problems.append(f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+    dpcp = world // max(1, tp * p.pipeline_model_parallel_size)
+    if dpcp % ep:
+        problems.append(f"--expert-model-parallel-size {ep} must divide DP × CP = {dpcp} (experts split the "
+                        f"data-parallel ranks); use a divisor of {dpcp} or more processes")
+    if tp > 1 and not p.sequence_parallel:
+        problems.append("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as in Megatron-LM)")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        problems.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as in Megatron-LM)")
+    shared = m.moe_shared_expert_intermediate_size
+    if shared and shared % tp:
+        problems.append(f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
+                        f"--tensor-model-parallel-size {tp}")
+    return problems
+
+
+def _accumulation_problems(t, dp: int) -> list:
+    """--gradient-accumulation-steps N states the global batch as micro × N × DP; with
+    --global-batch-size too, both must agree."""
+    n = t.gradient_accumulation_steps
+    if n is None or t.global_batch_size is None or t.global_batch_size == t.micro_batch_size * n * dp:
+        return []
+    return [f"--gradient-accumulation-steps {n} gives a global batch of --micro-batch-size "
+            f"{t.micro_batch_size} × {n} × DP {dp} = {t.micro_batch_size * n * dp}, not --global-batch-size "
+            f"{t.global_batch_size}; drop one of the two flags or make them agree"]
+
+
+def _tp_split_problems(cfg: Config) -> list:
+    """Rows each TP rank takes a 1/TP share of: the MLP width, the fused K/V rows when there are
+    fewer query groups than TP ranks, and the sequence under --sequence-parallel."""
+    problems = []
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    ffn = ffn_hidden(m)
+    if ffn % tp:
+        default = "" if m.ffn_hidden_size else " (the default MLP width from --hidden-size)"
+        problems.append(f"--ffn-hidden-size {ffn}{default} is not divisible by --tensor-model-parallel-size "
+                        f"{tp}; set --ffn-hidden-size to {_nearest_multiples(ffn, tp)}")
+    groups, d = query_groups(m), head_dim(m)
+    if groups < tp and tp % groups == 0 and (2 * groups * d) % tp:
+        problems.append(f"the fused key/value rows 2 × --num-query-groups {groups} × head dim {d} are not "
+                        f"divisible by --tensor-model-parallel-size {tp}; change --kv-channels "
+                        f"(or --hidden-size) so that 2 × head dim is a multiple of {tp // groups}")
+    if cfg.parallel.sequence_parallel and m.seq_length % tp:
+        problems.append(f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp} "
+                        f"(needed by --sequence-parallel); use --seq-length "
+                        f"{_nearest_multiples(m.seq_length, tp)}")
+    return problems
+
+
+def _context_problems(cfg: Config) -> list:
+    """Context parallelism (parallel/context.py): 2·CP equal chunks of the sequence, SP's share of
+    a CP rank's s/CP rows, no attention dropout in the CP attention."""
+    m, p = cfg.model, cfg.parallel
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    if cp == 1:
+        return []
+    problems = []
+    if m.seq_length % (2 * cp):
+        problems.append(f"--seq-length {m.seq_length} is not divisible by 2 × --context-parallel-size {cp} "
+                        f"(each CP rank holds 2 of 2·CP equal chunks); use --seq-length "
+                        f"{_nearest_multiples(m.seq_length, 2 * cp)}")
+    elif p.sequence_parallel and (m.seq_length // cp) % tp:
+        problems.append(f"--seq-length {m.seq_length} / --context-parallel-size {cp} is not divisible by "
+                        f"--tensor-model-parallel-size {tp} (needed by --sequence-parallel); use --seq-length "
+                        f"{_nearest_multiples(m.seq_length, cp * tp * 2)}")
+    if m.attention_dropout:
+        problems.append(f"--attention-dropout {m.attention_dropout}: the context-parallel attention has no "
+                        f"dropout; set --attention-dropout 0 with --context-parallel-size {cp}")
+    return problems
+
+
+def _rampup_problems(cfg: Config, world: int, dp: int) -> list:
+    """--rampup-batch-size START INCREMENT SAMPLES: Megatron's checks (num_microbatches_calculator.py),
+    made before the run: every batch of the ramp splits into whole micro-batches over DP (START and
+    INCREMENT multiples of micro × DP), the ramp ends at the global batch (START below it,
+    INCREMENT dividing the gap), SAMPLES ≥ 1, and the pipeline schedule fits every batch."""
+    t = cfg.training
+    ramp, flag = t.rampup_batch_size, "--rampup-batch-size"
+    if ramp is None:
+        return []
+    if len(ramp) != 3 or min(ramp) < 1:
+        return [f"{flag} {' '.join(map(str, ramp))}: give three positive integers START INCREMENT SAMPLES"]
+    start, increment, _ = ramp
+    step, final = t.micro_batch_size * dp, global_batch(cfg, world)
+    problems = [f"{flag}: {name} {value} is not divisible by --micro-batch-size {t.micro_batch_size} × DP {dp} "
+                f"= {step}; nearest valid {name}: {_nearest_multiples(value, step)}"
+                for name, value in (("START", start), ("INCREMENT", increment)) if value % step]
+    if start >= final:
+        problems.append(f"{flag}: START {start} must be below the global batch {final} it ramps up to "
+                        f"(--global-batch-size); lower START or drop the ramp")
+    elif (final - start) % increment:
+        problems.append(f"{flag}: INCREMENT {increment} does not divide the ramp from START {start} to the "
+                        f"global batch {final} ({final - start} samples)")
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if problems or pp == 1:
+        return problems
+    from .pipeline import resolve_schedule, virtual_size
+    if resolve_schedule(cfg.parallel.pipeline_schedule, pp, virtual_size(cfg)) != "interleaved":
+        return []  # the other schedules take any number of micro-batches
+    odd = [size for size in batch_schedule(cfg, world).sizes() if (size // step) % pp]
+    if odd:  # Megatron's rule with microbatch_group_size_per_vp_stage = PP (schedules.schedule_problem)
+        return [f"{flag}: the ramp's global batch {odd[0]} is {odd[0] // step} micro-batches, but interleaved "
+                f"1F1B needs a multiple of --pipeline-model-parallel-size {pp}; make START and INCREMENT "
+                f"multiples of micro × DP × PP = {step * pp}"]
+    return []
+
+
+def adjust(cfg: Config) -> None:
+    """What Megatron's validate_args changes rather than refuses: --sequence-parallel is turned off
+    at TP = 1 (there is nothing to split it over; validate.py's ``notes`` says so at start)."""
+    if cfg.parallel.tensor_model_parallel_size == 1:
+        cfg.parallel.sequence_parallel = False
