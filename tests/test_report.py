@@ -185,3 +185,30 @@ def test_report_command_puts_the_analyzers_findings_first_and_the_planners_timel
     assert cli.main(["report", str(tmp_path), "--output", str(tmp_path / "n.html"), "--no-predict"]) == 0
     plain = (tmp_path / "n.html").read_text()
     assert 'data-timeline="predicted"' not in plain and "(planner: " not in plain and 'id="findings"' in plain
+
+
+def test_report_refuses_to_overwrite_a_file_of_the_run_and_replaces_its_own_earlier_output(tmp_path, capsys):
+    from meshlm import cli
+    (tmp_path / "logs").mkdir()
+    metrics = tmp_path / "logs" / "metrics.jsonl"
+    kept = "".join(json.dumps(r) + "\n" for r in _records(2, pipeline_timeline=schedule_events(2, 2)))
+    metrics.write_text(kept)
+    (tmp_path / "config.yaml").write_text("model: {seq_length: 8}\n")
+    (tmp_path / "logs" / "rank0.log").write_text("worker log\n")
+    for flags in (["--output", str(metrics)], ["--trace", str(tmp_path / "config.yaml")],
+                  ["--output", str(tmp_path / "logs" / "rank0.log")], ["--trace", str(metrics)]):
+        assert cli.main(["report", str(tmp_path), "--no-predict", *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"meshlm: error: {flags[0]} ") and "give another file" in err[0]
+        if flags == ["--output", str(metrics)]:
+            assert "is the metrics.jsonl the report reads" in err[0]
+    assert metrics.read_text() == kept and (tmp_path / "config.yaml").read_text() == "model: {seq_length: 8}\n"
+    assert (tmp_path / "logs" / "rank0.log").read_text() == "worker log\n"
+    assert not (tmp_path / "report.html").exists()
+    # the report's own earlier outputs (and new files) may be written, and written again
+    for _ in range(2):
+        assert cli.main(["report", str(tmp_path), "--no-predict", "--output", str(tmp_path / "r.html"),
+                         "--trace", str(tmp_path / "t.json")]) == 0
+    assert cli.main(["report", str(tmp_path), "--no-predict", "--output", str(tmp_path / "r.html"),
+                     "--trace", str(tmp_path / "r.html")]) == 2
+    assert "--trace" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from html import escape
 from typing import Optional
 
 from . import svg
-from .data import RunData, load_run, unique_names
+from .data import RunData, load_run, overwrite_problem, unique_names
 from .svg import Series
 from .timeline import bubble_line, timeline_svg
 from .trace import write_trace
@@ -178,14 +178,22 @@ def planner_views(runs: list, predict: bool = True) -> tuple:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write the report (and the trace); print where. DataError for a path that is not a run."""
+    """Write the report (and the trace); print where. DataError for a path that is not a run;
+    ConfigError, before anything is written, for an output that cannot be written or would replace
+    a file of a run (overwrite_problem)."""
     from ..errors import ConfigError
     from ..folders import output_file_problem, write_text_file
     runs = [load_run(p) for p in args.runs]
     unique_names(runs)
     out = args.output or os.path.join(runs[0].path, "report.html")
-    problems = [p for p in (output_file_problem("--output" if args.output else "the report", out),
-                            args.trace and output_file_problem("--trace", args.trace, "timeline.json")) if p]
+    flag = "--output" if args.output else "the report"
+    problems = [p for p in (output_file_problem(flag, out), overwrite_problem(flag, out, runs, "report", "report.html"),
+                            args.trace and output_file_problem("--trace", args.trace, "timeline.json"),
+                            args.trace and overwrite_problem("--trace", args.trace, runs, "trace", "timeline.json"))
+                if p]
+    if args.trace and os.path.abspath(args.trace) == os.path.abspath(out):
+        problems.append(f"--trace {args.trace} is also the report's file; give the trace another file "
+                        f"(e.g. timeline.json)")
     if problems:  # before anything is written
         raise ConfigError(problems)
     findings, predicted = planner_views(runs, predict=not args.no_predict)
