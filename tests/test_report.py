@@ -212,3 +212,35 @@ def test_report_refuses_to_overwrite_a_file_of_the_run_and_replaces_its_own_earl
     assert cli.main(["report", str(tmp_path), "--no-predict", "--output", str(tmp_path / "r.html"),
                      "--trace", str(tmp_path / "r.html")]) == 2
     assert "--trace" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("form", ["strings", "bare tokens"])
+def test_a_run_whose_validation_loss_is_nan_is_reported_and_analyzed(tmp_path, capsys, form):
+    """Its report crashed with a ValueError (nice_ticks of NaN); old files hold bare NaN, new ones "NaN"."""
+    from importlib import import_module
+
+    from meshlm import cli
+    records = [dict(r, lm_loss=None, grad_norm=float("inf")) for r in _records(3)]
+    records += [{"iteration": 0, "consumed_samples": 0, "val_loss": float("nan"), "val_ppl": float("nan")},
+                {"iteration": 3, "consumed_samples": 12, "val_loss": float("nan"), "val_ppl": float("nan")}]
+    dump = json.dumps if form == "bare tokens" else import_module("meshlm.metrics_json").dumps
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.jsonl").write_text("".join(dump(r) + "\n" for r in records))
+    assert cli.main(["report", str(tmp_path), "--no-predict"]) == 0
+    html = (tmp_path / "report.html").read_text()
+    summary = html[html.index('<table id="summary">'):html.index("</table>")]
+    assert '<span class="diverged">NaN (diverged)</span>' in summary  # the last validation loss
+    notes = {d.attrs["data-chart"]: d.text for d in parse_html(html).find_all("div", "note")}
+    assert notes["loss"] == "loss: only NaN/inf values recorded (2: the run diverged); nothing to draw"
+    assert "only NaN/inf values recorded (3: " in notes["grad_norm"]  # every grad norm is inf
+    capsys.readouterr()
+    assert cli.main(["analyze", str(tmp_path), "--no-predict", "--json"]) == 0
+    json.loads(capsys.readouterr().out, parse_constant=lambda token: pytest.fail(f"bare {token}"))
+
+
+def test_a_chart_skips_non_finite_points_and_says_how_many():
+    s = svg.Series("a", [(1.0, 2.0), (2.0, float("nan")), (3.0, float("inf")), (4.0, 1.0)], "#000")
+    doc = parse_html(svg.line_chart("k", "t", [s], "x", "y"))
+    [g] = doc.find_all("g", "series")
+    assert g.attrs["data-points"] == "2" and g.attrs["data-series"] == "a (2 NaN/inf not drawn)"
+    assert "nan" not in svg.line_chart("k", "t", [s], "x", "y")

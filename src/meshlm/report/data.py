@@ -1,8 +1,8 @@
 """Reading a run for the report: its metrics.jsonl records, its config.yaml, its pipeline timeline.
 
 A run directory is what ``meshlm pretrain`` writes: ``config.yaml`` and ``logs/metrics.jsonl``
-(MetricsLogger: one JSON object per line; a training record has ``iter_ms``, an evaluation
-record ``val_loss``, a checkpoint record ``checkpoint``). ``load_run`` also takes the logs folder
+(MetricsLogger: one JSON object per line, non-finite floats as metrics_json.py writes them; a
+training record has ``iter_ms``, an evaluation record ``val_loss``, a checkpoint record ``checkpoint``). ``load_run`` also takes the logs folder
 or the metrics.jsonl file itself.
 """
 
@@ -109,7 +109,8 @@ def load_run(path: str, name: Optional[str] = None) -> RunData:
     run = RunData(name=name or os.path.basename(os.path.normpath(os.path.abspath(run_dir))),
                   path=run_dir, config=_read_config(run_dir), metrics=metrics)
     from ..folders import read_jsonl
-    records = read_jsonl(metrics, DataError, "a metrics.jsonl that `meshlm pretrain` wrote")
+    from ..metrics_json import decode
+    records = [decode(r) for r in read_jsonl(metrics, DataError, "a metrics.jsonl that `meshlm pretrain` wrote")]
     for rec in records:
         if not isinstance(rec, dict):
             continue

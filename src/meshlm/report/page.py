@@ -13,6 +13,7 @@ Chrome/Perfetto trace (trace.py).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from html import escape
 from typing import Optional
@@ -32,6 +33,7 @@ svg .frame { fill: none; stroke: #999; } svg .grid { stroke: #eee; }
 svg .bar-label { fill: #fff; font-size: 9px; }
 .note { width: 460px; height: 60px; border: 1px dashed #bbb; color: #777; padding: 8px; box-sizing: border-box; }
 .finding { border-left: 4px solid #d62728; background: #fff5f5; padding: 6px 10px; margin: 6px 0; }
+.diverged { color: #d62728; font-weight: 600; }
 table { border-collapse: collapse; } td, th { border: 1px solid #ddd; padding: 3px 8px; text-align: right; }
 """
 
@@ -102,9 +104,17 @@ def _summary(runs: list) -> str:
         val = r.evals[-1]["val_loss"] if r.evals else None
         cells = [p.get("tensor_model_parallel_size", "?"), p.get("pipeline_model_parallel_size", "?"),
                  last.get("iteration", 0), last.get("lm_loss"), val, last.get("iter_ms"), last.get("tokens_per_sec")]
-        rows.append(f"<tr><td>{escape(r.name)}</td>" + "".join(
-            f"<td>{'n/a' if c is None else (f'{c:.4g}' if isinstance(c, float) else c)}</td>" for c in cells) + "</tr>")
+        rows.append(f"<tr><td>{escape(r.name)}</td>" + "".join(f"<td>{_cell(c)}</td>" for c in cells) + "</tr>")
     return f'<table id="summary">{head}{"".join(rows)}</table>'
+
+
+def _cell(value) -> str:
+    """A summary table cell: n/a for None, NaN/inf marked as a diverged value, floats to 4 digits."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f'<span class="diverged">{"NaN" if math.isnan(value) else f"{value:g}"} (diverged)</span>'
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _timelines(runs: list, predicted: Optional[dict]) -> str:
@@ -131,6 +141,8 @@ def build_page(runs: list, findings: Optional[list] = None, predicted: Optional[
     """
     charts = []
     for key, title, series, xl, yl, note in chart_specs(runs):
+        if not svg.has_points(series) and svg.non_finite(series):
+            note = f"only NaN/inf values recorded ({svg.non_finite(series)}: the run diverged); nothing to draw"
         charts.append(svg.line_chart(key, title, series, xl, yl) if svg.has_points(series) else
                       f'<div class="note" data-chart="{key}">{escape(title)}: {escape(note)}</div>')
     names = ", ".join(r.name for r in runs)
