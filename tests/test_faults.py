@@ -146,3 +146,38 @@ def test_every_rank_writes_heartbeats_to_its_own_log(slowed):
         beats = [line for line in open(tmp / "logs" / f"rank{rank}.log") if line.startswith(f"heartbeat rank {rank}: ")]
         assert len(beats) >= 3
         assert any(" s since the last step ended, " in b and "iteration " in b for b in beats)
+
+
+def _watchdog(positions: dict):
+    """A rank-0 Watchdog of a world of 3 whose store holds ``positions`` (no process group)."""
+    from meshlm.parallel import watchdog
+    dog = object.__new__(watchdog.Watchdog)
+    dog.rank, dog.timeout_s, dog.poll_s = 0, 3.0, 0.3
+    dog.labels, dog.ranks = {id(None): "world[0, 1, 2]"}, {id(None): [0, 1, 2]}
+    dog._read = lambda r: positions[r]
+    return dog
+
+
+def _position(inside=None, count=5, idle_s=0.0):
+    return {"t": time.time(), "iteration": 3, "phase": "forward-backward", "in": inside, "idle_s": idle_s,
+            "counts": {"world[0, 1, 2]": count}}
+
+
+def test_a_hang_names_each_ranks_own_collective_not_a_pairing_fault_when_they_differ():
+    """Rank 1 sits in a broadcast where rank 0 waits in an all_reduce (the same call #5 of the world
+    group): the line said every other rank was inside the all_reduce too ("pairing fault")."""
+    dog = _watchdog({1: _position(["broadcast", "world[0, 1, 2]", 5, 4.0]), 2: _position(None, 4, 3.5)})
+    line = dog.verdict(("all_reduce", None, 5, time.monotonic() - 4.0, None))
+    assert "in all_reduce over the world[0, 1, 2] group (its collective #5 there)" in line
+    assert "did not arrive: rank 2 (outside collectives for 3.5 s, at iteration 3 (forward-backward))" in line
+    assert "in another collective: rank 1 (inside broadcast over world[0, 1, 2] (#5) for 4.0 s)" in line
+    assert "pairing" not in line and "inside it too" not in line, line
+    dog = _watchdog({1: _position(["all_reduce", "world[0, 1, 2]", 5, 4.0]), 2: _position(None, 6)})
+    line = dog.verdict(("all_reduce", None, 5, time.monotonic() - 4.0, None))
+    assert "already returned from it: rank 2 (outside collectives" in line and "inside it too: rank 1" in line
+    assert "pairing" not in line
+    dog = _watchdog({1: _position(["all_reduce", "world[0, 1, 2]", 5, 4.0]),
+                     2: _position(["all_reduce", "world[0, 1, 2]", 5, 4.0])})
+    line = dog.verdict(("all_reduce", None, 5, time.monotonic() - 4.0, None))
+    assert line.endswith("inside it too: rank 1, rank 2 (every other rank is in it: a transport or pairing "
+                         "fault); ending the job")
