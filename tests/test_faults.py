@@ -181,3 +181,46 @@ def test_a_hang_names_each_ranks_own_collective_not_a_pairing_fault_when_they_di
     line = dog.verdict(("all_reduce", None, 5, time.monotonic() - 4.0, None))
     assert line.endswith("inside it too: rank 1, rank 2 (every other rank is in it: a transport or pairing "
                          "fault); ending the job")
+
+
+class _PS:
+    def __init__(self, world):
+        import torch
+        self.world_size, self.rank, self.device = world, 0, torch.device("cpu")
+
+
+def _gathering(monkeypatch, intervals):
+    """gather() sees the given [rank 0 s, rank 1 s] per log interval, in turn (no process group)."""
+    from meshlm.training import stragglers
+    feed = iter(intervals)
+
+    def call(name, group, fn, parts, mine):
+        for p, t in zip(parts, next(feed)):
+            p.fill_(t)
+    monkeypatch.setattr(stragglers.watchdog, "call", call)
+    return stragglers
+
+
+def test_a_straggler_is_named_when_it_starts_lagging_and_once_when_it_recovers(monkeypatch, capsys):
+    """The line was printed again every CONSECUTIVE intervals while the rank lagged (30 times in a run)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    stragglers = _gathering(monkeypatch, [[0.01, 0.05]] * 12 + [[0.01, 0.01]] * 3 + [[0.01, 0.05]] * 3)
+    watch = stragglers.StragglerWatch(_PS(2))
+    for _ in range(18):
+        watch.gather()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[1].split(" took")[0] for line in lines] == [" rank 1", " rank 1 recovered", " rank 1"]
+    assert lines[0].startswith("straggler: rank 1 took 50.0 ms") and "for 3 log intervals in a row" in lines[0]
+    assert lines[1] == "straggler: rank 1 recovered: 10.0 ms per iteration outside collectives, the median of all " \
+                       "2 ranks 10.0 ms"
+
+
+def test_more_cpu_workers_than_cores_is_said_once_and_turns_straggler_lines_off(monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    stragglers = _gathering(monkeypatch, [[0.01, 0.05]] * 6)
+    watch = stragglers.StragglerWatch(_PS(2))
+    for _ in range(6):
+        assert len(watch.gather()) == 2  # still recorded (metrics.jsonl's rank_iter_s)
+    assert capsys.readouterr().out == ("meshlm: note: 4 workers on 2 CPU cores: they take turns on the cores, so "
+                                       "step times are shared-core times; straggler detection is off\n")
