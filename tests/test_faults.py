@@ -224,3 +224,16 @@ def test_more_cpu_workers_than_cores_is_said_once_and_turns_straggler_lines_off(
         assert len(watch.gather()) == 2  # still recorded (metrics.jsonl's rank_iter_s)
     assert capsys.readouterr().out == ("meshlm: note: 4 workers on 2 CPU cores: they take turns on the cores, so "
                                        "step times are shared-core times; straggler detection is off\n")
+
+
+def test_a_run_of_loss_spikes_prints_one_line_when_it_starts_and_one_when_it_ends():
+    """A loss that stayed high printed the spike line every iteration (a spike stays out of the mean)."""
+    from meshlm.training.faults import LossSpikes
+    spikes, lines = LossSpikes(2.0), []
+    for it, loss in enumerate([1.0] * 6 + [5.0] * 4 + [None, 1.0, 1.0, 5.0], 1):
+        lines.append(spikes.report(it, loss, spikes.check(loss)))
+    said = [(it, line) for it, line in enumerate(lines, 1) if line]
+    assert [it for it, _ in said] == [7, 12, 14], said
+    assert said[0][1].startswith("loss spike at iteration 7: lm loss 5.000000E+00 > 2 × the mean 1.000000E+00")
+    assert said[1][1] == "loss back below 2 × the running mean at iteration 12 (1.000000E+00) after 4 spiking " \
+                         "step(s) (--loss-spike-threshold)"
