@@ -64,7 +64,8 @@ def run_meshlm(preset: str, flags: list, micro: int, out: str, iters: int, warmu
         fh.write(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "logs", "metrics.jsonl")) if line.strip()]
+    from meshlm.metrics_json import loads
+    rows = [loads(line) for line in open(os.path.join(run_dir, "logs", "metrics.jsonl")) if line.strip()]
     rows = [r for r in rows if r.get("iter_ms") is not None]
     timed = rows[warmup:]
     return {"iter_ms": statistics.median(r["iter_ms"] for r in timed),

@@ -11,7 +11,6 @@ the H200-141GB preset: bench/plan_check.py checked it against one-GPU runs (benc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
+from meshlm import metrics_json  # noqa: E402
 from meshlm.config import add_config_args, config_from_args, global_batch  # noqa: E402
 from meshlm.planner.cost import step_time  # noqa: E402
 from meshlm.planner.gpus import GiB, PRESETS  # noqa: E402
@@ -53,7 +53,7 @@ def pretrain(flags: list, gpus: int, run_dir: str, log_path: str, timeout: Optio
     if failed:
         return {"error": out.strip().splitlines()[-1:]}
     with open(os.path.join(run_dir, "logs", "metrics.jsonl")) as fh:
-        records = [json.loads(x) for x in fh if x.strip()]
+        records = [metrics_json.loads(x) for x in fh if x.strip()]
     return {"records": [r for r in records if r.get("iter_ms") is not None], "stdout": proc.stdout}
 
 

@@ -199,3 +199,18 @@ def test_a_fresh_run_sets_an_earlier_runs_logs_aside_and_a_resume_keeps_them(tmp
     [note] = resolve("--log-dir", "run")
     [inner] = [p for p in run.glob("logs.*/metrics.jsonl") if p.read_text() == '{"iteration": 3}\n']
     assert f"run/{inner.parent.name} " in note and not (run / "metrics.jsonl").exists()
+
+
+def test_a_reader_that_closes_the_pipe_ends_a_command_quietly(tmp_path):
+    """`meshlm checkpoint inspect CK | head` (and plan, analyze, …) ended in a BrokenPipeError
+    traceback: main() now stops every command as a pipe's writer does (141, nothing on stderr)."""
+    import json
+    (tmp_path / "run" / "logs").mkdir(parents=True)
+    (tmp_path / "run" / "logs" / "metrics.jsonl").write_text("".join(json.dumps(
+        {"iteration": i, "consumed_samples": i, "iter_ms": 100.0, "lm_loss": 5.0, "lr": 1e-3}) + "\n" for i in (1, 2)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+    proc = subprocess.Popen([sys.executable, "-m", "meshlm", "analyze", "run", "--no-predict"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before the first line (as `| head` after its lines)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == "", err

@@ -146,3 +146,94 @@ def test_every_rank_writes_heartbeats_to_its_own_log(slowed):
         beats = [line for line in open(tmp / "logs" / f"rank{rank}.log") if line.startswith(f"heartbeat rank {rank}: ")]
         assert len(beats) >= 3
         assert any(" s since the last step ended, " in b and "iteration " in b for b in beats)
+
+
+def _watchdog(positions: dict):
+    """A rank-0 Watchdog of a world of 3 whose store holds ``positions`` (no process group)."""
+    from meshlm.parallel import watchdog
+    dog = object.__new__(watchdog.Watchdog)
+    dog.rank, dog.timeout_s, dog.poll_s = 0, 3.0, 0.3
+    dog.labels, dog.ranks = {id(None): "world[0, 1, 2]"}, {id(None): [0, 1, 2]}
+    dog._read = lambda r: positions[r]
+    return dog
+
+
+def _position(inside=None, count=5, idle_s=0.0):
+    return {"t": time.time(), "iteration": 3, "phase": "forward-backward", "in": inside, "idle_s": idle_s,
+            "counts": {"world[0, 1, 2]": count}}
+
+
+def test_a_hang_names_each_ranks_own_collective_not_a_pairing_fault_when_they_differ():
+    """Rank 1 sits in a broadcast where rank 0 waits in an all_reduce (the same call #5 of the world
+    group): the line said every other rank was inside the all_reduce too ("pairing fault")."""
+    dog = _watchdog({1: _position(["broadcast", "world[0, 1, 2]", 5, 4.0]), 2: _position(None, 4, 3.5)})
+    line = dog.verdict(("all_reduce", None, 5, time.monotonic() - 4.0, None))
+    assert "in all_reduce over the world[0, 1, 2] group (its collective #5 there)" in line
+    assert "did not arrive: rank 2 (outside collectives for 3.5 s, at iteration 3 (forward-backward))" in line
+    assert "in another collective: rank 1 (inside broadcast over world[0, 1, 2] (#5) for 4.0 s)" in line
+    assert "pairing" not in line and "inside it too" not in line, line
+    dog = _watchdog({1: _position(["all_reduce", "world[0, 1, 2]", 5, 4.0]), 2: _position(None, 6)})
+    line = dog.verdict(("all_reduce", None, 5, time.monotonic() - 4.0, None))
+    assert "already returned from it: rank 2 (outside collectives" in line and "inside it too: rank 1" in line
+    assert "pairing" not in line
+    dog = _watchdog({1: _position(["all_reduce", "world[0, 1, 2]", 5, 4.0]),
+                     2: _position(["all_reduce", "world[0, 1, 2]", 5, 4.0])})
+    line = dog.verdict(("all_reduce", None, 5, time.monotonic() - 4.0, None))
+    assert line.endswith("inside it too: rank 1, rank 2 (every other rank is in it: a transport or pairing "
+                         "fault); ending the job")
+
+
+class _PS:
+    def __init__(self, world):
+        import torch
+        self.world_size, self.rank, self.device = world, 0, torch.device("cpu")
+
+
+def _gathering(monkeypatch, intervals):
+    """gather() sees the given [rank 0 s, rank 1 s] per log interval, in turn (no process group)."""
+    from meshlm.training import stragglers
+    feed = iter(intervals)
+
+    def call(name, group, fn, parts, mine):
+        for p, t in zip(parts, next(feed)):
+            p.fill_(t)
+    monkeypatch.setattr(stragglers.watchdog, "call", call)
+    return stragglers
+
+
+def test_a_straggler_is_named_when_it_starts_lagging_and_once_when_it_recovers(monkeypatch, capsys):
+    """The line was printed again every CONSECUTIVE intervals while the rank lagged (30 times in a run)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    stragglers = _gathering(monkeypatch, [[0.01, 0.05]] * 12 + [[0.01, 0.01]] * 3 + [[0.01, 0.05]] * 3)
+    watch = stragglers.StragglerWatch(_PS(2))
+    for _ in range(18):
+        watch.gather()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[1].split(" took")[0] for line in lines] == [" rank 1", " rank 1 recovered", " rank 1"]
+    assert lines[0].startswith("straggler: rank 1 took 50.0 ms") and "for 3 log intervals in a row" in lines[0]
+    assert lines[1] == "straggler: rank 1 recovered: 10.0 ms per iteration outside collectives, the median of all " \
+                       "2 ranks 10.0 ms"
+
+
+def test_more_cpu_workers_than_cores_is_said_once_and_turns_straggler_lines_off(monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    stragglers = _gathering(monkeypatch, [[0.01, 0.05]] * 6)
+    watch = stragglers.StragglerWatch(_PS(2))
+    for _ in range(6):
+        assert len(watch.gather()) == 2  # still recorded (metrics.jsonl's rank_iter_s)
+    assert capsys.readouterr().out == ("meshlm: note: 4 workers on 2 CPU cores: they take turns on the cores, so "
+                                       "step times are shared-core times; straggler detection is off\n")
+
+
+def test_a_run_of_loss_spikes_prints_one_line_when_it_starts_and_one_when_it_ends():
+    """A loss that stayed high printed the spike line every iteration (a spike stays out of the mean)."""
+    from meshlm.training.faults import LossSpikes
+    spikes, lines = LossSpikes(2.0), []
+    for it, loss in enumerate([1.0] * 6 + [5.0] * 4 + [None, 1.0, 1.0, 5.0], 1):
+        lines.append(spikes.report(it, loss, spikes.check(loss)))
+    said = [(it, line) for it, line in enumerate(lines, 1) if line]
+    assert [it for it, _ in said] == [7, 12, 14], said
+    assert said[0][1].startswith("loss spike at iteration 7: lm loss 5.000000E+00 > 2 × the mean 1.000000E+00")
+    assert said[1][1] == "loss back below 2 × the running mean at iteration 12 (1.000000E+00) after 4 spiking " \
+                         "step(s) (--loss-spike-threshold)"

@@ -195,3 +195,40 @@ def test_sigterm_to_the_launcher_stops_the_workers_after_a_checkpoint_with_exit_
     assert 2 <= stopped < 100000
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
     assert f"exiting after iteration {stopped}: SIGTERM received" in out
+
+
+def test_a_stop_signal_waits_for_a_starting_workers_handler_instead_of_killing_it(tmp_path):
+    """SIGTERM about 2 s after "starting N workers" killed the workers still importing torch
+    ("killed by signal 15", exit 1): the launcher now holds the signal until a worker handles it."""
+    child = ("import signal, sys, time; time.sleep(1.0); got = []; "
+             "signal.signal(signal.SIGUSR1, lambda *a: got.append(1)); end = time.time() + 10\n"
+             "while not got and time.time() < end: time.sleep(0.05)\n"
+             "print('stopped' if got else 'never signalled'); sys.exit(0 if got else 3)")
+    worker = subprocess.Popen([sys.executable, "-c", child], env=clean_env(**{launch.WORKER_ENV: "1"}),
+                              stdout=subprocess.PIPE, text=True)
+    with launch._forward_signal("SIGUSR1") as received:
+        os.kill(os.getpid(), signal.SIGUSR1)  # the user's stop, while the worker has no handler yet
+        out, _ = worker.communicate(timeout=60)
+    assert received == [signal.SIGUSR1] and worker.returncode == 0 and out.strip() == "stopped"
+
+
+def test_a_worker_the_stop_signal_killed_during_start_up_is_a_clean_stop(tmp_path, monkeypatch, capsys):
+    """Sent to the whole process group, the signal can still kill a worker before its handler: that
+    is reported as a stop before the first step (exit 0), not as a crash."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.launcher import api
+
+    def elastic_launch(launch_cfg, entry):
+        def run(*argv):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the launcher's handler runs
+            raise ChildFailedError("meshlm", {1: ProcessFailure(1, 123, -signal.SIGTERM, "")})
+        return run
+    monkeypatch.setattr(api, "elastic_launch", elastic_launch)
+    monkeypatch.setattr(launch, "_worker_pids", lambda: [])
+    cfg = Config()
+    cfg.logging.run_dir, cfg.training.exit_signal_handler = str(tmp_path), True
+    assert launch.launch_local(cfg, str(tmp_path / "config.yaml"), 2) == 0
+    out = capsys.readouterr().out
+    assert "meshlm: stopped on SIGTERM (--exit-signal-handler) during start-up, before the first step: worker " \
+           "rank(s) 1 got it before setting up the handler; nothing trained, nothing to save" in out

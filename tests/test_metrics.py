@@ -156,3 +156,29 @@ def test_tensorboard_gets_the_moe_routing_communication_and_loss_figures(tmp_pat
     assert got["moe/imbalance"] == 1.25 and got["moe/dropped-fraction"] == pytest.approx(1 - 80 / 90)
     assert got["communication/dp-s"] == pytest.approx(0.1) == rec["comm_s"]["dp"]
     assert "moe/z-loss" not in got  # off: no pair
+
+
+def _strict(line):
+    """json.loads that refuses the bare NaN/Infinity tokens (as jq or JavaScript do)."""
+    return json.loads(line, parse_constant=lambda token: pytest.fail(f"bare {token} in {line}"))
+
+
+def test_non_finite_values_are_written_as_valid_json_and_read_back_in_both_forms(tmp_path, capsys):
+    from meshlm import metrics_json
+    log = _logger(tmp_path, log_interval=1)
+    log.train_step(1, 32, lm_loss=2.0, lr=1e-4, grad_norm=float("inf"), iter_s=0.1, rank_iter_s=[0.1, float("nan")])
+    log.evaluation(1, 32, float("nan"))
+    log.train_step(2, 64, lm_loss=2.0, lr=1e-4, grad_norm=1.0, iter_s=0.1)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    train, val = _strict(lines[0]), _strict(lines[1])
+    assert train["grad_norm"] == "Infinity" and train["rank_iter_s"] == [0.1, "NaN"]
+    assert val["val_loss"] == val["val_ppl"] == "NaN"  # a NaN loss has no perplexity of e^20
+    back = metrics_json.loads(lines[0])
+    assert back["grad_norm"] == float("inf") and back["rank_iter_s"][1] != back["rank_iter_s"][1]
+    assert metrics_json.loads('{"val_loss": NaN, "x": -Infinity}')["x"] == float("-inf")  # the old form
+    # resume's cut-back reads both forms, and drops a line cut off by a killed run
+    (tmp_path / "metrics.jsonl").write_text(lines[0] + '\n{"iteration": 1, "val_loss": NaN}\n' + lines[2] +
+                                            '\n{"iteration": 3, "iter_')
+    _logger(tmp_path, log_interval=1).begin(1)
+    kept = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert kept == [lines[0], '{"iteration": 1, "val_loss": NaN}']

@@ -186,3 +186,62 @@ def test_report_command_puts_the_analyzers_findings_first_and_the_planners_timel
     assert cli.main(["report", str(tmp_path), "--output", str(tmp_path / "n.html"), "--no-predict"]) == 0
     plain = (tmp_path / "n.html").read_text()
     assert 'data-timeline="predicted"' not in plain and "(planner: " not in plain and 'id="findings"' in plain
+
+
+def test_report_refuses_to_overwrite_a_file_of_the_run_and_replaces_its_own_earlier_output(tmp_path, capsys):
+    from meshlm import cli
+    (tmp_path / "logs").mkdir()
+    metrics = tmp_path / "logs" / "metrics.jsonl"
+    kept = "".join(json.dumps(r) + "\n" for r in _records(2, pipeline_timeline=schedule_events(2, 2)))
+    metrics.write_text(kept)
+    (tmp_path / "config.yaml").write_text("model: {seq_length: 8}\n")
+    (tmp_path / "logs" / "rank0.log").write_text("worker log\n")
+    for flags in (["--output", str(metrics)], ["--trace", str(tmp_path / "config.yaml")],
+                  ["--output", str(tmp_path / "logs" / "rank0.log")], ["--trace", str(metrics)]):
+        assert cli.main(["report", str(tmp_path), "--no-predict", *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"meshlm: error: {flags[0]} ") and "give another file" in err[0]
+        if flags == ["--output", str(metrics)]:
+            assert "is the metrics.jsonl the report reads" in err[0]
+    assert metrics.read_text() == kept and (tmp_path / "config.yaml").read_text() == "model: {seq_length: 8}\n"
+    assert (tmp_path / "logs" / "rank0.log").read_text() == "worker log\n"
+    assert not (tmp_path / "report.html").exists()
+    # the report's own earlier outputs (and new files) may be written, and written again
+    for _ in range(2):
+        assert cli.main(["report", str(tmp_path), "--no-predict", "--output", str(tmp_path / "r.html"),
+                         "--trace", str(tmp_path / "t.json")]) == 0
+    assert cli.main(["report", str(tmp_path), "--no-predict", "--output", str(tmp_path / "r.html"),
+                     "--trace", str(tmp_path / "r.html")]) == 2
+    assert "--trace" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("form", ["strings", "bare tokens"])
+def test_a_run_whose_validation_loss_is_nan_is_reported_and_analyzed(tmp_path, capsys, form):
+    """Its report crashed with a ValueError (nice_ticks of NaN); old files hold bare NaN, new ones "NaN"."""
+    from importlib import import_module
+
+    from meshlm import cli
+    records = [dict(r, lm_loss=None, grad_norm=float("inf")) for r in _records(3)]
+    records += [{"iteration": 0, "consumed_samples": 0, "val_loss": float("nan"), "val_ppl": float("nan")},
+                {"iteration": 3, "consumed_samples": 12, "val_loss": float("nan"), "val_ppl": float("nan")}]
+    dump = json.dumps if form == "bare tokens" else import_module("meshlm.metrics_json").dumps
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.jsonl").write_text("".join(dump(r) + "\n" for r in records))
+    assert cli.main(["report", str(tmp_path), "--no-predict"]) == 0
+    html = (tmp_path / "report.html").read_text()
+    summary = html[html.index('<table id="summary">'):html.index("</table>")]
+    assert '<span class="diverged">NaN (diverged)</span>' in summary  # the last validation loss
+    notes = {d.attrs["data-chart"]: d.text for d in parse_html(html).find_all("div", "note")}
+    assert notes["loss"] == "loss: only NaN/inf values recorded (2: the run diverged); nothing to draw"
+    assert "only NaN/inf values recorded (3: " in notes["grad_norm"]  # every grad norm is inf
+    capsys.readouterr()
+    assert cli.main(["analyze", str(tmp_path), "--no-predict", "--json"]) == 0
+    json.loads(capsys.readouterr().out, parse_constant=lambda token: pytest.fail(f"bare {token}"))
+
+
+def test_a_chart_skips_non_finite_points_and_says_how_many():
+    s = svg.Series("a", [(1.0, 2.0), (2.0, float("nan")), (3.0, float("inf")), (4.0, 1.0)], "#000")
+    doc = parse_html(svg.line_chart("k", "t", [s], "x", "y"))
+    [g] = doc.find_all("g", "series")
+    assert g.attrs["data-points"] == "2" and g.attrs["data-series"] == "a (2 NaN/inf not drawn)"
+    assert "nan" not in svg.line_chart("k", "t", [s], "x", "y")

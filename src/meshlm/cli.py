@@ -4,6 +4,8 @@ Each subcommand's flags come from the module that does the work (``config.add_co
 pretrain, ``data.preprocess.add_arguments``, …), and are only imported when that subcommand runs,
 so ``meshlm --help`` is instant. A MeshlmError anywhere prints ``meshlm: error: <message>`` on
 stderr (a config with several problems lists them) and exits with status 2, without a traceback.
+A reader of stdout that leaves early (`meshlm checkpoint inspect CK | head`) ends any command
+quietly with status 141, as a pipe's writer killed by SIGPIPE.
 
 ``meshlm pretrain`` without a data flag (--data-path, --train-data-path, --mock-data, …) trains on the embedded default: the
 Python standard library's sources, a BPE tokenizer trained on them and :data:`EMBEDDED_DEFAULT`'s
@@ -312,14 +314,41 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll says POLLERR), so that a
+    BrokenPipeError came from stdout and not from some other pipe or socket."""
+    import select
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fd (a test's StringIO), no poll (Windows)
+        return False
+
+
 def main(argv=None) -> int:
     """Entry point of ``meshlm`` and ``python -m meshlm``; returns the exit status.
 
     0 success; 2 a user error (MeshlmError or bad flags; one message on stderr); 1 a worker crash
-    (its rank and log tail are printed); 130 interrupted. Other exceptions are bugs in meshlm and
-    keep their traceback.
+    (its rank and log tail are printed); 130 interrupted; 141 (128 + SIGPIPE, no traceback) when
+    the reader of stdout has gone (`meshlm checkpoint inspect CK | head`), for every command and
+    --help. Other exceptions are bugs in meshlm and keep their traceback.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        try:
+            return _run_command(list(sys.argv[1:] if argv is None else argv))
+        finally:  # a reader that left shows here (also under --help's SystemExit), not at the exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
+        with contextlib.suppress(OSError, ValueError):  # no second error when Python flushes at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # as a writer killed by SIGPIPE: `meshlm … | head` ends quietly
+
+
+def _run_command(argv: list) -> int:
+    """Parse ``argv`` and run its command; a MeshlmError or an interrupt as main() documents."""
     command = next((a for a in argv if not a.startswith("-")), None)
     try:
         parser = build_parser(command)

@@ -253,28 +253,57 @@ def _worker_pids() -> list:
     return pids
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask in /proc; True where
+    that cannot be read, so the signal is sent, as before)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            mask = next(line.split()[1] for line in fh if line.startswith("SigCgt:"))
+        return bool(int(mask, 16) >> (sig - 1) & 1)
+    except (OSError, StopIteration, IndexError, ValueError):
+        return True
+
+
 @contextlib.contextmanager
 def _forward_signal(name):
     """Inside the block, signal ``name`` (None: do nothing) is passed on to each worker process
     alone, not its process group, so their --exit-signal-handler stops them after the current
-    iteration. Yields the list of signals received (empty if none came). The elastic agent must
-    not handle ``name`` itself (it would stop the workers and kill them 30 s later): launch_local
-    leaves it out of the agent's ``signals_to_handle``."""
+    iteration. A worker still starting up (no handler for it yet: the signal would kill it), or
+    not yet started, gets it once its handler is in place (a thread checks every 0.1 s), so a
+    stop during start-up stops cleanly too. Yields the list of signals received (empty if none
+    came). The elastic agent must not handle ``name`` itself (it would stop the workers and kill
+    them 30 s later): launch_local leaves it out of the agent's ``signals_to_handle``."""
     received = []
     if name is None:
         yield received
         return
     sig = signal.Signals[name]
+    sent, done = set(), threading.Event()
+
+    def deliver():  # to every worker that has its handler and has not had this signal yet
+        for pid in _worker_pids():
+            if pid not in sent and _catches(pid, sig):
+                sent.add(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
 
     def forward(signum, frame):
         received.append(signum)
-        for pid in _worker_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+        sent.clear()
+        deliver()
+
+    def retry():  # workers still starting up (or not yet started) when the signal came
+        while not done.wait(0.1):
+            if received:
+                deliver()
     previous = signal.signal(sig, forward)
+    thread = threading.Thread(target=retry, name="meshlm-forward-signal", daemon=True)
+    thread.start()
     try:
         yield received
     finally:
+        done.set()
+        thread.join()
         signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
 
 
@@ -330,6 +359,9 @@ def launch_local(cfg: Config, config_path: str, nproc: int) -> int:
     With --exit-signal-handler, --exit-signal sent to this process goes to the workers
     (:func:`_forward_signal`); they save and exit 0 after their current iteration, and so does this.
 
+    A stop signal that killed a worker still starting up (sent to the whole process group, before
+    its handler) is such a stop too, before the first step: one line says so.
+
     Returns 0 on success (also after such a stop), 1 when a worker crashed (after printing which
     rank, its exit code or signal, and the tail of what it wrote to its log in this run), 130 on
     interrupt. Raises MeshlmError carrying a worker's own one-line error written in this run (a
@@ -351,11 +383,18 @@ def launch_local(cfg: Config, config_path: str, nproc: int) -> int:
     forced = {WORKER_ENV: "1", LAUNCHER_PID_ENV: str(os.getpid())}
     argv = ["-u", "-m", "meshlm", "pretrain", "--config", config_path]
     log_start = {rank: _log_size(worker_log_path(cfg, rank)) for rank in range(nproc)}  # logs append
+    received = []
     try:
         with _environ(defaults, forced), _agent_log(os.path.join(log_dir, "launcher.log")), \
                 _forward_signal(forwarded) as received:
             elastic_launch(launch_cfg, sys.executable)(*argv)
     except ChildFailedError as e:
+        killed = sorted(r for r, f in e.failures.items() if received and f.exitcode == -signal.Signals[forwarded])
+        if killed:  # the stop signal reached them (sent to the process group, say) before their handler
+            print(f"meshlm: stopped on {forwarded} (--exit-signal-handler) during start-up, before the first "
+                  f"step: worker rank(s) {', '.join(map(str, killed))} got it before setting up the handler; "
+                  f"nothing trained, nothing to save", flush=True)
+            return 0
         # the first rank that failed by itself, not one the agent then stopped with SIGTERM
         rank, failure = min(e.failures.items(), key=lambda kv: (
             kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0]))

@@ -14,10 +14,14 @@ on whichever rank notices), so meshlm keeps its own, on every backend:
   the iteration and phase go to this rank's key ``meshlm/watch/<rank>`` in the job's c10d store
   (the TCPStore of init_process_group), as JSON.
 * **Verdict**: when the current collective has lasted longer than the timeout, the thread reads
-  the other ranks of the group (or the p2p peers) from the store: a rank whose count on that group
-  is below n did not arrive, and is described by its own position (in another collective, or
-  busy outside collectives since when); a rank whose key has not changed for several polls is
-  "not answering". The first rank to reach a verdict (an atomic ``add`` on the store) writes one
+  the other ranks of the group (or the p2p peers) from the store and names each by its own state:
+  a rank whose count on that group is below n did not arrive (described by its own position: in a
+  collective of another group, or busy outside collectives since when; a rank whose key has not
+  changed for several polls is "not answering"); a rank that reached call n there but sits in
+  another op or call is "in another collective" (the ranks called different collectives), one in
+  none "already returned from it"; only
+  when every other rank is inside the same one is it called a transport or pairing fault. The
+  first rank to reach a verdict (an atomic ``add`` on the store) writes one
   ``meshlm: error: hang: …`` line to stderr (and its log) and leaves with exit status 1; the other
   waiting ranks say they saw the same and leave 2 s later, so the launcher reports the first.
 * **Heartbeat** (--heartbeat-interval seconds, 0 off): the same thread appends one line to this
@@ -171,30 +175,41 @@ class Watchdog:
                 fh.write(line)
 
     def verdict(self, cur: tuple) -> str:
-        """The hang report for collective ``cur`` (the tuple ``enter`` stored), read from the store."""
+        """The hang report for collective ``cur`` (the tuple ``enter`` stored), read from the store.
+        It names every other rank of the group (or each p2p peer) by its own state, under one of:
+        did not arrive, in another collective (it reached this call on the group but sits in
+        another op or call), already returned from it, inside it too; only when every other rank
+        is inside it too is the hang put down to a transport or pairing fault."""
         name, group, n, start, peers = cur
         label = self.label(group)
         others = [r for r in (peers or self.ranks[id(group)]) if r != self.rank]
-        missing, arrived = [], []
+        missing, elsewhere, past, same = [], [], [], []
         for r in others:
             pos = self._read(r)
             if pos is None:
                 missing.append(f"rank {r} (never published its position)")
                 continue
-            age = time.time() - pos["t"]
-            came = (pos["in"] is not None and pos["in"][1] == label) if peers else \
-                pos["counts"].get(label, 0) >= n
-            if came:
-                arrived.append(r)
+            inside, age, state = pos["in"], time.time() - pos["t"], f"rank {r} ({_doing(pos)})"
+            if peers:  # a p2p peer is there when it is in its own exchange over the group
+                arrived = here = inside is not None and inside[1] == label
+            else:
+                arrived, here = pos["counts"].get(label, 0) >= n, inside is not None and inside[:3] == [name, label, n]
+            if here:
+                same.append(state if peers else f"rank {r}")
+            elif arrived:
+                (elsewhere if inside is not None else past).append(state)
             elif age > STALE_POLLS * self.poll_s + 1:
                 missing.append(f"rank {r} (not answering: last heard {age:.0f} s ago, then {_doing(pos)})")
             else:
-                missing.append(f"rank {r} ({_doing(pos)})")
+                missing.append(state)
         what = f"{name} over the {label} group (its collective #{n} there)"
         if peers:
             what = f"{name} with rank(s) {list(peers)} over the {label} group"
-        who = ("; did not arrive: " + ", ".join(missing)) if missing else \
-            "; every other rank of the group is inside it too (a transport or pairing fault)"
+        who = "".join(f"; {head}: {', '.join(ranks)}" for head, ranks in (
+            ("did not arrive", missing), ("in another collective", elsewhere), ("already returned from it", past),
+            ("inside it too", same)) if ranks)
+        if same and len(same) == len(others):
+            who += " (every other rank is in it: a transport or pairing fault)"
         return (f"hang: rank {self.rank} waited {time.monotonic() - start:.1f} s "
                 f"(> the {self.timeout_s:g} s of --distributed-timeout-minutes) in {what} at iteration "
                 f"{_where['iteration']} ({_where['phase']}){who}; ending the job")

@@ -102,7 +102,8 @@ def load_run(run_dir: str) -> tuple:
     """
     path = metrics_path(run_dir)
     from ..folders import read_jsonl
-    records = [rec for rec in read_jsonl(path, ConfigError, "a meshlm metrics.jsonl")
+    from ..metrics_json import decode
+    records = [decode(rec) for rec in read_jsonl(path, ConfigError, "a meshlm metrics.jsonl")
                if isinstance(rec, dict) and "iter_ms" in rec]
     folder = run_dir if os.path.isdir(run_dir) else os.path.dirname(os.path.dirname(os.path.abspath(path)))
     return records, _config_of(folder)
@@ -481,5 +482,6 @@ def run(args: argparse.Namespace, predictor: Optional[Predictor] = None) -> int:
     if stopped:
         report["findings"].insert(0, stopped)
     report["predicted_by"] = note
-    print(json.dumps(report, indent=1) if args.json else format_report(report, args.run_dir))
+    from ..metrics_json import dumps
+    print(dumps(report, indent=1) if args.json else format_report(report, args.run_dir))
     return 0

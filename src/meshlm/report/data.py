@@ -1,8 +1,8 @@
 """Reading a run for the report: its metrics.jsonl records, its config.yaml, its pipeline timeline.
 
 A run directory is what ``meshlm pretrain`` writes: ``config.yaml`` and ``logs/metrics.jsonl``
-(MetricsLogger: one JSON object per line; a training record has ``iter_ms``, an evaluation
-record ``val_loss``, a checkpoint record ``checkpoint``). ``load_run`` also takes the logs folder
+(MetricsLogger: one JSON object per line, non-finite floats as metrics_json.py writes them; a
+training record has ``iter_ms``, an evaluation record ``val_loss``, a checkpoint record ``checkpoint``). ``load_run`` also takes the logs folder
 or the metrics.jsonl file itself.
 """
 
@@ -20,7 +20,7 @@ class RunData:
     """One run as the report sees it.
 
     train: training records in iteration order; evals: validation records; config: the run's
-    config.yaml as a nested dict ({} when absent); seq_length: tokens per sample (config, else 1
+    config.yaml as a nested dict ({} when absent); metrics: the metrics.jsonl read; seq_length: tokens per sample (config, else 1
     so "tokens" falls back to samples).
     """
 
@@ -29,6 +29,7 @@ class RunData:
     train: list = field(default_factory=list)
     evals: list = field(default_factory=list)
     config: dict = field(default_factory=dict)
+    metrics: str = ""
 
     @property
     def seq_length(self) -> int:
@@ -106,9 +107,10 @@ def load_run(path: str, name: Optional[str] = None) -> RunData:
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.yaml")):
         run_dir = path
     run = RunData(name=name or os.path.basename(os.path.normpath(os.path.abspath(run_dir))),
-                  path=run_dir, config=_read_config(run_dir))
+                  path=run_dir, config=_read_config(run_dir), metrics=metrics)
     from ..folders import read_jsonl
-    records = read_jsonl(metrics, DataError, "a metrics.jsonl that `meshlm pretrain` wrote")
+    from ..metrics_json import decode
+    records = [decode(r) for r in read_jsonl(metrics, DataError, "a metrics.jsonl that `meshlm pretrain` wrote")]
     for rec in records:
         if not isinstance(rec, dict):
             continue
@@ -131,3 +133,43 @@ def unique_names(runs: list) -> None:
         n = seen[run.name] = seen.get(run.name, 0) + 1
         if n > 1:
             run.name = f"{run.name} ({n})"
+
+
+# The first characters of meshlm report's own outputs: an existing file that starts so may be replaced.
+OWN_OUTPUT = {"report": '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>meshlm report',
+              "trace": '{"traceEvents": '}
+
+
+def _starts_with(path: str, prefix: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read(len(prefix)) == prefix
+    except OSError:
+        return False
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
+def overwrite_problem(flag: str, path: str, runs: list, kind: str, example: str) -> Optional[str]:
+    """None unless ``path`` is an existing file meshlm report must not replace: a file of one of
+    ``runs`` (anything in its run directory or its metrics.jsonl's folder: metrics.jsonl,
+    config.yaml, worker logs, checkpoints, …) or a GPU profile the report reads, other than an
+    earlier output of the report's own ``kind`` ("report" or "trace", see OWN_OUTPUT); else one
+    line naming ``flag``, the file and the fix (``example``: a file name to suggest)."""
+    if not os.path.isfile(path) or _starts_with(path, OWN_OUTPUT[kind]):
+        return None
+    from ..planner.gpus import profile_dir
+    for run in runs:
+        for folder in (run.path, os.path.dirname(os.path.abspath(run.metrics or run.path))):
+            if _inside(path, folder):
+                what = "the metrics.jsonl the report reads" if run.metrics and os.path.exists(run.metrics) and \
+                    os.path.samefile(path, run.metrics) else f"a file of the run {run.path}"
+                return (f"{flag} {path} is {what}, not an earlier meshlm {kind}: refusing to overwrite it; "
+                        f"give another file (e.g. {os.path.join(run.path, example)})")
+    if _inside(path, profile_dir()):
+        return (f"{flag} {path} is a GPU profile the report reads: refusing to overwrite it; "
+                f"give another file (e.g. {example})")
+    return None

@@ -13,12 +13,13 @@ Chrome/Perfetto trace (trace.py).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from html import escape
 from typing import Optional
 
 from . import svg
-from .data import RunData, load_run, unique_names
+from .data import RunData, load_run, overwrite_problem, unique_names
 from .svg import Series
 from .timeline import bubble_line, timeline_svg
 from .trace import write_trace
@@ -32,6 +33,7 @@ svg .frame { fill: none; stroke: #999; } svg .grid { stroke: #eee; }
 svg .bar-label { fill: #fff; font-size: 9px; }
 .note { width: 460px; height: 60px; border: 1px dashed #bbb; color: #777; padding: 8px; box-sizing: border-box; }
 .finding { border-left: 4px solid #d62728; background: #fff5f5; padding: 6px 10px; margin: 6px 0; }
+.diverged { color: #d62728; font-weight: 600; }
 table { border-collapse: collapse; } td, th { border: 1px solid #ddd; padding: 3px 8px; text-align: right; }
 """
 
@@ -102,9 +104,17 @@ def _summary(runs: list) -> str:
         val = r.evals[-1]["val_loss"] if r.evals else None
         cells = [p.get("tensor_model_parallel_size", "?"), p.get("pipeline_model_parallel_size", "?"),
                  last.get("iteration", 0), last.get("lm_loss"), val, last.get("iter_ms"), last.get("tokens_per_sec")]
-        rows.append(f"<tr><td>{escape(r.name)}</td>" + "".join(
-            f"<td>{'n/a' if c is None else (f'{c:.4g}' if isinstance(c, float) else c)}</td>" for c in cells) + "</tr>")
+        rows.append(f"<tr><td>{escape(r.name)}</td>" + "".join(f"<td>{_cell(c)}</td>" for c in cells) + "</tr>")
     return f'<table id="summary">{head}{"".join(rows)}</table>'
+
+
+def _cell(value) -> str:
+    """A summary table cell: n/a for None, NaN/inf marked as a diverged value, floats to 4 digits."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f'<span class="diverged">{"NaN" if math.isnan(value) else f"{value:g}"} (diverged)</span>'
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _timelines(runs: list, predicted: Optional[dict]) -> str:
@@ -131,6 +141,8 @@ def build_page(runs: list, findings: Optional[list] = None, predicted: Optional[
     """
     charts = []
     for key, title, series, xl, yl, note in chart_specs(runs):
+        if not svg.has_points(series) and svg.non_finite(series):
+            note = f"only NaN/inf values recorded ({svg.non_finite(series)}: the run diverged); nothing to draw"
         charts.append(svg.line_chart(key, title, series, xl, yl) if svg.has_points(series) else
                       f'<div class="note" data-chart="{key}">{escape(title)}: {escape(note)}</div>')
     names = ", ".join(r.name for r in runs)
@@ -178,14 +190,22 @@ def planner_views(runs: list, predict: bool = True) -> tuple:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write the report (and the trace); print where. DataError for a path that is not a run."""
+    """Write the report (and the trace); print where. DataError for a path that is not a run;
+    ConfigError, before anything is written, for an output that cannot be written or would replace
+    a file of a run (overwrite_problem)."""
     from ..errors import ConfigError
     from ..folders import output_file_problem, write_text_file
     runs = [load_run(p) for p in args.runs]
     unique_names(runs)
     out = args.output or os.path.join(runs[0].path, "report.html")
-    problems = [p for p in (output_file_problem("--output" if args.output else "the report", out),
-                            args.trace and output_file_problem("--trace", args.trace, "timeline.json")) if p]
+    flag = "--output" if args.output else "the report"
+    problems = [p for p in (output_file_problem(flag, out), overwrite_problem(flag, out, runs, "report", "report.html"),
+                            args.trace and output_file_problem("--trace", args.trace, "timeline.json"),
+                            args.trace and overwrite_problem("--trace", args.trace, runs, "trace", "timeline.json"))
+                if p]
+    if args.trace and os.path.abspath(args.trace) == os.path.abspath(out):
+        problems.append(f"--trace {args.trace} is also the report's file; give the trace another file "
+                        f"(e.g. timeline.json)")
     if problems:  # before anything is written
         raise ConfigError(problems)
     findings, predicted = planner_views(runs, predict=not args.no_predict)

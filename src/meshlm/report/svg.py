@@ -60,10 +60,20 @@ def fmt(v: float) -> str:
     return f"{v:.1e}"
 
 
+def finite(series: Series) -> Series:
+    """``series`` without its points whose x or y is NaN or infinite (a diverged run's values);
+    its name then says how many were left out."""
+    kept = [(x, y) for x, y in series.points if math.isfinite(x) and math.isfinite(y)]
+    left = len(series.points) - len(kept)
+    name = f"{series.name} ({left} NaN/inf not drawn)" if left else series.name
+    return Series(name, kept, series.color, series.dashed)
+
+
 def line_chart(key: str, title: str, series: list, x_label: str, y_label: str) -> str:
-    """An SVG line chart of ``series`` (those without points are left out of the plot and the
-    legend); the caller shows a note instead when none has points (see ``has_points``)."""
-    drawn = [s for s in series if s.points]
+    """An SVG line chart of ``series`` (those without finite points are left out of the plot and
+    the legend; NaN/inf points are skipped, see ``finite``); the caller shows a note instead when
+    none has a finite point (see ``has_points``)."""
+    drawn = [s for s in map(finite, series) if s.points]
     xs = [x for s in drawn for x, _ in s.points]
     ys = [y for s in drawn for _, y in s.points]
     xt, yt = nice_ticks(min(xs), max(xs)), nice_ticks(min(ys), max(ys))
@@ -114,5 +124,10 @@ def _legend(series: list) -> str:
 
 
 def has_points(series: list) -> bool:
-    """Whether any of ``series`` has a point to draw."""
-    return any(s.points for s in series)
+    """Whether any of ``series`` has a point to draw (a finite one)."""
+    return any(finite(s).points for s in series)
+
+
+def non_finite(series: list) -> int:
+    """How many points of ``series`` are NaN or infinite (not drawn)."""
+    return sum(len(s.points) - len(finite(s).points) for s in series)

@@ -12,8 +12,11 @@ the ranks, with their (dp, tp, pp, cp) coordinates. Megatron checks the same two
 (pretrain_gpt.py loss_func, param_and_grad_buffer.py before the DP collective) with a host sync each.
 
 **Loss spikes** (--loss-spike-threshold FACTOR, 0 off): a step whose loss exceeds FACTOR × the
-mean of the last ``WINDOW`` finite losses (after at least ``WARMUP`` of them) is a spike; the
-trainer logs one line and metrics.jsonl's record of that interval gets ``"loss_spike": true``.
+mean of the last ``WINDOW`` finite losses (after at least ``WARMUP`` of them) is a spike;
+metrics.jsonl's record of that interval gets ``"loss_spike": true``, and the trainer prints one
+line when the losses start spiking and one when they are back below the bound (``LossSpikes.
+report``), not a line per spiking step (a spike is kept out of the mean, so a loss that stays high
+would otherwise print every iteration).
 Megatron's --check-for-spiky-loss compares the local loss with 10 × the largest of its first 100
 values instead (a fixed reference); a running mean follows the falling loss of a real run.
 """
@@ -66,6 +69,7 @@ class LossSpikes:
     def __init__(self, factor: float):
         self.factor = factor
         self.recent: deque = deque(maxlen=WINDOW)
+        self.spiking = 0  # spiking steps in a row, up to the last reported one
 
     def check(self, loss: Optional[float]) -> Optional[float]:
         """Record a step's loss (None or non-finite: ignored); return the running mean it exceeded
@@ -78,3 +82,22 @@ class LossSpikes:
                 return mean
         self.recent.append(loss)
         return None
+
+    def report(self, iteration: int, loss: Optional[float], mean: Optional[float]) -> Optional[str]:
+        """The line to print after ``check`` returned ``mean`` for this step's ``loss``: one when a
+        run of spikes starts, one when the first step after it is none; None otherwise (a skipped
+        or NaN step, None loss, changes nothing)."""
+        if loss is None or not math.isfinite(loss):
+            return None
+        if mean is not None:
+            self.spiking += 1
+            if self.spiking > 1:
+                return None
+            return (f"loss spike at iteration {iteration}: lm loss {loss:.6E} > {self.factor:g} × the mean "
+                    f"{mean:.6E} of the last {len(self.recent)} losses (--loss-spike-threshold); "
+                    f"said again when the losses are back below it")
+        if not self.spiking:
+            return None
+        steps, self.spiking = self.spiking, 0
+        return (f"loss back below {self.factor:g} × the running mean at iteration {iteration} "
+                f"({loss:.6E}) after {steps} spiking step(s) (--loss-spike-threshold)")

@@ -8,13 +8,13 @@ run it is None and printed "n/a".
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Optional
 
 import torch
 
+from .. import metrics_json
 from ..flops import peak_tflops
 from ..model.moe import routing_summary
 
@@ -82,7 +82,8 @@ def tensorboard_scalars(rec: dict) -> list:
 
 class MetricsLogger:
     """Accumulates per-iteration numbers; every ``log_interval`` prints Megatron's line and
-    appends one JSON object to ``<log_dir>/metrics.jsonl`` (logging rank only).
+    appends one JSON object to ``<log_dir>/metrics.jsonl`` (logging rank only; a NaN or inf as
+    the string metrics_json.py writes, so every line is valid JSON).
 
     Values in a line are averages over the iterations since the previous line (loss over the
     iterations that were not skipped), as in Megatron. ``mem_allocated_gb`` is the logging
@@ -127,7 +128,7 @@ class MetricsLogger:
         kept = []
         if iteration > 0:
             with open(self.path) as fh:
-                kept = [line for line in fh if line.strip() and json.loads(line).get("iteration", 0) <= iteration]
+                kept = [line for line in fh if _iteration_of(line) <= iteration]
         with open(self.path + ".tmp", "w") as fh:
             fh.writelines(kept)
         os.replace(self.path + ".tmp", self.path)
@@ -257,8 +258,9 @@ class MetricsLogger:
         return " | ".join(parts) + " |"
 
     def evaluation(self, iteration: int, consumed_samples: int, val_loss: float) -> dict:
-        """Print Megatron's validation block and write {iteration, val_loss, val_ppl}."""
-        ppl = math.exp(min(20.0, val_loss))
+        """Print Megatron's validation block and write {iteration, val_loss, val_ppl} (a NaN loss
+        has a NaN perplexity; a loss above 20 the perplexity of 20)."""
+        ppl = val_loss if math.isnan(val_loss) else math.exp(min(20.0, val_loss))
         rec = {"iteration": iteration, "consumed_samples": consumed_samples,
                "val_loss": val_loss, "val_ppl": ppl}
         if self.enabled:
@@ -282,7 +284,7 @@ class MetricsLogger:
     def _write(self, rec: dict) -> None:
         if self.path:
             with open(self.path, "a") as fh:
-                fh.write(json.dumps(rec) + "\n")
+                fh.write(metrics_json.dumps(rec) + "\n")
         if self.tb is not None:
             for tag, value in tensorboard_scalars(rec):
                 self.tb.add_scalar(tag, value, rec["iteration"])
@@ -290,3 +292,12 @@ class MetricsLogger:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def _iteration_of(line: str) -> float:
+    """The iteration of a metrics.jsonl line (either form of metrics_json.py); infinity for a blank
+    line or one that is not JSON (cut off by a killed run), which the cut-back then drops."""
+    try:
+        return metrics_json.loads(line).get("iteration", 0) if line.strip() else math.inf
+    except ValueError:
+        return math.inf

@@ -7,7 +7,12 @@ adds up, per iteration, its step's seconds less the seconds it waited inside col
 float per rank gives every rank's mean over the interval, in rank order — metrics.jsonl's
 ``rank_iter_s``. A rank whose value exceeds ``FACTOR`` × the median of all ranks (and the median
 by at least ``MIN_EXCESS_S``) for ``CONSECUTIVE`` log intervals in a row is a straggler: rank 0
-prints one line naming it, its time and the median (again after each further ``CONSECUTIVE``).
+prints one line naming it, its time and the median when it becomes one, and one line when it is
+back within the bound; nothing in between (a state change, not a line per interval).
+
+When a node runs more CPU (gloo) workers than it has cores, every rank's time is a share of the
+same cores and tells nothing about the rank: rank 0 says so in one line at start and straggler
+lines are off (``rank_iter_s`` is still recorded).
 
 On CUDA the collectives return before they finish, so the host-side measure sees little of the
 wait and a slow GPU is not told apart this way (Megatron's --log-straggler times kernels instead).
@@ -15,6 +20,7 @@ wait and a slow GPU is not told apart this way (Megatron's --log-straggler times
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import torch
@@ -24,13 +30,32 @@ from ..parallel import watchdog
 from ..straggler_rule import CONSECUTIVE, FACTOR, MIN_EXCESS_S
 
 
+def shared_cores(ps) -> str:
+    """One line when this node's CPU workers (LOCAL_WORLD_SIZE, else the world) outnumber its
+    usable cores (gloo on CPU only); "" otherwise."""
+    if ps.device.type != "cpu":
+        return ""
+    workers = int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if workers <= cores:
+        return ""
+    return (f"meshlm: note: {workers} workers on {cores} CPU cores: they take turns on the cores, so step "
+            f"times are shared-core times; straggler detection is off")
+
+
 class StragglerWatch:
-    """This rank's own-work seconds of the interval's iterations, and every rank's lag streak."""
+    """This rank's own-work seconds of the interval's iterations, and every rank's lag streak.
+    Rank 0 prints ``shared_cores``'s line at construction when there is one (detection then off)."""
 
     def __init__(self, ps):
         self.ps = ps
         self.own_s, self.iters = 0.0, 0
         self.streak = [0] * ps.world_size
+        self.flagged = [False] * ps.world_size  # named as a straggler, not yet said to be back
+        note = shared_cores(ps)
+        self.detect = not note
+        if note and ps.rank == 0:
+            print(note, flush=True)
 
     def add(self, iter_s: float, waited_s: float) -> None:
         """One iteration of ``iter_s`` seconds, ``waited_s`` of them inside collectives."""
@@ -48,11 +73,19 @@ class StragglerWatch:
         watchdog.call("all_gather of the step times", None, dist.all_gather, parts, mine)
         times = [float(p.item()) for p in parts]
         median = statistics.median(times)
-        for r, t in enumerate(times):
+        for r, t in enumerate(times if self.detect else ()):
             lags = t > FACTOR * median and t - median > MIN_EXCESS_S
             self.streak[r] = self.streak[r] + 1 if lags else 0
-            if lags and self.streak[r] % CONSECUTIVE == 0 and self.ps.rank == 0:
-                print(f"straggler: rank {r} took {1000 * t:.1f} ms per iteration outside collectives, "
-                      f"> {FACTOR}× the median {1000 * median:.1f} ms of all {len(times)} ranks, "
-                      f"for {self.streak[r]} log intervals in a row", flush=True)
+            line = None
+            if lags and self.streak[r] == CONSECUTIVE:
+                self.flagged[r] = True
+                line = (f"straggler: rank {r} took {1000 * t:.1f} ms per iteration outside collectives, "
+                        f"> {FACTOR}× the median {1000 * median:.1f} ms of all {len(times)} ranks, "
+                        f"for {CONSECUTIVE} log intervals in a row (said again only if it recovers)")
+            elif not lags and self.flagged[r]:
+                self.flagged[r] = False
+                line = (f"straggler: rank {r} recovered: {1000 * t:.1f} ms per iteration outside collectives, "
+                        f"the median of all {len(times)} ranks {1000 * median:.1f} ms")
+            if line and self.ps.rank == 0:
+                print(line, flush=True)
         return times

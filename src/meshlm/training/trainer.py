@@ -393,9 +393,9 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
         _stop_unless_skipping(run, it, "gradients are inf/NaN", outputs)
     grad_norm, skipped = (None if nan else result.grad_norm), result.skipped or not result.ok
     spike_mean = None if skipped or nan else run.spikes.check(loss)
-    if spike_mean is not None and ps.is_logging_rank:
-        print(f"loss spike at iteration {it}: lm loss {loss:.6E} > {t.loss_spike_threshold:g} × the mean "
-              f"{spike_mean:.6E} of the last {len(run.spikes.recent)} losses (--loss-spike-threshold)", flush=True)
+    spike_line = None if skipped or nan else run.spikes.report(it, loss, spike_mean)
+    if spike_line and ps.is_logging_rank:
+        print(spike_line, flush=True)
     if not skipped:
         run.sched.step(run.opt, batch)
     state.iteration = it
