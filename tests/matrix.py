@@ -15,6 +15,7 @@ GQA, per-token loss, and each other.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -75,13 +76,22 @@ def to_case(a: dict) -> Case:
     fields = {k: v for k, v in a.items() if k not in GROUPED}
     for factor, levels in GROUPED.items():
         fields.update(levels[a[factor]])
-    return Case(**fields)
+    case = Case(**fields)
+    return dataclasses.replace(case, batch=batch_of(case))
+
+
+def batch_of(case: Case) -> int:
+    """The case's global batch: at least 4 samples (so that most cases accumulate gradients over
+    several micro-batches) and at least PP micro-batches per DP rank (every 1F1B phase: warm-up,
+    steady state, cool-down), no larger: a step's cost grows with its micro-batches and proves no
+    more beyond that."""
+    return max(4, case.dp * case.micro * case.pp)
 
 
 def possible(a: dict) -> bool:
     """Whether assignment ``a`` (factor → level) is a layout meshlm accepts, within MAX_WORLD."""
     c = to_case(a)
-    microbatches = 8 // (c.micro * c.dp)
+    microbatches = c.batch // (c.micro * c.dp)
     return (c.world <= MAX_WORLD
             and not (c.sp and c.tp == 1)
             and not (c.overlap_param and not c.dist_opt)

@@ -69,6 +69,7 @@ class Case:
     cp: int = 1                  # --context-parallel-size
     cp_comm: str = "p2p"         # --cp-comm-type
     masked: tuple = ()           # positions whose loss mask is 0 in every sample (MaskedData)
+    batch: int = GLOBAL_BATCH    # --global-batch-size
 
     @property
     def world(self) -> int:
@@ -77,7 +78,7 @@ class Case:
     def model_key(self) -> tuple:
         """What the single-process reference depends on."""
         return (self.tied, self.pos, self.rotary, self.norm, self.swiglu, self.groups, self.micro,
-                self.layers, self.per_token, self.packed, self.experts, self.moe, self.masked)
+                self.layers, self.per_token, self.packed, self.experts, self.moe, self.masked, self.batch)
 
     def __str__(self) -> str:
         default = Case()
@@ -85,7 +86,7 @@ class Case:
                         if getattr(self, f.name) != getattr(default, f.name)) or "single"
 
 
-def config(case: Case, global_batch: int = GLOBAL_BATCH):
+def config(case: Case, global_batch: Optional[int] = None):
     """The Config that ``meshlm pretrain`` would build from the case's flags (validated)."""
     from meshlm.config import Config
     from meshlm.validate import validate
@@ -109,7 +110,7 @@ def config(case: Case, global_batch: int = GLOBAL_BATCH):
     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers = case.first, case.last
     p.use_distributed_optimizer, p.ddp_bucket_size = case.dist_opt, case.bucket
     p.overlap_grad_reduce, p.overlap_param_gather = case.overlap_grad, case.overlap_param
-    t.micro_batch_size, t.global_batch_size, t.train_iters = case.micro, global_batch, STEPS
+    t.micro_batch_size, t.global_batch_size, t.train_iters = case.micro, global_batch or case.batch, STEPS
     t.fast_path = case.fast
     t.recompute_activations = case.recompute == "selective"
     if case.recompute.startswith("full"):
@@ -129,16 +130,16 @@ def config(case: Case, global_batch: int = GLOBAL_BATCH):
 
 
 class MaskedData:
-    """GLOBAL_BATCH × STEPS samples of random ids with EOD (VOCAB − 1) tokens inside; each sample
+    """``batch`` × STEPS samples of random ids with EOD (VOCAB − 1) tokens inside; each sample
     masks a different random subset of its tokens, and sample 3 is fully masked (its micro-batch
     adds zero loss); positions in ``masked`` are masked in every sample. ``packing``
     (data/packing.py) adds EOD masking, position and document ids."""
 
-    def __init__(self, packing=None, masked: tuple = ()):
-        self.packing, self.masked = packing, list(masked)
+    def __init__(self, packing=None, masked: tuple = (), batch: int = GLOBAL_BATCH):
+        self.packing, self.masked, self.batch = packing, list(masked), batch
 
     def __len__(self) -> int:
-        return GLOBAL_BATCH * STEPS
+        return self.batch * STEPS
 
     def __getitem__(self, i: int) -> dict:
         rng = np.random.default_rng([7, i])
@@ -191,7 +192,7 @@ def train_layout(case: Case, poison: bool = True) -> dict:
 
     cfg = config(case)
     run = trainer.build(cfg, dtype=torch.float64)
-    run.train_ds = MaskedData(Packing.of(cfg.data, EOD), case.masked)
+    run.train_ds = MaskedData(Packing.of(cfg.data, EOD), case.masked, case.batch)
     if poison and case.overlap_param and run.ps.dp > 1:
         poison_pending_gathers(run.opt)
     norms, step = [], run.opt.step
@@ -236,7 +237,7 @@ _REFERENCES: dict = {}
 def _single(case: Case) -> Case:
     return Case(tied=case.tied, pos=case.pos, rotary=case.rotary, norm=case.norm, swiglu=case.swiglu,
                 groups=case.groups, micro=case.micro, layers=case.layers, per_token=case.per_token,
-                packed=case.packed, experts=case.experts, moe=case.moe, masked=case.masked)
+                packed=case.packed, experts=case.experts, moe=case.moe, masked=case.masked, batch=case.batch)
 
 
 def references(cases: list) -> list:

@@ -216,6 +216,7 @@ def _timed_collectives(rank, world):
     return untimed, timed, comm.stop_timing()
 
 
+@pytest.mark.slow
 def test_collectives_are_timed_as_tp_only_between_start_and_stop():
     for untimed, timed, after in run_distributed(_timed_collectives, 2):
         assert untimed == {} and after == {}

@@ -6,6 +6,8 @@ healthy single-process run."""
 import json
 import os
 
+import pytest
+
 from distributed import run_distributed
 from meshlm import cli
 from meshlm.config import dump_yaml
@@ -57,6 +59,7 @@ def test_a_communication_bound_run_is_named_dp_bound_with_overlap_and_bucket_fix
     assert "% faster)" in next(line for line in out.splitlines() if "--ddp-bucket-size" in line)
 
 
+@pytest.mark.slow
 def test_a_bubble_bound_run_is_named_bubble_bound_against_the_analytic_bubble(tmp_path, capsys):
     records, report = _report(tmp_path, "bubble", 4)
     assert all(r["comm_s"]["pp"] > 0 for r in records)  # the last stage's p2p waits, timed

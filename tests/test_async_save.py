@@ -13,6 +13,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
@@ -134,6 +135,7 @@ def _timed_saves(rank, world, tmp):
         restore()
 
 
+@pytest.mark.slow
 def test_the_loop_trains_while_a_slow_write_goes_on_and_is_blocked_far_less_than_a_sync_save(tmp_path):
     (out,) = run_distributed(_timed_saves, 1, str(tmp_path))
     sync, background = out[False], out[True]

@@ -16,10 +16,13 @@ import random
 import shutil
 import signal
 
+import pytest
 import torch
 
 from meshlm.checkpoint import dist as ckpt
 from meshlm.checkpoint import manifest
+
+pytestmark = pytest.mark.slow  # multi-process: make test-quick leaves it out
 
 TRIALS = 20
 SAVES_PER_TRIAL = 3

@@ -19,6 +19,8 @@ import parity
 from distributed import run_distributed
 from parity import Case, rel_err
 
+pytestmark = pytest.mark.slow  # multi-process: make test-quick leaves it out
+
 STEPS, SAVED_AT, GLOBAL_BATCH = 4, 2, 12  # 12: DP 2, 3 and 4 all divide it
 MODEL = dict(tied=True, pos="rope", norm="RMSNorm", swiglu=True, groups=2)
 SAVED = Case(tp=2, pp=2, dp=2, dist_opt=True, bucket=None, **MODEL)  # one bucket: shards cut params

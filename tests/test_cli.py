@@ -38,6 +38,7 @@ def test_subcommand_help_is_clean(argv, expect, capsys):
     assert info.value.code == 0 and out.err == "" and expect in out.out
 
 
+@pytest.mark.slow
 def test_bad_global_batch_exits_2_with_one_line(tmp_path):
     out = meshlm("pretrain", "--global-batch-size", "7", "--micro-batch-size", "2", *TINY, cwd=tmp_path)
     assert out.returncode == 2

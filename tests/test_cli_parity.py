@@ -13,6 +13,8 @@ import pytest
 
 from test_launch import clean_env
 
+pytestmark = pytest.mark.slow  # multi-process: make test-quick leaves it out
+
 SMALL = ["--mock-data", "--vocab-size", "4096", "--hidden-size", "64", "--num-layers", "2",
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
          "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-2", "--lr-warmup-iters", "0",

@@ -7,6 +7,8 @@ import pytest
 
 from parity import Case, assert_parity, config
 
+pytestmark = pytest.mark.slow  # multi-process: make test-quick leaves it out
+
 LLAMA = dict(pos="rope", norm="RMSNorm", swiglu=True, groups=2, tied=False)
 
 

@@ -82,6 +82,7 @@ def test_save_onto_a_file_fails_at_once_not_at_the_first_save(tmp_path, monkeypa
     assert not (tmp_path / "run").exists() and (tmp_path / "ckpt").read_text() == "my notes\n"
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_save_folder_in_use_is_refused_before_anything_is_written(tmp_path, lock_holder):
     out = meshlm("pretrain", *TINY, "--train-iters", "1", "--save", "ckpt", "--run-dir", "second",
                  cwd=tmp_path)
@@ -105,6 +106,7 @@ def test_a_crashed_holder_leaves_no_stale_lock(tmp_path, lock_holder):
         pass
 
 
+@pytest.mark.slow
 def test_under_torchrun_rank0_takes_the_lock_and_the_refusal_is_printed_once(tmp_path, lock_holder):
     out = torchrun("pretrain", *TINY, "--train-iters", "1", "--save", "ckpt", cwd=tmp_path)
     assert out.returncode != 0
@@ -166,6 +168,7 @@ def test_a_save_folder_inside_or_equal_to_the_run_dir_works(tmp_path, monkeypatc
         pass
 
 
+@pytest.mark.slow
 def test_under_torchrun_rank0_takes_the_run_dir_lock_and_the_refusal_is_printed_once(tmp_path, run_dir_holder):
     out = torchrun("pretrain", *TINY, "--train-iters", "1", "--run-dir", "run", cwd=tmp_path)
     assert out.returncode != 0
@@ -222,6 +225,7 @@ def test_a_worker_killed_by_a_signal_is_reported_as_such(reused_run_dir, capsys)
 
 # ----------------------------------------------------------------------------- workers die with the launcher
 
+@pytest.mark.slow
 def test_killing_the_launcher_stops_its_workers_and_frees_the_save_lock(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "meshlm", "pretrain", *LONG, "--save", "ckpt",
                                  "--run-dir", "run"], cwd=tmp_path, env=clean_env(),

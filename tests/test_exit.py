@@ -79,6 +79,7 @@ def _losses(rank, world, tmp, flags, signal_at=None, load=False):
     return summary["iterations"], summary["train_losses"], summary["val_losses"]
 
 
+@pytest.mark.slow
 def test_sigterm_on_one_rank_stops_every_rank_saves_and_the_resumed_run_repeats_the_losses(tmp_path):
     """--exit-signal-handler: SIGTERM on rank 1 after iteration 2 → both ranks stop after iteration
     2 (the flag is reduced over ranks), save it, return normally; resuming gives, in float64, the

@@ -38,6 +38,7 @@ def _config(tmp: str, iters: int = 4, **training) -> Config:
     return cfg
 
 
+@pytest.mark.slow
 def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout_naming_it(tmp_path):
     """Rank 1 sleeps before iteration 2's DP reduction; rank 0 waits in the bucket's all-reduce.
     With a 3 s timeout the job ends (nonzero) long before the 120 s sleep, with one error line

@@ -34,6 +34,7 @@ def meshlm(*argv, cwd):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_pretrain_on_two_cpu_workers_end_to_end(tmp_path):
     out = meshlm("pretrain", *TINY, "--train-iters", "2", "--nproc-per-node", "2", "--run-dir", "run",
                  cwd=tmp_path)
@@ -49,6 +50,7 @@ def test_pretrain_on_two_cpu_workers_end_to_end(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_a_data_error_inside_a_worker_is_one_line_naming_the_rank(tmp_path):
     # files that exist (so validation passes) but are not an indexed dataset
     (tmp_path / "bad.bin").write_bytes(b"")
@@ -62,6 +64,7 @@ def test_a_data_error_inside_a_worker_is_one_line_naming_the_rank(tmp_path):
     assert lines[0].startswith("meshlm: error: rank ") and "bad" in lines[0]
 
 
+@pytest.mark.slow
 def test_a_crashed_worker_is_reported_by_rank_with_its_log_tail(tmp_path):
     # a config file the workers cannot read: each worker exits with status 2 before training
     code = ("import sys; from meshlm import launch; from meshlm.config import Config\n"
@@ -155,6 +158,7 @@ def torchrun(*argv, cwd):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_under_torchrun_rank0_resolves_one_run_for_all_ranks(tmp_path):
     out = torchrun("pretrain", *TINY, "--train-iters", "1", cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -163,6 +167,7 @@ def test_under_torchrun_rank0_resolves_one_run_for_all_ranks(tmp_path):
     assert sorted(os.listdir(tmp_path / "runs" / run / "logs")) == ["metrics.jsonl", "rank0.log", "rank1.log"]
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_config_error_is_printed_once(tmp_path):
     out = torchrun("pretrain", *TINY, "--global-batch-size", "7", cwd=tmp_path)
     assert out.returncode != 0
@@ -176,6 +181,7 @@ def _last_logged_iteration(metrics: str) -> int:
     return max((r["iteration"] for r in records if "lm_loss" in r or "loss" in r), default=0)
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_the_workers_after_a_checkpoint_with_exit_0(tmp_path):
     """--exit-signal-handler: SIGTERM to `meshlm pretrain` reaches its workers (not their data-loader
     processes), which finish the iteration, save it and exit 0; so does the launcher."""

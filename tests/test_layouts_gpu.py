@@ -42,6 +42,8 @@ import torch
 
 from distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # multi-process: make test-quick leaves it out
+
 STEPS, VOCAB, SEQ, GLOBAL_BATCH = 10, 128, 32, 8
 TOL, NORM_TOL = 2e-2, 2.5e-1  # relative; the module docstring says why
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",

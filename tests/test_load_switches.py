@@ -94,6 +94,7 @@ def _save_then_load_each(rank, world, tmp, zero):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,zero", [(1, False), (2, True)], ids=["dp1", "zero1-dp2"])
 def test_each_switch_restores_exactly_what_megatron_restores(tmp_path, world, zero):
     results = run_distributed(_save_then_load_each, world, str(tmp_path), zero)

@@ -205,6 +205,7 @@ def test_example_launch_script_passes_dry_run(tmp_path, capsys, valid):
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.slow
 def test_example_launch_script_dry_runs_itself(tmp_path):
     """DRY_RUN=1: the script runs `meshlm pretrain … --dry-run --world-size 16` itself."""
     src = str(EXAMPLE.parent.parent / "src")

@@ -227,6 +227,7 @@ def balancing(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 def test_aux_loss_and_expert_bias_even_out_the_load_on_real_text(balancing):
     """Imbalance = max / mean routes per expert (1: even), per 10-step interval: the balanced run
     ends clearly more even than its twin (figures printed)."""

@@ -6,12 +6,15 @@ CP = 2 × EP = 2 continues at CP = 1 likewise."""
 
 import os
 
+import pytest
 import torch
 
 import parity
 from distributed import run_distributed
 from parity import Case, rel_err
 from test_moe_parallel import MOE
+
+pytestmark = pytest.mark.slow  # multi-process: make test-quick leaves it out
 
 STEPS, SAVED_AT = 5, 3  # an odd number of ±rate bias steps: the saved bias is not zero
 FLAGS = tuple((k, 0.05 if k == "moe_router_bias_update_rate" else v) for k, v in MOE)  # a bias that moves routes

@@ -11,7 +11,11 @@ whole sequence (summed over TP × CP), so a CP rank's share differs from a loss 
 
 from __future__ import annotations
 
+import pytest
+
 from parity import Case, assert_parity
+
+pytestmark = pytest.mark.slow  # multi-process: make test-quick leaves it out
 
 MOE = (("moe_layer_freq", "2"), ("moe_router_score_function", "sigmoid"),
        ("moe_router_enable_expert_bias", True), ("moe_router_bias_update_rate", 1e-2),

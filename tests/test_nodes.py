@@ -26,6 +26,8 @@ from meshlm.data.indexed import IndexedDatasetWriter
 from test_launch import clean_env
 from test_restart import ENTRY, NO_SHARED_STORE, attempts, torchrun, trajectory
 
+pytestmark = pytest.mark.slow  # multi-process: make test-quick leaves it out
+
 ITERS, SAVE_EVERY, VOCAB = 8, 2, 128
 SHAPE = ["--vocab-size", str(VOCAB), "--tokenizer-type", "NullTokenizer", "--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",

@@ -10,6 +10,8 @@ import pytest
 from matrix import MAX_WORLD, pairwise_cases
 from parity import Case, assert_parity, config
 
+pytestmark = pytest.mark.slow  # multi-process: make test-quick leaves it out
+
 CASES, IMPOSSIBLE = pairwise_cases()
 BATCH = 9  # most cases per set of processes: starting 8 workers costs as much as training 2–4 cases
 

@@ -14,7 +14,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from test_launch import TINY, clean_env
+
+pytestmark = pytest.mark.slow  # multi-process: make test-quick leaves it out
 
 ITERS, SAVE_EVERY, GLOBAL_BATCH, KILLS = 12, 2, 4, 10
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -135,6 +135,7 @@ def test_a_missing_library_is_one_line_naming_the_package(models, monkeypatch):
         build_tokenizer(tok_cfg("TikTokenizer", models[1]))
 
 
+@pytest.mark.slow
 def test_meshlm_imports_without_sentencepiece_and_tiktoken():
     code = ("import sys; sys.modules['sentencepiece'] = sys.modules['tiktoken'] = None; "
             "import meshlm.cli, meshlm.data.tokenizers_extra, meshlm.training.trainer, meshlm.validate")
@@ -257,6 +258,7 @@ def test_tokenizer_problems_are_found_before_any_worker_starts(models, tmp_path,
 # ----------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["SentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer"])
 def test_preprocess_pretrain_generate(models, tmp_path, monkeypatch, capsys, kind):
     monkeypatch.chdir(tmp_path)

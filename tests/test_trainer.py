@@ -66,6 +66,7 @@ def _resumed(rank, world, tmp, layout):
 
 @pytest.mark.parametrize("layout", [{"tp": 2, "dropout": 0.1}, {"zero": True}],
                          ids=["tp2-dropout", "zero1-dp2"])
+@pytest.mark.slow
 def test_interrupted_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, layout):
     """Save at iteration 2, resume in a new process group, same losses: TP=2 with dropout (RNG
     restored), and ZeRO-1 over DP=2 (sharded optimizer state saved and restored)."""
@@ -295,6 +296,7 @@ def two_rank_checkpoint(tmp_path_factory):
     return tmp / "ckpt"
 
 
+@pytest.mark.slow
 def test_load_of_another_model_is_refused_on_every_rank_listing_each_flag(two_rank_checkpoint, tmp_path):
     changes = {"num_layers": 1, "num_attention_heads": 8, "normalization": "RMSNorm", "add_bias_linear": False}
     outs = run_distributed(_resume_catching, 2, str(tmp_path), str(two_rank_checkpoint), changes)
@@ -362,6 +364,7 @@ def test_a_run_that_only_loaded_prints_no_sample_of_the_old_checkpoint(monkeypat
 
 # ----------------------------------------------------------------------------- notes at start
 
+@pytest.mark.slow
 def test_a_run_says_when_it_has_nothing_to_train_or_saves_beside_an_earlier_run(tmp_path):
     import subprocess
     import sys

@@ -189,6 +189,8 @@ class GPTDataset:
         distributed = torch.distributed.is_initialized()
         rank0 = not distributed or torch.distributed.get_rank() == 0
         self.cache_hit = all(os.path.isfile(p) for p in paths + [desc_path])
+        if distributed:  # every rank has looked before rank 0 builds: cache_hit is what was there before
+            first_problem(None)
 
         def build():
             arrays = build_indices(indexed.sequence_lengths, np.arange(begin, end), num_samples, seq_length, seed)
