@@ -6,7 +6,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
-JOBS   ?= 2  # pytest-xdist workers; each multi-process test starts 2-8 more, so more than 2 oversubscribes a small machine
+# pytest-xdist workers: each multi-process test starts 2-8 processes of its own, so more would oversubscribe
+JOBS   ?= 2
 
 .PHONY: train test test-quick install clean
 
