@@ -10,9 +10,15 @@ Off: the same functions eagerly, AdamW as foreach kernels, attention dropout key
 masks are layout-independent (parallel/random.py).
 
 Either way the model computes the same function: float64 stays float64 (``dtypes.py``).
+
+``eager(fn)`` marks a function that compiled code must call eagerly (``torch.compiler.disable``)
+without importing dynamo (about 0.6 s of a worker's start-up) until something is compiled: the
+mark is applied when ``compile_fn`` or ``compile_module`` first runs.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -29,8 +35,33 @@ def enabled(setting: str, device: torch.device) -> bool:
     return setting == "on"
 
 
-def _raise_limits() -> None:
-    """Raise dynamo's cache limits so that per-layer compilation never falls back to eager."""
+class _Eager:
+    """A callable that runs ``fn``; ``fn`` becomes ``torch.compiler.disable(fn)`` before the first compile."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+_EAGER: list = []  # every _Eager not yet disabled
+
+
+def eager(fn) -> _Eager:
+    """fn, run eagerly (a graph break) when compiled code calls it; see the module doc."""
+    wrapper = _Eager(fn)
+    _EAGER.append(wrapper)
+    return wrapper
+
+
+def _before_compile() -> None:
+    """Disable compilation of the ``eager`` functions, and raise dynamo's cache limits so that
+    per-layer compilation never falls back to eager."""
+    while _EAGER:
+        wrapper = _EAGER.pop()
+        wrapper.fn = torch.compiler.disable(wrapper.fn)
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, _CACHE_LIMIT)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * _CACHE_LIMIT)
@@ -38,12 +69,12 @@ def _raise_limits() -> None:
 
 def compile_fn(fn):
     """fn under torch.compile (Inductor; compiled on first call, for the shapes it sees)."""
-    _raise_limits()
+    _before_compile()
     return torch.compile(fn)
 
 
 def compile_module(module: torch.nn.Module) -> None:
     """Run module's calls under torch.compile (``nn.Module.compile``: parameters and state_dict
     names unchanged)."""
-    _raise_limits()
+    _before_compile()
     module.compile()

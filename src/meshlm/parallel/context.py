@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..dtypes import HALF, wide
+from ..fast import eager
 from . import comm, watchdog
 
 COMM_TYPES = ("p2p", "all_gather")
@@ -410,7 +411,7 @@ class _AllGather(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-@torch.compiler.disable  # ring p2p inside: compiled layers (--fast-path) run it eagerly
+@eager  # ring p2p inside: compiled layers (--fast-path) run it eagerly
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm_type: str = "p2p",
               document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence split on ``group``.
