@@ -39,12 +39,17 @@ def test_zero1_overlap_param_gather_equals_no_overlap_bitwise_and_exits_cleanly(
     assert len(plain) == 4 and overlapped == plain  # the same collectives in the same order
 
 
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> list:
+    """The single-process run's losses (one run for every layout compared with it)."""
+    return losses(tmp_path_factory.mktemp("single"), "single", "--nproc-per-node", "1")
+
+
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                      "--pipeline-model-parallel-size", "2"],
                                     ["--pipeline-model-parallel-size", "2", "--nproc-per-node", "4",
                                      "--use-distributed-optimizer", "--overlap-param-gather"]])
-def test_layouts_follow_the_single_process_loss_curve_in_fp32(tmp_path, layout):
-    single = losses(tmp_path, "single", "--nproc-per-node", "1")
+def test_layouts_follow_the_single_process_loss_curve_in_fp32(tmp_path, single, layout):
     parallel = losses(tmp_path, "parallel", *layout)
     assert max(single) - min(single) > 1e-2, "the weights must move far beyond the tolerance"
     assert parallel == pytest.approx(single, rel=1e-4)  # fp32 rounding stays near 1e-6
