@@ -64,8 +64,8 @@ def job_rank() -> int:
 
 def worker_threads(nproc: int) -> int:
     """CPU threads per worker: this machine's usable cores shared evenly, at least 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // nproc)
+    from .parallel.mesh import usable_cores
+    return max(1, usable_cores() // nproc)
 
 
 # ----------------------------------------------------------------------------- workers

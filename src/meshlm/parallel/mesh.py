@@ -29,6 +29,11 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, else the machine's count), at least 1."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def init_distributed(timeout_minutes: int = 10) -> None:
     """Join the job from the environment (torchrun's RANK/WORLD_SIZE/MASTER_ADDR, or Slurm's).
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import watchdog
+from ..parallel.mesh import usable_cores
 from ..straggler_rule import CONSECUTIVE, FACTOR, MIN_EXCESS_S
 
 
@@ -36,7 +37,7 @@ def shared_cores(ps) -> str:
     if ps.device.type != "cpu":
         return ""
     workers = int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     if workers <= cores:
         return ""
     return (f"meshlm: note: {workers} workers on {cores} CPU cores: they take turns on the cores, so step "
