@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 # pytest-xdist workers: each multi-process test starts 2-8 processes of its own, so more would oversubscribe
 JOBS   ?= 2
 
-.PHONY: train test test-quick install clean
+.PHONY: train test test-quick durations install clean
 
 $(BIN)/meshlm: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: $(BIN)/meshlm
 
 test-quick: $(BIN)/meshlm
 	$(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal --durations=10 -m "not slow" tests
+
+# re-measure tests/durations.json, the weights that start the longest tests first on every xdist worker
+durations: $(BIN)/meshlm
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal --write-durations tests/durations.json tests
 
 clean:
 	rm -rf $(VENV) runs

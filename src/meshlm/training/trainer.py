@@ -10,6 +10,8 @@ optimizer step → LR step by the step's samples (only after a step that was tak
 → ``consumed_samples += the step's global batch``. Iterations, consumed samples, and optimizer/scheduler/RNG states round-trip
 through checkpoint/dist.py (what goes in: checkpoint/state.py), so a resumed run repeats the
 uninterrupted one; --finetune, --no-load-optim and --no-load-rng restore less (load_checkpoint).
+The checkpoint modules (torch.distributed.checkpoint and DTensor: about 0.9 s of imports) load inside
+the functions that save or load, so a worker that does neither never imports them.
 """
 
 from __future__ import annotations
@@ -21,18 +23,13 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 
 from .. import config as C
 from .. import fast
-from ..checkpoint import convert
-from ..checkpoint import dist as ckpt
-from ..checkpoint.async_save import AsyncSaver
-from ..checkpoint.model_space import ModelSpace
-from ..checkpoint.state import check_model_config, model_state, optimizer_state, rng_state, set_rng_state
 from ..data.gpt_dataset import build_datasets
 from ..data.indexed import check_token_ids
 from ..data.loader import rank_loader
@@ -60,6 +57,9 @@ from . import profiling, progress
 from .metrics import MetricsLogger
 from .stop_signal import SignalFlag
 from .stragglers import StragglerWatch
+
+if TYPE_CHECKING:
+    from ..checkpoint.async_save import AsyncSaver
 
 
 @dataclass
@@ -89,7 +89,7 @@ class Run:
     batches: BatchSchedule  # each training step's global batch
     train_iters: int  # --train-iters, or the steps --train-samples takes
     last_checkpoint: Optional[str] = None
-    saver: Optional[AsyncSaver] = None  # --async-save (with --save)
+    saver: Optional["AsyncSaver"] = None  # --async-save (with --save)
     loaders: dict = dataclasses.field(default_factory=dict)  # id(dataset) → its MicroBatchLoader
     stop_signal: Optional[SignalFlag] = None  # --exit-signal-handler
     stragglers: Optional[StragglerWatch] = None
@@ -163,7 +163,10 @@ def _note_start(run: Run, state: TrainState) -> None:
             f"the {run.train_iters} iterations of --train-samples {samples}"
         print(f"note: the checkpoint is at iteration {state.iteration} ≥ {length}: nothing to train; "
               f"raise {flag} to go on", flush=True)
-    earlier = ckpt.complete_iterations(save) if save and not cfg.checkpoint.load else []
+    if not save or cfg.checkpoint.load:
+        return
+    from ..checkpoint import dist as ckpt
+    earlier = ckpt.complete_iterations(save)
     if earlier:
         print(f"note: --save {save} already holds {os.path.basename(ckpt.iteration_dir(save, earlier[-1]))} "
               f"from an earlier run; this run starts from scratch (no --load) and saves beside it; "
@@ -217,8 +220,10 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
               f"{nmb} micro-batches × {t.micro_batch_size} × DP {ps.dp}{ramp} | {iters} iterations | "
               f"model built on {ps.device.type} in {build_s:.1f} s", flush=True)
     report_memory(opt.memory_report(), ps)
-    saver = AsyncSaver(ps.world_size, p.distributed_timeout_minutes) \
-        if cfg.checkpoint.async_save and cfg.checkpoint.save else None
+    saver = None
+    if cfg.checkpoint.async_save and cfg.checkpoint.save:
+        from ..checkpoint.async_save import AsyncSaver
+        saver = AsyncSaver(ps.world_size, p.distributed_timeout_minutes)
     return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb, batches, iters,
                saver=saver, stragglers=StragglerWatch(ps), spikes=LossSpikes(t.loss_spike_threshold))
 
@@ -504,6 +509,9 @@ def save_checkpoint(run: Run, state: TrainState) -> str:
     complete once the next save or the end of ``train`` has waited for it. The time the loop was
     blocked is printed and written to metrics.jsonl (``save_blocked_ms``), for both kinds.
     """
+    from ..checkpoint import dist as ckpt
+    from ..checkpoint.model_space import ModelSpace
+    from ..checkpoint.state import model_state, optimizer_state, rng_state
     cfg, ps = run.cfg, run.ps
     watchdog.at(state.iteration, "checkpoint save")
     start = time.perf_counter()
@@ -554,6 +562,8 @@ def load_checkpoint(run: Run) -> TrainState:
     is left waiting in a collective), when --load is not a checkpoint, is damaged, or holds another
     model (config.json's architecture fields, then the model tensors' names and shapes).
     """
+    from ..checkpoint import convert, dist as ckpt
+    from ..checkpoint.state import set_rng_state
     cfg, ps = run.cfg, run.ps
     c = cfg.checkpoint
     root = c.load
@@ -600,6 +610,7 @@ def _loads(c: C.CheckpointConfig, kind: str) -> bool:
 def _load_weights_only(run: Run) -> TrainState:
     """Fine-tune from --load's weights alone (checkpoint/convert.py): each rank copies its slice,
     the optimizer starts fresh from them, the run at iteration 0. Errors as load_checkpoint's."""
+    from ..checkpoint import convert
     problem = None
     try:
         convert.load_weights(run.chunks, run.cfg.model, run.cfg.checkpoint.load)
@@ -621,6 +632,9 @@ def _read_checkpoint(run: Run) -> Optional[tuple]:
     place and the saved values. None for a fresh start. Its one collective is --verify-integrity's
     (the ranks share the hashing out); every rank reaches it alike, since the checks before it read
     the same shared --load folder."""
+    from ..checkpoint import dist as ckpt
+    from ..checkpoint.model_space import ModelSpace
+    from ..checkpoint.state import check_model_config, model_state, optimizer_state
     cfg, ps = run.cfg, run.ps
     c = cfg.checkpoint
     problems = ckpt.check_loadable(c.load, c.save)
