@@ -281,3 +281,48 @@ def test_a_flipped_byte_in_the_metadata_falls_back_to_the_older_checkpoint_and_s
     [note] = capsys.readouterr().out.strip().splitlines()
     assert "iter_0000003 is damaged or incomplete (.metadata is truncated or corrupt" in note
     assert note.endswith("loading iter_0000002 instead")
+
+
+class _ByNamePickler(pickle.Pickler):
+    """Pickles enum members as getattr(Enum, "NAME"), as Debian bookworm's Python 3.11.2 does."""
+
+    def __init__(self, fh, target=None):
+        super().__init__(fh)
+        self.target = target
+
+    def reducer_override(self, obj):
+        import enum
+        if isinstance(obj, enum.Enum):
+            return getattr, (self.target or type(obj), obj.name)
+        return NotImplemented
+
+
+def _repickle(folder, target=None):
+    with open(folder / ".metadata", "rb") as fh:
+        metadata = pickle.load(fh)
+    buf = io.BytesIO()
+    _ByNamePickler(buf, target).dump(metadata)
+    assert b"getattr" in buf.getvalue()
+    plant(folder, ".metadata", buf.getvalue())
+
+
+def test_enum_members_pickled_by_name_load_and_getattr_on_anything_else_is_refused(trained, tmp_path):
+    """A checkpoint saved in the container (Python 3.11.2) was refused: 'builtins.getattr is not allowed'."""
+    by_name = tmp_path / "by_name"
+    shutil.copytree(trained, by_name)
+    _repickle(by_name / "iter_0000002")
+    iteration, tree = ckpt.load(str(by_name), iteration=2)
+    _, want = ckpt.load(str(trained), iteration=2)
+    def leaves(t, key=""):
+        if isinstance(t, dict):
+            return [x for k, v in sorted(t.items()) for x in leaves(v, f"{key}/{k}")]
+        return [(key, t)] if isinstance(t, torch.Tensor) else []
+    got, expected = leaves(tree), leaves(want)
+    assert iteration == 2 and expected and [k for k, _ in got] == [k for k, _ in expected]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, expected))
+    planted = tmp_path / "planted"
+    shutil.copytree(trained, planted)
+    import pathlib
+    _repickle(planted / "iter_0000002", target=pathlib.PosixPath)  # getattr(PosixPath, "NAME"): not an enum
+    with pytest.raises(CheckpointError, match=r"getattr\(PosixPath, .*is not allowed"):
+        ckpt.load(str(planted), iteration=2)

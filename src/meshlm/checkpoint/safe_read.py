@@ -14,6 +14,7 @@ they live in is checked to exist and to be long enough (a stat, no read).
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import json
 import os
@@ -39,10 +40,23 @@ class _ForbiddenClass(pickle.UnpicklingError):
     pass
 
 
+def _enum_member(cls, name):
+    """``getattr`` as an unpickler may call it: only for a member of an allowed enum. Some Pythons
+    (Debian bookworm's 3.11.2) pickle an enum member as getattr(Enum, "NAME") instead of Enum(value)."""
+    if isinstance(cls, enum.EnumMeta) and (cls.__module__, cls.__name__) in _ALLOWED and \
+            isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise _ForbiddenClass(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}) is not allowed "
+                          f"in a meshlm checkpoint's .metadata")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only the classes DCP's .metadata of a tensor-only checkpoint contains."""
+    """Admits only the classes DCP's .metadata of a tensor-only checkpoint contains (and their
+    enum members by name, ``_enum_member``)."""
 
     def find_class(self, module: str, name: str):
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise _ForbiddenClass(f"{module}.{name} is not allowed in a meshlm checkpoint's .metadata")
