@@ -7,7 +7,10 @@
 #   SRUN_ARGS="--container-image=./meshlm.sqsh --container-mounts=$PWD:$PWD --container-workdir=$PWD"
 # (examples/slurm/README.md). --ipc=host (or a large --shm-size): the data-loader workers and
 # NCCL share memory through /dev/shm.
-ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+# The tag: PyTorch 2.11 (the lent H200 machines' torch), CUDA 12.8; Docker Hub cannot be reached from
+# here, the tag is the one public Dockerfiles pin (GitHub code search, 2026-12-03). CI builds this file
+# on a CPU test base instead (.ci/container, --build-arg BASE_IMAGE=localhost/meshlm-test-base).
+ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
 # NCCL: NVLink SHARP (multicast) off, as meshlm's own launcher sets it (1 on NVSwitch systems where

@@ -207,3 +207,26 @@ def test_simulated_srun_job_saves_on_the_warning_requeues_and_resumes(slurm, ref
                            env=_simulated_env(tmp_path, SLURM_RESTART_COUNT="1", **stop), timeout=TIMEOUT_S)
     assert again.returncode == 0 and "train.sbatch: training finished" in again.stdout, again.stdout + again.stderr
     _assert_resumed_as_uninterrupted(run_dir, reference)
+
+
+def test_real_slurm_job_runs_inside_the_container(slurm, reference, tmp_path):
+    """train.sbatch with CONTAINER_IMAGE: the job's torchrun and workers run in the image that
+    .ci/container builds from the Dockerfile (it runs this test, with MESHLM_CONTAINER_IMAGE and
+    MESHLM_CONTAINER_RUNTIME set, after building); the losses are the uninterrupted run's."""
+    image = os.environ.get("MESHLM_CONTAINER_IMAGE")
+    if not image:
+        pytest.skip("needs the image .ci/container builds (MESHLM_CONTAINER_IMAGE)")
+    if isinstance(slurm, str):
+        pytest.skip(f"real Slurm not started: {slurm}")
+    out_file = tmp_path / "slurm.out"
+    env = _job_env(SLURM_CONF=slurm.conf, CONTAINER_IMAGE=image,
+                   CONTAINER_RUNTIME=os.environ.get("MESHLM_CONTAINER_RUNTIME", "podman"))
+    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2",
+                          "--time=10", f"--output={out_file}", f"--chdir={tmp_path}", SCRIPT, *FLAGS],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    _wait_for(lambda: slurm.job(job)["JobState"] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"),
+              f"job {job} in the container", explain=lambda: _read(out_file)[-3000:])
+    state = slurm.job(job)
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), _read(out_file)[-3000:]
+    assert "train.sbatch: training finished" in _read(out_file)
+    assert _trajectory(tmp_path / "runs" / f"slurm-{job}") == reference[0]
