@@ -39,10 +39,23 @@ class _ForbiddenClass(pickle.UnpicklingError):
     pass
 
 
+# megatron-core's .metadata adds entries of pickled values (never read) and the save plans of
+# every rank (``all_local_plans``): plain DCP data classes
+_MEGATRON = {(_DCP_METADATA, "BytesStorageMetadata")} | {
+    ("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only the classes DCP's .metadata of a tensor-only checkpoint contains."""
+    """Admits only the classes DCP's .metadata of a tensor-only checkpoint contains (and, with
+    ``megatron``, the DCP classes megatron-core's .metadata adds)."""
+
+    def __init__(self, fh, megatron: bool = False):
+        super().__init__(fh)
+        self.megatron = megatron
 
     def find_class(self, module: str, name: str):
+        if self.megatron and (module, name) in _MEGATRON:
+            return super().find_class(module, name)
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise _ForbiddenClass(f"{module}.{name} is not allowed in a meshlm checkpoint's .metadata")
@@ -52,14 +65,20 @@ class SafeReader(FileSystemReader):
     """FileSystemReader whose .metadata is read by the allow-list unpickler above.
 
     Raises CheckpointError for a class outside the allow-list; a truncated file raises _Corrupt,
-    which ``reading`` reports as damage.
+    which ``reading`` reports as damage. megatron: admit the DCP classes of a megatron-core
+    folder's .metadata (entries of its pickled ``_extra_state`` values, which the planner still
+    refuses to read, and the save plans).
     """
+
+    def __init__(self, path, megatron: bool = False):
+        super().__init__(path)
+        self.megatron = megatron
 
     def read_metadata(self, *args, **kwargs):
         path = os.path.join(str(self.path), ".metadata")
         try:
             with open(path, "rb") as fh:
-                metadata = _MetadataUnpickler(fh).load()
+                metadata = _MetadataUnpickler(fh, self.megatron).load()
         except _ForbiddenClass as e:
             raise CheckpointError(f"{path}: not a valid meshlm checkpoint metadata file ({e})") from None
         except (EOFError, pickle.UnpicklingError) as e:

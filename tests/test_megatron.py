@@ -1,0 +1,229 @@
+"""meshlm against megatron-core 0.16.1 itself: the same function, and its checkpoints both ways.
+
+One gloo start of two workers (``mcore``, module fixture) builds megatron-core's GPTModel
+(tests/megatron_gpt.py) for each case at its TP, saves it with dist_checkpointing (Megatron-LM's
+torch_dist layout), and computes its logits, per-token loss and full gradients; in the same
+workers meshlm's production model (GPTModel over a ParallelState of the same TP) is filled from
+that checkpoint by the converter's reader and computes the same. The tests then compare them, and
+run the round trip megatron-core save → ``convert --from-megatron`` → a meshlm training step →
+``convert --to-megatron`` → megatron-core load → the same logits as meshlm's.
+
+Float64 wherever megatron-core allows it: its RoPE frequencies and its cross-entropy are float32,
+so the Llama cases and every loss agree to float32 rounding (~1e-7 relative), the GPT-2 logits and
+gradients to float64 rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[test])")
+pytest.importorskip("psutil", reason="megatron-core's dist_checkpointing.save needs psutil")
+
+from distributed import run_distributed  # noqa: E402
+
+VOCAB = PADDED = 64  # no padding rows: megatron-core's softmax includes them, meshlm's masks them (README)
+SEQ = 8
+LLAMA = dict(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=24,
+             normalization="RMSNorm", swiglu=True, add_bias_linear=False, position_embedding_type="rope",
+             untie_embeddings_and_output_weights=True)
+GPT2 = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32)
+MOE = dict(LLAMA, num_experts=4, moe_ffn_hidden_size=12, moe_router_topk=2)
+# name: (meshlm flags, TP, expert layout singleton)
+CASES = {"llama_tp1": (LLAMA, 1, False), "llama_tp2": (LLAMA, 2, False), "gpt2_tp1": (GPT2, 1, False),
+         "gpt2_tp2": (GPT2, 2, False), "moe_tp2": (MOE, 2, False), "moe_singleton_tp1": (MOE, 1, True)}
+
+
+def _meshlm_config(spec: dict):
+    from meshlm import config as C
+    fields = {k: v for k, v in spec.items() if k in {f.name for f in __import__("dataclasses").fields(C.ModelConfig)}}
+    if "num_query_groups" in fields:
+        fields["group_query_attention"] = True
+    return C.ModelConfig(**fields, seq_length=SEQ, max_position_embeddings=SEQ, vocab_size=VOCAB,
+                         hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _meshlm_grads(model, ps) -> dict:
+    """{global name: full gradient} of a meshlm model (collective over TP)."""
+    from meshlm.parallel.tensor import gather_full_state_dict
+    saved = {}
+    for p in model.parameters():
+        saved[p] = p.data
+        p.data = p.grad
+    try:
+        return gather_full_state_dict(model, ps)
+    finally:
+        for p, data in saved.items():
+            p.data = data
+
+
+def _both(rank, world, root, tokens, labels):
+    """Every case: megatron-core's and meshlm's logits, loss and full gradients (rank 0's)."""
+    import megatron_gpt as mgpt
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from meshlm.checkpoint import megatron as mg
+    from meshlm.checkpoint.hf import full_shapes, load_into_chunks
+    from meshlm.model.transformer import GPTModel
+    from meshlm.parallel.mesh import ParallelState
+    out = {}
+    for name, (spec, tp, singleton) in CASES.items():
+        dtype = torch.float32 if spec.get("num_experts") else torch.float64  # the router wants fp32 params
+        parallel_state.destroy_model_parallel()
+        ref = mgpt.build(spec, tp, PADDED, SEQ, dtype=dtype)
+        folder = mgpt.save(ref, os.path.join(root, name), 1, mgpt.megatron_args(spec, tp, VOCAB, SEQ, PADDED),
+                           singleton=singleton)
+        logits = gather_from_tensor_model_parallel_region(mgpt.forward(ref, tokens))[..., :VOCAB]
+        loss = mgpt.forward(ref, tokens, labels)
+        loss.sum().backward()
+        grads = mgpt.full_grads(ref, parallel_state.get_tensor_model_parallel_group(), spec, VOCAB)
+
+        ps = ParallelState.build(tp, 1)
+        m = _meshlm_config(spec)
+        ours = GPTModel(m, ps, VOCAB, seed=1, params_dtype=dtype).eval()
+        load_into_chunks([ours], mg.read_full(folder, full_shapes([ours]), m, VOCAB), folder)
+        from meshlm.parallel import comm
+        our_logits = ours(tokens)
+        our_logits = (comm.all_gather(our_logits.contiguous(), ps.tp_group, -1) if tp > 1 else our_logits)[..., :VOCAB]
+        our_loss = ours(tokens, labels)
+        our_loss.sum().backward()
+        our_grads = _meshlm_grads(ours, ps)
+        if rank == 0:
+            out[name] = {"megatron": (logits.detach(), loss.detach(), grads),
+                         "meshlm": (our_logits.detach(), our_loss.detach(), our_grads), "folder": folder}
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def mcore(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("megatron"))
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    return {"root": root, "tokens": tokens, "labels": labels,
+            "cases": run_distributed(_both, 2, root, tokens, labels)[0]}
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_meshlm_computes_megatron_cores_function(mcore, name):
+    """Logits, per-token loss and every gradient of meshlm's model filled from megatron-core's
+    checkpoint equal megatron-core's, at the case's TP (float32 rounding where megatron-core
+    computes in float32: RoPE, cross-entropy, the MoE router)."""
+    case = mcore["cases"][name]
+    (logits, loss, grads), (our_logits, our_loss, our_grads) = case["megatron"], case["meshlm"]
+    exact = not (CASES[name][0].get("num_experts") or CASES[name][0].get("position_embedding_type") == "rope")
+    tol = 1e-12 if exact else 2e-6
+    assert _rel(our_logits, logits) < tol
+    assert _rel(our_loss, loss) < 2e-6  # megatron-core's cross-entropy is float32
+    assert set(our_grads) == set(grads)
+    if CASES[name][1] > 1:  # megatron-core's raw expert .grad at TP=2 (allgather dispatcher, before its
+        # DDP's reduction) is exactly twice the gradient of the loss: seen here, pinned so a change shows
+        grads = {k: g / 2 if ".local_experts." in k else g for k, g in grads.items()}
+    bad = {k: _rel(our_grads[k], g) for k, g in grads.items() if _rel(our_grads[k], g) > 1e-5}
+    assert not bad
+
+
+def test_import_gives_megatron_logits_and_export_loads_in_megatron_core(mcore, tmp_path):
+    """convert --from-megatron of each saved case gives megatron-core's logits in meshlm (at TP=1,
+    from checkpoints saved at TP 1 and 2, stacked and per-expert layouts)."""
+    from meshlm.checkpoint.megatron_convert import import_megatron
+    from meshlm.training.generate import load_model
+    for name, case in mcore["cases"].items():
+        out = str(tmp_path / name)
+        path = import_megatron(os.path.dirname(case["folder"]), out)
+        model, _ = load_model(path)
+        with torch.no_grad():
+            logits = model(mcore["tokens"])[..., :VOCAB]
+        assert _rel(logits, case["megatron"][0]) < 2e-6, name
+
+
+def _load_exported(rank, world, cases):
+    """megatron-core's logits of each exported folder, loaded at TP=2."""
+    import megatron_gpt as mgpt
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    out = {}
+    for name, (folder, spec, tokens) in cases.items():
+        parallel_state.destroy_model_parallel()
+        model = mgpt.build(spec, 2, PADDED, SEQ, seed=99)  # other weights until loaded
+        mgpt.load(model, folder)
+        with torch.no_grad():
+            out[name] = gather_from_tensor_model_parallel_region(mgpt.forward(model, tokens))[..., :VOCAB]
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.slow
+def test_round_trip_megatron_meshlm_train_step_megatron(mcore, tmp_path):
+    """megatron-core save → meshlm import → a training step in meshlm → export → megatron-core
+    load at another TP: megatron-core computes meshlm's new logits."""
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.checkpoint.megatron_convert import export_megatron, import_megatron
+    from meshlm.checkpoint.model_space import ModelSpace
+    from meshlm.checkpoint.state import model_state
+    from meshlm.parallel.mesh import ParallelState
+    from meshlm.training.generate import load_model
+    todo, want = {}, {}
+    for name in ("llama_tp1", "gpt2_tp2", "moe_tp2"):
+        case = mcore["cases"][name]
+        imported = str(tmp_path / f"{name}_meshlm")
+        path = import_megatron(os.path.dirname(case["folder"]), imported)
+        model, _ = load_model(path)
+        model.train()
+        model(mcore["tokens"], mcore["labels"]).sum().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+        model.eval()
+        with torch.no_grad():
+            want[name] = model(mcore["tokens"])[..., :VOCAB]
+        assert _rel(want[name], case["megatron"][0]) > 1e-3  # the step changed the function
+        trained = str(tmp_path / f"{name}_trained")
+        ckpt.save(trained, 1, model_state(ModelSpace([model], ParallelState.single())),
+                  config=ckpt.read_config(path), layout={"tp": 1, "pp": 1})
+        out = str(tmp_path / f"{name}_megatron")
+        todo[name] = (export_megatron(trained, out), CASES[name][0], mcore["tokens"])
+    got = run_distributed(_load_exported, 2, todo)[0]
+    for name, logits in got.items():
+        assert _rel(logits, want[name]) < 2e-6, name
+
+
+def test_load_of_a_megatron_folder_says_convert_first(mcore):
+    from meshlm.checkpoint.dist import check_loadable
+    root = os.path.dirname(mcore["cases"]["gpt2_tp1"]["folder"])
+    (problem,) = check_loadable(root)
+    assert "Megatron-LM checkpoint" in problem and f"meshlm convert --from-megatron {root}" in problem
+
+
+def test_common_pt_runs_no_planted_code(tmp_path):
+    """common.pt is read without running pickle code: megatron enums and the Namespace load, a
+    planted payload is refused before anything is unpickled."""
+    from meshlm.checkpoint.megatron_common import read_common
+    from meshlm.errors import CheckpointError
+    good = tmp_path / "good.pt"
+    from megatron.core.enums import ModelType
+    torch.save({"args": argparse.Namespace(num_layers=2, model_type=ModelType.encoder_or_decoder,
+                                           params_dtype=torch.bfloat16), "iteration": 5}, good)
+    common = read_common(str(good))
+    assert common["iteration"] == 5 and common["args"].num_layers == 2
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    evil = tmp_path / "evil.pt"
+    torch.save({"args": argparse.Namespace(num_layers=2), "x": Payload()}, evil)
+    with pytest.raises(CheckpointError, match="refused to load: it would run posix.system"):
+        read_common(str(evil))
+    assert not marker.exists()
