@@ -6,6 +6,8 @@ megatron-core runs on CPU given (facts checked on this machine, issue 28):
   inv_freq ask for it) and ``torch.cuda.synchronize`` a no-op;
 - an RNG tracker that needs no CUDA (the inference tracker: ``fork`` changes nothing; every model
   here runs without dropout);
+- the checkpoint writer's results queue a forked one (its default, a spawned Manager, costs a
+  fresh interpreter per process);
 - ``moe_utils.te_general_gemm`` defined (None: 0.16.1's router reads it unset without TE), the
   MoE token dispatcher "allgather" (alltoall makes a CUDA stream);
 - ``apply_rope_fusion``, ``persist_layer_norm``, ``gradient_accumulation_fusion`` off and
@@ -29,6 +31,11 @@ def patch_cpu() -> None:
     """Let megatron-core's CUDA-minded code run on CPU (see the module docstring)."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    if filesystem_async._results_queue is None:  # its default is a spawned Manager: a fresh interpreter (~4 s)
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
     from megatron.core.transformer.moe import moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 reads it unset without Transformer Engine
         moe_utils.te_general_gemm = None

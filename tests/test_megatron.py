@@ -34,6 +34,7 @@ LLAMA = dict(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_grou
 GPT2 = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32)
 MOE = dict(LLAMA, num_experts=4, moe_ffn_hidden_size=12, moe_router_topk=2)
 # name: (meshlm flags, TP, expert layout singleton)
+ROUND_TRIP = ("llama_tp1", "gpt2_tp2", "moe_tp2")
 CASES = {"llama_tp1": (LLAMA, 1, False), "llama_tp2": (LLAMA, 2, False), "gpt2_tp1": (GPT2, 1, False),
          "gpt2_tp2": (GPT2, 2, False), "moe_tp2": (MOE, 2, False), "moe_singleton_tp1": (MOE, 1, True)}
 
@@ -96,11 +97,55 @@ def _both(rank, world, root, tokens, labels):
         if rank == 0:
             out[name] = {"megatron": (logits.detach(), loss.detach(), grads),
                          "meshlm": (our_logits.detach(), our_loss.detach(), our_grads), "folder": folder}
+    trip = _round_trip(rank, root, tokens, labels) if rank == 0 else {}
+    torch.distributed.barrier()
+    for name in ROUND_TRIP:  # megatron-core loads meshlm's export at TP=2
+        parallel_state.destroy_model_parallel()
+        model = mgpt.build(CASES[name][0], 2, PADDED, SEQ, seed=99)  # other weights until loaded
+        mgpt.load(model, os.path.join(root, f"{name}_megatron", "iter_0000001"))
+        with torch.no_grad():
+            logits = gather_from_tensor_model_parallel_region(mgpt.forward(model, tokens))[..., :VOCAB]
+        if rank == 0:
+            out[name]["round_trip"] = trip[name] + (logits,)
     parallel_state.destroy_model_parallel()
     return out
 
 
-@pytest.fixture(scope="module")
+def _round_trip(rank, root, tokens, labels) -> dict:
+    """Rank 0 alone, as a one-process meshlm would (``convert`` runs in one process): import each
+    ROUND_TRIP case, take a training step, save, export. {name: (logits before, after the step)}."""
+    from unittest import mock
+
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.checkpoint.megatron_convert import export_megatron, import_megatron
+    from meshlm.checkpoint.model_space import ModelSpace
+    from meshlm.checkpoint.state import model_state
+    from meshlm.parallel.mesh import ParallelState
+    from meshlm.training.generate import load_model
+    out = {}
+    with mock.patch.object(ckpt, "_world", lambda: (0, 1)), mock.patch.object(ckpt, "_barrier", lambda: None):
+        for name in ROUND_TRIP:
+            path = import_megatron(os.path.join(root, name), os.path.join(root, f"{name}_meshlm"))
+            model, _ = load_model(path)
+            with torch.no_grad():
+                before = model(tokens)[..., :VOCAB]
+            model.train()
+            model(tokens, labels).sum().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+            model.eval()
+            with torch.no_grad():
+                after = model(tokens)[..., :VOCAB]
+            trained = os.path.join(root, f"{name}_trained")
+            ckpt.save(trained, 1, model_state(ModelSpace([model], ParallelState.single())),
+                      config=ckpt.read_config(path), layout={"tp": 1, "pp": 1})
+            export_megatron(trained, os.path.join(root, f"{name}_megatron"))
+            out[name] = (before, after)
+    return out
+
+
+@pytest.fixture(scope="module")  # one start of two workers for every test here (~15 s)
 def mcore(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("megatron"))
     g = torch.Generator().manual_seed(3)
@@ -114,7 +159,7 @@ def _rel(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the fixture's start (~15 s) is charged to the first test that asks for it
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_meshlm_computes_megatron_cores_function(mcore, name):
     """Logits, per-token loss and every gradient of meshlm's model filled from megatron-core's
@@ -134,9 +179,10 @@ def test_meshlm_computes_megatron_cores_function(mcore, name):
     assert not bad
 
 
-def test_import_gives_megatron_logits_and_export_loads_in_megatron_core(mcore, tmp_path):
-    """convert --from-megatron of each saved case gives megatron-core's logits in meshlm (at TP=1,
-    from checkpoints saved at TP 1 and 2, stacked and per-expert layouts)."""
+@pytest.mark.slow
+def test_import_gives_megatron_cores_logits(mcore, tmp_path):
+    """convert --from-megatron of each saved case gives megatron-core's logits in meshlm's
+    one-process model (checkpoints saved at TP 1 and 2, stacked and per-expert layouts)."""
     from meshlm.checkpoint.megatron_convert import import_megatron
     from meshlm.training.generate import load_model
     for name, case in mcore["cases"].items():
@@ -148,57 +194,20 @@ def test_import_gives_megatron_logits_and_export_loads_in_megatron_core(mcore, t
         assert _rel(logits, case["megatron"][0]) < 2e-6, name
 
 
-def _load_exported(rank, world, cases):
-    """megatron-core's logits of each exported folder, loaded at TP=2."""
-    import megatron_gpt as mgpt
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-    out = {}
-    for name, (folder, spec, tokens) in cases.items():
-        parallel_state.destroy_model_parallel()
-        model = mgpt.build(spec, 2, PADDED, SEQ, seed=99)  # other weights until loaded
-        mgpt.load(model, folder)
-        with torch.no_grad():
-            out[name] = gather_from_tensor_model_parallel_region(mgpt.forward(model, tokens))[..., :VOCAB]
-    parallel_state.destroy_model_parallel()
-    return out
+@pytest.mark.slow
+def test_round_trip_megatron_meshlm_train_step_megatron(mcore):
+    """megatron-core save (TP 1 or 2) → convert --from-megatron → a training step in meshlm →
+    convert --to-megatron → megatron-core load at TP=2: megatron-core computes meshlm's new logits
+    (and meshlm's imported model computed megatron-core's before the step)."""
+    for name in ROUND_TRIP:
+        case = mcore["cases"][name]
+        before, after, loaded = case["round_trip"]
+        assert _rel(before, case["megatron"][0]) < 2e-6
+        assert _rel(after, before) > 1e-3  # the step changed the function
+        assert _rel(loaded, after) < 2e-6, name
 
 
 @pytest.mark.slow
-def test_round_trip_megatron_meshlm_train_step_megatron(mcore, tmp_path):
-    """megatron-core save → meshlm import → a training step in meshlm → export → megatron-core
-    load at another TP: megatron-core computes meshlm's new logits."""
-    from meshlm.checkpoint import dist as ckpt
-    from meshlm.checkpoint.megatron_convert import export_megatron, import_megatron
-    from meshlm.checkpoint.model_space import ModelSpace
-    from meshlm.checkpoint.state import model_state
-    from meshlm.parallel.mesh import ParallelState
-    from meshlm.training.generate import load_model
-    todo, want = {}, {}
-    for name in ("llama_tp1", "gpt2_tp2", "moe_tp2"):
-        case = mcore["cases"][name]
-        imported = str(tmp_path / f"{name}_meshlm")
-        path = import_megatron(os.path.dirname(case["folder"]), imported)
-        model, _ = load_model(path)
-        model.train()
-        model(mcore["tokens"], mcore["labels"]).sum().backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= 0.1 * p.grad
-        model.eval()
-        with torch.no_grad():
-            want[name] = model(mcore["tokens"])[..., :VOCAB]
-        assert _rel(want[name], case["megatron"][0]) > 1e-3  # the step changed the function
-        trained = str(tmp_path / f"{name}_trained")
-        ckpt.save(trained, 1, model_state(ModelSpace([model], ParallelState.single())),
-                  config=ckpt.read_config(path), layout={"tp": 1, "pp": 1})
-        out = str(tmp_path / f"{name}_megatron")
-        todo[name] = (export_megatron(trained, out), CASES[name][0], mcore["tokens"])
-    got = run_distributed(_load_exported, 2, todo)[0]
-    for name, logits in got.items():
-        assert _rel(logits, want[name]) < 2e-6, name
-
-
 def test_load_of_a_megatron_folder_says_convert_first(mcore):
     from meshlm.checkpoint.dist import check_loadable
     root = os.path.dirname(mcore["cases"]["gpt2_tp1"]["folder"])
