@@ -41,6 +41,11 @@ def patch_cpu() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _bias_gelu_fusion(spec: dict) -> bool:
+    """Megatron-LM's --bias-gelu-fusion (on unless --no-bias-gelu-fusion) for a GeLU MLP with biases."""
+    return spec.get("bias_gelu_fusion", True) and spec.get("add_bias_linear", True) and not spec.get("swiglu")
+
+
 def _config(spec: dict, tp: int, dtype):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
@@ -53,13 +58,10 @@ def _config(spec: dict, tp: int, dtype):
               hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
               use_cpu_initialization=True, perform_initialization=True, init_method_std=0.02,
               params_dtype=dtype, apply_rope_fusion=False, persist_layer_norm=False,
-              gradient_accumulation_fusion=False, bias_activation_fusion=spec.get("bias_gelu_fusion", False),
+              gradient_accumulation_fusion=False, bias_activation_fusion=_bias_gelu_fusion(spec),
               masked_softmax_fusion=False, bias_dropout_fusion=False, attention_backend=AttnBackend.unfused)
     if spec.get("swiglu"):
         kw["activation_func"] = torch.nn.functional.silu
-    elif spec.get("openai_gelu"):
-        from megatron.core.activations import openai_gelu  # noqa: F401 (present in 0.16.1?)
-        kw["activation_func"] = openai_gelu
     if experts:
         kw.update(num_moe_experts=experts, moe_router_topk=spec.get("moe_router_topk", 2),
                   moe_ffn_hidden_size=spec.get("moe_ffn_hidden_size"), moe_grouped_gemm=spec.get("grouped", False),
@@ -183,7 +185,7 @@ def megatron_args(spec: dict, tp: int, vocab: int, seq: int, padded: int):
         group_query_attention=groups is not None, num_query_groups=groups or heads,
         ffn_hidden_size=spec["ffn_hidden_size"], kv_channels=spec["hidden_size"] // heads, seq_length=seq,
         max_position_embeddings=seq, normalization=spec.get("normalization", "LayerNorm"), norm_epsilon=1e-5,
-        swiglu=spec.get("swiglu", False), openai_gelu=False, bias_gelu_fusion=spec.get("bias_gelu_fusion", False),
+        swiglu=spec.get("swiglu", False), openai_gelu=False, bias_gelu_fusion=_bias_gelu_fusion(spec),
         position_embedding_type=spec.get("position_embedding_type", "learned_absolute"),
         rotary_percent=spec.get("rotary_percent", 1.0), rotary_base=10000, rotary_interleaved=False,
         untie_embeddings_and_output_weights=spec.get("untie_embeddings_and_output_weights", False),

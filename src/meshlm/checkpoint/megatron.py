@@ -81,6 +81,14 @@ def check_backend(folder: str) -> None:
                               f"convert it with Megatron-LM's tools/checkpoint (--ckpt-convert-format torch_dist)")
 
 
+def holds_optimizer(folder: str) -> bool:
+    """Whether the Megatron folder's DCP metadata names optimizer state (``optimizer.…`` keys)."""
+    from .safe_read import SafeReader, reading
+    with reading(folder):
+        keys = SafeReader(folder, megatron=True).read_metadata().state_dict_metadata
+    return any(k.startswith("optimizer") for k in keys)
+
+
 # ----------------------------------------------------------------------------- flags
 
 # Megatron-LM args that meshlm's model cannot compute, and the value that is fine.
@@ -115,10 +123,6 @@ def model_from_args(args) -> tuple:
     if not getattr(args, "num_experts", None):
         fields.pop("num_experts", None)
     notes = []
-    if getattr(args, "bias_gelu_fusion", False) and not fields.get("swiglu") and fields.get("add_bias_linear", True):
-        fields["openai_gelu"] = True  # Megatron's fused bias-GeLU is the tanh approximation
-        notes.append("the Megatron run fused bias and GeLU (--bias-gelu-fusion: the tanh approximation); "
-                     "the converted model computes the same with --openai-gelu")
     known = {f.name for f in dataclasses.fields(C.ModelConfig)}
     m = C.ModelConfig(**{k: v for k, v in fields.items() if k in known})
     return m, notes

@@ -79,8 +79,10 @@ def import_megatron(src: str, out: str) -> str:
     if not getattr(args, "vocab_size", None):
         notes.append(f"the checkpoint's vocabulary is kept padded ({vocab} rows, args.padded_vocab_size)")
     cfg.model.vocab_size = vocab
-    for note in notes + ["the Megatron optimizer state is not carried: the run starts a fresh optimizer "
-                         "at iteration 0 (fine-tuning)"]:
+    if mg.holds_optimizer(folder):
+        notes.append("the Megatron optimizer state is not carried: `meshlm pretrain --load` starts a fresh "
+                     "optimizer at iteration 0 (fine-tuning)")
+    for note in notes:
         print(f"meshlm: note: {note}")
     ps = ParallelState.single()
     model = GPTModel(cfg.model, ps, vocab, seed=cfg.training.seed)
@@ -106,7 +108,7 @@ def megatron_args(cfg: C.Config, vocab: int, padded: int) -> argparse.Namespace:
                   max_position_embeddings=C.max_positions(m), vocab_size=vocab, padded_vocab_size=padded,
                   tokenizer_type=cfg.data.tokenizer_type, tokenizer_model=cfg.data.tokenizer_model,
                   vocab_file=cfg.data.vocab_file, merge_file=cfg.data.merge_file,
-                  bias_gelu_fusion=False, ckpt_format="torch_dist", num_experts=m.num_experts or None)
+                  ckpt_format="torch_dist", num_experts=m.num_experts or None)
     return argparse.Namespace(**fields)
 
 
