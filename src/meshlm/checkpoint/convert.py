@@ -233,6 +233,37 @@ def hf_load_problems(load: str, m: C.ModelConfig) -> list:
         return [str(e)]
 
 
+_DROPOUT = ("hidden_dropout", "attention_dropout")
+
+
+def carry_dropout(cfg: C.Config, explicit: set) -> list:
+    """Fine-tuning from weights alone (``is_weights_only``): give the run the dropout the model
+    was made with (the HF config's, or the converted checkpoint's config.json) where the flags
+    do not set it; returns the notes saying so ([] when nothing changed). A weights-only load
+    that cannot be read is left to meshlm.validate."""
+    load = cfg.checkpoint.load
+    if not is_weights_only(load) or set(_DROPOUT) <= explicit:
+        return []
+    try:
+        if is_hf_folder(load):
+            model = _hf_model(load, "--load").model
+        else:
+            from .safe_read import reading
+            folder = _weights_only_checkpoint(load)
+            with reading(folder, load):
+                model = ckpt.read_config(folder).get("model", {})
+    except CheckpointError:
+        return []
+    notes = []
+    for name in _DROPOUT:
+        value = model.get(name)
+        if name not in explicit and value is not None and value != getattr(cfg.model, name):
+            setattr(cfg.model, name, float(value))
+            notes.append(f"--{name.replace('_', '-')} {value:g}: the dropout of the model --load holds "
+                         f"(pass the flag to choose another)")
+    return notes
+
+
 def load_weights(chunks, m: C.ModelConfig, load: str) -> None:
     """Copy the weights of ``load`` (see ``is_weights_only``) into this rank's model chunks, each
     TP rank keeping its slice; every pipeline stage reads only its own tensors.

@@ -205,9 +205,10 @@ def flag_problems(hf_model: HFModel, m: C.ModelConfig, load: str) -> list:
 
 
 def model_flags(hf_model: HFModel) -> str:
-    """The command-line flags that give meshlm this model (architecture fields only)."""
+    """The command-line flags that give meshlm this model: its architecture fields and its dropout
+    (meshlm's default is 0.1; Llama-style models train without)."""
     fields = {f.name: f for f in dataclasses.fields(C.ModelConfig)}
-    skip = {"hidden_dropout", "attention_dropout", "init_method_std", "vocab_size"}
+    skip = {"init_method_std", "vocab_size"}
     out = []
     for name, value in hf_model.model.items():
         f, action = fields[name], fields[name].metadata.get("action")
@@ -232,7 +233,9 @@ def _export_arch(m: C.ModelConfig, arch: Optional[str]) -> str:
     llama_like = arch in ("llama", "mistral", "mixtral")
     wanted = [("--position-embedding-type", m.position_embedding_type, "rope" if llama_like else "learned_absolute"),
               ("--normalization", m.normalization, "RMSNorm" if llama_like else "LayerNorm"),
-              ("--swiglu", m.swiglu, llama_like)]
+              ("--swiglu", m.swiglu, llama_like),
+              # transformers' llama/mistral/mixtral rotate every dimension of a head (no partial rotary)
+              ("--rotary-percent", m.rotary_percent if rope else 1.0, 1.0)]
     if arch == "gpt2":
         wanted += [("--disable-bias-linear", not m.add_bias_linear, False),
                    ("--group-query-attention", C.query_groups(m) != m.num_attention_heads, False),
