@@ -6,8 +6,8 @@ megatron-core runs on CPU given (facts checked on this machine, issue 28):
   inv_freq ask for it) and ``torch.cuda.synchronize`` a no-op;
 - an RNG tracker that needs no CUDA (the inference tracker: ``fork`` changes nothing; every model
   here runs without dropout);
-- the checkpoint writer's results queue a forked one (its default, a spawned Manager, costs a
-  fresh interpreter per process);
+- the checkpoint writer's results queue held by a forked Manager (its default, a spawned one,
+  costs a fresh interpreter per process; a plain queue races its ``empty()`` check);
 - ``moe_utils.te_general_gemm`` defined (None: 0.16.1's router reads it unset without TE), the
   MoE token dispatcher "allgather" (alltoall makes a CUDA stream);
 - ``apply_rope_fusion``, ``persist_layer_norm``, ``gradient_accumulation_fusion`` off and
@@ -21,6 +21,7 @@ the model's sharded state dict (torch_dist), in Megatron-LM's folder layout.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -34,8 +35,8 @@ def patch_cpu() -> None:
     import multiprocessing
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    if filesystem_async._results_queue is None:  # its default is a spawned Manager: a fresh interpreter (~4 s)
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+    if filesystem_async._results_queue is None:  # its default, a spawned Manager, is a fresh interpreter (~4 s)
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
     from megatron.core.transformer.moe import moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 reads it unset without Transformer Engine
         moe_utils.te_general_gemm = None
@@ -110,7 +111,7 @@ def forward(model, tokens: torch.Tensor, labels=None):
     return model(tokens, position_ids, mask, labels=labels)
 
 
-def save(model, root: str, iteration: int = 1, args=None, singleton: bool = False) -> str:
+def save(model, root: str, iteration: int = 1, args=None, singleton: bool = False, optimizer=None) -> str:
     """Megatron-LM's checkpoint layout of the model: ``root/iter_NNNNNNN`` (torch_dist: common.pt,
     metadata.json, DCP files) and the tracker; ``args`` (a Namespace) goes into common.pt as
     Megatron-LM's training loop puts it; singleton: one key per expert (megatron-core's
@@ -123,6 +124,8 @@ def save(model, root: str, iteration: int = 1, args=None, singleton: bool = Fals
     dist.barrier()
     sharded = model.sharded_state_dict(metadata={"singleton_local_shards": True} if singleton else None)
     state = {"model": sharded, "iteration": iteration, "checkpoint_version": 3.0}
+    if optimizer is not None:  # its per-parameter state in model space, as Megatron-LM saves it
+        state["optimizer"] = optimizer.sharded_state_dict(model.sharded_state_dict())
     if args is not None:
         state["args"] = args
     dist_checkpointing.save(state, folder)
@@ -142,8 +145,56 @@ def load(model, folder: str) -> None:
     model.load_state_dict(state["model"], strict=False)
 
 
-def full_grads(model, tp_group, spec: dict, vocab: int) -> dict:
-    """{meshlm global name: full gradient} of the megatron model's parameters (collective over TP):
+@contextlib.contextmanager
+def _cuda_as_cpu():
+    """Tensors megatron-core's optimizer makes on device="cuda" (its overflow buffer, found-inf
+    flags) made on the CPU instead."""
+    saved = {name: getattr(torch, name) for name in ("tensor", "zeros", "empty", "ones")}
+
+    def on_cpu(make):
+        def make_on_cpu(*a, **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return make(*a, **k)
+        return make_on_cpu
+    for name, make in saved.items():
+        setattr(torch, name, on_cpu(make))
+    try:
+        yield
+    finally:
+        for name, make in saved.items():
+            setattr(torch, name, make)
+
+
+def adam_step(model, tokens, labels, lr: float = 1e-2):
+    """One step of megatron-core's optimizer (DDP, Adam: torch's AdamW without TE/apex; not the
+    distributed optimizer, whose CPU build fails on CUDA type checks; no clipping, which asserts
+    CUDA tensors) on the mean per-token loss; returns the optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    model.train()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    with _cuda_as_cpu():
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, clip_grad=0.0,
+                                                     params_dtype=model.config.params_dtype), [ddp])
+        forward(ddp, tokens, labels).mean().backward()
+        ddp.finish_grad_sync()
+        opt.step()
+    model.eval()
+    return opt
+
+
+def adam_state(opt, p, kind: str):
+    """Adam's ``kind`` ("exp_avg", "exp_avg_sq", "step") of parameter p in megatron-core's optimizer."""
+    for inner in getattr(opt, "chained_optimizers", [opt]):
+        if p in inner.optimizer.state:
+            return inner.optimizer.state[p][kind]
+    raise KeyError("no optimizer state for this parameter")
+
+
+def full_grads(model, tp_group, spec: dict, vocab: int, of=lambda p: p.grad) -> dict:
+    """{meshlm global name: full gradient} of the megatron model's parameters (collective over TP),
+    or of another per-parameter tensor ``of(p)`` (an optimizer state):
     the local spec's names are meshlm's; TP shards are gathered along their partition dim, a
     SwiGLU fc1's [gate_r; up_r] shards put back as [gate; up], QKV de-interleaved, the vocabulary
     cut to ``vocab`` rows."""
@@ -155,7 +206,7 @@ def full_grads(model, tp_group, spec: dict, vocab: int) -> dict:
     groups, d = spec.get("num_query_groups") or heads, spec["hidden_size"] // heads
     out = {}
     for name, p in model.named_parameters():
-        g = p.grad.detach()
+        g = of(p).detach()
         if getattr(p, "tensor_model_parallel", False) and tp > 1:
             parts = [torch.empty_like(g) for _ in range(tp)]
             dist.all_gather(parts, g.contiguous(), group=tp_group)

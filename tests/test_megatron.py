@@ -100,6 +100,17 @@ def _both(rank, world, root, tokens, labels):
         if rank == 0:
             out[name] = {"megatron": (logits.detach(), loss.detach(), grads),
                          "meshlm": (our_logits.detach(), our_loss.detach(), our_grads), "folder": folder}
+    parallel_state.destroy_model_parallel()  # Megatron's optimizer state carried over (TP=2 → meshlm)
+    ref = mgpt.build(LLAMA, 2, PADDED, SEQ)
+    opt = mgpt.adam_step(ref, tokens, labels)
+    mgpt.save(ref, os.path.join(root, "llama_adam"), 3, mgpt.megatron_args(LLAMA, 2, VOCAB, SEQ, PADDED), optimizer=opt)
+    group = parallel_state.get_tensor_model_parallel_group()
+    moments = {kind: mgpt.full_grads(ref, group, LLAMA, VOCAB, of=lambda p: mgpt.adam_state(opt, p, kind))
+               for kind in ("exp_avg", "exp_avg_sq")}
+    weights = mgpt.full_grads(ref, group, LLAMA, VOCAB, of=lambda p: p.data)
+    if rank == 0:
+        out["adam"] = {"moments": moments, "weights": weights,
+                       "step": int(mgpt.adam_state(opt, next(ref.parameters()), "step"))}
     trip = _round_trip(rank, root, tokens, labels) if rank == 0 else {}
     torch.distributed.barrier()
     for name in ROUND_TRIP:  # megatron-core loads meshlm's export at TP=2
@@ -193,6 +204,8 @@ def test_import_gives_megatron_cores_logits(mcore, tmp_path):
     from meshlm.checkpoint.megatron_convert import import_megatron
     from meshlm.training.generate import load_model
     for name, case in mcore["cases"].items():
+        if name == "adam":
+            continue
         out = str(tmp_path / name)
         path = import_megatron(os.path.dirname(case["folder"]), out)
         model, _ = load_model(path)
@@ -212,6 +225,32 @@ def test_round_trip_megatron_meshlm_train_step_megatron(mcore):
         assert _rel(before, case["megatron"][0]) < 2e-6
         assert _rel(after, before) > 1e-3  # the step changed the function
         assert _rel(loaded, after) < 2e-6, name
+
+
+@pytest.mark.slow
+def test_import_carries_megatrons_adam_state(mcore, tmp_path):
+    """A Megatron checkpoint with its optimizer's per-parameter state (saved at TP=2, iteration 3)
+    becomes a meshlm training checkpoint at iteration 3: every parameter's Adam moments (QKV and
+    SwiGLU layouts converted), fp32 masters = weights (fp32 training) and Adam's step, so
+    `meshlm pretrain --load` continues with Megatron's moments."""
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.checkpoint.megatron_convert import import_megatron
+    adam = mcore["cases"]["adam"]
+    import_megatron(os.path.join(mcore["root"], "llama_adam"), str(tmp_path / "ckpt"))
+    iteration, tree = ckpt.load(str(tmp_path / "ckpt"))
+    assert iteration == 3 and tree["train"]["iteration"] == 3 and tree["optimizer"]["step"] == adam["step"] == 1
+    saved, fused = tree["optimizer"]["params"], tree["model_fused"]
+
+    def full(name, kind):
+        if name in saved:
+            return saved[name][kind]
+        return torch.cat([saved[key][kind] for key, _ in fused[name]["parts"]], fused[name]["dim"])
+    for kind, want in (("exp_avg", adam["moments"]["exp_avg"]), ("exp_avg_sq", adam["moments"]["exp_avg_sq"]),
+                       ("master", adam["weights"])):
+        assert set(want) <= set(saved) | set(fused)
+        for name, t in want.items():
+            assert torch.equal(full(name, kind), t.float()), (kind, name)
+    assert any(t.abs().max() > 0 for t in adam["moments"]["exp_avg"].values())
 
 
 @pytest.mark.slow

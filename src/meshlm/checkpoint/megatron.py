@@ -81,14 +81,6 @@ def check_backend(folder: str) -> None:
                               f"convert it with Megatron-LM's tools/checkpoint (--ckpt-convert-format torch_dist)")
 
 
-def holds_optimizer(folder: str) -> bool:
-    """Whether the Megatron folder's DCP metadata names optimizer state (``optimizer.…`` keys)."""
-    from .safe_read import SafeReader, reading
-    with reading(folder):
-        keys = SafeReader(folder, megatron=True).read_metadata().state_dict_metadata
-    return any(k.startswith("optimizer") for k in keys)
-
-
 # ----------------------------------------------------------------------------- flags
 
 # Megatron-LM args that meshlm's model cannot compute, and the value that is fine.
@@ -192,18 +184,35 @@ def _sources(name: str, keys: set) -> list:
     return []
 
 
-def read_full(folder: str, names: dict, m: C.ModelConfig, vocab: int) -> dict:
+def optimizer_states(folder: str) -> list:
+    """The per-parameter optimizer states a Megatron folder holds in model space, e.g. ["exp_avg",
+    "exp_avg_sq", "param"]: ``optimizer.state.{state}.{model key}`` tensors, laid out as the model
+    key (the distributed optimizer's fully_reshardable format: "param" is the fp32 master; the
+    plain optimizer's: "fp32_param" under mixed precision, none in fp32)."""
+    from .safe_read import SafeReader, reading
+    with reading(folder):
+        keys = SafeReader(folder, megatron=True).read_metadata().state_dict_metadata
+    return sorted({k.split(".")[2] for k in keys if k.startswith(OPTIMIZER_STATE)})
+
+
+OPTIMIZER_STATE = "optimizer.state."
+
+
+def read_full(folder: str, names: dict, m: C.ModelConfig, vocab: int, state: str = "") -> dict:
     """{meshlm global name: full tensor} for ``names`` ({name: full shape}, e.g. a TP=1 model's
     ``hf.full_shapes``) from the Megatron torch_dist ``folder``: QKV de-interleaved, split fc1
     joined, the vocabulary cut to ``vocab`` rows. Reads only the boxes named (one layer's slice of
-    each stacked tensor); nothing is unpickled.
+    each stacked tensor); nothing is unpickled. state: an optimizer state of ``optimizer_states``
+    (its tensors, laid out as the weights), "" for the weights.
 
     Raises CheckpointError naming a tensor the checkpoint lacks, or one of another shape.
     """
     from .boxes import Boxes
     from .safe_read import SafeReader, reading
+    prefix = f"{OPTIMIZER_STATE}{state}." if state else ""
     with reading(folder):
         meta = SafeReader(folder, megatron=True).read_metadata().state_dict_metadata
+        meta = {k[len(prefix):]: v for k, v in meta.items() if k.startswith(prefix)}
         sizes = {k: tuple(v.size) for k, v in meta.items() if hasattr(v, "size")}
         plan, targets, pieces = {}, {}, {}
         for name in names:
@@ -219,7 +228,7 @@ def read_full(folder: str, names: dict, m: C.ModelConfig, vocab: int) -> dict:
                 pieces.setdefault(key, []).append((offset, part.view((1,) * len(index) + part.shape)))
                 targets[(name, key)] = part
         for key, found in pieces.items():
-            _read_boxes(folder, key, Boxes(sizes[key], found))
+            _read_boxes(folder, prefix + key, Boxes(sizes[key], found))
     a, g, d = m.num_attention_heads, C.query_groups(m), C.head_dim(m)
     out = {}
     for name, src in plan.items():

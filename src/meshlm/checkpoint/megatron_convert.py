@@ -7,8 +7,13 @@ Import reads the tensors at their full size (megatron.py: whatever TP/PP/EP save
 model flags from common.pt's args (megatron_common.py: no arbitrary pickle), builds meshlm's
 model at TP=1 and writes a weights-only meshlm checkpoint (iteration 0, config.json holding the
 model and tokenizer flags), as ``meshlm convert --from-hf`` does: ``meshlm pretrain --load CKPT``
-fine-tunes it at any layout. The optimizer state of a Megatron checkpoint is not carried yet
-(its dp_reshardable buckets need Megatron's bucket layout); a note says so.
+fine-tunes it at any layout. When the folder holds Adam's state per parameter in model space
+(``optimizer.state.exp_avg.<model key>``…: the plain optimizer's, or the distributed optimizer's
+``--dist-ckpt-optim-fully-reshardable`` format) it becomes a meshlm training checkpoint at the
+Megatron iteration instead (moments, fp32 masters, step, LR-schedule position, consumed samples),
+and ``--load`` resumes training with its moments at any layout. The distributed optimizer's
+default ``dp_reshardable`` buckets are not read (their flat layout is Megatron's bucket order);
+a note says the optimizer starts fresh then.
 
 Export writes Megatron-LM's folder layout: the tracker, ``iter_NNNNNNN/`` with metadata.json
 (torch_dist), common.pt (``args``: the model flags under Megatron's names, ``iteration``,
@@ -79,19 +84,66 @@ def import_megatron(src: str, out: str) -> str:
     if not getattr(args, "vocab_size", None):
         notes.append(f"the checkpoint's vocabulary is kept padded ({vocab} rows, args.padded_vocab_size)")
     cfg.model.vocab_size = vocab
-    if mg.holds_optimizer(folder):
-        notes.append("the Megatron optimizer state is not carried: `meshlm pretrain --load` starts a fresh "
-                     "optimizer at iteration 0 (fine-tuning)")
+    states, adam = mg.optimizer_states(folder), _adam_scalars(common)
+    if states and ({"exp_avg", "exp_avg_sq"} - set(states) or adam is None):
+        notes.append(f"the Megatron optimizer state ({', '.join(states)}) is not in a form meshlm reads "
+                     f"(Adam's per-parameter moments and its step): `meshlm pretrain --load` fine-tunes with a fresh "
+                     f"optimizer at iteration 0")
+        states = []
     for note in notes:
         print(f"meshlm: note: {note}")
     ps = ParallelState.single()
     model = GPTModel(cfg.model, ps, vocab, seed=cfg.training.seed)
+    names = full_shapes([model])
     with torch.no_grad():
-        load_into_chunks([model], mg.read_full(folder, full_shapes([model]), m, vocab), src)
+        load_into_chunks([model], mg.read_full(folder, names, m, vocab), src)
     os.makedirs(out, exist_ok=True)
     layout = {"tp": 1, "pp": 1, "cp": 1, "virtual_pipeline": 1, "dp": 1}
-    return ckpt.save(out, 0, model_state(ModelSpace([model], ps)), layout=layout, config=cfg.to_dict(),
+    space = ModelSpace([model], ps)
+    tree, iteration = model_state(space), 0
+    if states:
+        tree.update(_training_state(folder, common, args, adam, space, model, names, m, vocab, states))
+        iteration = int(common.get("iteration", 0))
+    return ckpt.save(out, iteration, tree, layout=layout, config=cfg.to_dict(),
                      coords={"tp": 0, "pp": 0, "cp": 0, "dp": 0})
+
+
+def _adam_scalars(common: dict):
+    """(step, lr) of the Megatron optimizer in common.pt (the plain optimizer's ``common_step``,
+    or the step in its param groups, as the distributed optimizer keeps it); None if absent."""
+    opt = common.get("optimizer")
+    if not isinstance(opt, dict):
+        return None
+    inner = opt.get("optimizer", opt) if isinstance(opt.get("optimizer"), dict) else opt
+    groups = inner.get("param_groups") or []
+    step = (inner.get("state") or {}).get("common_step")
+    if step is None:
+        step = next((g["step"] for g in groups if isinstance(g, dict) and "step" in g), None)
+    if step is None or not groups:
+        return None
+    return int(float(step)), float(groups[0].get("lr", 0.0))
+
+
+def _training_state(folder, common, args, adam, space, model, names, m, vocab, states) -> dict:
+    """The optimizer, scheduler, RNG and progress of a meshlm training checkpoint (what
+    trainer.save_checkpoint writes) from the Megatron run: Adam's moments and fp32 masters per
+    parameter (``master``: Megatron's "param"/"fp32_param", else the fp32 weights themselves),
+    its step and lr, the LR schedule's position in samples, the iteration and consumed samples."""
+    from . import dist as ckpt
+    from .state import rng_state
+    read = {kind: mg.read_full(folder, names, m, vocab, kind) for kind in ("exp_avg", "exp_avg_sq")}
+    master = next((s for s in ("param", "fp32_param") if s in states), None)
+    read["master"] = mg.read_full(folder, names, m, vocab, master) if master else \
+        {n: p.detach().float() for n, p in model.named_parameters()}
+    fragments = [(p, 0, {kind: read[kind][n].float().reshape(-1).contiguous() for kind in read})
+                 for n, p in model.named_parameters()]
+    step, lr = adam
+    scheduler = common.get("opt_param_scheduler") or {}
+    consumed = int(getattr(args, "consumed_train_samples", 0) or scheduler.get("num_steps", 0))
+    return {"optimizer": {"step": step, "lr": lr, "loss_scaler": {}, "params": space.state(fragments, writing=True)},
+            "scheduler": {"num_samples": int(scheduler.get("num_steps", consumed))},
+            ckpt.rank_key("rng", 0): rng_state(), "dropout_call": 0,
+            "train": {"iteration": int(common.get("iteration", 0)), "consumed_samples": consumed}}
 
 
 # ----------------------------------------------------------------------------- export
