@@ -113,6 +113,9 @@ def _both(rank, world, root, tokens, labels):
                        "step": int(mgpt.adam_state(opt, next(ref.parameters()), "step"))}
     trip = _round_trip(rank, root, tokens, labels) if rank == 0 else {}
     torch.distributed.barrier()
+    resumed = _resume(root)  # meshlm trains on from the converted Adam checkpoint at TP=2
+    if rank == 0:
+        out["adam"]["resumed"] = resumed
     for name in ROUND_TRIP:  # megatron-core loads meshlm's export at TP=2
         parallel_state.destroy_model_parallel()
         model = mgpt.build(CASES[name][0], 2, PADDED, SEQ, seed=99)  # other weights until loaded
@@ -123,6 +126,23 @@ def _both(rank, world, root, tokens, labels):
             out[name]["round_trip"] = trip[name] + (logits,)
     parallel_state.destroy_model_parallel()
     return out
+
+
+def _resume(root: str) -> dict:
+    """`meshlm pretrain --load` of the converted Adam checkpoint (iteration 3) at TP=2 for one more
+    iteration, on mock data; its summary."""
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.config import Config
+    from meshlm.training import trainer
+    converted = os.path.join(root, "llama_adam_meshlm")
+    cfg = Config.from_dict(ckpt.read_config(ckpt.checkpoint_dir(converted)))
+    cfg.data.mock_data = True
+    cfg.parallel.tensor_model_parallel_size = 2
+    t = cfg.training
+    t.micro_batch_size, t.global_batch_size, t.train_iters, t.log_interval, t.eval_iters = 2, 2, 4, 1, 0
+    cfg.checkpoint.load = converted
+    cfg.logging.log_dir = os.path.join(root, "resume_logs")
+    return trainer.pretrain(cfg)
 
 
 def _round_trip(rank, root, tokens, labels) -> dict:
@@ -138,6 +158,7 @@ def _round_trip(rank, root, tokens, labels) -> dict:
     from meshlm.training.generate import load_model
     out = {}
     with mock.patch.object(ckpt, "_world", lambda: (0, 1)), mock.patch.object(ckpt, "_barrier", lambda: None):
+        import_megatron(os.path.join(root, "llama_adam"), os.path.join(root, "llama_adam_meshlm"))
         for name in ROUND_TRIP:
             path = import_megatron(os.path.join(root, name), os.path.join(root, f"{name}_meshlm"))
             model, _ = load_model(path)
@@ -236,6 +257,8 @@ def test_import_carries_megatrons_adam_state(mcore, tmp_path):
     from meshlm.checkpoint import dist as ckpt
     from meshlm.checkpoint.megatron_convert import import_megatron
     adam = mcore["cases"]["adam"]
+    resumed = adam["resumed"]  # the converted checkpoint resumed at TP=2: one iteration after the 3rd
+    assert resumed["iterations"] == 4 and [x is not None for x in resumed["train_losses"]] == [True]
     import_megatron(os.path.join(mcore["root"], "llama_adam"), str(tmp_path / "ckpt"))
     iteration, tree = ckpt.load(str(tmp_path / "ckpt"))
     assert iteration == 3 and tree["train"]["iteration"] == 3 and tree["optimizer"]["step"] == adam["step"] == 1

@@ -192,7 +192,10 @@ def optimizer_states(folder: str) -> list:
     from .safe_read import SafeReader, reading
     with reading(folder):
         keys = SafeReader(folder, megatron=True).read_metadata().state_dict_metadata
-    return sorted({k.split(".")[2] for k in keys if k.startswith(OPTIMIZER_STATE)})
+    found = sorted({k.split(".")[2] for k in keys if k.startswith(OPTIMIZER_STATE)})
+    if not found and any(k.startswith("optimizer.distributed.") for k in keys):
+        return ["dp_reshardable buckets"]  # flat per-bucket tensors, in Megatron's bucket order
+    return found
 
 
 OPTIMIZER_STATE = "optimizer.state."

@@ -87,7 +87,8 @@ def import_megatron(src: str, out: str) -> str:
     states, adam = mg.optimizer_states(folder), _adam_scalars(common)
     if states and ({"exp_avg", "exp_avg_sq"} - set(states) or adam is None):
         notes.append(f"the Megatron optimizer state ({', '.join(states)}) is not in a form meshlm reads "
-                     f"(Adam's per-parameter moments and its step): `meshlm pretrain --load` fine-tunes with a fresh "
+                     f"(Adam's per-parameter moments and its step; Megatron-LM saves them so with "
+                     f"--dist-ckpt-optim-fully-reshardable): `meshlm pretrain --load` fine-tunes with a fresh "
                      f"optimizer at iteration 0")
         states = []
     for note in notes:
