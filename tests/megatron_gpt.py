@@ -137,12 +137,13 @@ def save(model, root: str, iteration: int = 1, args=None, singleton: bool = Fals
 
 
 def load(model, folder: str) -> None:
-    """Load a torch_dist folder (Megatron-LM's ``iter_NNNNNNN``) into the model; entries the
-    folder lacks (``_extra_state``: no FP8 state here) are logged, not fatal."""
+    """Load a torch_dist folder (Megatron-LM's ``iter_NNNNNNN``) into the model, strictly: every
+    tensor and object the model asks for must be there."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder, strict=StrictHandling.LOG_ALL)
-    model.load_state_dict(state["model"], strict=False)
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder,
+                                    strict=StrictHandling.RAISE_ALL)
+    model.load_state_dict(state["model"])
 
 
 @contextlib.contextmanager

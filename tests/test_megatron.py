@@ -18,6 +18,7 @@ computes by default too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import pytest
@@ -36,15 +37,17 @@ LLAMA = dict(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_grou
 GPT2 = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32)  # Megatron's fused tanh GeLU
 GPT2_EXACT = dict(GPT2, bias_gelu_fusion=False)  # --no-bias-gelu-fusion: exact GeLU in both
 MOE = dict(LLAMA, num_experts=4, moe_ffn_hidden_size=12, moe_router_topk=2)
-# name: (meshlm flags, TP, expert layout singleton)
 ROUND_TRIP = ("llama_tp1", "gpt2_tp2", "moe_tp2")
+# name: (meshlm flags, TP, expert layout singleton_local_shards)
 CASES = {"llama_tp1": (LLAMA, 1, False), "llama_tp2": (LLAMA, 2, False), "gpt2_tp1": (GPT2, 1, False),
-         "gpt2_tp2": (GPT2, 2, False), "gpt2_exact_gelu_tp2": (GPT2_EXACT, 2, False), "moe_tp2": (MOE, 2, False), "moe_singleton_tp1": (MOE, 1, True)}
+         "gpt2_tp2": (GPT2, 2, False), "gpt2_exact_gelu_tp2": (GPT2_EXACT, 2, False), "moe_tp2": (MOE, 2, False),
+         "moe_singleton_tp1": (MOE, 1, True)}
 
 
 def _meshlm_config(spec: dict):
+    """meshlm's ModelConfig of the case's flags (no dropout, as the megatron-core model)."""
     from meshlm import config as C
-    fields = {k: v for k, v in spec.items() if k in {f.name for f in __import__("dataclasses").fields(C.ModelConfig)}}
+    fields = {k: v for k, v in spec.items() if k in {f.name for f in dataclasses.fields(C.ModelConfig)}}
     if "num_query_groups" in fields:
         fields["group_query_attention"] = True
     return C.ModelConfig(**fields, seq_length=SEQ, max_position_embeddings=SEQ, vocab_size=VOCAB,

@@ -89,9 +89,9 @@ _REFUSED = {"qk_layernorm": False, "rotary_interleaved": False, "multi_latent_at
             "add_qkv_bias": False, "num_experts_per_group": None}
 
 
-def model_from_args(args) -> tuple:
-    """(ModelConfig, notes) of a Megatron-LM run's ``args`` (common.pt's Namespace): every field
-    meshlm shares with Megatron-LM (the same names) taken from it.
+def model_from_args(args) -> C.ModelConfig:
+    """The ModelConfig of a Megatron-LM run's ``args`` (common.pt's Namespace): every field meshlm
+    shares with Megatron-LM (the same names and meanings, --bias-gelu-fusion included) taken from it.
 
     Raises CheckpointError naming the first arg whose function meshlm lacks (qk-layernorm, an
     interleaved rotary, MLA, squared ReLU, …).
@@ -114,10 +114,7 @@ def model_from_args(args) -> tuple:
             fields[name] = fields[name][0]
     if not getattr(args, "num_experts", None):
         fields.pop("num_experts", None)
-    notes = []
-    known = {f.name for f in dataclasses.fields(C.ModelConfig)}
-    m = C.ModelConfig(**{k: v for k, v in fields.items() if k in known})
-    return m, notes
+    return C.ModelConfig(**fields)
 
 
 def data_from_args(args) -> dict:
@@ -159,28 +156,29 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(we
 
 def _sources(name: str, keys: set) -> list:
     """Where the meshlm full tensor ``name`` lies in a Megatron checkpoint with DCP ``keys``:
-    [(key, index into the stacked tensor, how)] (how: "" as it is, "wv" the w/v halves), the
-    first candidate whose keys exist; [] when none does."""
+    [(key, index into the stacked tensor)] (two: singleton_local_shards' w and v halves of a
+    SwiGLU fc1, joined on the row axis), the first candidate whose keys exist; [] when none does."""
     m = re.match(r"^layers\.(\d+)\.(.+)$", name)
     if not m:
         key = {"final_layernorm.weight": "decoder.final_layernorm.weight",
                "final_layernorm.bias": "decoder.final_layernorm.bias"}.get(name, name)
-        return [(key, (), "")] if key in keys else []
+        return [(key, ())] if key in keys else []
     i, rest = int(m.group(1)), m.group(2)
     e = _EXPERT.match(rest)
     if e:
         expert, mod, kind = e.groups()
-        local = [(f"mlp.experts.experts.{mod}.{kind}", (int(expert),)), (f"mlp.experts.experts.{expert}.{mod}.{kind}", ())]
+        local = [(f"mlp.experts.experts.{mod}.{kind}", (int(expert),)),  # stacked on the expert axis
+                 (f"mlp.experts.experts.{expert}.{mod}.{kind}", ())]
     else:
         local = [(k, ()) for k in _LAYER.get(rest, (rest,))]
     # stacked on the layer axis, or (singleton_local_shards) one key per layer
-    candidates = [(_STACK + k, (i,) + index, "") for k, index in local] + \
-        [(f"{_STACK}{i}.{k}", index, "") for k, index in local]
-    for key, index, how in candidates:
+    candidates = [(_STACK + k, (i,) + index) for k, index in local] + \
+        [(f"{_STACK}{i}.{k}", index) for k, index in local]
+    for key, index in candidates:
         if key in keys:
-            return [(key, index, how)]
+            return [(key, index)]
         if f"{key}_w" in keys and f"{key}_v" in keys:  # singleton_local_shards' split SwiGLU fc1
-            return [(f"{key}_w", index, "wv"), (f"{key}_v", index, "wv")]
+            return [(f"{key}_w", index), (f"{key}_v", index)]
     return []
 
 
@@ -224,7 +222,7 @@ def read_full(folder: str, names: dict, m: C.ModelConfig, vocab: int, state: str
                 raise CheckpointError(f"{folder}: has no tensor for meshlm's {name}; a model other than its "
                                       f"common.pt args say, or a layer kind meshlm lacks?")
             plan[name] = src
-            for key, index, _ in src:
+            for key, index in src:
                 shape = sizes[key]
                 part = torch.empty(shape[len(index):], dtype=meta[key].properties.dtype)
                 offset = tuple(index) + (0,) * len(part.shape)
@@ -235,7 +233,7 @@ def read_full(folder: str, names: dict, m: C.ModelConfig, vocab: int, state: str
     a, g, d = m.num_attention_heads, C.query_groups(m), C.head_dim(m)
     out = {}
     for name, src in plan.items():
-        parts = [targets[(name, key)] for key, _, _ in src]
+        parts = [targets[(name, key)] for key, _ in src]
         t = torch.cat(parts, -2 if name.endswith("weight") else -1) if len(parts) > 1 else parts[0]
         if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
             t = _qkv_from_megatron(t, a, g, d)
@@ -271,6 +269,8 @@ def to_megatron(full: dict, m: C.ModelConfig, padded_vocab: int) -> dict:
     a, g, d = m.num_attention_heads, C.query_groups(m), C.head_dim(m)
     pieces: dict = {}
     for name, t in full.items():
+        if name.endswith("router.expert_bias") and not m.moe_router_enable_expert_bias:
+            continue  # meshlm's router always keeps the buffer; Megatron's only under the flag
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             t = torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
         layer = re.match(r"^layers\.(\d+)\.(.+)$", name)
@@ -288,3 +288,24 @@ def to_megatron(full: dict, m: C.ModelConfig, padded_vocab: int) -> dict:
         view = t.contiguous().view((1,) * len(index) + tuple(t.shape))
         pieces.setdefault(key, (lead, []))[1].append((index + (0,) * t.dim(), view))
     return {key: Boxes(lead + tuple(found[0][1].shape[len(lead):]), found) for key, (lead, found) in pieces.items()}
+
+
+_LINEARS = (".linear_qkv.weight", ".linear_proj.weight", ".linear_fc1.weight", ".linear_fc2.weight")
+
+
+def extra_states(tensors: dict) -> dict:
+    """{key: [None]} of the ``_extra_state`` entries megatron-core's linear layers save beside the
+    tensors of ``to_megatron`` (``tensors``): one per layer (and expert) of each linear layer,
+    ``…linear_proj._extra_state/shard_{layer}_{L}`` (``shard_{layer}.{expert}_{L}.{E}``), each
+    [None] (DCP pickles it): no FP8 metadata, what megatron-core's own layers hold outside FP8,
+    so dist_checkpointing.load finds every object it asks for."""
+    out = {}
+    for key, boxes in tensors.items():
+        if not (key.startswith(_STACK) and key.endswith(_LINEARS)):
+            continue
+        lead = len(boxes.shape) - 2  # the layer (and expert) axes before a [rows, columns] weight
+        total = ".".join(str(n) for n in boxes.shape[:lead])
+        for offset, _ in boxes.pieces:
+            at = ".".join(str(i) for i in offset[:lead])
+            out[f"{key[:-len('.weight')]}._extra_state/shard_{at}_{total}"] = [None]
+    return out

@@ -19,10 +19,10 @@ Export writes Megatron-LM's folder layout: the tracker, ``iter_NNNNNNN/`` with m
 (torch_dist), common.pt (``args``: the model flags under Megatron's names, ``iteration``,
 ``checkpoint_version`` 3.0) and the model tensors through DCP at their global shapes, stacked per
 layer as megatron-core's ``sharded_state_dict`` names them, so ``dist_checkpointing.load`` reads
-them at any TP/PP/EP. Megatron's ``_extra_state`` entries (TE's FP8 metadata) are not written:
-load with ``strict=StrictHandling.LOG_ALL`` or ``--dist-ckpt-strictness log_all`` (its model
-has no FP8 state to restore), or let Megatron-LM's ``--no-load-optim --no-load-rng`` finetune
-path start there.
+them at any TP/PP/EP, and each linear layer's ``_extra_state`` as megatron-core's layers save it
+outside FP8 (``megatron.extra_states``: no FP8 metadata). No optimizer state is written: load it
+in Megatron-LM with ``--no-load-optim`` (and ``--no-load-rng``; ``--finetune`` also restarts the
+iteration count).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def import_megatron(src: str, out: str) -> str:
         raise CheckpointError(problem)
     if ckpt.complete_iterations(out) or os.path.isfile(os.path.join(out, ckpt.TRACKER)):
         raise CheckpointError(f"--output {out} already holds a checkpoint; give a new folder")
-    m, notes = mg.model_from_args(args)
+    m, notes = mg.model_from_args(args), []
     cfg = C.Config()
     cfg.model = m
     for key, value in mg.data_from_args(args).items():
@@ -180,6 +180,7 @@ def export_megatron(load: str, out: str) -> str:
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from . import dist as ckpt
     from .safe_read import reading
@@ -195,11 +196,13 @@ def export_megatron(load: str, out: str) -> str:
         raise CheckpointError(f"--output {out} exists and is not an empty folder; give a new folder")
     padded = _padded(vocab, saved.model)
     tensors = mg.to_megatron(full, saved.model, padded)
+    tensors.update(mg.extra_states(tensors))
     target = os.path.join(out, f"iter_{iteration:07d}")
     os.makedirs(target)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(tensors, storage_writer=FileSystemWriter(target), no_dist=True)
+        dcp.save(tensors, storage_writer=FileSystemWriter(target), no_dist=True,
+                 planner=DefaultSavePlanner(flatten_state_dict=False))  # the [None] objects stay whole
     common = {"args": megatron_args(saved, vocab, padded), "iteration": iteration,
               "checkpoint_version": CHECKPOINT_VERSION}
     torch.save(common, os.path.join(target, mg.COMMON))

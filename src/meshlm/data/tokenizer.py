@@ -67,7 +67,8 @@ class NullTokenizer(Tokenizer):
 
     def __init__(self, vocab_size: int, eod: Optional[int] = None, pad: int = -1):
         eod = vocab_size - 1 if eod is None else eod
-        super().__init__(vocab_size, eod, f"NullTokenizer:{vocab_size}" + (f":eod{eod}" if eod != vocab_size - 1 else ""))
+        identity = f"NullTokenizer:{vocab_size}" + (f":eod{eod}" if eod != vocab_size - 1 else "")
+        super().__init__(vocab_size, eod, identity)
         self.pad = pad
 
     def encode(self, text: str) -> list:
@@ -162,7 +163,8 @@ def null_ids_problem(data_cfg, vocab_size: Optional[int]) -> Optional[str]:
                 f"with eod {eod} give --vocab-size {eod + 1}" if eod >= vocab_size else
                 f"--null-tokenizer-eod-id {eod} must be an id ≥ 0")
     if vocab_size and pad is not None and pad != -1 and not 0 <= pad < vocab_size:
-        return f"--null-tokenizer-pad-id {pad} is not an id of --vocab-size {vocab_size}; give -1 (no pad) or an id below it"
+        return (f"--null-tokenizer-pad-id {pad} is not an id of --vocab-size {vocab_size}; give -1 (no pad) "
+                f"or an id below it")
     return None
 
 
