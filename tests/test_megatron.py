@@ -308,3 +308,28 @@ def test_common_pt_runs_no_planted_code(tmp_path):
     with pytest.raises(CheckpointError, match="refused to load: it would run posix.system"):
         read_common(str(evil))
     assert not marker.exists()
+
+
+def test_megatron_args_meshlm_cannot_compute_are_refused_in_one_line():
+    """A Megatron run whose args name a function meshlm lacks is refused naming the flag; the
+    shared flags (Megatron's names) become meshlm's model, --bias-gelu-fusion included."""
+    from meshlm.checkpoint.megatron import model_from_args
+    from meshlm.errors import CheckpointError
+    args = argparse.Namespace(num_layers=2, hidden_size=16, num_attention_heads=4, swiglu=False,
+                              bias_gelu_fusion=False, moe_layer_freq=1, qk_layernorm=False)
+    m = model_from_args(args)
+    assert (m.num_layers, m.hidden_size, m.bias_gelu_fusion, m.moe_layer_freq) == (2, 16, False, "1")
+    args.qk_layernorm = True
+    with pytest.raises(CheckpointError, match=r"trained with --qk-layernorm \(True\); meshlm's model has no"):
+        model_from_args(args)
+
+
+def test_convert_megatron_flags_are_checked(tmp_path, capsys):
+    from meshlm.cli import main
+    assert main(["convert", "--from-megatron", str(tmp_path)]) == 2
+    assert "--from-megatron needs --output" in capsys.readouterr().err
+    assert main(["convert", "--from-megatron", str(tmp_path), "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a Megatron-LM checkpoint" in err and len(err.splitlines()) == 1
+    assert main(["convert", "--to-megatron", "--load", str(tmp_path)]) == 2
+    assert "--to-megatron needs --load" in capsys.readouterr().err

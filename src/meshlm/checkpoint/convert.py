@@ -113,7 +113,8 @@ def _run_megatron(args: argparse.Namespace) -> int:
                           if args.save else "--to-megatron needs --load (a meshlm checkpoint) and --output "
                           "(the Megatron-LM folder to write)")
     path = export_megatron(args.load, args.output)
-    print(f"meshlm: wrote {path}; Megatron-LM loads it with --load {args.output} --ckpt-format torch_dist")
+    print(f"meshlm: wrote {path}; Megatron-LM loads it with --load {args.output} --ckpt-format torch_dist "
+          f"--no-load-optim --no-load-rng")
     return 0
 
 
