@@ -204,3 +204,33 @@ def test_tokenizer_config_eos_token_is_used(trained, tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "a"}}))
     tok = build_tokenizer(tok_cfg(tokenizer_model=str(folder)))
     assert tok.decode([tok.eod]) == "a"
+
+
+def test_null_tokenizer_takes_megatrons_eod_and_pad_ids(tmp_path):
+    """--null-tokenizer-eod-id / --null-tokenizer-pad-id as Megatron-LM has them (eod default
+    vocab − 1, pad −1: none); a .bin whose ids reach --vocab-size (megatron-core 0.16.1's
+    NullTokenizer: eod = --vocab-size) is named in one line with the flag that loads it."""
+    import numpy as np
+
+    from meshlm.data.indexed import IndexedDatasetWriter, check_token_ids
+    from meshlm.data.tokenizer import null_ids_problem
+    assert build_tokenizer(tok_cfg(tokenizer_type="NullTokenizer"), vocab_size=100).eod == 99
+    tok = build_tokenizer(tok_cfg(tokenizer_type="NullTokenizer", null_tokenizer_eod_id=0, null_tokenizer_pad_id=5),
+                          vocab_size=100)
+    assert (tok.eod, tok.pad, tok.vocab_size) == (0, 5, 100)
+    with pytest.raises(ConfigError, match=r"--null-tokenizer-eod-id 100 is not an id of --vocab-size 100.*"
+                                          r"--vocab-size 101"):
+        build_tokenizer(tok_cfg(tokenizer_type="NullTokenizer", null_tokenizer_eod_id=100), vocab_size=100)
+    assert null_ids_problem(tok_cfg(null_tokenizer_pad_id=-1), 100) is None
+    assert "--null-tokenizer-pad-id -2" in null_ids_problem(tok_cfg(null_tokenizer_pad_id=-2), 100)
+    prefix = str(tmp_path / "old_text_document")
+    w = IndexedDatasetWriter(prefix, np.uint16)
+    w.add_document([3, 7, 100])  # megatron-core 0.16.1 at --vocab-size 100 appends eod 100
+    w.finalize()
+    with pytest.raises(DataError) as e:
+        check_token_ids([prefix], 100, null_tokenizer=True)
+    assert "megatron-core 0.16.1's NullTokenizer" in str(e.value) and "--vocab-size 101" in str(e.value)
+    assert "\n" not in str(e.value)
+    check_token_ids([prefix], 101, null_tokenizer=True)
+    with pytest.raises(DataError, match="use the tokenizer the data was preprocessed with"):
+        check_token_ids([prefix], 100)  # another tokenizer: the general line

@@ -266,3 +266,32 @@ def test_load_balancing_none_applies_no_aux_loss():
     assert aux_coeff(m) == 1e-2
     m.moe_router_load_balancing_type = "none"
     assert aux_coeff(m) == 0.0
+
+
+def test_bias_gelu_fusion_gives_megatrons_tanh_gelu_by_default():
+    """Megatron-LM's default --bias-gelu-fusion computes GeLU's tanh approximation for a GeLU MLP
+    with biases; --no-bias-gelu-fusion, a model without biases, and a checkpoint config saved
+    before the flag existed compute the exact GeLU (against megatron-core itself:
+    tests/test_megatron.py)."""
+    import torch
+    import torch.nn.functional as F
+
+    from meshlm import config as C
+    from meshlm.model.mlp import MLP
+    from meshlm.parallel.mesh import ParallelState
+    from meshlm.parallel.tensor import ShardedInit
+    init = lambda name: ShardedInit((1, name), 1.0)  # noqa: E731
+    x = torch.randn(5, 1, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cases = [({}, "tanh"), ({"bias_gelu_fusion": False}, "none"), ({"add_bias_linear": False}, "none"),
+             ({"openai_gelu": True, "bias_gelu_fusion": False}, "tanh")]
+    for fields, want in cases:
+        m = C.ModelConfig(hidden_size=8, num_attention_heads=2, **fields)
+        mlp = MLP(m, ParallelState.single(), init, init, sequence_parallel=False, params_dtype=torch.float64)
+        fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+        h = x @ fc1.weight.t() + (fc1.bias if fc1.bias is not None else 0)
+        forms = {f: F.gelu(h, approximate=f) @ fc2.weight.t() + (fc2.bias if fc2.bias is not None else 0)
+                 for f in ("tanh", "none")}
+        assert (forms["tanh"] - forms["none"]).abs().max() > 1e-3
+        assert (mlp(x) - forms[want]).abs().max() < 1e-12 and C.gelu_tanh(m) == (want == "tanh"), fields
+    old = C.Config.from_dict({"model": {"hidden_size": 8}})  # a config.json from before the flag
+    assert not C.gelu_tanh(old.model) and C.gelu_tanh(C.Config.from_dict({}).model)

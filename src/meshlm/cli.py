@@ -108,7 +108,8 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
     run_dir = cfg.logging.run_dir = cfg.logging.run_dir or _new_run_dir()
     print(f"meshlm: run directory {run_dir}", flush=True)
     from .megatron_flags import startup_lines
-    for note in notes(cfg) + startup_lines(args, explicit_fields(args)):
+    from .checkpoint.convert import carry_dropout
+    for note in notes(cfg) + startup_lines(args, explicit_fields(args)) + carry_dropout(cfg, explicit_fields(args)):
         print(f"meshlm: note: {note}", flush=True)
     world = world_size_of(cfg)
     validate(cfg, world, check_files=not embedded)
@@ -186,7 +187,8 @@ def _dry_run(args: argparse.Namespace) -> int:
 
     cfg, embedded = _config_and_source(args)
     world = args.world_size or args.nnodes * default_nproc(cfg)
-    for note in notes(cfg) + startup_lines(args, explicit_fields(args)):
+    from .checkpoint.convert import carry_dropout
+    for note in notes(cfg) + startup_lines(args, explicit_fields(args)) + carry_dropout(cfg, explicit_fields(args)):
         print(f"meshlm: note: {note}", flush=True)
     validate(cfg, world, check_files=not embedded, cuda=True)
     for line in report(cfg, world):

@@ -62,6 +62,9 @@ class ModelConfig:
     normalization: str = opt("LayerNorm", "normalization layer", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = opt(1e-5, "epsilon of LayerNorm/RMSNorm")
     swiglu: bool = opt(False, "SwiGLU MLP instead of GeLU", action="store_true")
+    bias_gelu_fusion: bool = opt(True, "no fused bias-GeLU: as in Megatron-LM, a GeLU MLP with biases otherwise "
+                                 "computes the fused kernel's tanh approximation of GeLU; this gives the exact "
+                                 "erf GeLU", flag="--no-bias-gelu-fusion", action="store_false")
     openai_gelu: bool = opt(False, "GeLU by its tanh approximation (OpenAI's GPT-2; HF's gelu_new) instead of "
                             "the exact erf form", action="store_true")
     position_embedding_type: str = opt("learned_absolute", "position embeddings",
@@ -253,6 +256,9 @@ class DataConfig:
     tokenizer_special_tokens: Optional[list] = opt(None, "TikTokenizer: the first special tokens (must "
                                                    "include <unk> <s> </s> <mask> <pad> <cls> <sep>)",
                                                    nargs="+")
+    null_tokenizer_eod_id: Optional[int] = opt(None, "NullTokenizer: the end-of-document id (default --vocab-size "
+                                               "- 1, as Megatron-LM; megatron-core 0.16.1 used --vocab-size itself)")
+    null_tokenizer_pad_id: int = opt(-1, "NullTokenizer: the padding id (-1: none)")
     vocab_file: Optional[str] = opt(None, "GPT-2 vocab.json")
     merge_file: Optional[str] = opt(None, "GPT-2 merges.txt")
     data_cache_path: Optional[str] = opt(None, "folder for cached sample indices")
@@ -331,6 +337,8 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         cfg = cls()
+        if "model" in d and "bias_gelu_fusion" not in d["model"]:  # saved before the flag: exact GeLU
+            cfg.model.bias_gelu_fusion = False
         apply_mapping(cfg, d, source="dict")
         cfg.model_preset = d.get("model_preset")
         return cfg
@@ -620,6 +628,14 @@ def _pattern_value(node):
         a, b = _pattern_value(node.left), _pattern_value(node.right)
         return a + b if isinstance(node.op, ast.Add) else a * b
     raise ValueError(node)
+
+
+def gelu_tanh(m: ModelConfig) -> bool:
+    """Whether the GeLU MLP computes GeLU's tanh approximation (Hendrycks & Gimpel 2016, §2):
+    under --openai-gelu, and, as Megatron-LM does, under its default --bias-gelu-fusion for a
+    GeLU MLP with biases (megatron-core transformer/mlp.py: the fused bias_gelu_impl of
+    fusions/fused_bias_gelu.py is the tanh form; without biases Megatron runs the exact F.gelu)."""
+    return m.openai_gelu or (m.bias_gelu_fusion and m.add_bias_linear and not m.swiglu)
 
 
 def query_groups(m: ModelConfig) -> int:

@@ -24,7 +24,6 @@ NO_EFFECT = {
     "--attention-backend": (True, "attention is torch SDPA, which picks flash/cuDNN/efficient kernels itself"),
     "--use-flash-attn": (False, "torch SDPA uses flash attention where it can"),
     "--no-masked-softmax-fusion": (False, "torch SDPA fuses the causal softmax"),
-    "--no-bias-gelu-fusion": (False, "--fast-path decides fusion"),
     "--no-bias-dropout-fusion": (False, "--fast-path decides fusion"),
     "--no-bias-swiglu-fusion": (False, "--fast-path decides fusion"),
     "--no-rope-fusion": (False, "--fast-path decides fusion"),

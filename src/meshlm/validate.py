@@ -64,7 +64,8 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
 # a few have an upper bound (exclusive) as well.
 _INT_MAY_BE_ZERO = {"seed", "eval_iters", "lr_warmup_iters", "lr_warmup_samples", "num_workers",
                     "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                    "profile_step_start", "num_experts"}
+                    "profile_step_start", "num_experts", "null_tokenizer_eod_id"}
+_ELSEWHERE = {"null_tokenizer_pad_id"}  # -1 is Megatron's "no pad": data.tokenizer.null_ids_problem
 _FLOAT_POSITIVE = {"norm_epsilon", "rotary_base", "rotary_percent", "init_method_std",
                    "initial_loss_scale", "min_loss_scale", "adam_eps", "moe_expert_capacity_factor"}
 _BELOW = {"hidden_dropout": (1, "1"), "attention_dropout": (1, "1"), "adam_beta1": (1, "1"),
@@ -79,7 +80,7 @@ def _numeric_problems(cfg: Config) -> tuple:
         typ = f.type if isinstance(f.type, str) else str(f.type)
         kind = kind_of(f)
         value = getattr(getattr(cfg, sec), f.name)
-        if kind not in ("int", "float") or (value is None and "Optional" in typ):
+        if kind not in ("int", "float") or (value is None and "Optional" in typ) or f.name in _ELSEWHERE:
             continue
         flag = flag_of(f)
         if kind == "int" and f.name not in _INT_MAY_BE_ZERO:
@@ -246,6 +247,8 @@ def _data_problems(cfg: Config) -> list:
         problems.append("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if d.tokenizer_type == "NullTokenizer" and not vocab:
         problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
+    from .data.tokenizer import null_ids_problem
+    problems += [p for p in [null_ids_problem(d, vocab)] if p]
     files = [f for f in given_sources(d) if f != "--mock-data"]
     if files and not d.tokenizer_type and not vocab:
         problems.append(f"{files[0]} needs --tokenizer-type (or --vocab-size with NullTokenizer)")

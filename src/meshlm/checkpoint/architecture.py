@@ -20,6 +20,8 @@ def architecture(m: C.ModelConfig) -> dict:
         "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
         "vocab_size")}
     arch.update(num_query_groups=C.query_groups(m), ffn_hidden_size=C.ffn_hidden(m), kv_channels=C.head_dim(m))
+    # the GeLU's form: the fused bias-GeLU's tanh unless --openai-gelu says so anyway or there is no GeLU bias
+    arch["bias_gelu_fusion"] = C.gelu_tanh(m) if not m.openai_gelu and m.add_bias_linear and not m.swiglu else None
     arch["num_experts"] = m.num_experts or None
     if m.num_experts:  # what routes and where the experts are (the bias, losses and capacity may change)
         arch.update(moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=C.moe_ffn(m),

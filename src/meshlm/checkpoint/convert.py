@@ -2,6 +2,8 @@
 
     meshlm convert --from-hf HF_DIR --save CKPT        HF folder → meshlm checkpoint (TP=1, PP=1)
     meshlm convert --to-hf --load CKPT --output HF_DIR  meshlm checkpoint (any TP/PP) → HF folder
+    meshlm convert --from-megatron DIR --output CKPT    Megatron-LM torch_dist → meshlm (megatron_convert.py)
+    meshlm convert --to-megatron --load CKPT --output DIR  meshlm → Megatron-LM torch_dist
 
 Import writes a *weights-only* checkpoint (``CKPT/iter_0000000``: the model tensors of checkpoint/
 state.py's ``model_state`` and config.json with the model derived from the HF config; no
@@ -61,9 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "*.safetensors) into the meshlm checkpoint folder --save")
     way.add_argument("--to-hf", action="store_true", help="export the meshlm checkpoint --load to the Hugging "
                      "Face folder --output")
+    way.add_argument("--from-megatron", metavar="MEGATRON_DIR", help="import a Megatron-LM torch_dist checkpoint "
+                     "(its --save folder or one iter_NNNNNNN, any TP/PP/EP) into the meshlm checkpoint folder --output")
+    way.add_argument("--to-megatron", action="store_true", help="export the meshlm checkpoint --load to a "
+                     "Megatron-LM torch_dist checkpoint folder --output")
     parser.add_argument("--save", help="import: meshlm checkpoint folder to write (new, or holding no checkpoint)")
     parser.add_argument("--load", help="export: a run's --save folder (its latest checkpoint) or one iter_XXXXXXX")
-    parser.add_argument("--output", help="export: Hugging Face folder to write (new or empty)")
+    parser.add_argument("--output", help="export: the folder to write (new or empty); --from-megatron: the meshlm "
+                        "checkpoint folder to write")
     parser.add_argument("--hf-architecture", choices=ARCHITECTURES, default=None,
                         help="export: the Hugging Face model type [default: llama for RoPE models, else gpt2]")
     parser.add_argument("--max-shard-size", type=_size, default=_size("5GB"),
@@ -72,6 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run `meshlm convert`; return the exit status 0 (errors are MeshlmErrors, one line)."""
+    if args.from_megatron or args.to_megatron:
+        return _run_megatron(args)
     if args.from_hf:
         misplaced = [f for f, v in (("--load", args.load), ("--output", args.output)) if v]
         if not args.save or misplaced:
@@ -86,6 +95,26 @@ def run(args: argparse.Namespace) -> int:
                           else "--to-hf needs --load (a meshlm checkpoint) and --output (the folder to write)")
     files = export_hf(args.load, args.output, args.hf_architecture, args.max_shard_size)
     print(f"meshlm: wrote {args.output}: {', '.join(files)}")
+    return 0
+
+
+def _run_megatron(args: argparse.Namespace) -> int:
+    from .megatron_convert import export_megatron, import_megatron
+    if args.from_megatron:
+        out = args.output or args.save
+        if not out or args.load:
+            raise ConfigError("--from-megatron needs --output (the meshlm checkpoint folder to write)" if not out
+                              else "--load belongs to --to-megatron; --from-megatron writes --output")
+        path = import_megatron(args.from_megatron, out)
+        print(f"meshlm: converted {args.from_megatron} into {path}; train on with `meshlm pretrain --load {out}`")
+        return 0
+    if not args.load or not args.output or args.save:
+        raise ConfigError("--save belongs to --from-megatron; --to-megatron reads --load and writes --output"
+                          if args.save else "--to-megatron needs --load (a meshlm checkpoint) and --output "
+                          "(the Megatron-LM folder to write)")
+    path = export_megatron(args.load, args.output)
+    print(f"meshlm: wrote {path}; Megatron-LM loads it with --load {args.output} --ckpt-format torch_dist "
+          f"--no-load-optim --no-load-rng")
     return 0
 
 
@@ -203,6 +232,37 @@ def hf_load_problems(load: str, m: C.ModelConfig) -> list:
         return flag_problems(_hf_model(load, "--load"), m, load)
     except CheckpointError as e:
         return [str(e)]
+
+
+_DROPOUT = ("hidden_dropout", "attention_dropout")
+
+
+def carry_dropout(cfg: C.Config, explicit: set) -> list:
+    """Fine-tuning from weights alone (``is_weights_only``): give the run the dropout the model
+    was made with (the HF config's, or the converted checkpoint's config.json) where the flags
+    do not set it; returns the notes saying so ([] when nothing changed). A weights-only load
+    that cannot be read is left to meshlm.validate."""
+    load = cfg.checkpoint.load
+    if not is_weights_only(load) or set(_DROPOUT) <= explicit:
+        return []
+    try:
+        if is_hf_folder(load):
+            model = _hf_model(load, "--load").model
+        else:
+            from .safe_read import reading
+            folder = _weights_only_checkpoint(load)
+            with reading(folder, load):
+                model = ckpt.read_config(folder).get("model", {})
+    except CheckpointError:
+        return []
+    notes = []
+    for name in _DROPOUT:
+        value = model.get(name)
+        if name not in explicit and value is not None and value != getattr(cfg.model, name):
+            setattr(cfg.model, name, float(value))
+            notes.append(f"--{name.replace('_', '-')} {value:g}: the dropout of the model --load holds "
+                         f"(pass the flag to choose another)")
+    return notes
 
 
 def load_weights(chunks, m: C.ModelConfig, load: str) -> None:

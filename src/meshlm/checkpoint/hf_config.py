@@ -16,7 +16,8 @@ Fields read (transformers' names; ``rope_parameters`` is transformers ≥ 5, ``r
   layers' tokens and sums the top-k one-hots; Megatron's is per layer, divided by k), so one
   coefficient does not carry over; pass --moe-aux-loss-coeff.
 - gpt2: n_embd, n_layer, n_head, n_inner (default 4·n_embd), n_positions, layer_norm_epsilon,
-  activation_function (gelu_new → --openai-gelu, gelu → exact GeLU), tie_word_embeddings.
+  activation_function (gelu_new → --openai-gelu, gelu → exact GeLU: --no-bias-gelu-fusion),
+  tie_word_embeddings.
 
 What meshlm cannot compute is refused, one line naming the field: RoPE scaling (llama3, yarn,
 linear, dynamic), partial rotary factors, other activations, attention and MLP biases that differ,
@@ -153,7 +154,7 @@ def _gpt2(hf: dict, where: str) -> HFModel:
         group_query_attention=False, num_query_groups=None, kv_channels=None,
         ffn_hidden_size=hf.get("n_inner") or 4 * e, vocab_size=_need(hf, "vocab_size", where),
         normalization="LayerNorm", norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)), swiglu=False,
-        openai_gelu=_GPT2_GELU[act], position_embedding_type="learned_absolute",
+        openai_gelu=_GPT2_GELU[act], bias_gelu_fusion=_GPT2_GELU[act], position_embedding_type="learned_absolute",
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True), add_bias_linear=True,
         max_position_embeddings=positions, hidden_dropout=float(hf.get("resid_pdrop", 0.1)),
         attention_dropout=float(hf.get("attn_pdrop", 0.1)), init_method_std=float(hf.get("initializer_range", 0.02)))
@@ -204,9 +205,10 @@ def flag_problems(hf_model: HFModel, m: C.ModelConfig, load: str) -> list:
 
 
 def model_flags(hf_model: HFModel) -> str:
-    """The command-line flags that give meshlm this model (architecture fields only)."""
+    """The command-line flags that give meshlm this model: its architecture fields and its dropout
+    (meshlm's default is 0.1; Llama-style models train without)."""
     fields = {f.name: f for f in dataclasses.fields(C.ModelConfig)}
-    skip = {"hidden_dropout", "attention_dropout", "init_method_std", "vocab_size"}
+    skip = {"init_method_std", "vocab_size"}
     out = []
     for name, value in hf_model.model.items():
         f, action = fields[name], fields[name].metadata.get("action")
@@ -231,7 +233,9 @@ def _export_arch(m: C.ModelConfig, arch: Optional[str]) -> str:
     llama_like = arch in ("llama", "mistral", "mixtral")
     wanted = [("--position-embedding-type", m.position_embedding_type, "rope" if llama_like else "learned_absolute"),
               ("--normalization", m.normalization, "RMSNorm" if llama_like else "LayerNorm"),
-              ("--swiglu", m.swiglu, llama_like)]
+              ("--swiglu", m.swiglu, llama_like),
+              # transformers' llama/mistral/mixtral rotate every dimension of a head (no partial rotary)
+              ("--rotary-percent", m.rotary_percent if rope else 1.0, 1.0)]
     if arch == "gpt2":
         wanted += [("--disable-bias-linear", not m.add_bias_linear, False),
                    ("--group-query-attention", C.query_groups(m) != m.num_attention_heads, False),
@@ -265,7 +269,7 @@ def hf_config_from_model(m: C.ModelConfig, vocab_size: int, arch: Optional[str] 
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
                 "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_attention_heads,
                 "n_inner": C.ffn_hidden(m), "n_positions": C.max_positions(m),
-                "layer_norm_epsilon": m.norm_epsilon, "activation_function": "gelu_new" if m.openai_gelu else "gelu",
+                "layer_norm_epsilon": m.norm_epsilon, "activation_function": "gelu_new" if C.gelu_tanh(m) else "gelu",
                 "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
                 "initializer_range": m.init_method_std, "tie_word_embeddings": tied, "dtype": "float32"}
     names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}

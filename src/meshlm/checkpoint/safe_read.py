@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import functools
 import json
 import os
 import pickle
@@ -40,10 +41,16 @@ class _ForbiddenClass(pickle.UnpicklingError):
     pass
 
 
-def _enum_member(cls, name):
+# megatron-core's .metadata adds entries of pickled values (never read) and the save plans of
+# every rank (``all_local_plans``): plain DCP data classes
+_MEGATRON = {(_DCP_METADATA, "BytesStorageMetadata")} | {
+    ("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")}
+
+
+def _enum_member(allowed: set, cls, name):
     """``getattr`` as an unpickler may call it: only for a member of an allowed enum. Some Pythons
     (Debian bookworm's 3.11.2) pickle an enum member as getattr(Enum, "NAME") instead of Enum(value)."""
-    if isinstance(cls, enum.EnumMeta) and (cls.__module__, cls.__name__) in _ALLOWED and \
+    if isinstance(cls, enum.EnumMeta) and (cls.__module__, cls.__name__) in allowed and \
             isinstance(name, str) and name in cls.__members__:
         return cls[name]
     raise _ForbiddenClass(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}) is not allowed "
@@ -51,12 +58,19 @@ def _enum_member(cls, name):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only the classes DCP's .metadata of a tensor-only checkpoint contains (and their
-    enum members by name, ``_enum_member``)."""
+    """Admits only the classes DCP's .metadata of a tensor-only checkpoint contains (with
+    ``megatron``, also the DCP classes megatron-core's .metadata adds), and their enum members by
+    name (``_enum_member``)."""
+
+    def __init__(self, fh, megatron: bool = False):
+        super().__init__(fh)
+        self.megatron = megatron
 
     def find_class(self, module: str, name: str):
         if (module, name) == ("builtins", "getattr"):
-            return _enum_member
+            return functools.partial(_enum_member, _ALLOWED | (_MEGATRON if self.megatron else set()))
+        if self.megatron and (module, name) in _MEGATRON:
+            return super().find_class(module, name)
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise _ForbiddenClass(f"{module}.{name} is not allowed in a meshlm checkpoint's .metadata")
@@ -66,14 +80,20 @@ class SafeReader(FileSystemReader):
     """FileSystemReader whose .metadata is read by the allow-list unpickler above.
 
     Raises CheckpointError for a class outside the allow-list; a truncated file raises _Corrupt,
-    which ``reading`` reports as damage.
+    which ``reading`` reports as damage. megatron: admit the DCP classes of a megatron-core
+    folder's .metadata (entries of its pickled ``_extra_state`` values, which the planner still
+    refuses to read, and the save plans).
     """
+
+    def __init__(self, path, megatron: bool = False):
+        super().__init__(path)
+        self.megatron = megatron
 
     def read_metadata(self, *args, **kwargs):
         path = os.path.join(str(self.path), ".metadata")
         try:
             with open(path, "rb") as fh:
-                metadata = _MetadataUnpickler(fh).load()
+                metadata = _MetadataUnpickler(fh, self.megatron).load()
         except _ForbiddenClass as e:
             raise CheckpointError(f"{path}: not a valid meshlm checkpoint metadata file ({e})") from None
         except (EOFError, pickle.UnpicklingError) as e:

@@ -168,16 +168,23 @@ class IndexedDataset:
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
 
-def check_token_ids(prefixes, vocab_size: int) -> None:
+def check_token_ids(prefixes, vocab_size: int, null_tokenizer: bool = False) -> None:
     """Raise DataError naming the .bin file and its largest id if any id is ≥ vocab_size.
 
     prefixes: indexed-dataset prefixes (without .bin/.idx). Reads each .bin in 64 MiB chunks.
+    null_tokenizer: the run's NullTokenizer: a largest id of exactly vocab_size is data made by
+    megatron-core 0.16.1's NullTokenizer (eod = --vocab-size, one id more), and the line says so.
     """
     for prefix in prefixes:
         ds = IndexedDataset(prefix)
         data = np.frombuffer(ds._bin, ds.dtype, ds._bin.size // ds.dtype.itemsize)
         chunk = (64 << 20) // ds.dtype.itemsize
         largest = max((int(data[i:i + chunk].max()) for i in range(0, data.size, chunk)), default=-1)
+        if null_tokenizer and largest == vocab_size:
+            raise DataError(f"{prefix}.bin holds token id {largest} = --vocab-size: data made by megatron-core "
+                            f"0.16.1's NullTokenizer (end-of-document id {vocab_size}, {vocab_size + 1} ids); "
+                            f"Megatron-LM's current convention and meshlm's has ids 0..{vocab_size - 1} (eod "
+                            f"{vocab_size - 1}): load it with --vocab-size {vocab_size + 1}")
         if largest >= vocab_size:
             raise DataError(f"{prefix}.bin holds token id {largest} but the vocabulary has {vocab_size} "
                             f"ids; use the tokenizer the data was preprocessed with (or a larger --vocab-size)")

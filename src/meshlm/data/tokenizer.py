@@ -58,10 +58,18 @@ class HFTokenizer(Tokenizer):
 
 
 class NullTokenizer(Tokenizer):
-    """Text is already ids: ``"5 17 3"`` ↔ [5, 17, 3]. eod = vocab_size − 1."""
+    """Text is already ids: ``"5 17 3"`` ↔ [5, 17, 3], ids in [0, vocab_size).
 
-    def __init__(self, vocab_size: int):
-        super().__init__(vocab_size, vocab_size - 1, f"NullTokenizer:{vocab_size}")
+    eod: the end-of-document id, default vocab_size − 1 (Megatron-LM's --null-tokenizer-eod-id;
+    megatron-core 0.16.1's NullTokenizer had eod = vocab_size and vocab_size + 1 ids: its data
+    loads here with --vocab-size N+1). pad: --null-tokenizer-pad-id (-1: none).
+    """
+
+    def __init__(self, vocab_size: int, eod: Optional[int] = None, pad: int = -1):
+        eod = vocab_size - 1 if eod is None else eod
+        identity = f"NullTokenizer:{vocab_size}" + (f":eod{eod}" if eod != vocab_size - 1 else "")
+        super().__init__(vocab_size, eod, identity)
+        self.pad = pad
 
     def encode(self, text: str) -> list:
         """The ids of text; ValueError naming the first word that is not an id in [0, vocab_size)."""
@@ -147,6 +155,19 @@ def resolve_tokenizer_type(data_cfg, vocab_size: Optional[int] = None) -> str:
                       "--vocab-file/--merge-file, or --vocab-size for NullTokenizer")
 
 
+def null_ids_problem(data_cfg, vocab_size: Optional[int]) -> Optional[str]:
+    """Why --null-tokenizer-eod-id / --null-tokenizer-pad-id do not fit --vocab-size (None when they do)."""
+    eod, pad = getattr(data_cfg, "null_tokenizer_eod_id", None), getattr(data_cfg, "null_tokenizer_pad_id", -1)
+    if vocab_size and eod is not None and not 0 <= eod < vocab_size:
+        return (f"--null-tokenizer-eod-id {eod} is not an id of --vocab-size {vocab_size} (0..{vocab_size - 1}); "
+                f"with eod {eod} give --vocab-size {eod + 1}" if eod >= vocab_size else
+                f"--null-tokenizer-eod-id {eod} must be an id ≥ 0")
+    if vocab_size and pad is not None and pad != -1 and not 0 <= pad < vocab_size:
+        return (f"--null-tokenizer-pad-id {pad} is not an id of --vocab-size {vocab_size}; give -1 (no pad) "
+                f"or an id below it")
+    return None
+
+
 def build_tokenizer(data_cfg, vocab_size: Optional[int] = None) -> Tokenizer:
     """Build the tokenizer named by ``data_cfg`` (a DataConfig or any object with its fields).
 
@@ -166,7 +187,11 @@ def build_tokenizer(data_cfg, vocab_size: Optional[int] = None) -> Tokenizer:
             raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
         if vocab_size < 1:
             raise ConfigError(f"--vocab-size {vocab_size}: NullTokenizer needs a positive vocabulary size")
-        return NullTokenizer(vocab_size)
+        problem = null_ids_problem(data_cfg, vocab_size)
+        if problem:
+            raise ConfigError(problem)
+        return NullTokenizer(vocab_size, getattr(data_cfg, "null_tokenizer_eod_id", None),
+                             getattr(data_cfg, "null_tokenizer_pad_id", -1))
     if kind == "HuggingFaceTokenizer":
         path = require_path(data_cfg.tokenizer_model, "--tokenizer-model")
         if os.path.isdir(path):

@@ -1,7 +1,8 @@
 """The feed-forward block, split over TP: column-parallel fc1, row-parallel fc2.
 
-GeLU (GPT): fc1 [ffn, h] → gelu → fc2 [h, ffn]; exact (erf) GeLU, or under --openai-gelu the tanh
-approximation of Hendrycks & Gimpel 2016 §2 (OpenAI's GPT-2, Megatron's openai_gelu, HF's gelu_new).
+GeLU (GPT): fc1 [ffn, h] → gelu → fc2 [h, ffn]; the tanh approximation of Hendrycks & Gimpel 2016
+§2 (OpenAI's GPT-2, Megatron's openai_gelu and its default fused bias-GeLU, HF's gelu_new) under
+--openai-gelu or with biases (config.gelu_tanh), else exact (erf) GeLU (--no-bias-gelu-fusion).
 SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"; LLaMA): the full fc1 weight is
 [gate (ffn); up (ffn)] rows; rank r holds gate rows and up rows [r·ffn/tp, (r+1)·ffn/tp), so
 silu(gate) · up is computed locally on matching halves. Checkpoints store gate and up as two
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ffn_hidden
+from ..config import ffn_hidden, gelu_tanh
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, contiguous_index
 
 
@@ -25,7 +26,7 @@ class MLP(nn.Module):
         super().__init__()
         ffn, tp = ffn_hidden(cfg), ps.tp  # ffn % tp == 0: checked by meshlm.validate
         self.swiglu = cfg.swiglu
-        self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
+        self.gelu_approximate = "tanh" if gelu_tanh(cfg) else "none"
         rows = contiguous_index(ffn, tp, ps.tp_rank)
         if self.swiglu:
             rows = torch.cat([rows, rows + ffn])

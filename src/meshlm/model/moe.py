@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import moe_ffn
+from ..config import gelu_tanh, moe_ffn
 from ..dtypes import wide
 from ..parallel import watchdog
 from ..parallel.comm import group_size
@@ -207,7 +207,7 @@ class Experts(nn.Module):
                         sequence_parallel=False, params_dtype=params_dtype) for e in self.ids})
         for p in self.parameters():
             p.expert, p.sequence_parallel = True, sequence_parallel
-        self.swiglu, self.gelu_approximate = cfg.swiglu, "tanh" if cfg.openai_gelu else "none"
+        self.swiglu, self.gelu_approximate = cfg.swiglu, "tanh" if gelu_tanh(cfg) else "none"
         self.grouped = (hasattr(torch, "_grouped_mm") and ps.device.type == "cuda"
                         and params_dtype in (torch.float32, torch.bfloat16, torch.float16))
 

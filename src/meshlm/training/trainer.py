@@ -34,7 +34,7 @@ from ..data.gpt_dataset import build_datasets
 from ..data.indexed import check_token_ids
 from ..data.loader import rank_loader
 from ..data.sources import blends, prefixes as data_prefixes
-from ..data.tokenizer import NullTokenizer, build_tokenizer
+from ..data.tokenizer import NullTokenizer, build_tokenizer, resolve_tokenizer_type
 from ..errors import CheckpointError, DataError, TrainingError
 from ..flops import flops_per_iteration
 from ..model.chunks import build_model_chunks
@@ -237,7 +237,8 @@ def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
     problem = None
     if ps.rank == 0:
         try:
-            check_token_ids(prefixes, vocab_size)
+            null = resolve_tokenizer_type(cfg.data, cfg.model.vocab_size) == "NullTokenizer"
+            check_token_ids(prefixes, vocab_size, null)
         except DataError as e:
             problem = str(e)
     problem = first_problem(problem)

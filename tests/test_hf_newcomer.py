@@ -1,0 +1,67 @@
+"""Faults a newcomer met moving models to and from Hugging Face (issue 28): a partial-rotary model
+exported as a full-rotary one, and an HF model's dropout lost on the way in and out."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from meshlm import config as C
+from meshlm.checkpoint import convert
+from meshlm.checkpoint.hf_config import hf_config_from_model, model_flags, model_from_hf
+from meshlm.errors import CheckpointError
+
+pytest.importorskip("safetensors")
+
+
+def _llama(**changes) -> dict:
+    hf = dict(model_type="llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4, vocab_size=100, max_position_embeddings=64, rms_norm_eps=1e-6,
+              tie_word_embeddings=False, attention_dropout=0.0)
+    hf.update(changes)
+    return hf
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "mixtral"])
+def test_to_hf_refuses_partial_rotary_that_the_architecture_lacks(arch):
+    """transformers' llama, mistral and mixtral rotate every dimension of a head: a model trained
+    with --rotary-percent 0.5 is refused in one line naming the flag, not written full-rotary."""
+    m = model_from_hf(_llama(), "x").model_config()
+    m.rotary_percent = 0.5
+    if arch == "mixtral":
+        m.num_experts = 2
+    with pytest.raises(CheckpointError) as e:
+        hf_config_from_model(m, 100, arch)
+    assert "--rotary-percent 0.5" in str(e.value) and "needs 1.0" in str(e.value) and "\n" not in str(e.value)
+    m.rotary_percent = 1.0
+    assert hf_config_from_model(m, 100, arch)["model_type"] == arch
+
+
+def test_hf_dropout_is_in_the_flags_hint_and_carried_by_a_load(tmp_path):
+    """An HF model trained without dropout: the 'pass its flags' hint names --hidden-dropout and
+    --attention-dropout, and a fine-tuning run from it (or from its converted checkpoint) that sets
+    neither runs at the model's dropout (so its export says the same), while a flag still wins."""
+    hf = model_from_hf(_llama(), "x")
+    hint = model_flags(hf)
+    assert "--hidden-dropout 0" in hint and "--attention-dropout 0" in hint
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(__import__("json").dumps(_llama(attention_dropout=0.05)))
+    (folder / "model.safetensors").write_bytes(b"")  # is_hf_folder looks at names only
+    cfg = C.Config()
+    cfg.checkpoint.load = str(folder)
+    notes = convert.carry_dropout(cfg, explicit={"attention_dropout"})
+    assert (cfg.model.hidden_dropout, cfg.model.attention_dropout) == (0.0, 0.1)  # the flag given wins
+    assert len(notes) == 1 and notes[0].startswith("--hidden-dropout 0:")
+    cfg = C.Config()
+    cfg.model = model_from_hf(_llama(), "x").model_config()
+    cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.1  # meshlm's defaults: no flag given
+    cfg.checkpoint.load = str(folder)
+    convert.carry_dropout(cfg, explicit=set())
+    assert (cfg.model.hidden_dropout, cfg.model.attention_dropout) == (0.0, 0.05)
+    assert hf_config_from_model(cfg.model, 100)["attention_dropout"] == 0.05
+    cfg = C.Config()
+    cfg.checkpoint.load = str(tmp_path / "missing")
+    assert convert.carry_dropout(cfg, set()) == [] and cfg.model.hidden_dropout == 0.1
+    assert not os.path.exists(tmp_path / "missing")

@@ -1,0 +1,339 @@
+"""meshlm against megatron-core 0.16.1 itself: the same function, and its checkpoints both ways.
+
+One gloo start of two workers (``mcore``, module fixture) builds megatron-core's GPTModel
+(tests/megatron_gpt.py) for each case at its TP, saves it with dist_checkpointing (Megatron-LM's
+torch_dist layout), and computes its logits, per-token loss and full gradients; in the same
+workers meshlm's production model (GPTModel over a ParallelState of the same TP) is filled from
+that checkpoint by the converter's reader and computes the same. The tests then compare them, and
+run the round trip megatron-core save → ``convert --from-megatron`` → a meshlm training step →
+``convert --to-megatron`` → megatron-core load → the same logits as meshlm's.
+
+Float64 wherever megatron-core allows it: its RoPE frequencies, MoE router and cross-entropy are
+float32, so the Llama and MoE cases and every loss agree to float32 rounding (~1e-7 relative); the
+GPT-2 logits and gradients to float64 rounding with exact GeLU (--no-bias-gelu-fusion) and to 1e-9
+with Megatron's default fused bias-GeLU (its kernel rounds sqrt(2/π) to 0.79788456), which meshlm
+computes by default too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[test])")
+pytest.importorskip("psutil", reason="megatron-core's dist_checkpointing.save needs psutil")
+
+from distributed import run_distributed  # noqa: E402
+
+VOCAB = PADDED = 64  # no padding rows: megatron-core's softmax includes them, meshlm's masks them (README)
+SEQ = 8
+LLAMA = dict(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=24,
+             normalization="RMSNorm", swiglu=True, add_bias_linear=False, position_embedding_type="rope",
+             untie_embeddings_and_output_weights=True)
+GPT2 = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32)  # Megatron's fused tanh GeLU
+GPT2_EXACT = dict(GPT2, bias_gelu_fusion=False)  # --no-bias-gelu-fusion: exact GeLU in both
+MOE = dict(LLAMA, num_experts=4, moe_ffn_hidden_size=12, moe_router_topk=2)
+ROUND_TRIP = ("llama_tp1", "gpt2_tp2", "moe_tp2")
+# name: (meshlm flags, TP, expert layout singleton_local_shards)
+CASES = {"llama_tp1": (LLAMA, 1, False), "llama_tp2": (LLAMA, 2, False), "gpt2_tp1": (GPT2, 1, False),
+         "gpt2_tp2": (GPT2, 2, False), "gpt2_exact_gelu_tp2": (GPT2_EXACT, 2, False), "moe_tp2": (MOE, 2, False),
+         "moe_singleton_tp1": (MOE, 1, True), "moe_ep2": (dict(MOE, ep=2), 1, False)}
+
+
+def _meshlm_config(spec: dict):
+    """meshlm's ModelConfig of the case's flags (no dropout, as the megatron-core model)."""
+    from meshlm import config as C
+    fields = {k: v for k, v in spec.items() if k in {f.name for f in dataclasses.fields(C.ModelConfig)}}
+    if "num_query_groups" in fields:
+        fields["group_query_attention"] = True
+    return C.ModelConfig(**fields, seq_length=SEQ, max_position_embeddings=SEQ, vocab_size=VOCAB,
+                         hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _meshlm_grads(model, ps) -> dict:
+    """{global name: full gradient} of a meshlm model (collective over TP)."""
+    from meshlm.parallel.tensor import gather_full_state_dict
+    saved = {}
+    for p in model.parameters():
+        saved[p] = p.data
+        p.data = p.grad
+    try:
+        return gather_full_state_dict(model, ps)
+    finally:
+        for p, data in saved.items():
+            p.data = data
+
+
+def _both(rank, world, root, tokens, labels):
+    """Every case: megatron-core's and meshlm's logits, loss and full gradients (rank 0's)."""
+    import megatron_gpt as mgpt
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from meshlm.checkpoint import megatron as mg
+    from meshlm.checkpoint.hf import full_shapes, load_into_chunks
+    from meshlm.model.transformer import GPTModel
+    from meshlm.parallel.mesh import ParallelState
+    out = {}
+    for name, (spec, tp, singleton) in CASES.items():
+        dtype = torch.float32 if spec.get("num_experts") else torch.float64  # the router wants fp32 params
+        parallel_state.destroy_model_parallel()
+        ref = mgpt.build(spec, tp, PADDED, SEQ, dtype=dtype)
+        folder = mgpt.save(ref, os.path.join(root, name), 1, mgpt.megatron_args(spec, tp, VOCAB, SEQ, PADDED),
+                           singleton=singleton)
+        logits = gather_from_tensor_model_parallel_region(mgpt.forward(ref, tokens))[..., :VOCAB]
+        loss = mgpt.forward(ref, tokens, labels)
+        loss.sum().backward()
+        # (at EP=2 each rank holds its own experts under local names: gradients compared at EP 1 only)
+        grads = mgpt.full_grads(ref, parallel_state.get_tensor_model_parallel_group(), spec, VOCAB) \
+            if spec.get("ep", 1) == 1 else None
+
+        ps = ParallelState.build(tp, 1)
+        m = _meshlm_config(spec)
+        ours = GPTModel(m, ps, VOCAB, seed=1, params_dtype=dtype).eval()
+        load_into_chunks([ours], mg.read_full(folder, full_shapes([ours]), m, VOCAB), folder)
+        from meshlm.parallel import comm
+        our_logits = ours(tokens)
+        our_logits = (comm.all_gather(our_logits.contiguous(), ps.tp_group, -1) if tp > 1 else our_logits)[..., :VOCAB]
+        our_loss = ours(tokens, labels)
+        our_loss.sum().backward()
+        our_grads = _meshlm_grads(ours, ps)
+        if rank == 0:
+            out[name] = {"megatron": (logits.detach(), loss.detach(), grads),
+                         "meshlm": (our_logits.detach(), our_loss.detach(), our_grads), "folder": folder}
+    parallel_state.destroy_model_parallel()  # Megatron's optimizer state carried over (TP=2 → meshlm)
+    ref = mgpt.build(LLAMA, 2, PADDED, SEQ)
+    opt = mgpt.adam_step(ref, tokens, labels)
+    mgpt.save(ref, os.path.join(root, "llama_adam"), 3, mgpt.megatron_args(LLAMA, 2, VOCAB, SEQ, PADDED), optimizer=opt)
+    group = parallel_state.get_tensor_model_parallel_group()
+    moments = {kind: mgpt.full_grads(ref, group, LLAMA, VOCAB, of=lambda p: mgpt.adam_state(opt, p, kind))
+               for kind in ("exp_avg", "exp_avg_sq")}
+    weights = mgpt.full_grads(ref, group, LLAMA, VOCAB, of=lambda p: p.data)
+    if rank == 0:
+        out["adam"] = {"moments": moments, "weights": weights,
+                       "step": int(mgpt.adam_state(opt, next(ref.parameters()), "step"))}
+    trip = _round_trip(rank, root, tokens, labels) if rank == 0 else {}
+    torch.distributed.barrier()
+    resumed = _resume(root)  # meshlm trains on from the converted Adam checkpoint at TP=2
+    if rank == 0:
+        out["adam"]["resumed"] = resumed
+    for name in ROUND_TRIP:  # megatron-core loads meshlm's export at TP=2
+        parallel_state.destroy_model_parallel()
+        model = mgpt.build(CASES[name][0], 2, PADDED, SEQ, seed=99)  # other weights until loaded
+        mgpt.load(model, os.path.join(root, f"{name}_megatron", "iter_0000001"))
+        with torch.no_grad():
+            logits = gather_from_tensor_model_parallel_region(mgpt.forward(model, tokens))[..., :VOCAB]
+        if rank == 0:
+            out[name]["round_trip"] = trip[name] + (logits,)
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def _resume(root: str) -> dict:
+    """`meshlm pretrain --load` of the converted Adam checkpoint (iteration 3) at TP=2 for one more
+    iteration, on mock data; its summary."""
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.config import Config
+    from meshlm.training import trainer
+    converted = os.path.join(root, "llama_adam_meshlm")
+    cfg = Config.from_dict(ckpt.read_config(ckpt.checkpoint_dir(converted)))
+    cfg.data.mock_data = True
+    cfg.parallel.tensor_model_parallel_size = 2
+    t = cfg.training
+    t.micro_batch_size, t.global_batch_size, t.train_iters, t.log_interval, t.eval_iters = 2, 2, 4, 1, 0
+    cfg.checkpoint.load = converted
+    cfg.logging.log_dir = os.path.join(root, "resume_logs")
+    return trainer.pretrain(cfg)
+
+
+def _round_trip(rank, root, tokens, labels) -> dict:
+    """Rank 0 alone, as a one-process meshlm would (``convert`` runs in one process): import each
+    ROUND_TRIP case, take a training step, save, export. {name: (logits before, after the step)}."""
+    from unittest import mock
+
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.checkpoint.megatron_convert import export_megatron, import_megatron
+    from meshlm.checkpoint.model_space import ModelSpace
+    from meshlm.checkpoint.state import model_state
+    from meshlm.parallel.mesh import ParallelState
+    from meshlm.training.generate import load_model
+    out = {}
+    with mock.patch.object(ckpt, "_world", lambda: (0, 1)), mock.patch.object(ckpt, "_barrier", lambda: None):
+        import_megatron(os.path.join(root, "llama_adam"), os.path.join(root, "llama_adam_meshlm"))
+        for name in ROUND_TRIP:
+            path = import_megatron(os.path.join(root, name), os.path.join(root, f"{name}_meshlm"))
+            model, _ = load_model(path)
+            with torch.no_grad():
+                before = model(tokens)[..., :VOCAB]
+            model.train()
+            model(tokens, labels).sum().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+            model.eval()
+            with torch.no_grad():
+                after = model(tokens)[..., :VOCAB]
+            trained = os.path.join(root, f"{name}_trained")
+            ckpt.save(trained, 1, model_state(ModelSpace([model], ParallelState.single())),
+                      config=ckpt.read_config(path), layout={"tp": 1, "pp": 1})
+            export_megatron(trained, os.path.join(root, f"{name}_megatron"))
+            out[name] = (before, after)
+    return out
+
+
+@pytest.fixture(scope="module")  # one start of two workers for every test here (~15 s)
+def mcore(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("megatron"))
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    return {"root": root, "tokens": tokens, "labels": labels,
+            "cases": run_distributed(_both, 2, root, tokens, labels)[0]}
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.slow  # the fixture's start (~15 s) is charged to the first test that asks for it
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_meshlm_computes_megatron_cores_function(mcore, name):
+    """Logits, per-token loss and every gradient of meshlm's model filled from megatron-core's
+    checkpoint equal megatron-core's, at the case's TP (float32 rounding where megatron-core
+    computes in float32: RoPE, cross-entropy, the MoE router)."""
+    case = mcore["cases"][name]
+    (logits, loss, grads), (our_logits, our_loss, our_grads) = case["megatron"], case["meshlm"]
+    spec = CASES[name][0]
+    if spec.get("num_experts") or spec.get("position_embedding_type") == "rope":
+        tol = 2e-6  # float32 RoPE frequencies and router
+    else:  # float64; megatron-core's fused bias-GeLU rounds sqrt(2/pi) to 0.79788456 (relative 1e-9)
+        tol = 1e-12 if spec.get("bias_gelu_fusion") is False else 1e-8
+    assert _rel(our_logits, logits) < tol
+    assert _rel(our_loss, loss) < 2e-6  # megatron-core's cross-entropy is float32
+    if grads is None:  # saved at EP=2, read by meshlm at EP=1: logits and loss only
+        return
+    assert set(our_grads) == set(grads)
+    if CASES[name][1] > 1:  # megatron-core's raw expert .grad at TP=2 (allgather dispatcher, before its
+        # DDP's reduction) is exactly twice the gradient of the loss: seen here, pinned so a change shows
+        grads = {k: g / 2 if ".local_experts." in k else g for k, g in grads.items()}
+    bad = {k: _rel(our_grads[k], g) for k, g in grads.items() if _rel(our_grads[k], g) > max(tol, 1e-5 if
+                                                                                            tol > 1e-8 else 1e-7)}
+    assert not bad
+
+
+@pytest.mark.slow
+def test_import_gives_megatron_cores_logits(mcore, tmp_path):
+    """convert --from-megatron of each saved case gives megatron-core's logits in meshlm's
+    one-process model (checkpoints saved at TP 1 and 2 and EP 2, stacked and per-expert layouts)."""
+    from meshlm.checkpoint.megatron_convert import import_megatron
+    from meshlm.training.generate import load_model
+    for name, case in mcore["cases"].items():
+        if name == "adam":
+            continue
+        out = str(tmp_path / name)
+        path = import_megatron(os.path.dirname(case["folder"]), out)
+        model, _ = load_model(path)
+        with torch.no_grad():
+            logits = model(mcore["tokens"])[..., :VOCAB]
+        assert _rel(logits, case["megatron"][0]) < 2e-6, name
+
+
+@pytest.mark.slow
+def test_round_trip_megatron_meshlm_train_step_megatron(mcore):
+    """megatron-core save (TP 1 or 2) → convert --from-megatron → a training step in meshlm →
+    convert --to-megatron → megatron-core load at TP=2: megatron-core computes meshlm's new logits
+    (and meshlm's imported model computed megatron-core's before the step)."""
+    for name in ROUND_TRIP:
+        case = mcore["cases"][name]
+        before, after, loaded = case["round_trip"]
+        assert _rel(before, case["megatron"][0]) < 2e-6
+        assert _rel(after, before) > 1e-3  # the step changed the function
+        assert _rel(loaded, after) < 2e-6, name
+
+
+@pytest.mark.slow
+def test_import_carries_megatrons_adam_state(mcore, tmp_path):
+    """A Megatron checkpoint with its optimizer's per-parameter state (saved at TP=2, iteration 3)
+    becomes a meshlm training checkpoint at iteration 3: every parameter's Adam moments (QKV and
+    SwiGLU layouts converted), fp32 masters = weights (fp32 training) and Adam's step, so
+    `meshlm pretrain --load` continues with Megatron's moments."""
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.checkpoint.megatron_convert import import_megatron
+    adam = mcore["cases"]["adam"]
+    resumed = adam["resumed"]  # the converted checkpoint resumed at TP=2: one iteration after the 3rd
+    assert resumed["iterations"] == 4 and [x is not None for x in resumed["train_losses"]] == [True]
+    import_megatron(os.path.join(mcore["root"], "llama_adam"), str(tmp_path / "ckpt"))
+    iteration, tree = ckpt.load(str(tmp_path / "ckpt"))
+    assert iteration == 3 and tree["train"]["iteration"] == 3 and tree["optimizer"]["step"] == adam["step"] == 1
+    saved, fused = tree["optimizer"]["params"], tree["model_fused"]
+
+    def full(name, kind):
+        if name in saved:
+            return saved[name][kind]
+        return torch.cat([saved[key][kind] for key, _ in fused[name]["parts"]], fused[name]["dim"])
+    for kind, want in (("exp_avg", adam["moments"]["exp_avg"]), ("exp_avg_sq", adam["moments"]["exp_avg_sq"]),
+                       ("master", adam["weights"])):
+        assert set(want) <= set(saved) | set(fused)
+        for name, t in want.items():
+            assert torch.equal(full(name, kind), t.float()), (kind, name)
+    assert any(t.abs().max() > 0 for t in adam["moments"]["exp_avg"].values())
+
+
+@pytest.mark.slow
+def test_load_of_a_megatron_folder_says_convert_first(mcore):
+    from meshlm.checkpoint.dist import check_loadable
+    root = os.path.dirname(mcore["cases"]["gpt2_tp1"]["folder"])
+    (problem,) = check_loadable(root)
+    assert "Megatron-LM checkpoint" in problem and f"meshlm convert --from-megatron {root}" in problem
+
+
+def test_common_pt_runs_no_planted_code(tmp_path):
+    """common.pt is read without running pickle code: megatron enums and the Namespace load, a
+    planted payload is refused before anything is unpickled."""
+    from meshlm.checkpoint.megatron_common import read_common
+    from meshlm.errors import CheckpointError
+    good = tmp_path / "good.pt"
+    from megatron.core.enums import ModelType
+    torch.save({"args": argparse.Namespace(num_layers=2, model_type=ModelType.encoder_or_decoder,
+                                           params_dtype=torch.bfloat16), "iteration": 5}, good)
+    common = read_common(str(good))
+    assert common["iteration"] == 5 and common["args"].num_layers == 2
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    evil = tmp_path / "evil.pt"
+    torch.save({"args": argparse.Namespace(num_layers=2), "x": Payload()}, evil)
+    with pytest.raises(CheckpointError, match="refused to load: it would run posix.system"):
+        read_common(str(evil))
+    assert not marker.exists()
+
+
+def test_megatron_args_meshlm_cannot_compute_are_refused_in_one_line():
+    """A Megatron run whose args name a function meshlm lacks is refused naming the flag; the
+    shared flags (Megatron's names) become meshlm's model, --bias-gelu-fusion included."""
+    from meshlm.checkpoint.megatron import model_from_args
+    from meshlm.errors import CheckpointError
+    args = argparse.Namespace(num_layers=2, hidden_size=16, num_attention_heads=4, swiglu=False,
+                              bias_gelu_fusion=False, moe_layer_freq=1, qk_layernorm=False)
+    m = model_from_args(args)
+    assert (m.num_layers, m.hidden_size, m.bias_gelu_fusion, m.moe_layer_freq) == (2, 16, False, "1")
+    args.qk_layernorm = True
+    with pytest.raises(CheckpointError, match=r"trained with --qk-layernorm \(True\); meshlm's model has no"):
+        model_from_args(args)
+
+
+def test_convert_megatron_flags_are_checked(tmp_path, capsys):
+    from meshlm.cli import main
+    assert main(["convert", "--from-megatron", str(tmp_path)]) == 2
+    assert "--from-megatron needs --output" in capsys.readouterr().err
+    assert main(["convert", "--from-megatron", str(tmp_path), "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a Megatron-LM checkpoint" in err and len(err.splitlines()) == 1
+    assert main(["convert", "--to-megatron", "--load", str(tmp_path)]) == 2
+    assert "--to-megatron needs --load" in capsys.readouterr().err
