@@ -1,4 +1,4 @@
-"""μP (meshlm/mup.py, Tensor Programs V Table 3) on the production path, float64:
+"""μP (meshlm/mup.py, Tensor Programs V Table 8) on the production path, float64:
 
 - at width multiplier 1 (with the base head dim = the head dim) μP is the standard model, parameter
   for parameter after training, and at multiplier 2 it is not;
@@ -18,8 +18,9 @@ ONE = (("use_mup", True), ("mup_base_head_dim", 4.0))  # hidden 16, 4 heads: hea
 TWO = (("use_mup", True), ("mup_base_hidden_size", 8), ("mup_embedding_mult", 2.0))  # multiplier 2
 
 
+@pytest.mark.slow
 def test_mup_at_width_multiplier_one_is_the_standard_model():
-    plain, one, two = references([Case(), Case(mup=ONE), Case(mup=TWO)])
+    plain, one, two = references([Case(layers=2), Case(layers=2, mup=ONE), Case(layers=2, mup=TWO)])
     assert plain["params"].keys() == one["params"].keys()
     for name, want in plain["params"].items():
         assert rel_err(one["params"][name], want) <= 1e-12, name
@@ -29,20 +30,22 @@ def test_mup_at_width_multiplier_one_is_the_standard_model():
 
 @pytest.mark.slow
 def test_mup_tp_sp_pp_and_zero1_equal_one_process():
-    assert_parity(Case(tp=2, sp=True, mup=TWO), Case(pp=2, mup=TWO), Case(dp=2, dist_opt=True, mup=TWO))
+    assert_parity(*(Case(layers=2, mup=TWO, **layout) for layout in
+                    (dict(tp=2, sp=True), dict(pp=2), dict(dp=2, dist_opt=True))))
 
 
-WIDTHS = (64, 128, 256, 512)
+WIDTHS = (64, 512)
 
 
 def _coordinates(rank: int, world: int, use_mup: bool) -> list:
-    """For each width: [RMS of each layer's output at init, RMS of its change after STEPS steps]
-    on one fixed batch, the layers being the embedding, each transformer layer and the logits."""
+    """For each width: [RMS of each site's output at init, RMS of its change after STEPS steps]
+    on one fixed batch; the sites: the embedding, each transformer layer and the logits (untied
+    output layer: a tied one sees its own token's embedding in the residual stream)."""
     from meshlm.training import trainer
 
     out = []
     for width in WIDTHS:
-        case = Case(layers=2, mup=(("use_mup", True), ("mup_base_hidden_size", 64), ("mup_base_head_dim", 16.0))
+        case = Case(layers=2, tied=False, micro=8, bucket=None, mup=(("use_mup", True), ("mup_base_hidden_size", 64), ("mup_base_head_dim", 16.0))
                     if use_mup else ())
         cfg = config(case)
         cfg.model.hidden_size, cfg.optimizer.clip_grad, cfg.optimizer.lr = width, 0.0, 1e-2
@@ -51,8 +54,9 @@ def _coordinates(rank: int, world: int, use_mup: bool) -> list:
         model = run.chunks[0]
         sites = [model.embedding] + list(model.layers.values()) + [model.output_layer]
         seen = {}
-        for i, site in enumerate(sites):
-            site.register_forward_hook(lambda mod, args, y, i=i: seen.__setitem__(i, y.detach().clone()))
+        for i, site in enumerate(sites):  # the logits with their μP multiplier
+            mult = model.output_mult if site is model.output_layer else 1.0
+            site.register_forward_hook(lambda mod, args, y, i=i, c=mult: seen.__setitem__(i, c * y.detach()))
         tokens = MaskedData()[0]["tokens"][None]
 
         def probe():
@@ -70,11 +74,43 @@ def _coordinates(rank: int, world: int, use_mup: bool) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_coordinate_check_flat_under_mup_growing_under_standard():
     (mup,), (standard,) = (run_distributed(_coordinates, 1, flag) for flag in (True, False))
     growth = lambda runs, k: [runs[-1][k][i] / runs[0][k][i] for i in range(len(runs[0][k]))]  # noqa: E731
-    for k, what in enumerate(("output", "change of output")):
-        flat, grown = growth(mup, k), growth(standard, k)
-        assert all(0.5 < g < 2 for g in flat), (what, "μP", flat)
-        # the layers' outputs and the logits (the embedding's init is width-free in both)
-        assert max(grown[1:]) > 3, (what, "standard", grown)
+    # at init: the embedding and the layers (μP's logits start near 0 by design: × 1/m)
+    flat, grown = growth(mup, 0)[:-1], growth(standard, 0)
+    assert all(0.5 < g < 2 for g in flat), ("output at init", "μP", flat)
+    assert min(grown[1:]) > 2, ("output at init", "standard", grown)  # every layer and the logits
+    flat, grown = growth(mup, 1), growth(standard, 1)
+    assert all(0.5 < g < 2 for g in flat), ("change after training", "μP", flat)
+    assert min(grown[1:]) > 2, ("change after training", "standard", grown)
+
+
+def test_mup_flags_are_checked_before_any_worker_starts_and_recorded_for_resume():
+    from meshlm.checkpoint.architecture import architecture
+    from meshlm.config import Config, ModelConfig
+    from meshlm.errors import ConfigError
+    from meshlm.validate import validate
+
+    def problems(**model) -> str:
+        cfg = Config()
+        cfg.data.mock_data, cfg.model.vocab_size = True, 64
+        for k, v in model.items():
+            setattr(cfg.model, k, v)
+        try:
+            validate(cfg, world=1, check_files=False)
+        except ConfigError as e:
+            return str(e)
+        return ""
+
+    assert "--mup-base-hidden-size --mup-output-mult need(s) --use-mup" in problems(mup_base_hidden_size=64,
+                                                                                  mup_output_mult=0.5)
+    assert "--mup-width-mult 2.0 differs from --hidden-size / --mup-base-hidden-size = 4" in problems(
+        use_mup=True, mup_base_hidden_size=64, mup_width_mult=2.0)
+    assert "--use-mup with --num-experts" in problems(use_mup=True, num_experts=4)
+    assert problems(use_mup=True, mup_base_hidden_size=64, mup_width_mult=4.0) == ""
+    saved = architecture(ModelConfig(use_mup=True, mup_base_hidden_size=64))
+    assert saved["mup_output_mult"] == 0.25 and saved["mup_base_hidden_size"] == 64
+    assert architecture(ModelConfig(use_mup=True, mup_base_hidden_size=128)) != saved
+    assert architecture(ModelConfig())["use_mup"] is False

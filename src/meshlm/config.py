@@ -79,7 +79,7 @@ class ModelConfig:
     hidden_dropout: float = opt(0.1, "dropout on hidden states")
     attention_dropout: float = opt(0.1, "dropout on attention probabilities")
     init_method_std: float = opt(0.02, "std of the normal weight init")
-    use_mup: bool = opt(False, "μP (Tensor Programs V, Table 3; meshlm/mup.py): hidden init std / √m, hidden "
+    use_mup: bool = opt(False, "μP (Tensor Programs V, Table 8; meshlm/mup.py): hidden init std / √m, hidden "
                         "Adam LR / m, logits × --mup-output-mult, 1/d attention; m = hidden / base hidden",
                         action="store_true")
     mup_base_hidden_size: Optional[int] = opt(None, "μP: hidden size of the base (proxy) model (default: "

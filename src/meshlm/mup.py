@@ -1,8 +1,10 @@
 """μP, the Maximal Update Parametrization (Yang et al. 2022, "Tensor Programs V", arXiv:2203.03466),
 under Megatron-Core's flag names and semantics (``--use-mup`` and the ``--mup-*`` flags).
 
-The rule followed is Table 3 of the paper (μP for Adam, in the form relative to a base model, §4 and
-Appendix B): with width multiplier m = hidden_size / --mup-base-hidden-size,
+The rule followed is Table 8 of the paper (μP for Adam in its equivalent "output multiplier" form,
+the one its `mup` package and Megatron-Core implement; Table 3 is the same μP with the output
+weights' init and LR rescaled instead), written relative to a base model (§4): with width
+multiplier m = hidden_size / --mup-base-hidden-size,
 
 =================  ===================  ==================  ====================
 weights            init std             forward multiplier  Adam learning rate

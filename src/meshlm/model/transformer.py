@@ -10,7 +10,7 @@ self_attention.linear_qkv, …, final_layernorm, output_layer) and are the same 
 Initialisation (Megatron): normal(0, init_method_std) for embeddings, linears and the output
 layer; the attention and MLP output projections use std / sqrt(2 · num_layers) (GPT-2 §2.3;
 Megatron "scaled_init_method_normal"); biases and norm shifts 0, norm scales 1. Under --use-mup
-(meshlm/mup.py, Tensor Programs V Table 3) the hidden matrices' std is divided by √(width
+(meshlm/mup.py, Tensor Programs V Table 8) the hidden matrices' std is divided by √(width
 multiplier) and their parameters carry ``lr_mult`` = 1/width multiplier (read by optim/), the
 embedding output is multiplied by --mup-embedding-mult and the logits by the output multiplier. Each full weight is
 drawn from a generator keyed by (seed, global layer index, parameter name) and sliced (see
