@@ -34,7 +34,7 @@ LAYERS = (
     ("planner", ("meshlm.planner",)),
     ("training", ("meshlm.training",)),
     ("run", ("meshlm.validate", "meshlm.dry_run", "meshlm.launch")),
-    ("commands", ("meshlm.cli", "meshlm.__main__", "meshlm.inspect_checkpoint", "meshlm.report")),
+    ("commands", ("meshlm.cli", "meshlm.__main__", "meshlm.inspect_checkpoint", "meshlm.report", "meshlm.sweep")),
 )
 
 
