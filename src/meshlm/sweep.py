@@ -10,7 +10,7 @@ Trials run in parallel, one per slot: a GPU each (CUDA_VISIBLE_DEVICES) when the
 its last three training losses), ``diverged`` (a NaN/inf loss, or a loss above --spike-factor × its
 first one: a spike) or ``failed`` (another error, its last log line kept); the sweep goes on either
 way. Each finished trial is one line of DIR/trials.jsonl, so a killed sweep started again with the
-same flags runs only the trials that have no line yet.
+same flags runs only the trials that have no ok or diverged line yet (failed ones run again).
 
 Successive halving (Jamieson & Talwalkar 2016, "Non-stochastic Best Arm Identification and
 Hyperparameter Optimization", Alg. 1): per width, every setting runs --train-iters; the best
@@ -163,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
         for line in open(path):
             if line.strip():
                 rec = json.loads(line)
-                done[_key(rec["values"], rec["iters"])] = rec
+                if rec["status"] != "failed":  # a failed trial (a crash, a kill) runs again
+                    done[_key(rec["values"], rec["iters"])] = rec
         print(f"meshlm sweep: resuming, {len(done)} trial(s) already in {path}")
     grid = [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
     settings = {w: [({"hidden_size": w} if w else {}) | g for g in grid] for w in widths}
