@@ -114,3 +114,26 @@ def test_mup_flags_are_checked_before_any_worker_starts_and_recorded_for_resume(
     assert saved["mup_output_mult"] == 0.25 and saved["mup_base_hidden_size"] == 64
     assert architecture(ModelConfig(use_mup=True, mup_base_hidden_size=128)) != saved
     assert architecture(ModelConfig())["use_mup"] is False
+
+
+def test_a_resumed_run_keeps_the_checkpoints_multipliers(tmp_path):
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.checkpoint.state import check_model_config
+    from meshlm.config import Config, ModelConfig
+    from meshlm.errors import CheckpointError
+
+    def model(**kw):
+        return ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, **kw)
+
+    cfg = Config()
+    cfg.model = model(use_mup=True, mup_base_hidden_size=16)
+    ckpt.save(str(tmp_path), 10, {"w": torch.zeros(2)}, config=cfg.to_dict())
+    path = str(tmp_path / "iter_0000010")
+    check_model_config(path, model(use_mup=True, mup_base_hidden_size=16, mup_output_mult=0.5))  # = the derived 1/m
+    with pytest.raises(CheckpointError) as err:
+        check_model_config(path, model(use_mup=True, mup_base_hidden_size=8, mup_embedding_mult=2.0))
+    for diff in ("--mup-base-hidden-size saved=16 now=8", "--mup-output-mult saved=0.5 now=0.25",
+                 "--mup-embedding-mult saved=1.0 now=2.0"):
+        assert diff in str(err.value), diff
+    with pytest.raises(CheckpointError, match="--use-mup saved=True now=False"):
+        check_model_config(path, model())
