@@ -137,3 +137,6 @@ def test_a_resumed_run_keeps_the_checkpoints_multipliers(tmp_path):
         assert diff in str(err.value), diff
     with pytest.raises(CheckpointError, match="--use-mup saved=True now=False"):
         check_model_config(path, model())
+    from meshlm.checkpoint.hf_config import hf_config_from_model
+    with pytest.raises(CheckpointError, match="--use-mup .* True; a Hugging Face gpt2 model needs False"):
+        hf_config_from_model(model(use_mup=True), 64)

@@ -231,7 +231,8 @@ def _export_arch(m: C.ModelConfig, arch: Optional[str]) -> str:
     llama_like = arch in ("llama", "mistral", "mixtral")
     wanted = [("--position-embedding-type", m.position_embedding_type, "rope" if llama_like else "learned_absolute"),
               ("--normalization", m.normalization, "RMSNorm" if llama_like else "LayerNorm"),
-              ("--swiglu", m.swiglu, llama_like)]
+              ("--swiglu", m.swiglu, llama_like),
+              ("--use-mup (its multipliers have no Hugging Face field)", m.use_mup, False)]
     if arch == "gpt2":
         wanted += [("--disable-bias-linear", not m.add_bias_linear, False),
                    ("--group-query-attention", C.query_groups(m) != m.num_attention_heads, False),
