@@ -31,7 +31,7 @@ def test_sweep_records_divergence_resumes_and_prints_mup_flags(tmp_path, capsys)
     assert (f"chosen for the full run: --use-mup --mup-base-hidden-size 32 --hidden-size 256 "
             f"--lr {best['values']['lr']!r}") in out
     page = (tmp_path / "sweep.html").read_text()
-    assert 'data-series="width 32" data-points="2"' in page and page.count('class="diverged"') == 1
+    assert 'data-series="width 32, 3 iters" data-points="2"' in page and page.count('class="diverged"') == 1
 
 
 def test_successive_halving_keeps_the_best_half_and_runs_them_longer(tmp_path, monkeypatch, capsys):

@@ -169,29 +169,39 @@ def run(args: argparse.Namespace) -> int:
     grid = [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
     settings = {w: [({"hidden_size": w} if w else {}) | g for g in grid] for w in widths}
     rungs = args.rungs if args.method == "halving" else 1
-    final = {}
+    final, rows = {}, []
     for rung in range(rungs):
         iters = args.train_iters * args.eta ** rung
         _run_trials([(s, iters) for group in settings.values() for s in group], args, base, done)
         for w, group in settings.items():
             recs = [done[_key(s, iters)] for s in group]
             final[w] = recs
+            rows += recs
             ok = sorted((r for r in recs if r["status"] == "ok"), key=lambda r: r["loss"])
             settings[w] = [r["values"] for r in ok[:max(1, math.ceil(len(group) / args.eta))]]
         if all(len(g) <= 1 for g in settings.values()):
             break
-    return _finish(args, final, base, mup, widths)
+    return _finish(args, final, rows, base, mup, widths)
 
 
-def _finish(args, final: dict, base: list, mup: bool, widths: list) -> int:
-    """Print the table, write sweep.html, print the chosen flags."""
+def _mup_flags(base: list) -> list:
+    """--use-mup and every --mup-* flag (with its value) of the trials' pretrain flags."""
+    out = ["--use-mup"]
+    for i, tok in enumerate(base):
+        if tok.startswith("--mup-") and i + 1 < len(base):
+            out += [tok, base[i + 1]]
+    return out
+
+
+def _finish(args, final: dict, rows: list, base: list, mup: bool, widths: list) -> int:
+    """Print the table (every trial of every rung), write sweep.html, print the chosen flags (the
+    best trial of the widest proxy's last rung)."""
     from .report.sweep import write_page
-    rows = [r for w in widths for r in final[w]]
     print(f"{'status':>8} {'loss':>10}  flags")
     for r in rows:
         loss = f"{r['loss']:.4f}" if r["loss"] is not None else "-"
         print(f"{r['status']:>8} {loss:>10}  {' '.join(_flags(r['values']))} ({r['iters']} iters) {r['note']}")
-    best = _best(final[widths[-1]]) or _best(rows)
+    best = _best(final[widths[-1]]) or _best([r for w in widths for r in final[w]])
     page = write_page(os.path.join(args.sweep_dir, "sweep.html"), rows)
     print(f"meshlm sweep: {page}")
     if best is None:
@@ -200,9 +210,7 @@ def _finish(args, final: dict, base: list, mup: bool, widths: list) -> int:
     chosen = {k: v for k, v in best["values"].items() if k != "hidden_size"}
     flags = _flags(chosen)
     if args.target_hidden_size and mup:
-        i = base.index("--mup-base-hidden-size")
-        flags = ["--use-mup", "--mup-base-hidden-size", base[i + 1], "--hidden-size",
-                 str(args.target_hidden_size)] + flags
+        flags = _mup_flags(base) + ["--hidden-size", str(args.target_hidden_size)] + flags
     print("meshlm sweep: chosen for the full run: " + " ".join(flags))
     if args.target_hidden_size and not mup:
         print("meshlm sweep: note: under the standard parametrisation the best LR moves with the width "

@@ -11,16 +11,18 @@ from .page import CSS
 
 
 def curves(rows: list) -> list:
-    """One svg.Series per width: (log10 lr, best ok loss at that LR over the other swept flags)."""
-    widths = sorted({r["values"].get("hidden_size") or 0 for r in rows})
+    """One svg.Series per width and run length (a halving rung): (log10 lr, the best ok loss at
+    that LR over the other swept flags)."""
+    groups = sorted({(r["values"].get("hidden_size") or 0, r["iters"]) for r in rows})
     out = []
-    for i, w in enumerate(widths):
+    for i, (w, iters) in enumerate(groups):
         best = {}
         for r in rows:
-            if (r["values"].get("hidden_size") or 0) == w and r["status"] == "ok":
+            if ((r["values"].get("hidden_size") or 0), r["iters"]) == (w, iters) and r["status"] == "ok":
                 x = math.log10(r["values"]["lr"])
                 best[x] = min(best.get(x, math.inf), r["loss"])
-        out.append(svg.Series(f"width {w}" if w else "loss", sorted(best.items()), svg.color(i)))
+        name = f"width {w}, {iters} iters" if w else f"{iters} iters"
+        out.append(svg.Series(name, sorted(best.items()), svg.color(i)))
     return out
 
 
