@@ -35,7 +35,8 @@ LRS = ",".join(f"{2.0 ** -k:.6g}" for k in range(13, 3, -1))  # 2^-13 … 2^-4: 
 def sweep(out: str, mup: bool, args) -> list:
     """Run (or resume) one parametrisation's sweep; its trials.jsonl records."""
     folder = os.path.join(out, "mup" if mup else "standard")
-    base = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--num-layers", "4", "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "8",
+    base = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--num-layers", "4",
+            "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "8",
             "--global-batch-size", "32", "--lr-warmup-iters", str(max(1, args.iters // 10)), "--lr-decay-style",
             "cosine", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "10",
             "--eval-interval", str(args.iters), "--eval-iters", "4"] + (["--bf16"] if args.bf16 else [])

@@ -12,8 +12,8 @@ layer; the attention and MLP output projections use std / sqrt(2 · num_layers) 
 Megatron "scaled_init_method_normal"); biases and norm shifts 0, norm scales 1. Under --use-mup
 (meshlm/mup.py, Tensor Programs V Table 8) the hidden matrices' std is divided by √(width
 multiplier) and their parameters carry ``lr_mult`` = 1/width multiplier (read by optim/), the
-embedding output is multiplied by --mup-embedding-mult and the logits by the output multiplier. Each full weight is
-drawn from a generator keyed by (seed, global layer index, parameter name) and sliced (see
+embedding output is multiplied by --mup-embedding-mult and the logits by the output multiplier.
+Each full weight is drawn from a generator keyed by (seed, global layer index, parameter name) and sliced (see
 parallel/tensor.py ShardedInit), so TP=1 and TP=k start identical.
 
 Dropout follows parallel/random.py: identical masks in every layout, except attention dropout on
