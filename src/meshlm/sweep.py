@@ -6,7 +6,7 @@ warm-up, init std and the width) on short proxy runs, each a normal ``meshlm pre
 
 The swept flags take comma lists of pretrain's values; the flags after ``--`` are every trial's.
 Trials run in parallel, one per slot: a GPU each (CUDA_VISIBLE_DEVICES) when there are GPUs, else
---slots CPU processes. A trial ends as ``ok`` (its loss: the last validation loss, else the mean of
+--slots CPU processes; a trial is one process (TP = PP = 1) unless the flags give --nproc-per-node. A trial ends as ``ok`` (its loss: the last validation loss, else the mean of
 its last three training losses), ``diverged`` (a NaN/inf loss, or a loss above --spike-factor × its
 first one: a spike) or ``failed`` (another error, its last log line kept); the sweep goes on either
 way. Each finished trial is one line of DIR/trials.jsonl, so a killed sweep started again with the
@@ -113,7 +113,9 @@ def _run_trials(todo: list, args, base: list, done: dict) -> None:
     trials.jsonl as it finishes."""
     free, running = _slots(args), []
     todo = [t for t in todo if _key(*t) not in done]
-    extra = [] if "--nproc-per-node" in base else ["--nproc-per-node", "1"]
+    extra = [] if "--nproc-per-node" in base else ["--nproc-per-node", "1"]  # one GPU or CPU slot a trial,
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):  # so TP = PP = 1 unless given
+        extra += [] if flag in base or "--nproc-per-node" in base else [flag, "1"]
     with open(os.path.join(args.sweep_dir, RESULTS), "a") as results:
         while todo or running:
             while todo and free:
