@@ -70,6 +70,7 @@ class Case:
     cp_comm: str = "p2p"         # --cp-comm-type
     masked: tuple = ()           # positions whose loss mask is 0 in every sample (MaskedData)
     batch: int = GLOBAL_BATCH    # --global-batch-size
+    mup: tuple = ()              # --use-mup and the --mup-* flags: ((config field, value), …)
 
     @property
     def world(self) -> int:
@@ -78,7 +79,7 @@ class Case:
     def model_key(self) -> tuple:
         """What the single-process reference depends on."""
         return (self.tied, self.pos, self.rotary, self.norm, self.swiglu, self.groups, self.micro,
-                self.layers, self.per_token, self.packed, self.experts, self.moe, self.masked, self.batch)
+                self.layers, self.per_token, self.packed, self.experts, self.moe, self.masked, self.batch, self.mup)
 
     def __str__(self) -> str:
         default = Case()
@@ -123,6 +124,8 @@ def config(case: Case, global_batch: Optional[int] = None):
         m.num_experts, m.moe_ffn_hidden_size, p.expert_model_parallel_size = case.experts, 12, case.ep
         for name, value in case.moe:
             setattr(m, name, value)
+    for name, value in case.mup:
+        setattr(m, name, value)
     cfg.data.mock_data, cfg.data.split = True, "1,0,0"
     o.lr, o.min_lr, o.lr_warmup_iters, o.clip_grad = 1e-2, 1e-3, 1, 0.5
     validate(cfg, world=case.world, check_files=False)
@@ -237,7 +240,8 @@ _REFERENCES: dict = {}
 def _single(case: Case) -> Case:
     return Case(tied=case.tied, pos=case.pos, rotary=case.rotary, norm=case.norm, swiglu=case.swiglu,
                 groups=case.groups, micro=case.micro, layers=case.layers, per_token=case.per_token,
-                packed=case.packed, experts=case.experts, moe=case.moe, masked=case.masked, batch=case.batch)
+                packed=case.packed, experts=case.experts, moe=case.moe, masked=case.masked, batch=case.batch,
+                mup=case.mup)
 
 
 def references(cases: list) -> list:

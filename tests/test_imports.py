@@ -25,7 +25,7 @@ LAYERS = (
     ("base", ("meshlm", "meshlm.errors", "meshlm.values", "meshlm.yaml_file", "meshlm.folders",
               "meshlm.dtypes", "meshlm.batches", "meshlm.megatron_flags", "meshlm.presets", "meshlm.config",
               "meshlm.fast", "meshlm.flops", "meshlm.profile_ranges", "meshlm.straggler_rule",
-              "meshlm.run_logs", "meshlm.metrics_json")),
+              "meshlm.run_logs", "meshlm.metrics_json", "meshlm.mup")),
     ("parallel", ("meshlm.parallel",)),
     ("model", ("meshlm.model",)),
     ("optim", ("meshlm.optim",)),
@@ -34,7 +34,7 @@ LAYERS = (
     ("planner", ("meshlm.planner",)),
     ("training", ("meshlm.training",)),
     ("run", ("meshlm.validate", "meshlm.dry_run", "meshlm.launch")),
-    ("commands", ("meshlm.cli", "meshlm.__main__", "meshlm.inspect_checkpoint", "meshlm.report")),
+    ("commands", ("meshlm.cli", "meshlm.__main__", "meshlm.inspect_checkpoint", "meshlm.report", "meshlm.sweep")),
 )
 
 

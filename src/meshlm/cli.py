@@ -288,6 +288,9 @@ COMMANDS = {
                 _delegate(".checkpoint.convert", "add_arguments", "run")),
     "analyze": ("read a run's metrics.jsonl: where the step time goes, the dominant cost, the flags that fix it",
                 _delegate(".planner.analyze", "add_arguments", "run")),
+    "sweep": ("search LR (and batch, warm-up, init std, width) on short proxy runs, grid or successive "
+              "halving; a table, sweep.html and the flags for the full run",
+              _delegate(".sweep", "add_arguments", "run")),
     "report": ("write an HTML report of one or more runs (curves, pipeline timeline; --trace for Perfetto)",
                _delegate(".report.page", "add_arguments", "run")),
 }

@@ -82,6 +82,18 @@ class ModelConfig:
     hidden_dropout: float = opt(0.1, "dropout on hidden states")
     attention_dropout: float = opt(0.1, "dropout on attention probabilities")
     init_method_std: float = opt(0.02, "std of the normal weight init")
+    use_mup: bool = opt(False, "μP (Tensor Programs V, Table 8; meshlm/mup.py): hidden init std / √m, hidden "
+                        "Adam LR / m, logits × --mup-output-mult, 1/d attention; m = hidden / base hidden",
+                        action="store_true")
+    mup_base_hidden_size: Optional[int] = opt(None, "μP: hidden size of the base (proxy) model (default: "
+                                              "--hidden-size, i.e. width multiplier 1)")
+    mup_width_mult: Optional[float] = opt(None, "μP: width multiplier; derived as hidden / base hidden, "
+                                          "and if given must equal it")
+    mup_embedding_mult: float = opt(1.0, "μP: multiplier of the embedding output")
+    mup_output_mult: float = opt(1.0, "μP: multiplier of the logits (left at 1.0: set to 1 / width multiplier)")
+    mup_base_head_dim: Optional[float] = opt(None, "μP: head dim of the base model; softmax scale = "
+                                             "√(this) / d^power (none: 1 / d^power)")
+    mup_attn_scale_power: float = opt(1.0, "μP: softmax scale = 1 / d^power (0.5: the standard 1/√d, 1: μP's 1/d)")
     vocab_size: Optional[int] = opt(None, "vocabulary size (mock data / null tokenizer; else from the tokenizer)")
     make_vocab_size_divisible_by: int = opt(128, "pad the vocabulary to a multiple of this × TP")
     num_experts: Optional[int] = opt(None, "routed experts per MoE layer (none or 0: dense MLPs only)")

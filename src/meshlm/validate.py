@@ -67,7 +67,8 @@ _INT_MAY_BE_ZERO = {"seed", "eval_iters", "lr_warmup_iters", "lr_warmup_samples"
                     "profile_step_start", "num_experts", "null_tokenizer_eod_id"}
 _ELSEWHERE = {"null_tokenizer_pad_id"}  # -1 is Megatron's "no pad": data.tokenizer.null_ids_problem
 _FLOAT_POSITIVE = {"norm_epsilon", "rotary_base", "rotary_percent", "init_method_std",
-                   "initial_loss_scale", "min_loss_scale", "adam_eps", "moe_expert_capacity_factor"}
+                   "initial_loss_scale", "min_loss_scale", "adam_eps", "moe_expert_capacity_factor",
+                   "mup_width_mult", "mup_embedding_mult", "mup_output_mult", "mup_base_head_dim"}
 _BELOW = {"hidden_dropout": (1, "1"), "attention_dropout": (1, "1"), "adam_beta1": (1, "1"),
           "adam_beta2": (1, "1"), "seed": (2 ** 32, "2**32")}
 
@@ -128,6 +129,29 @@ def _model_problems(m: ModelConfig) -> list:
     elif m.position_embedding_type == "rope" and 0 < m.rotary_percent and rotary_dim(m) == 0:
         problems.append(f"--rotary-percent {m.rotary_percent} × head dim {head_dim(m)} rotates no dimension; "
                         f"give at least {1 / head_dim(m):g}")
+    return problems + _mup_problems(m)
+
+
+_MUP_FIELDS = ("mup_base_hidden_size", "mup_width_mult", "mup_embedding_mult", "mup_output_mult",
+               "mup_base_head_dim", "mup_attn_scale_power")
+
+
+def _mup_problems(m: ModelConfig) -> list:
+    """The --use-mup flags (meshlm/mup.py): set only with --use-mup, a width multiplier equal to
+    the derived one, no MoE (μP's rule for the router is not implemented)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    if not m.use_mup:
+        given = [flag_of(f) for f in dataclasses.fields(ModelConfig)
+                 if f.name in _MUP_FIELDS and getattr(m, f.name) != defaults[f.name]]
+        return [f"{' '.join(given)} need(s) --use-mup; add --use-mup or drop them"] if given else []
+    problems = []
+    base = m.mup_base_hidden_size or m.hidden_size
+    if m.mup_width_mult is not None and base > 0 and not math.isclose(m.mup_width_mult, m.hidden_size / base):
+        problems.append(f"--mup-width-mult {m.mup_width_mult} differs from --hidden-size / --mup-base-hidden-size "
+                        f"= {m.hidden_size / base:g}; drop --mup-width-mult (it is derived) or fix the sizes")
+    if m.num_experts:
+        problems.append("--use-mup with --num-experts: μP for MoE routers and experts is not implemented; "
+                        "drop one of them")
     return problems
 
 

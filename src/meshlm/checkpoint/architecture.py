@@ -7,12 +7,13 @@ Hugging Face load with the HF model's (hf_config.py ``flag_problems``).
 from __future__ import annotations
 
 from .. import config as C
+from .. import mup
 
 
 def architecture(m: C.ModelConfig) -> dict:
     """{field name: effective value} of the ModelConfig fields that decide the model's function and
     tensor shapes (defaults resolved, e.g. --ffn-hidden-size None → 4h; MoE fields only for an
-    MoE model, --moe-layer-freq as its layer pattern). Dropout, init, sequence
+    MoE model, --moe-layer-freq as its layer pattern; under --use-mup its multipliers). Dropout, init, sequence
     length (except as the learned position table size) may change on resume and are left out, and
     so may --make-vocab-size-divisible-by (checkpoints hold the unpadded vocabulary)."""
     arch = {name: getattr(m, name) for name in (
@@ -29,6 +30,11 @@ def architecture(m: C.ModelConfig) -> dict:
                     moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
                     moe_router_score_function=m.moe_router_score_function,
                     moe_router_pre_softmax=m.moe_router_pre_softmax)
+    arch["use_mup"] = m.use_mup
+    if m.use_mup:  # the multipliers a resumed run keeps (meshlm/mup.py), defaults resolved
+        arch.update(mup_base_hidden_size=m.mup_base_hidden_size or m.hidden_size,
+                    mup_embedding_mult=mup.embedding_mult(m), mup_output_mult=mup.output_mult(m),
+                    mup_base_head_dim=m.mup_base_head_dim, mup_attn_scale_power=m.mup_attn_scale_power)
     if m.position_embedding_type == "rope":
         arch.update(rotary_base=m.rotary_base, rotary_percent=m.rotary_percent)
     else:

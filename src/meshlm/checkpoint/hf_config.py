@@ -235,7 +235,8 @@ def _export_arch(m: C.ModelConfig, arch: Optional[str]) -> str:
               ("--normalization", m.normalization, "RMSNorm" if llama_like else "LayerNorm"),
               ("--swiglu", m.swiglu, llama_like),
               # transformers' llama/mistral/mixtral rotate every dimension of a head (no partial rotary)
-              ("--rotary-percent", m.rotary_percent if rope else 1.0, 1.0)]
+              ("--rotary-percent", m.rotary_percent if rope else 1.0, 1.0),
+              ("--use-mup (its multipliers have no Hugging Face field)", m.use_mup, False)]
     if arch == "gpt2":
         wanted += [("--disable-bias-linear", not m.add_bias_linear, False),
                    ("--group-query-attention", C.query_groups(m) != m.num_attention_heads, False),

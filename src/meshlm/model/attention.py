@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .. import mup
 from ..config import head_dim, max_positions, query_groups, rotary_dim
 from ..dtypes import at_least_fp32, wide
 from ..parallel import comm, context
@@ -87,6 +88,8 @@ class SelfAttention(nn.Module):
     With --attention-dropout > 0 in training: on the fast path (meshlm/fast.py) one SDPA call whose
     dropout draws from the device's default generator (a per-TP-rank stream, as Megatron's); else
     one SDPA call per head with its own keyed stream (masks independent of TP), which is slower.
+    Under --use-mup q is multiplied by ``mup.query_scale`` first, so every core attention (SDPA,
+    per head, CP's ring) scales the logits by μP's softmax scale instead of 1/√d.
     recompute_core: selective recompute (model/recompute.py): core attention re-runs in backward.
 
     Under context parallelism (ps.cp > 1) x holds this CP rank's two sequence chunks
@@ -110,6 +113,7 @@ class SelfAttention(nn.Module):
             self.rotary = Rotary(d, cfg.rotary_base, max(max_positions(cfg), cfg.seq_length), params_dtype,
                                  ps.device, rotary_dim(cfg))
         self.dropout, self.fast = cfg.attention_dropout, fast
+        self.query_scale = mup.query_scale(cfg)  # 1.0 unless μP's softmax scale (meshlm/mup.py)
         q_rows = contiguous_index(a * d, tp, r)
         if g >= tp:
             self.kv_gather, self.local_groups = False, g // tp
@@ -146,6 +150,8 @@ class SelfAttention(nn.Module):
         q, k, v = self._split_qkv(self.linear_qkv(x))
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if self.query_scale != 1.0:  # SDPA's 1/√d becomes --use-mup's softmax scale, in every core
+            q = q * self.query_scale
         s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         if self.recompute_core and self.training:

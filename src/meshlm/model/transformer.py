@@ -9,8 +9,11 @@ self_attention.linear_qkv, …, final_layernorm, output_layer) and are the same 
 
 Initialisation (Megatron): normal(0, init_method_std) for embeddings, linears and the output
 layer; the attention and MLP output projections use std / sqrt(2 · num_layers) (GPT-2 §2.3;
-Megatron "scaled_init_method_normal"); biases and norm shifts 0, norm scales 1. Each full weight is
-drawn from a generator keyed by (seed, global layer index, parameter name) and sliced (see
+Megatron "scaled_init_method_normal"); biases and norm shifts 0, norm scales 1. Under --use-mup
+(meshlm/mup.py, Tensor Programs V Table 8) the hidden matrices' std is divided by √(width
+multiplier) and their parameters carry ``lr_mult`` = 1/width multiplier (read by optim/), the
+embedding output is multiplied by --mup-embedding-mult and the logits by the output multiplier.
+Each full weight is drawn from a generator keyed by (seed, global layer index, parameter name) and sliced (see
 parallel/tensor.py ShardedInit), so TP=1 and TP=k start identical.
 
 Dropout follows parallel/random.py: identical masks in every layout, except attention dropout on
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .. import mup
 from ..config import max_positions, moe_layer_pattern, padded_vocab_size
 from ..fast import compile_module
 from ..parallel import comm
@@ -137,6 +141,7 @@ class Embedding(nn.Module):
                  fast: bool = False):
         super().__init__()
         self.rng, self.seq, self.p = rng, seq, cfg.hidden_dropout
+        self.mult = mup.embedding_mult(cfg)
         self.plain_dropout = fast and (ps.tp == 1 or sequence_parallel)
         self.word_embeddings = VocabParallelEmbedding(
             vocab_size, padded_vocab, cfg.hidden_size, ps, init(*EMBEDDING_KEY),
@@ -158,6 +163,8 @@ class Embedding(nn.Module):
         elif self.position_embeddings is not None:  # read through the module: see OutputLayer
             rows = torch.arange(offset, offset + x.shape[0], device=x.device)
             x = x + self.position_embeddings(rows).unsqueeze(1)
+        if self.mult != 1.0:
+            x = x * self.mult
         p = self.p if self.training else 0.0
         if self.plain_dropout:
             return F.dropout(x, p) if p else x
@@ -222,14 +229,16 @@ class GPTModel(nn.Module):
         def init(layer, name, std=cfg.init_method_std):
             return ShardedInit((seed, layer, name), std, use_cpu_initialization, ps.tp_rank)
 
-        scaled_std = cfg.init_method_std / math.sqrt(2 * cfg.num_layers)
+        hidden_std = mup.hidden_init_std(cfg)
+        scaled_std = hidden_std / math.sqrt(2 * cfg.num_layers)
+        self.output_mult = mup.output_mult(cfg)
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
         if pre_process:
             self.embedding = Embedding(cfg, ps, vocab_size, self.padded_vocab, init, self.rng, seq, fast=fast, **kw)
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.moe_state, moe = MoEState(), moe_layer_pattern(cfg)
         self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(cfg, ps, i, lambda name, i=i: init(i, name),
+            str(i): TransformerLayer(cfg, ps, i, lambda name, i=i: init(i, name, hidden_std),
                                      lambda name, i=i: init(i, name, scaled_std), self.rng, seq, fast=fast,
                                      recompute_core=recompute.selective,
                                      moe_state=self.moe_state if moe[i] else None, **kw)
@@ -249,6 +258,11 @@ class GPTModel(nn.Module):
                 self.output_layer.weight.shared_embedding = tied
         if pre_process and not cfg.untie_embeddings_and_output_weights:
             self.embedding.word_embeddings.weight.shared_embedding = True
+        if cfg.use_mup:
+            for layer in self.layers.values():
+                for p in layer.parameters():
+                    if p.dim() == 2:  # QKV, attention output, fc1, fc2: the hidden matrices
+                        p.lr_mult = mup.hidden_lr_mult(cfg)
 
     def output_weight(self) -> torch.Tensor:
         """[V_padded/tp, h]: the output layer's weight (the word embedding when tied on this stage)."""
@@ -277,6 +291,8 @@ class GPTModel(nn.Module):
         x = self.final_layernorm(x)
         x = comm.gather_from_sp(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
         logits = self.output_layer(x, self.output_weight())  # [s, b, V/tp]
+        if self.output_mult != 1.0:
+            logits = logits * self.output_mult
         if labels is None:
             return self.output_layer.mask_padding(logits).transpose(0, 1)
         return vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_start, self.group,

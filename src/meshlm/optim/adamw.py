@@ -23,13 +23,15 @@ import torch
 @dataclass
 class Group:
     """Parallel lists of same-shaped tensors: params (updated), grads, exp_avgs, exp_avg_sqs;
-    ``decay``: whether weight decay applies."""
+    ``decay``: whether weight decay applies; ``lr_mult``: the group's LR is lr × this (μP's
+    hidden matrices, meshlm/mup.py)."""
 
     params: list
     grads: list
     exp_avgs: list
     exp_avg_sqs: list
     decay: bool
+    lr_mult: float = 1.0
 
 
 def adamw_(groups: list, *, step: int, lr: float, betas: tuple, eps: float, weight_decay: float,
@@ -40,23 +42,23 @@ def adamw_(groups: list, *, step: int, lr: float, betas: tuple, eps: float, weig
     for g in groups:
         if not g.params:
             continue
-        wd = weight_decay if g.decay else 0.0
+        wd, lr_g = (weight_decay if g.decay else 0.0), lr * g.lr_mult
         if fused:
             device = g.params[0].device
             steps = [torch.full((), float(step), device=device)] * len(g.params)
             scale = None if grad_scale == 1.0 else torch.full((), grad_scale, device=device)
-            torch._fused_adamw_(g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, [], steps, lr=lr, beta1=b1,
+            torch._fused_adamw_(g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, [], steps, lr=lr_g, beta1=b1,
                                 beta2=b2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
                                 grad_scale=scale)
             continue
         if grad_scale != 1.0:
             raise ValueError("the foreach AdamW takes grads already scaled (grad_scale must be 1)")
         if wd:
-            torch._foreach_mul_(g.params, 1 - lr * wd)
+            torch._foreach_mul_(g.params, 1 - lr_g * wd)
         torch._foreach_lerp_(g.exp_avgs, g.grads, 1 - b1)
         torch._foreach_mul_(g.exp_avg_sqs, b2)
         torch._foreach_addcmul_(g.exp_avg_sqs, g.grads, g.grads, value=1 - b2)
         denom = torch._foreach_sqrt(g.exp_avg_sqs)
         torch._foreach_div_(denom, (1 - b2 ** step) ** 0.5)
         torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(g.params, g.exp_avgs, denom, value=-lr / (1 - b1 ** step))
+        torch._foreach_addcdiv_(g.params, g.exp_avgs, denom, value=-lr_g / (1 - b1 ** step))

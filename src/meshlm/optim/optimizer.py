@@ -19,7 +19,8 @@ One ``step()`` (Megatron's order):
      nothing to back off, so ``ok`` is False and the trainer stops with a message naming the
      iteration and the last checkpoint, unless ``--skip-nan-steps``;
   4. clipping by clip_grad / (norm + 1e-6) when that is below 1, and AdamW (optim/adamw.py,
-     torch.optim.AdamW's arithmetic; no weight decay on params marked ``no_weight_decay``) over
+     torch.optim.AdamW's arithmetic; no weight decay on params marked ``no_weight_decay``, the LR
+     times ``lr_mult`` on params that carry one: μP's hidden matrices, meshlm/mup.py) over
      the fragments of every shard. On the fast path (meshlm/fast.py) one fused kernel does both
      (the clip coefficient enters as its grad scale); otherwise
      the grads are scaled in place first and foreach kernels update;
@@ -90,6 +91,7 @@ class Fragment:
     p_lo: int
     decay: bool
     counted: bool
+    lr_mult: float = 1.0
 
 
 class Shard:
@@ -109,7 +111,7 @@ class Shard:
             if lo < hi:
                 self.fragments.append(Fragment(p, names[p], lo - start, hi - start, lo - s,
                                                not getattr(p, "no_weight_decay", False),
-                                               counts_in_norm(p, ps)))
+                                               counts_in_norm(p, ps), getattr(p, "lr_mult", 1.0)))
 
     @property
     def grad(self) -> torch.Tensor:
@@ -239,12 +241,15 @@ class MixedPrecisionOptimizer:
             group.grads = []  # hold no grad memory past the step
 
     def _fragment_groups(self) -> list:
-        """[(decayed Group, where), (non-decayed Group, where)]: fragment views of masters and
+        """[(Group, where)], one per (decay, lr_mult) present: fragment views of masters and
         moments, and where each fragment's grad lies: (shard index, lo, hi)."""
-        groups = {True: (Group([], [], [], [], True), []), False: (Group([], [], [], [], False), [])}
+        groups = {}
         for i, s in enumerate(self.shards):
             for f in s.fragments:
-                grp, where = groups[f.decay]
+                key = (f.decay, f.lr_mult)
+                if key not in groups:
+                    groups[key] = (Group([], [], [], [], f.decay, f.lr_mult), [])
+                grp, where = groups[key]
                 where.append((i, f.lo, f.hi))
                 for dst, t in ((grp.params, s.master), (grp.exp_avgs, s.exp_avg), (grp.exp_avg_sqs, s.exp_avg_sq)):
                     dst.append(t[f.lo:f.hi])

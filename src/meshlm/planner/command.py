@@ -1,7 +1,7 @@
 """``meshlm plan``: pretrain's flags plus a cluster → per-rank memory, ranked layouts, exclusions.
 
 Prints (or, with --json, writes to stdout as one JSON document; bytes and seconds) the model, the
-cluster, launch warnings (``lint``), the memory and step time of the flags' own layout, the feasible
+cluster, the LR and global batch of a published scaling law (``hyperparams``), launch warnings (``lint``), the memory and step time of the flags' own layout, the feasible
 layouts fastest first with their exact flags, and why every other layout is excluded.
 ``--calibrate`` measures this machine instead and stores a GPU profile (``gpus.profile_dir()``).
 """
@@ -16,6 +16,7 @@ import sys
 
 from ..config import default_nproc, global_batch
 from .gpus import OVERRIDES, PRESETS, GiB, resolve_gpu, save_profile
+from .hyperparams import recommend
 from .layout import Layout
 
 _CATEGORIES = ("weights", "grads", "optimizer", "activations", "loss")
@@ -106,13 +107,15 @@ def run(args: argparse.Namespace, config_and_source) -> int:
                      "global_batch_size": cfg.training.global_batch_size},
            "cluster": {"num_gpus": world, "gpus_per_node": per_node, "gpu": gpu.to_json()},
            "warnings": warnings, "current": current.to_json() if current else {"problems": problems},
-           "layouts": [f.to_json() for f in fits], "excluded": excluded}
+           "layouts": [f.to_json() for f in fits], "excluded": excluded,
+           "hyperparameters": recommend(cfg, world).to_json()}
     if args.json:
         print(json.dumps(doc))
         return 0
     m = cfg.model
     print(f"model: {m.num_layers} layers, h {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
           f"vocabulary {vocab}; global batch {cfg.training.global_batch_size}")
+    print(recommend(cfg, world).line())
     print(f"cluster: {world} × {gpu.name} ({gpu.memory_bytes / GiB:.1f} GiB, {gpu.peak_flops / 1e12:.0f} TFLOP/s bf16), "
           f"{per_node} per node; profile: {gpu.source}")
     for w in warnings:

@@ -1,0 +1,220 @@
+"""``meshlm sweep``: a grid or successive-halving search over LR (and optionally global batch,
+warm-up, init std and the width) on short proxy runs, each a normal ``meshlm pretrain`` process.
+
+    meshlm sweep --lr 1e-3,3e-3,1e-2 --hidden-size 128,256 --sweep-dir DIR [--method halving]
+                 [--target-hidden-size 4096] -- <pretrain flags, e.g. --use-mup --mock-data …>
+
+The swept flags take comma lists of pretrain's values; the flags after ``--`` are every trial's.
+Trials run in parallel, one per slot: a GPU each (CUDA_VISIBLE_DEVICES) when there are GPUs, else
+--slots CPU processes; a trial is one process (TP = PP = 1) unless the flags give --nproc-per-node. A trial ends as ``ok`` (its loss: the last validation loss, else the mean of
+its last three training losses), ``diverged`` (a NaN/inf loss, or a loss above --spike-factor × its
+first one: a spike) or ``failed`` (another error, its last log line kept); the sweep goes on either
+way. Each finished trial is one line of DIR/trials.jsonl, so a killed sweep started again with the
+same flags runs only the trials that have no ok or diverged line yet (failed ones run again).
+
+Successive halving (Jamieson & Talwalkar 2016, "Non-stochastic Best Arm Identification and
+Hyperparameter Optimization", Alg. 1): per width, every setting runs --train-iters; the best
+1/--eta of them run again for eta × as many iterations, for --rungs rungs.
+
+At the end: a table, DIR/sweep.html (loss against LR, one curve per width: report/sweep.py) and the
+chosen values (the best trial of the widest proxy) as flags for the full run; under --use-mup with
+--mup-base-hidden-size (default: the smallest swept width) they carry to --target-hidden-size
+unchanged (Tensor Programs V: μP's optimum does not move with width), and the standard
+parametrisation is said not to transfer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from .errors import ConfigError
+
+AXES = {"lr": float, "hidden_size": int, "global_batch_size": int, "lr_warmup_iters": int, "init_method_std": float}
+RESULTS = "trials.jsonl"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for name, kind in AXES.items():
+        parser.add_argument("--" + name.replace("_", "-"), default=None, metavar="V1,V2,…",
+                            help=f"values of pretrain's --{name.replace('_', '-')} to try ({kind.__name__}s)")
+    parser.add_argument("--sweep-dir", required=True, help="the trials' run folders, trials.jsonl and sweep.html")
+    parser.add_argument("--method", choices=["grid", "halving"], default="grid", help="every setting, or "
+                        "successive halving")
+    parser.add_argument("--train-iters", type=int, default=50, help="iterations of a proxy run (halving: rung 0)")
+    parser.add_argument("--eta", type=int, default=2, help="halving: keep 1/eta, run eta × longer")
+    parser.add_argument("--rungs", type=int, default=3, help="halving: rungs")
+    parser.add_argument("--slots", type=int, default=None, help="trials at once (default: the GPUs, or 1 on CPU)")
+    parser.add_argument("--spike-factor", type=float, default=1.5, help="a loss above this × the first is a spike")
+    parser.add_argument("--target-hidden-size", type=int, default=None, help="the full run's width, for the flags")
+    parser.add_argument("pretrain", nargs=argparse.REMAINDER, help="-- then every trial's pretrain flags")
+
+
+def _values(args) -> dict:
+    """{axis: [values]} of the swept flags given; ConfigError naming a bad value."""
+    out = {}
+    for name, kind in AXES.items():
+        text = getattr(args, name)
+        if text is None:
+            continue
+        try:
+            out[name] = [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise ConfigError(f"--{name.replace('_', '-')} {text}: give comma-separated {kind.__name__}s") from None
+    if "lr" not in out:
+        raise ConfigError("meshlm sweep needs --lr V1,V2,… (the learning rates to try)")
+    return out
+
+
+def _flags(values: dict) -> list:
+    return [tok for k, v in values.items() for tok in ("--" + k.replace("_", "-"), repr(v))]
+
+
+def _key(values: dict, iters: int) -> str:
+    return json.dumps({"values": values, "iters": iters}, sort_keys=True)
+
+
+def _outcome(run_dir: str, rc: int, log: str, spike: float) -> dict:
+    """{status, loss, note} of a finished trial from its metrics.jsonl and exit status."""
+    from .metrics_json import loads
+    path = os.path.join(run_dir, "logs", "metrics.jsonl")
+    recs = [loads(line) for line in open(path)] if os.path.isfile(path) else []
+    losses = [r["lm_loss"] for r in recs if "iter_ms" in r and r.get("lm_loss") is not None]
+    evals = [r["val_loss"] for r in recs if r.get("val_loss") is not None]
+    bad = [x for x in losses + evals if not math.isfinite(x)]
+    if bad or (losses and max(losses) > spike * losses[0]):
+        what = "NaN/inf loss" if bad else f"loss spike {max(losses):.3g} > {spike} × first {losses[0]:.3g}"
+        return {"status": "diverged", "loss": None, "note": what}
+    if rc != 0 or not losses:
+        tail = open(log, errors="replace").read().strip().splitlines()[-1:] if os.path.isfile(log) else []
+        nan = tail and ("nan" in tail[0].lower() or "inf" in tail[0].lower())
+        return {"status": "diverged" if nan else "failed", "loss": None, "note": (tail or [f"exit {rc}"])[0][:300]}
+    loss = evals[-1] if evals else sum(losses[-3:]) / len(losses[-3:])
+    return {"status": "ok", "loss": loss, "note": ""}
+
+
+def _slots(args) -> list:
+    """One entry per parallel slot: its CUDA_VISIBLE_DEVICES (None on CPU)."""
+    import torch
+    gpus = torch.cuda.device_count()
+    n = args.slots or max(1, gpus)
+    return [str(i % gpus) if gpus else None for i in range(n)]
+
+
+def _run_trials(todo: list, args, base: list, done: dict) -> None:
+    """Run (values, iters) trials that have no result yet, a slot each; append each result to
+    trials.jsonl as it finishes."""
+    free, running = _slots(args), []
+    todo = [t for t in todo if _key(*t) not in done]
+    extra = [] if "--nproc-per-node" in base else ["--nproc-per-node", "1"]  # one GPU or CPU slot a trial,
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):  # so TP = PP = 1 unless given
+        extra += [] if flag in base or "--nproc-per-node" in base else [flag, "1"]
+    with open(os.path.join(args.sweep_dir, RESULTS), "a") as results:
+        while todo or running:
+            while todo and free:
+                values, iters = todo.pop(0)
+                slot = free.pop(0)
+                name = "-".join(f"{k}={v}" for k, v in values.items()) + f"-iters={iters}"
+                run_dir = os.path.join(args.sweep_dir, name)
+                shutil.rmtree(run_dir, ignore_errors=True)  # a trial the killed sweep left unfinished
+                os.makedirs(run_dir)
+                log = os.path.join(args.sweep_dir, name + ".log")
+                env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": slot} if slot is not None else {}))
+                cmd = [sys.executable, "-m", "meshlm", "pretrain", *base, *_flags(values), *extra,
+                       "--train-iters", str(iters), "--run-dir", run_dir]
+                with open(log, "w") as out:
+                    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+                running.append((proc, values, iters, slot, run_dir, log))
+            time.sleep(0.1)
+            for item in [r for r in running if r[0].poll() is not None]:
+                proc, values, iters, slot, run_dir, log = item
+                running.remove(item)
+                free.append(slot)
+                rec = {"values": values, "iters": iters, **_outcome(run_dir, proc.returncode, log, args.spike_factor)}
+                done[_key(values, iters)] = rec
+                results.write(json.dumps(rec) + "\n")
+                results.flush()
+                print(f"meshlm sweep: {rec['status']:>8} {rec['loss'] if rec['loss'] is not None else '-':>10} "
+                      f"{' '.join(_flags(values))} ({iters} iters) {rec['note']}", flush=True)
+
+
+def _best(recs: list) -> dict | None:
+    ok = [r for r in recs if r["status"] == "ok"]
+    return min(ok, key=lambda r: r["loss"]) if ok else None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sweep (see the module docstring); 0 when some trial ended ok, else 2 (ConfigError)."""
+    base = [a for a in args.pretrain if a != "--"]
+    values = _values(args)
+    widths = sorted(values.pop("hidden_size", [None]), key=lambda w: w or 0)
+    mup = "--use-mup" in base
+    if mup and "--mup-base-hidden-size" not in base and widths != [None]:
+        base += ["--mup-base-hidden-size", str(min(widths))]
+    os.makedirs(args.sweep_dir, exist_ok=True)
+    path = os.path.join(args.sweep_dir, RESULTS)
+    done = {}
+    if os.path.isfile(path):
+        for line in open(path):
+            if line.strip():
+                rec = json.loads(line)
+                if rec["status"] != "failed":  # a failed trial (a crash, a kill) runs again
+                    done[_key(rec["values"], rec["iters"])] = rec
+        print(f"meshlm sweep: resuming, {len(done)} trial(s) already in {path}")
+    grid = [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
+    settings = {w: [({"hidden_size": w} if w else {}) | g for g in grid] for w in widths}
+    rungs = args.rungs if args.method == "halving" else 1
+    final, rows = {}, []
+    for rung in range(rungs):
+        iters = args.train_iters * args.eta ** rung
+        _run_trials([(s, iters) for group in settings.values() for s in group], args, base, done)
+        for w, group in settings.items():
+            recs = [done[_key(s, iters)] for s in group]
+            final[w] = recs
+            rows += recs
+            ok = sorted((r for r in recs if r["status"] == "ok"), key=lambda r: r["loss"])
+            settings[w] = [r["values"] for r in ok[:max(1, math.ceil(len(group) / args.eta))]]
+        if all(len(g) <= 1 for g in settings.values()):
+            break
+    return _finish(args, final, rows, base, mup, widths)
+
+
+def _mup_flags(base: list) -> list:
+    """--use-mup and every --mup-* flag (with its value) of the trials' pretrain flags."""
+    out = ["--use-mup"]
+    for i, tok in enumerate(base):
+        if tok.startswith("--mup-") and i + 1 < len(base):
+            out += [tok, base[i + 1]]
+    return out
+
+
+def _finish(args, final: dict, rows: list, base: list, mup: bool, widths: list) -> int:
+    """Print the table (every trial of every rung), write sweep.html, print the chosen flags (the
+    best trial of the widest proxy's last rung)."""
+    from .report.sweep import write_page
+    print(f"{'status':>8} {'loss':>10}  flags")
+    for r in rows:
+        loss = f"{r['loss']:.4f}" if r["loss"] is not None else "-"
+        print(f"{r['status']:>8} {loss:>10}  {' '.join(_flags(r['values']))} ({r['iters']} iters) {r['note']}")
+    best = _best(final[widths[-1]]) or _best([r for w in widths for r in final[w]])
+    page = write_page(os.path.join(args.sweep_dir, "sweep.html"), rows)
+    print(f"meshlm sweep: {page}")
+    if best is None:
+        raise ConfigError(f"meshlm sweep: no trial ended ok (see {os.path.join(args.sweep_dir, RESULTS)}); "
+                          "lower --lr, or check the trials' logs")
+    chosen = {k: v for k, v in best["values"].items() if k != "hidden_size"}
+    flags = _flags(chosen)
+    if args.target_hidden_size and mup:
+        flags = _mup_flags(base) + ["--hidden-size", str(args.target_hidden_size)] + flags
+    print("meshlm sweep: chosen for the full run: " + " ".join(flags))
+    if args.target_hidden_size and not mup:
+        print("meshlm sweep: note: under the standard parametrisation the best LR moves with the width "
+              "(Tensor Programs V, Fig. 1); sweep with --use-mup to carry it to --target-hidden-size")
+    return 0

@@ -1,0 +1,46 @@
+"""`meshlm plan`'s LR and global batch from DeepSeek LLM's scaling law (planner/hyperparams.py)."""
+
+import json
+
+import pytest
+
+from meshlm.cli import main
+from meshlm.config import Config
+from meshlm.planner.hyperparams import flops_per_token, recommend
+
+
+def _cfg(tokens_of_samples: int, **model) -> Config:
+    cfg = Config()
+    for k, v in model.items():
+        setattr(cfg.model, k, v)
+    cfg.training.train_iters, cfg.training.global_batch_size = 1, tokens_of_samples
+    return cfg
+
+
+def test_flops_per_token_is_deepseeks_m_for_their_shape():
+    m = _cfg(1, num_layers=30, hidden_size=4096, num_attention_heads=32, seq_length=4096,
+             add_bias_linear=False).model
+    assert flops_per_token(m) == 72 * 30 * 4096 ** 2 + 6 * 30 * 4096 * 4096  # §3.2, Eq. (2)
+
+
+def test_recommendation_at_one_exaflop_and_outside_the_fitted_range():
+    cfg = _cfg(1, num_layers=1, hidden_size=64, num_attention_heads=1, seq_length=64)
+    m = flops_per_token(cfg.model)
+    cfg.training.train_iters = round(1e18 / (m * 64))  # C ≈ 1e18 FLOPs, global batch 1
+    rec = recommend(cfg, 1)
+    assert rec.compute == pytest.approx(1e18, rel=1e-3) and rec.inside
+    assert rec.lr == pytest.approx(1.7533e-3, rel=1e-3)           # 0.3118 · 1e18^-0.125
+    assert rec.batch_tokens == pytest.approx(225_519, rel=1e-3)   # 0.2920 · 1e18^0.3271
+    assert rec.global_batch == round(rec.batch_tokens / 64)
+    tiny = recommend(_cfg(1, num_layers=1, hidden_size=64, num_attention_heads=1, seq_length=64), 1)
+    assert not tiny.inside and "OUTSIDE (an extrapolation)" in tiny.line() and "2401.02954" in tiny.line()
+
+
+def test_plan_prints_and_writes_the_recommendation(capsys):
+    flags = ["plan", "--model", "gpt2-125m", "--vocab-size", "50257", "--mock-data", "--micro-batch-size", "4",
+             "--global-batch-size", "64", "--train-iters", "10000", "--num-gpus", "8", "--top", "1"]
+    assert main(flags + ["--json"]) == 0
+    hp = json.loads(capsys.readouterr().out)["hyperparameters"]
+    assert hp["inside_fitted_range"] and 0 < hp["lr"] < 1e-2 and hp["fitted_range_flops"] == [1e17, 2e19]
+    assert main(flags) == 0
+    assert "hyperparameters: --lr " in capsys.readouterr().out

@@ -1,0 +1,53 @@
+"""`meshlm sweep` (meshlm/sweep.py): real pretrain trials, a diverged one recorded and passed over,
+a resumed sweep running only the trials it lacks, the page and the chosen flags."""
+
+import json
+
+import pytest
+
+from meshlm.cli import main
+
+PRETRAIN = ["--", "--mock-data", "--vocab-size", "64", "--num-layers", "1", "--num-attention-heads", "2",
+            "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2", "--log-interval", "1",
+            "--eval-iters", "0", "--use-mup"]
+
+
+@pytest.mark.slow
+def test_sweep_records_divergence_resumes_and_prints_mup_flags(tmp_path, capsys):
+    sweep = ["sweep", "--hidden-size", "32", "--train-iters", "3", "--slots", "2", "--sweep-dir", str(tmp_path),
+             "--target-hidden-size", "256"]
+    assert main(sweep + ["--lr", "1e-3,1e4"] + PRETRAIN) == 0
+    first = [json.loads(line) for line in open(tmp_path / "trials.jsonl")]
+    status = {r["values"]["lr"]: r["status"] for r in first}
+    assert status == {1e-3: "ok", 1e4: "diverged"}, first
+    capsys.readouterr()
+    # a second start with one more LR: the two finished trials are kept, only the new one runs
+    assert main(sweep + ["--lr", "1e-3,3e-3,1e4"] + PRETRAIN) == 0
+    out = capsys.readouterr().out
+    lines = [json.loads(line) for line in open(tmp_path / "trials.jsonl")]
+    assert lines[:2] == first and [r["values"]["lr"] for r in lines[2:]] == [3e-3]
+    assert "resuming, 2 trial(s) already" in out
+    best = min((r for r in lines if r["status"] == "ok"), key=lambda r: r["loss"])
+    assert (f"chosen for the full run: --use-mup --mup-base-hidden-size 32 --hidden-size 256 "
+            f"--lr {best['values']['lr']!r}") in out
+    page = (tmp_path / "sweep.html").read_text()
+    assert 'data-series="width 32, 3 iters" data-points="2"' in page and page.count('class="diverged"') == 1
+
+
+def test_successive_halving_keeps_the_best_half_and_runs_them_longer(tmp_path, monkeypatch, capsys):
+    from meshlm import sweep
+
+    ran = []
+
+    def fake_trials(todo, args, base, done):  # loss: distance of log10(lr) from -2.8, less with more iters
+        import math
+        for values, iters in todo:
+            ran.append((values["lr"], iters))
+            done[sweep._key(values, iters)] = {"values": values, "iters": iters, "status": "ok", "note": "",
+                                               "loss": abs(math.log10(values["lr"]) + 2.8) + 1 / iters}
+
+    monkeypatch.setattr(sweep, "_run_trials", fake_trials)
+    assert main(["sweep", "--lr", "1e-4,1e-3,1e-2,1e-1", "--method", "halving", "--train-iters", "2",
+                 "--sweep-dir", str(tmp_path), "--", "--mock-data"]) == 0
+    assert ran == [(1e-4, 2), (1e-3, 2), (1e-2, 2), (1e-1, 2), (1e-3, 4), (1e-2, 4)]  # one left: done
+    assert "chosen for the full run: --lr 0.001" in capsys.readouterr().out
