@@ -144,3 +144,32 @@ def test_tp2_with_fp8_emulation_matches_tp1_in_float64():
     assert_parity(Case(tp=2, sp=True, pp=2, schedule="1f1b", recompute="full-uniform-1", fp8="hybrid", fp8_ends=1,
                        pos="rope", norm="RMSNorm", swiglu=True, groups=2, tied=False),
                   Case(tp=2, dp=2, dist_opt=True, recompute="selective", fp8="e4m3", swiglu=True, micro=2))
+
+
+def test_planner_models_fp8_memory_and_step_time():
+    """plan / --dry-run: FP8 layers keep 1-byte linear inputs and weights (less activation memory than
+    bf16 at the 8B widths) and their GEMMs run fp8_gemm_speedup times faster; at a speed-up of 1 the
+    step time only gains the weights' casts."""
+    import dataclasses
+
+    from meshlm.planner.cost import step_time
+    from meshlm.planner.gpus import PRESETS
+    from meshlm.planner.layout import Layout
+    from meshlm.planner.memory import estimate
+
+    def plan(fp8, gpu=PRESETS["H200-141GB"]):
+        cfg = Config()
+        m, t = cfg.model, cfg.training
+        m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, m.seq_length = 8, 4096, 32, 14336, 2048
+        m.group_query_attention, m.num_query_groups, m.swiglu = True, 8, True
+        m.hidden_dropout = m.attention_dropout = 0.0
+        t.bf16, t.micro_batch_size, t.global_batch_size, t.fp8_format = True, 4, 4, fp8
+        lay = Layout.of(cfg, 1)
+        mem = estimate(cfg, lay, 32000)
+        return mem, step_time(cfg, lay, gpu, 32000, gpus_per_node=1, params_per_rank=mem.params)
+
+    (m16, t16), (m8, t8) = plan(None), plan("hybrid")
+    assert m8.activations < 0.85 * m16.activations and m8.peak_bytes <= m16.peak_bytes  # peak: the optimizer step
+    assert t8.total < t16.total
+    slow = dataclasses.replace(PRESETS["H200-141GB"], fp8_gemm_speedup=1.0)
+    assert plan("hybrid", slow)[1].total > t16.total

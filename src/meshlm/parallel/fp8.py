@@ -21,7 +21,8 @@ and dy [T, out] (T = s·b tokens):
     backward  dx = dy8 @ W8         (E5M2 or E4M3 × E4M3)
               dW = dy8ᵀ @ x8        (E5M2 or E4M3 × E4M3)
 
-The FP8 copies x8 and W8 (one byte an element) are what backward keeps, instead of x in bf16.
+Backward keeps x8 (one byte an element) instead of x in bf16, and re-casts W with the forward's
+scale (the same FP8 values) rather than keep an FP8 copy of every weight until backward.
 
 Tensor parallelism: a tensor split over TP has its amax all-reduced (max) over ``group`` before
 the scale is taken, so every rank scales by the amax of the full tensor. The weight is split in
@@ -120,16 +121,18 @@ class _Fp8Matmul(torch.autograd.Function):
         sx = scale_of(amax(x, group if x_split else None), fwd_dtype, margin)
         sw = scale_of(amax(weight, group), fwd_dtype, margin)
         x8, w8 = quantize(x, sx, fwd_dtype), quantize(weight, sw, fwd_dtype)
-        ctx.save_for_backward(x8, sx, w8, sw)
+        ctx.save_for_backward(x8, sx, weight, sw)  # the weight is re-cast in backward: no FP8 copy kept
+        ctx.fwd_dtype = fwd_dtype
         ctx.group, ctx.dy_split, ctx.grad_dtype, ctx.margin, ctx.emulate = group, not x_split, grad_dtype, margin, emulate
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         return scaled_mm(x8, sx, w8.t(), sw, x.dtype, emulate)
 
     @staticmethod
     def backward(ctx, dy):
-        x8, sx, w8, sw = ctx.saved_tensors
+        x8, sx, weight, sw = ctx.saved_tensors
         sg = scale_of(amax(dy, ctx.group if ctx.dy_split else None), ctx.grad_dtype, ctx.margin)
         g8 = quantize(dy, sg, ctx.grad_dtype)
+        w8 = quantize(weight, sw, ctx.fwd_dtype)  # the forward's FP8 weight again (same scale, same values)
         dx = scaled_mm(g8, sg, _column_major(w8), sw, ctx.x_dtype, ctx.emulate)
         dw = scaled_mm(g8.t().contiguous(), sg, _column_major(x8), sx, ctx.w_dtype, ctx.emulate)
         return dx, dw, None, None, None, None, None, None
