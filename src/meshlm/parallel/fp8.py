@@ -120,7 +120,8 @@ class _Fp8Matmul(torch.autograd.Function):
     def forward(ctx, x, weight, group, x_split, fwd_dtype, grad_dtype, margin, emulate):
         sx = scale_of(amax(x, group if x_split else None), fwd_dtype, margin)
         sw = scale_of(amax(weight, group), fwd_dtype, margin)
-        x8, w8 = quantize(x, sx, fwd_dtype), quantize(weight, sw, fwd_dtype)
+        # row-major operands (torch._scaled_mm's rule): a cast can keep a permuted input's strides
+        x8, w8 = quantize(x, sx, fwd_dtype).contiguous(), quantize(weight, sw, fwd_dtype).contiguous()
         ctx.save_for_backward(x8, sx, weight, sw)  # the weight is re-cast in backward: no FP8 copy kept
         ctx.fwd_dtype = fwd_dtype
         ctx.group, ctx.dy_split, ctx.grad_dtype, ctx.margin, ctx.emulate = group, not x_split, grad_dtype, margin, emulate
@@ -131,7 +132,7 @@ class _Fp8Matmul(torch.autograd.Function):
     def backward(ctx, dy):
         x8, sx, weight, sw = ctx.saved_tensors
         sg = scale_of(amax(dy, ctx.group if ctx.dy_split else None), ctx.grad_dtype, ctx.margin)
-        g8 = quantize(dy, sg, ctx.grad_dtype)
+        g8 = quantize(dy, sg, ctx.grad_dtype).contiguous()
         w8 = quantize(weight, sw, ctx.fwd_dtype)  # the forward's FP8 weight again (same scale, same values)
         dx = scaled_mm(g8, sg, _column_major(w8), sw, ctx.x_dtype, ctx.emulate)
         dw = scaled_mm(g8.t().contiguous(), sg, _column_major(x8), sx, ctx.w_dtype, ctx.emulate)
