@@ -26,13 +26,14 @@ def test_scale_is_format_max_over_amax_less_the_margin():
 
 
 def test_quantize_puts_the_amax_at_the_format_max_and_saturates():
-    x = torch.randn(64, 32, dtype=torch.float64)
+    x = torch.randn(64, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     for dtype in (E4M3, E5M2):
         s = scale_of(amax(x), dtype)
         q = quantize(x, s, dtype)
         assert q.dtype == dtype and float(q.to(torch.float64).abs().max()) == torch.finfo(dtype).max
-        err = (q.to(torch.float64) / s - x).abs() / x.abs()  # round to nearest: half a unit of the mantissa
-        assert float(err.max()) <= 2.0 ** -(4 if dtype == E4M3 else 3)
+        normal = x.abs() * s >= torch.finfo(dtype).tiny  # below it, subnormals keep fewer mantissa bits
+        err = ((q.to(torch.float64) / s - x).abs() / x.abs())[normal]  # round to nearest: half a unit
+        assert normal.float().mean() > 0.9 and float(err.max()) <= 2.0 ** -(4 if dtype == E4M3 else 3)
     big = quantize(torch.tensor([1e6, -1e6]), torch.tensor(1.0), E4M3)
     assert big.float().tolist() == [448.0, -448.0]
 
