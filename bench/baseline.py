@@ -17,7 +17,10 @@ nn.Linear pair per expert in a loop, results scattered back with index_add); onl
 part of each block is compiled (the expert loop has data-dependent shapes). Without CUDA it runs
 on CPU, uncompiled, for a smoke test.
 
-Usage: python bench/baseline.py [--arch gpt --dropout 0.1] --layers 16 --hidden 2048 --heads 16 --groups 8 --ffn 8192 \
+--fp8 tensorwise: torchao 0.18's float8 training (convert_to_float8_training) of every linear in the
+blocks, before compiling (the FP8 peer of meshlm's --fp8-format; `pip install torchao`).
+
+Usage: python bench/baseline.py [--arch gpt --dropout 0.1] [--fp8 tensorwise] --layers 16 --hidden 2048 --heads 16 --groups 8 --ffn 8192 \
            --vocab 32000 --seq 2048 --micro-batch 8 --iters 20
 Prints one line `BASELINE {json}`: params, iter_ms (median after --warmup steps), tokens_per_sec,
 peak_mem_gb (torch.cuda.max_memory_allocated, GiB).
@@ -121,13 +124,17 @@ def rotate(x, cos, sin):
     return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
 
-def init_and_compile(model: nn.Module, layers: int, compile: bool = True) -> None:
-    """Normal(0, 0.02) matrices (output projections 0.02/√(2L), as GPT-2), then each block (an MoE
+def init_and_compile(model: nn.Module, layers: int, compile: bool = True, fp8: str | None = None) -> None:
+    """Normal(0, 0.02) matrices (output projections 0.02/√(2L), as GPT-2), then (fp8: a torchao
+    recipe name) the blocks' linears swapped for torchao's Float8Linear, then each block (an MoE
     block: its attention part) and the loss under torch.compile."""
     for name, p in model.named_parameters():
         if p.dim() == 2:
             std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "fc2.weight")) else 0.02
             nn.init.normal_(p, 0.0, std)
+    if fp8:  # torchao float8 training: every nn.Linear of the blocks (the output head stays bf16, as meshlm's)
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model.blocks, config=Float8LinearConfig.from_recipe_name(fp8))
     if not compile:
         model.loss = model._loss
         return
@@ -159,7 +166,7 @@ class Llama(nn.Module):
         ang = torch.cat([ang, ang], -1)
         self.register_buffer("cos", ang.cos().float(), persistent=False)
         self.register_buffer("sin", ang.sin().float(), persistent=False)
-        init_and_compile(self, a.layers, a.compile)
+        init_and_compile(self, a.layers, a.compile, a.fp8)
 
     def _loss(self, x, labels):
         return cross_entropy(self.head(self.norm(x)), labels)
@@ -204,6 +211,8 @@ def main() -> None:
     ap.add_argument("--rope-base", type=float, default=500000.0)
     ap.add_argument("--arch", choices=["llama", "gpt"], default="llama")
     ap.add_argument("--dropout", type=float, default=0.0, help="GPT only")
+    ap.add_argument("--fp8", default=None, choices=["tensorwise", "rowwise"],
+                    help="Llama only: torchao float8 training of the blocks' linears with this recipe")
     a = ap.parse_args()
     torch._dynamo.config.recompile_limit = 64  # one cache entry per block; the default 8 falls back to eager
     torch.manual_seed(0)

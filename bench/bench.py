@@ -17,6 +17,10 @@ FLOPs per token (issue 9): 6N + 12·L·h·s, N all parameters (from meshlm's sta
 one GPU and under pure DP), L layers, h hidden, s sequence; TFLOP/s/GPU = that × tokens/s ÷ GPUs;
 MFU = TFLOP/s/GPU ÷ 989.4 (H200 SXM dense bf16). Every case appends one JSON row to --results
 (default bench/results.jsonl); the markdown table goes to stdout and <out>/bench.md.
+
+FP8 cases (``-fp8``: --fp8-format hybrid, the tensorwise recipe) run beside the plain loop's FP8 mode
+(baseline.py --fp8 tensorwise: torchao 0.18, which must be installed); their rows carry ``fp8``,
+``vs_bf16`` (against the bf16 case of the same model in the same invocation) and ``vs_baseline``.
 """
 
 from __future__ import annotations
@@ -55,9 +59,20 @@ GPT2_125M = dict(name="gpt2-125m V50257 dropout 0",
                         "--vocab-size", "50257", "--hidden-dropout", "0", "--attention-dropout", "0"],
                  dims=dict(layers=12, hidden=768, seq=1024), baseline=None)
 
+LLAMA3_8B_W8 = dict(name="llama3-8b widths L8 h4096 a32/g8 ffn14336 V32000 untied",
+                   flags=["--model", "llama3-8b", "--num-layers", "8", "--vocab-size", "32000", "--seq-length", "2048",
+                          "--max-position-embeddings", "2048"],
+                   dims=dict(layers=8, hidden=4096, seq=2048),
+                   baseline=dict(layers=8, hidden=4096, heads=32, groups=8, ffn=14336, vocab=32000, seq=2048))
+FP8 = ["--fp8-format", "hybrid"]  # the tensorwise recipe (meshlm's default --fp8-recipe)
+BASELINE_FP8 = "tensorwise"  # torchao 0.18's recipe in bench/baseline.py --fp8
+
 CASES = {
     # name: (model, GPUs, micro-batch, layout flags)
     "llama1b": (LLAMA_1B, 1, 8, []),
+    "llama1b-fp8": (LLAMA_1B, 1, 8, FP8),
+    "llama8b-w8": (LLAMA3_8B_W8, 1, 4, []),
+    "llama8b-w8-fp8": (LLAMA3_8B_W8, 1, 4, FP8),
     "llama1b-eager": (LLAMA_1B, 1, 8, ["--fast-path", "off"]),
     "llama1b-selective": (LLAMA_1B, 1, 8, ["--recompute-activations"]),
     "llama3b-selective": (LLAMA_3B, 1, 2, ["--recompute-activations", "--global-batch-size", "8"]),
@@ -90,12 +105,17 @@ def run_meshlm(name: str, out: str, iters: int, warmup: int) -> dict:
             "exposed_comm_share": med("exposed_comm_share"), "losses": losses, "wall_s": round(time.time() - t0, 1)}
 
 
-def run_baseline(shape: dict, micro: int, out: str, iters: int, warmup: int) -> dict:
-    args = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
+def is_fp8(name: str) -> bool:
+    return "--fp8-format" in CASES[name][3]
+
+
+def run_baseline(shape: dict, micro: int, out: str, iters: int, warmup: int, fp8: str | None = None) -> dict:
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()] + ([f"--fp8={fp8}"] if fp8 else [])
     cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "baseline.py"), *args,
            f"--micro-batch={micro}", f"--iters={iters}", f"--warmup={warmup}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    with open(os.path.join(out, f"baseline-{shape.get('arch', 'llama')}-{shape['hidden']}-{micro}.log"), "w") as fh:
+    tag = f"-fp8{fp8}" if fp8 else ""
+    with open(os.path.join(out, f"baseline-{shape.get('arch', 'llama')}-{shape['hidden']}-{micro}{tag}.log"), "w") as fh:
         fh.write(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BASELINE ")), None)
     if line is None:
@@ -123,6 +143,23 @@ def row(name: str, r: dict, base: dict | None, date: str, gpu: str) -> dict:
             "first_losses": [round(x, 4) for x in r["losses"][:5]]}
 
 
+def add_fp8_fields(records: list) -> None:
+    """Each FP8 row gets ``fp8`` (the recipe), ``fp8_format``, ``baseline_fp8`` (the plain loop's
+    torchao recipe: its baseline figures are that loop's), ``vs_bf16`` (tokens/s against meshlm's bf16
+    row of the same model, micro-batch and other flags in this run) and ``peak_vs_bf16``."""
+    by_key = {(r["model"], r["micro_batch"], r["layout"]): r for r in records if not is_fp8(r["case"])}
+    for r in records:
+        if not is_fp8(r["case"]):
+            continue
+        layout = CASES[r["case"]][3]
+        i = layout.index("--fp8-format")
+        rest = " ".join(layout[:i] + layout[i + 2:]) or "default"
+        peer = by_key.get((r["model"], r["micro_batch"], rest))
+        r.update(fp8="tensorwise", fp8_format=layout[i + 1], baseline_fp8=BASELINE_FP8,
+                 vs_bf16=None if peer is None else round(r["tokens_per_sec"] / peer["tokens_per_sec"], 3),
+                 peak_vs_bf16=None if peer is None else round(r["peak_mem_gb"] / peer["peak_mem_gb"], 3))
+
+
 def _median_run(runs: list) -> dict | None:
     """The runs' figures combined: median iteration time and tokens/s, max peak memory."""
     if not runs:
@@ -143,6 +180,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=1, help="baseline/meshlm pairs per case (medians kept)")
+    ap.add_argument("--fp8-baselines-only", action="store_true",
+                    help="run the plain loop only beside FP8 cases (its torchao FP8 mode): saves device time")
     args = ap.parse_args()
     import torch
     gpu = torch.cuda.get_device_name(0)
@@ -150,11 +189,13 @@ def main() -> None:
     baselines, records = {}, []
     for name in args.cases:
         model, gpus, micro, _ = CASES[name]
-        key = (model["name"], micro)
+        fp8 = BASELINE_FP8 if is_fp8(name) else None
+        key = (model["name"], micro, fp8)
+        want_base = model["baseline"] and (fp8 or not args.fp8_baselines_only)
         runs, bases = [], []
         for _ in range(args.repeat):
-            if model["baseline"] and (key not in baselines or args.repeat > 1):
-                bases.append(run_baseline(model["baseline"], micro, args.out, args.iters, args.warmup))
+            if want_base and (key not in baselines or args.repeat > 1):
+                bases.append(run_baseline(model["baseline"], micro, args.out, args.iters, args.warmup, fp8))
                 print(f"baseline {key}: {bases[-1]}", flush=True)
             runs.append(run_meshlm(name, args.out, args.iters, args.warmup))
         if bases:
@@ -170,15 +211,17 @@ def main() -> None:
                                    "baseline_tokens_per_sec": [round(b["tokens_per_sec"], 1) for b in bases
                                                                if "error" not in b]}
         print(json.dumps(records[-1]), flush=True)
+    add_fp8_fields(records)
     with open(args.results, "a") as fh:
         for rec in records:
             fh.write(json.dumps(rec) + "\n")
-    lines = ["| case | GPUs | micro | tokens/s | baseline tokens/s | vs baseline | TFLOP/s/GPU | MFU "
-             "| peak GiB (baseline) | ms/iter |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | GPUs | micro | tokens/s | baseline tokens/s | vs baseline | vs bf16 | TFLOP/s/GPU | MFU "
+             "| peak GiB (baseline) | ms/iter |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         base = "n/a" if r["baseline_tokens_per_sec"] is None else f"{r['baseline_tokens_per_sec']:,.0f}"
         vs = "n/a" if r["vs_baseline"] is None else f"{r['vs_baseline']:.3f}"
-        lines.append(f"| {r['case']} | {r['gpus']} | {r['micro_batch']} | {r['tokens_per_sec']:,.0f} | {base} | {vs} "
+        vs16 = f"{r['vs_bf16']:.3f}" if r.get("vs_bf16") else "n/a"
+        lines.append(f"| {r['case']} | {r['gpus']} | {r['micro_batch']} | {r['tokens_per_sec']:,.0f} | {base} | {vs} | {vs16} "
                      f"| {r['tflops_per_gpu']:.1f} | {r['mfu']:.3f} | {r['peak_mem_gb']:.2f} "
                      f"({r['baseline_peak_mem_gb']}) | {r['iter_ms']:.1f} |")
     table = "\n".join(lines)

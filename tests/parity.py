@@ -71,6 +71,8 @@ class Case:
     masked: tuple = ()           # positions whose loss mask is 0 in every sample (MaskedData)
     batch: int = GLOBAL_BATCH    # --global-batch-size
     mup: tuple = ()              # --use-mup and the --mup-* flags: ((config field, value), …)
+    fp8: str = ""                # --fp8-format (emulated on CPU); "" off
+    fp8_ends: int = 0            # --first-last-layers-bf16 with this many layers at each end (0: off)
 
     @property
     def world(self) -> int:
@@ -79,7 +81,8 @@ class Case:
     def model_key(self) -> tuple:
         """What the single-process reference depends on."""
         return (self.tied, self.pos, self.rotary, self.norm, self.swiglu, self.groups, self.micro,
-                self.layers, self.per_token, self.packed, self.experts, self.moe, self.masked, self.batch, self.mup)
+                self.layers, self.per_token, self.packed, self.experts, self.moe, self.masked, self.batch, self.mup,
+                self.fp8, self.fp8_ends)
 
     def __str__(self) -> str:
         default = Case()
@@ -126,6 +129,10 @@ def config(case: Case, global_batch: Optional[int] = None):
             setattr(m, name, value)
     for name, value in case.mup:
         setattr(m, name, value)
+    t.fp8_format = case.fp8 or None
+    if case.fp8_ends:
+        t.first_last_layers_bf16, t.num_layers_at_start_in_bf16 = True, case.fp8_ends
+        t.num_layers_at_end_in_bf16 = case.fp8_ends
     cfg.data.mock_data, cfg.data.split = True, "1,0,0"
     o.lr, o.min_lr, o.lr_warmup_iters, o.clip_grad = 1e-2, 1e-3, 1, 0.5
     validate(cfg, world=case.world, check_files=False)
@@ -241,7 +248,7 @@ def _single(case: Case) -> Case:
     return Case(tied=case.tied, pos=case.pos, rotary=case.rotary, norm=case.norm, swiglu=case.swiglu,
                 groups=case.groups, micro=case.micro, layers=case.layers, per_token=case.per_token,
                 packed=case.packed, experts=case.experts, moe=case.moe, masked=case.masked, batch=case.batch,
-                mup=case.mup)
+                mup=case.mup, fp8=case.fp8, fp8_ends=case.fp8_ends)
 
 
 def references(cases: list) -> list:

@@ -12,6 +12,7 @@ import copy
 
 from .config import Config, batch_schedule, dp_size, global_batch, num_microbatches, run_iterations
 from .data.tokenizer import vocab_of
+from .fp8_rules import fp8_layers
 from .planner.layout import Layout
 from .planner.memory import GiB, estimate
 from .planner.params import stage_params
@@ -52,7 +53,19 @@ def report(cfg: Config, world: int) -> list:
         f"parameters per rank by pipeline stage: {', '.join(f'{n / 1e6:.1f}M' for n in params)} "
         f"(vocabulary {vocab}, {source})",
         *memory_lines(cfg, world, vocab),
+        *fp8_lines(cfg),
     ]
+
+
+def fp8_lines(cfg: Config) -> list:
+    """Under --fp8-format: which layers run FP8 GEMMs and what the memory estimate counts for them."""
+    t = cfg.training
+    if not t.fp8_format:
+        return []
+    on = [i for i, f in enumerate(fp8_layers(t, cfg.model.num_layers)) if f]
+    return [f"FP8 (--fp8-format {t.fp8_format}, --fp8-recipe {t.fp8_recipe}): the linears of layers {on[0]}–{on[-1]} "
+            f"of {cfg.model.num_layers}; the memory above keeps their inputs in FP8 for backward (1 byte an "
+            f"element), no FP8 weight copy (re-cast in backward) and no amax history (tensorwise)"]
 
 
 def memory_lines(cfg: Config, world: int, vocab: int) -> list:

@@ -55,6 +55,7 @@ DIFFERENT_DEFAULTS = {
     "--eval-iters": ("100", "short runs evaluate quickly"),
     "--use-cpu-initialization": ("off", "full weights from one seed, sliced per rank: any layout starts identical"),
     "--accumulate-allreduce-grads-in-fp32": ("off", "main_grad is always fp32"),
+    "--fp8-recipe": ("delayed", "meshlm builds the tensorwise recipe only (meshlm/fp8_rules.py)"),
 }
 
 # meshlm flags that Megatron does not have (besides --config and --model).

@@ -17,9 +17,10 @@ import math
 import os
 from typing import Optional
 
-from .config import (Config, ModelConfig, config_fields, flag_of, global_batch, head_dim, max_positions,
-                     query_groups, rotary_dim, run_iterations, world_size_of)
+from .config import (Config, ModelConfig, config_fields, ffn_hidden, flag_of, global_batch, head_dim,
+                     max_positions, query_groups, rotary_dim, run_iterations, world_size_of)
 from .errors import ConfigError
+from .fp8_rules import alignment_problems, fp8_problems
 from .parallel import layout_rules
 from .values import kind_of
 
@@ -49,6 +50,7 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     problems += _model_problems(cfg.model)
     problems += layout_rules.moe_problems(cfg, world)
     problems += _training_problems(cfg, cuda)
+    problems += _fp8_problems(cfg, cuda)
     problems += _run_length_problems(cfg, world)
     problems += _data_problems(cfg)
     problems += _output_problems(cfg)
@@ -64,7 +66,8 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
 # a few have an upper bound (exclusive) as well.
 _INT_MAY_BE_ZERO = {"seed", "eval_iters", "lr_warmup_iters", "lr_warmup_samples", "num_workers",
                     "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                    "profile_step_start", "num_experts", "null_tokenizer_eod_id"}
+                    "profile_step_start", "num_experts", "null_tokenizer_eod_id", "fp8_margin",
+                    "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"}
 _ELSEWHERE = {"null_tokenizer_pad_id"}  # -1 is Megatron's "no pad": data.tokenizer.null_ids_problem
 _FLOAT_POSITIVE = {"norm_epsilon", "rotary_base", "rotary_percent", "init_method_std",
                    "initial_loss_scale", "min_loss_scale", "adam_eps", "moe_expert_capacity_factor",
@@ -173,6 +176,27 @@ def _training_problems(cfg: Config, cuda: Optional[bool]) -> list:
     if c.keep_checkpoints == 1:  # below 1 is the numeric rule's
         problems.append("--keep-checkpoints 1 is too few: give at least 2 (a crash may damage the latest, "
                         "and loading then falls back to the one before)")
+    return problems
+
+
+def _fp8_problems(cfg: Config, cuda: Optional[bool]) -> list:
+    """--fp8-* (meshlm/fp8_rules.py); on GPU workers (here, or cuda=True) every GEMM size a multiple of 16."""
+    if not cfg.training.fp8_format and not any(
+            (cfg.training.fp8_recipe != "tensorwise", cfg.training.fp8_margin, cfg.training.first_last_layers_bf16,
+             cfg.training.fp8_param_gather)):
+        return []
+    import torch
+    gpu = None
+    if cuda is not False and torch.cuda.is_available():
+        gpu = (torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+    problems = fp8_problems(cfg, gpu)
+    if cfg.training.fp8_format and (gpu or cuda):
+        m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+        ffn, d = ffn_hidden(m), head_dim(m)
+        sizes = {"--hidden-size": m.hidden_size, "--ffn-hidden-size / TP": ffn // tp,
+                 "query and key/value widths / TP": (m.num_attention_heads + 2 * query_groups(m)) * d // tp,
+                 "heads × head dim / TP": m.num_attention_heads * d // tp}
+        problems += alignment_problems(sizes, cfg.training.micro_batch_size * m.seq_length)
     return problems
 
 

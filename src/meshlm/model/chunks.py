@@ -9,6 +9,8 @@ import torch
 
 from .. import fast
 from ..config import Config
+from ..fp8_rules import fp8_layers
+from ..parallel.fp8 import Fp8Recipe
 from ..parallel.mesh import ParallelState
 from ..parallel.pipeline import stage_layers, virtual_size
 from .recompute import Recompute
@@ -21,8 +23,8 @@ def build_model_chunks(cfg: Config, ps: ParallelState, vocab_size: int,
 
     Stage 0 gets the embedding (pre_process), the last stage the final norm, output layer and loss
     (post_process). Weights depend only on the seed and global layer index, so any partition
-    starts from the same model. --fast-path decides compiled layers (meshlm/fast.py). Raises
-    ConfigError for an invalid partition.
+    starts from the same model. --fast-path decides compiled layers (meshlm/fast.py); --fp8-format
+    the FP8 layers (``apply_fp8``). Raises ConfigError for an invalid partition.
     """
     ranges = stage_layers(cfg)
     v, last = virtual_size(cfg), len(ranges) - 1
@@ -35,4 +37,17 @@ def build_model_chunks(cfg: Config, ps: ParallelState, vocab_size: int,
                                recompute=Recompute.of(cfg.training),
                                use_cpu_initialization=cfg.parallel.use_cpu_initialization,
                                fast=fast.enabled(cfg.training.fast_path, ps.device)))
+        apply_fp8(chunks[-1], Fp8Recipe.of(cfg.training, ps.device), fp8_layers(cfg.training, cfg.model.num_layers))
     return chunks
+
+
+def apply_fp8(chunk, recipe, in_fp8: list) -> None:
+    """Give every TP linear (those with an ``fp8`` attribute) of chunk's layers i with in_fp8[i] the
+    FP8 recipe (None: leave them in the params' dtype). The embedding and output layer stay out."""
+    if recipe is None:
+        return
+    for i, layer in chunk.layers.items():
+        if in_fp8[int(i)]:
+            for m in layer.modules():
+                if hasattr(m, "fp8"):
+                    m.fp8 = recipe

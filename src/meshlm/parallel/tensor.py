@@ -27,6 +27,7 @@ from torch import nn
 
 from ..dtypes import at_least_fp32
 from . import comm
+from .fp8 import fp8_linear
 from .random import derive_seed
 
 
@@ -95,6 +96,8 @@ class ColumnParallelLinear(nn.Module):
 
     x: [s, b, in] replicated (or [s/tp, b, in] under sequence_parallel: all-gathered first, its
     grad reduce-scattered). Output [s, b, out/tp], or [s, b, out] with gather_output.
+    fp8: an Fp8Recipe makes the GEMMs FP8 (parallel/fp8.py; under SP x is gathered in its own dtype,
+    and backward keeps the gathered x in FP8 rather than this rank's rows).
     rows: which rows of the full [out, in] weight this rank holds (default: a contiguous 1/tp).
     parts: a fused weight's logical tensors along the rows, ((module name, rows), …) in order, set
     as ``fused_parts`` on weight and bias (checkpoints store the logical tensors:
@@ -117,9 +120,14 @@ class ColumnParallelLinear(nn.Module):
         if parts:
             for p in self.parameters():
                 p.fused_parts = parts
+        self.fp8 = None  # an Fp8Recipe: FP8 GEMMs (parallel/fp8.py), set by model.chunks.apply_fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel and comm.group_size(self.group) > 1:
+        if self.fp8 is not None:  # under SP the bf16 rows are gathered, then quantized
+            x = comm.gather_from_sp(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
+            y = fp8_linear(x, self.weight, self.fp8, self.group, x_split=False)
+            y = y if self.bias is None else y + self.bias
+        elif self.sequence_parallel and comm.group_size(self.group) > 1:
             y = _GatheredLinear.apply(x, self.weight, self.bias, self.group)
         else:
             y = F.linear(comm.copy_to_tp(x, self.group), self.weight, self.bias)
@@ -155,6 +163,7 @@ class RowParallelLinear(nn.Module):
     x: [s, b, in/tp] (input_is_parallel) or [s, b, in] (then scattered). The partial products are
     all-reduced to [s, b, out], or reduce-scattered to [s/tp, b, out] under sequence_parallel; the
     replicated bias is added after the reduction (under SP its grad is partial: sequence_parallel).
+    fp8: an Fp8Recipe makes the GEMMs FP8 (parallel/fp8.py).
     """
 
     def __init__(self, input_size: int, output_size: int, ps, init: ShardedInit, *, bias: bool = True,
@@ -170,11 +179,15 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=ps.device))
             self.bias.no_weight_decay = True
             self.bias.sequence_parallel = sequence_parallel
+        self.fp8 = None  # an Fp8Recipe: FP8 GEMMs (parallel/fp8.py), set by model.chunks.apply_fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, self.group)
-        y = F.linear(x, self.weight)
+        if self.fp8 is not None:
+            y = fp8_linear(x, self.weight, self.fp8, self.group, x_split=True)
+        else:
+            y = F.linear(x, self.weight)
         y = comm.reduce_scatter_to_sp(y, self.group) if self.sequence_parallel else comm.reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
 

@@ -5,6 +5,8 @@ Measured, each as the best of a few timed repeats after a warm-up:
   × MLP width × h; bf16 on CUDA, fp32 on CPU); ``gemm_efficiency`` is the achieved fraction of the
   peak divided by ``cost.gemm_efficiency``'s size factor at those shapes, so the planner reproduces
   the measurement at the model's dimensions;
+- on a GPU with FP8 tensor cores, the same GEMMs as FP8 (``torch._scaled_mm``): ``fp8_gemm_speedup``
+  is the bf16 time over the FP8 time (the GEMMs alone; the casts are the step model's);
 - device-memory bandwidth: a copy of a large buffer (read + write bytes / time);
 - with more than one CUDA device, the device-to-device copy bandwidth between GPUs 0 and 1 as the
   intra-node link (an estimate of NCCL's bus bandwidth; inter-node is kept from the base profile).
@@ -57,6 +59,7 @@ def calibrate(cfg: Config, *, quick: bool = False, base: GPU = PRESETS["H200-141
         seconds += _best(lambda: a @ b, 3 if quick else 10, sync)
         flops += 2.0 * mm * k * n
     achieved = flops / seconds
+    fp8 = _fp8_speedup(shapes, seconds, 3 if quick else 10, sync) if cuda else 1.0
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = (peak_tflops(name, torch.bfloat16) or 0) * 1e12 if cuda else 0.0
     peak = peak or achieved
@@ -73,5 +76,22 @@ def calibrate(cfg: Config, *, quick: bool = False, base: GPU = PRESETS["H200-141
         link = n / _best(lambda: other.copy_(src), 5, lambda: (torch.cuda.synchronize(0), torch.cuda.synchronize(1)))
     return replace(base, name=name, memory_bytes=memory, peak_flops=peak, hbm_bytes_per_s=hbm,
                    intra_node_bytes_per_s=link, gemm_efficiency=min(1.0, achieved / peak / size),
+                   fp8_gemm_speedup=fp8,
                    source=f"measured by meshlm plan --calibrate on {name} ({'quick' if quick else 'full'} shapes "
-                          f"{shapes}; GEMM {achieved / 1e12:.2f} TFLOP/s; memory copy {hbm / 1e9:.1f} GB/s)")
+                          f"{shapes}; GEMM {achieved / 1e12:.2f} TFLOP/s, FP8 {fp8:.2f}× faster; memory copy "
+                          f"{hbm / 1e9:.1f} GB/s)")
+
+
+def _fp8_speedup(shapes: list, bf16_seconds: float, repeats: int, sync) -> float:
+    """bf16 time over FP8 time of the same GEMMs (torch._scaled_mm, E4M3, row-major × column-major, bf16
+    out); 1.0 on a GPU without FP8 tensor cores (compute capability below 8.9)."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        return 1.0
+    one = torch.ones((), device="cuda")
+    seconds = 0.0
+    for mm, k, n in shapes:
+        a = torch.randn(mm, k, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t()
+        seconds += _best(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                         repeats, sync)
+    return bf16_seconds / seconds

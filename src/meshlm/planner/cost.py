@@ -24,6 +24,8 @@ the logits):
 - EP all-to-all and CP's K/V exchange (ring, partly hidden behind the blocks' attention, or
   all-gather): ``moe_cp.ep_seconds`` and ``moe_cp.cp_seconds``, each layer; full recompute repeats
   their forward part.
+- FP8 layers (--fp8-format): their linears' GEMM time / ``GPU.fp8_gemm_speedup`` (measured by
+  `plan --calibrate`), plus the weights' casts (``FP8_CAST_BYTES`` a weight, each micro-batch).
 - the main_grad fold after each backward (bf16 grad added into the fp32 buffer, 10 bytes a parameter).
 
 Per step: (m + (p − 1)/v) micro-batch times (the bubble is the (p − 1)/v part: Narayanan et al. 2021
@@ -55,6 +57,7 @@ from dataclasses import replace
 from ..config import (Config, ffn_hidden, global_batch, head_dim, moe_ffn, moe_layer_pattern, num_microbatches,
                       padded_vocab_size)
 from ..flops import flops_per_iteration, mlp_flops_per_token
+from ..fp8_rules import fp8_layers
 from ..parallel.schedules import analytic_bubble_fraction
 from .gpus import COLLECTIVE_LATENCY_S, GPU
 from .layout import NONE, Layout
@@ -65,6 +68,7 @@ GEMM_HALF_DIM = 64  # a GEMM dimension of x reaches x / (x + 64) of the large-GE
 ELEMENTWISE_PASSES = 4  # HBM bytes moved by element-wise kernels per byte stored for backward
 OPTIMIZER_BYTES_PER_PARAM = 38
 FOLD_BYTES_PER_PARAM = 10
+FP8_CAST_BYTES = 6  # an FP8 weight a micro-batch: read bf16 + write FP8, in forward and again (transposed) in backward
 STEP_OVERHEAD_S = 0.0
 
 
@@ -124,15 +128,18 @@ def _ring(n: int, nbytes: float, bandwidth: float, reduce: bool = True) -> float
 
 
 def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: bool, act: int,
-          gpus_per_node: int) -> dict:
+          gpus_per_node: int, fp8: list | None = None) -> dict:
     """Seconds of one micro-batch's forward + backward on one rank holding layers whose MoE flags
     are ``moe`` (and the logits when ``logits``), by component: gemm, attn, elem, recompute, tp, ep,
     cp, and the forward parts of the last three (tp_forward, ep_forward, cp_forward). MoE layers'
-    routed experts run at the efficiency of their own GEMM shape (moe_cp.expert_rows × h × f_e)."""
+    routed experts run at the efficiency of their own GEMM shape (moe_cp.expert_rows × h × f_e).
+    fp8: per layer, whether its linears run FP8 GEMMs: their time / ``gpu.fp8_gemm_speedup``, plus
+    ``FP8_CAST_BYTES`` of HBM traffic per weight each micro-batch (cast in forward, again in backward)."""
     m = c.model
     t, b, s, h, a = layout.tp, layout.micro_batch, m.seq_length, m.hidden_size, m.num_attention_heads
     split = t * layout.cp
     layers, n_moe = len(moe), sum(moe)
+    n_fp8 = sum(fp8 or ())
     layer = _flops(c, 1, b, padded) - _flops(c, 0, b, padded)
     attention = 12.0 * s * s * a * head_dim(m) * b
     head = _flops(c, 0, b, padded) if logits else 0.0
@@ -147,13 +154,17 @@ def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: b
             gpu.peak_flops * gemm_efficiency(gpu, expert_rows(m, b, layout), h, moe_ffn(m)))
     else:
         layer_moe_extra = 0.0
-    gemm_s = ((layer - attention) * layers + layer_moe_extra * n_moe + head) / split / (gpu.peak_flops * eff) \
+    linear_layers = layers - n_fp8 + n_fp8 / gpu.fp8_gemm_speedup
+    gemm_s = ((layer - attention) * linear_layers + layer_moe_extra * n_moe + head) / split / (gpu.peak_flops * eff) \
         + expert_s
     attn_layer_s = attention / split / (gpu.peak_flops * gpu.attention_efficiency)
     attn_s = attn_layer_s * layers
     stored = {kind: layer_bytes(m, b, replace(layout, recompute=NONE), act_bytes=act, moe=kind) for kind in set(moe)}
     elem_s = ELEMENTWISE_PASSES * (sum(stored[k] for k in moe) + (act * s * b * padded / t if logits else 0.0)) \
         / gpu.hbm_bytes_per_s
+    if n_fp8:
+        weights = (layer - attention) / (6 * b * s)  # the linears' parameters: 6 FLOPs a parameter and token
+        elem_s += n_fp8 * FP8_CAST_BYTES * weights / t / gpu.hbm_bytes_per_s
     r = layout.recompute
     full = r.granularity == "full"
     if full:
@@ -203,9 +214,9 @@ def _stage_work(c: Config, layout: Layout, gpu: GPU, vocab: int, gpus_per_node: 
     (``pipeline.stage_layers``), the logits on the last stage."""
     from ..parallel.pipeline import stage_layers
     padded = padded_vocab_size(vocab, c.model.make_vocab_size_divisible_by, layout.tp)
-    ranges, moe = stage_layers(c), moe_layer_pattern(c.model)
-    return [_work(c, layout, gpu, padded, [moe[n] for n in layers], stage == len(ranges) - 1, act, gpus_per_node)
-            for stage, layers in enumerate(ranges)]
+    ranges, moe, fp8 = stage_layers(c), moe_layer_pattern(c.model), fp8_layers(c.training, c.model.num_layers)
+    return [_work(c, layout, gpu, padded, [moe[n] for n in layers], stage == len(ranges) - 1, act, gpus_per_node,
+                  [fp8[n] for n in layers]) for stage, layers in enumerate(ranges)]
 
 
 def stage_times(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_node: int,

@@ -35,6 +35,9 @@ and the log-sum-exp (4·a·s·b bytes, fp32). Selective recompute drops those tw
 2026-12-01: predicted 1.02 GiB for llama-1b, measured −1.01 GiB). ``flash=False`` gives the paper's
 math-attention term instead (Megatron's unfused softmax).
 
+FP8 layers (--fp8-format, meshlm/fp8_rules.py) keep their linears' inputs in FP8 for backward, one
+byte an element (``layer_terms``' fp8), instead of bf16; no FP8 weight copy, no amax history.
+
 MoE layers keep ``moe_cp.moe_mlp_terms`` (the dispatched routes, the experts' outputs, the
 combine's fp32 copies, routing indices) instead of the dense MLP's fc1 and activation outputs.
 
@@ -64,6 +67,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ..config import Config, ModelConfig, ffn_hidden, head_dim, moe_layer_pattern, num_microbatches, query_groups
+from ..fp8_rules import fp8_layers
 from .layout import Layout
 from .moe_cp import moe_mlp_terms, padded
 from .params import stage_params
@@ -87,13 +91,16 @@ def state_bytes(params: float, *, half: bool = True, dp: int = 1, distributed_op
 
 
 def layer_terms(m: ModelConfig, b: int, *, tp: int = 1, sp: bool = False, flash: bool = True,
-                act_bytes: int = 2) -> dict:
+                act_bytes: int = 2, fp8: bool = False) -> dict:
     """Bytes one transformer layer keeps for backward (no recompute), by term; s = m.seq_length.
 
     Replicated-region terms are divided by tp only under sequence parallelism; TP-region terms by tp.
     Returns {"norm_inputs", "qkv_input", "mlp_input", "dropout_masks", "qkv", "attention_output",
     "fc1_output", "activation_output", "core_attention"}; core_attention is the s² term (flash=False)
     or SDPA's own output and log-sum-exp (flash=True).
+    fp8: the layer's linears run FP8 GEMMs (parallel/fp8.py): their four inputs are kept in FP8, one
+    byte an element (the QKV and MLP inputs all-gathered, [s, b, h], under SP); the weights are
+    re-cast in backward (no FP8 copy kept), and tensorwise scaling keeps no amax history.
     """
     s, h, a, d = m.seq_length, m.hidden_size, m.num_attention_heads, head_dim(m)
     sbh, q, kv, f = s * b * h, a * d, query_groups(m) * d, ffn_hidden(m)
@@ -103,17 +110,20 @@ def layer_terms(m: ModelConfig, b: int, *, tp: int = 1, sp: bool = False, flash:
         core = act_bytes * s * b * q + 4 * a * s * b
     else:
         core = (act_bytes + (act_bytes + 1 if m.attention_dropout > 0 else 0)) * a * s * s * b
-    return {
+    terms = {
         "norm_inputs": 2 * act_bytes * sbh / rep, "qkv_input": act_bytes * sbh / rep,
         "mlp_input": act_bytes * sbh / rep, "dropout_masks": masks / rep,
         "qkv": act_bytes * s * b * (q + 2 * kv) / tp, "attention_output": act_bytes * s * b * q / tp,
         "fc1_output": act_bytes * s * b * f * (2 if m.swiglu else 1) / tp,
         "activation_output": act_bytes * s * b * f / tp, "core_attention": core / tp,
     }
+    if fp8:
+        terms.update(qkv_input=sbh, mlp_input=sbh, attention_output=s * b * q / tp, activation_output=s * b * f / tp)
+    return terms
 
 
 def layer_bytes(m: ModelConfig, b: int, layout: Layout, *, checkpointed: bool = False, flash: bool = True,
-                act_bytes: int = 2, moe: bool = False) -> float:
+                act_bytes: int = 2, moe: bool = False, fp8: bool = False) -> float:
     """Bytes one layer keeps: all terms; without core attention under selective recompute; only the
     layer input (act_bytes·sbh, /tp under SP) when the layer is checkpointed (full recompute).
     moe: an MoE layer, whose MLP keeps ``moe_cp.moe_mlp_terms`` instead of the dense fc1 and
@@ -122,7 +132,7 @@ def layer_bytes(m: ModelConfig, b: int, layout: Layout, *, checkpointed: bool = 
     if checkpointed:
         return act_bytes * m.seq_length * b * m.hidden_size / (layout.tp if layout.sequence_parallel else 1) \
             / layout.cp
-    terms = layer_terms(m, b, tp=layout.tp, sp=layout.sequence_parallel, flash=flash, act_bytes=act_bytes)
+    terms = layer_terms(m, b, tp=layout.tp, sp=layout.sequence_parallel, flash=flash, act_bytes=act_bytes, fp8=fp8)
     if moe:
         del terms["fc1_output"], terms["activation_output"]
         terms.update(moe_mlp_terms(m, b, layout, act_bytes=act_bytes))
@@ -186,8 +196,9 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
     nmb = num_microbatches(c, layout.world)
     b, s, h = layout.micro_batch, m.seq_length, m.hidden_size
     rep = layout.tp if layout.sequence_parallel else 1
-    moe = moe_layer_pattern(m)
-    per_layer = {kind: layer_bytes(m, b, layout, flash=flash, act_bytes=act, moe=kind) for kind in set(moe)}
+    moe, fp8 = moe_layer_pattern(m), fp8_layers(c.training, m.num_layers)
+    kinds = list(zip(moe, fp8))  # per layer: (MoE, FP8)
+    per_layer = {k: layer_bytes(m, b, layout, flash=flash, act_bytes=act, moe=k[0], fp8=k[1]) for k in set(kinds)}
     zero, group = layout.distributed_optimizer, layout.dp * layout.cp
     best = None
     for rank in sorted({0, layout.pp - 1}) if stage is None else [stage]:
@@ -197,8 +208,8 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
             for start, end, ckpt in layout.recompute.segments(len(chunk)):
                 # a checkpointed group keeps its first layer's input only
                 stored += layer_bytes(m, b, layout, checkpointed=True, act_bytes=act) if ckpt else \
-                    sum(per_layer[moe[n]] for n in chunk[start:end])
-        full_layer = max((per_layer[moe[n]] for chunk in chunks_of_rank for n in chunk), default=0.0)
+                    sum(per_layer[kinds[n]] for n in chunk[start:end])
+        full_layer = max((per_layer[kinds[n]] for chunk in chunks_of_rank for n in chunk), default=0.0)
         chunks, share = _in_flight(rank, layout.pp, layout.vp, nmb)
         acts = stored * share * chunks + (full_layer if layout.recompute.granularity == "full" else 0.0)
         loss = 0.0

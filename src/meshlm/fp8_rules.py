@@ -1,0 +1,90 @@
+"""FP8 training's flags (Megatron-LM's names): what may be combined, and which layers run in FP8.
+
+meshlm builds one recipe, ``tensorwise`` (Megatron's name; Transformer Engine's current scaling):
+every GEMM input is scaled by its own amax at the time of the GEMM (parallel/fp8.py). The other
+recipes are refused in one line each: ``delayed`` (scales from an amax history; so
+--fp8-amax-history-len and --fp8-amax-compute-algo are refused unless at Megatron's defaults,
+where they describe no history), ``blockwise``, and ``mxfp8`` (Blackwell's block scaling, which
+Hopper's tensor cores lack). --fp8-param-gather (weights all-gathered in FP8) is not built.
+
+FP8 covers the four linears of each dense transformer layer (QKV, attention projection, fc1, fc2),
+as in Megatron; the embedding, the output layer and the loss stay in the params' dtype. Under
+--first-last-layers-bf16 the first --num-layers-at-start-in-bf16 and the last
+--num-layers-at-end-in-bf16 layers stay out of FP8 too (:func:`fp8_layers`).
+
+On CPU the FP8 GEMMs are emulated (quantize → dequantize → matmul in the params' dtype), so the
+float64 parity tests run the same scaling code as the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+# torch._scaled_mm needs each matrix dimension a multiple of 16 (cuBLASLt's FP8 rule)
+FP8_ALIGN = 16
+BUILT_RECIPES = ("tensorwise",)
+
+
+def fp8_layers(t, num_layers: int) -> list:
+    """[bool] × num_layers: whether layer i (global index) computes its linears in FP8.
+
+    t: TrainingConfig. All False without --fp8-format.
+    """
+    if not t.fp8_format:
+        return [False] * num_layers
+    start = t.num_layers_at_start_in_bf16 if t.first_last_layers_bf16 else 0
+    end = t.num_layers_at_end_in_bf16 if t.first_last_layers_bf16 else 0
+    return [start <= i < num_layers - end for i in range(num_layers)]
+
+
+def fp8_problems(cfg, gpu: Optional[tuple] = None) -> list:
+    """One line per FP8 flag problem. cfg: Config. gpu: (name, (major, minor)) of the workers' GPU
+    when known (None: CPU, or a --dry-run for GPUs that are not here)."""
+    t, m = cfg.training, cfg.model
+    problems = []
+    fp8_only = [flag for flag, on in (
+        ("--fp8-recipe", t.fp8_recipe != "tensorwise"), ("--fp8-margin", t.fp8_margin != 0),
+        ("--first-last-layers-bf16", t.first_last_layers_bf16), ("--fp8-param-gather", t.fp8_param_gather))
+        if on]
+    if not t.fp8_format:
+        if fp8_only:
+            problems.append(f"{' '.join(fp8_only)} need(s) --fp8-format e4m3|hybrid; add it or drop them")
+        return problems
+    if t.fp8_recipe == "mxfp8":
+        where = f"this GPU is {gpu[0]} (compute capability {gpu[1][0]}.{gpu[1][1]})" if gpu else "not built here"
+        problems.append(f"--fp8-recipe mxfp8 needs a Blackwell GPU (compute capability 10.0) and meshlm's MX "
+                        f"kernels, {where}; use --fp8-recipe tensorwise")
+    elif t.fp8_recipe not in BUILT_RECIPES:
+        problems.append(f"--fp8-recipe {t.fp8_recipe} is not built in meshlm; use --fp8-recipe tensorwise "
+                        f"(each tensor scaled by its current amax)")
+    if t.fp8_amax_history_len != 1 or t.fp8_amax_compute_algo != "most_recent":
+        problems.append(f"--fp8-amax-history-len {t.fp8_amax_history_len} / --fp8-amax-compute-algo "
+                        f"{t.fp8_amax_compute_algo} set the delayed recipe's amax history, which meshlm does not "
+                        f"build; drop them (tensorwise scales each tensor by its current amax)")
+    if t.fp8_param_gather:
+        problems.append("--fp8-param-gather is not built in meshlm (weights are all-gathered in the params' "
+                        "dtype); drop it")
+    if t.fp16:
+        problems.append("--fp8-format with --fp16 is not built; use --bf16 (FP8 GEMMs, bf16 elsewhere)")
+    if m.num_experts:
+        problems.append("--fp8-format with --num-experts is not built (the experts' grouped GEMMs stay bf16); "
+                        "drop one of them")
+    if t.first_last_layers_bf16 and t.num_layers_at_start_in_bf16 + t.num_layers_at_end_in_bf16 >= m.num_layers:
+        problems.append(f"--num-layers-at-start-in-bf16 {t.num_layers_at_start_in_bf16} + "
+                        f"--num-layers-at-end-in-bf16 {t.num_layers_at_end_in_bf16} leave none of --num-layers "
+                        f"{m.num_layers} in FP8; lower them")
+    if gpu and tuple(gpu[1]) < (8, 9):
+        problems.append(f"--fp8-format needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); "
+                        f"this GPU is {gpu[0]} ({gpu[1][0]}.{gpu[1][1]}); drop --fp8-format")
+    return problems
+
+
+def alignment_problems(sizes: dict, tokens: int) -> list:
+    """FP8 GEMMs on the GPU need every dimension a multiple of 16. sizes: {flag text: local size}
+    of the linears' input/output widths; tokens: micro-batch × sequence length (one GEMM's rows)."""
+    problems = [f"{name} = {n} is not a multiple of {FP8_ALIGN}, which FP8 GEMMs need; change it"
+                for name, n in sizes.items() if n % FP8_ALIGN]
+    if tokens % FP8_ALIGN:
+        problems.append(f"--micro-batch-size × --seq-length = {tokens} tokens is not a multiple of {FP8_ALIGN}, "
+                        f"which FP8 GEMMs need; change one of them")
+    return problems

@@ -1,0 +1,176 @@
+"""FP8 training (meshlm/fp8_rules.py, parallel/fp8.py): the scaling rule, the emulated GEMM against
+torch._scaled_mm (the GPU's path, which torch also runs on CPU), the FP8 linear's forward and
+backward against a hand-written reference in float64, the bf16 first/last layers, every refusal
+in one line, and TP = 2 with FP8 emulation against TP = 1 (the parity rule, 1e-10 in float64)."""
+
+import pytest
+import torch
+
+from meshlm.config import Config
+from meshlm.errors import ConfigError
+from meshlm.fp8_rules import fp8_layers, fp8_problems
+from meshlm.parallel.fp8 import E4M3, E5M2, Fp8Recipe, amax, fp8_linear, quantize, scale_of, scaled_mm
+from meshlm.validate import validate
+from parity import Case, assert_parity
+
+H200 = ("NVIDIA H200", (9, 0))
+
+
+def test_scale_is_format_max_over_amax_less_the_margin():
+    a = torch.tensor(2.0, dtype=torch.float64)
+    assert float(scale_of(a, E4M3)) == 448 / 2
+    assert float(scale_of(a, E5M2, margin=2)) == 57344 / 2 / 4
+    assert float(scale_of(torch.tensor(0.0), E4M3)) == 1.0  # a zero tensor: no scale
+    x = torch.tensor([-3.0, 0.5, 1.0], dtype=torch.float64)
+    assert float(amax(x)) == 3.0
+
+
+def test_quantize_puts_the_amax_at_the_format_max_and_saturates():
+    x = torch.randn(64, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for dtype in (E4M3, E5M2):
+        s = scale_of(amax(x), dtype)
+        q = quantize(x, s, dtype)
+        assert q.dtype == dtype and float(q.to(torch.float64).abs().max()) == torch.finfo(dtype).max
+        normal = x.abs() * s >= torch.finfo(dtype).tiny  # below it, subnormals keep fewer mantissa bits
+        err = ((q.to(torch.float64) / s - x).abs() / x.abs())[normal]  # round to nearest: half a unit
+        assert normal.float().mean() > 0.9 and float(err.max()) <= 2.0 ** -(4 if dtype == E4M3 else 3)
+    big = quantize(torch.tensor([1e6, -1e6]), torch.tensor(1.0), E4M3)
+    assert big.float().tolist() == [448.0, -448.0]
+
+
+def test_emulated_gemm_equals_torch_scaled_mm():
+    """The emulation (dequantize, matmul) against torch._scaled_mm with the operand layouts the
+    GPU needs (row-major × column-major), to fp32 rounding; E5M2 × E4M3 as in hybrid's backward."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(48, 64, generator=g) * 3, torch.randn(32, 64, generator=g) / 5  # b as a weight [out, in]
+    for da in (E4M3, E5M2):
+        sa, sb = scale_of(amax(a), da), scale_of(amax(b), E4M3)
+        a8, b8 = quantize(a, sa, da), quantize(b, sb, E4M3)
+        real = scaled_mm(a8, sa, b8.t(), sb, torch.float32, emulate=False)
+        emulated = scaled_mm(a8, sa, b8.t(), sb, torch.float32, emulate=True)
+        assert torch.allclose(real, emulated, rtol=1e-5, atol=1e-5)
+        assert float((emulated - a @ b.t()).norm() / (a @ b.t()).norm()) > 1e-3  # FP8 did round
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_fp8_linear_forward_and_backward_match_the_reference_in_float64(fmt):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 8, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    w = (torch.randn(24, 16, dtype=torch.float64, generator=g) / 4).requires_grad_()
+    dy = torch.randn(2, 8, 24, dtype=torch.float64, generator=g)
+    recipe = Fp8Recipe(fmt, margin=1, emulate=True)
+    y = fp8_linear(x, w, recipe, None, x_split=False)
+    y.backward(dy)
+
+    def fake(t, dtype):  # quantize → dequantize by the formulas, independently of parallel/fp8.py
+        s = torch.finfo(dtype).max / t.abs().max() / 2
+        return (t * s).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype).to(torch.float64) / s
+
+    gd = E5M2 if fmt == "hybrid" else E4M3
+    xq, wq, gq = fake(x.detach(), E4M3), fake(w.detach(), E4M3), fake(dy, gd)
+    assert torch.allclose(y, xq @ wq.t(), rtol=1e-13, atol=1e-14)
+    assert torch.allclose(x.grad, gq @ wq, rtol=1e-13, atol=1e-14)
+    assert torch.allclose(w.grad, gq.reshape(-1, 24).t() @ xq.reshape(-1, 16), rtol=1e-13, atol=1e-14)
+
+
+def test_first_and_last_layers_stay_in_bf16():
+    t = Config().training
+    assert fp8_layers(t, 4) == [False] * 4
+    t.fp8_format = "hybrid"
+    assert fp8_layers(t, 4) == [True] * 4
+    t.first_last_layers_bf16, t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16 = True, 2, 1
+    assert fp8_layers(t, 6) == [False, False, True, True, True, False]
+
+
+def test_the_linears_of_fp8_layers_get_the_recipe():
+    """build_model_chunks sets the recipe on the four linears of the FP8 layers, none elsewhere."""
+    from meshlm.model.chunks import build_model_chunks
+    from meshlm.parallel.mesh import ParallelState
+
+    cfg = Config()
+    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 3, 16, 2
+    cfg.training.fp8_format, cfg.training.first_last_layers_bf16 = "e4m3", True
+    cfg.training.num_layers_at_end_in_bf16 = 0
+    (chunk,) = build_model_chunks(cfg, ParallelState.single(torch.device("cpu")), 64)
+    recipes = {name: m.fp8 for name, m in chunk.named_modules() if hasattr(m, "fp8")}
+    assert len(recipes) == 12
+    on = sorted(n for n, r in recipes.items() if r is not None)
+    assert on == sorted(f"layers.{i}.{m}" for i in (1, 2) for m in (
+        "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
+    assert recipes[on[0]] == Fp8Recipe("e4m3", 0, emulate=True)
+
+
+def _cfg(**training):
+    cfg = Config()
+    for k, v in training.items():
+        setattr(cfg.training, k, v)
+    return cfg
+
+
+@pytest.mark.parametrize("flags,gpu,words", [
+    (dict(fp8_recipe="delayed"), None, "--fp8-recipe delayed is not built"),
+    (dict(fp8_recipe="blockwise"), None, "--fp8-recipe blockwise is not built"),
+    (dict(fp8_recipe="mxfp8"), H200, "this GPU is NVIDIA H200 (compute capability 9.0)"),
+    (dict(fp8_amax_history_len=1024, fp8_amax_compute_algo="max"), None, "delayed recipe's amax history"),
+    (dict(fp8_param_gather=True), None, "--fp8-param-gather is not built"),
+    (dict(fp16=True), None, "--fp8-format with --fp16"),
+    (dict(first_last_layers_bf16=True, num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=2), None,
+     "leave none of --num-layers 4 in FP8"),
+    (dict(), ("Tesla V100", (7, 0)), "this GPU is Tesla V100 (7.0)"),
+])
+def test_each_fp8_refusal_is_one_line_naming_its_flag(flags, gpu, words):
+    problems = fp8_problems(_cfg(fp8_format="hybrid", **flags), gpu)
+    assert len(problems) == 1 and words in problems[0] and "\n" not in problems[0]
+
+
+def test_fp8_flags_need_fp8_format_and_sizes_must_suit_fp8_gemms():
+    assert "need(s) --fp8-format" in fp8_problems(_cfg(fp8_margin=1))[0]
+    assert fp8_problems(_cfg(fp8_format="e4m3")) == []
+    cfg = _cfg(fp8_format="e4m3")
+    cfg.model.hidden_size, cfg.model.num_attention_heads = 24, 4
+    with pytest.raises(ConfigError, match="--hidden-size = 24 is not a multiple of 16"):
+        validate(cfg, world=1, check_files=False, cuda=True)
+    cfg.model.num_experts = 4
+    with pytest.raises(ConfigError, match="--fp8-format with --num-experts is not built"):
+        validate(cfg, world=1, check_files=False, cuda=False)
+
+
+@pytest.mark.slow
+def test_tp2_with_fp8_emulation_matches_tp1_in_float64():
+    """The production step with FP8 GEMMs (emulated): TP 2 with SP × PP 2 (1F1B, full recompute,
+    the first and last layer in bf16) and TP 2 × DP 2 (ZeRO-1, selective recompute, e4m3) against
+    one process with the same FP8 emulation, at 1e-10. The weight, the row-parallel inputs and the
+    column-parallel gradients are split over TP: without their amax reduced over the TP group the
+    shards' scales differ and the errors land near 1e-2."""
+    assert_parity(Case(tp=2, sp=True, pp=2, schedule="1f1b", recompute="full-uniform-1", fp8="hybrid", fp8_ends=1,
+                       pos="rope", norm="RMSNorm", swiglu=True, groups=2, tied=False),
+                  Case(tp=2, dp=2, dist_opt=True, recompute="selective", fp8="e4m3", swiglu=True, micro=2))
+
+
+def test_planner_models_fp8_memory_and_step_time():
+    """plan / --dry-run: FP8 layers keep 1-byte linear inputs and weights (less activation memory than
+    bf16 at the 8B widths) and their GEMMs run fp8_gemm_speedup times faster; at a speed-up of 1 the
+    step time only gains the weights' casts."""
+    import dataclasses
+
+    from meshlm.planner.cost import step_time
+    from meshlm.planner.gpus import PRESETS
+    from meshlm.planner.layout import Layout
+    from meshlm.planner.memory import estimate
+
+    def plan(fp8, gpu=PRESETS["H200-141GB"]):
+        cfg = Config()
+        m, t = cfg.model, cfg.training
+        m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, m.seq_length = 8, 4096, 32, 14336, 2048
+        m.group_query_attention, m.num_query_groups, m.swiglu = True, 8, True
+        m.hidden_dropout = m.attention_dropout = 0.0
+        t.bf16, t.micro_batch_size, t.global_batch_size, t.fp8_format = True, 4, 4, fp8
+        lay = Layout.of(cfg, 1)
+        mem = estimate(cfg, lay, 32000)
+        return mem, step_time(cfg, lay, gpu, 32000, gpus_per_node=1, params_per_rank=mem.params)
+
+    (m16, t16), (m8, t8) = plan(None), plan("hybrid")
+    assert m8.activations < 0.85 * m16.activations and m8.peak_bytes <= m16.peak_bytes  # peak: the optimizer step
+    assert t8.total < t16.total
+    slow = dataclasses.replace(PRESETS["H200-141GB"], fp8_gemm_speedup=1.0)
+    assert plan("hybrid", slow)[1].total > t16.total
