@@ -97,7 +97,7 @@ class Shard:
 
     def __init__(self, buf, bucket, start: int, end: int, names: dict, ps):
         self.buf, self.bucket, self.start, self.end = buf, bucket, start, end
-        self.param = buf.param_data[start:end]
+        self.param = bucket.param_shard if buf.sharded_params else bucket.param[bucket.local(start, end)]
         self.separate_master = self.param.dtype in HALF
         self.master = self.param.to(wide(self.param.dtype)) if self.separate_master else self.param
         self.exp_avg = torch.zeros_like(self.master)
@@ -113,8 +113,9 @@ class Shard:
 
     @property
     def grad(self) -> torch.Tensor:
-        """[n] view of this range of the bucket's main_grad (allocated during every backward)."""
-        return self.bucket.grad_range(self.start, self.end)
+        """[n] view of this range of the bucket's reduced main_grad (allocated during every
+        backward; under ZeRO-2/3 the bucket's shard_grad)."""
+        return self.buf.owned_grad(self.start, self.end, self.bucket)
 
     def tensors(self) -> dict:
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
@@ -163,7 +164,7 @@ class MixedPrecisionOptimizer:
         (a tensor on the device); a NaN/inf loss skips the step like NaN/inf gradients, decided in
         the grad norm's host sync, so checking it costs no sync of its own.
         """
-        self.finish_param_sync()
+        self._before_step()
         grads = [s.grad.to(s.master.dtype) for s in self.shards]  # views when dtypes match
         scale = self.scaler.scale
         found_inf = scale != 1.0 and self._unscale_and_check(grads, 1.0 / scale)
@@ -188,6 +189,10 @@ class MixedPrecisionOptimizer:
 
     def finish_param_sync(self) -> None:
         """Wait for parameter all-gathers still in flight (ZeRO-1 with --overlap-param-gather)."""
+
+    def _before_step(self) -> None:
+        """What ``step`` settles first (the distributed optimizer's gathers)."""
+        self.finish_param_sync()
 
     # ------------------------------------------------------------------ step parts
     def _all_reduce(self, t: torch.Tensor, groups, op, what: str) -> None:
@@ -295,17 +300,26 @@ class MixedPrecisionOptimizer:
     def memory_report(self) -> dict:
         """Bytes this rank holds for weights, gradients and optimizer state, and per parameter.
 
-        weights = param buffers, grads = main_grad buffers, optimizer = fp32 masters (when the
-        params are not fp32) + exp_avg + exp_avg_sq over this rank's shards; padding included.
-        Per parameter this is the ZeRO paper's accounting (Rajbhandari et al. 2020, §3.1):
-        bf16 params with fp32 main_grads: 2 + 4 + 12 bytes, or 2 + 4 + 12/DP under ZeRO-1;
-        fp32: 4 + 4 + 8 (or 8/DP).
+        weights = param buffers (under ZeRO-3 the param shards plus the buckets whole right now),
+        grads = the main_grad buffers while allocated (under ZeRO-2/3 the reduced shards a rank
+        keeps), optimizer = fp32 masters (when the params are not fp32) + exp_avg + exp_avg_sq
+        over this rank's shards; padding included. Per parameter this is the ZeRO paper's
+        accounting (Rajbhandari et al. 2020, §3.1): bf16 params with fp32 main_grads: 2 + 4 + 12
+        bytes, 2 + 4 + 12/DP under ZeRO-1, 2 + 4/DP + 12/DP under ZeRO-2, (2 + 4 + 12)/DP under
+        ZeRO-3; fp32: 4 + 4 + 8 likewise.
         Returns {"num_params", "weights_bytes", "grads_bytes", "optimizer_bytes", "total_bytes",
         "bytes_per_param": {"weights", "grads", "optimizer", "total"}}.
         """
         n = sum(p.numel() for buf in self.ddp.buffers for p in buf.params)
-        weights = sum(b.param_data.numel() * b.param_data.element_size() for b in self.ddp.buffers)
-        grads = sum(b.numel * b.grad_dtype.itemsize for b in self.ddp.buffers)  # while allocated
+        weights = grads = 0
+        for b in self.ddp.buffers:
+            size = b.size if b.shard_grads else 1
+            grads += b.numel // size * b.grad_dtype.itemsize
+            if b.param_data is not None:
+                weights += b.param_data.numel() * b.param_data.element_size()
+            else:
+                weights += sum(k.param_shard.numel() * k.param_shard.element_size()
+                               + k.param.untyped_storage().nbytes() for k in b.buckets)
         optim = sum(t.numel() * t.element_size() for s in self.shards for k, t in s.tensors().items()
                     if s.separate_master or k != "master")
         total = weights + grads + optim
