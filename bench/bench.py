@@ -59,6 +59,8 @@ CASES = {
     # name: (model, GPUs, micro-batch, layout flags)
     "llama1b": (LLAMA_1B, 1, 8, []),
     "llama1b-eager": (LLAMA_1B, 1, 8, ["--fast-path", "off"]),
+    # issue 26: ZeRO-3's machinery at DP=1 (per-micro-batch gradient shards; nothing to gather) vs llama1b
+    "llama1b-zero3": (LLAMA_1B, 1, 8, ["--data-parallel-sharding-strategy", "optim_grads_params"]),
     "llama1b-selective": (LLAMA_1B, 1, 8, ["--recompute-activations"]),
     "llama3b-selective": (LLAMA_3B, 1, 2, ["--recompute-activations", "--global-batch-size", "8"]),
     "gpt2-350m": (GPT2_350M, 1, 8, []),

@@ -55,9 +55,11 @@ def test_pairwise_layouts_match_single_process_in_float64(cases):
 
 def test_compiled_fast_path_matches_single_process_in_float64():
     """--fast-path on (the CUDA default; here compiled on CPU): compiled layers and loss, fused AdamW
-    with clipping, ZeRO-1 gathers waited at the compiled layers' boundaries."""
-    assert_parity(Case(dp=2, dist_opt=True, overlap_grad=True, overlap_param=True, tied=False, pos="rope",
-                       norm="RMSNorm", swiglu=True, fast="on"))
+    with clipping, ZeRO-1 gathers waited at the compiled layers' boundaries; ZeRO-3's per-block
+    gathers, prefetches and frees there too (one process start for both)."""
+    llama = dict(tied=False, pos="rope", norm="RMSNorm", swiglu=True, fast="on")
+    assert_parity(Case(dp=2, dist_opt=True, overlap_grad=True, overlap_param=True, **llama),
+                  Case(dp=2, zero=3, overlap_grad=True, overlap_param=True, **llama))
 
 
 def test_partial_rotary_with_tp_and_packed_positions_matches_single_process_in_float64():

@@ -1,8 +1,8 @@
 """ZeRO-2 and ZeRO-3 (--data-parallel-sharding-strategy optim_grads / optim_grads_params):
 
-- parity: ZeRO-3 with both overlaps (NaN-poisoned prefetches) beside TP, interleaved PP, CP and EP,
-  and on the compiled fast path, equals one process in float64 (1e-10); the pairwise matrix
-  (test_parity_matrix.py) pairs every stage with every other factor;
+- parity: ZeRO-3 with both overlaps (NaN-poisoned prefetches) beside TP, interleaved PP, CP and EP
+  equals one process in float64 (1e-10); the pairwise matrix (test_parity_matrix.py) pairs every
+  stage with every other factor, and its compiled fast-path test runs ZeRO-3 too;
 - checkpoints stay in model space: stage 3 at DP=4 → stage 1 at TP=2×DP=2 → stage 0 at DP=1
   continues as one uninterrupted process;
 - memory at DP=4, from the tensors the ranks hold when the optimizer step starts: ZeRO-2's
@@ -21,25 +21,60 @@ from distributed import run_distributed
 from parity import Case, assert_parity, rel_err
 from test_moe_parallel import MOE
 
-pytestmark = pytest.mark.slow  # multi-process: make test-quick leaves it out
-
 BOTH = dict(zero=3, overlap_grad=True, overlap_param=True)
 
 
+def _problems(world: int = 4, **parallel) -> str:
+    """validate's message for the parity model at DP = world with these cfg.parallel fields."""
+    from meshlm.errors import ConfigError
+    from meshlm.validate import validate
+    cfg = parity.config(Case(dp=world))
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    try:
+        validate(cfg, world=world, check_files=False)
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def test_the_stage_of_each_flag_and_contradictions_refused_in_one_line_naming_both_flags():
+    from meshlm.config import ParallelConfig, zero_stage
+    assert [zero_stage(ParallelConfig(data_parallel_sharding_strategy=s)) for s in
+            ("no_shard", "optim", "optim_grads", "optim_grads_params")] == [0, 1, 2, 3]
+    assert zero_stage(ParallelConfig(use_distributed_optimizer=True)) == 1
+    assert zero_stage(ParallelConfig(use_torch_fsdp2=True)) == 3
+    line = _problems(use_torch_fsdp2=True, data_parallel_sharding_strategy="optim_grads")
+    assert "--use-torch-fsdp2" in line and "--data-parallel-sharding-strategy is optim_grads" in line
+    assert "\n" not in line.strip()
+    assert not _problems(use_torch_fsdp2=True, data_parallel_sharding_strategy="optim_grads_params")
+    assert "--overlap-param-gather needs" in _problems(overlap_param_gather=True)
+    assert "needs --num-distributed-optimizer-instances" in _problems(
+        use_distributed_optimizer=True, outer_dp_sharding_strategy="optim")
+    assert "does not divide DP × CP = 4" in _problems(use_distributed_optimizer=True,
+                                                      num_distributed_optimizer_instances=3)
+    assert "needs a sharded strategy" in _problems(num_distributed_optimizer_instances=2)
+
+
+@pytest.mark.slow  # multi-process: make test-quick leaves it out
 def test_zero3_with_tp_interleaved_pp_cp_and_ep_matches_single_process_in_float64():
     """Stage 3 with both overlaps at TP=2×DP=2 (SP), PP=2×DP=2 interleaved (params kept gathered
     through the step), CP=2×DP=2 and EP=2×DP=2 (experts sharded over expert-DP)."""
     assert_parity(Case(tp=2, dp=2, sp=True, pos="rope", norm="RMSNorm", swiglu=True, **BOTH),
                   Case(pp=2, vpp=2, dp=2, micro=1, batch=8, tied=True, **BOTH),
                   Case(cp=2, dp=2, recompute="full-uniform-1", per_token=True, **BOTH),
-                  Case(dp=2, experts=4, ep=2, moe=MOE, micro=2, batch=8, **BOTH))
+                  Case(dp=4, experts=4, ep=2, moe=MOE, micro=1, batch=8, **BOTH))
 
 
-def test_zero2_and_zero3_on_the_compiled_fast_path_match_single_process_in_float64():
-    """--fast-path on (compiled layers and loss, fused AdamW): ZeRO-3's hooks run at the compiled
-    layers' boundaries; ZeRO-2 accumulates micro-batches in its shards."""
-    assert_parity(Case(dp=2, tied=False, pos="rope", norm="RMSNorm", swiglu=True, fast="on", **BOTH),
-                  Case(dp=2, zero=2, micro=2, batch=8, fast="on"))
+@pytest.mark.slow  # multi-process: make test-quick leaves it out
+def test_hybrid_sharding_inside_replicas_matches_single_process_in_float64():
+    """--num-distributed-optimizer-instances 2 at DP × CP = 4 (two "nodes" of 2): shards inside a
+    replica, gradient shards summed across replicas; the optimizer replicated (outer no_shard) or
+    split across them too (outer optim), at stages 1–3."""
+    assert_parity(Case(dp=4, zero=1, instances=2, overlap_grad=True, overlap_param=True),
+                  Case(dp=4, zero=2, instances=2, outer="optim", micro=2, batch=8),
+                  Case(dp=4, instances=2, tied=False, **BOTH),
+                  Case(dp=2, cp=2, instances=2, outer="optim", **BOTH))
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -91,6 +126,7 @@ def _world1(rank, world, root):
             _train(rank, world, CHAIN[2], root, None, STEPS, None))
 
 
+@pytest.mark.slow  # multi-process: make test-quick leaves it out
 def test_checkpoints_of_zero3_load_at_zero1_then_zero0_and_continue_exactly(tmp_path):
     root = str(tmp_path)
     parts = list(zip(*run_distributed(_world4, 4, root)))
@@ -146,7 +182,7 @@ def _memory(rank, world, zeros):
         cfg.model.hidden_size, cfg.model.num_attention_heads = 64, 4
         run = trainer.build(cfg, dtype=torch.float64)
         run.train_ds = parity.MaskedData(batch=case.batch)
-        gather, seen = run.opt.param_gather, [0]
+        gather, seen = getattr(run.opt, "param_gather", None), [0]
         if gather is not None:
             def look(*_):
                 seen[0] = max(seen[0], sum(b.param.untyped_storage().nbytes() for _, b in gather.buckets.values()))
@@ -165,6 +201,7 @@ def _memory(rank, world, zeros):
     return out
 
 
+@pytest.mark.slow  # multi-process: make test-quick leaves it out
 def test_zero2_and_zero3_hold_a_quarter_at_dp4_and_zero3_gathers_its_working_set():
     (base,), = run_distributed(_memory, 1, [0])
     per_rank = run_distributed(_memory, 4, [2, 3])

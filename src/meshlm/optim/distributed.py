@@ -51,7 +51,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             raise ValueError("DistributedOptimizer needs a DistributedDataParallel built with "
                              "cfg.parallel.use_distributed_optimizer")
         super().__init__(cfg, ps, chunks, ddp)
-        self.norm_groups = [ps.mp_group, ddp.group]
+        # a gradient shard is counted once: over DP × CP, or (hybrid sharding, the optimizer replicated
+        # across replicas) over one replica's shard group
+        replicated = ps.instances > 1 and cfg.parallel.outer_dp_sharding_strategy == "no_shard"
+        self.norm_groups = [ps.mp_group, ps.shard_group if replicated else ddp.group]
         self.expert_norm_groups = []  # experts' shards: EDP × EP = DP × CP, covered by ddp.group
         self.overlap_param_gather = cfg.parallel.overlap_param_gather
         self._pending = {}  # id(bucket) → handle of its param all-gather
@@ -66,7 +69,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     self._hook_block(block, recurse=True)
 
     def _shard_range(self, buf, bucket) -> tuple:
-        return bucket.shard(buf.rank, buf.size)
+        lo, hi = bucket.shard(buf.rank, buf.size)
+        if not buf.optim_across:
+            return lo, hi
+        n = (hi - lo) // buf.replica_size  # hybrid, --outer-dp-sharding-strategy optim: a part of the shard
+        return lo + buf.replica_rank * n, lo + (buf.replica_rank + 1) * n
 
     def _gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool, buf=None):
         """All-gather each rank's [n] shard into full [n × group size] over ``buf``'s group (the
@@ -89,11 +96,17 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         super()._publish()
         if self.param_gather is not None:
             self.param_gather.free_all()
+        for s in self.shards:  # hybrid, optimizer split across replicas: rebuild each whole shard
+            if s.buf.optim_across:
+                shard = s.buf.param_of(s.bucket, *s.bucket.shard(s.buf.rank, s.buf.size))
+                watchdog.call("all_gather of a param shard across replicas", s.buf.replica, all_gather_flat,
+                              shard, s.param.clone(), group=s.buf.replica)
         for s in reversed(self.shards):  # forward order: the first layers' bucket first
             if s.buf.group is None or s.buf.sharded_params:
                 continue
             full = s.bucket.param
-            handle = self._gather(full, s.param, async_op=self.overlap_param_gather, buf=s.buf)
+            shard = s.buf.param_of(s.bucket, *s.bucket.shard(s.buf.rank, s.buf.size))
+            handle = self._gather(full, shard, async_op=self.overlap_param_gather, buf=s.buf)
             if self.overlap_param_gather:
                 self._pending[id(s.bucket)] = handle
 

@@ -97,7 +97,7 @@ class Shard:
 
     def __init__(self, buf, bucket, start: int, end: int, names: dict, ps):
         self.buf, self.bucket, self.start, self.end = buf, bucket, start, end
-        self.param = bucket.param_shard if buf.sharded_params else bucket.param[bucket.local(start, end)]
+        self.param = buf.param_of(bucket, start, end)
         self.separate_master = self.param.dtype in HALF
         self.master = self.param.to(wide(self.param.dtype)) if self.separate_master else self.param
         self.exp_avg = torch.zeros_like(self.master)

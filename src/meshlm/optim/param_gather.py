@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel import watchdog
-from ..parallel.data import block_params, blocks, free_storage, restore_storage
+from ..parallel.data import block_params, blocks, restore_storage
 
 FREED, PENDING, WHOLE = "freed", "pending", "whole"
 
@@ -117,7 +117,7 @@ class ParamGather:
         self.ensure([b for b in ids if self.state[b] == PENDING])
         for b in ids:
             if self.state[b] == WHOLE:
-                free_storage(self.buckets[b][1].param)
+                self.buckets[b][0].free_param(self.buckets[b][1])
                 self.gathered_bytes -= self._nbytes(b)
                 self.state[b] = FREED
 

@@ -166,6 +166,9 @@ class ParamAndGradBuffer:
     and the ``size``; expert: it holds MoE expert params; single_tensor: the group supports the
     flat reduce-scatter / all-gather (``supports_single_tensor_collectives``).
 
+    replica: hybrid sharding's replica group (the same shard in every replica; ``group`` is then the
+    shard group inside one replica): reduced gradient shards are all-reduced over it; with
+    optim_across the optimizer splits each shard over it too (``replica_size`` parts).
     unit(p): a bucket closes where this key changes between consecutive params (a shared
     embedding alone, ZeRO-3's blocks). stage: the ZeRO stage: ≥ 2 keeps reduced gradients in
     ``Bucket.shard_grad`` (no grads allocated at build); 3 with a group of more than one rank
@@ -175,9 +178,11 @@ class ParamAndGradBuffer:
 
     def __init__(self, params: list, grad_dtype: torch.dtype, bucket_size: int, pad_to: int,
                  unit=lambda p: None, *, group=None, expert: bool = False, single_tensor: bool = True,
-                 stage: int = 0):
+                 stage: int = 0, replica=None, optim_across: bool = False):
         self.params, self.group, self.expert, self.single_tensor = params, group, expert, single_tensor
         self.size, self.rank = group_size(group), group_rank(group)
+        self.replica, self.replica_size, self.replica_rank = replica, group_size(replica), group_rank(replica)
+        self.optim_across = optim_across and self.replica_size > 1
         self.shard_grads = stage >= 2
         self.sharded_params = stage == 3 and self.size > 1
         self.index, self.buckets, self.next_launch = {}, [], 0
@@ -211,7 +216,7 @@ class ParamAndGradBuffer:
                 p.data = b.param[b.local(s, e)].view(p.shape)
             if self.sharded_params:
                 b.param_shard = b.param[b.local(*b.shard(self.rank, self.size))].clone()
-                free_storage(b.param)
+                self.free_param(b)
             if not self.shard_grads:
                 self.allocate_grad(b)
 
@@ -234,6 +239,23 @@ class ParamAndGradBuffer:
         bucket.grad = None
         for p in bucket.params:
             p.main_grad = None
+
+    def free_param(self, bucket: Bucket) -> None:
+        """ZeRO-3: release the bucket's whole params. Storage that cannot be resized (a checkpoint
+        read aliased it through numpy) is first replaced by a fresh copy the params view."""
+        if not bucket.param.untyped_storage().resizable():
+            bucket.param = bucket.param.clone()
+            for p in bucket.params:
+                p.data = bucket.param[bucket.local(*self.index[p])].view(p.shape)
+        free_storage(bucket.param)
+
+    def param_of(self, bucket: Bucket, start: int, end: int) -> torch.Tensor:
+        """The params of buffer elements [start, end) of ``bucket`` (inside this rank's shard under
+        ZeRO-3, where they are a view of ``param_shard``; else of the bucket's whole params)."""
+        if not self.sharded_params:
+            return bucket.param[bucket.local(start, end)]
+        lo = bucket.shard(self.rank, self.size)[0]
+        return bucket.param_shard[start - lo:end - lo]
 
     def owned_grad(self, start: int, end: int, bucket: Bucket) -> torch.Tensor:
         """This rank's reduced gradient of buffer elements [start, end) of ``bucket`` (inside its
@@ -326,10 +348,14 @@ class DistributedDataParallel:
             for dtype, expert in dict.fromkeys((q.dtype, getattr(q, "expert", False)) for q in params):
                 group = [q for q in params if q.dtype == dtype and getattr(q, "expert", False) == expert]
                 grad_dtype = wide(dtype) if p.accumulate_allreduce_grads_in_fp32 else dtype
-                reduce_group = ps.edp_group if expert else self.group
-                pad_to = 64 * group_size(reduce_group) if self.use_distributed_optimizer else 1
+                hybrid = ps.instances > 1 and not expert
+                reduce_group = ps.edp_group if expert else ps.shard_group if hybrid else self.group
+                # padded for ZeRO to 64 × the ranks its shards split over (all DP × CP under hybrid)
+                pad_to = 64 * group_size(ps.edp_group if expert else self.group) if self.use_distributed_optimizer else 1
                 buf = ParamAndGradBuffer(group, grad_dtype, self.bucket_size, pad_to, unit, group=reduce_group,
                                          expert=expert, stage=self.stage,
+                                         replica=ps.replica_group if hybrid else None,
+                                         optim_across=hybrid and p.outer_dp_sharding_strategy == "optim",
                                          single_tensor=expert_single if expert else self.single_tensor_collectives)
                 self.buffers.append(buf)
                 self._chunk_buffers.setdefault(id(chunk), []).append(buf)
@@ -480,8 +506,17 @@ class DistributedDataParallel:
             what = "expert " if buf.expert else ""
             watchdog.call(f"reduce_scatter of {what}DP gradient bucket", buf.group, handle.wait)
         piece = out if out is not None else data[bucket.local(*bucket.shard(buf.rank, buf.size))]
+        self._across_replicas(buf, piece)
         bucket.shard_grad = piece if bucket.shard_grad is None else bucket.shard_grad.add_(piece)
         bucket.inflight = None
+
+    def _across_replicas(self, buf: ParamAndGradBuffer, shard: torch.Tensor) -> None:
+        """Hybrid sharding: sum a reduced gradient shard over the replicas (the same shard of every
+        replica), so that it holds the whole DP × CP sum."""
+        if buf.replica is not None:
+            watchdog.call("all_reduce of a gradient shard across replicas", buf.replica, dist.all_reduce, shard,
+                          group=buf.replica)
+            self._bytes += shard.numel() * shard.element_size()
 
     # ------------------------------------------------------------------ after backward
     def finish_grad_sync(self) -> None:
@@ -513,6 +548,8 @@ class DistributedDataParallel:
                         bucket.handle.wait()
                     finally:
                         watchdog.leave()
+                    if self.use_distributed_optimizer:
+                        self._across_replicas(buf, bucket.grad_range(*bucket.shard(buf.rank, buf.size)))
                 spans.append((t, _mark(self.ps.device)))
         if self.sequence_parallel:
             self._all_reduce_marked("sequence_parallel", self.ps.tp_group)
