@@ -59,8 +59,11 @@ CASES = {
     # name: (model, GPUs, micro-batch, layout flags)
     "llama1b": (LLAMA_1B, 1, 8, []),
     "llama1b-eager": (LLAMA_1B, 1, 8, ["--fast-path", "off"]),
-    # issue 26: ZeRO-3's machinery at DP=1 (per-micro-batch gradient shards; nothing to gather) vs llama1b
-    "llama1b-zero3": (LLAMA_1B, 1, 8, ["--data-parallel-sharding-strategy", "optim_grads_params"]),
+    # issue 26: ZeRO-3's own machinery at DP=1 (gradient shards folded every micro-batch, block hooks;
+    # nothing to gather) against stage 0, alternated in one invocation: `bench.py llama1b-zero0
+    # llama1b-zero3 llama1b-zero0 llama1b-zero3` (no plain-PyTorch baseline: the baseline is stage 0)
+    "llama1b-zero0": (dict(LLAMA_1B, baseline=None), 1, 8, []),
+    "llama1b-zero3": (dict(LLAMA_1B, baseline=None), 1, 8, ["--data-parallel-sharding-strategy", "optim_grads_params"]),
     "llama1b-selective": (LLAMA_1B, 1, 8, ["--recompute-activations"]),
     "llama3b-selective": (LLAMA_3B, 1, 2, ["--recompute-activations", "--global-batch-size", "8"]),
     "gpt2-350m": (GPT2_350M, 1, 8, []),

@@ -38,6 +38,20 @@ def _problems(world: int = 4, **parallel) -> str:
     return ""
 
 
+def test_analyze_names_exposed_zero3_gathers_and_their_fixes():
+    from meshlm.planner.analyze import analyze
+    records = [{"iteration": i, "iter_ms": 100.0, "tokens_per_sec": 1e3, "lm_loss": 5.0, "nan_iters": 0,
+                "skipped_iters": 0, "comm_share": {"dp": 0.05, "zero": 0.4}} for i in range(1, 7)]
+    config = {"parallel": {"data_parallel_sharding_strategy": "optim_grads_params", "overlap_param_gather": False},
+              "training": {"micro_batch_size": 2, "global_batch_size": 16}, "model": {"num_layers": 4}}
+    report = analyze(records, config)
+    assert report["dominant"] == "zero" and report["breakdown"]["zero"] == 0.4
+    [finding] = [f for f in report["findings"] if f["kind"] == "zero"]
+    flags = {k: v for fix in finding["fixes"] for k, v in fix["flags"].items()}
+    assert flags == {"--overlap-param-gather": None, "--data-parallel-sharding-strategy": "optim_grads",
+                     "--micro-batch-size": "4"}
+
+
 def test_the_stage_of_each_flag_and_contradictions_refused_in_one_line_naming_both_flags():
     from meshlm.config import ParallelConfig, zero_stage
     assert [zero_stage(ParallelConfig(data_parallel_sharding_strategy=s)) for s in
@@ -188,8 +202,9 @@ def _memory(rank, world, zeros):
                 seen[0] = max(seen[0], sum(b.param.untyped_storage().nbytes() for _, b in gather.buckets.values()))
             for block in blocks(run.chunks[0]):
                 block.register_forward_pre_hook(look)
-        held, step = {}, run.opt.step
+        held, step, records, log = {}, run.opt.step, [], run.logger.train_step
         run.opt.step = lambda *a: (held.update(_held(run)), step(*a))[1]
+        run.logger.train_step = lambda *a, **k: (lambda rec: (records.append(rec), rec)[1])(log(*a, **k))
         state = trainer.TrainState()
         trainer.train_step(run, state)  # the first step allocates everything lazily allocated
         if gather is not None:
@@ -197,6 +212,7 @@ def _memory(rank, world, zeros):
         trainer.train_step(run, state)
         sizes = [[q.numel() for q in blk.parameters()] for blk in blocks(run.chunks[0])]
         out.append({"held": dict(held), "peak": gather and gather.peak_bytes, "seen": seen[0],
+                    "comm_share": records[-1].get("comm_share") if records[-1] else None,
                     "formula": gather and gather.working_set_bytes(), "sizes": sizes})
     return out
 
@@ -218,3 +234,5 @@ def test_zero2_and_zero3_hold_a_quarter_at_dp4_and_zero3_gathers_its_working_set
         assert zero3["formula"] == formula and zero3["peak"] == formula, (zero3, formula)
         assert zero3["seen"] == formula  # prefetch: block k and k + 1 whole as k's forward starts
         assert formula < 0.4 * base["held"]["weights"]  # 2 of 9 blocks (embedding, 6 layers, norm, output)
+        # the waits for gathers and earlier reduce-scatters are logged for `meshlm analyze` ("zero")
+        assert zero3["comm_share"]["zero"] > 0 and zero2["comm_share"]["zero"] >= 0

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ..parallel import watchdog
+from ..parallel import comm, watchdog
 from ..parallel.data import block_params, blocks, restore_storage
 
 FREED, PENDING, WHOLE = "freed", "pending", "whole"
@@ -98,13 +98,18 @@ class ParamGather:
             self.state[b] = WHOLE
 
     def ensure(self, ids: list) -> None:
-        """Make every bucket of ``ids`` whole (wait for its gather, or gather it now)."""
+        """Make every bucket of ``ids`` whole (wait for its gather, or gather it now). The time the
+        step waits here is exposed communication of kind "zero" (parallel/comm.py's timing)."""
         for b in ids:
+            if self.state[b] == WHOLE:
+                continue
+            start = comm.begin_timed(self.buckets[b][1].param.device)
             if self.state[b] == FREED:
                 self._start(b, async_op=False)
-            elif self.state[b] == PENDING:
+            else:
                 watchdog.call("all_gather of the ZeRO-3 params", self.buckets[b][0].group, self.handles.pop(b).wait)
                 self.state[b] = WHOLE
+            comm.end_timed("zero", start, self.buckets[b][1].param.device)
 
     def start(self, ids: list) -> None:
         """Start the asynchronous gather of the buckets of ``ids`` that are freed (prefetch)."""

@@ -71,7 +71,7 @@ import torch.distributed as dist
 from ..config import zero_stage
 from ..dtypes import wide
 from . import watchdog
-from .comm import elapsed as _elapsed, group_rank, group_size, mark as _mark
+from .comm import begin_timed, end_timed, elapsed as _elapsed, group_rank, group_size, mark as _mark
 from .mesh import ParallelState
 
 # Flat-tensor collectives (torch >= 2.13 names, older names before): [n·size] → [n] and back.
@@ -461,8 +461,10 @@ class DistributedDataParallel:
         the buffer's group."""
         buf.next_launch += 1
         bucket.launched = True
-        if self.shard_grads:
-            self._drain(buf, bucket)  # the previous micro-batch's reduction of this bucket
+        if self.shard_grads:  # the previous micro-batch's reduction of this bucket: a wait inside
+            start = begin_timed(self.ps.device)  # backward, exposed communication of kind "zero"
+            self._drain(buf, bucket)
+            end_timed("zero", start, self.ps.device)
         if bucket.grad is None:  # no param of the bucket got a gradient this step
             buf.allocate_grad(bucket)
         if self.check_local_grads:  # NaN/inf anywhere makes the sum non-finite (training/faults.py)
