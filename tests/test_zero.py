@@ -91,6 +91,27 @@ def test_hybrid_sharding_inside_replicas_matches_single_process_in_float64():
                   Case(dp=2, cp=2, instances=2, outer="optim", **BOTH))
 
 
+@pytest.mark.slow  # multi-process: make test-quick leaves it out
+def test_optimizer_cpu_offload_matches_single_process_in_float64():
+    """--optimizer-cpu-offload: half the state (whole shards from the first) or all of it updated on
+    the host, under plain DP and ZeRO-3 (on CPU the host is the device: the split arithmetic, the
+    grads' and masters' copies and the state's placement are what is checked)."""
+    assert_parity(Case(dp=4, offload=0.5), Case(dp=4, offload=1.0, micro=2, batch=8, **BOTH))
+    (half, whole), = run_distributed(_offloaded, 1, [0.5, 1.0])
+    # float64 params: the host holds master + 2 moments (24 bytes an element), the device the 2
+    # moments beside the param that is its own master (16); one bucket a param, so whole shards split
+    host, device = half["optimizer_host_bytes"] / 24, half["optimizer_bytes"] / 16
+    assert 0.4 * (host + device) < host <= 0.5 * (host + device)
+    assert whole["optimizer_bytes"] == 0 and whole["optimizer_host_bytes"] == 24 * (host + device)
+
+
+def _offloaded(rank, world, fractions):
+    """memory_report of the parity model with --optimizer-cpu-offload at each fraction."""
+    from meshlm.training import trainer
+    return [trainer.build(parity.config(Case(offload=f)), dtype=torch.float64).opt.memory_report()
+            for f in fractions]
+
+
 # ---------------------------------------------------------------------------- checkpoints
 STEPS, GLOBAL_BATCH = 4, 8
 MODEL = dict(tied=True, pos="rope", norm="RMSNorm", swiglu=True, groups=2, bucket=None)

@@ -239,6 +239,10 @@ class OptimizerConfig:
                                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
     lr_wsd_decay_iters: Optional[int] = opt(None, "WSD: iterations of the final anneal (ends at the decay end)")
     lr_wsd_decay_samples: Optional[int] = opt(None, "WSD: samples of the final anneal (with --train-samples)")
+    optimizer_cpu_offload: bool = opt(False, "keep fp32 masters and Adam moments of a fraction of the optimizer "
+                                      "shards in host memory and update them there", action="store_true")
+    optimizer_offload_fraction: float = opt(1.0, "with --optimizer-cpu-offload: the share of the optimizer state "
+                                            "(in elements, whole shards from the first) that lives on the host")
 
 
 @dataclass
