@@ -42,6 +42,7 @@ import os
 import statistics
 from typing import Callable, Optional
 
+from ..config import SHARDING
 from ..errors import ConfigError
 from ..straggler_rule import CONSECUTIVE as STRAGGLER_INTERVALS, FACTOR as STRAGGLER_RATIO, MIN_EXCESS_S
 
@@ -208,7 +209,8 @@ class _Flags:
         self.cp, self.ep = p.get("context_parallel_size"), p.get("expert_model_parallel_size")
         self.cp_comm, self.groups = m.get("cp_comm_type"), m.get("num_query_groups")
         self.overlap, self.bucket = p.get("overlap_grad_reduce"), p.get("ddp_bucket_size")
-        self.zero = p.get("use_distributed_optimizer")
+        self.zero = max(SHARDING.get(p.get("data_parallel_sharding_strategy") or "no_shard", 0),
+                        1 if p.get("use_distributed_optimizer") else 0, 3 if p.get("use_torch_fsdp2") else 0)
         self.sharding, self.param_gather = p.get("data_parallel_sharding_strategy"), p.get("overlap_param_gather")
         self.micro, self.global_batch = t.get("micro_batch_size"), t.get("global_batch_size")
         self.recompute = t.get("recompute_granularity") or ("selective" if t.get("recompute_activations") else None)
@@ -351,6 +353,9 @@ def _memory(records: list, f: _Flags) -> Finding:
                      "recompute activations in backward")]
         if not f.zero:
             fixes.append(Fix({"--use-distributed-optimizer": None}, "shard the optimizer states over DP (ZeRO-1)"))
+        elif f.zero < 3:
+            fixes.append(Fix({"--data-parallel-sharding-strategy": ("optim_grads", "optim_grads_params")[f.zero - 1]},
+                             "shard the gradients (ZeRO-2)" if f.zero == 1 else "shard the weights too (ZeRO-3)"))
         if f.micro and f.micro > 1:
             fixes.append(Fix({"--micro-batch-size": str(f.micro // 2)}, "half the activations"))
         return Finding("memory", "warn", msg + ": close to out of memory", used, fixes)
