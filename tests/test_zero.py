@@ -50,6 +50,11 @@ def test_analyze_names_exposed_zero3_gathers_and_their_fixes():
     flags = {k: v for fix in finding["fixes"] for k, v in fix["flags"].items()}
     assert flags == {"--overlap-param-gather": None, "--data-parallel-sharding-strategy": "optim_grads",
                      "--micro-batch-size": "4"}
+    tight = [dict(r, mem_max_allocated_gb=75.0, mem_total_gb=80.0) for r in records]
+    for parallel, want in (({"use_distributed_optimizer": True}, "optim_grads"),
+                           ({"data_parallel_sharding_strategy": "optim_grads"}, "optim_grads_params")):
+        [memory] = [f for f in analyze(tight, {**config, "parallel": parallel})["findings"] if f["kind"] == "memory"]
+        assert {"--data-parallel-sharding-strategy": want} in [fix["flags"] for fix in memory["fixes"]]
 
 
 def test_the_stage_of_each_flag_and_contradictions_refused_in_one_line_naming_both_flags():
