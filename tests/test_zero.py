@@ -57,6 +57,25 @@ def test_analyze_names_exposed_zero3_gathers_and_their_fixes():
         assert {"--data-parallel-sharding-strategy": want} in [fix["flags"] for fix in memory["fixes"]]
 
 
+def test_the_planner_models_each_stage_and_the_offload():
+    """planner/memory.py: ZeRO-1/2/3 divide optimizer, then grads, then weights by DP (plus ZeRO-3's
+    two gathered blocks); offload moves the optimizer's share to the host; `plan` searches stages."""
+    from meshlm.planner.layout import Layout
+    from meshlm.planner.memory import estimate
+    cfg = parity.config(Case(dp=8), global_batch=8)
+    cfg.model.num_layers, cfg.model.hidden_size = 8, 64
+    mems = [estimate(cfg, Layout(dp=8, distributed_optimizer=z >= 1, zero=z if z >= 2 else 0), 50) for z in range(4)]
+    same = lambda a, b: a == pytest.approx(b, rel=1e-2)  # noqa: E731 (ZeRO pads to 64 × DP elements)
+    assert same(mems[1].optimizer, mems[0].optimizer / 8) and same(mems[1].grads, mems[0].grads)
+    assert same(mems[2].grads, mems[1].grads / 8) and same(mems[2].weights, mems[1].weights)
+    assert mems[3].weights < mems[2].weights / 2 and same(mems[3].optimizer, mems[2].optimizer)
+    assert Layout(dp=8, zero=3).stage == 3 and Layout(zero=3).stage == 0  # nothing to shard at DP 1
+    cfg.optimizer.optimizer_cpu_offload = True
+    assert estimate(cfg, Layout(dp=8), 50).optimizer == 0.0
+    assert Layout(dp=8, distributed_optimizer=True, zero=3).flags()[-2:] == ["--data-parallel-sharding-strategy",
+                                                                            "optim_grads_params"]
+
+
 def test_the_stage_of_each_flag_and_contradictions_refused_in_one_line_naming_both_flags():
     from meshlm.config import ParallelConfig, zero_stage
     assert [zero_stage(ParallelConfig(data_parallel_sharding_strategy=s)) for s in

@@ -11,7 +11,9 @@ Model state (bytes per parameter of the rank's stage, from ``planner/params.py``
   (params, grads) is padded to a multiple of 64 × its group (``moe_cp.padded``, exact for one bucket
   a buffer). ZeRO-2 (--data-parallel-sharding-strategy optim_grads) divides the gradients too,
   ZeRO-3 (optim_grads_params) the weights too, plus its gathered working set (``gathered_bytes``:
-  two blocks whole with one pipeline stage, all of the stage's weights under PP). Gradient memory exists only from the first backward to the next
+  two blocks whole with one pipeline stage, all of the stage's weights under PP). Under
+  --optimizer-cpu-offload the device holds 1 − --optimizer-offload-fraction of the optimizer state.
+  Gradient memory exists only from the first backward to the next
   zero_grad, so with one micro-batch and PP = 1 it is not held at the activation peak (start of
   backward) — counted in ``peak_bytes`` only when gradients are held while activations are.
 - ``"classic"`` mixed-precision accounting (Rajbhandari et al. 2020 §3.1; the issue's seed figures):
@@ -232,6 +234,8 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
                              dp=layout.edp, stage=layout.stage, accounting=accounting)
         st = {k: dense[k] + routed[k] for k in dense}
         st["weights"] += gathered_bytes(c, layout, params[rank], vocab, half=half)
+        if c.optimizer.optimizer_cpu_offload:  # that share of the optimizer state lives on the host
+            st["optimizer"] *= 1.0 - c.optimizer.optimizer_offload_fraction
         held = nmb > 1 or layout.pp > 1
         peak = st["weights"] + st["optimizer"] + acts + loss + (st["grads"] if held else 0.0)
         peak = max(peak, 2 * st["weights"] + st["optimizer"] + st["grads"])  # the step's weight-sized transient
