@@ -62,8 +62,10 @@ CASES = {
     # issue 26: ZeRO-3's own machinery at DP=1 (gradient shards folded every micro-batch, block hooks;
     # nothing to gather) against stage 0, alternated in one invocation: `bench.py llama1b-zero0
     # llama1b-zero3 llama1b-zero0 llama1b-zero3` (no plain-PyTorch baseline: the baseline is stage 0)
-    "llama1b-zero0": (dict(LLAMA_1B, baseline=None), 1, 8, []),
-    "llama1b-zero3": (dict(LLAMA_1B, baseline=None), 1, 8, ["--data-parallel-sharding-strategy", "optim_grads_params"]),
+    # (4 micro-batches a step, so the per-micro-batch folds are counted)
+    "llama1b-zero0": (dict(LLAMA_1B, baseline=None), 1, 8, ["--global-batch-size", "32"]),
+    "llama1b-zero3": (dict(LLAMA_1B, baseline=None), 1, 8, ["--global-batch-size", "32",
+                                                            "--data-parallel-sharding-strategy", "optim_grads_params"]),
     "llama1b-selective": (LLAMA_1B, 1, 8, ["--recompute-activations"]),
     "llama3b-selective": (LLAMA_3B, 1, 2, ["--recompute-activations", "--global-batch-size", "8"]),
     "gpt2-350m": (GPT2_350M, 1, 8, []),
