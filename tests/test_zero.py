@@ -70,6 +70,12 @@ def test_the_planner_models_each_stage_and_the_offload():
     assert same(mems[2].grads, mems[1].grads / 8) and same(mems[2].weights, mems[1].weights)
     assert mems[3].weights < mems[2].weights / 2 and same(mems[3].optimizer, mems[2].optimizer)
     assert Layout(dp=8, zero=3).stage == 3 and Layout(zero=3).stage == 0  # nothing to shard at DP 1
+    cfg.parallel.num_distributed_optimizer_instances = 2  # hybrid: shards over 4, optimizer over 8 or 4
+    hybrid = estimate(cfg, Layout(dp=8, distributed_optimizer=True, zero=3), 50)
+    assert same(hybrid.optimizer, 2 * mems[3].optimizer) and same(hybrid.grads, 2 * mems[3].grads)
+    cfg.parallel.outer_dp_sharding_strategy = "optim"
+    assert same(estimate(cfg, Layout(dp=8, distributed_optimizer=True, zero=3), 50).optimizer, mems[3].optimizer)
+    cfg.parallel.num_distributed_optimizer_instances, cfg.parallel.outer_dp_sharding_strategy = 1, "no_shard"
     cfg.optimizer.optimizer_cpu_offload = True
     assert estimate(cfg, Layout(dp=8), 50).optimizer == 0.0
     assert Layout(dp=8, distributed_optimizer=True, zero=3).flags()[-2:] == ["--data-parallel-sharding-strategy",

@@ -13,6 +13,8 @@ Model state (bytes per parameter of the rank's stage, from ``planner/params.py``
   ZeRO-3 (optim_grads_params) the weights too, plus its gathered working set (``gathered_bytes``:
   two blocks whole with one pipeline stage, all of the stage's weights under PP). Under
   --optimizer-cpu-offload the device holds 1 − --optimizer-offload-fraction of the optimizer state.
+  Hybrid sharding (--num-distributed-optimizer-instances N) shards over DP × CP / N, the optimizer
+  over all DP × CP under --outer-dp-sharding-strategy optim.
   Gradient memory exists only from the first backward to the next
   zero_grad, so with one micro-batch and PP = 1 it is not held at the activation peak (start of
   backward) — counted in ``peak_bytes`` only when gradients are held while activations are.
@@ -211,6 +213,9 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
     moe = moe_layer_pattern(m)
     per_layer = {kind: layer_bytes(m, b, layout, flash=flash, act_bytes=act, moe=kind) for kind in set(moe)}
     zero, group = layout.stage >= 1, layout.dp * layout.cp
+    # hybrid sharding: shards span one of N replicas; the optimizer's also split across them under outer optim
+    replicas = c.parallel.num_distributed_optimizer_instances if zero else 1
+    across = replicas if c.parallel.outer_dp_sharding_strategy == "optim" else 1
     best = None
     for rank in sorted({0, layout.pp - 1}) if stage is None else [stage]:
         chunks_of_rank = ranges[rank::layout.pp]
@@ -228,8 +233,9 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
             vocab_tp = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, layout.tp)
             loss = (act * s * b * vocab_tp / layout.tp + 2 * act * s * b * h / rep) / layout.cp  # s/cp tokens a rank
         # dense params sharded over DP × CP, routed experts over the expert-DP ranks (DP × CP / EP)
-        dense = state_bytes(padded(params[rank] - experts[rank], group, zero), half=half, dp=group,
+        dense = state_bytes(padded(params[rank] - experts[rank], group, zero), half=half, dp=group // replicas,
                             stage=layout.stage, accounting=accounting)
+        dense["optimizer"] /= across
         routed = state_bytes(padded(experts[rank], layout.edp, zero) if experts[rank] else 0, half=half,
                              dp=layout.edp, stage=layout.stage, accounting=accounting)
         st = {k: dense[k] + routed[k] for k in dense}
