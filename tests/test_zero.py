@@ -263,6 +263,7 @@ def _memory(rank, world, zeros):
         trainer.train_step(run, state)
         sizes = [[q.numel() for q in blk.parameters()] for blk in blocks(run.chunks[0])]
         out.append({"held": dict(held), "peak": gather and gather.peak_bytes, "seen": seen[0],
+                    "gathers": gather and gather.gathers, "buckets": gather and len(gather.buckets),
                     "comm_share": records[-1].get("comm_share") if records[-1] else None,
                     "formula": gather and gather.working_set_bytes(), "sizes": sizes})
     return out
@@ -284,6 +285,8 @@ def test_zero2_and_zero3_hold_a_quarter_at_dp4_and_zero3_gathers_its_working_set
         formula = max(a + b for a, b in zip(padded, padded[1:]))
         assert zero3["formula"] == formula and zero3["peak"] == formula, (zero3, formula)
         assert zero3["seen"] == formula  # prefetch: block k and k + 1 whole as k's forward starts
+        # each bucket gathered before its forward and again before its backward, per micro-batch (2 a rank)
+        assert zero3["gathers"] == 2 * 2 * zero3["buckets"]
         assert formula < 0.4 * base["held"]["weights"]  # 2 of 9 blocks (embedding, 6 layers, norm, output)
         # the waits for gathers and earlier reduce-scatters are logged for `meshlm analyze` ("zero")
         assert zero3["comm_share"]["zero"] > 0 and zero2["comm_share"]["zero"] >= 0

@@ -52,14 +52,15 @@ class ParamGather:
     ddp: the DistributedDataParallel (``bucket_of``); gather(full, shard, async_op, buf=): the
     optimizer's all-gather; prefetch: start the next block's gather early (--overlap-param-gather);
     reshard: free after each forward and backward (one pipeline stage), else keep until ``free_all``.
-    ``gathered_bytes`` / ``peak_bytes``: bytes of whole buckets now / the most since ``reset_peak``.
+    ``gathered_bytes`` / ``peak_bytes``: bytes of whole buckets now / the most since ``reset_peak``;
+    ``gathers``: all-gathers started since then (2 × micro-batches per bucket a step with reshard).
     """
 
     def __init__(self, chunks, ddp, gather, *, prefetch: bool, reshard: bool):
         self.gather, self.prefetch, self.reshard = gather, prefetch, reshard
         self.state, self.handles = {}, {}  # id(bucket) → FREED/PENDING/WHOLE; → handle while PENDING
         self.buckets = {}  # id(bucket) → (buf, bucket), sharded ones only
-        self.gathered_bytes = self.peak_bytes = 0
+        self.gathered_bytes = self.peak_bytes = self.gathers = 0
         self.chunk_blocks = []  # per chunk: [[id(bucket)] of each block]
         for chunk in chunks:
             per_block = []
@@ -89,6 +90,7 @@ class ParamGather:
         """Make bucket b's storage and all-gather its shards into it (FREED → PENDING or WHOLE)."""
         buf, bucket = self.buckets[b]
         restore_storage(bucket.param)
+        self.gathers += 1
         self.gathered_bytes += self._nbytes(b)
         self.peak_bytes = max(self.peak_bytes, self.gathered_bytes)
         handle = self.gather(bucket.param, bucket.param_shard, async_op, buf=buf)
@@ -135,7 +137,7 @@ class ParamGather:
         self.free(list(self.buckets))
 
     def reset_peak(self) -> None:
-        self.peak_bytes = self.gathered_bytes
+        self.peak_bytes, self.gathers = self.gathered_bytes, 0
 
     def working_set_bytes(self) -> int:
         """The most bytes whole at once with reshard (module doc): max over adjacent blocks k, k + 1
