@@ -74,6 +74,13 @@ CASES = {
     "llama8b-w8": (LLAMA3_8B_W8, 1, 4, []),
     "llama8b-w8-fp8": (LLAMA3_8B_W8, 1, 4, FP8),
     "llama1b-eager": (LLAMA_1B, 1, 8, ["--fast-path", "off"]),
+    # issue 26: ZeRO-3's own machinery at DP=1 (gradient shards folded every micro-batch, block hooks;
+    # nothing to gather) against stage 0, alternated in one invocation: `bench.py llama1b-zero0
+    # llama1b-zero3 llama1b-zero0 llama1b-zero3` (no plain-PyTorch baseline: the baseline is stage 0)
+    # (4 micro-batches a step, so the per-micro-batch folds are counted)
+    "llama1b-zero0": (dict(LLAMA_1B, baseline=None), 1, 8, ["--global-batch-size", "32"]),
+    "llama1b-zero3": (dict(LLAMA_1B, baseline=None), 1, 8, ["--global-batch-size", "32",
+                                                            "--data-parallel-sharding-strategy", "optim_grads_params"]),
     "llama1b-selective": (LLAMA_1B, 1, 8, ["--recompute-activations"]),
     "llama3b-selective": (LLAMA_3B, 1, 2, ["--recompute-activations", "--global-batch-size", "8"]),
     "gpt2-350m": (GPT2_350M, 1, 8, []),

@@ -64,6 +64,8 @@ MODELS = {  # name: (flags, iterations, log interval)
     "tiny": (TINY + ["--num-layers", "4", "--micro-batch-size", "2", "--global-batch-size", "8"], 6, 2),
 }
 ZERO1 = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+ZERO2 = ["--data-parallel-sharding-strategy", "optim_grads", "--overlap-grad-reduce"]
+ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce", "--overlap-param-gather"]
 TP2, PP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--pipeline-model-parallel-size", "2"]
 BEST = None  # the planner's best layout for the case's GPUs
 CASES = {  # name: (model, GPUs, layout flags); run in this order
@@ -77,6 +79,13 @@ CASES = {  # name: (model, GPUs, layout flags); run in this order
     "dp8": ("llama-1b", 8, []),
     "8b-tp2pp2dp2": ("llama3-8b", 8, TP2 + PP2 + ZERO1),
     "8b-best": ("llama3-8b", 8, BEST),
+    # issue 26 (ZeRO-2/3), not run yet: `bench/scaling.py 1gpu dp2-zero2 dp2-zero3` on nvidia-h200-x2,
+    # `bench/scaling.py 1gpu dp8-zero2 dp8-zero3 8b-dp8-zero3` on nvidia-h200-x8 (the command lines above)
+    "dp2-zero2": ("llama-1b", 2, ZERO2),
+    "dp2-zero3": ("llama-1b", 2, ZERO3),
+    "dp8-zero2": ("llama-1b", 8, ZERO2),
+    "dp8-zero3": ("llama-1b", 8, ZERO3),
+    "8b-dp8-zero3": ("llama3-8b", 8, ZERO3),
 }
 TARGETS = {"dp2": 1.90, "dp2-zero1-overlap": 1.90}  # scaling vs 1 GPU (issue 17; goal 1.95)
 GOAL, MEM_TOL, STEP_TOL = 1.95, 0.10, 0.20

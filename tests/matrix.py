@@ -10,7 +10,7 @@ a layout cannot have (meshlm's rules in validate.py); meshlm's own validation mu
 generated case (the test checks). Context parallelism and MoE / expert parallelism are factors
 like the others, so each level of CP (both --cp-comm-type values) and of MoE (EP 1 and 2) meets
 every level of every other factor: interleaved PP, ZeRO-1 overlaps, recompute, packed documents,
-GQA, per-token loss, and each other.
+GQA, per-token loss, and each other; so does each ZeRO stage (--data-parallel-sharding-strategy).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ FACTORS = {
     "sp": [False, True],
     "pipeline": list(PIPELINES),
     "dp": [1, 2, 4],
-    "dist_opt": [False, True],
+    "zero": [0, 1, 2, 3],  # --data-parallel-sharding-strategy no_shard, optim (ZeRO-1), optim_grads, optim_grads_params
     "overlap_grad": [False, True],
     "overlap_param": [False, True],
     "bucket": [1, None],
@@ -94,7 +94,7 @@ def possible(a: dict) -> bool:
     microbatches = c.batch // (c.micro * c.dp)
     return (c.world <= MAX_WORLD
             and not (c.sp and c.tp == 1)
-            and not (c.overlap_param and not c.dist_opt)
+            and not (c.overlap_param and not c.zero)
             and not (c.vpp and microbatches % c.pp)
             and not (c.experts and c.tp > 1 and not c.sp)  # MoE under TP routes SP's share of the tokens
             and (c.dp * c.cp) % c.ep == 0                   # experts split the DP × CP ranks

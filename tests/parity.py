@@ -48,6 +48,10 @@ class Case:
     first: Optional[int] = None  # --decoder-first-pipeline-num-layers
     last: Optional[int] = None   # --decoder-last-pipeline-num-layers
     dist_opt: bool = False
+    zero: int = 0                # --data-parallel-sharding-strategy as a ZeRO stage (0–3; 1 = dist_opt)
+    instances: int = 1           # --num-distributed-optimizer-instances (hybrid sharding)
+    outer: str = "no_shard"      # --outer-dp-sharding-strategy
+    offload: Optional[float] = None  # --optimizer-cpu-offload with this --optimizer-offload-fraction
     overlap_grad: bool = False
     overlap_param: bool = False
     bucket: Optional[int] = 1    # --ddp-bucket-size: 1 puts every parameter in its own bucket
@@ -113,6 +117,10 @@ def config(case: Case, global_batch: Optional[int] = None):
     p.virtual_pipeline_model_parallel_size = case.vpp
     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers = case.first, case.last
     p.use_distributed_optimizer, p.ddp_bucket_size = case.dist_opt, case.bucket
+    p.data_parallel_sharding_strategy = ("no_shard", "optim", "optim_grads", "optim_grads_params")[case.zero]
+    p.num_distributed_optimizer_instances, p.outer_dp_sharding_strategy = case.instances, case.outer
+    if case.offload is not None:
+        o.optimizer_cpu_offload, o.optimizer_offload_fraction = True, case.offload
     p.overlap_grad_reduce, p.overlap_param_gather = case.overlap_grad, case.overlap_param
     t.micro_batch_size, t.global_batch_size, t.train_iters = case.micro, global_batch or case.batch, STEPS
     t.fast_path = case.fast

@@ -1,5 +1,5 @@
 """Every 2-rank layout trains like one GPU in bf16 (issue 17): TP 2 + SP, PP 2 (1F1B, interleaved),
-DP 2, the distributed optimizer with both overlaps, CP 2 and EP 2 (MoE), over NCCL on 2 GPUs
+DP 2, the distributed optimizer with both overlaps, ZeRO-2 and ZeRO-3 (issue 26), CP 2 and EP 2 (MoE), over NCCL on 2 GPUs
 (marker ``gpu``) and, for a few of them, over gloo on CPU processes (bf16 parameters there too).
 
 The run is the production path: the flags parsed and validated as `meshlm pretrain` does, then
@@ -61,6 +61,9 @@ LAYOUTS = {  # name: (layout flags, model flags beyond MODEL)
     "pp2-interleaved": (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"], []),
     "dp2": ([], []),
     "dp2-zero1-overlap": (["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], []),
+    "dp2-zero2": (["--data-parallel-sharding-strategy", "optim_grads", "--overlap-grad-reduce"], []),
+    "dp2-zero3-overlap": (["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce",
+                           "--overlap-param-gather"], []),
     "cp2": (["--context-parallel-size", "2"], []),
     "ep2": (["--expert-model-parallel-size", "2"], MOE),
 }

@@ -1,7 +1,9 @@
 """Every layout computes the function of one process: the production training step (trainer.build
 and trainer.train_step) of each pairwise combination of the step-changing flags (tests/matrix.py),
 trained in float64 over gloo, against the single-process run at 1e-10 relative (tests/parity.py).
-With ZeRO-1 --overlap-param-gather every pending parameter all-gather reads NaN until waited for."""
+Each ZeRO stage (--data-parallel-sharding-strategy) meets every other factor; with
+--overlap-param-gather (ZeRO-1's gather after the step, ZeRO-3's per-block prefetch) every pending
+parameter all-gather reads NaN until waited for."""
 
 import itertools
 
@@ -13,7 +15,7 @@ from parity import Case, assert_parity, config
 pytestmark = pytest.mark.slow  # multi-process: make test-quick leaves it out
 
 CASES, IMPOSSIBLE = pairwise_cases()
-BATCH = 9  # most cases per set of processes: starting 8 workers costs as much as training 2–4 cases
+BATCH = 10  # most cases per set of processes: starting 8 workers costs as much as training 2–4 cases
 
 
 def _batches(cases: list) -> list:
@@ -36,7 +38,7 @@ def test_only_pairs_no_layout_allows_are_left_out_and_meshlm_accepts_every_case(
     deep = {("pipeline", "pp3-first-1"), ("pipeline", "pp4")}
     assert IMPOSSIBLE == {
         (("tp", 1), ("sp", True)),                       # SP needs TP > 1
-        (("dist_opt", False), ("overlap_param", True)),  # the param gather is ZeRO-1's
+        (("zero", 0), ("overlap_param", True)),          # the param gather is ZeRO-1/3's
         *((("tp", 4), p) for p in deep),                 # TP 4 × PP ≥ 3 > MAX_WORLD
         (("tp", 4), ("dp", 4)),
         *((p, ("dp", 4)) for p in deep),
@@ -53,9 +55,11 @@ def test_pairwise_layouts_match_single_process_in_float64(cases):
 
 def test_compiled_fast_path_matches_single_process_in_float64():
     """--fast-path on (the CUDA default; here compiled on CPU): compiled layers and loss, fused AdamW
-    with clipping, ZeRO-1 gathers waited at the compiled layers' boundaries."""
-    assert_parity(Case(dp=2, dist_opt=True, overlap_grad=True, overlap_param=True, tied=False, pos="rope",
-                       norm="RMSNorm", swiglu=True, fast="on"))
+    with clipping, ZeRO-1 gathers waited at the compiled layers' boundaries; ZeRO-3's per-block
+    gathers, prefetches and frees there too (one process start for both)."""
+    llama = dict(tied=False, pos="rope", norm="RMSNorm", swiglu=True, fast="on")
+    assert_parity(Case(dp=2, dist_opt=True, overlap_grad=True, overlap_param=True, **llama),
+                  Case(dp=2, zero=3, overlap_grad=True, overlap_param=True, **llama))
 
 
 def test_partial_rotary_with_tp_and_packed_positions_matches_single_process_in_float64():

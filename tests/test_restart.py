@@ -1,6 +1,7 @@
 """Auto-resume: a job under torchrun whose workers are killed (SIGKILL) at 10 random moments restarts
 after each, finds the latest complete checkpoint in --load (== --save) by itself and goes on; it
-ends with the loss trajectory of an uninterrupted run, no sample consumed twice or skipped.
+ends with the loss trajectory of an uninterrupted run, no sample consumed twice or skipped. Both
+jobs run ZeRO-3 (parameters sharded over DP 2, gathered per block), so the saves killed are stage-3 saves.
 
 The moments are drawn from a seed that is printed (set KILL_SEED=<seed> to repeat a failure): each
 is a rank, an iteration and a place — right after that iteration's step, or inside its checkpoint
@@ -21,6 +22,9 @@ from test_launch import TINY, clean_env
 pytestmark = pytest.mark.slow  # multi-process: make test-quick leaves it out
 
 ITERS, SAVE_EVERY, GLOBAL_BATCH, KILLS = 12, 2, 4, 10
+# ZeRO-3 at DP 2, both overlaps: a save first gathers every parameter bucket (issue 26: a kill during
+# a stage-3 save resumes exactly)
+ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce", "--overlap-param-gather"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENTRY = os.path.join(HERE, "kill_once.py")  # meshlm with the kills (and FLOAT64) of its environment
 # torch 2.13: with the agent's TCP store shared with the workers (the default), a restarted gloo job
@@ -67,7 +71,8 @@ def kill_moments(seed: int) -> list:
 
 def _job(cwd, restarts=0, **env):
     argv = [*TINY, "--eval-interval", "100000", "--train-iters", str(ITERS), "--run-dir", "run", "--save", "ckpt",
-            "--load", "ckpt", "--save-interval", str(SAVE_EVERY), "--num-workers", "0"]
+            "--load", "ckpt", "--save-interval", str(SAVE_EVERY), "--num-workers", "0",
+            *ZERO3]
     return torchrun(cwd, ["--standalone", "--nproc-per-node", "2", "--max-restarts", str(restarts),
                           "--monitor-interval", "0.1"], argv, timeout=240, **env)
 

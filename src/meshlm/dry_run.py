@@ -78,7 +78,8 @@ def memory_lines(cfg: Config, world: int, vocab: int) -> list:
     lay = Layout.of(c, world)
     mem = estimate(c, lay, vocab, half=half)
     state = mem.weights + mem.grads + mem.optimizer
-    return [f"memory per rank (planner, pipeline stage {mem.stage}, {'bf16/fp16' if half else 'fp32'}, "
+    zero = f"ZeRO-{lay.stage}, " if lay.stage else ""
+    return [f"memory per rank (planner, pipeline stage {mem.stage}, {zero}{'bf16/fp16' if half else 'fp32'}, "
             f"{mem.params / 1e6:.1f}M parameters): weights {mem.weights / GiB:.2f} GiB + grads {mem.grads / GiB:.2f} "
             f"GiB + optimizer {mem.optimizer / GiB:.2f} GiB = {state / GiB:.2f} GiB ({state / mem.params:g} "
             f"bytes/parameter); activations {mem.activations / GiB:.2f} GiB ({mem.activations_per_layer / GiB:.3f} "

@@ -150,7 +150,7 @@ def _read_everything(folder: str, load: str) -> list:
 
 def _config_at(folder: str, layout: tuple):
     """The checkpoint's saved Config with the parallel layout set to ``layout`` (TP, PP, DP)."""
-    from .config import Config
+    from .config import Config, zero_stage
     cfg = Config.from_dict(ckpt.read_config(folder))
     p = cfg.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = layout[0], layout[1]
@@ -159,7 +159,8 @@ def _config_at(folder: str, layout: tuple):
         p.virtual_pipeline_model_parallel_size = p.num_layers_per_virtual_pipeline_stage = None
         p.decoder_first_pipeline_num_layers = p.decoder_last_pipeline_num_layers = None
     p.sequence_parallel = p.sequence_parallel and layout[0] > 1
-    p.overlap_param_gather = p.overlap_param_gather and p.use_distributed_optimizer
+    p.overlap_param_gather = p.overlap_param_gather and zero_stage(p) >= 1
+    p.num_distributed_optimizer_instances, p.outer_dp_sharding_strategy = 1, "no_shard"  # any DP
     return cfg
 
 

@@ -39,6 +39,8 @@ NO_EFFECT = {
     "--empty-unused-memory-level": (True, "no effect on the result; the CUDA cache is left to PyTorch"),
     "--moe-grouped-gemm": (False, "MoE experts use torch's grouped GEMM on CUDA by themselves, a loop elsewhere"),
     "--moe-token-dispatcher-type": (True, "MoE tokens are always dispatched by all-to-all (the same result)"),
+    "--use-megatron-fsdp": (False, "meshlm's own ZeRO over its DP buckets is what --data-parallel-sharding-strategy "
+                                   "sets, with or without this switch"),
 }
 
 # Megatron flag → (Megatron's default, why meshlm's differs); meshlm's default is in its help.

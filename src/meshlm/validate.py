@@ -171,6 +171,10 @@ def _training_problems(cfg: Config, cuda: Optional[bool]) -> list:
     if 0 <= o.lr < o.min_lr:
         problems.append(f"--min-lr {o.min_lr} is above --lr {o.lr}; lower --min-lr or raise --lr")
     problems += _recompute_problems(t, cfg.model.num_layers)
+    if not 0.0 <= o.optimizer_offload_fraction <= 1.0:
+        problems.append(f"--optimizer-offload-fraction {o.optimizer_offload_fraction} is not a share: give 0 to 1")
+    elif o.optimizer_offload_fraction != 1.0 and not o.optimizer_cpu_offload:
+        problems.append(f"--optimizer-offload-fraction {o.optimizer_offload_fraction} needs --optimizer-cpu-offload")
     if c.save_interval is not None and not c.save:
         problems.append(f"--save-interval {c.save_interval} needs --save (a checkpoint directory)")
     if c.keep_checkpoints == 1:  # below 1 is the numeric rule's

@@ -1,5 +1,6 @@
-"""ZeRO-1 distributed optimizer (Rajbhandari et al. 2020, "ZeRO", §5.1 P_os; Megatron's
-``--use-distributed-optimizer``).
+"""The distributed optimizer: ZeRO-1 (Rajbhandari et al. 2020, "ZeRO", §5.1 P_os; Megatron's
+``--use-distributed-optimizer``), and the optimizer side of ZeRO-2 and ZeRO-3
+(``--data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``).
 
 Every bucket of the DDP buffers is split into DP × CP equal shards (buckets are padded for
 this); rank r owns shard r of every bucket: its fp32 master weights and Adam moments exist only
@@ -18,6 +19,12 @@ NaN to prove it). The hooks run eagerly (``torch._dynamo.disable``) at the bound
 layer, never traced into it. Anything that reads params outside a forward (checkpoint save,
 export, the end of training) calls ``finish_param_sync()`` first.
 
+Under ZeRO-2 the shards' gradients are the DDP's reduced ``shard_grad`` tensors (nothing else is
+kept, parallel/data.py). Under ZeRO-3 the params are not gathered after the step: the updated
+shard is the bucket's ``param_shard`` and optim/param_gather.py gathers each block's buckets when
+it runs; ``finish_param_sync()`` makes every bucket whole (for a save, an export, the end of
+training) until the next update frees them.
+
 ``build_optimizer`` picks this class or the plain MixedPrecisionOptimizer from the flags.
 """
 
@@ -27,20 +34,9 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import watchdog
-from ..parallel.data import all_gather_flat
+from ..parallel.data import all_gather_flat, blocks
 from .optimizer import MixedPrecisionOptimizer
-
-
-def _blocks(chunk: torch.nn.Module) -> list:
-    """The chunk's children that run a forward, looking inside containers that have none
-    (ModuleDict/ModuleList: the transformer layers)."""
-    out = []
-    for child in chunk.children():
-        if isinstance(child, (torch.nn.ModuleDict, torch.nn.ModuleList)):
-            out += _blocks(child)
-        else:
-            out.append(child)
-    return out
+from .param_gather import ParamGather
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -55,18 +51,29 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             raise ValueError("DistributedOptimizer needs a DistributedDataParallel built with "
                              "cfg.parallel.use_distributed_optimizer")
         super().__init__(cfg, ps, chunks, ddp)
-        self.norm_groups = [ps.mp_group, ddp.group]
+        # a gradient shard is counted once: over DP × CP, or (hybrid sharding, the optimizer replicated
+        # across replicas) over one replica's shard group
+        replicated = ps.instances > 1 and cfg.parallel.outer_dp_sharding_strategy == "no_shard"
+        self.norm_groups = [ps.mp_group, ps.shard_group if replicated else ddp.group]
         self.expert_norm_groups = []  # experts' shards: EDP × EP = DP × CP, covered by ddp.group
         self.overlap_param_gather = cfg.parallel.overlap_param_gather
         self._pending = {}  # id(bucket) → handle of its param all-gather
+        self.param_gather = None
+        if ddp.stage == 3:  # reshard after forward/backward with one pipeline stage only (module doc)
+            self.param_gather = ParamGather(chunks, ddp, lambda *a, **k: self._gather(*a, **k),
+                                            prefetch=self.overlap_param_gather, reshard=ps.pp == 1)
         if self.overlap_param_gather:
             for chunk in chunks:
                 self._hook_block(chunk, recurse=False)  # parameters a chunk holds itself, if any
-                for block in _blocks(chunk):
+                for block in blocks(chunk):
                     self._hook_block(block, recurse=True)
 
     def _shard_range(self, buf, bucket) -> tuple:
-        return bucket.shard(buf.rank, buf.size)
+        lo, hi = bucket.shard(buf.rank, buf.size)
+        if not buf.optim_across:
+            return lo, hi
+        n = (hi - lo) // buf.replica_size  # hybrid, --outer-dp-sharding-strategy optim: a part of the shard
+        return lo + buf.replica_rank * n, lo + (buf.replica_rank + 1) * n
 
     def _gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool, buf=None):
         """All-gather each rank's [n] shard into full [n × group size] over ``buf``'s group (the
@@ -84,20 +91,29 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return dist.all_gather(list(full.chunk(size)), shard, group=group, async_op=async_op)
 
     def _publish(self) -> None:
-        """Copy masters into this rank's param shards, then all-gather every bucket's params."""
+        """Copy masters into this rank's param shards, then all-gather every bucket's params
+        (ZeRO-3: free them instead; each block gathers its own when it next runs)."""
         super()._publish()
+        if self.param_gather is not None:
+            self.param_gather.free_all()
+        for s in self.shards:  # hybrid, optimizer split across replicas: rebuild each whole shard
+            if s.buf.optim_across:
+                shard = s.buf.param_of(s.bucket, *s.bucket.shard(s.buf.rank, s.buf.size))
+                watchdog.call("all_gather of a param shard across replicas", s.buf.replica, all_gather_flat,
+                              shard, s.param.clone(), group=s.buf.replica)
         for s in reversed(self.shards):  # forward order: the first layers' bucket first
-            if s.buf.group is None:
+            if s.buf.group is None or s.buf.sharded_params:
                 continue
-            full = s.buf.param_data[s.bucket.start:s.bucket.end]
-            handle = self._gather(full, s.param, async_op=self.overlap_param_gather, buf=s.buf)
+            full = s.bucket.param
+            shard = s.buf.param_of(s.bucket, *s.bucket.shard(s.buf.rank, s.buf.size))
+            handle = self._gather(full, shard, async_op=self.overlap_param_gather, buf=s.buf)
             if self.overlap_param_gather:
                 self._pending[id(s.bucket)] = handle
 
     def _hook_block(self, module, recurse: bool) -> None:
         """Make module's forward first wait for the gathers of the buckets of its parameters."""
-        buckets = list(dict.fromkeys(id(self.ddp.bucket_of(p)[1]) for p in module.parameters(recurse=recurse)
-                                     if p.requires_grad))
+        buckets = list(dict.fromkeys(id(bucket) for p in module.parameters(recurse=recurse) if p.requires_grad
+                                     for buf, bucket in [self.ddp.bucket_of(p)] if not buf.sharded_params))
         if buckets:
             module.register_forward_pre_hook(torch._dynamo.disable(
                 lambda module, args: self._wait_for_buckets(buckets)))
@@ -110,17 +126,38 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 watchdog.call("all_gather of the ZeRO-1 params", self.ddp.group, handle.wait)
 
     def finish_param_sync(self) -> None:
-        """Wait for every parameter all-gather still in flight."""
+        """Wait for every parameter all-gather still in flight; under ZeRO-3 make every bucket
+        whole (collective over DP × CP: every rank calls it)."""
         for handle in self._pending.values():
             watchdog.call("all_gather of the ZeRO-1 params", self.ddp.group, handle.wait)
         self._pending.clear()
+        if self.param_gather is not None:
+            self.param_gather.gather_all()
+
+    def _before_step(self) -> None:
+        """ZeRO-3 reads no whole bucket in the step: wait for gathers in flight, free the rest."""
+        if self.param_gather is None:
+            self.finish_param_sync()
+        else:
+            self.param_gather.free_all()
+
+    def reload_model_params(self) -> None:
+        """As the base class, after copying the whole (loaded) params into the ZeRO-3 shards."""
+        self.finish_param_sync()
+        for s in self.shards:
+            if s.buf.sharded_params:
+                s.param.copy_(s.bucket.param[s.bucket.local(s.start, s.end)])
+        super().reload_model_params()
+        if self.param_gather is not None:
+            self.param_gather.free_all()
 
 
 def build_optimizer(cfg, ps, chunks, ddp) -> MixedPrecisionOptimizer:
-    """DistributedOptimizer (ZeRO-1) under --use-distributed-optimizer, else MixedPrecisionOptimizer.
+    """DistributedOptimizer at ZeRO stage ≥ 1 (--use-distributed-optimizer or
+    --data-parallel-sharding-strategy), else MixedPrecisionOptimizer.
 
     ddp must be the DistributedDataParallel built over the same chunks and cfg.
     """
-    if cfg.parallel.use_distributed_optimizer:
+    if ddp.use_distributed_optimizer:
         return DistributedOptimizer(cfg, ps, chunks, ddp)
     return MixedPrecisionOptimizer(cfg, ps, chunks, ddp)

@@ -25,6 +25,12 @@ One ``step()`` (Megatron's order):
      (the clip coefficient enters as its grad scale); otherwise
      the grads are scaled in place first and foreach kernels update;
   5. masters copied back to the model params (and all-gathered under ZeRO-1).
+
+Under --optimizer-cpu-offload the first shards, up to --optimizer-offload-fraction of the
+elements, keep their fp32 master and moments in host memory (pinned on CUDA): their grads are
+copied to the host after clipping, the foreach AdamW updates them there, and the step copies
+the masters back into the device params (the ZeRO-Offload split, Ren et al. 2021 §4: the update
+on the CPU, forward and backward on the GPU). The norm and the inf check stay on the device.
 """
 
 from __future__ import annotations
@@ -95,13 +101,18 @@ class Fragment:
 
 
 class Shard:
-    """This rank's range [start, end) of one bucket with its fp32 master and Adam moments, [n]."""
+    """This rank's range [start, end) of one bucket with its fp32 master and Adam moments, [n]; on
+    the host (``host``: --optimizer-cpu-offload) or beside the params."""
 
-    def __init__(self, buf, bucket, start: int, end: int, names: dict, ps):
-        self.buf, self.bucket, self.start, self.end = buf, bucket, start, end
-        self.param = buf.param_data[start:end]
-        self.separate_master = self.param.dtype in HALF
+    def __init__(self, buf, bucket, start: int, end: int, names: dict, ps, host: bool = False):
+        self.buf, self.bucket, self.start, self.end, self.host = buf, bucket, start, end, host
+        self.param = buf.param_of(bucket, start, end)
+        self.separate_master = self.param.dtype in HALF or host
         self.master = self.param.to(wide(self.param.dtype)) if self.separate_master else self.param
+        if host:
+            self.master = self.master.to("cpu", copy=True)
+            if self.param.is_cuda:
+                self.master = self.master.pin_memory()
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.fragments = []
@@ -115,8 +126,9 @@ class Shard:
 
     @property
     def grad(self) -> torch.Tensor:
-        """[n] view of this range of the bucket's main_grad (allocated during every backward)."""
-        return self.bucket.grad_range(self.start, self.end)
+        """[n] view of this range of the bucket's reduced main_grad (allocated during every
+        backward; under ZeRO-2/3 the bucket's shard_grad)."""
+        return self.buf.owned_grad(self.start, self.end, self.bucket)
 
     def tensors(self) -> dict:
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
@@ -140,8 +152,15 @@ class MixedPrecisionOptimizer:
         self.norm_groups = [ps.mp_group]
         self.inf_groups = [ps.mp_group, ddp.group]
         self.names = param_names(chunks)
-        self.shards = [Shard(buf, b, *self._shard_range(buf, b), self.names, ps)
-                       for buf in ddp.buffers for b in buf.buckets]
+        ranges = [(buf, b, *self._shard_range(buf, b)) for buf in ddp.buffers for b in buf.buckets]
+        total, room = sum(e - s for _, _, s, e in ranges), 0.0
+        if o.optimizer_cpu_offload:
+            room = o.optimizer_offload_fraction * total
+        self.shards = []
+        for buf, b, s, e in ranges:  # whole shards from the first, while within the fraction
+            host = e - s <= room
+            room -= (e - s) if host else room
+            self.shards.append(Shard(buf, b, s, e, self.names, ps, host=host))
         self.expert_norm_groups = [ps.ep_group] if any(buf.expert for buf in ddp.buffers) else []  # see grad_norm
         self.fused = fast.enabled(cfg.training.fast_path, ps.device)
         self._groups = None  # [(adamw Group, [(shard index, lo, hi)] of its grads)], built on first use
@@ -165,7 +184,7 @@ class MixedPrecisionOptimizer:
         (a tensor on the device); a NaN/inf loss skips the step like NaN/inf gradients, decided in
         the grad norm's host sync, so checking it costs no sync of its own.
         """
-        self.finish_param_sync()
+        self._before_step()
         grads = [s.grad.to(s.master.dtype) for s in self.shards]  # views when dtypes match
         scale = self.scaler.scale
         found_inf = scale != 1.0 and self._unscale_and_check(grads, 1.0 / scale)
@@ -190,6 +209,10 @@ class MixedPrecisionOptimizer:
 
     def finish_param_sync(self) -> None:
         """Wait for parameter all-gathers still in flight (ZeRO-1 with --overlap-param-gather)."""
+
+    def _before_step(self) -> None:
+        """What ``step`` settles first (the distributed optimizer's gathers)."""
+        self.finish_param_sync()
 
     # ------------------------------------------------------------------ step parts
     def _all_reduce(self, t: torch.Tensor, groups, op, what: str) -> None:
@@ -233,23 +256,33 @@ class MixedPrecisionOptimizer:
         self.step_count += 1
         if self._groups is None:
             self._groups = self._fragment_groups()
-        for group, where in self._groups:
-            group.grads = [grads[i][lo:hi] for i, lo, hi in where]
-        adamw_([group for group, _ in self._groups], step=self.step_count, lr=self.lr, betas=self.betas,
-               eps=self.eps, weight_decay=self.weight_decay, fused=self.fused, grad_scale=grad_scale)
-        for group, _ in self._groups:
+        kw = dict(step=self.step_count, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        for host in (False, True):
+            groups = [group for group, where, on_host in self._groups if on_host == host]
+            for group, where, on_host in self._groups:
+                if on_host == host:
+                    group.grads = [grads[i][lo:hi] for i, lo, hi in where]
+                    if host:  # the host's copy, with the clipping the fused kernel would fold in
+                        group.grads = [g.to("cpu", copy=True) for g in group.grads]
+                        if grad_scale != 1.0 and group.grads:
+                            torch._foreach_div_(group.grads, grad_scale)
+            if host:
+                adamw_(groups, fused=False, **kw)
+            else:
+                adamw_(groups, fused=self.fused, grad_scale=grad_scale, **kw)
+        for group, _, _ in self._groups:
             group.grads = []  # hold no grad memory past the step
 
     def _fragment_groups(self) -> list:
-        """[(Group, where)], one per (decay, lr_mult) present: fragment views of masters and
-        moments, and where each fragment's grad lies: (shard index, lo, hi)."""
+        """[(Group, where, on the host)], one per (decay, lr_mult, device or host) present: fragment
+        views of masters and moments, and where each fragment's grad lies: (shard index, lo, hi)."""
         groups = {}
         for i, s in enumerate(self.shards):
             for f in s.fragments:
-                key = (f.decay, f.lr_mult)
+                key = (f.decay, f.lr_mult, s.host)
                 if key not in groups:
-                    groups[key] = (Group([], [], [], [], f.decay, f.lr_mult), [])
-                grp, where = groups[key]
+                    groups[key] = (Group([], [], [], [], f.decay, f.lr_mult), [], s.host)
+                grp, where, _ = groups[key]
                 where.append((i, f.lo, f.hi))
                 for dst, t in ((grp.params, s.master), (grp.exp_avgs, s.exp_avg), (grp.exp_avg_sqs, s.exp_avg_sq)):
                     dst.append(t[f.lo:f.hi])
@@ -300,21 +333,33 @@ class MixedPrecisionOptimizer:
     def memory_report(self) -> dict:
         """Bytes this rank holds for weights, gradients and optimizer state, and per parameter.
 
-        weights = param buffers, grads = main_grad buffers, optimizer = fp32 masters (when the
-        params are not fp32) + exp_avg + exp_avg_sq over this rank's shards; padding included.
-        Per parameter this is the ZeRO paper's accounting (Rajbhandari et al. 2020, §3.1):
-        bf16 params with fp32 main_grads: 2 + 4 + 12 bytes, or 2 + 4 + 12/DP under ZeRO-1;
-        fp32: 4 + 4 + 8 (or 8/DP).
+        weights = param buffers (under ZeRO-3 the param shards plus the buckets whole right now),
+        grads = the main_grad buffers while allocated (under ZeRO-2/3 the reduced shards a rank
+        keeps), optimizer = fp32 masters (when the params are not fp32) + exp_avg + exp_avg_sq
+        over this rank's shards on the device, padding included (optimizer_host_bytes: the same for
+        the shards --optimizer-cpu-offload keeps on the host, not in total_bytes). Per parameter this is the ZeRO paper's
+        accounting (Rajbhandari et al. 2020, §3.1): bf16 params with fp32 main_grads: 2 + 4 + 12
+        bytes, 2 + 4 + 12/DP under ZeRO-1, 2 + 4/DP + 12/DP under ZeRO-2, (2 + 4 + 12)/DP under
+        ZeRO-3; fp32: 4 + 4 + 8 likewise.
         Returns {"num_params", "weights_bytes", "grads_bytes", "optimizer_bytes", "total_bytes",
-        "bytes_per_param": {"weights", "grads", "optimizer", "total"}}.
+        "bytes_per_param": {"weights", "grads", "optimizer", "total"}, "optimizer_host_bytes"}.
         """
         n = sum(p.numel() for buf in self.ddp.buffers for p in buf.params)
-        weights = sum(b.param_data.numel() * b.param_data.element_size() for b in self.ddp.buffers)
-        grads = sum(b.numel * b.grad_dtype.itemsize for b in self.ddp.buffers)  # while allocated
-        optim = sum(t.numel() * t.element_size() for s in self.shards for k, t in s.tensors().items()
-                    if s.separate_master or k != "master")
+        weights = grads = 0
+        for b in self.ddp.buffers:
+            size = b.size if b.shard_grads else 1
+            grads += b.numel // size * b.grad_dtype.itemsize
+            if b.param_data is not None:
+                weights += b.param_data.numel() * b.param_data.element_size()
+            else:
+                weights += sum(k.param_shard.numel() * k.param_shard.element_size()
+                               + k.param.untyped_storage().nbytes() for k in b.buckets)
+        held = [(s.host, t.numel() * t.element_size()) for s in self.shards for k, t in s.tensors().items()
+                if s.separate_master or k != "master"]
+        optim = sum(n for host, n in held if not host)
         total = weights + grads + optim
         per = {k: v / max(n, 1) for k, v in
                (("weights", weights), ("grads", grads), ("optimizer", optim), ("total", total))}
         return {"num_params": n, "weights_bytes": weights, "grads_bytes": grads, "optimizer_bytes": optim,
-                "total_bytes": total, "bytes_per_param": per}
+                "total_bytes": total, "bytes_per_param": per,
+                "optimizer_host_bytes": sum(n for host, n in held if host)}

@@ -41,6 +41,17 @@ backward has already summed the contributions of the tokens of all EP ranks into
 (Megatron's expert_gradient_scaling_factor). Under ZeRO-1 their buckets are sharded over that
 group.
 
+ZeRO-2 (``--data-parallel-sharding-strategy optim_grads``, Rajbhandari et al. 2020 §5.2 P_os+g):
+every backward of every micro-batch reduce-scatters its buckets (divided by DP × CP) and adds the
+result into the bucket's persistent ``shard_grad`` [n/DP], the only gradient a rank keeps; the
+full bucket lives from its first gradient to the wait for its reduction. Accumulation over M
+micro-batches therefore costs M reduce-scatters per step instead of one (DeepSpeed's ZeRO-2 and
+FSDP2 do the same); the gain is that no rank ever holds the whole model's gradients. The
+reduction of a bucket is waited for when the same bucket is launched again (the next micro-batch)
+or in ``finish_grad_sync``. ZeRO-3 (``optim_grads_params``) reduces the same way and also gives
+each bucket its own parameter storage (``Bucket.param``), freed and all-gathered per block by
+optim/param_gather.py; under it buckets never span two blocks (``blocks``: the units gathered).
+
 After the DP reduction, ``finish_grad_sync`` all-reduces over TP the gradients of replicated
 params marked ``sequence_parallel`` (under ``--sequence-parallel``), and over the embedding
 group the ``shared_embedding`` params' gradients (tied embeddings, PP > 1), then moves the MoE
@@ -57,9 +68,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..config import zero_stage
 from ..dtypes import wide
 from . import watchdog
-from .comm import elapsed as _elapsed, group_rank, group_size, mark as _mark
+from .comm import begin_timed, end_timed, elapsed as _elapsed, group_rank, group_size, mark as _mark
 from .mesh import ParallelState
 
 # Flat-tensor collectives (torch >= 2.13 names, older names before): [n·size] → [n] and back.
@@ -84,9 +96,36 @@ def supports_single_tensor_collectives(group) -> bool:
         return False
 
 
+def blocks(chunk: torch.nn.Module) -> list:
+    """The chunk's children that run a forward, looking inside containers that have none
+    (ModuleDict/ModuleList: the transformer layers): the embedding, each layer, the final norm,
+    the output layer. ZeRO-1's overlapped gather waits, and ZeRO-3 gathers, per block."""
+    out = []
+    for child in chunk.children():
+        if isinstance(child, (torch.nn.ModuleDict, torch.nn.ModuleList)):
+            out += blocks(child)
+        else:
+            out.append(child)
+    return out
+
+
+def block_params(chunk: torch.nn.Module, block: torch.nn.Module) -> list:
+    """The trainable params the block reads: its own, and for the chunk's ``output_layer`` the
+    weight ``chunk.output_weight()`` hands it (the word embedding when tied on one stage)."""
+    own = [q for q in block.parameters() if q.requires_grad]
+    if block is getattr(chunk, "output_layer", None) and hasattr(chunk, "output_weight"):
+        own.append(chunk.output_weight())
+    return list(dict.fromkeys(own))
+
+
 @dataclass
 class Bucket:
-    """Elements [start, end) of a buffer (end padded to a multiple of 64 × DP under ZeRO-1)."""
+    """Elements [start, end) of a buffer (end padded to a multiple of 64 × DP under ZeRO-1/2/3).
+
+    param: the bucket's [end - start] view of the buffer's params (under ZeRO-3 a tensor of its
+    own whose storage is freed between uses; param_shard then holds this rank's [n/DP]).
+    shard_grad: under ZeRO-2/3, this rank's reduced [n/DP] gradient of the step (None until
+    its first reduction is waited for); inflight: the reduction not yet waited for."""
 
     start: int
     end: int
@@ -95,6 +134,10 @@ class Bucket:
     handle: object = None
     launched: bool = False
     grad: Optional[torch.Tensor] = None  # flat main_grad [end - start]; None until first needed
+    param: Optional[torch.Tensor] = None
+    param_shard: Optional[torch.Tensor] = None
+    shard_grad: Optional[torch.Tensor] = None
+    inflight: Optional[tuple] = None  # (handle or None, full grad, reduce-scattered [n/DP] or None)
 
     def grad_range(self, start: int, end: int) -> torch.Tensor:
         """This bucket's grad for buffer elements [start, end) (must lie inside the bucket)."""
@@ -104,6 +147,10 @@ class Bucket:
         """Buffer range [s, e) of the rank-th of ``size`` equal shards of this bucket."""
         n = (self.end - self.start) // size
         return self.start + rank * n, self.start + (rank + 1) * n
+
+    def local(self, start: int, end: int) -> slice:
+        """Buffer elements [start, end) as a slice of this bucket's flat tensors."""
+        return slice(start - self.start, end - self.start)
 
 
 class ParamAndGradBuffer:
@@ -118,12 +165,26 @@ class ParamAndGradBuffer:
     group: the group its buckets are reduced over (None: no reduction), with this rank's ``rank``
     and the ``size``; expert: it holds MoE expert params; single_tensor: the group supports the
     flat reduce-scatter / all-gather (``supports_single_tensor_collectives``).
+
+    replica: hybrid sharding's replica group (the same shard in every replica; ``group`` is then the
+    shard group inside one replica): reduced gradient shards are all-reduced over it; with
+    optim_across the optimizer splits each shard over it too (``replica_size`` parts).
+    unit(p): a bucket closes where this key changes between consecutive params (a shared
+    embedding alone, ZeRO-3's blocks). stage: the ZeRO stage: ≥ 2 keeps reduced gradients in
+    ``Bucket.shard_grad`` (no grads allocated at build); 3 with a group of more than one rank
+    (``sharded_params``) gives each bucket its own param storage, keeps ``param_shard`` and frees
+    the rest (``param_data`` is then None).
     """
 
     def __init__(self, params: list, grad_dtype: torch.dtype, bucket_size: int, pad_to: int,
-                 own_bucket=lambda p: False, *, group=None, expert: bool = False, single_tensor: bool = True):
+                 unit=lambda p: None, *, group=None, expert: bool = False, single_tensor: bool = True,
+                 stage: int = 0, replica=None, optim_across: bool = False):
         self.params, self.group, self.expert, self.single_tensor = params, group, expert, single_tensor
         self.size, self.rank = group_size(group), group_rank(group)
+        self.replica, self.replica_size, self.replica_rank = replica, group_size(replica), group_rank(replica)
+        self.optim_across = optim_across and self.replica_size > 1
+        self.shard_grads = stage >= 2
+        self.sharded_params = stage == 3 and self.size > 1
         self.index, self.buckets, self.next_launch = {}, [], 0
         offset, current = 0, []
 
@@ -135,38 +196,86 @@ class ParamAndGradBuffer:
                 offset, current = end, []
 
         for p in params:
-            if own_bucket(p):
+            if current and unit(p) != unit(current[-1]):
                 close()
             self.index[p] = (offset, offset + p.numel())
             offset += p.numel()
             current.append(p)
-            if own_bucket(p) or offset - self.index[current[0]][0] >= bucket_size:
+            if offset - self.index[current[0]][0] >= bucket_size:
                 close()
         close()
         device, dtype = params[0].device, params[0].dtype
-        self.grad_dtype, self.numel = grad_dtype, offset
-        self.param_data = torch.zeros(offset, dtype=dtype, device=device)
-        for p in params:
-            s, e = self.index[p]
-            self.param_data[s:e].copy_(p.data.reshape(-1))
-            p.data = self.param_data[s:e].view(p.shape)
+        self.grad_dtype, self.numel, self.device = grad_dtype, offset, device
+        self.param_data = None if self.sharded_params else torch.zeros(offset, dtype=dtype, device=device)
         for b in self.buckets:
-            self.allocate_grad(b)
+            b.param = torch.zeros(b.end - b.start, dtype=dtype, device=device) if self.sharded_params \
+                else self.param_data[b.start:b.end]
+            for p in b.params:
+                s, e = self.index[p]
+                b.param[b.local(s, e)].copy_(p.data.reshape(-1))
+                p.data = b.param[b.local(s, e)].view(p.shape)
+            if self.sharded_params:
+                b.param_shard = b.param[b.local(*b.shard(self.rank, self.size))].clone()
+                self.free_param(b)
+            if not self.shard_grads:
+                self.allocate_grad(b)
 
     def allocate_grad(self, bucket: Bucket, zero: bool = True) -> None:
         """Give ``bucket`` a grad tensor (zeroed, or uninitialised for a caller that writes every
         element) and point its params' ``main_grad`` into it."""
         new = torch.zeros if zero else torch.empty
-        bucket.grad = new(bucket.end - bucket.start, dtype=self.grad_dtype, device=self.param_data.device)
+        bucket.grad = new(bucket.end - bucket.start, dtype=self.grad_dtype, device=self.device)
         for p in bucket.params:
             p.main_grad = bucket.grad_range(*self.index[p]).view(p.shape)
 
     def release_grads(self) -> None:
-        """Free every bucket's grad (and the params' main_grad views of it)."""
+        """Free every bucket's grad, reduced shard (and the params' main_grad views of them)."""
         for b in self.buckets:
-            b.grad = None
-            for p in b.params:
-                p.main_grad = None
+            self.release_grad(b)
+            b.shard_grad = b.inflight = None
+
+    def release_grad(self, bucket: Bucket) -> None:
+        """Free one bucket's full grad (the params' main_grad views become None)."""
+        bucket.grad = None
+        for p in bucket.params:
+            p.main_grad = None
+
+    def free_param(self, bucket: Bucket) -> None:
+        """ZeRO-3: release the bucket's whole params. Storage that cannot be resized (a checkpoint
+        read aliased it through numpy) is first replaced by a fresh copy the params view."""
+        if not bucket.param.untyped_storage().resizable():
+            bucket.param = bucket.param.clone()
+            for p in bucket.params:
+                p.data = bucket.param[bucket.local(*self.index[p])].view(p.shape)
+        free_storage(bucket.param)
+
+    def param_of(self, bucket: Bucket, start: int, end: int) -> torch.Tensor:
+        """The params of buffer elements [start, end) of ``bucket`` (inside this rank's shard under
+        ZeRO-3, where they are a view of ``param_shard``; else of the bucket's whole params)."""
+        if not self.sharded_params:
+            return bucket.param[bucket.local(start, end)]
+        lo = bucket.shard(self.rank, self.size)[0]
+        return bucket.param_shard[start - lo:end - lo]
+
+    def owned_grad(self, start: int, end: int, bucket: Bucket) -> torch.Tensor:
+        """This rank's reduced gradient of buffer elements [start, end) of ``bucket`` (inside its
+        shard under ZeRO-1/2/3): a view of ``shard_grad`` under ZeRO-2/3, else of the full grad."""
+        if not self.shard_grads:
+            return bucket.grad_range(start, end)
+        lo = bucket.shard(self.rank, self.size)[0]
+        return bucket.shard_grad[start - lo:end - lo]
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release t's memory, keeping the tensor (and its views) for ``restore_storage``."""
+    t.untyped_storage().resize_(0)
+
+
+def restore_storage(t: torch.Tensor) -> None:
+    """Give t (freed by ``free_storage``) memory again; its contents are undefined until written."""
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        storage.resize_(t.numel() * t.element_size())
 
 
 @dataclass
@@ -201,15 +310,17 @@ class DistributedDataParallel:
     chunks: the model chunks of this rank (1, or v under interleaved PP). ps: the ParallelState.
     cfg: the Config (reads cfg.parallel, cfg.model.untie_embeddings_and_output_weights and the
     expert-bias rate). Attributes read by the optimizer: ``buffers`` (list of ParamAndGradBuffer,
-    each with its reduction group), ``group`` (ps.dp_cp_group), ``use_distributed_optimizer``;
-    ``stats`` (GradSyncStats) for metrics.
+    each with its reduction group), ``group`` (ps.dp_cp_group), ``use_distributed_optimizer``
+    (ZeRO stage ≥ 1), ``stage`` (config.zero_stage); ``stats`` (GradSyncStats) for metrics.
     """
 
     def __init__(self, chunks, ps: ParallelState, cfg):
         p = cfg.parallel
         self.ps, self.group = ps, ps.dp_cp_group
         self.size, self.rank = group_size(self.group), group_rank(self.group)
-        self.use_distributed_optimizer = p.use_distributed_optimizer
+        self.stage = zero_stage(p)
+        self.use_distributed_optimizer = self.stage >= 1
+        self.shard_grads = self.stage >= 2
         self.overlap = p.overlap_grad_reduce
         self.check_local_grads = cfg.training.check_for_nan_in_loss_and_grad
         self._local_sums = []  # one 0-dim sum per bucket launched this step, taken before its reduction
@@ -221,29 +332,40 @@ class DistributedDataParallel:
         self.chunks, self.bias_rate = list(chunks), cfg.model.moe_router_bias_update_rate
         has_experts = any(getattr(q, "expert", False) for c in chunks for q in c.parameters())
         expert_single = supports_single_tensor_collectives(ps.edp_group) if has_experts else True
-        # ZeRO-1 + tied embeddings: the shared weight gets its own bucket so the first and last
-        # stage shard it identically and the embedding all-reduce can follow the reduce-scatter.
-        own = (lambda q: getattr(q, "shared_embedding", False)) \
-            if self.use_distributed_optimizer and self.tied_embeddings else (lambda q: False)
-        self.buffers, self._where = [], {}
+        # ZeRO-1/2/3 + tied embeddings: the shared weight gets its own bucket so the first and last
+        # stage shard it identically and the embedding all-reduce can follow the reduce-scatter;
+        # ZeRO-3 closes a bucket at every block boundary (a block gathers whole buckets)
+        shared = self.use_distributed_optimizer and self.tied_embeddings
+        self.buffers, self._where, self._chunk_buffers = [], {}, {}
         for chunk in reversed(list(chunks)):
+            block_of = {q: i for i, blk in enumerate(blocks(chunk)) for q in blk.parameters()} \
+                if self.stage == 3 else {}
+
+            def unit(q, block_of=block_of):
+                return (block_of.get(q), shared and getattr(q, "shared_embedding", False) and id(q))
+
             params = [q for q in chunk.parameters() if q.requires_grad][::-1]
             for dtype, expert in dict.fromkeys((q.dtype, getattr(q, "expert", False)) for q in params):
                 group = [q for q in params if q.dtype == dtype and getattr(q, "expert", False) == expert]
                 grad_dtype = wide(dtype) if p.accumulate_allreduce_grads_in_fp32 else dtype
-                reduce_group = ps.edp_group if expert else self.group
-                pad_to = 64 * group_size(reduce_group) if self.use_distributed_optimizer else 1
-                buf = ParamAndGradBuffer(group, grad_dtype, self.bucket_size, pad_to, own, group=reduce_group,
-                                         expert=expert,
+                hybrid = ps.instances > 1 and not expert
+                reduce_group = ps.edp_group if expert else ps.shard_group if hybrid else self.group
+                # padded for ZeRO to 64 × the ranks its shards split over (all DP × CP under hybrid)
+                pad_to = 64 * group_size(ps.edp_group if expert else self.group) if self.use_distributed_optimizer else 1
+                buf = ParamAndGradBuffer(group, grad_dtype, self.bucket_size, pad_to, unit, group=reduce_group,
+                                         expert=expert, stage=self.stage,
+                                         replica=ps.replica_group if hybrid else None,
+                                         optim_across=hybrid and p.outer_dp_sharding_strategy == "optim",
                                          single_tensor=expert_single if expert else self.single_tensor_collectives)
                 self.buffers.append(buf)
+                self._chunk_buffers.setdefault(id(chunk), []).append(buf)
                 for b in buf.buckets:
                     for q in b.params:
                         self._where[q] = (buf, b)
         if self.overlap:
             for q in self._where:
                 q.register_post_accumulate_grad_hook(self._on_grad)
-        else:
+        if not self.overlap or self.shard_grads:  # ZeRO-2/3 reduce at the end of every backward
             for chunk in chunks:
                 chunk.register_forward_hook(self._arm_fold)
         self._sync = True
@@ -263,7 +385,7 @@ class DistributedDataParallel:
             buf.allocate_grad(bucket)
         p.main_grad.add_(p.grad)
         p.grad = None
-        if not self._sync:  # registered under --overlap-grad-reduce only
+        if not self._sync and not self.shard_grads:  # registered under --overlap-grad-reduce only
             return
         if bucket.launched:
             raise RuntimeError("a gradient arrived after its bucket's DP reduction started: run every "
@@ -280,7 +402,23 @@ class DistributedDataParallel:
         end of that backward pass."""
         if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
             out.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._fold(chunk)))
+                lambda: self._end_backward(chunk)))
+
+    def _end_backward(self, chunk) -> None:
+        """End of one backward pass of ``chunk``: fold its grads (unless the hooks did); under
+        ZeRO-2/3 launch the reduction of every bucket of its buffers not launched yet (this
+        micro-batch's) and make them ready for the next micro-batch's gradients."""
+        if not self.overlap:
+            self._fold(chunk)
+        if not self.shard_grads:
+            return
+        for buf in self._chunk_buffers[id(chunk)]:
+            while buf.next_launch < len(buf.buckets):
+                self._launch(buf, buf.buckets[buf.next_launch])
+            buf.next_launch = 0
+            for bucket in buf.buckets:
+                bucket.ready.clear()
+                bucket.launched = False
 
     def _fold(self, chunk) -> None:
         """Add every ``p.grad`` of the chunk into ``p.main_grad`` and free it. A bucket that gets
@@ -323,6 +461,10 @@ class DistributedDataParallel:
         the buffer's group."""
         buf.next_launch += 1
         bucket.launched = True
+        if self.shard_grads:  # the previous micro-batch's reduction of this bucket: a wait inside
+            start = begin_timed(self.ps.device)  # backward, exposed communication of kind "zero"
+            self._drain(buf, bucket)
+            end_timed("zero", start, self.ps.device)
         if bucket.grad is None:  # no param of the bucket got a gradient this step
             buf.allocate_grad(bucket)
         if self.check_local_grads:  # NaN/inf anywhere makes the sum non-finite (training/faults.py)
@@ -330,6 +472,9 @@ class DistributedDataParallel:
         data = bucket.grad
         if self.size > 1:
             data.div_(self.size)
+        if self.shard_grads:
+            self._launch_shard(buf, bucket)
+            return
         if buf.group is None:
             return
         if self.use_distributed_optimizer and buf.single_tensor:
@@ -338,6 +483,42 @@ class DistributedDataParallel:
         else:
             bucket.handle = dist.all_reduce(data, group=buf.group, async_op=True)
         self._bytes += data.numel() * data.element_size()
+
+    def _launch_shard(self, buf: ParamAndGradBuffer, bucket: Bucket) -> None:
+        """ZeRO-2/3: start reducing this micro-batch's full bucket grad (already ÷ DP × CP) into a
+        new [n/DP] shard and free the bucket for the next micro-batch's gradients."""
+        data, handle, out = bucket.grad, None, None
+        if buf.group is not None and buf.single_tensor:
+            out = torch.empty(data.numel() // buf.size, dtype=data.dtype, device=data.device)
+            handle = reduce_scatter_flat(out, data, group=buf.group, async_op=True)
+        elif buf.group is not None:
+            handle = dist.all_reduce(data, group=buf.group, async_op=True)
+        bucket.inflight = (handle, data, out)
+        buf.release_grad(bucket)
+        if buf.group is not None:
+            self._bytes += data.numel() * data.element_size()
+
+    def _drain(self, buf: ParamAndGradBuffer, bucket: Bucket) -> None:
+        """ZeRO-2/3: wait for the bucket's reduction in flight, if any, and add its shard into
+        ``shard_grad`` (the first one of the step becomes it)."""
+        if bucket.inflight is None:
+            return
+        handle, data, out = bucket.inflight
+        if handle is not None:
+            what = "expert " if buf.expert else ""
+            watchdog.call(f"reduce_scatter of {what}DP gradient bucket", buf.group, handle.wait)
+        piece = out if out is not None else data[bucket.local(*bucket.shard(buf.rank, buf.size))]
+        self._across_replicas(buf, piece)
+        bucket.shard_grad = piece if bucket.shard_grad is None else bucket.shard_grad.add_(piece)
+        bucket.inflight = None
+
+    def _across_replicas(self, buf: ParamAndGradBuffer, shard: torch.Tensor) -> None:
+        """Hybrid sharding: sum a reduced gradient shard over the replicas (the same shard of every
+        replica), so that it holds the whole DP × CP sum."""
+        if buf.replica is not None:
+            watchdog.call("all_reduce of a gradient shard across replicas", buf.replica, dist.all_reduce, shard,
+                          group=buf.replica)
+            self._bytes += shard.numel() * shard.element_size()
 
     # ------------------------------------------------------------------ after backward
     def finish_grad_sync(self) -> None:
@@ -350,20 +531,27 @@ class DistributedDataParallel:
         stats = GradSyncStats()
         t0 = _mark(self.ps.device)  # on CUDA: fires when the backward's kernels are done
         for buf in self.buffers:
-            while buf.next_launch < len(buf.buckets):
+            while not self.shard_grads and buf.next_launch < len(buf.buckets):
                 self._launch(buf, buf.buckets[buf.next_launch])
         spans = []
         kind = "reduce_scatter" if self.use_distributed_optimizer else "all_reduce"
         for buf in self.buffers:
             for i, bucket in enumerate(buf.buckets):
                 t = _mark(self.ps.device)
-                if bucket.handle is not None:
+                if self.shard_grads:
+                    self._drain(buf, bucket)
+                    if bucket.shard_grad is None:  # no backward reached this bucket this step
+                        n = (bucket.end - bucket.start) // buf.size
+                        bucket.shard_grad = torch.zeros(n, dtype=buf.grad_dtype, device=self.ps.device)
+                elif bucket.handle is not None:
                     what = "expert " if buf.expert else ""
                     watchdog.enter(f"{kind} of {what}DP gradient bucket {i}", buf.group)
                     try:
                         bucket.handle.wait()
                     finally:
                         watchdog.leave()
+                    if self.use_distributed_optimizer:
+                        self._across_replicas(buf, bucket.grad_range(*bucket.shard(buf.rank, buf.size)))
                 spans.append((t, _mark(self.ps.device)))
         if self.sequence_parallel:
             self._all_reduce_marked("sequence_parallel", self.ps.tp_group)
@@ -376,8 +564,19 @@ class DistributedDataParallel:
         self._reset()
 
     def _all_reduce_marked(self, attr: str, group) -> None:
-        """Sum main_grad of the params carrying ``attr`` over ``group``, in one flat collective."""
-        grads = [q.main_grad for q in self._where if getattr(q, attr, False)]
+        """Sum main_grad of the params carrying ``attr`` over ``group``, in one flat collective
+        (under ZeRO-2/3 the part of each in this rank's gradient shards: the ranks of the TP and
+        embedding groups have the same bucket layout, so the same parts)."""
+        if self.shard_grads:
+            grads = []
+            for q in self._where:
+                buf, bucket = self._where[q]
+                s, e = buf.index[q]
+                lo, hi = bucket.shard(buf.rank, buf.size)
+                if getattr(q, attr, False) and max(s, lo) < min(e, hi):
+                    grads.append(buf.owned_grad(max(s, lo), min(e, hi), bucket))
+        else:
+            grads = [q.main_grad for q in self._where if getattr(q, attr, False)]
         if not grads or group is None:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])

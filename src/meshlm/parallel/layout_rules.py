@@ -9,7 +9,7 @@ rather than refuses.
 
 from __future__ import annotations
 
-from ..config import Config, batch_schedule, ffn_hidden, global_batch, head_dim, moe_layer_pattern, query_groups
+from ..config import Config, SHARDING, batch_schedule, ffn_hidden, global_batch, head_dim, moe_layer_pattern, query_groups, zero_stage
 from ..errors import ConfigError
 
 
@@ -51,11 +51,36 @@ def layout_problems(cfg: Config, world: int) -> list:
     problems += _rampup_problems(cfg, world, dp)
     problems += _tp_split_problems(cfg)
     problems += _context_problems(cfg)
-    if p.overlap_param_gather and not p.use_distributed_optimizer:
-        problems.append("--overlap-param-gather needs --use-distributed-optimizer")
+    problems += sharding_problems(cfg, dp)
     if world % (tp * cp * pp) == 0:  # layers per stage, virtual stages, schedule
         from .pipeline import validate_pipeline
         problems += validate_pipeline(cfg, world)
+    return problems
+
+
+def sharding_problems(cfg: Config, dp: int) -> list:
+    """The ZeRO flags: contradictory pairs, each named with both flags, and the hybrid groups."""
+    p, problems = cfg.parallel, []
+    strategy, stage = p.data_parallel_sharding_strategy, zero_stage(p)
+    if p.use_torch_fsdp2 and SHARDING[strategy] not in (0, 3):
+        problems.append(f"--use-torch-fsdp2 shards parameters, gradients and optimizer (ZeRO-3) but "
+                        f"--data-parallel-sharding-strategy is {strategy}: drop one of the two")
+    if p.overlap_param_gather and stage == 0:
+        problems.append("--overlap-param-gather needs --use-distributed-optimizer (or "
+                        "--data-parallel-sharding-strategy optim or above)")
+    n, group = p.num_distributed_optimizer_instances, dp * p.context_parallel_size
+    if n > 1 and stage == 0:
+        problems.append(f"--num-distributed-optimizer-instances {n} needs a sharded strategy: add "
+                        "--use-distributed-optimizer or --data-parallel-sharding-strategy optim_grads(_params)")
+    elif n > 1 and group % n:
+        problems.append(f"--num-distributed-optimizer-instances {n} does not divide DP × CP = {group}: "
+                        f"use a divisor of {group}")
+    elif n > 1 and cfg.model.num_experts:  # experts shard over expert-DP, not over the replicas
+        problems.append(f"--num-distributed-optimizer-instances {n} (hybrid sharding) is not supported with "
+                        "--num-experts: leave it 1 for MoE models")
+    if p.outer_dp_sharding_strategy != "no_shard" and n == 1:
+        problems.append(f"--outer-dp-sharding-strategy {p.outer_dp_sharding_strategy} needs "
+                        "--num-distributed-optimizer-instances > 1 (the replicas it shards across)")
     return problems
 
 

@@ -88,6 +88,10 @@ class ParallelState:
                     consecutive dp × cp ranks of one (pp, tp) slice (Megatron's tp-cp-ep-dp-pp)
       edp_group     ranks that hold the same experts and average their gradients (expert data
                     parallel): the dp × cp / EP ranks of one (pp, tp) slice with this ep_rank
+      shard_group / replica_group  hybrid sharding (--num-distributed-optimizer-instances N):
+                    the dp × cp group cut into N replicas of consecutive ranks (a node each);
+                    shard_group = this rank's replica, replica_group = the N ranks at its place
+                    in every replica (None both unless N > 1; and each when its size is 1)
     pp_ranks: global ranks of this pipeline's stages in order (for p2p send/recv).
     """
 
@@ -114,6 +118,9 @@ class ParallelState:
     embedding_group: Optional[object] = None
     ep_group: Optional[object] = None
     edp_group: Optional[object] = None
+    instances: int = 1
+    shard_group: Optional[object] = None
+    replica_group: Optional[object] = None
     pp_ranks: tuple = (0,)
     tp_ranks: tuple = (0,)
     dp_ranks: tuple = (0,)
@@ -125,8 +132,9 @@ class ParallelState:
         return cls(device=device or torch.device("cpu"))
 
     @classmethod
-    def build(cls, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> "ParallelState":
+    def build(cls, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, instances: int = 1) -> "ParallelState":
         """Create every group. Collective: all ranks must call it with the same sizes.
+        instances: replicas of hybrid sharding (the shard and replica groups), 1 for none.
 
         Raises ConfigError if the world size is not divisible by TP × CP × PP, or DP × CP by EP.
         """
@@ -161,13 +169,19 @@ class ParallelState:
         ep_g, ep_ranks = groups(slices.reshape(-1, ep))
         edp_g, _ = groups(slices.permute(0, 1, 3, 2).reshape(-1, dp * cp // ep))
         emb_g = emb[0] if emb is not None else None  # middle stages belong to no embedding group
+        shard_g = replica_g = None
+        if instances > 1:  # [pp, tp, replica, place in replica] over the dp × cp ranks
+            hybrid = grid.permute(0, 3, 1, 2).reshape(pp, tp, instances, dp * cp // instances)
+            shard_g = groups(hybrid.reshape(-1, dp * cp // instances))[0]
+            replica_g = groups(hybrid.permute(0, 1, 3, 2).reshape(-1, instances))[0]
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         return cls(world_size=world, rank=rank, tp=tp, cp=cp, dp=dp, pp=pp, tp_rank=tp_r, cp_rank=cp_r,
                    dp_rank=dp_r, pp_rank=pp_r, device=device, tp_group=tp_g, cp_group=cp_g,
                    dp_group=dp_g, dp_cp_group=dpcp_g, tp_cp_group=tpcp_g, pp_group=pp_g, mp_group=mp_g,
                    embedding_group=emb_g, ep=ep, ep_rank=ep_ranks.index(rank), ep_group=ep_g,
-                   edp_group=edp_g, pp_ranks=pp_ranks, tp_ranks=tp_ranks, dp_ranks=dp_ranks)
+                   edp_group=edp_g, pp_ranks=pp_ranks, tp_ranks=tp_ranks, dp_ranks=dp_ranks,
+                   instances=instances, shard_group=shard_g, replica_group=replica_g)
 
     # ------------------------------------------------------------------ pipeline helpers
     @property

@@ -5,7 +5,9 @@ Inputs (training/metrics.py writes them on every logged iteration): ``comm_share
 communication by kind, a share of the iteration: "dp" the wait for the gradient reduction after
 backward, "tp" the inline TP/SP collectives, "cp" context parallelism's K/V exchange (ring waits,
 or its all-gather and reduce-scatter), "ep" the MoE expert-parallel all-to-alls (tokens, their
-gradients and the counts), "pp" the time blocked in pipeline p2p waits),
+gradients and the counts), "pp" the time blocked in pipeline p2p waits, "zero" the waits of
+ZeRO-2/3 inside forward and backward: parameter all-gathers not hidden by the prefetch, an earlier
+micro-batch's gradient reduce-scatter),
 ``bubble_fraction`` and ``pipeline_timeline`` (F/B events per stage) under PP > 1,
 ``tokens_per_sec``, ``lm_loss``, ``nan_iters``, ``mem_max_allocated_gb`` / ``mem_total_gb`` and,
 where the trainer records them, ``rank_iter_s`` and ``loss_spike``. ``rank_iter_s`` is each rank's
@@ -40,6 +42,7 @@ import os
 import statistics
 from typing import Callable, Optional
 
+from ..config import SHARDING
 from ..errors import ConfigError
 from ..straggler_rule import CONSECUTIVE as STRAGGLER_INTERVALS, FACTOR as STRAGGLER_RATIO, MIN_EXCESS_S
 
@@ -55,10 +58,11 @@ THROUGHPUT_DROP = 0.25  # last-window tokens/s below the first window's by this 
 SPIKE_RATIO, SPIKE_NATS = 1.2, 0.3  # loss over the median of the previous records by both
 
 KIND_NAMES = {"dp": "DP gradient reduction", "tp": "TP/SP collectives", "pp": "PP p2p waits",
-              "cp": "CP K/V exchange", "ep": "EP all-to-all", "bubble": "pipeline bubble"}
+              "cp": "CP K/V exchange", "ep": "EP all-to-all", "zero": "ZeRO-2/3 gather/scatter",
+              "bubble": "pipeline bubble"}
 
 Predictor = Callable[[Optional[dict], dict], Optional[float]]
-SPEED_KINDS = ("dp", "tp", "pp", "cp", "ep", "bubble", "imbalance")  # findings whose fixes are about step time
+SPEED_KINDS = ("dp", "tp", "pp", "cp", "ep", "zero", "bubble", "imbalance")  # findings whose fixes are about step time
 
 
 @dataclasses.dataclass
@@ -167,7 +171,7 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
     steady = records[1:] if len(records) >= 3 else records
     flags = _Flags(config)
     breakdown = {}
-    for kind in ("dp", "tp", "cp", "ep", "pp"):
+    for kind in ("dp", "tp", "cp", "ep", "zero", "pp"):
         values = [r["comm_share"][kind] for r in steady if kind in (r.get("comm_share") or {})]
         if values:
             breakdown[kind] = statistics.median(values)
@@ -205,7 +209,9 @@ class _Flags:
         self.cp, self.ep = p.get("context_parallel_size"), p.get("expert_model_parallel_size")
         self.cp_comm, self.groups = m.get("cp_comm_type"), m.get("num_query_groups")
         self.overlap, self.bucket = p.get("overlap_grad_reduce"), p.get("ddp_bucket_size")
-        self.zero = p.get("use_distributed_optimizer")
+        self.zero = max(SHARDING.get(p.get("data_parallel_sharding_strategy") or "no_shard", 0),
+                        1 if p.get("use_distributed_optimizer") else 0, 3 if p.get("use_torch_fsdp2") else 0)
+        self.sharding, self.param_gather = p.get("data_parallel_sharding_strategy"), p.get("overlap_param_gather")
         self.micro, self.global_batch = t.get("micro_batch_size"), t.get("global_batch_size")
         self.recompute = t.get("recompute_granularity") or ("selective" if t.get("recompute_activations") else None)
         self.layers = m.get("num_layers")
@@ -231,6 +237,15 @@ def _comm(kind: str, share: float, f: _Flags) -> Optional[Finding]:
                          "more gradient accumulation: the same reduction per step over twice the compute"))
         fixes.append(Fix(f.times(f.micro, 2, "--micro-batch-size"),
                          "a larger micro-batch: more compute per reduction (if memory allows)"))
+    elif kind == "zero":
+        if not f.param_gather:
+            fixes.append(Fix({"--overlap-param-gather": None}, "prefetch the next block's parameters while this "
+                             "one computes"))
+        if f.sharding == "optim_grads_params":
+            fixes.append(Fix({"--data-parallel-sharding-strategy": "optim_grads"}, "keep the weights whole "
+                             "(ZeRO-2): no parameter all-gathers in forward and backward, if the weights fit"))
+        fixes.append(Fix(f.times(f.micro, 2, "--micro-batch-size"),
+                         "a larger micro-batch: more compute behind each gather and reduce-scatter"))
     elif kind == "ep":
         if f.ep and f.ep > 1:
             fixes.append(Fix({"--expert-model-parallel-size": str(f.ep // 2)},
@@ -338,6 +353,9 @@ def _memory(records: list, f: _Flags) -> Finding:
                      "recompute activations in backward")]
         if not f.zero:
             fixes.append(Fix({"--use-distributed-optimizer": None}, "shard the optimizer states over DP (ZeRO-1)"))
+        elif f.zero < 3:
+            fixes.append(Fix({"--data-parallel-sharding-strategy": ("optim_grads", "optim_grads_params")[f.zero - 1]},
+                             "shard the gradients (ZeRO-2)" if f.zero == 1 else "shard the weights too (ZeRO-3)"))
         if f.micro and f.micro > 1:
             fixes.append(Fix({"--micro-batch-size": str(f.micro // 2)}, "half the activations"))
         return Finding("memory", "warn", msg + ": close to out of memory", used, fixes)

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _row(name: str, lay: Layout, mem, time) -> str:
     return (f"{name:>4} {lay.describe():<26} {lay.micro_batch:>5} {lay.recompute_name:<18} "
-            f"{'yes' if lay.distributed_optimizer else 'no':>4} {mem.device_bytes / GiB:>8.1f} {time.total:>9.3f} "
+            f"{lay.stage if lay.stage else 'no':>4} {mem.device_bytes / GiB:>8.1f} {time.total:>9.3f} "
             f"{time.tokens_per_s:>11,.0f} {time.mfu:>5.3f}  {' '.join(lay.flags())}")
 
 

@@ -262,11 +262,16 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     dense, experts = params_per_rank - expert_params_per_rank, expert_params_per_rank
     bucket = c.parallel.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)  # parallel/data.py's default
     latency = (math.ceil(params_per_rank / bucket) - 1) * COLLECTIVE_LATENCY_S if n > 1 else 0.0
-    if layout.distributed_optimizer:
-        gather_s = _ring(n, 2 * dense, link_dp, reduce=False) + _ring(edp, 2 * experts, link_dp, reduce=False) \
-            + latency
-        dp_s = _ring(n, 4 * dense, link_dp, reduce=False) + _ring(edp, 4 * experts, link_dp, reduce=False) \
-            + latency + gather_s
+    if layout.stage >= 1:
+        # ZeRO-1/2: one param all-gather after the step; ZeRO-3: one per block use, twice per
+        # micro-batch with one stage (forward, backward), once a step under PP (kept gathered).
+        # ZeRO-2/3 reduce-scatter every micro-batch's gradients (parallel/data.py).
+        gathers = (2 * nmb if pp == 1 else 1) if layout.stage == 3 else 1
+        reduces = nmb if layout.stage >= 2 else 1
+        gather_s = gathers * (_ring(n, 2 * dense, link_dp, reduce=False) + _ring(edp, 2 * experts, link_dp,
+                                                                                   reduce=False) + latency)
+        dp_s = reduces * (_ring(n, 4 * dense, link_dp, reduce=False) + _ring(edp, 4 * experts, link_dp, reduce=False)
+                          + latency) + gather_s
     else:
         dp_s, gather_s = _ring(n, 4 * dense, link_dp) + _ring(edp, 4 * experts, link_dp) + latency, 0.0
     if layout.overlap_grad_reduce and n > 1:
@@ -275,7 +280,7 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
         dp_exposed = reduce_s - hidden + gather_s
     else:
         dp_exposed = dp_s
-    sharded = dense / n + experts / edp if layout.distributed_optimizer else params_per_rank
+    sharded = dense / n + experts / edp if layout.stage >= 1 else params_per_rank
     opt_s = OPTIMIZER_BYTES_PER_PARAM * sharded / gpu.hbm_bytes_per_s + nmb * fold_s
     total = nmb * per_mb + bubble + p2p + dp_exposed + opt_s + STEP_OVERHEAD_S
     gb = global_batch(c, layout.world)

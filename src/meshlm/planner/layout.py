@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from ..config import Config, dp_size
+from ..config import SHARDING, Config, dp_size, zero_stage
 from ..model.recompute import Recompute
 from ..parallel.pipeline import virtual_size
 
@@ -23,7 +23,9 @@ NONE = Recompute()
 class Layout:
     """TP × CP × PP × DP ranks (PP with vp virtual stages per rank), EP (the MoE experts split over
     ep of the DP × CP ranks, Megatron's layout: not a factor of the world), the micro-batch
-    (samples), recompute (meshlm.model.recompute.Recompute), ZeRO-1 and sequence parallelism."""
+    (samples), recompute (meshlm.model.recompute.Recompute), ZeRO-1 (distributed_optimizer), ZeRO-2/3
+    (zero: 2 or 3, --data-parallel-sharding-strategy optim_grads / optim_grads_params; 0 otherwise) and
+    sequence parallelism. ``stage`` is the ZeRO stage (0 where DP × CP is 1: nothing to shard)."""
 
     tp: int = 1
     pp: int = 1
@@ -36,6 +38,13 @@ class Layout:
     distributed_optimizer: bool = False
     sequence_parallel: bool = False
     overlap_grad_reduce: bool = False
+    zero: int = 0
+
+    @property
+    def stage(self) -> int:
+        if self.dp * self.cp == 1:
+            return 0
+        return max(self.zero, 1 if self.distributed_optimizer else 0)
 
     @property
     def world(self) -> int:
@@ -56,11 +65,11 @@ class Layout:
     @classmethod
     def of(cls, cfg: Config, world: int) -> "Layout":
         p, t = cfg.parallel, cfg.training
-        return cls(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=max(1, dp_size(cfg, world)),
+        shards = dp_size(cfg, world) * p.context_parallel_size > 1
+        return cls(zero=zero_stage(p) if shards and zero_stage(p) >= 2 else 0,tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=max(1, dp_size(cfg, world)),
                    vp=virtual_size(cfg), cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
                    micro_batch=t.micro_batch_size, recompute=Recompute.of(t),
-                   distributed_optimizer=p.use_distributed_optimizer
-                   and dp_size(cfg, world) * p.context_parallel_size > 1,
+                   distributed_optimizer=zero_stage(p) >= 1 and shards,
                    sequence_parallel=p.sequence_parallel, overlap_grad_reduce=p.overlap_grad_reduce)
 
     def apply(self, cfg: Config) -> Config:
@@ -75,13 +84,16 @@ class Layout:
         p.virtual_pipeline_model_parallel_size = self.vp if self.vp > 1 else None
         p.num_layers_per_virtual_pipeline_stage = None
         p.sequence_parallel, p.use_distributed_optimizer = self.sequence_parallel, self.distributed_optimizer
+        p.data_parallel_sharding_strategy = [k for k, v in SHARDING.items() if v == self.zero][0] \
+            if self.zero >= 2 else "no_shard"
+        p.use_torch_fsdp2 = False
         t.micro_batch_size, t.gradient_accumulation_steps = self.micro_batch, None
         t.recompute_activations = False
         t.recompute_granularity, t.recompute_method = self.recompute.granularity, self.recompute.method
         t.recompute_num_layers = self.recompute.num_layers
         p.overlap_grad_reduce = self.overlap_grad_reduce
         # --overlap-param-gather overlaps ZeRO-1's all-gather: a layout without ZeRO-1 has none to overlap
-        p.overlap_param_gather = p.overlap_param_gather and self.distributed_optimizer
+        p.overlap_param_gather = p.overlap_param_gather and self.stage >= 1
         return c
 
     def flags(self) -> list:
@@ -106,7 +118,9 @@ class Layout:
         elif r.granularity == "full":
             out += ["--recompute-granularity", "full", "--recompute-method", r.method,
                     "--recompute-num-layers", str(r.num_layers)]
-        if self.distributed_optimizer:  # ZeRO-1 shards over DP × CP (experts: over DP × CP / EP)
+        if self.zero >= 2:  # ZeRO-2/3 shard over DP × CP as ZeRO-1 does
+            out += ["--data-parallel-sharding-strategy", [k for k, v in SHARDING.items() if v == self.zero][0]]
+        elif self.distributed_optimizer:  # ZeRO-1 shards over DP × CP (experts: over DP × CP / EP)
             out.append("--use-distributed-optimizer")
         if self.overlap_grad_reduce and self.dp * self.cp > 1:
             out.append("--overlap-grad-reduce")

@@ -9,7 +9,13 @@ Model state (bytes per parameter of the rank's stage, from ``planner/params.py``
   them a MoE layer), 12/(DP × CP / EP), the expert-data-parallel group they are reduced and sharded
   over (``moe_cp``); fp32 training: 4 + 4 + 8 (no separate master). Under ZeRO-1 each buffer
   (params, grads) is padded to a multiple of 64 × its group (``moe_cp.padded``, exact for one bucket
-  a buffer). Gradient memory exists only from the first backward to the next
+  a buffer). ZeRO-2 (--data-parallel-sharding-strategy optim_grads) divides the gradients too,
+  ZeRO-3 (optim_grads_params) the weights too, plus its gathered working set (``gathered_bytes``:
+  two blocks whole with one pipeline stage, all of the stage's weights under PP). Under
+  --optimizer-cpu-offload the device holds 1 − --optimizer-offload-fraction of the optimizer state.
+  Hybrid sharding (--num-distributed-optimizer-instances N) shards over DP × CP / N, the optimizer
+  over all DP × CP under --outer-dp-sharding-strategy optim.
+  Gradient memory exists only from the first backward to the next
   zero_grad, so with one micro-batch and PP = 1 it is not held at the activation peak (start of
   backward) — counted in ``peak_bytes`` only when gradients are held while activations are.
 - ``"classic"`` mixed-precision accounting (Rajbhandari et al. 2020 §3.1; the issue's seed figures):
@@ -82,12 +88,30 @@ STATE_BYTES = {  # bytes per parameter: (weights, grads, optimizer before ZeRO-1
 
 
 def state_bytes(params: float, *, half: bool = True, dp: int = 1, distributed_optimizer: bool = False,
-                accounting: str = "meshlm") -> dict:
+                accounting: str = "meshlm", stage: Optional[int] = None) -> dict:
     """{"weights", "grads", "optimizer"} bytes for ``params`` parameters (see the module docstring).
-    accounting: "meshlm" (fp32 main_grad) or "classic" (fp16 grads). ZeRO-1 divides the optimizer by dp."""
+    accounting: "meshlm" (fp32 main_grad) or "classic" (fp16 grads). stage: the ZeRO stage (default 1
+    under distributed_optimizer, else 0): ZeRO-1 divides the optimizer by dp, ZeRO-2 the gradients too,
+    ZeRO-3 the weights too (Rajbhandari et al. 2020 §5; the gathered working set is not included)."""
     w, g, o = STATE_BYTES[(accounting, half)]
-    return {"weights": w * params, "grads": g * params,
-            "optimizer": o * params / (dp if distributed_optimizer else 1)}
+    stage = (1 if distributed_optimizer else 0) if stage is None else stage
+    return {"weights": w * params / (dp if stage >= 3 else 1), "grads": g * params / (dp if stage >= 2 else 1),
+            "optimizer": o * params / (dp if stage >= 1 else 1)}
+
+
+def gathered_bytes(cfg: Config, layout: Layout, params: float, vocab: int, *, half: bool = True) -> float:
+    """ZeRO-3's working set of whole weights (optim/param_gather.py): two blocks at a time with one
+    pipeline stage (the largest layer and the word embedding bound each), the stage's whole weights
+    under PP (kept gathered through the step). 0 below stage 3."""
+    if layout.stage < 3:
+        return 0.0
+    w = STATE_BYTES[("meshlm", half)][0]
+    if layout.pp > 1:
+        return w * params
+    m = cfg.model
+    embedding = vocab * m.hidden_size / layout.tp
+    layer = (params - 2 * embedding) / max(m.num_layers, 1)
+    return w * 2 * max(layer, embedding)
 
 
 def layer_terms(m: ModelConfig, b: int, *, tp: int = 1, sp: bool = False, flash: bool = True,
@@ -199,7 +223,10 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
     moe, fp8 = moe_layer_pattern(m), fp8_layers(c.training, m.num_layers)
     kinds = list(zip(moe, fp8))  # per layer: (MoE, FP8)
     per_layer = {k: layer_bytes(m, b, layout, flash=flash, act_bytes=act, moe=k[0], fp8=k[1]) for k in set(kinds)}
-    zero, group = layout.distributed_optimizer, layout.dp * layout.cp
+    zero, group = layout.stage >= 1, layout.dp * layout.cp
+    # hybrid sharding: shards span one of N replicas; the optimizer's also split across them under outer optim
+    replicas = c.parallel.num_distributed_optimizer_instances if zero else 1
+    across = replicas if c.parallel.outer_dp_sharding_strategy == "optim" else 1
     best = None
     for rank in sorted({0, layout.pp - 1}) if stage is None else [stage]:
         chunks_of_rank = ranges[rank::layout.pp]
@@ -217,11 +244,15 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
             vocab_tp = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, layout.tp)
             loss = (act * s * b * vocab_tp / layout.tp + 2 * act * s * b * h / rep) / layout.cp  # s/cp tokens a rank
         # dense params sharded over DP × CP, routed experts over the expert-DP ranks (DP × CP / EP)
-        dense = state_bytes(padded(params[rank] - experts[rank], group, zero), half=half, dp=group,
-                            distributed_optimizer=zero, accounting=accounting)
+        dense = state_bytes(padded(params[rank] - experts[rank], group, zero), half=half, dp=group // replicas,
+                            stage=layout.stage, accounting=accounting)
+        dense["optimizer"] /= across
         routed = state_bytes(padded(experts[rank], layout.edp, zero) if experts[rank] else 0, half=half,
-                             dp=layout.edp, distributed_optimizer=zero, accounting=accounting)
+                             dp=layout.edp, stage=layout.stage, accounting=accounting)
         st = {k: dense[k] + routed[k] for k in dense}
+        st["weights"] += gathered_bytes(c, layout, params[rank], vocab, half=half)
+        if c.optimizer.optimizer_cpu_offload:  # that share of the optimizer state lives on the host
+            st["optimizer"] *= 1.0 - c.optimizer.optimizer_offload_fraction
         held = nmb > 1 or layout.pp > 1
         peak = st["weights"] + st["optimizer"] + acts + loss + (st["grads"] if held else 0.0)
         peak = max(peak, 2 * st["weights"] + st["optimizer"] + st["grads"])  # the step's weight-sized transient

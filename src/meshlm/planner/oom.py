@@ -40,7 +40,7 @@ def explain_oom(cfg: Config, exc: BaseException, *, world: int, vocab: int, gpus
     c.training.global_batch_size = global_batch(cfg, world)
     lay = Layout.of(c, world)
     lines = [f"out of memory on a {gpu.name} ({gpu.memory_bytes / GiB:.1f} GiB) at {lay.describe()}, micro-batch "
-             f"{lay.micro_batch}, {lay.recompute_name} recompute: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"]
+             f"{lay.micro_batch}, {lay.recompute_name} recompute{f', ZeRO-{lay.stage}' if lay.stage else ''}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"]
     try:
         mem = estimate(c, lay, vocab)
         lines.append(f"planner's prediction per GPU: weights {mem.weights / GiB:.2f} + grads {mem.grads / GiB:.2f} + "

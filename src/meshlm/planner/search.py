@@ -123,8 +123,8 @@ def search(cfg: Config, world: int, gpu: GPU, vocab: int, *, gpus_per_node: int,
         found, smallest = False, None
         for lay in valid:
             for r in (NONE, SELECTIVE, FULL):
-                for zero in ([False, True] if dp * base.cp > 1 else [False]):
-                    cand = replace(lay, recompute=r, distributed_optimizer=zero)
+                for zero in ([0, 1, 2, 3] if dp * base.cp > 1 else [0]):
+                    cand = replace(lay, recompute=r, distributed_optimizer=zero >= 1, zero=zero if zero >= 2 else 0)
                     mem = estimate(cfg, cand, vocab, half=half)
                     if mem.device_bytes <= gpu.memory_bytes:
                         fits.append(evaluate(cfg, cand, gpu, vocab, gpus_per_node, half))
@@ -135,7 +135,7 @@ def search(cfg: Config, world: int, gpu: GPU, vocab: int, *, gpus_per_node: int,
             cand, mem = smallest
             excluded.append({"layout": base.describe(), "reason": (
                 f"does not fit: even micro-batch {cand.micro_batch}, {cand.recompute_name} recompute"
-                f"{', distributed optimizer' if cand.distributed_optimizer else ''} needs "
+                f"{f', ZeRO-{cand.stage}' if cand.stage else ''} needs "
                 f"{mem.device_bytes / GiB:.1f} GiB > {gpu.memory_bytes / GiB:.1f} GiB of {gpu.name}")})
     fits.sort(key=lambda c: (c.time.total, c.memory.device_bytes))
     return fits, excluded

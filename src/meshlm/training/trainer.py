@@ -182,7 +182,8 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
     t, p = cfg.training, cfg.parallel
     init_distributed(p.distributed_timeout_minutes)
     ps = ParallelState.build(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                             p.context_parallel_size, p.expert_model_parallel_size)
+                             p.context_parallel_size, p.expert_model_parallel_size,
+                             p.num_distributed_optimizer_instances)
     random.seed(t.seed)
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
