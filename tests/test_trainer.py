@@ -371,8 +371,8 @@ def test_a_run_says_when_it_has_nothing_to_train_or_saves_beside_an_earlier_run(
     from test_launch import TINY, clean_env
 
     def pretrain(*flags):
-        out = subprocess.run([sys.executable, "-m", "meshlm", "pretrain", *TINY, *flags], cwd=tmp_path,
-                             env=clean_env(), capture_output=True, text=True, timeout=300)
+        out = subprocess.run([sys.executable, "-m", "meshlm", "pretrain", *TINY, "--nproc-per-node", "1", *flags],
+                             cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stdout + out.stderr
         return out.stdout
 
