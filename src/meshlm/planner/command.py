@@ -4,6 +4,7 @@ Prints (or, with --json, writes to stdout as one JSON document; bytes and second
 cluster, launch warnings (``lint``), the memory and step time of the flags' own layout, the feasible
 layouts fastest first with their exact flags, and why every other layout is excluded.
 ``--calibrate`` measures this machine instead and stores a GPU profile (``gpus.profile_dir()``).
+When no layout fits it says what would (``nofit``) and exits with ``NO_FIT``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .gpus import OVERRIDES, PRESETS, GiB, resolve_gpu, save_profile
 from .layout import Layout
 
 _CATEGORIES = ("weights", "grads", "optimizer", "activations", "loss")
+NO_FIT = 3  # exit status when no layout fits (the plan and its "no_fit" advice are still printed)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,9 +109,12 @@ def run(args: argparse.Namespace, config_and_source) -> int:
            "cluster": {"num_gpus": world, "gpus_per_node": per_node, "gpu": gpu.to_json()},
            "warnings": warnings, "current": current.to_json() if current else {"problems": problems},
            "layouts": [f.to_json() for f in fits], "excluded": excluded}
+    if not fits:
+        from .nofit import no_fit_advice
+        doc["no_fit"] = no_fit_advice(cfg, world, gpu, vocab, excluded, gpus_per_node=args.gpus_per_node, half=half)
     if args.json:
         print(json.dumps(doc))
-        return 0
+        return 0 if fits else NO_FIT
     m = cfg.model
     print(f"model: {m.num_layers} layers, h {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
           f"vocabulary {vocab}; global batch {cfg.training.global_batch_size}")
@@ -148,4 +153,9 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     elif cfg.model.seq_length < LONG_SEQUENCE:
         print(f"  CP > 1: not searched below a {LONG_SEQUENCE}-token sequence (give --context-parallel-size C "
               f"to plan your own CP layout above)")
+    if not fits:
+        print(f"meshlm plan: no layout fits {world} × {gpu.name}; what would fit:", file=sys.stderr)
+        for line in doc["no_fit"]:
+            print(f"  {line}", file=sys.stderr)
+        return NO_FIT
     return 0
