@@ -8,8 +8,9 @@ Usage (from the repository root):
     PYTHONPATH=src python bench/plan_accuracy.py margin bench/results.jsonl          # the HBM safety margin
 
 ``run`` has two phases, so that the device time goes into measured steps, not into compiling:
-1. warm: every case for 2 iterations, several at once (first-fit-decreasing groups whose predicted
-   device bytes sum to at most ``WARM_GIB``), which fills torch.compile's caches (Inductor's FX-graph and autograd caches);
+1. warm: every case for 2 iterations with one layer (``WARM_FLAGS``: every layer compiles to the same
+   graph), several at once (first-fit-decreasing groups whose predicted device bytes sum to at most
+   ``WARM_GIB``), which fills torch.compile's caches (Inductor's FX-graph and autograd caches);
 2. measure: each case alone, as its own ``meshlm pretrain`` process (bench/runs.py), --iters iterations;
    step = median ``iter_ms`` after --warmup, peak = the largest ``mem_max_allocated_gb`` (torch
    max_memory_allocated).
@@ -36,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from runs import COMMON, predict  # noqa: E402
 
-WARM_GIB = 128.0   # the warm phase's concurrent runs: predicted device GiB together at most
+WARM_GIB = 125.0   # the warm phase's concurrent runs: predicted device GiB together at most
+WARM_FLAGS = ["--num-layers", "1"]  # every layer compiles to the same graph: one layer fills the caches
 CASE_RESERVE_S = 25.0
 PREDICTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plan_accuracy_predictions.json")
 
@@ -58,19 +60,19 @@ def _mb(micro: int, acc: int = 1) -> list:
 SEL = ["--recompute-activations"]
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 ZERO = ["--use-distributed-optimizer"]
-CASES = {  # name: flags; none of these shapes or sizes is in plan_check.py's tuned set
-    "gpt350m-s1k-m16": _gpt("gpt2-350m", 1024) + ["--hidden-dropout", "0"] + _mb(16),
-    "gpt760m-s2k-m8-sel-drop": _gpt("gpt2-760m", 2048) + _mb(8) + SEL,
-    "gpt2.7b-s2k-m4-acc2": _gpt("gpt3-2.7b", 2048) + ["--hidden-dropout", "0"] + _mb(4, 2),
-    "gpt1.3b-s8k-m1": _gpt("gpt2-1.3b", 8192) + ["--hidden-dropout", "0"] + _mb(1),
-    "llama1b-s4k-m2-v128k": _llama("llama-1b", 4096) + _mb(2),
-    "llama1b-s16k-m1-sel": _llama("llama-1b", 16384) + _mb(1) + SEL,
-    "llama3b-s1k-m16-full": _llama("llama-3b", 1024) + _mb(16) + FULL,
-    "llama3b-s8k-m1-sel-zero": _llama("llama-3b", 8192) + _mb(1) + SEL + ZERO,
-    "llama8b-w-L8-s2k-m4": _llama("llama3-8b", 2048) + ["--num-layers", "8"] + _mb(4),
+CASES = {  # name: flags, in the order they are measured; none of these shapes or sizes is in plan_check.py's tuned set
     "llama8b-w-L16-s4k-m2-full-zero": _llama("llama3-8b", 4096) + ["--num-layers", "16"] + _mb(2) + FULL + ZERO,
     "mixtral-small-s2k-m4": _llama("mixtral-small", 2048, 32000) + _mb(4),
+    "llama1b-s16k-m1-sel": _llama("llama-1b", 16384) + _mb(1) + SEL,
+    "gpt350m-s1k-m16": _gpt("gpt2-350m", 1024) + ["--hidden-dropout", "0"] + _mb(16),
+    "llama3b-s1k-m16-full": _llama("llama-3b", 1024) + _mb(16) + FULL,
+    "gpt760m-s2k-m8-sel-drop": _gpt("gpt2-760m", 2048) + _mb(8) + SEL,
+    "llama8b-w-L8-s2k-m4": _llama("llama3-8b", 2048) + ["--num-layers", "8"] + _mb(4),
+    "llama3b-s8k-m1-sel-zero": _llama("llama-3b", 8192) + _mb(1) + SEL + ZERO,
+    "gpt1.3b-s8k-m1": _gpt("gpt2-1.3b", 8192) + ["--hidden-dropout", "0"] + _mb(1),
     "mixtral-small-s4k-m2-sel-acc2": _llama("mixtral-small", 4096, 32000) + _mb(2, 2) + SEL,
+    "gpt2.7b-s2k-m4-acc2": _gpt("gpt3-2.7b", 2048) + ["--hidden-dropout", "0"] + _mb(4, 2),
+    "llama1b-s4k-m2-v128k": _llama("llama-1b", 4096) + _mb(2),
 }
 
 
@@ -114,16 +116,16 @@ def run(args) -> None:
     with open(PREDICTIONS) as fh:
         pred = json.load(fh)
     names = args.cases or list(CASES)
+    warm = {n: predict(CASES[n] + WARM_FLAGS + COMMON, 1)["device_bytes"] / 2 ** 30 for n in names}
     groups = []  # first-fit decreasing by predicted device GiB, WARM_GIB a group
-    for name in sorted(names, key=lambda n: -pred[n]["device_gib"]):
-        g = next((g for g in groups if sum(pred[n]["device_gib"] for n in g) + pred[name]["device_gib"] <= WARM_GIB),
-                 None)
+    for name in sorted(names, key=lambda n: -warm[n]):
+        g = next((g for g in groups if sum(warm[n] for n in g) + warm[name] <= WARM_GIB), None)
         groups.append([name]) if g is None else g.append(name)
     for g in groups:
         if time.time() - start > args.warm_budget_s:
             print(f"warm phase stopped at {time.time() - start:.0f} s; not warmed: {g}", flush=True)
             break
-        procs = [_pretrain(n, CASES[n], args.out, 2, port=29600 + i)[0] for i, n in enumerate(g)]
+        procs = [_pretrain(n, CASES[n] + WARM_FLAGS, args.out, 2, port=29600 + i)[0] for i, n in enumerate(g)]
         codes = [p.wait() for p in procs]
         print(f"warm {g}: exit {codes} at {time.time() - start:.0f} s", flush=True)
     with open(os.path.join(args.out, "results.jsonl"), "a") as fh:
@@ -176,8 +178,8 @@ def table(rows: list) -> str:
 def margin(rows: list) -> dict:
     """{"runs", "worst_case", "worst_ratio"}: the largest measured / predicted peak over the rows; a
     layout is safe on every recorded run when predicted peak × worst_ratio < HBM."""
-    ratios = [(r["measured_peak_gib"] / r["predicted_peak_gib"], r["case"]) for r in rows
-              if r.get("measured_peak_gib") and r.get("predicted_peak_gib")]
+    ratios = [((r.get("measured_peak_gib") or r.get("peak_mem_gib")) / r["predicted_peak_gib"], r["case"])
+              for r in rows if (r.get("measured_peak_gib") or r.get("peak_mem_gib")) and r.get("predicted_peak_gib")]
     worst = max(ratios)
     return {"runs": len(ratios), "worst_ratio": round(worst[0], 4), "worst_case": worst[1]}
 
@@ -208,7 +210,7 @@ def main() -> None:
     elif args.action == "table":
         print(table(_rows(args.path)))
     else:
-        print(json.dumps(margin(_rows(args.path, ("plan_check", "plan_accuracy")))))
+        print(json.dumps(margin(_rows(args.path, ("plan_check", "plan_accuracy", "scaling")))))
 
 
 if __name__ == "__main__":
