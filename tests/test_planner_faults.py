@@ -57,3 +57,21 @@ def test_gpu_names_match_by_word_not_by_substring():
 
 def test_gpu_preset_names_are_case_insensitive():
     assert resolve_gpu("h100-80gb") == PRESETS["H100-80GB"] and resolve_gpu("a100-80GB") == PRESETS["A100-80GB"]
+
+
+def test_plan_warns_of_a_layout_above_the_safety_margin_and_names_the_fastest_safe_one(capsys):
+    from meshlm.planner.safety import SAFE_FRACTION
+    argv = ["plan", "--model", "gpt2-1.3b", "--vocab-size", "50257", "--global-batch-size", "8", "--bf16",
+            "--num-gpus", "1", "--micro-batch-size", "8", "--json"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    need = doc["current"]["memory"]["device_bytes"]
+    hbm = need / (SAFE_FRACTION + 1) * 2  # a GPU on which this layout is just past the margin
+    assert main([*argv, "--gpu-memory-gib", str(hbm / 2 ** 30)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["safety"]["current_safe"] is False and doc["safety"]["fraction"] == SAFE_FRACTION
+    i = doc["safety"]["fastest_safe"]
+    assert i is not None and doc["layouts"][i]["memory"]["device_bytes"] <= SAFE_FRACTION * hbm
+    assert all(x["memory"]["device_bytes"] > SAFE_FRACTION * hbm for x in doc["layouts"][:i])
+    assert main(argv[:-1] + ["--gpu-memory-gib", str(hbm / 2 ** 30)]) == 0
+    assert "above the safety margin" in capsys.readouterr().out

@@ -160,6 +160,11 @@ def run(args: argparse.Namespace, config_and_source) -> int:
            "cluster": {"num_gpus": world, "gpus_per_node": per_node, "gpu": gpu.to_json()},
            "warnings": warnings, "current": current.to_json() if current else {"problems": problems},
            "layouts": [f.to_json() for f in fits], "excluded": excluded}
+    from .safety import SAFE_FRACTION, is_safe
+    safe = [i for i, f in enumerate(fits) if is_safe(f.memory.device_bytes, gpu.memory_bytes)]
+    doc["safety"] = {"fraction": SAFE_FRACTION, "safe_bytes": SAFE_FRACTION * gpu.memory_bytes,
+                     "current_safe": bool(current) and is_safe(current.memory.device_bytes, gpu.memory_bytes),
+                     "fastest_safe": safe[0] if safe else None}  # an index into "layouts"
     if fits:
         doc["campaign"] = _campaign(args, cfg, fits[0], vocab, world)
     if current is not None:
@@ -198,6 +203,16 @@ def run(args: argparse.Namespace, config_and_source) -> int:
           f"{'tokens/s':>11} {'MFU':>5}  flags")
     for i, f in enumerate(fits[:args.top]):
         print(_row(str(i + 1), f.layout, f.memory, f.time))
+    sf = doc["safety"]
+    if current is not None and not sf["current_safe"]:
+        print(f"warning: your layout needs {current.memory.device_bytes / GiB:.1f} GiB, above the safety margin "
+              f"({100 * sf['fraction']:.0f}% of {gpu.memory_bytes / GiB:.1f} GiB = {sf['safe_bytes'] / GiB:.1f} GiB): "
+              f"it may run out of memory")
+    if fits and sf["fastest_safe"] != 0:
+        i = sf["fastest_safe"]
+        print(f"note: rank 1 is above the safety margin ({100 * sf['fraction']:.0f}% of {gpu.name}'s memory); "
+              + (f"the fastest safe layout is rank {i + 1}: {' '.join(fits[i].layout.flags())}" if i is not None
+                 else "no layout is within it"))
     if fits:
         print(f"best layout's largest cost: {fits[0].time.bottleneck}")
         for line in _campaign_lines(doc["campaign"]):
