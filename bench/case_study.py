@@ -20,6 +20,9 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, os.pardir, "src"))
+
+from meshlm.planner.safety import SAFE_FRACTION as SAFE  # noqa: E402
 DOC = os.path.join(HERE, os.pardir, "docs", "case-study-175b.md")
 GiB = 2 ** 30
 
@@ -36,12 +39,10 @@ COURSE = ["--model", "gpt2-1.3b", "--vocab-size", "50257", "--seq-length", "2048
           "2048", "--global-batch-size", "512", "--bf16", "--gpu", "A100-80GB", "--gpus-per-node", "8"]
 COURSE_TOKENS = {1: 15_000, 8: 110_000, 64: 350_000}
 NARAYANAN = {"tflops": 140, "days": 34}  # Narayanan et al. 2021 §5.1: 175B, 1,024 A100s, 300B tokens
-SAFE = 0.90  # the planner's safety margin below HBM (bench/RESULTS.md, issue 29: every recorded run)
 
 
 def plan(flags: list) -> dict:
     """`meshlm plan FLAGS --json` as a dict (run in this process)."""
-    sys.path.insert(0, os.path.join(HERE, os.pardir, "src"))
     from meshlm.cli import main
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
@@ -108,7 +109,10 @@ def _gpu_section(name: str, d: dict) -> list:
               f"{mem['optimizer'] / GiB:.1f} (ZeRO-1 over DP {best['dp']}), activations {mem['activations'] / GiB:.1f} "
               f"({mem['in_flight']:g} layers' worth in flight), peak {mem['peak_bytes'] / GiB:.1f} GiB; "
               f"{mem['device_bytes'] / GiB:.1f} GiB with the CUDA context and fragmentation, "
-              f"{100 * mem['device_bytes'] / hbm:.0f}% of {hbm / GiB:.0f} GiB.",
+              f"{100 * mem['device_bytes'] / hbm:.0f}% of {hbm / GiB:.0f} GiB"
+              + (f", within the planner's safety margin ({100 * SAFE:.0f}%)." if d["safety"]["fastest_safe"] == 0 else
+                 f", above the planner's safety margin ({100 * SAFE:.0f}%, bench/RESULTS.md): the fastest layout "
+                 f"within it is {_safe(d)}."),
               "",
               f"**Step time** {t['total']:.2f} s: compute {t['compute']:.2f}, TP {t['tp_comm']:.2f}, bubble "
               f"{t['bubble']:.2f}, PP p2p {t['pp_p2p']:.2f}, DP exposed {t['dp_exposed']:.2f}, optimizer "
@@ -117,6 +121,15 @@ def _gpu_section(name: str, d: dict) -> list:
               ""]
     lines += _campaign_lines(camp)
     return lines
+
+
+def _safe(d: dict) -> str:
+    i = d["safety"]["fastest_safe"]
+    if i is None:
+        return "none"
+    c = d["layouts"][i]
+    return (f"{_layout(c)}, micro-batch {c['micro_batch']}, {c['recompute']} recompute "
+            f"({c['memory']['device_bytes'] / GiB:.1f} GiB, {c['time']['total']:.2f} s a step)")
 
 
 def _campaign_lines(c: dict) -> list:
