@@ -67,7 +67,7 @@ def config_of(flags: list):
 def predict(flags: list, world: int, stage: Optional[int] = None) -> dict:
     """The planner's figures for ``meshlm pretrain FLAGS`` on ``world`` GPUs of one host:
     {"peak_gib" (torch max allocated of pipeline rank ``stage``, default the larger of the first and
-    the last), "step_ms", "activations_gib", "state_gib", "time" (cost.StepTime as a dict, seconds)}."""
+    the last), "step_ms", "device_bytes" (peak + CUDA context + fragmentation), "activations_gib", "state_gib", "time" (cost.StepTime as a dict, seconds)}."""
     cfg = config_of(flags)
     cfg.training.global_batch_size = global_batch(cfg, world)
     lay = Layout.of(cfg, world)
@@ -75,6 +75,6 @@ def predict(flags: list, world: int, stage: Optional[int] = None) -> dict:
     mem = estimate(cfg, lay, vocab, stage=stage)
     t = step_time(cfg, lay, GPU, vocab, gpus_per_node=world, params_per_rank=mem.params,
                   expert_params_per_rank=mem.expert_params)
-    return {"peak_gib": mem.peak_bytes / GiB, "step_ms": 1000 * t.total, "activations_gib": mem.activations / GiB,
+    return {"peak_gib": mem.peak_bytes / GiB, "step_ms": 1000 * t.total, "device_bytes": mem.device_bytes, "activations_gib": mem.activations / GiB,
             "state_gib": (mem.weights + mem.optimizer + (mem.grads if mem.grads_at_peak else 0)) / GiB,
             "time": t.to_json()}

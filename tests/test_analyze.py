@@ -213,14 +213,26 @@ def _timed_collectives(rank, world):
     comm.all_gather(x, group, 0)
     comm.reduce_scatter(torch.ones(4, 10), group, 0)
     timed = comm.stop_timing()
-    return untimed, timed, comm.stop_timing()
+    after = comm.stop_timing()
+    comm.start_timing()  # CP's loss-token count (a TP=1, CP=2 run was told to cut TP: issue 29)
+    from types import SimpleNamespace
+    from meshlm.parallel.context import sequence_loss_tokens
+    tokens = sequence_loss_tokens(torch.ones(1, 4), SimpleNamespace(cp=2, cp_group=group)).item()
+    return untimed, timed, after, comm.stop_timing(), tokens
 
 
 @pytest.mark.slow
 def test_collectives_are_timed_as_tp_only_between_start_and_stop():
-    for untimed, timed, after in run_distributed(_timed_collectives, 2):
+    for untimed, timed, after, cp_timed, tokens in run_distributed(_timed_collectives, 2):
         assert untimed == {} and after == {}
         assert set(timed) == {"tp"} and 0 < timed["tp"] < 10
+        assert set(cp_timed) == {"cp"} and tokens == 8  # the loss tokens of both CP ranks, timed as CP
+
+
+def test_tp_share_of_a_tp1_run_gets_no_tp_fix():
+    report = analyze([rec(i, comm_share={"tp": 0.3}) for i in range(1, 5)], config(context_parallel_size=2))
+    [f] = by_kind(report, "tp")
+    assert f["fixes"] == [] and "TP 1" in f["message"]
 
 
 def test_one_slow_logged_iteration_is_no_straggler():

@@ -31,7 +31,7 @@ LAYERS = (
     ("optim", ("meshlm.optim",)),
     ("data", ("meshlm.data",)),
     ("checkpoint", ("meshlm.checkpoint",)),
-    ("planner", ("meshlm.planner",)),
+    ("planner", ("meshlm.planner", "meshlm.planner.campaign", "meshlm.planner.nofit", "meshlm.planner.safety")),
     ("training", ("meshlm.training",)),
     ("run", ("meshlm.validate", "meshlm.dry_run", "meshlm.launch")),
     ("commands", ("meshlm.cli", "meshlm.__main__", "meshlm.inspect_checkpoint", "meshlm.report", "meshlm.sweep")),

@@ -195,7 +195,8 @@ def test_plan_of_a_context_parallel_layout_names_cp_and_splits_the_activations(c
     """`plan --context-parallel-size 2` printed `your layout TP 1 × PP 1 × DP 1` (CP dropped) with
     the activations of CP 1, and said context parallelism does not train yet."""
     import json
-    argv = ["plan", "--model", "gpt2-125m", "--seq-length", "8192", "--micro-batch-size", "1",
+    argv = ["plan", "--model", "gpt2-125m", "--seq-length", "8192", "--max-position-embeddings", "8192",
+            "--micro-batch-size", "1",
             "--global-batch-size", "8", "--mock-data", "--vocab-size", "50304", "--attention-dropout", "0",
             "--num-gpus", "8"]
     mem = {}

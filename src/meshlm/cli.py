@@ -172,9 +172,15 @@ def _config_and_source(args: argparse.Namespace) -> tuple:
 
 def _plan_config(args: argparse.Namespace) -> tuple:
     """(Config from the flags alone, False): a plan needs no data, and the embedded default's
-    settings (a small model at TP=2 × PP=2) are not what a planned launch script asks for."""
+    settings (a small model at TP=2 × PP=2) are not what a planned launch script asks for. ConfigError
+    for the numbers and shapes pretrain refuses (``validate.shape_problems``: the same rule)."""
     from .config import config_from_args
-    return config_from_args(args), False
+    from .validate import shape_problems
+    cfg = config_from_args(args)
+    problems = shape_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg, False
 
 
 def _dry_run(args: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ MFU is reported only where the dense bf16/fp16 tensor-core peak of the device is
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import torch
@@ -35,19 +36,22 @@ import torch
 from .config import ModelConfig, ffn_hidden, head_dim, moe_ffn, moe_layer_pattern, query_groups
 
 # Dense (no sparsity) bf16/fp16 tensor-core peak, TFLOP/s, from NVIDIA's data sheets. Matched
-# against torch.cuda.get_device_name() in order: the first entry whose substrings all occur wins.
+# against the words of torch.cuda.get_device_name() (``device_words``) in order: the first entry
+# whose words all occur wins, so "NVIDIA L40" is not an L4 and "H800 PCIe" not the SXM part.
 PEAK_TFLOPS = [
     (("H200", "NVL"), 835.0),
     (("H200",), 989.4),
     (("GH200",), 989.4),
-    (("H100", "PCIe"), 756.0),
+    (("H100", "PCIE"), 756.0),
     (("H100", "NVL"), 835.0),
     (("H100",), 989.4),            # SXM / HBM3
+    (("H800", "PCIE"), 756.0),
     (("H800",), 989.4),
     (("B200",), 2250.0),
     (("A100",), 312.0),
     (("A800",), 312.0),
     (("L40S",), 362.0),
+    (("L40",), 181.0),
     (("L4",), 121.0),
     (("A10G",), 70.0),
     (("A10",), 125.0),
@@ -63,10 +67,17 @@ def peak_tflops(device_name: Optional[str], dtype: torch.dtype) -> Optional[floa
     """
     if device_name is None or dtype not in (torch.bfloat16, torch.float16):
         return None
+    words = device_words(device_name)
     for needles, tflops in PEAK_TFLOPS:
-        if all(n in device_name for n in needles):
+        if all(n in words for n in needles):
             return tflops
     return None
+
+
+def device_words(device_name: str) -> set:
+    """The upper-cased words of a device name, split at anything not a letter or digit:
+    "NVIDIA A100-SXM4-80GB" → {"NVIDIA", "A100", "SXM4", "80GB"} (so "L4" is not in "NVIDIA L40")."""
+    return set(re.split(r"[^A-Z0-9]+", device_name.upper())) - {""}
 
 
 def mlp_flops_per_token(m: ModelConfig, moe: bool) -> float:

@@ -61,6 +61,15 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
         raise ConfigError(list(dict.fromkeys(problems)))
 
 
+def shape_problems(cfg: Config) -> list:
+    """The problems of cfg's numbers and model shape alone, as ``validate`` words them: every numeric
+    flag's domain (``--seq-length 0``, ``--vocab-size -5``, …) and the model's shape (heads dividing
+    the hidden size, query groups, rotary dimensions, …); no layout, data or folder check. ``meshlm
+    plan`` refuses a config with these before it plans (one rule for both commands). Empty when fine."""
+    sizes, problems = _numeric_problems(cfg)
+    return sizes + problems if sizes else problems + _model_problems(cfg.model)
+
+
 # The domain of every numeric flag, as one rule: finite and not negative; an int is a size, count
 # or interval (≥ 1) unless listed as allowed to be 0; a float may be 0 unless listed as positive;
 # a few have an upper bound (exclusive) as well.

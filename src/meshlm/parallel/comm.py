@@ -136,8 +136,9 @@ def group_rank(group) -> int:
 
 # ----------------------------------------------------------------------------- raw collectives
 
-def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce of t over group (no-op on a group of one); returns t."""
+def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, kind: str = "tp") -> torch.Tensor:
+    """In-place all-reduce of t over group (no-op on a group of one); returns t. Timed under
+    ``kind`` ("cp" for context parallelism's loss-token count)."""
     size = group_size(group)
     if size == 1:
         return t
@@ -148,7 +149,7 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
         dist.all_reduce(t, op=op, group=group)
     finally:
         watchdog.leave()
-    end_timed("tp", start, t.device)
+    end_timed(kind, start, t.device)
     return t
 
 

@@ -260,6 +260,8 @@ def _comm(kind: str, share: float, f: _Flags) -> Optional[Finding]:
             fixes.append(Fix({"--context-parallel-size": str(f.cp // 2)},
                              "fewer CP ranks: larger blocks per ring step hide more of each K/V hop"))
         fixes.append(Fix({}, "keep each CP group inside one node (CP × TP ≤ GPUs per node)"))
+    elif kind == "tp" and f.tp == 1:  # no TP to cut: an older run timed CP's loss-token all-reduce as "tp"
+        msg += "; the run has TP 1, so these are other inline collectives (no TP fix applies)"
     elif kind == "tp":
         size = f.tp
         fixes.append(Fix({"--tensor-model-parallel-size": str(size // 2) if size and size > 1 else "smaller",

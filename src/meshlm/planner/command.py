@@ -4,6 +4,9 @@ Prints (or, with --json, writes to stdout as one JSON document; bytes and second
 cluster, the LR and global batch of a published scaling law (``hyperparams``), launch warnings (``lint``), the memory and step time of the flags' own layout, the feasible
 layouts fastest first with their exact flags, and why every other layout is excluded.
 ``--calibrate`` measures this machine instead and stores a GPU profile (``gpus.profile_dir()``).
+When no layout fits it says what would (``nofit``) and exits with ``NO_FIT``. Given the run's length
+(--train-iters, --train-samples or --train-tokens) it plans the campaign of the best layout and of the
+flags' own (``campaign``: days, GPU-hours, failures, checkpoint interval, goodput; "campaign" in --json).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import os
 import sys
 
 from ..config import default_nproc, global_batch
+from .campaign import MTBF_GPU_HOURS, RESTART_S, WRITE_BYTES_PER_S
 from .gpus import OVERRIDES, PRESETS, GiB, resolve_gpu, save_profile
 from .hyperparams import recommend
 from .layout import Layout
 
 _CATEGORIES = ("weights", "grads", "optimizer", "activations", "loss")
+NO_FIT = 3  # exit status when no layout fits (the plan and its "no_fit" advice are still printed)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +41,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--calibrate", action="store_true", help="measure this machine's GEMMs, memory bandwidth and "
                    "links and store a GPU profile (to --gpu-profile, or the profile folder)")
     g.add_argument("--quick", action="store_true", help="--calibrate with small shapes (seconds, CPU tests)")
+    c = parser.add_argument_group("campaign (meshlm plan; the run's length: --train-iters, --train-samples or "
+                                  "--train-tokens)")
+    c.add_argument("--train-tokens", type=float, default=None, help="the run's length in tokens (e.g. 300e9), "
+                   "instead of --train-iters or --train-samples")
+    c.add_argument("--gpu-mtbf-hours", type=float, default=MTBF_GPU_HOURS, help="mean time between failures of "
+                   f"one GPU, hours (default {MTBF_GPU_HOURS:,.0f}: Llama 3 §3.3.4, 419 unexpected interruptions "
+                   "in 54 days on 16,384 GPUs)")
+    c.add_argument("--ckpt-write-gbps", type=float, default=WRITE_BYTES_PER_S / 1e9, help="the storage's aggregate "
+                   "checkpoint write bandwidth, GB/s (default 273: Narayanan et al. 2021 §5)")
+    c.add_argument("--restart-minutes", type=float, default=RESTART_S / 60, help="minutes from a failure to "
+                   "training again: requeue, start-up, checkpoint load (default 10, an assumption)")
 
 
 def _row(name: str, lay: Layout, mem, time) -> str:
@@ -64,6 +80,37 @@ def plan_vocab(cfg) -> tuple:
     return vocab, f"{source} ({', '.join(absent)} not found)"
 
 
+def _campaign(args, cfg, cand, vocab: int, world: int) -> dict:
+    """campaign.campaign of one candidate layout as JSON, or {"note"} when the flags give no run length."""
+    from .campaign import campaign, run_steps
+    from .layout import Layout
+    from .params import stage_params
+    t, m = cfg.training, cfg.model
+    steps = run_steps(t.train_iters, t.train_samples, args.train_tokens, t.global_batch_size, m.seq_length)
+    if steps is None:
+        return {"note": "give --train-iters, --train-samples or --train-tokens for the campaign"}
+    params = stage_params(Layout(micro_batch=cand.layout.micro_batch).apply(cfg), vocab)[0]  # the whole model
+    return campaign(steps=steps, step_s=cand.time.total, global_batch=t.global_batch_size, seq_length=m.seq_length,
+                    num_gpus=world, params=params, gpu_mtbf_hours=args.gpu_mtbf_hours,
+                    write_bytes_per_s=args.ckpt_write_gbps * 1e9, restart_s=args.restart_minutes * 60,
+                    async_save=cfg.checkpoint.async_save).to_json()
+
+
+def _campaign_lines(c: dict) -> list:
+    """The campaign as printed lines."""
+    if "note" in c:
+        return [f"campaign: {c['note']}"]
+    out = [f"campaign (best layout): {c['steps']:,} steps, {c['tokens']:.3g} tokens: {c['train_days']:.1f} days "
+           f"without failures, {c['gpu_hours']:,.0f} GPU-hours; job MTBF {c['job_mtbf_s'] / 3600:.1f} h "
+           f"({c['gpu_mtbf_hours']:,.0f} h a GPU / {c['num_gpus']}); checkpoint {c['checkpoint_bytes'] / 1e9:,.0f} GB"]
+    for mode, s in c["saves"].items():
+        mark = " (your flags)" if mode == c["chosen"] else ""
+        out.append(f"  {mode}{mark}: save blocks {s['blocking_s']:.1f} s, durable after {s['durable_s']:.1f} s; "
+                   f"Young/Daly interval {s['interval_s'] / 60:.1f} min = {s['flags']}; {s['wall_days']:.1f} days, "
+                   f"{s['expected_failures']:.0f} failures expected, goodput {s['goodput']:.3f}")
+    return out
+
+
 def run(args: argparse.Namespace, config_and_source) -> int:
     """Run `meshlm plan` with parsed args; config_and_source is cli._config_and_source."""
     from .memory import estimate
@@ -73,7 +120,13 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     cluster = [f"{flag} {value}: give {what}" for flag, value, ok, what in (
         ("--num-gpus", args.num_gpus, args.num_gpus is None or args.num_gpus >= 1, "the job's GPU count (1 or more)"),
         ("--gpus-per-node", args.gpus_per_node, args.gpus_per_node >= 1, "1 or more"),
-        ("--top", args.top, args.top >= 0, "0 or more layouts to print")) if not ok]
+        ("--top", args.top, args.top >= 0, "0 or more layouts to print"),
+        ("--train-tokens", args.train_tokens, args.train_tokens is None or args.train_tokens >= 1, "1 or more tokens"),
+        ("--gpu-mtbf-hours", args.gpu_mtbf_hours, args.gpu_mtbf_hours > 0, "hours above 0"),
+        ("--ckpt-write-gbps", args.ckpt_write_gbps, args.ckpt_write_gbps > 0, "GB/s above 0"),
+        ("--restart-minutes", args.restart_minutes, args.restart_minutes >= 0, "0 or more minutes")) if not ok]
+    if args.train_tokens is not None and ({"training.train_iters", "training.train_samples"} & set(vars(args))):
+        cluster.append("--train-tokens with --train-iters or --train-samples: give one run length")
     if not cluster and args.num_gpus and args.num_gpus > args.gpus_per_node and args.num_gpus % args.gpus_per_node:
         cluster.append(f"--num-gpus {args.num_gpus} is not whole nodes of --gpus-per-node {args.gpus_per_node}; "
                        f"give a multiple of {args.gpus_per_node} (or the real --gpus-per-node)")
@@ -109,9 +162,21 @@ def run(args: argparse.Namespace, config_and_source) -> int:
            "warnings": warnings, "current": current.to_json() if current else {"problems": problems},
            "layouts": [f.to_json() for f in fits], "excluded": excluded,
            "hyperparameters": recommend(cfg, world).to_json()}
+    from .safety import SAFE_FRACTION, is_safe
+    safe = [i for i, f in enumerate(fits) if is_safe(f.memory.device_bytes, gpu.memory_bytes)]
+    doc["safety"] = {"fraction": SAFE_FRACTION, "safe_bytes": SAFE_FRACTION * gpu.memory_bytes,
+                     "current_safe": bool(current) and is_safe(current.memory.device_bytes, gpu.memory_bytes),
+                     "fastest_safe": safe[0] if safe else None}  # an index into "layouts"
+    if fits:
+        doc["campaign"] = _campaign(args, cfg, fits[0], vocab, world)
+    if current is not None:
+        doc["current"]["campaign"] = _campaign(args, cfg, current, vocab, world)
+    if not fits:
+        from .nofit import no_fit_advice
+        doc["no_fit"] = no_fit_advice(cfg, world, gpu, vocab, excluded, gpus_per_node=args.gpus_per_node, half=half)
     if args.json:
         print(json.dumps(doc))
-        return 0
+        return 0 if fits else NO_FIT
     m = cfg.model
     print(f"model: {m.num_layers} layers, h {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
           f"vocabulary {vocab}; global batch {cfg.training.global_batch_size}")
@@ -141,8 +206,20 @@ def run(args: argparse.Namespace, config_and_source) -> int:
           f"{'tokens/s':>11} {'MFU':>5}  flags")
     for i, f in enumerate(fits[:args.top]):
         print(_row(str(i + 1), f.layout, f.memory, f.time))
+    sf = doc["safety"]
+    if current is not None and not sf["current_safe"]:
+        print(f"warning: your layout needs {current.memory.device_bytes / GiB:.1f} GiB, above the safety margin "
+              f"({100 * sf['fraction']:.0f}% of {gpu.memory_bytes / GiB:.1f} GiB = {sf['safe_bytes'] / GiB:.1f} GiB): "
+              f"it may run out of memory")
+    if fits and sf["fastest_safe"] != 0:
+        i = sf["fastest_safe"]
+        print(f"note: rank 1 is above the safety margin ({100 * sf['fraction']:.0f}% of {gpu.name}'s memory); "
+              + (f"the fastest safe layout is rank {i + 1}: {' '.join(fits[i].layout.flags())}" if i is not None
+                 else "no layout is within it"))
     if fits:
         print(f"best layout's largest cost: {fits[0].time.bottleneck}")
+        for line in _campaign_lines(doc["campaign"]):
+            print(line)
     print(f"excluded ({len(excluded)}):")
     for e in excluded:
         print(f"  {e['layout']}: {e['reason']}")
@@ -151,4 +228,9 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     elif cfg.model.seq_length < LONG_SEQUENCE:
         print(f"  CP > 1: not searched below a {LONG_SEQUENCE}-token sequence (give --context-parallel-size C "
               f"to plan your own CP layout above)")
+    if not fits:
+        print(f"meshlm plan: no layout fits {world} × {gpu.name}; what would fit:", file=sys.stderr)
+        for line in doc["no_fit"]:
+            print(f"  {line}", file=sys.stderr)
+        return NO_FIT
     return 0

@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 
 from ..errors import ConfigError
-from ..flops import peak_tflops
+from ..flops import device_words, peak_tflops
 
 GiB = 2 ** 30
 COLLECTIVE_LATENCY_S = 20e-6  # the start-up cost of one collective or p2p exchange, every link alike
@@ -82,6 +82,8 @@ PRESETS = {
     "H100-80GB": _preset("H100-80GB", "NVIDIA H100 80GB HBM3", 80 * GiB, 3.35e12, 450e9, 400, FP8_HOPPER),
     "H200-141GB": _preset("H200-141GB", "NVIDIA H200", 143771 * 2 ** 20, 4.8e12, 450e9, 400, FP8_HOPPER),
 }
+
+_PRESETS_UPPER = {k.upper(): k for k in PRESETS}
 
 # --gpu-* override flags: flag suffix → (field, factor from the flag's unit to the field's)
 OVERRIDES = {
@@ -131,8 +133,8 @@ def resolve_gpu(name: str, profile: Optional[str] = None, overrides: Optional[di
     units). ConfigError naming the presets when nothing matches."""
     if profile:
         gpu = load_profile(profile)
-    elif name in PRESETS:
-        gpu = PRESETS[name]
+    elif name.upper() in _PRESETS_UPPER:  # preset names match in any case: --gpu h100-80gb
+        gpu = PRESETS[_PRESETS_UPPER[name.upper()]]
     elif os.path.exists(os.path.join(profile_dir(), f"{slug(name)}.json")):
         gpu = load_profile(os.path.join(profile_dir(), f"{slug(name)}.json"))
     else:
@@ -147,20 +149,29 @@ def resolve_gpu(name: str, profile: Optional[str] = None, overrides: Optional[di
     return dataclasses.replace(gpu, **changes) if changes else gpu
 
 
-DEVICE_PRESETS = (("H200", "H200-141GB"), ("H100", "H100-80GB"), ("A100", "A100-80GB"))  # name substring → preset
+DEVICE_PRESETS = (("H200", "H200-141GB"), ("H100", "H100-80GB"), ("H800", "H100-80GB"),
+                  ("A100", "A100-80GB"), ("A800", "A100-80GB"))  # a word of the device name → preset
 
 
 def gpu_of_device(device_name: Optional[str], fallback: str = "H200-141GB") -> tuple:
     """(GPU, where it came from) for the device a run recorded (metrics.jsonl's ``device``, e.g.
     "NVIDIA H200" or "cpu"): a calibrated profile of that name in profile_dir(), else the preset
-    whose name the device's contains, else the ``fallback`` preset, said so in the second item."""
+    one of whose words the device name has (``flops.device_words``: "NVIDIA L40" is no L4), with the
+    device's own data-sheet peak (``flops.peak_tflops``: an "H100 PCIe" is not the SXM part), else the
+    ``fallback`` preset, said so in the second item."""
     if device_name:
         path = os.path.join(profile_dir(), f"{slug(device_name)}.json")
         if os.path.exists(path):
             return load_profile(path), f"calibrated profile {path}"
+        words = device_words(device_name)
         for needle, preset in DEVICE_PRESETS:
-            if needle in device_name:
-                return PRESETS[preset], f"preset {preset} (the run's device {device_name})"
+            if needle in words:
+                gpu = PRESETS[preset]
+                peak = peak_tflops(device_name, torch.bfloat16)
+                if peak and peak * 1e12 != gpu.peak_flops:
+                    gpu = dataclasses.replace(gpu, name=device_name, peak_flops=peak * 1e12)
+                    return gpu, f"preset {preset} at the {device_name}'s peak {peak:g} TFLOP/s"
+                return gpu, f"preset {preset} (the run's device {device_name})"
     where = f"the run's device {device_name} has no profile" if device_name else "the run recorded no device"
     return PRESETS[fallback], (f"preset {fallback}: {where}; `meshlm plan --calibrate` on that machine "
                                f"stores one")

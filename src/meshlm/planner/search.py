@@ -101,7 +101,8 @@ def bases(cfg: Config, world: int) -> list:
 
 
 def search(cfg: Config, world: int, gpu: GPU, vocab: int, *, gpus_per_node: int, half: bool = True) -> tuple:
-    """(candidates that fit, fastest first; excluded as [{"layout", "reason"}]) for cfg's model and
+    """(candidates that fit, fastest first; excluded as [{"layout", "reason"}], with "needs_bytes", the
+    smallest variant's device bytes, where the layout is valid but does not fit) for cfg's model and
     --global-batch-size on ``world`` GPUs of ``gpu`` in nodes of ``gpus_per_node``."""
     gb = cfg.training.global_batch_size
     fits, excluded = [], []
@@ -136,6 +137,7 @@ def search(cfg: Config, world: int, gpu: GPU, vocab: int, *, gpus_per_node: int,
             excluded.append({"layout": base.describe(), "reason": (
                 f"does not fit: even micro-batch {cand.micro_batch}, {cand.recompute_name} recompute"
                 f"{f', ZeRO-{cand.stage}' if cand.stage else ''} needs "
-                f"{mem.device_bytes / GiB:.1f} GiB > {gpu.memory_bytes / GiB:.1f} GiB of {gpu.name}")})
+                f"{mem.device_bytes / GiB:.1f} GiB > {gpu.memory_bytes / GiB:.1f} GiB of {gpu.name}"),
+                "needs_bytes": mem.device_bytes})
     fits.sort(key=lambda c: (c.time.total, c.memory.device_bytes))
     return fits, excluded

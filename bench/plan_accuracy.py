@@ -1,0 +1,217 @@
+"""The planner at simulator accuracy (issue 29): predicted vs measured step time and peak memory on
+configurations the planner was not tuned on, predicted (and committed) before they ran.
+
+Usage (from the repository root):
+    PYTHONPATH=src python bench/plan_accuracy.py predict      # writes bench/plan_accuracy_predictions.json
+    PYTHONPATH=src python bench/plan_accuracy.py run --out $OUT [--deadline-s 300]   # the lent H200
+    PYTHONPATH=src python bench/plan_accuracy.py table RESULTS.jsonl                  # the markdown table
+    PYTHONPATH=src python bench/plan_accuracy.py margin bench/results.jsonl          # the HBM safety margin
+
+``run`` has two phases, so that the device time goes into measured steps, not into compiling:
+1. warm: every case for 2 iterations with one layer (``WARM_FLAGS``: every layer compiles to the same
+   graph), several at once (first-fit-decreasing groups whose predicted device bytes sum to at most
+   ``WARM_GIB``), which fills torch.compile's caches (Inductor's FX-graph and autograd caches);
+2. measure: each case alone, as its own ``meshlm pretrain`` process (bench/runs.py), --iters iterations;
+   step = median ``iter_ms`` after --warmup, peak = the largest ``mem_max_allocated_gb`` (torch
+   max_memory_allocated).
+Cases left when fewer than ``CASE_RESERVE_S`` seconds of --deadline-s remain are skipped and said so.
+One JSON row per measured case goes to $OUT/results.jsonl as it is measured.
+
+Predicted: ``runs.predict`` (``memory.estimate(...).peak_bytes``, ``cost.step_time(...).total``, the
+H200-141GB preset), the same constants for every case. ``margin`` reads every ``plan_check`` /
+``plan_accuracy`` row of a results file: the largest measured / predicted peak, i.e. how far below HBM a
+prediction must stay to be safe on every recorded run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from runs import COMMON, predict  # noqa: E402
+
+WARM_GIB = 125.0   # the warm phase's concurrent runs: predicted device GiB together at most
+WARM_FLAGS = ["--num-layers", "1"]  # every layer compiles to the same graph: one layer fills the caches
+CASE_RESERVE_S = 25.0
+PREDICTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plan_accuracy_predictions.json")
+
+
+def _gpt(name: str, seq: int) -> list:
+    return ["--model", name, "--vocab-size", "50304", "--seq-length", str(seq), "--max-position-embeddings",
+            str(seq), "--attention-dropout", "0"]
+
+
+def _llama(name: str, seq: int, vocab: int = 128256) -> list:
+    return ["--model", name, "--vocab-size", str(vocab), "--seq-length", str(seq), "--max-position-embeddings",
+            str(seq)]
+
+
+def _mb(micro: int, acc: int = 1) -> list:
+    return ["--micro-batch-size", str(micro), "--global-batch-size", str(micro * acc)]
+
+
+SEL = ["--recompute-activations"]
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+ZERO = ["--use-distributed-optimizer"]
+CASES = {  # name: flags, in the order they are measured; none of these shapes or sizes is in plan_check.py's tuned set
+    "llama8b-w-L16-s4k-m2-full-zero": _llama("llama3-8b", 4096) + ["--num-layers", "16"] + _mb(2) + FULL + ZERO,
+    "mixtral-small-s2k-m4": _llama("mixtral-small", 2048, 32000) + _mb(4),
+    "llama1b-s16k-m1-sel": _llama("llama-1b", 16384) + _mb(1) + SEL,
+    "gpt350m-s1k-m16": _gpt("gpt2-350m", 1024) + ["--hidden-dropout", "0"] + _mb(16),
+    "llama3b-s1k-m16-full": _llama("llama-3b", 1024) + _mb(16) + FULL,
+    "gpt760m-s2k-m8-sel-drop": _gpt("gpt2-760m", 2048) + _mb(8) + SEL,
+    "llama8b-w-L8-s2k-m4": _llama("llama3-8b", 2048) + ["--num-layers", "8"] + _mb(4),
+    "llama3b-s8k-m1-sel-zero": _llama("llama-3b", 8192) + _mb(1) + SEL + ZERO,
+    "gpt1.3b-s8k-m1": _gpt("gpt2-1.3b", 8192) + ["--hidden-dropout", "0"] + _mb(1),
+    "mixtral-small-s4k-m2-sel-acc2": _llama("mixtral-small", 4096, 32000) + _mb(2, 2) + SEL,
+    "gpt2.7b-s2k-m4-acc2": _gpt("gpt3-2.7b", 2048) + ["--hidden-dropout", "0"] + _mb(4, 2),
+    "llama1b-s4k-m2-v128k": _llama("llama-1b", 4096) + _mb(2),
+}
+
+
+def predictions() -> dict:
+    """{case: {"flags", "peak_gib", "step_ms", "device_gib"}} from the planner, nothing run."""
+    from meshlm.planner.gpus import GiB
+    out = {}
+    for name, flags in CASES.items():
+        p = predict(flags + COMMON, 1)
+        out[name] = {"flags": " ".join(flags), "peak_gib": round(p["peak_gib"], 3), "step_ms": round(p["step_ms"], 2),
+                     "device_gib": round(p["device_bytes"] / GiB, 3)}
+    return out
+
+
+def _pretrain(name: str, flags: list, out: str, iters: int, port: int = 29500) -> tuple:
+    """(process, run dir) of `meshlm pretrain` on one GPU as rank 0 of a torchrun-style job of one (the
+    environment torchrun sets), so that no launcher process is started first."""
+    run_dir = os.path.join(out, "runs", name + f"-{iters}")
+    cmd = [sys.executable, "-m", "meshlm", "pretrain", *flags, *COMMON, "--train-iters", str(iters),
+           "--run-dir", run_dir]
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    log = open(os.path.join(out, "logs", f"{name}-{iters}.log"), "w")
+    log.write(" ".join(cmd) + "\n")
+    log.flush()
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), run_dir
+
+
+def _records(run_dir: str) -> list:
+    from meshlm import metrics_json
+    path = os.path.join(run_dir, "logs", "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        return [r for r in (metrics_json.loads(x) for x in fh if x.strip()) if r.get("iter_ms") is not None]
+
+
+def run(args) -> None:
+    start = time.time()
+    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    with open(PREDICTIONS) as fh:
+        pred = json.load(fh)
+    names = args.cases or list(CASES)
+    warm = {n: predict(CASES[n] + WARM_FLAGS + COMMON, 1)["device_bytes"] / 2 ** 30 for n in names}
+    groups = []  # first-fit decreasing by predicted device GiB, WARM_GIB a group
+    for name in sorted(names, key=lambda n: -warm[n]):
+        g = next((g for g in groups if sum(warm[n] for n in g) + warm[name] <= WARM_GIB), None)
+        groups.append([name]) if g is None else g.append(name)
+    for g in groups:
+        if time.time() - start > args.warm_budget_s:
+            print(f"warm phase stopped at {time.time() - start:.0f} s; not warmed: {g}", flush=True)
+            break
+        procs = [_pretrain(n, CASES[n] + WARM_FLAGS, args.out, 2, port=29600 + i)[0] for i, n in enumerate(g)]
+        codes = [p.wait() for p in procs]
+        print(f"warm {g}: exit {codes} at {time.time() - start:.0f} s", flush=True)
+    with open(os.path.join(args.out, "results.jsonl"), "a") as fh:
+        for name in names:
+            left = args.deadline_s - (time.time() - start)
+            if left < CASE_RESERVE_S:
+                print(f"{name}: skipped, {left:.0f} s of the deadline left", flush=True)
+                continue
+            t0 = time.time()
+            proc, run_dir = _pretrain(name, CASES[name], args.out, args.iters)
+            try:
+                code = proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = "timeout"
+            rows = _records(run_dir)[args.warmup:]
+            peaks = [r["mem_max_allocated_gb"] for r in rows if r.get("mem_max_allocated_gb") is not None]
+            if code != 0 or not rows:
+                print(f"{name}: exit {code}, {len(rows)} measured rows", flush=True)
+                continue
+            p = pred[name]
+            step, peak = statistics.median(r["iter_ms"] for r in rows), max(peaks) if peaks else None  # None on CPU
+            rec = {"date": args.date, "bench": "plan_accuracy", "gpu": "1x H200", "case": name, "flags": p["flags"],
+                   "predicted_peak_gib": p["peak_gib"], "measured_peak_gib": peak,
+                   "peak_error": round(p["peak_gib"] / peak - 1, 4) if peak else None, "predicted_step_ms": p["step_ms"],
+                   "measured_step_ms": round(step, 2), "step_error": round(p["step_ms"] / step - 1, 4),
+                   "iters": args.iters, "warmup": args.warmup, "wall_s": round(time.time() - t0, 1),
+                   "tokens_per_s": rows[-1].get("tokens_per_sec"), "mfu": rows[-1].get("mfu")}
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+            print(json.dumps(rec), flush=True)
+    print(f"done at {time.time() - start:.0f} s", flush=True)
+
+
+def table(rows: list) -> str:
+    """The markdown table of plan_accuracy rows, with the median and worst |error| of each column."""
+    lines = ["| case | predicted peak GiB | measured peak GiB | error | predicted ms/step | measured ms/step | error |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['predicted_peak_gib']:.2f} | {r['measured_peak_gib']:.2f} | "
+                     f"{100 * r['peak_error']:+.1f}% | {r['predicted_step_ms']:.1f} | {r['measured_step_ms']:.1f} | "
+                     f"{100 * r['step_error']:+.1f}% |")
+    if rows:
+        mem, step = [abs(r["peak_error"]) for r in rows], [abs(r["step_error"]) for r in rows]
+        lines.append(f"| **median / worst \\|error\\|** ({len(rows)} runs) | | | {100 * statistics.median(mem):.1f}% / "
+                     f"{100 * max(mem):.1f}% | | | {100 * statistics.median(step):.1f}% / {100 * max(step):.1f}% |")
+    return "\n".join(lines)
+
+
+def margin(rows: list) -> dict:
+    """{"runs", "worst_case", "worst_ratio"}: the largest measured / predicted peak over the rows; a
+    layout is safe on every recorded run when predicted peak × worst_ratio < HBM."""
+    ratios = [((r.get("measured_peak_gib") or r.get("peak_mem_gib")) / r["predicted_peak_gib"], r["case"])
+              for r in rows if (r.get("measured_peak_gib") or r.get("peak_mem_gib")) and r.get("predicted_peak_gib")]
+    worst = max(ratios)
+    return {"runs": len(ratios), "worst_ratio": round(worst[0], 4), "worst_case": worst[1]}
+
+
+def _rows(path: str, benches=("plan_accuracy",)) -> list:
+    with open(path) as fh:
+        return [r for r in (json.loads(x) for x in fh if x.strip()) if r.get("bench") in benches]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("action", choices=("predict", "run", "table", "margin"))
+    ap.add_argument("path", nargs="?")
+    ap.add_argument("--cases", nargs="*")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/out/plan_accuracy"))
+    ap.add_argument("--date", default=time.strftime("%Y-%m-%d"))
+    ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--deadline-s", type=float, default=300.0)
+    ap.add_argument("--warm-budget-s", type=float, default=150.0)
+    args = ap.parse_args()
+    if args.action == "predict":
+        with open(PREDICTIONS, "w") as fh:
+            json.dump(predictions(), fh, indent=1)
+        print(open(PREDICTIONS).read())
+    elif args.action == "run":
+        run(args)
+    elif args.action == "table":
+        print(table(_rows(args.path)))
+    else:
+        print(json.dumps(margin(_rows(args.path, ("plan_check", "plan_accuracy", "scaling")))))
+
+
+if __name__ == "__main__":
+    main()

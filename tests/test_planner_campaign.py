@@ -1,0 +1,78 @@
+"""planner/campaign.py: run length, failures, the Young/Daly checkpoint interval, goodput; `plan --train-tokens`."""
+
+import json
+import math
+
+import pytest
+
+from meshlm.cli import main
+from meshlm.planner.campaign import MTBF_GPU_HOURS, campaign, daly_interval, run_steps
+
+
+def _daly_exact_wall(tau, delta, mtbf, restart=0.0, solve=1.0):
+    """Daly 2006's exact expected wall time (exponential failures) of ``solve`` seconds of work."""
+    return mtbf * math.exp(restart / mtbf) * (math.exp((tau + delta) / mtbf) - 1) * solve / tau
+
+
+@pytest.mark.parametrize("ratio", [1e-4, 1e-2, 0.1])
+def test_daly_interval_minimises_dalys_exact_model_and_tends_to_young(ratio):
+    mtbf = 36_000.0
+    delta = ratio * mtbf
+    grid = [t for t in (delta * 10 ** (k / 2000) for k in range(-4000, 8000)) if t < 20 * mtbf]
+    best = min(grid, key=lambda t: _daly_exact_wall(t, delta, mtbf))
+    tau = daly_interval(delta, mtbf)
+    assert _daly_exact_wall(tau, delta, mtbf) <= _daly_exact_wall(best, delta, mtbf) * (1 + 1e-4)
+    assert tau == pytest.approx(best, rel=0.02)
+    if ratio <= 1e-4:
+        assert tau == pytest.approx(math.sqrt(2 * delta * mtbf), rel=0.01)  # Young 1974
+    assert daly_interval(3 * mtbf, mtbf) == mtbf
+
+
+def test_run_length_from_iters_samples_or_tokens():
+    assert run_steps(100, None, None, 8, 2048) == 100
+    assert run_steps(None, 801, None, 8, 2048) == 101
+    assert run_steps(None, None, 300e9, 1536, 2048) == math.ceil(300e9 / (1536 * 2048))
+    assert run_steps(None, None, None, 8, 2048) is None
+
+
+def test_campaign_failures_gpu_hours_and_goodput_follow_from_the_terms():
+    c = campaign(steps=10_000, step_s=10.0, global_batch=1024, seq_length=2048, num_gpus=1024, params=10 ** 11)
+    assert c.train_s == 1e5 and c.gpu_hours == pytest.approx(1e5 * 1024 / 3600)
+    assert c.job_mtbf_s == pytest.approx(MTBF_GPU_HOURS * 3600 / 1024)
+    assert MTBF_GPU_HOURS == pytest.approx(16384 * 54 * 24 / 419)  # Llama 3 §3.3.4
+    sync, asy = c.saves["sync"], c.saves["async"]
+    assert sync["blocking_s"] == pytest.approx(14e11 / 273e9) and asy["durable_s"] == sync["blocking_s"]
+    assert asy["interval_s"] >= asy["durable_s"] and asy["blocking_s"] < sync["blocking_s"]
+    for s in (sync, asy):
+        assert s["expected_failures"] == pytest.approx(s["wall_s"] / c.job_mtbf_s)
+        assert 0 < s["goodput"] < 1 and s["goodput"] == pytest.approx(c.train_s / s["wall_s"])
+        assert s["interval_steps"] * 10.0 == pytest.approx(s["interval_s"])
+    assert asy["goodput"] > sync["goodput"]
+    flaky = campaign(steps=10_000, step_s=10.0, global_batch=1024, seq_length=2048, num_gpus=1024, params=10 ** 11,
+                     gpu_mtbf_hours=MTBF_GPU_HOURS / 10)
+    assert flaky.saves["sync"]["goodput"] < sync["goodput"]
+    assert flaky.saves["sync"]["interval_s"] < sync["interval_s"]  # more failures: save more often
+
+
+GPT = ["plan", "--model", "gpt2-1.3b", "--vocab-size", "50257", "--global-batch-size", "64", "--bf16",
+       "--num-gpus", "8", "--top", "1"]
+
+
+def test_plan_gives_the_campaign_in_json_and_text(capsys):
+    assert main([*GPT, "--train-tokens", "26e9", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    c = doc["campaign"]
+    assert c["steps"] == math.ceil(26e9 / (64 * doc["model"]["seq_length"])) and c["step_s"] == doc["layouts"][0]["time"]["total"]
+    assert set(c["saves"]) == {"sync", "async"} and c["chosen"] == "sync"
+    assert doc["current"]["campaign"]["steps"] == c["steps"]
+    assert main([*GPT, "--train-iters", "1000", "--async-save", "--save", "/tmp/x"]) == 0
+    out = capsys.readouterr().out
+    assert "campaign (best layout): 1,000 steps" in out and "async (your flags)" in out
+
+
+@pytest.mark.parametrize("flags, named", [(["--train-tokens", "1e9", "--train-iters", "5"], "give one run length"),
+                                          (["--gpu-mtbf-hours", "0"], "--gpu-mtbf-hours 0"),
+                                          (["--train-tokens", "0"], "--train-tokens 0")])
+def test_plan_refuses_bad_campaign_flags(capsys, flags, named):
+    assert main([*GPT, *flags]) == 2
+    assert named in capsys.readouterr().err

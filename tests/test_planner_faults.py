@@ -1,0 +1,77 @@
+"""`meshlm plan` as a new user tried it (issue 29): nonsense sizes refused as pretrain refuses them,
+a non-zero exit with advice when nothing fits, and GPU names matched by their words."""
+
+import json
+
+import pytest
+import torch
+
+from meshlm.cli import main
+from meshlm.flops import peak_tflops
+from meshlm.planner.command import NO_FIT
+from meshlm.planner.gpus import PRESETS, gpu_of_device, resolve_gpu
+
+SHAPE = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
+         "--vocab-size", "512", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "2"]
+
+
+def _err_of(capsys, argv) -> tuple:
+    code = main(argv)
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err
+    return code, out.err.strip()
+
+
+@pytest.mark.parametrize("bad", [["--seq-length", "0"], ["--hidden-size", "0"], ["--micro-batch-size", "0"],
+                                 ["--num-layers", "0"], ["--vocab-size", "-5"], ["--seq-length", "-1"],
+                                 ["--num-attention-heads", "3"]])
+def test_plan_refuses_a_nonsense_size_with_pretrains_own_words(capsys, bad):
+    plan = _err_of(capsys, ["plan", *SHAPE, *bad, "--num-gpus", "1"])
+    dry = _err_of(capsys, ["pretrain", "--mock-data", *SHAPE, *bad, "--dry-run", "--world-size", "1"])
+    assert plan[0] == dry[0] == 2
+    assert plan[1] == dry[1] and bad[0] in plan[1] and len(plan[1].splitlines()) == 1
+
+
+def test_plan_exits_non_zero_when_no_layout_fits_and_says_what_would(capsys):
+    argv = ["plan", "--model", "gpt2-1.3b", "--vocab-size", "50257", "--global-batch-size", "8", "--bf16",
+            "--num-gpus", "1", "--gpu-memory-gib", "8"]
+    assert main(argv) == NO_FIT
+    err = capsys.readouterr().err
+    assert "no layout fits 1 × H100-80GB" in err and "a GPU with at least" in err
+    assert main([*argv, "--json"]) == NO_FIT
+    advice = json.loads(capsys.readouterr().out)["no_fit"]
+    assert any(line.startswith("--num-gpus ") and " fits: " in line for line in advice)
+    assert main([*argv[:-2], "--json"]) == 0  # 80 GiB: it fits, exit 0
+
+
+def test_gpu_names_match_by_word_not_by_substring():
+    bf16 = torch.bfloat16
+    assert peak_tflops("NVIDIA L40", bf16) == 181.0 and peak_tflops("NVIDIA L4", bf16) == 121.0
+    assert peak_tflops("NVIDIA L40S", bf16) == 362.0
+    assert peak_tflops("NVIDIA H800 PCIe", bf16) == 756.0 and peak_tflops("NVIDIA H800", bf16) == 989.4
+    assert peak_tflops("NVIDIA A10", bf16) == 125.0 and peak_tflops("NVIDIA A100-SXM4-80GB", bf16) == 312.0
+    gpu, note = gpu_of_device("NVIDIA H100 PCIe")
+    assert gpu.peak_flops == 756e12 and "756" in note
+    assert gpu_of_device("NVIDIA H100 80GB HBM3")[0] == PRESETS["H100-80GB"]
+
+
+def test_gpu_preset_names_are_case_insensitive():
+    assert resolve_gpu("h100-80gb") == PRESETS["H100-80GB"] and resolve_gpu("a100-80GB") == PRESETS["A100-80GB"]
+
+
+def test_plan_warns_of_a_layout_above_the_safety_margin_and_names_the_fastest_safe_one(capsys):
+    from meshlm.planner.safety import SAFE_FRACTION
+    argv = ["plan", "--model", "gpt2-1.3b", "--vocab-size", "50257", "--global-batch-size", "8", "--bf16",
+            "--num-gpus", "1", "--micro-batch-size", "8", "--json"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    need = doc["current"]["memory"]["device_bytes"]
+    hbm = need / (SAFE_FRACTION + 1) * 2  # a GPU on which this layout is just past the margin
+    assert main([*argv, "--gpu-memory-gib", str(hbm / 2 ** 30)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["safety"]["current_safe"] is False and doc["safety"]["fraction"] == SAFE_FRACTION
+    i = doc["safety"]["fastest_safe"]
+    assert i is not None and doc["layouts"][i]["memory"]["device_bytes"] <= SAFE_FRACTION * hbm
+    assert all(x["memory"]["device_bytes"] > SAFE_FRACTION * hbm for x in doc["layouts"][:i])
+    assert main(argv[:-1] + ["--gpu-memory-gib", str(hbm / 2 ** 30)]) == 0
+    assert "above the safety margin" in capsys.readouterr().out
