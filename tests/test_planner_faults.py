@@ -24,7 +24,8 @@ def _err_of(capsys, argv) -> tuple:
 
 @pytest.mark.parametrize("bad", [["--seq-length", "0"], ["--hidden-size", "0"], ["--micro-batch-size", "0"],
                                  ["--num-layers", "0"], ["--vocab-size", "-5"], ["--seq-length", "-1"],
-                                 ["--num-attention-heads", "3"]])
+                                 ["--num-attention-heads", "3"], ["--train-iters", "0"], ["--train-iters", "-5"],
+                                 ["--global-batch-size", "0"], ["--train-samples", "16"]])
 def test_plan_refuses_a_nonsense_size_with_pretrains_own_words(capsys, bad):
     plan = _err_of(capsys, ["plan", *SHAPE, *bad, "--num-gpus", "1"])
     dry = _err_of(capsys, ["pretrain", "--mock-data", *SHAPE, *bad, "--dry-run", "--world-size", "1"])

@@ -175,9 +175,9 @@ def _plan_config(args: argparse.Namespace) -> tuple:
     settings (a small model at TP=2 × PP=2) are not what a planned launch script asks for. ConfigError
     for the numbers and shapes pretrain refuses (``validate.shape_problems``: the same rule)."""
     from .config import config_from_args
-    from .validate import shape_problems
+    from .validate import exclusive_lengths, shape_problems
     cfg = config_from_args(args)
-    problems = shape_problems(cfg)
+    problems = shape_problems(cfg) + exclusive_lengths(cfg)
     if problems:
         raise ConfigError(problems)
     return cfg, False

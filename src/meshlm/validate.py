@@ -218,15 +218,21 @@ _LENGTHS = (("lr_warmup_iters", "lr_warmup_samples"), ("lr_decay_iters", "lr_dec
             ("lr_wsd_decay_iters", "lr_wsd_decay_samples"))
 
 
+def exclusive_lengths(cfg: Config) -> list:
+    """[the one line] when both --train-iters and --train-samples are given (pretrain and plan), else []."""
+    t = cfg.training
+    if t.train_samples is not None and t.train_iters is not None:
+        return [f"--train-iters {t.train_iters} and --train-samples {t.train_samples} are exclusive; give one"]
+    return []
+
+
 def _run_length_problems(cfg: Config, world: int) -> list:
     """--train-iters or --train-samples (exclusive), the LR schedule's lengths in the same unit,
     and --lr-warmup-fraction and WSD (Megatron's arguments.py rules for iteration- and
     sample-based training; a length in the other unit, which Megatron ignores or refuses, is refused)."""
-    problems = []
     o, t = cfg.optimizer, cfg.training
     by_samples = t.train_samples is not None
-    if by_samples and t.train_iters is not None:
-        problems.append(f"--train-iters {t.train_iters} and --train-samples {t.train_samples} are exclusive; give one")
+    problems = exclusive_lengths(cfg)
     for iters, samples in _LENGTHS:
         wrong, right = (f"--{f.replace('_', '-')}" for f in ((iters, samples) if by_samples else (samples, iters)))
         value = getattr(o, wrong[2:].replace("-", "_"))
