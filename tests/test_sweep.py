@@ -48,6 +48,26 @@ def test_successive_halving_keeps_the_best_half_and_runs_them_longer(tmp_path, m
 
     monkeypatch.setattr(sweep, "_run_trials", fake_trials)
     assert main(["sweep", "--lr", "1e-4,1e-3,1e-2,1e-1", "--method", "halving", "--train-iters", "2",
-                 "--sweep-dir", str(tmp_path), "--", "--mock-data"]) == 0
+                 "--sweep-dir", str(tmp_path), "--", "--mock-data", "--vocab-size", "64"]) == 0
     assert ran == [(1e-4, 2), (1e-3, 2), (1e-2, 2), (1e-1, 2), (1e-3, 4), (1e-2, 4)]  # one left: done
     assert "chosen for the full run: --lr 0.001" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad, words", [
+    (["--lr", "1e-3", "--rungs", "0", "--method", "halving"], "--rungs 0 is out of range"),
+    (["--lr", "1e-3", "--slots", "0"], "--slots 0 is out of range"),
+    (["--lr", "1e-3", "--eta", "1"], "--eta 1 is out of range"),
+    (["--lr", "1e-3,,2e-3"], "give comma-separated floats"),
+    (["--lr", "nan,inf"], "'nan' is not a finite positive value"),
+    (["--lr=-1e-3,0"], "'-1e-3' is not a finite positive value"),
+    (["--lr", "1e-3,1e-3"], "a value is listed twice"),
+    (["--lr", "1e-3", "--hidden-size", "0,-8"], "'0' is not a finite positive value"),
+    (["--lr", "1e-3", "--", "--bogus-flag"], "the trials' pretrain flags are refused"),
+    (["--lr", "1e-3", "--", "--mock-data", "--num-attention-heads", "3"], "the trials' pretrain flags are refused"),
+])
+def test_bad_sweep_input_is_one_line_before_any_trial(tmp_path, capsys, bad, words):
+    """The newcomer's cases: each crashed, was silently changed, or ran every trial before failing."""
+    assert main(["sweep", "--sweep-dir", str(tmp_path / "sw"), *bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "sw" / "trials.jsonl").exists()

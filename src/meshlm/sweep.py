@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 
+from . import metrics_json
 from .errors import ConfigError
 
 AXES = {"lr": float, "hidden_size": int, "global_batch_size": int, "lr_warmup_iters": int, "init_method_std": float}
@@ -64,13 +65,53 @@ def _values(args) -> dict:
         text = getattr(args, name)
         if text is None:
             continue
+        flag, parts = "--" + name.replace("_", "-"), text.split(",")
         try:
-            out[name] = [kind(v) for v in text.split(",") if v.strip()]
+            vals = [kind(v) for v in parts]
         except ValueError:
-            raise ConfigError(f"--{name.replace('_', '-')} {text}: give comma-separated {kind.__name__}s") from None
+            raise ConfigError(f"{flag} {text}: give comma-separated {kind.__name__}s") from None
+        low = 0 if name == "lr_warmup_iters" else None  # warm-up may be 0; everything else is positive
+        bad = [p for p, v in zip(parts, vals) if not math.isfinite(v) or (v < low if low == 0 else v <= 0)]
+        if bad:
+            kind_word = "non-negative" if low == 0 else "positive"
+            raise ConfigError(f"{flag} {text}: {bad[0].strip()!r} is not a finite {kind_word} value; give e.g. "
+                              f"{flag}=1e-3,3e-3 (with '=' when a value starts with '-')")
+        if len(set(vals)) < len(vals):
+            raise ConfigError(f"{flag} {text}: a value is listed twice; give each once")
+        out[name] = vals
     if "lr" not in out:
         raise ConfigError("meshlm sweep needs --lr V1,V2,… (the learning rates to try)")
     return out
+
+
+def _check(args) -> None:
+    """ConfigError for a sweep flag outside its domain (before any trial starts)."""
+    rules = [("--train-iters", args.train_iters, 1), ("--rungs", args.rungs, 1), ("--eta", args.eta, 2),
+             ("--slots", args.slots, 1), ("--target-hidden-size", args.target_hidden_size, 1)]
+    for flag, value, least in rules:
+        if value is not None and value < least:
+            raise ConfigError(f"{flag} {value} is out of range: give {least} or more")
+    if not (math.isfinite(args.spike_factor) and args.spike_factor > 1):
+        raise ConfigError(f"--spike-factor {args.spike_factor} is out of range: give a number above 1, e.g. 1.5")
+
+
+def _dry_run(base: list, settings: dict, iters: int, extra: list) -> None:
+    """``meshlm pretrain --dry-run`` of one trial per width: every pretrain check (flags, data,
+    layout) once, before any trial runs; ConfigError with its one line when it refuses."""
+    import contextlib
+    import io
+    from .cli import main  # in this process: no interpreter start per check
+    for group in settings.values():
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(["pretrain", *base, *_flags(group[0]), *extra, "--train-iters", str(iters), "--dry-run"])
+            except SystemExit as e:  # argparse: an unknown or malformed flag
+                code = e.code
+        if code:
+            lines = (err.getvalue().strip() or out.getvalue().strip() or f"exit {code}").splitlines()
+            raise ConfigError(f"meshlm sweep: the trials' pretrain flags are refused: "
+                              f"{lines[-1].removeprefix('meshlm: error: ')}")
 
 
 def _flags(values: dict) -> list:
@@ -83,9 +124,8 @@ def _key(values: dict, iters: int) -> str:
 
 def _outcome(run_dir: str, rc: int, log: str, spike: float) -> dict:
     """{status, loss, note} of a finished trial from its metrics.jsonl and exit status."""
-    from .metrics_json import loads
     path = os.path.join(run_dir, "logs", "metrics.jsonl")
-    recs = [loads(line) for line in open(path)] if os.path.isfile(path) else []
+    recs = [metrics_json.loads(line) for line in open(path)] if os.path.isfile(path) else []
     losses = [r["lm_loss"] for r in recs if "iter_ms" in r and r.get("lm_loss") is not None]
     evals = [r["val_loss"] for r in recs if r.get("val_loss") is not None]
     bad = [x for x in losses + evals if not math.isfinite(x)]
@@ -113,9 +153,7 @@ def _run_trials(todo: list, args, base: list, done: dict) -> None:
     trials.jsonl as it finishes."""
     free, running = _slots(args), []
     todo = [t for t in todo if _key(*t) not in done]
-    extra = [] if "--nproc-per-node" in base else ["--nproc-per-node", "1"]  # one GPU or CPU slot a trial,
-    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):  # so TP = PP = 1 unless given
-        extra += [] if flag in base or "--nproc-per-node" in base else [flag, "1"]
+    extra = _trial_flags(base)
     with open(os.path.join(args.sweep_dir, RESULTS), "a") as results:
         while todo or running:
             while todo and free:
@@ -139,10 +177,18 @@ def _run_trials(todo: list, args, base: list, done: dict) -> None:
                 free.append(slot)
                 rec = {"values": values, "iters": iters, **_outcome(run_dir, proc.returncode, log, args.spike_factor)}
                 done[_key(values, iters)] = rec
-                results.write(json.dumps(rec) + "\n")
+                results.write(metrics_json.dumps(rec) + "\n")  # NaN as "NaN": valid JSON
                 results.flush()
                 print(f"meshlm sweep: {rec['status']:>8} {rec['loss'] if rec['loss'] is not None else '-':>10} "
                       f"{' '.join(_flags(values))} ({iters} iters) {rec['note']}", flush=True)
+
+
+def _trial_flags(base: list) -> list:
+    """One GPU or CPU slot a trial, so TP = PP = 1 unless the flags give --nproc-per-node or a size."""
+    extra = [] if "--nproc-per-node" in base else ["--nproc-per-node", "1"]
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
+        extra += [] if flag in base or "--nproc-per-node" in base else [flag, "1"]
+    return extra
 
 
 def _best(recs: list) -> dict | None:
@@ -153,6 +199,7 @@ def _best(recs: list) -> dict | None:
 def run(args: argparse.Namespace) -> int:
     """Run the sweep (see the module docstring); 0 when some trial ended ok, else 2 (ConfigError)."""
     base = [a for a in args.pretrain if a != "--"]
+    _check(args)
     values = _values(args)
     widths = sorted(values.pop("hidden_size", [None]), key=lambda w: w or 0)
     mup = "--use-mup" in base
@@ -164,12 +211,13 @@ def run(args: argparse.Namespace) -> int:
     if os.path.isfile(path):
         for line in open(path):
             if line.strip():
-                rec = json.loads(line)
+                rec = metrics_json.loads(line)
                 if rec["status"] != "failed":  # a failed trial (a crash, a kill) runs again
                     done[_key(rec["values"], rec["iters"])] = rec
         print(f"meshlm sweep: resuming, {len(done)} trial(s) already in {path}")
     grid = [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
     settings = {w: [({"hidden_size": w} if w else {}) | g for g in grid] for w in widths}
+    _dry_run(base, settings, args.train_iters, _trial_flags(base))
     rungs = args.rungs if args.method == "halving" else 1
     final, rows = {}, []
     for rung in range(rungs):
