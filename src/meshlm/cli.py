@@ -290,7 +290,8 @@ COMMANDS = {
                  _delegate(".training.generate", "add_arguments", "run")),
     "checkpoint": ("checkpoint tools: `meshlm checkpoint inspect DIR`, `meshlm checkpoint verify DIR "
                    "[--layout TP,PP,DP]`", _add_checkpoint_arguments),
-    "convert": ("convert between Hugging Face model folders (Llama, Mistral, GPT-2) and meshlm checkpoints",
+    "convert": ("convert between meshlm checkpoints and Hugging Face model folders (Llama, Mistral, Mixtral, "
+                "GPT-2) or Megatron-LM torch_dist checkpoints",
                 _delegate(".checkpoint.convert", "add_arguments", "run")),
     "analyze": ("read a run's metrics.jsonl: where the step time goes, the dominant cost, the flags that fix it",
                 _delegate(".planner.analyze", "add_arguments", "run")),

@@ -194,6 +194,9 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
     dtype = dtype or params_dtype(cfg, ps.device)
     if (t.bf16 or t.fp16) and dtype == torch.float32 and ps.rank == 0:
         print("note: --bf16/--fp16 ignored on CPU; training in fp32", flush=True)
+    if t.fp8_format and ps.device.type != "cuda" and ps.rank == 0:
+        print(f"note: --fp8-format {t.fp8_format} on CPU: the FP8 GEMMs are emulated (quantize → dequantize → "
+              f"matmul in {str(dtype).removeprefix('torch.')}), for tests; the speed-up needs a Hopper GPU", flush=True)
     tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
     check_data_vocab(cfg, tokenizer.vocab_size, ps)
     train_ds, valid_ds, _ = build_datasets(cfg, ps=ps, local_rank=local_rank())
