@@ -335,5 +335,7 @@ def test_convert_megatron_flags_are_checked(tmp_path, capsys):
     assert main(["convert", "--from-megatron", str(tmp_path), "--output", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert "not a Megatron-LM checkpoint" in err and len(err.splitlines()) == 1
+    assert main(["convert", "--from-megatron", str(tmp_path / "nowhere"), "--output", str(tmp_path / "o")]) == 2
+    assert "nowhere: no such directory" in capsys.readouterr().err  # was "not a Megatron-LM checkpoint"
     assert main(["convert", "--to-megatron", "--load", str(tmp_path)]) == 2
     assert "--to-megatron needs --load" in capsys.readouterr().err

@@ -59,6 +59,9 @@ def import_megatron(src: str, out: str) -> str:
     from .model_space import ModelSpace
     from .state import model_state
 
+    if not os.path.isdir(src):
+        raise CheckpointError(f"--from-megatron {src}: no such directory; give the folder holding "
+                              f"{mg.TRACKER} (Megatron-LM's --save)")
     folder = mg.iteration_folder(src)
     if folder is None:
         raise CheckpointError(f"--from-megatron {src}: not a Megatron-LM checkpoint (no {mg.TRACKER} naming an "
@@ -91,6 +94,10 @@ def import_megatron(src: str, out: str) -> str:
                      f"--dist-ckpt-optim-fully-reshardable): `meshlm pretrain --load` fine-tunes with a fresh "
                      f"optimizer at iteration 0")
         states = []
+    elif not states:
+        notes.append(f"{folder} holds no optimizer state (saved with --no-save-optim?): the result is the "
+                     f"weights alone, and `meshlm pretrain --load` fine-tunes them with a fresh optimizer at "
+                     f"iteration 0 (not at iteration {common.get('iteration', 0)})")
     for note in notes:
         print(f"meshlm: note: {note}")
     ps = ParallelState.single()
