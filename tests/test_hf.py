@@ -235,11 +235,13 @@ def test_pretrain_refuses_a_hf_folder_of_another_shape_before_starting(hf, tmp_p
 
 def test_convert_flags_and_outputs_are_checked(hf, tmp_path, capsys):
     assert main(["convert", "--from-hf", hf["gpt2"][0]]) == 2
-    assert "--from-hf needs --save" in capsys.readouterr().err
+    assert "--from-hf needs --save (or --output)" in capsys.readouterr().err
+    assert main(["convert", "--from-hf", hf["gpt2"][0], "--save", "a", "--output", "b"]) == 2
+    assert "--save a and --output b name two folders" in capsys.readouterr().err
     assert main(["convert", "--from-hf", str(tmp_path), "--save", str(tmp_path / "c")]) == 2
     assert "not a Hugging Face model folder" in capsys.readouterr().err
     ckpt = str(tmp_path / "c")
-    assert main(["convert", "--from-hf", hf["gpt2"][0], "--save", ckpt]) == 0
+    assert main(["convert", "--from-hf", hf["gpt2"][0], "--output", ckpt]) == 0  # an import's folder: either flag
     assert main(["convert", "--from-hf", hf["gpt2"][0], "--save", ckpt]) == 2
     assert "already holds a checkpoint" in capsys.readouterr().err
     assert main(["convert", "--to-hf", "--load", ckpt, "--output", hf["gpt2"][0]]) == 2

@@ -331,7 +331,7 @@ def test_megatron_args_meshlm_cannot_compute_are_refused_in_one_line():
 def test_convert_megatron_flags_are_checked(tmp_path, capsys):
     from meshlm.cli import main
     assert main(["convert", "--from-megatron", str(tmp_path)]) == 2
-    assert "--from-megatron needs --output" in capsys.readouterr().err
+    assert "--from-megatron needs --save (or --output)" in capsys.readouterr().err
     assert main(["convert", "--from-megatron", str(tmp_path), "--output", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert "not a Megatron-LM checkpoint" in err and len(err.splitlines()) == 1

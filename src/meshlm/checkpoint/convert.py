@@ -1,6 +1,7 @@
 """`meshlm convert`: Hugging Face model folders ↔ meshlm checkpoints, and weights to fine-tune.
 
     meshlm convert --from-hf HF_DIR --save CKPT        HF folder → meshlm checkpoint (TP=1, PP=1)
+                                                       (an import takes --save or --output for CKPT)
     meshlm convert --to-hf --load CKPT --output HF_DIR  meshlm checkpoint (any TP/PP) → HF folder
     meshlm convert --from-megatron DIR --output CKPT    Megatron-LM torch_dist → meshlm (megatron_convert.py)
     meshlm convert --to-megatron --load CKPT --output DIR  meshlm → Megatron-LM torch_dist
@@ -60,17 +61,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `meshlm convert`."""
     way = parser.add_mutually_exclusive_group(required=True)
     way.add_argument("--from-hf", metavar="HF_DIR", help="import a Hugging Face model folder (config.json and "
-                     "*.safetensors) into the meshlm checkpoint folder --save")
+                     "*.safetensors) into the meshlm checkpoint folder --save (or --output)")
     way.add_argument("--to-hf", action="store_true", help="export the meshlm checkpoint --load to the Hugging "
                      "Face folder --output")
     way.add_argument("--from-megatron", metavar="MEGATRON_DIR", help="import a Megatron-LM torch_dist checkpoint "
-                     "(its --save folder or one iter_NNNNNNN, any TP/PP/EP) into the meshlm checkpoint folder --output")
+                     "(its --save folder or one iter_NNNNNNN, any TP/PP/EP) into the meshlm checkpoint folder --output (or --save)")
     way.add_argument("--to-megatron", action="store_true", help="export the meshlm checkpoint --load to a "
                      "Megatron-LM torch_dist checkpoint folder --output")
-    parser.add_argument("--save", help="import: meshlm checkpoint folder to write (new, or holding no checkpoint)")
+    parser.add_argument("--save", help="import: the meshlm checkpoint folder to write (new, or holding no "
+                        "checkpoint); --output says the same")
     parser.add_argument("--load", help="export: a run's --save folder (its latest checkpoint) or one iter_XXXXXXX")
-    parser.add_argument("--output", help="export: the folder to write (new or empty); --from-megatron: the meshlm "
-                        "checkpoint folder to write")
+    parser.add_argument("--output", help="the folder to write: export: new or empty; import: the meshlm checkpoint "
+                        "folder (as --save)")
     parser.add_argument("--hf-architecture", choices=ARCHITECTURES, default=None,
                         help="export: the Hugging Face model type [default: llama for RoPE models, else gpt2]")
     parser.add_argument("--max-shard-size", type=_size, default=_size("5GB"),
@@ -82,13 +84,10 @@ def run(args: argparse.Namespace) -> int:
     if args.from_megatron or args.to_megatron:
         return _run_megatron(args)
     if args.from_hf:
-        misplaced = [f for f, v in (("--load", args.load), ("--output", args.output)) if v]
-        if not args.save or misplaced:
-            raise ConfigError("--from-hf needs --save (the meshlm checkpoint folder to write)" if not args.save
-                              else f"{' and '.join(misplaced)} belong to --to-hf; --from-hf writes --save")
-        path = import_hf(args.from_hf, args.save)
+        out = import_folder(args, "--from-hf")
+        path = import_hf(args.from_hf, out)
         print(f"meshlm: converted {args.from_hf} into {path}; fine-tune with `meshlm pretrain --load "
-              f"{args.save}` (or --load {args.from_hf} directly)")
+              f"{out}` (or --load {args.from_hf} directly)")
         return 0
     if not args.load or not args.output or args.save:
         raise ConfigError("--save belongs to --from-hf; --to-hf reads --load and writes --output" if args.save
@@ -98,13 +97,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def import_folder(args: argparse.Namespace, way: str) -> str:
+    """The meshlm checkpoint folder an import (``way``: --from-hf, --from-megatron) writes: --save or
+    --output, either one (both only when they name the same folder).
+
+    Raises:
+        ConfigError: neither given, two different folders, or --load (an export's input) given."""
+    if args.load:
+        raise ConfigError(f"--load is what an export reads; {way} writes the folder --save (or --output)")
+    if args.save and args.output and os.path.abspath(args.save) != os.path.abspath(args.output):
+        raise ConfigError(f"{way}: --save {args.save} and --output {args.output} name two folders; give one of them")
+    if not (args.save or args.output):
+        raise ConfigError(f"{way} needs --save (or --output): the meshlm checkpoint folder to write")
+    return args.save or args.output
+
+
 def _run_megatron(args: argparse.Namespace) -> int:
     from .megatron_convert import export_megatron, import_megatron
     if args.from_megatron:
-        out = args.output or args.save
-        if not out or args.load:
-            raise ConfigError("--from-megatron needs --output (the meshlm checkpoint folder to write)" if not out
-                              else "--load belongs to --to-megatron; --from-megatron writes --output")
+        out = import_folder(args, "--from-megatron")
         path = import_megatron(args.from_megatron, out)
         print(f"meshlm: converted {args.from_megatron} into {path}; train on with `meshlm pretrain --load {out}`")
         return 0
