@@ -111,7 +111,8 @@ def forward(model, tokens: torch.Tensor, labels=None):
     return model(tokens, position_ids, mask, labels=labels)
 
 
-def save(model, root: str, iteration: int = 1, args=None, singleton: bool = False, optimizer=None) -> str:
+def save(model, root: str, iteration: int = 1, args=None, singleton: bool = False, optimizer=None,
+         sharding: str = "") -> str:
     """Megatron-LM's checkpoint layout of the model: ``root/iter_NNNNNNN`` (torch_dist: common.pt,
     metadata.json, DCP files) and the tracker; ``args`` (a Namespace) goes into common.pt as
     Megatron-LM's training loop puts it; singleton: one key per expert (megatron-core's
@@ -124,8 +125,11 @@ def save(model, root: str, iteration: int = 1, args=None, singleton: bool = Fals
     dist.barrier()
     sharded = model.sharded_state_dict(metadata={"singleton_local_shards": True} if singleton else None)
     state = {"model": sharded, "iteration": iteration, "checkpoint_version": 3.0}
-    if optimizer is not None:  # its per-parameter state in model space, as Megatron-LM saves it
-        state["optimizer"] = optimizer.sharded_state_dict(model.sharded_state_dict())
+    if optimizer is not None:  # the plain optimizer's per-parameter state in model space; the distributed
+        # optimizer's as Megatron-LM asks for it (``sharding``: "dp_reshardable" by default, "fully_reshardable"
+        # under --dist-ckpt-optim-fully-reshardable)
+        meta = {"distrib_optim_sharding_type": sharding} if sharding else None
+        state["optimizer"] = optimizer.sharded_state_dict(model.sharded_state_dict(), metadata=meta)
     if args is not None:
         state["args"] = args
     dist_checkpointing.save(state, folder)
@@ -149,8 +153,17 @@ def load(model, folder: str) -> None:
 @contextlib.contextmanager
 def _cuda_as_cpu():
     """Tensors megatron-core's optimizer makes on device="cuda" (its overflow buffer, found-inf
-    flags) made on the CPU instead."""
+    flags) made on the CPU instead, and CPU tensors' ``type()`` named as CUDA's (the distributed
+    optimizer accepts only ``torch.cuda.FloatTensor``/``BFloat16Tensor``/``HalfTensor`` params)."""
     saved = {name: getattr(torch, name) for name in ("tensor", "zeros", "empty", "ones")}
+    plain_type = torch.Tensor.type
+
+    def cuda_type(self, *a, **k):
+        name = plain_type(self, *a, **k)
+        if a or k or not name.startswith("torch.") or name.startswith("torch.cuda."):
+            return name
+        return "torch.cuda." + name.removeprefix("torch.")
+    torch.Tensor.type = cuda_type
 
     def on_cpu(make):
         def make_on_cpu(*a, **k):
@@ -163,25 +176,46 @@ def _cuda_as_cpu():
     try:
         yield
     finally:
+        torch.Tensor.type = plain_type
         for name, make in saved.items():
             setattr(torch, name, make)
 
 
-def adam_step(model, tokens, labels, lr: float = 1e-2):
-    """One step of megatron-core's optimizer (DDP, Adam: torch's AdamW without TE/apex; not the
-    distributed optimizer, whose CPU build fails on CUDA type checks; no clipping, which asserts
-    CUDA tensors) on the mean per-token loss; returns the optimizer."""
+def optimizer(model, distributed: bool = False, lr: float = 1e-2):
+    """megatron-core's DDP and optimizer of the model (Adam: torch's AdamW without TE/apex; no
+    clipping, which asserts CUDA tensors); distributed: its distributed optimizer, which shards
+    the fp32 masters and moments over DP in its grad buffer's buckets. bf16 params get fp32
+    masters (Megatron-LM's --bf16). Returns (ddp, optimizer)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    model.train()
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    bf16 = model.config.params_dtype == torch.bfloat16
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)
     with _cuda_as_cpu():
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, clip_grad=0.0,
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, clip_grad=0.0, bf16=bf16,
+                                                     use_distributed_optimizer=distributed,
                                                      params_dtype=model.config.params_dtype), [ddp])
-        forward(ddp, tokens, labels).mean().backward()
+    return ddp, opt
+
+
+def step(ddp, opt, tokens, labels) -> None:
+    """One optimizer step on the mean per-token loss of this DP rank's ``tokens`` (DDP averages
+    the gradients over DP)."""
+    ddp.module.train()
+    with _cuda_as_cpu():
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        forward(ddp, tokens, labels).float().mean().backward()
         ddp.finish_grad_sync()
         opt.step()
-    model.eval()
+    ddp.module.eval()
+
+
+def adam_step(model, tokens, labels, lr: float = 1e-2):
+    """One step of megatron-core's (not distributed) optimizer on the mean per-token loss;
+    returns the optimizer."""
+    ddp, opt = optimizer(model, lr=lr)
+    step(ddp, opt, tokens, labels)
     return opt
 
 
