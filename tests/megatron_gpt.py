@@ -47,7 +47,7 @@ def _bias_gelu_fusion(spec: dict) -> bool:
     return spec.get("bias_gelu_fusion", True) and spec.get("add_bias_linear", True) and not spec.get("swiglu")
 
 
-def _config(spec: dict, tp: int, dtype):
+def _config(spec: dict, tp: int, dtype, pp: int = 1):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
     experts = spec.get("num_experts")
@@ -57,6 +57,7 @@ def _config(spec: dict, tp: int, dtype):
               normalization=spec.get("normalization", "LayerNorm"), layernorm_epsilon=spec.get("norm_epsilon", 1e-5),
               gated_linear_unit=spec.get("swiglu", False), add_bias_linear=spec.get("add_bias_linear", True),
               hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
+              pipeline_model_parallel_size=pp, pipeline_dtype=dtype if pp > 1 else None,
               use_cpu_initialization=True, perform_initialization=True, init_method_std=0.02,
               params_dtype=dtype, apply_rope_fusion=False, persist_layer_norm=False,
               gradient_accumulation_fusion=False, bias_activation_fusion=_bias_gelu_fusion(spec),
@@ -71,9 +72,11 @@ def _config(spec: dict, tp: int, dtype):
     return TransformerConfig(**{k: v for k, v in kw.items() if v is not None})
 
 
-def build(spec: dict, tp: int, vocab: int, seq: int, dtype=torch.float32, seed: int = 1234):
+def build(spec: dict, tp: int, vocab: int, seq: int, dtype=torch.float32, seed: int = 1234, pp: int = 1):
     """megatron-core GPTModel (local spec) of the meshlm model flags ``spec`` at TP ``tp``, inside
-    a running gloo group; returns the model (in eval mode, no dropout anywhere)."""
+    a running gloo group; returns the model (in eval mode, no dropout anywhere). pp > 1: this
+    rank's pipeline stage (its layers, the embedding on the first, the output layer on the last;
+    a tied output layer's copy is synchronised on CPU, where megatron-core moves it to CUDA)."""
     patch_cpu()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -82,23 +85,28 @@ def build(spec: dict, tp: int, vocab: int, seq: int, dtype=torch.float32, seed: 
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.tensor_parallel import random as mrandom
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                                  expert_model_parallel_size=spec.get("ep", 1))
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.manual_seed(seed)
-    cfg = _config(spec, tp, dtype)
+    cfg = _config(spec, tp, dtype, pp)
     layer = get_gpt_layer_local_spec(num_experts=spec.get("num_experts"), moe_grouped_gemm=spec.get("grouped", False),
                                      normalization=cfg.normalization)
     rope = spec.get("position_embedding_type", "learned_absolute")
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # the local spec's norms are made in the default dtype
+    plain_cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self  # the tied output layer's copy (pp > 1)
     try:
         model = GPTModel(cfg, layer, vocab_size=vocab, max_sequence_length=seq,
+                         pre_process=parallel_state.is_pipeline_first_stage(),
+                         post_process=parallel_state.is_pipeline_last_stage(),
                          share_embeddings_and_output_weights=not spec.get("untie_embeddings_and_output_weights",
                                                                           False),
                          position_embedding_type=rope, rotary_percent=spec.get("rotary_percent", 1.0),
                          rotary_base=int(spec.get("rotary_base", 10000)))
     finally:
+        torch.Tensor.cuda = plain_cuda
         torch.set_default_dtype(default)
     return model.eval()
 
@@ -200,7 +208,10 @@ def optimizer(model, distributed: bool = False, lr: float = 1e-2):
 
 def step(ddp, opt, tokens, labels) -> None:
     """One optimizer step on the mean per-token loss of this DP rank's ``tokens`` (DDP averages
-    the gradients over DP)."""
+    the gradients over DP). Each param group's weight decay is set as Megatron-LM's
+    OptimizerParamScheduler sets it before a step: weight_decay × wd_mult (0 for biases and norms)."""
+    for group in opt.param_groups:
+        group["weight_decay"] = opt.config.weight_decay * group.get("wd_mult", 1.0)
     ddp.module.train()
     with _cuda_as_cpu():
         ddp.zero_grad_buffer()
@@ -258,7 +269,7 @@ def full_grads(model, tp_group, spec: dict, vocab: int, of=lambda p: p.grad) -> 
     return out
 
 
-def megatron_args(spec: dict, tp: int, vocab: int, seq: int, padded: int):
+def megatron_args(spec: dict, tp: int, vocab: int, seq: int, padded: int, pp: int = 1):
     """The args Megatron-LM's training loop would put into common.pt for this model (its flag
     names, the derived sizes resolved as its arguments.py does, megatron enums included)."""
     import argparse
@@ -279,5 +290,5 @@ def megatron_args(spec: dict, tp: int, vocab: int, seq: int, padded: int):
         make_vocab_size_divisible_by=padded // tp, tokenizer_type="NullTokenizer",
         num_experts=spec.get("num_experts"), moe_ffn_hidden_size=spec.get("moe_ffn_hidden_size"),
         moe_router_topk=spec.get("moe_router_topk", 2), moe_layer_freq=1, moe_grouped_gemm=spec.get("grouped", False),
-        tensor_model_parallel_size=tp, qk_layernorm=False, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, qk_layernorm=False, hidden_dropout=0.0, attention_dropout=0.0,
         model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.unfused, params_dtype=torch.float32)
