@@ -12,6 +12,11 @@ megatron-core runs on CPU given (facts checked on this machine, issue 28):
   MoE token dispatcher "allgather" (alltoall makes a CUDA stream);
 - ``apply_rope_fusion``, ``persist_layer_norm``, ``gradient_accumulation_fusion`` off and
   ``use_cpu_initialization`` on. Sequence parallelism needs apex there and is not used.
+- its optimizers (``optimizer``): tensors they make on device="cuda" made on the CPU, and CPU
+  tensors' ``type()`` named as CUDA's, which is all the DistributedOptimizer's CPU build lacks
+  (its grad buffers are made on ``torch.cuda.current_device()``, the CPU here);
+- pipeline stages: the tied output layer's copy, which megatron-core moves to CUDA before
+  synchronising it with the embedding, left on the CPU.
 
 ``build(spec, tp_size)`` initialises megatron's parallel state over the running gloo group and
 returns its GPTModel of the local spec; ``spec`` is a dict of meshlm model flags (the same dict
@@ -290,5 +295,6 @@ def megatron_args(spec: dict, tp: int, vocab: int, seq: int, padded: int, pp: in
         make_vocab_size_divisible_by=padded // tp, tokenizer_type="NullTokenizer",
         num_experts=spec.get("num_experts"), moe_ffn_hidden_size=spec.get("moe_ffn_hidden_size"),
         moe_router_topk=spec.get("moe_router_topk", 2), moe_layer_freq=1, moe_grouped_gemm=spec.get("grouped", False),
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, qk_layernorm=False, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, qk_layernorm=False, hidden_dropout=0.0,
+        attention_dropout=0.0,
         model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.unfused, params_dtype=torch.float32)

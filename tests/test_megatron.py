@@ -6,7 +6,10 @@ torch_dist layout), and computes its logits, per-token loss and full gradients; 
 workers meshlm's production model (GPTModel over a ParallelState of the same TP) is filled from
 that checkpoint by the converter's reader and computes the same. The tests then compare them, and
 run the round trip megatron-core save → ``convert --from-megatron`` → a meshlm training step →
-``convert --to-megatron`` → megatron-core load → the same logits as meshlm's.
+``convert --to-megatron`` → megatron-core load → the same logits as meshlm's. The same start
+also saves a GPT-2 at PP=2, and runs megatron-core's DistributedOptimizer (its CPU patches in
+tests/megatron_gpt.py) to write Megatron-LM's default optimizer format: fp32 at DP=2, which
+meshlm resumes to megatron-core's own next step, and bf16 at TP=2 with a padded vocabulary.
 
 Float64 wherever megatron-core allows it: its RoPE frequencies, MoE router and cross-entropy are
 float32, so the Llama and MoE cases and every loss agree to float32 rounding (~1e-7 relative); the
@@ -117,7 +120,7 @@ def _both(rank, world, root, tokens, labels):
     if rank == 0:
         out["adam"] = {"moments": moments, "weights": weights,
                        "step": int(mgpt.adam_state(opt, next(ref.parameters()), "step"))}
-    out.update(_pipeline_and_padding(rank, root, tokens))
+    out.update(_pipeline(rank, root, tokens))
     out.update(_distributed_optimizer(rank, root, tokens, labels))
     trip = _round_trip(rank, root, tokens, labels) if rank == 0 else {}
     torch.distributed.barrier()
@@ -136,13 +139,10 @@ def _both(rank, world, root, tokens, labels):
     return out
 
 
-def _pipeline_and_padding(rank, root, tokens) -> dict:
+def _pipeline(rank, root, tokens) -> dict:
     """Rank 0's {"gpt2_pp2": megatron-core's logits of the GPT-2 checkpoint it saved at PP=2
-    (tied embeddings: the last stage holds a copy), computed after loading it at PP=1;
-    "gpt2_padded_tp2": megatron-core's logits at TP=2 of a vocabulary of PADDED_VOCAB[0] ids
-    padded to PADDED_VOCAB[1] rows}, each with its folder."""
+    (tied embeddings: the last stage holds a copy), computed after loading it at PP=1, and the folder}."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     import megatron_gpt as mgpt
     out = {}
     parallel_state.destroy_model_parallel()
@@ -153,22 +153,17 @@ def _pipeline_and_padding(rank, root, tokens) -> dict:
     mgpt.load(whole, folder)
     with torch.no_grad():
         out["gpt2_pp2"] = {"logits": mgpt.forward(whole, tokens)[..., :VOCAB], "folder": folder}
-    vocab, padded = PADDED_VOCAB
-    parallel_state.destroy_model_parallel()
-    ref = mgpt.build(GPT2, 2, padded, SEQ, dtype=torch.float64)
-    folder = mgpt.save(ref, os.path.join(root, "gpt2_padded_tp2"), 1, mgpt.megatron_args(GPT2, 2, vocab, SEQ, padded))
-    with torch.no_grad():
-        logits = gather_from_tensor_model_parallel_region(mgpt.forward(ref, tokens % vocab))[..., :vocab]
-    out["gpt2_padded_tp2"] = {"logits": logits, "folder": folder}
     return out if rank == 0 else {}
 
 
 def _distributed_optimizer(rank, root, tokens, labels) -> dict:
     """megatron-core's distributed optimizer saving its default dp_reshardable format, for rank 0:
-    "distopt_dp2": Llama at DP=2 (one sample per DP rank) after one step; meshlm imports it and
+    "distopt_dp2": Llama at DP=2 (one sample per DP rank) after one step, saved in both formats
+    (and --dist-ckpt-optim-fully-reshardable's: "fully_reshardable"); meshlm imports it and
     trains one step at TP=2, then megatron-core trains one step on the same batch: both full
-    weights after it. "distopt_bf16_tp2": Llama in bf16 at TP=2 (fp32 masters in the optimizer)
-    after one step: its weights and every parameter's master and moments (full tensors)."""
+    weights after it. "distopt_bf16_tp2": Llama in bf16 at TP=2 (fp32 masters in the optimizer),
+    its vocabulary of PADDED_VOCAB[0] ids padded to PADDED_VOCAB[1] rows, after one step: its
+    weights and every parameter's master and moments (full tensors, the real vocabulary rows)."""
     from unittest import mock
 
     from megatron.core import parallel_state
@@ -184,6 +179,8 @@ def _distributed_optimizer(rank, root, tokens, labels) -> dict:
     mgpt.step(ddp, opt, tokens[dp:dp + 1], labels[dp:dp + 1])
     folder = mgpt.save(ref, os.path.join(root, "llama_distopt"), 1, mgpt.megatron_args(LLAMA, 1, VOCAB, SEQ, PADDED),
                        optimizer=opt, sharding="dp_reshardable")
+    full = mgpt.save(ref, os.path.join(root, "llama_distopt_full"), 1,  # --dist-ckpt-optim-fully-reshardable
+                     mgpt.megatron_args(LLAMA, 1, VOCAB, SEQ, PADDED), optimizer=opt, sharding="fully_reshardable")
     converted = os.path.join(root, "llama_distopt_meshlm")
     if rank == 0:
         with mock.patch.object(ckpt, "_world", lambda: (0, 1)), mock.patch.object(ckpt, "_barrier", lambda: None):
@@ -192,19 +189,20 @@ def _distributed_optimizer(rank, root, tokens, labels) -> dict:
     ours, batch = _resume_one_step(converted)
     mgpt.step(ddp, opt, batch[0][dp:dp + 1], batch[1][dp:dp + 1])  # megatron-core on meshlm's batch
     theirs = mgpt.full_grads(ref, parallel_state.get_tensor_model_parallel_group(), LLAMA, VOCAB, of=lambda p: p.data)
-    out["distopt_dp2"] = {"meshlm": ours, "megatron": theirs, "folder": folder}
+    out["distopt_dp2"] = {"meshlm": ours, "megatron": theirs, "folder": folder, "fully_reshardable": full}
 
+    vocab, padded = PADDED_VOCAB
     parallel_state.destroy_model_parallel()
-    ref = mgpt.build(LLAMA, 2, PADDED, SEQ, dtype=torch.bfloat16)
+    ref = mgpt.build(LLAMA, 2, padded, SEQ, dtype=torch.bfloat16)
     ddp, opt = mgpt.optimizer(ref, distributed=True)
-    mgpt.step(ddp, opt, tokens, labels)
-    folder = mgpt.save(ref, os.path.join(root, "llama_bf16"), 1, mgpt.megatron_args(LLAMA, 2, VOCAB, SEQ, PADDED),
+    mgpt.step(ddp, opt, tokens % vocab, labels % vocab)
+    folder = mgpt.save(ref, os.path.join(root, "llama_bf16"), 1, mgpt.megatron_args(LLAMA, 2, vocab, SEQ, padded),
                        optimizer=opt, sharding="dp_reshardable")
     inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
     group = parallel_state.get_tensor_model_parallel_group()
-    state = {kind: mgpt.full_grads(ref, group, LLAMA, VOCAB, of=lambda p: inner._get_main_param_and_optimizer_states(
+    state = {kind: mgpt.full_grads(ref, group, LLAMA, vocab, of=lambda p: inner._get_main_param_and_optimizer_states(
         p)[kind].view(p.shape)) for kind in ("param", "exp_avg", "exp_avg_sq")}  # DP=1: a shard is the whole param
-    state["weights"] = mgpt.full_grads(ref, group, LLAMA, VOCAB, of=lambda p: p.data)
+    state["weights"] = mgpt.full_grads(ref, group, LLAMA, vocab, of=lambda p: p.data)
     out["distopt_bf16_tp2"] = {"state": state, "folder": folder}
     parallel_state.destroy_model_parallel()
     return out if rank == 0 else {}
@@ -400,32 +398,12 @@ def test_import_of_a_pipeline_parallel_checkpoint(mcore, tmp_path):
     in the stacked [L, …] tensors; the tied embedding once, from the first stage):
     convert --from-megatron gives the logits megatron-core computes after loading that checkpoint
     at PP=1."""
-    case = mcore["cases"]["gpt2_pp2"]
-    assert _import_logits(case["folder"], tmp_path, mcore["tokens"], VOCAB, case["logits"]) < 2e-6
-
-
-@pytest.mark.slow
-def test_import_drops_the_padded_vocabulary_rows(mcore, tmp_path):
-    """A vocabulary of 60 ids saved at TP=2 with --make-vocab-size-divisible-by 32 (megatron-core's
-    embedding and output layer have 64 rows): the converted model has the 60 real rows and
-    megatron-core's logits on them."""
-    vocab, padded = PADDED_VOCAB
-    case = mcore["cases"]["gpt2_padded_tp2"]
-    assert _import_logits(case["folder"], tmp_path, mcore["tokens"] % vocab, vocab, case["logits"]) < 2e-6
-    from meshlm.checkpoint import dist as ckpt
-    _, tree = ckpt.load(str(tmp_path / "ckpt"))
-    assert tree["model"]["embedding.word_embeddings.weight"].shape[0] == vocab < padded
-
-
-def _import_logits(folder, tmp_path, tokens, vocab, logits) -> float:
-    """convert --from-megatron of ``folder`` into tmp_path/ckpt: the relative difference of its
-    logits from ``logits``."""
     from meshlm.checkpoint.megatron_convert import import_megatron
     from meshlm.training.generate import load_model
-    model, _ = load_model(import_megatron(os.path.dirname(folder), str(tmp_path / "ckpt")))
+    case = mcore["cases"]["gpt2_pp2"]
+    model, _ = load_model(import_megatron(os.path.dirname(case["folder"]), str(tmp_path / "ckpt")))
     with torch.no_grad():
-        ours = model(tokens)[..., :vocab]
-    return _rel(ours, logits)
+        assert _rel(model(mcore["tokens"])[..., :VOCAB], case["logits"]) < 2e-6
 
 
 @pytest.mark.slow
@@ -443,11 +421,12 @@ def test_distributed_optimizer_checkpoint_resumes_exactly(mcore):
 
 
 @pytest.mark.slow
-def test_import_of_a_bf16_distributed_optimizer_checkpoint(mcore, tmp_path):
+def test_import_of_a_bf16_distributed_optimizer_checkpoint_with_a_padded_vocabulary(mcore, tmp_path):
     """A bf16 run at TP=2 (bf16 params, fp32 masters and moments in the distributed optimizer's
-    buckets): the converted training checkpoint holds megatron-core's fp32 masters and both
-    moments of every parameter exactly (QKV and SwiGLU TP shards reassembled), its weights are
-    the bf16 params, and Adam's step is 1."""
+    buckets) of 60 token ids padded to 64 rows (--make-vocab-size-divisible-by 32 × TP 2: the 4
+    padding rows on TP rank 1): the converted training checkpoint holds megatron-core's fp32
+    masters and both moments of every parameter exactly (QKV and SwiGLU TP shards reassembled,
+    the padding rows dropped), its weights are the bf16 params, and Adam's step is 1."""
     from meshlm.checkpoint import dist as ckpt
     from meshlm.checkpoint.megatron_convert import import_megatron
     case = mcore["cases"]["distopt_bf16_tp2"]
@@ -462,12 +441,51 @@ def test_import_of_a_bf16_distributed_optimizer_checkpoint(mcore, tmp_path):
             return where[name][kind] if kind else where[name]
         parts = [where[key][kind] if kind else where[key] for key, _ in fused[name]["parts"]]
         return torch.cat(parts, fused[name]["dim"])
+    vocab, padded = PADDED_VOCAB
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        assert tree["model"][name].shape[0] == vocab < padded
     for name, weight in want["weights"].items():
         assert weight.dtype == torch.bfloat16
         assert torch.equal(full(name, "", tree["model"]), weight.float()), name
         for kind, state in (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
             assert torch.equal(full(name, kind, saved).view(weight.shape), want[state][name]), (kind, name)
     assert any(not torch.equal(m.bfloat16().float(), m) for m in want["param"].values())  # masters ≠ weights
+
+
+@pytest.mark.slow
+def test_both_distributed_optimizer_formats_import_the_same_state(mcore, tmp_path):
+    """The same DistributedOptimizer state saved as dp_reshardable buckets (meshlm lays them out
+    itself) and as fully_reshardable per-parameter tensors (megatron-core maps them to the model
+    itself) converts to the same training checkpoint: every moment, master and the step."""
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.checkpoint.megatron_convert import import_megatron
+    case = mcore["cases"]["distopt_dp2"]
+    trees = []
+    for name, folder in (("buckets", case["folder"]), ("model_space", case["fully_reshardable"])):
+        import_megatron(os.path.dirname(folder), str(tmp_path / name))
+        trees.append(ckpt.load(str(tmp_path / name)))
+    (it_a, a), (it_b, b) = trees
+    assert it_a == it_b == 1 and a["optimizer"]["step"] == b["optimizer"]["step"] == 1
+    assert set(a["optimizer"]["params"]) == set(b["optimizer"]["params"])
+    for name, kinds in a["optimizer"]["params"].items():
+        for kind, t in kinds.items():
+            assert torch.equal(t, b["optimizer"]["params"][name][kind]), (name, kind)
+
+
+@pytest.mark.slow
+def test_buckets_read_in_another_parameter_order_are_refused(mcore, tmp_path, monkeypatch, capsys):
+    """Buckets laid out by a parameter order other than the one that wrote them fail the masters'
+    check: the import says the optimizer state is not read and why, and writes the weights alone
+    (iteration 0, no optimizer state), never moments of the wrong parameters."""
+    from meshlm.checkpoint import dist as ckpt, megatron_buckets
+    from meshlm.checkpoint.megatron_convert import import_megatron
+    te = megatron_buckets.ORDERS["transformer_engine"]  # the local spec wrote them
+    monkeypatch.setattr(megatron_buckets, "ORDERS", {"transformer_engine": te})
+    import_megatron(os.path.dirname(mcore["cases"]["distopt_dp2"]["folder"]), str(tmp_path / "ckpt"))
+    out = capsys.readouterr().out
+    assert "the Megatron optimizer state is not read" in out and "transformer_engine: its masters are not" in out
+    iteration, tree = ckpt.load(str(tmp_path / "ckpt"))
+    assert iteration == 0 and "optimizer" not in tree
 
 
 @pytest.mark.slow

@@ -230,7 +230,7 @@ def read_full(folder: str, names: dict, m: C.ModelConfig, vocab: int, state: str
                 pieces.setdefault(key, []).append((offset, part.view((1,) * len(index) + part.shape)))
                 targets[(name, key)] = part
         for key, found in pieces.items():
-            _read_boxes(folder, prefix + key, Boxes(sizes[key], found))
+            read_boxes(folder, prefix + key, Boxes(sizes[key], found))
     out = {}
     for name, src in plan.items():
         parts = [targets[(name, key)] for key, _ in src]
@@ -253,7 +253,7 @@ def from_megatron_layout(name: str, t: torch.Tensor, m: C.ModelConfig, vocab: in
     return t
 
 
-def _read_boxes(folder: str, key: str, boxes) -> None:
+def read_boxes(folder: str, key: str, boxes) -> None:
     """DCP-read the boxes of one tensor of a Megatron folder (its .metadata holds byte entries)."""
     import warnings
 

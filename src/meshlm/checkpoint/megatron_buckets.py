@@ -45,7 +45,8 @@ _ALIGN = 64  # a parameter starts at a multiple of 64 elements (128-byte aligned
 _ATTN = ["self_attention.linear_proj.weight", "self_attention.linear_proj.bias"]
 _QKV = ["self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"]
 _MLP = ["mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"]
-_NORM1, _NORM2 = ["input_layernorm.weight", "input_layernorm.bias"], ["pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias"]
+_NORM1 = ["input_layernorm.weight", "input_layernorm.bias"]
+_NORM2 = ["pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias"]
 ORDERS = {"local": _NORM1 + _ATTN + _QKV + _NORM2 + _MLP,
           "transformer_engine": _ATTN + _NORM1 + _QKV + _NORM2 + _MLP}
 
@@ -208,17 +209,25 @@ def read(folder: str, names: dict, m: C.ModelConfig, args, weights: dict, to_mes
             continue
         bad = [n for n, w in weights.items() if not torch.equal(states["param"][n].to(w.dtype), w)]
         if not bad:
-            groups = objects[f"{PREFIX}dp_group_idx_0.optimizer/shard_0_1"][0]["param_groups"]
-            return states, (int(groups[0]["step"]), float(groups[0]["lr"]))
+            return states, _step_and_lr(objects[f"{PREFIX}dp_group_idx_0.optimizer/shard_0_1"])
         problems.append(f"{order_name}: its masters are not the weights of {bad[0]}")
     raise CheckpointError(f"its distributed-optimizer buckets follow no parameter order meshlm knows "
                           f"({'; '.join(problems)})")
 
 
+def _step_and_lr(saved) -> tuple:
+    """(Adam's step, lr) from the pickled optimizer state dict of model-parallel rank 0."""
+    try:
+        group = saved[0]["param_groups"][0]
+        return int(float(group["step"])), float(group["lr"])
+    except (IndexError, KeyError, TypeError, ValueError):
+        raise CheckpointError("its optimizer's param groups hold no Adam step") from None
+
+
 def _flats(folder: str, buckets: dict, meta: dict) -> dict:
     """{DCP key: flat bucket tensor} of every bucket and state (read once for every order tried)."""
     from .boxes import Boxes
-    from .megatron import _read_boxes
+    from .megatron import read_boxes
     from .safe_read import reading
     out = {}
     with reading(folder):
@@ -226,7 +235,7 @@ def _flats(folder: str, buckets: dict, meta: dict) -> dict:
             for keys in by_buffer[0].values():
                 for key in keys.values():
                     out[key] = torch.empty(tuple(meta[key].size), dtype=meta[key].properties.dtype)
-                    _read_boxes(folder, key, Boxes(tuple(meta[key].size), [((0,), out[key])]))
+                    read_boxes(folder, key, Boxes(tuple(meta[key].size), [((0,), out[key])]))
     return out
 
 

@@ -7,13 +7,13 @@ Import reads the tensors at their full size (megatron.py: whatever TP/PP/EP save
 model flags from common.pt's args (megatron_common.py: no arbitrary pickle), builds meshlm's
 model at TP=1 and writes a weights-only meshlm checkpoint (iteration 0, config.json holding the
 model and tokenizer flags), as ``meshlm convert --from-hf`` does: ``meshlm pretrain --load CKPT``
-fine-tunes it at any layout. When the folder holds Adam's state per parameter in model space
+fine-tunes it at any layout. When the folder holds Adam's state — per parameter in model space
 (``optimizer.state.exp_avg.<model key>``…: the plain optimizer's, or the distributed optimizer's
-``--dist-ckpt-optim-fully-reshardable`` format) it becomes a meshlm training checkpoint at the
+``--dist-ckpt-optim-fully-reshardable`` format), or the distributed optimizer's default
+``dp_reshardable`` buckets (megatron_buckets.py) — it becomes a meshlm training checkpoint at the
 Megatron iteration instead (moments, fp32 masters, step, LR-schedule position, consumed samples),
-and ``--load`` resumes training with its moments at any layout. The distributed optimizer's
-default ``dp_reshardable`` buckets are not read (their flat layout is Megatron's bucket order);
-a note says the optimizer starts fresh then.
+and ``--load`` resumes training with its moments at any layout. A state it cannot read (MoE's
+expert buckets, virtual pipeline stages) leaves a weights-only checkpoint and a note saying so.
 
 Export writes Megatron-LM's folder layout: the tracker, ``iter_NNNNNNN/`` with metadata.json
 (torch_dist), common.pt (``args``: the model flags under Megatron's names, ``iteration``,
