@@ -100,20 +100,31 @@ def build(spec: dict, tp: int, vocab: int, seq: int, dtype=torch.float32, seed: 
     rope = spec.get("position_embedding_type", "learned_absolute")
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # the local spec's norms are made in the default dtype
-    plain_cuda = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *a, **k: self  # the tied output layer's copy (pp > 1)
     try:
-        model = GPTModel(cfg, layer, vocab_size=vocab, max_sequence_length=seq,
-                         pre_process=parallel_state.is_pipeline_first_stage(),
-                         post_process=parallel_state.is_pipeline_last_stage(),
-                         share_embeddings_and_output_weights=not spec.get("untie_embeddings_and_output_weights",
-                                                                          False),
-                         position_embedding_type=rope, rotary_percent=spec.get("rotary_percent", 1.0),
-                         rotary_base=int(spec.get("rotary_base", 10000)))
+        with _tensors_stay_on_cpu():  # the tied output layer's copy (pp > 1)
+            model = GPTModel(cfg, layer, vocab_size=vocab, max_sequence_length=seq,
+                             pre_process=parallel_state.is_pipeline_first_stage(),
+                             post_process=parallel_state.is_pipeline_last_stage(),
+                             share_embeddings_and_output_weights=not spec.get("untie_embeddings_and_output_weights",
+                                                                              False),
+                             position_embedding_type=rope, rotary_percent=spec.get("rotary_percent", 1.0),
+                             rotary_base=int(spec.get("rotary_base", 10000)))
     finally:
-        torch.Tensor.cuda = plain_cuda
         torch.set_default_dtype(default)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _tensors_stay_on_cpu():
+    """``Tensor.cuda()`` returning the tensor itself: megatron-core moves a few CPU tensors to CUDA
+    to communicate them (the tied output layer's copy at PP > 1, the distributed optimizer's
+    fully_reshardable gather)."""
+    plain = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = plain
 
 
 def forward(model, tokens: torch.Tensor, labels=None):
@@ -142,7 +153,8 @@ def save(model, root: str, iteration: int = 1, args=None, singleton: bool = Fals
         # optimizer's as Megatron-LM asks for it (``sharding``: "dp_reshardable" by default, "fully_reshardable"
         # under --dist-ckpt-optim-fully-reshardable)
         meta = {"distrib_optim_sharding_type": sharding} if sharding else None
-        state["optimizer"] = optimizer.sharded_state_dict(model.sharded_state_dict(), metadata=meta)
+        with _tensors_stay_on_cpu():
+            state["optimizer"] = optimizer.sharded_state_dict(model.sharded_state_dict(), metadata=meta)
     if args is not None:
         state["args"] = args
     dist_checkpointing.save(state, folder)
