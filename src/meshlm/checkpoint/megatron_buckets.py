@@ -55,12 +55,7 @@ _ROWS = ("embedding.word_embeddings.weight", "output_layer.weight", "linear_qkv.
 _COLUMNS = ("linear_proj.weight", "linear_fc2.weight")  # row-parallel: TP splits dim 1
 
 
-def present(keys) -> bool:
-    """True when DCP ``keys`` hold dp_reshardable buckets."""
-    return any(_BUCKET.match(k) for k in keys)
-
-
-def stage_params(names: dict, args, pp_rank: int) -> list:
+def _stage_params(names: dict, args, pp_rank: int) -> list:
     """[(meshlm name or None, name of its full tensor)] of pipeline stage ``pp_rank`` of a
     megatron-core GPTModel in registration order ("{order}" stands for a layer's own list, see
     ``ORDERS``). A tied output layer on the last of several stages (its own copy of the
@@ -80,9 +75,9 @@ def stage_params(names: dict, args, pp_rank: int) -> list:
 
 
 def _ordered(names: dict, args, pp_rank: int, order: list) -> list:
-    """``stage_params`` with each layer expanded by ``order`` to the names the model has."""
+    """``_stage_params`` with each layer expanded by ``order`` to the names the model has."""
     out = []
-    for name, full in stage_params(names, args, pp_rank):
+    for name, full in _stage_params(names, args, pp_rank):
         if name and name.endswith("{order}"):
             prefix = name[:-len("{order}")]
             out += [(prefix + n, prefix + n) for n in order if prefix + n in names]
@@ -118,7 +113,7 @@ def _place(full: torch.Tensor, name: str, flat: torch.Tensor, tp: int, rank: int
 
 
 def _layout(params: list, shapes: dict, tp: int, sizes: list) -> list:
-    """[(name, bucket, offset, numel)] of one buffer: ``params`` [(name, full name)] in
+    """[(name, full name, bucket, offset, numel)] of one buffer: ``params`` [(name, full name)] in
     registration order, walked backwards as megatron-core fills its buffer; ``sizes`` the
     buckets' unpadded sizes (the checkpoint's), which end a bucket exactly where it ends."""
     out, bucket, at = [], 0, 0
