@@ -12,6 +12,11 @@ megatron-core runs on CPU given (facts checked on this machine, issue 28):
   MoE token dispatcher "allgather" (alltoall makes a CUDA stream);
 - ``apply_rope_fusion``, ``persist_layer_norm``, ``gradient_accumulation_fusion`` off and
   ``use_cpu_initialization`` on. Sequence parallelism needs apex there and is not used.
+- its optimizers (``optimizer``): tensors they make on device="cuda" made on the CPU, and CPU
+  tensors' ``type()`` named as CUDA's, which is all the DistributedOptimizer's CPU build lacks
+  (its grad buffers are made on ``torch.cuda.current_device()``, the CPU here);
+- pipeline stages: the tied output layer's copy, which megatron-core moves to CUDA before
+  synchronising it with the embedding, left on the CPU.
 
 ``build(spec, tp_size)`` initialises megatron's parallel state over the running gloo group and
 returns its GPTModel of the local spec; ``spec`` is a dict of meshlm model flags (the same dict
@@ -47,7 +52,7 @@ def _bias_gelu_fusion(spec: dict) -> bool:
     return spec.get("bias_gelu_fusion", True) and spec.get("add_bias_linear", True) and not spec.get("swiglu")
 
 
-def _config(spec: dict, tp: int, dtype):
+def _config(spec: dict, tp: int, dtype, pp: int = 1):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
     experts = spec.get("num_experts")
@@ -57,6 +62,7 @@ def _config(spec: dict, tp: int, dtype):
               normalization=spec.get("normalization", "LayerNorm"), layernorm_epsilon=spec.get("norm_epsilon", 1e-5),
               gated_linear_unit=spec.get("swiglu", False), add_bias_linear=spec.get("add_bias_linear", True),
               hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
+              pipeline_model_parallel_size=pp, pipeline_dtype=dtype if pp > 1 else None,
               use_cpu_initialization=True, perform_initialization=True, init_method_std=0.02,
               params_dtype=dtype, apply_rope_fusion=False, persist_layer_norm=False,
               gradient_accumulation_fusion=False, bias_activation_fusion=_bias_gelu_fusion(spec),
@@ -71,9 +77,11 @@ def _config(spec: dict, tp: int, dtype):
     return TransformerConfig(**{k: v for k, v in kw.items() if v is not None})
 
 
-def build(spec: dict, tp: int, vocab: int, seq: int, dtype=torch.float32, seed: int = 1234):
+def build(spec: dict, tp: int, vocab: int, seq: int, dtype=torch.float32, seed: int = 1234, pp: int = 1):
     """megatron-core GPTModel (local spec) of the meshlm model flags ``spec`` at TP ``tp``, inside
-    a running gloo group; returns the model (in eval mode, no dropout anywhere)."""
+    a running gloo group; returns the model (in eval mode, no dropout anywhere). pp > 1: this
+    rank's pipeline stage (its layers, the embedding on the first, the output layer on the last;
+    a tied output layer's copy is synchronised on CPU, where megatron-core moves it to CUDA)."""
     patch_cpu()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -82,25 +90,41 @@ def build(spec: dict, tp: int, vocab: int, seq: int, dtype=torch.float32, seed: 
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.tensor_parallel import random as mrandom
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                                  expert_model_parallel_size=spec.get("ep", 1))
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.manual_seed(seed)
-    cfg = _config(spec, tp, dtype)
+    cfg = _config(spec, tp, dtype, pp)
     layer = get_gpt_layer_local_spec(num_experts=spec.get("num_experts"), moe_grouped_gemm=spec.get("grouped", False),
                                      normalization=cfg.normalization)
     rope = spec.get("position_embedding_type", "learned_absolute")
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # the local spec's norms are made in the default dtype
     try:
-        model = GPTModel(cfg, layer, vocab_size=vocab, max_sequence_length=seq,
-                         share_embeddings_and_output_weights=not spec.get("untie_embeddings_and_output_weights",
-                                                                          False),
-                         position_embedding_type=rope, rotary_percent=spec.get("rotary_percent", 1.0),
-                         rotary_base=int(spec.get("rotary_base", 10000)))
+        with _tensors_stay_on_cpu():  # the tied output layer's copy (pp > 1)
+            model = GPTModel(cfg, layer, vocab_size=vocab, max_sequence_length=seq,
+                             pre_process=parallel_state.is_pipeline_first_stage(),
+                             post_process=parallel_state.is_pipeline_last_stage(),
+                             share_embeddings_and_output_weights=not spec.get("untie_embeddings_and_output_weights",
+                                                                              False),
+                             position_embedding_type=rope, rotary_percent=spec.get("rotary_percent", 1.0),
+                             rotary_base=int(spec.get("rotary_base", 10000)))
     finally:
         torch.set_default_dtype(default)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _tensors_stay_on_cpu():
+    """``Tensor.cuda()`` returning the tensor itself: megatron-core moves a few CPU tensors to CUDA
+    to communicate them (the tied output layer's copy at PP > 1, the distributed optimizer's
+    fully_reshardable gather)."""
+    plain = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = plain
 
 
 def forward(model, tokens: torch.Tensor, labels=None):
@@ -111,7 +135,8 @@ def forward(model, tokens: torch.Tensor, labels=None):
     return model(tokens, position_ids, mask, labels=labels)
 
 
-def save(model, root: str, iteration: int = 1, args=None, singleton: bool = False, optimizer=None) -> str:
+def save(model, root: str, iteration: int = 1, args=None, singleton: bool = False, optimizer=None,
+         sharding: str = "") -> str:
     """Megatron-LM's checkpoint layout of the model: ``root/iter_NNNNNNN`` (torch_dist: common.pt,
     metadata.json, DCP files) and the tracker; ``args`` (a Namespace) goes into common.pt as
     Megatron-LM's training loop puts it; singleton: one key per expert (megatron-core's
@@ -124,8 +149,12 @@ def save(model, root: str, iteration: int = 1, args=None, singleton: bool = Fals
     dist.barrier()
     sharded = model.sharded_state_dict(metadata={"singleton_local_shards": True} if singleton else None)
     state = {"model": sharded, "iteration": iteration, "checkpoint_version": 3.0}
-    if optimizer is not None:  # its per-parameter state in model space, as Megatron-LM saves it
-        state["optimizer"] = optimizer.sharded_state_dict(model.sharded_state_dict())
+    if optimizer is not None:  # the plain optimizer's per-parameter state in model space; the distributed
+        # optimizer's as Megatron-LM asks for it (``sharding``: "dp_reshardable" by default, "fully_reshardable"
+        # under --dist-ckpt-optim-fully-reshardable)
+        meta = {"distrib_optim_sharding_type": sharding} if sharding else None
+        with _tensors_stay_on_cpu():
+            state["optimizer"] = optimizer.sharded_state_dict(model.sharded_state_dict(), metadata=meta)
     if args is not None:
         state["args"] = args
     dist_checkpointing.save(state, folder)
@@ -149,8 +178,17 @@ def load(model, folder: str) -> None:
 @contextlib.contextmanager
 def _cuda_as_cpu():
     """Tensors megatron-core's optimizer makes on device="cuda" (its overflow buffer, found-inf
-    flags) made on the CPU instead."""
+    flags) made on the CPU instead, and CPU tensors' ``type()`` named as CUDA's (the distributed
+    optimizer accepts only ``torch.cuda.FloatTensor``/``BFloat16Tensor``/``HalfTensor`` params)."""
     saved = {name: getattr(torch, name) for name in ("tensor", "zeros", "empty", "ones")}
+    plain_type = torch.Tensor.type
+
+    def cuda_type(self, *a, **k):
+        name = plain_type(self, *a, **k)
+        if a or k or not name.startswith("torch.") or name.startswith("torch.cuda."):
+            return name
+        return "torch.cuda." + name.removeprefix("torch.")
+    torch.Tensor.type = cuda_type
 
     def on_cpu(make):
         def make_on_cpu(*a, **k):
@@ -163,25 +201,49 @@ def _cuda_as_cpu():
     try:
         yield
     finally:
+        torch.Tensor.type = plain_type
         for name, make in saved.items():
             setattr(torch, name, make)
 
 
-def adam_step(model, tokens, labels, lr: float = 1e-2):
-    """One step of megatron-core's optimizer (DDP, Adam: torch's AdamW without TE/apex; not the
-    distributed optimizer, whose CPU build fails on CUDA type checks; no clipping, which asserts
-    CUDA tensors) on the mean per-token loss; returns the optimizer."""
+def optimizer(model, distributed: bool = False, lr: float = 1e-2):
+    """megatron-core's DDP and optimizer of the model (Adam: torch's AdamW without TE/apex; no
+    clipping, which asserts CUDA tensors); distributed: its distributed optimizer, which shards
+    the fp32 masters and moments over DP in its grad buffer's buckets. bf16 params get fp32
+    masters (Megatron-LM's --bf16). Returns (ddp, optimizer)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    model.train()
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    bf16 = model.config.params_dtype == torch.bfloat16
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)
     with _cuda_as_cpu():
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, clip_grad=0.0,
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, clip_grad=0.0, bf16=bf16,
+                                                     use_distributed_optimizer=distributed,
                                                      params_dtype=model.config.params_dtype), [ddp])
-        forward(ddp, tokens, labels).mean().backward()
+    return ddp, opt
+
+
+def step(ddp, opt, tokens, labels) -> None:
+    """One optimizer step on the mean per-token loss of this DP rank's ``tokens`` (DDP averages
+    the gradients over DP). Each param group's weight decay is set as Megatron-LM's
+    OptimizerParamScheduler sets it before a step: weight_decay × wd_mult (0 for biases and norms)."""
+    for group in opt.param_groups:
+        group["weight_decay"] = opt.config.weight_decay * group.get("wd_mult", 1.0)
+    ddp.module.train()
+    with _cuda_as_cpu():
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        forward(ddp, tokens, labels).float().mean().backward()
         ddp.finish_grad_sync()
         opt.step()
-    model.eval()
+    ddp.module.eval()
+
+
+def adam_step(model, tokens, labels, lr: float = 1e-2):
+    """One step of megatron-core's (not distributed) optimizer on the mean per-token loss;
+    returns the optimizer."""
+    ddp, opt = optimizer(model, lr=lr)
+    step(ddp, opt, tokens, labels)
     return opt
 
 
@@ -224,7 +286,7 @@ def full_grads(model, tp_group, spec: dict, vocab: int, of=lambda p: p.grad) -> 
     return out
 
 
-def megatron_args(spec: dict, tp: int, vocab: int, seq: int, padded: int):
+def megatron_args(spec: dict, tp: int, vocab: int, seq: int, padded: int, pp: int = 1):
     """The args Megatron-LM's training loop would put into common.pt for this model (its flag
     names, the derived sizes resolved as its arguments.py does, megatron enums included)."""
     import argparse
@@ -245,5 +307,6 @@ def megatron_args(spec: dict, tp: int, vocab: int, seq: int, padded: int):
         make_vocab_size_divisible_by=padded // tp, tokenizer_type="NullTokenizer",
         num_experts=spec.get("num_experts"), moe_ffn_hidden_size=spec.get("moe_ffn_hidden_size"),
         moe_router_topk=spec.get("moe_router_topk", 2), moe_layer_freq=1, moe_grouped_gemm=spec.get("grouped", False),
-        tensor_model_parallel_size=tp, qk_layernorm=False, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, qk_layernorm=False, hidden_dropout=0.0,
+        attention_dropout=0.0,
         model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.unfused, params_dtype=torch.float32)

@@ -192,11 +192,12 @@ def optimizer_states(folder: str) -> list:
         keys = SafeReader(folder, megatron=True).read_metadata().state_dict_metadata
     found = sorted({k.split(".")[2] for k in keys if k.startswith(OPTIMIZER_STATE)})
     if not found and any(k.startswith("optimizer.distributed.") for k in keys):
-        return ["dp_reshardable buckets"]  # flat per-bucket tensors, in Megatron's bucket order
+        return [BUCKETS]  # flat per-bucket tensors (megatron_buckets.py)
     return found
 
 
 OPTIMIZER_STATE = "optimizer.state."
+BUCKETS = "dp_reshardable buckets"
 
 
 def read_full(folder: str, names: dict, m: C.ModelConfig, vocab: int, state: str = "") -> dict:
@@ -229,16 +230,12 @@ def read_full(folder: str, names: dict, m: C.ModelConfig, vocab: int, state: str
                 pieces.setdefault(key, []).append((offset, part.view((1,) * len(index) + part.shape)))
                 targets[(name, key)] = part
         for key, found in pieces.items():
-            _read_boxes(folder, prefix + key, Boxes(sizes[key], found))
-    a, g, d = m.num_attention_heads, C.query_groups(m), C.head_dim(m)
+            read_boxes(folder, prefix + key, Boxes(sizes[key], found))
     out = {}
     for name, src in plan.items():
         parts = [targets[(name, key)] for key, _ in src]
         t = torch.cat(parts, -2 if name.endswith("weight") else -1) if len(parts) > 1 else parts[0]
-        if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
-            t = _qkv_from_megatron(t, a, g, d)
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            t = t[:vocab]
+        t = from_megatron_layout(name, t, m, vocab)
         if tuple(t.shape) != tuple(names[name]):
             raise CheckpointError(f"{folder}: {name} is {list(t.shape)} there, the model's {list(names[name])}; "
                                   f"are common.pt's args this model's?")
@@ -246,7 +243,17 @@ def read_full(folder: str, names: dict, m: C.ModelConfig, vocab: int, state: str
     return out
 
 
-def _read_boxes(folder: str, key: str, boxes) -> None:
+def from_megatron_layout(name: str, t: torch.Tensor, m: C.ModelConfig, vocab: int) -> torch.Tensor:
+    """The full tensor of meshlm's ``name`` from Megatron's full layout ``t``: QKV rows
+    de-interleaved, the vocabulary cut to ``vocab`` rows."""
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        t = _qkv_from_megatron(t, m.num_attention_heads, C.query_groups(m), C.head_dim(m))
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        t = t[:vocab]
+    return t
+
+
+def read_boxes(folder: str, key: str, boxes) -> None:
     """DCP-read the boxes of one tensor of a Megatron folder (its .metadata holds byte entries)."""
     import warnings
 

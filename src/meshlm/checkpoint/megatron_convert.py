@@ -7,13 +7,13 @@ Import reads the tensors at their full size (megatron.py: whatever TP/PP/EP save
 model flags from common.pt's args (megatron_common.py: no arbitrary pickle), builds meshlm's
 model at TP=1 and writes a weights-only meshlm checkpoint (iteration 0, config.json holding the
 model and tokenizer flags), as ``meshlm convert --from-hf`` does: ``meshlm pretrain --load CKPT``
-fine-tunes it at any layout. When the folder holds Adam's state per parameter in model space
+fine-tunes it at any layout. When the folder holds Adam's state — per parameter in model space
 (``optimizer.state.exp_avg.<model key>``…: the plain optimizer's, or the distributed optimizer's
-``--dist-ckpt-optim-fully-reshardable`` format) it becomes a meshlm training checkpoint at the
+``--dist-ckpt-optim-fully-reshardable`` format), or the distributed optimizer's default
+``dp_reshardable`` buckets (megatron_buckets.py) — it becomes a meshlm training checkpoint at the
 Megatron iteration instead (moments, fp32 masters, step, LR-schedule position, consumed samples),
-and ``--load`` resumes training with its moments at any layout. The distributed optimizer's
-default ``dp_reshardable`` buckets are not read (their flat layout is Megatron's bucket order);
-a note says the optimizer starts fresh then.
+and ``--load`` resumes training with its moments at any layout. A state it cannot read (MoE's
+expert buckets, virtual pipeline stages) leaves a weights-only checkpoint and a note saying so.
 
 Export writes Megatron-LM's folder layout: the tracker, ``iter_NNNNNNN/`` with metadata.json
 (torch_dist), common.pt (``args``: the model flags under Megatron's names, ``iteration``,
@@ -87,30 +87,21 @@ def import_megatron(src: str, out: str) -> str:
     if not getattr(args, "vocab_size", None):
         notes.append(f"the checkpoint's vocabulary is kept padded ({vocab} rows, args.padded_vocab_size)")
     cfg.model.vocab_size = vocab
-    states, adam = mg.optimizer_states(folder), _adam_scalars(common)
-    if states and ({"exp_avg", "exp_avg_sq"} - set(states) or adam is None):
-        notes.append(f"the Megatron optimizer state ({', '.join(states)}) is not in a form meshlm reads "
-                     f"(Adam's per-parameter moments and its step; Megatron-LM saves them so with "
-                     f"--dist-ckpt-optim-fully-reshardable): `meshlm pretrain --load` fine-tunes with a fresh "
-                     f"optimizer at iteration 0")
-        states = []
-    elif not states:
-        notes.append(f"{folder} holds no optimizer state (saved with --no-save-optim?): the result is the "
-                     f"weights alone, and `meshlm pretrain --load` fine-tunes them with a fresh optimizer at "
-                     f"iteration 0 (not at iteration {common.get('iteration', 0)})")
-    for note in notes:
-        print(f"meshlm: note: {note}")
     ps = ParallelState.single()
     model = GPTModel(cfg.model, ps, vocab, seed=cfg.training.seed)
     names = full_shapes([model])
+    weights = mg.read_full(folder, names, m, vocab)
+    read, adam = _optimizer_state(folder, common, args, names, m, vocab, weights, notes)
+    for note in notes:
+        print(f"meshlm: note: {note}")
     with torch.no_grad():
-        load_into_chunks([model], mg.read_full(folder, names, m, vocab), src)
+        load_into_chunks([model], weights, src)
     os.makedirs(out, exist_ok=True)
     layout = {"tp": 1, "pp": 1, "cp": 1, "virtual_pipeline": 1, "dp": 1}
     space = ModelSpace([model], ps)
     tree, iteration = model_state(space), 0
-    if states:
-        tree.update(_training_state(folder, common, args, adam, space, model, names, m, vocab, states))
+    if read:
+        tree.update(_training_state(common, args, adam, space, model, read))
         iteration = int(common.get("iteration", 0))
     return ckpt.save(out, iteration, tree, layout=layout, config=cfg.to_dict(),
                      coords={"tp": 0, "pp": 0, "cp": 0, "dp": 0})
@@ -132,17 +123,50 @@ def _adam_scalars(common: dict):
     return int(float(step)), float(groups[0].get("lr", 0.0))
 
 
-def _training_state(folder, common, args, adam, space, model, names, m, vocab, states) -> dict:
-    """The optimizer, scheduler, RNG and progress of a meshlm training checkpoint (what
-    trainer.save_checkpoint writes) from the Megatron run: Adam's moments and fp32 masters per
-    parameter (``master``: Megatron's "param"/"fp32_param", else the fp32 weights themselves),
-    its step and lr, the LR schedule's position in samples, the iteration and consumed samples."""
-    from . import dist as ckpt
-    from .state import rng_state
+def _optimizer_state(folder, common, args, names, m, vocab, weights, notes) -> tuple:
+    """({"exp_avg", "exp_avg_sq", "master": {meshlm name: full tensor}}, (step, lr)) of the
+    Megatron optimizer in ``folder`` ("master": the fp32 masters, the fp32 weights themselves when
+    the plain optimizer trained in fp32), or (None, None) with a note in ``notes`` saying why the
+    optimizer starts fresh. Read: Adam's per-parameter state in model space (the plain
+    optimizer's, the distributed optimizer's fully_reshardable format) and the distributed
+    optimizer's default dp_reshardable buckets (megatron_buckets.py)."""
+    from . import megatron_buckets
+    states = mg.optimizer_states(folder)
+    if states == [mg.BUCKETS]:
+        try:
+            read, adam = megatron_buckets.read(folder, names, m, args, weights,
+                                               lambda n, t: mg.from_megatron_layout(n, t, m, vocab))
+        except CheckpointError as e:
+            notes.append(f"the Megatron optimizer state is not read ({e}): `meshlm pretrain --load` fine-tunes "
+                         f"with a fresh optimizer at iteration 0")
+            return None, None
+        read["master"] = read.pop("param")
+        return read, adam
+    adam = _adam_scalars(common)
+    if states and ({"exp_avg", "exp_avg_sq"} - set(states) or adam is None):
+        notes.append(f"the Megatron optimizer state ({', '.join(states)}) is not in a form meshlm reads "
+                     f"(Adam's per-parameter moments and its step): `meshlm pretrain --load` fine-tunes with a "
+                     f"fresh optimizer at iteration 0")
+        return None, None
+    if not states:
+        notes.append(f"{folder} holds no optimizer state (saved with --no-save-optim?): the result is the "
+                     f"weights alone, and `meshlm pretrain --load` fine-tunes them with a fresh optimizer at "
+                     f"iteration 0 (not at iteration {common.get('iteration', 0)})")
+        return None, None
     read = {kind: mg.read_full(folder, names, m, vocab, kind) for kind in ("exp_avg", "exp_avg_sq")}
     master = next((s for s in ("param", "fp32_param") if s in states), None)
     read["master"] = mg.read_full(folder, names, m, vocab, master) if master else \
-        {n: p.detach().float() for n, p in model.named_parameters()}
+        {n: w.float() for n, w in weights.items()}
+    return read, adam
+
+
+def _training_state(common, args, adam, space, model, read) -> dict:
+    """The optimizer, scheduler, RNG and progress of a meshlm training checkpoint (what
+    trainer.save_checkpoint writes) from the Megatron run: Adam's moments and fp32 masters per
+    parameter (``read``, as ``_optimizer_state`` gives them), its step and lr, the LR schedule's
+    position in samples, the iteration and consumed samples."""
+    from . import dist as ckpt
+    from .state import rng_state
     fragments = [(p, 0, {kind: read[kind][n].float().reshape(-1).contiguous() for kind in read})
                  for n, p in model.named_parameters()]
     step, lr = adam
