@@ -24,7 +24,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-PRELOAD = ["torch", "torch.distributed", "meshlm.training.trainer", "meshlm.checkpoint.convert",
+# torch._dynamo: torch.utils.checkpoint (meshlm's recompute) imports it on its first call (~2-4 s of CPU
+# in every rank of every recompute case); imported here once, each forked worker has it for nothing
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshlm.training.trainer", "meshlm.checkpoint.convert",
            "meshlm.training.generate", "distributed", "parity"]
 
 
