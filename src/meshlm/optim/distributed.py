@@ -59,9 +59,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.overlap_param_gather = cfg.parallel.overlap_param_gather
         self._pending = {}  # id(bucket) → handle of its param all-gather
         self.param_gather = None
-        if ddp.stage == 3:  # reshard after forward/backward with one pipeline stage only (module doc)
+        if ddp.stage == 3:  # reshard after forward/backward with one pipeline stage only (param_gather.py)
+            reshard = ps.pp == 1 and not cfg.parallel.torch_fsdp2_no_reshard_after_forward
             self.param_gather = ParamGather(chunks, ddp, lambda *a, **k: self._gather(*a, **k),
-                                            prefetch=self.overlap_param_gather, reshard=ps.pp == 1)
+                                            prefetch=self.overlap_param_gather, reshard=reshard)
         if self.overlap_param_gather:
             for chunk in chunks:
                 self._hook_block(chunk, recurse=False)  # parameters a chunk holds itself, if any
