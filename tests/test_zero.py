@@ -124,11 +124,14 @@ def test_zero3_with_tp_interleaved_pp_cp_and_ep_matches_single_process_in_float6
 def test_hybrid_sharding_inside_replicas_matches_single_process_in_float64():
     """--num-distributed-optimizer-instances 2 at DP × CP = 4 (two "nodes" of 2): shards inside a
     replica, gradient shards summed across replicas; the optimizer replicated (outer no_shard) or
-    split across them too (outer optim), at stages 1–3."""
+    split across them too (outer optim), at stages 1–3; with MoE at EP 2 the experts sharded over
+    expert-DP beside the replica-sharded dense buckets (without the experts' squares summed over
+    the replica group first, the grad norm misses the other replica's expert shards: ~1e-4)."""
     assert_parity(Case(dp=4, zero=1, instances=2, overlap_grad=True, overlap_param=True),
                   Case(dp=4, zero=2, instances=2, outer="optim", micro=2, batch=8),
                   Case(dp=4, instances=2, tied=False, **BOTH),
-                  Case(dp=2, cp=2, instances=2, outer="optim", **BOTH))
+                  Case(dp=2, cp=2, instances=2, outer="optim", **BOTH),
+                  Case(dp=4, experts=4, ep=2, moe=MOE, micro=1, batch=8, instances=2, **BOTH))
 
 
 @pytest.mark.slow  # multi-process: make test-quick leaves it out

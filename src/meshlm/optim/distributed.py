@@ -55,7 +55,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # across replicas) over one replica's shard group
         replicated = ps.instances > 1 and cfg.parallel.outer_dp_sharding_strategy == "no_shard"
         self.norm_groups = [ps.mp_group, ps.shard_group if replicated else ddp.group]
-        self.expert_norm_groups = []  # experts' shards: EDP × EP = DP × CP, covered by ddp.group
+        # experts' shards split EDP × EP = DP × CP, covered by ddp.group; when the norm sums over one
+        # replica only, first over the replica group (the ranks at this place in every replica)
+        self.expert_norm_groups = [ps.replica_group] if replicated else []
         self.overlap_param_gather = cfg.parallel.overlap_param_gather
         self._pending = {}  # id(bucket) → handle of its param all-gather
         self.param_gather = None

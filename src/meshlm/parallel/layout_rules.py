@@ -78,9 +78,6 @@ def sharding_problems(cfg: Config, dp: int) -> list:
     elif n > 1 and group % n:
         problems.append(f"--num-distributed-optimizer-instances {n} does not divide DP × CP = {group}: "
                         f"use a divisor of {group}")
-    elif n > 1 and cfg.model.num_experts:  # experts shard over expert-DP, not over the replicas
-        problems.append(f"--num-distributed-optimizer-instances {n} (hybrid sharding) is not supported with "
-                        "--num-experts: leave it 1 for MoE models")
     if p.outer_dp_sharding_strategy != "no_shard" and n == 1:
         problems.append(f"--outer-dp-sharding-strategy {p.outer_dp_sharding_strategy} needs "
                         "--num-distributed-optimizer-instances > 1 (the replicas it shards across)")
