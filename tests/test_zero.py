@@ -146,13 +146,34 @@ def test_optimizer_cpu_offload_matches_single_process_in_float64():
     host, device = half["optimizer_host_bytes"] / 24, half["optimizer_bytes"] / 16
     assert 0.4 * (host + device) < host <= 0.5 * (host + device)
     assert whole["optimizer_bytes"] == 0 and whole["optimizer_host_bytes"] == 24 * (host + device)
+    # the host update streams the grads in batches of HOST_BATCH elements: 100 gives many batches,
+    # and the same weights bit for bit as one batch
+    assert whole["batches"] > 10 and whole["same_batched"]
 
 
 def _offloaded(rank, world, fractions):
-    """memory_report of the parity model with --optimizer-cpu-offload at each fraction."""
+    """memory_report of the parity model with --optimizer-cpu-offload at each fraction; for the last,
+    whether two steps with the host update in batches of 100 elements give the weights of one batch."""
+    from meshlm.optim import optimizer
     from meshlm.training import trainer
-    return [trainer.build(parity.config(Case(offload=f)), dtype=torch.float64).opt.memory_report()
-            for f in fractions]
+
+    def trained(batch: int, fraction: float):
+        optimizer.HOST_BATCH = batch
+        run = trainer.build(parity.config(Case(offload=fraction)), dtype=torch.float64)
+        run.train_ds, state = parity.MaskedData(), trainer.TrainState()
+        for _ in range(2):
+            trainer.train_step(run, state)
+        n = sum(1 for g, w, host in run.opt._groups if host for _ in optimizer._host_batches(g, w))
+        return run, [p.detach().clone() for c in run.chunks for p in c.parameters()], n
+
+    out, default = [], optimizer.HOST_BATCH
+    for f in fractions[:-1]:
+        out.append(trainer.build(parity.config(Case(offload=f)), dtype=torch.float64).opt.memory_report())
+    run, params, _ = trained(default, fractions[-1])
+    _, batched, n = trained(100, fractions[-1])
+    optimizer.HOST_BATCH = default
+    same = all(torch.equal(a, b) for a, b in zip(params, batched))
+    return out + [dict(run.opt.memory_report(), batches=n, same_batched=same)]
 
 
 # ---------------------------------------------------------------------------- checkpoints
