@@ -51,6 +51,7 @@ class Case:
     zero: int = 0                # --data-parallel-sharding-strategy as a ZeRO stage (0–3; 1 = dist_opt)
     instances: int = 1           # --num-distributed-optimizer-instances (hybrid sharding)
     outer: str = "no_shard"      # --outer-dp-sharding-strategy
+    keep: bool = False           # --torch-fsdp2-no-reshard-after-forward (ZeRO-3 keeps gathered params)
     offload: Optional[float] = None  # --optimizer-cpu-offload with this --optimizer-offload-fraction
     overlap_grad: bool = False
     overlap_param: bool = False
@@ -119,6 +120,7 @@ def config(case: Case, global_batch: Optional[int] = None):
     p.use_distributed_optimizer, p.ddp_bucket_size = case.dist_opt, case.bucket
     p.data_parallel_sharding_strategy = ("no_shard", "optim", "optim_grads", "optim_grads_params")[case.zero]
     p.num_distributed_optimizer_instances, p.outer_dp_sharding_strategy = case.instances, case.outer
+    p.torch_fsdp2_no_reshard_after_forward = case.keep
     if case.offload is not None:
         o.optimizer_cpu_offload, o.optimizer_offload_fraction = True, case.offload
     p.overlap_grad_reduce, p.overlap_param_gather = case.overlap_grad, case.overlap_param

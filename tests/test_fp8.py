@@ -138,13 +138,18 @@ def test_fp8_flags_need_fp8_format_and_sizes_must_suit_fp8_gemms():
 @pytest.mark.slow
 def test_tp2_with_fp8_emulation_matches_tp1_in_float64():
     """The production step with FP8 GEMMs (emulated): TP 2 with SP × PP 2 (1F1B, full recompute,
-    the first and last layer in bf16) and TP 2 × DP 2 (ZeRO-1, selective recompute, e4m3) against
-    one process with the same FP8 emulation, at 1e-10. The weight, the row-parallel inputs and the
-    column-parallel gradients are split over TP: without their amax reduced over the TP group the
-    shards' scales differ and the errors land near 1e-2."""
+    the first and last layer in bf16) and TP 2 × DP 2 at ZeRO-1 (selective recompute), ZeRO-2
+    (gradient shards, overlapped reduce-scatter) and ZeRO-3 with SP (per-block parameter gathers,
+    prefetched and NaN-poisoned until waited for, so an FP8 weight quantized before its gather
+    fails), all e4m3, against one process with the same FP8 emulation, at 1e-10. The weight, the
+    row-parallel inputs and the column-parallel gradients are split over TP: without their amax
+    reduced over the TP group the shards' scales differ and the errors land near 1e-2."""
+    e4m3 = dict(tp=2, dp=2, fp8="e4m3", swiglu=True, micro=2)  # one single-process reference for the three
     assert_parity(Case(tp=2, sp=True, pp=2, schedule="1f1b", recompute="full-uniform-1", fp8="hybrid", fp8_ends=1,
                        pos="rope", norm="RMSNorm", swiglu=True, groups=2, tied=False),
-                  Case(tp=2, dp=2, dist_opt=True, recompute="selective", fp8="e4m3", swiglu=True, micro=2))
+                  Case(dist_opt=True, recompute="selective", **e4m3),
+                  Case(zero=2, overlap_grad=True, **e4m3),
+                  Case(zero=3, sp=True, overlap_grad=True, overlap_param=True, **e4m3))
 
 
 def test_planner_models_fp8_memory_and_step_time():

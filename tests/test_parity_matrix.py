@@ -55,10 +55,12 @@ def test_pairwise_layouts_match_single_process_in_float64(cases):
 
 def test_compiled_fast_path_matches_single_process_in_float64():
     """--fast-path on (the CUDA default; here compiled on CPU): compiled layers and loss, fused AdamW
-    with clipping, ZeRO-1 gathers waited at the compiled layers' boundaries; ZeRO-3's per-block
-    gathers, prefetches and frees there too (one process start for both)."""
+    with clipping; ZeRO-3's per-block gathers, prefetches and frees at the compiled layers'
+    boundaries; ZeRO-1 with FP8 GEMMs (emulated: the compiled layers trace the scaling and the
+    quantize → dequantize; the reference is an eager one-process FP8 run), its gathers waited at
+    those boundaries too. One process start for both."""
     llama = dict(tied=False, pos="rope", norm="RMSNorm", swiglu=True, fast="on")
-    assert_parity(Case(dp=2, dist_opt=True, overlap_grad=True, overlap_param=True, **llama),
+    assert_parity(Case(dp=2, dist_opt=True, overlap_grad=True, overlap_param=True, fp8="e4m3", **llama),
                   Case(dp=2, zero=3, overlap_grad=True, overlap_param=True, **llama))
 
 

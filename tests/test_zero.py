@@ -69,6 +69,10 @@ def test_the_planner_models_each_stage_and_the_offload():
     assert same(mems[1].optimizer, mems[0].optimizer / 8) and same(mems[1].grads, mems[0].grads)
     assert same(mems[2].grads, mems[1].grads / 8) and same(mems[2].weights, mems[1].weights)
     assert mems[3].weights < mems[2].weights / 2 and same(mems[3].optimizer, mems[2].optimizer)
+    cfg.parallel.torch_fsdp2_no_reshard_after_forward = True  # the whole weights kept, beside the shard
+    kept = estimate(cfg, Layout(dp=8, distributed_optimizer=True, zero=3), 50)
+    assert same(kept.weights, mems[0].weights * (1 + 1 / 8)) and kept.weights > mems[3].weights
+    cfg.parallel.torch_fsdp2_no_reshard_after_forward = False
     assert Layout(dp=8, zero=3).stage == 3 and Layout(zero=3).stage == 0  # nothing to shard at DP 1
     cfg.parallel.num_distributed_optimizer_instances = 2  # hybrid: shards over 4, optimizer over 8 or 4
     hybrid = estimate(cfg, Layout(dp=8, distributed_optimizer=True, zero=3), 50)
@@ -98,14 +102,20 @@ def test_the_stage_of_each_flag_and_contradictions_refused_in_one_line_naming_bo
     assert "does not divide DP × CP = 4" in _problems(use_distributed_optimizer=True,
                                                       num_distributed_optimizer_instances=3)
     assert "needs a sharded strategy" in _problems(num_distributed_optimizer_instances=2)
+    line = _problems(use_distributed_optimizer=True, torch_fsdp2_no_reshard_after_forward=True)
+    assert "--torch-fsdp2-no-reshard-after-forward" in line and "optim_grads_params" in line
+    assert not _problems(use_torch_fsdp2=True, torch_fsdp2_no_reshard_after_forward=True)
 
 
 @pytest.mark.slow  # multi-process: make test-quick leaves it out
 def test_zero3_with_tp_interleaved_pp_cp_and_ep_matches_single_process_in_float64():
     """Stage 3 with both overlaps at TP=2×DP=2 (SP), PP=2×DP=2 interleaved (params kept gathered
-    through the step), CP=2×DP=2 and EP=2×DP=2 (experts sharded over expert-DP)."""
+    through the step), CP=2×DP=2, EP=2×DP=2 (experts sharded over expert-DP) and DP=4 with
+    --torch-fsdp2-no-reshard-after-forward over 2 micro-batches a rank (gathered once a step, kept
+    from the first forward through every backward; NaN-poisoned until waited for)."""
     assert_parity(Case(tp=2, dp=2, sp=True, **BOTH),  # the first three share one single-process reference
                   Case(pp=2, vpp=2, dp=2, micro=1, batch=8, tied=True, **BOTH),
+                  Case(dp=4, micro=1, batch=8, keep=True, **BOTH),
                   Case(cp=2, dp=2, recompute="full-uniform-1", **BOTH),
                   Case(dp=4, experts=4, ep=2, moe=MOE, micro=1, batch=8, **BOTH))
 
@@ -114,11 +124,14 @@ def test_zero3_with_tp_interleaved_pp_cp_and_ep_matches_single_process_in_float6
 def test_hybrid_sharding_inside_replicas_matches_single_process_in_float64():
     """--num-distributed-optimizer-instances 2 at DP × CP = 4 (two "nodes" of 2): shards inside a
     replica, gradient shards summed across replicas; the optimizer replicated (outer no_shard) or
-    split across them too (outer optim), at stages 1–3."""
+    split across them too (outer optim), at stages 1–3; with MoE at EP 2 the experts sharded over
+    expert-DP beside the replica-sharded dense buckets (without the experts' squares summed over
+    the replica group first, the grad norm misses the other replica's expert shards: ~1e-4)."""
     assert_parity(Case(dp=4, zero=1, instances=2, overlap_grad=True, overlap_param=True),
                   Case(dp=4, zero=2, instances=2, outer="optim", micro=2, batch=8),
                   Case(dp=4, instances=2, tied=False, **BOTH),
-                  Case(dp=2, cp=2, instances=2, outer="optim", **BOTH))
+                  Case(dp=2, cp=2, instances=2, outer="optim", **BOTH),
+                  Case(dp=4, experts=4, ep=2, moe=MOE, micro=1, batch=8, instances=2, **BOTH))
 
 
 @pytest.mark.slow  # multi-process: make test-quick leaves it out
@@ -133,13 +146,34 @@ def test_optimizer_cpu_offload_matches_single_process_in_float64():
     host, device = half["optimizer_host_bytes"] / 24, half["optimizer_bytes"] / 16
     assert 0.4 * (host + device) < host <= 0.5 * (host + device)
     assert whole["optimizer_bytes"] == 0 and whole["optimizer_host_bytes"] == 24 * (host + device)
+    # the host update streams the grads in batches of HOST_BATCH elements: 100 gives many batches,
+    # and the same weights bit for bit as one batch
+    assert whole["batches"] > 10 and whole["same_batched"]
 
 
 def _offloaded(rank, world, fractions):
-    """memory_report of the parity model with --optimizer-cpu-offload at each fraction."""
+    """memory_report of the parity model with --optimizer-cpu-offload at each fraction; for the last,
+    whether two steps with the host update in batches of 100 elements give the weights of one batch."""
+    from meshlm.optim import optimizer
     from meshlm.training import trainer
-    return [trainer.build(parity.config(Case(offload=f)), dtype=torch.float64).opt.memory_report()
-            for f in fractions]
+
+    def trained(batch: int, fraction: float):
+        optimizer.HOST_BATCH = batch
+        run = trainer.build(parity.config(Case(offload=fraction)), dtype=torch.float64)
+        run.train_ds, state = parity.MaskedData(), trainer.TrainState()
+        for _ in range(2):
+            trainer.train_step(run, state)
+        n = sum(1 for g, w, host in run.opt._groups if host for _ in optimizer._host_batches(g, w))
+        return run, [p.detach().clone() for c in run.chunks for p in c.parameters()], n
+
+    out, default = [], optimizer.HOST_BATCH
+    for f in fractions[:-1]:
+        out.append(trainer.build(parity.config(Case(offload=f)), dtype=torch.float64).opt.memory_report())
+    run, params, _ = trained(default, fractions[-1])
+    _, batched, n = trained(100, fractions[-1])
+    optimizer.HOST_BATCH = default
+    same = all(torch.equal(a, b) for a, b in zip(params, batched))
+    return out + [dict(run.opt.memory_report(), batches=n, same_batched=same)]
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -234,15 +268,15 @@ def _held(run) -> dict:
     return {"weights": weights, "grads": grads, "optimizer": optim}
 
 
-def _memory(rank, world, zeros):
-    """For each stage: the bytes held when the optimizer step starts (after one step's backward
-    and reduction), the most gathered during that step (ZeRO-3), its formula, and the most seen
-    whole by any block's forward."""
+def _memory(rank, world, stages):
+    """For each (stage, keep: --torch-fsdp2-no-reshard-after-forward): the bytes held when the
+    optimizer step starts (after one step's backward and reduction), the most gathered during that
+    step (ZeRO-3), its formula, and the most seen whole by any block's forward."""
     from meshlm.parallel.data import blocks
     from meshlm.training import trainer
     out = []
-    for zero in zeros:
-        case = Case(dp=world, zero=zero, overlap_grad=zero > 0, overlap_param=zero > 0, **MEMORY)
+    for zero, keep in stages:
+        case = Case(dp=world, zero=zero, overlap_grad=zero > 0, overlap_param=zero > 0, keep=keep, **MEMORY)
         cfg = parity.config(case)
         cfg.model.hidden_size, cfg.model.num_attention_heads = 64, 4
         run = trainer.build(cfg, dtype=torch.float64)
@@ -271,10 +305,10 @@ def _memory(rank, world, zeros):
 
 @pytest.mark.slow  # multi-process: make test-quick leaves it out
 def test_zero2_and_zero3_hold_a_quarter_at_dp4_and_zero3_gathers_its_working_set():
-    (base,), = run_distributed(_memory, 1, [0])
-    per_rank = run_distributed(_memory, 4, [2, 3])
+    (base,), = run_distributed(_memory, 1, [(0, False)])
+    per_rank = run_distributed(_memory, 4, [(2, False), (3, False), (3, True)])
     want = {k: v / 4 for k, v in base["held"].items()}
-    for zero2, zero3 in per_rank:
+    for zero2, zero3, kept in per_rank:
         for k in ("grads", "optimizer"):
             assert abs(zero2["held"][k] - want[k]) <= 0.03 * want[k], (k, zero2["held"][k], want[k])
         assert zero2["held"]["weights"] == base["held"]["weights"]  # whole under ZeRO-2
@@ -290,3 +324,11 @@ def test_zero2_and_zero3_hold_a_quarter_at_dp4_and_zero3_gathers_its_working_set
         assert formula < 0.4 * base["held"]["weights"]  # 2 of 9 blocks (embedding, 6 layers, norm, output)
         # the waits for gathers and earlier reduce-scatters are logged for `meshlm analyze` ("zero")
         assert zero3["comm_share"]["zero"] > 0 and zero2["comm_share"]["zero"] >= 0
+        # --torch-fsdp2-no-reshard-after-forward: every bucket whole from its first forward to the
+        # update (the working set is the whole weights), gathered once a step instead of 2 × 2
+        assert kept["formula"] == kept["peak"] == kept["seen"] == sum(padded), (kept, sum(padded))
+        assert kept["gathers"] == kept["buckets"]
+        weights = kept["held"]["weights"]  # at the step: the whole weights beside the shard
+        assert abs(weights - 1.25 * base["held"]["weights"]) <= 0.03 * base["held"]["weights"]
+        for k in ("grads", "optimizer"):
+            assert kept["held"][k] == zero3["held"][k]

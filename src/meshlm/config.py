@@ -151,6 +151,10 @@ class ParallelConfig:
         "(2: + gradients), optim_grads_params (3: + parameters, gathered per block)", choices=list(SHARDING))
     use_torch_fsdp2: bool = opt(False, "Megatron's torch FSDP2 switch: meshlm runs its own ZeRO-3 "
                                 "(--data-parallel-sharding-strategy optim_grads_params) instead", action="store_true")
+    torch_fsdp2_no_reshard_after_forward: bool = opt(
+        False, "ZeRO-3: keep each gathered bucket whole from its first forward to the optimizer's update "
+        "(torchtitan's reshard_after_forward=False): one all-gather a step instead of two per micro-batch, "
+        "at the cost of the whole stage's weights held in the step", action="store_true")
     num_distributed_optimizer_instances: int = opt(
         1, "hybrid sharding: DP × CP splits into this many replicas (a node each); the strategy shards "
         "inside a replica, --outer-dp-sharding-strategy decides across them")

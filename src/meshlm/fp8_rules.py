@@ -5,7 +5,8 @@ every GEMM input is scaled by its own amax at the time of the GEMM (parallel/fp8
 recipes are refused in one line each: ``delayed`` (scales from an amax history; so
 --fp8-amax-history-len and --fp8-amax-compute-algo are refused unless at Megatron's defaults,
 where they describe no history), ``blockwise``, and ``mxfp8`` (Blackwell's block scaling, which
-Hopper's tensor cores lack). --fp8-param-gather (weights all-gathered in FP8) is not built.
+Hopper's tensor cores lack). --fp8-param-gather (weights all-gathered in FP8) is not built
+(docs/design.md, "FP8 training", says what it would take to keep it exact).
 
 FP8 covers the four linears of each dense transformer layer (QKV, attention projection, fc1, fc2),
 as in Megatron; the embedding, the output layer and the loss stay in the params' dtype. Under
@@ -62,8 +63,8 @@ def fp8_problems(cfg, gpu: Optional[tuple] = None) -> list:
                         f"{t.fp8_amax_compute_algo} set the delayed recipe's amax history, which meshlm does not "
                         f"build; drop them (tensorwise scales each tensor by its current amax)")
     if t.fp8_param_gather:
-        problems.append("--fp8-param-gather is not built in meshlm (weights are all-gathered in the params' "
-                        "dtype); drop it")
+        problems.append("--fp8-param-gather is not built in meshlm (ZeRO-1/3 all-gather the weights in the "
+                        "params' dtype and each GEMM quantizes its own; see docs/design.md, FP8 training); drop it")
     if t.fp16:
         problems.append("--fp8-format with --fp16 is not built; use --bf16 (FP8 GEMMs, bf16 elsewhere)")
     if m.num_experts:

@@ -55,13 +55,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # across replicas) over one replica's shard group
         replicated = ps.instances > 1 and cfg.parallel.outer_dp_sharding_strategy == "no_shard"
         self.norm_groups = [ps.mp_group, ps.shard_group if replicated else ddp.group]
-        self.expert_norm_groups = []  # experts' shards: EDP × EP = DP × CP, covered by ddp.group
+        # experts' shards split EDP × EP = DP × CP, covered by ddp.group; when the norm sums over one
+        # replica only, first over the replica group (the ranks at this place in every replica)
+        self.expert_norm_groups = [ps.replica_group] if replicated else []
         self.overlap_param_gather = cfg.parallel.overlap_param_gather
         self._pending = {}  # id(bucket) → handle of its param all-gather
         self.param_gather = None
-        if ddp.stage == 3:  # reshard after forward/backward with one pipeline stage only (module doc)
+        if ddp.stage == 3:  # reshard after forward/backward with one pipeline stage only (param_gather.py)
+            reshard = ps.pp == 1 and not cfg.parallel.torch_fsdp2_no_reshard_after_forward
             self.param_gather = ParamGather(chunks, ddp, lambda *a, **k: self._gather(*a, **k),
-                                            prefetch=self.overlap_param_gather, reshard=ps.pp == 1)
+                                            prefetch=self.overlap_param_gather, reshard=reshard)
         if self.overlap_param_gather:
             for chunk in chunks:
                 self._hook_block(chunk, recurse=False)  # parameters a chunk holds itself, if any

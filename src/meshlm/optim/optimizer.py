@@ -27,8 +27,9 @@ One ``step()`` (Megatron's order):
   5. masters copied back to the model params (and all-gathered under ZeRO-1).
 
 Under --optimizer-cpu-offload the first shards, up to --optimizer-offload-fraction of the
-elements, keep their fp32 master and moments in host memory (pinned on CUDA): their grads are
-copied to the host after clipping, the foreach AdamW updates them there, and the step copies
+elements, keep their fp32 master (pinned on CUDA) and moments in host memory: their grads are
+copied to the host after clipping, HOST_BATCH elements at a time (the host holds no whole grad),
+the foreach AdamW updates each batch there, and the step copies
 the masters back into the device params (the ZeRO-Offload split, Ren et al. 2021 §4: the update
 on the CPU, forward and backward on the GPU). The norm and the inf check stay on the device.
 """
@@ -98,6 +99,29 @@ class Fragment:
     decay: bool
     counted: bool
     lr_mult: float = 1.0
+
+
+# grad elements on the host at once under --optimizer-cpu-offload (256 MiB in fp32): a 7B model's
+# whole fp32 grad (27 GB) beside its host masters and moments (81 GB) would not fit a 128 GiB host
+HOST_BATCH = 1 << 26
+
+
+def _host_batches(group, where: list):
+    """(sub-group, its part of ``where``) of a host Group, each with at most HOST_BATCH grad
+    elements (or one fragment, when a fragment alone is larger). AdamW is elementwise, so updating
+    the batches in turn is the same update."""
+    def part(a: int, b: int):
+        return (Group(group.params[a:b], [], group.exp_avgs[a:b], group.exp_avg_sqs[a:b], group.decay,
+                      group.lr_mult), where[a:b])
+
+    start, n = 0, 0
+    for k, (_, lo, hi) in enumerate(where):
+        if k > start and n + hi - lo > HOST_BATCH:
+            yield part(start, k)
+            start, n = k, 0
+        n += hi - lo
+    if start < len(where):
+        yield part(start, len(where))
 
 
 class Shard:
@@ -257,19 +281,18 @@ class MixedPrecisionOptimizer:
         if self._groups is None:
             self._groups = self._fragment_groups()
         kw = dict(step=self.step_count, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
-        for host in (False, True):
-            groups = [group for group, where, on_host in self._groups if on_host == host]
-            for group, where, on_host in self._groups:
-                if on_host == host:
-                    group.grads = [grads[i][lo:hi] for i, lo, hi in where]
-                    if host:  # the host's copy, with the clipping the fused kernel would fold in
-                        group.grads = [g.to("cpu", copy=True) for g in group.grads]
-                        if grad_scale != 1.0 and group.grads:
-                            torch._foreach_div_(group.grads, grad_scale)
-            if host:
-                adamw_(groups, fused=False, **kw)
-            else:
-                adamw_(groups, fused=self.fused, grad_scale=grad_scale, **kw)
+        device = [group for group, _, on_host in self._groups if not on_host]
+        for group, where, on_host in self._groups:
+            if not on_host:
+                group.grads = [grads[i][lo:hi] for i, lo, hi in where]
+        adamw_(device, fused=self.fused, grad_scale=grad_scale, **kw)
+        for group, where, on_host in self._groups:
+            if on_host:  # the grads come to the host a batch at a time (HOST_BATCH), clipped there
+                for sub, batch in _host_batches(group, where):
+                    sub.grads = [grads[i][lo:hi].to("cpu", copy=True) for i, lo, hi in batch]
+                    if grad_scale != 1.0:
+                        torch._foreach_div_(sub.grads, grad_scale)
+                    adamw_([sub], fused=False, **kw)
         for group, _, _ in self._groups:
             group.grads = []  # hold no grad memory past the step
 

@@ -25,7 +25,9 @@ use in a step to the optimizer's update, across every micro-batch of every chunk
 chunk's forwards and backwards of different micro-batches interleave, and regathering each time
 would multiply the all-gather volume by 2 × micro-batches (torchtitan keeps them gathered too,
 reshard_after_forward=False). ZeRO-3 under PP then saves weight memory between steps, and
-gradients and optimizer state always.
+gradients and optimizer state always. ``--torch-fsdp2-no-reshard-after-forward`` (Megatron's flag)
+asks for the same with one stage: one all-gather per bucket a step instead of 2 × micro-batches,
+for a working set of every bucket of the rank's chunks (``working_set_bytes``).
 
 Every gather goes through the optimizer's ``_gather`` (tests poison the asynchronous ones with
 NaN until waited for), over the bucket's buffer group (DP × CP; expert-DP for MoE experts). All
@@ -140,8 +142,10 @@ class ParamGather:
         self.peak_bytes, self.gathers = self.gathered_bytes, 0
 
     def working_set_bytes(self) -> int:
-        """The most bytes whole at once with reshard (module doc): max over adjacent blocks k, k + 1
-        of a chunk of the bytes of their buckets' union."""
+        """The most bytes whole at once (module doc): with reshard, max over adjacent blocks k, k + 1
+        of a chunk of the bytes of their buckets' union; without, every bucket's."""
+        if not self.reshard:
+            return sum(self._nbytes(b) for b in self.buckets)
         best = 0
         for per_block in self.chunk_blocks:
             ids = [i for i in per_block if i]

@@ -65,6 +65,9 @@ def sharding_problems(cfg: Config, dp: int) -> list:
     if p.use_torch_fsdp2 and SHARDING[strategy] not in (0, 3):
         problems.append(f"--use-torch-fsdp2 shards parameters, gradients and optimizer (ZeRO-3) but "
                         f"--data-parallel-sharding-strategy is {strategy}: drop one of the two")
+    if p.torch_fsdp2_no_reshard_after_forward and stage != 3:
+        problems.append("--torch-fsdp2-no-reshard-after-forward keeps ZeRO-3's gathered parameters: it needs "
+                        "--data-parallel-sharding-strategy optim_grads_params (or --use-torch-fsdp2); add one or drop it")
     if p.overlap_param_gather and stage == 0:
         problems.append("--overlap-param-gather needs --use-distributed-optimizer (or "
                         "--data-parallel-sharding-strategy optim or above)")
@@ -75,9 +78,6 @@ def sharding_problems(cfg: Config, dp: int) -> list:
     elif n > 1 and group % n:
         problems.append(f"--num-distributed-optimizer-instances {n} does not divide DP × CP = {group}: "
                         f"use a divisor of {group}")
-    elif n > 1 and cfg.model.num_experts:  # experts shard over expert-DP, not over the replicas
-        problems.append(f"--num-distributed-optimizer-instances {n} (hybrid sharding) is not supported with "
-                        "--num-experts: leave it 1 for MoE models")
     if p.outer_dp_sharding_strategy != "no_shard" and n == 1:
         problems.append(f"--outer-dp-sharding-strategy {p.outer_dp_sharding_strategy} needs "
                         "--num-distributed-optimizer-instances > 1 (the replicas it shards across)")

@@ -11,7 +11,8 @@ Model state (bytes per parameter of the rank's stage, from ``planner/params.py``
   (params, grads) is padded to a multiple of 64 × its group (``moe_cp.padded``, exact for one bucket
   a buffer). ZeRO-2 (--data-parallel-sharding-strategy optim_grads) divides the gradients too,
   ZeRO-3 (optim_grads_params) the weights too, plus its gathered working set (``gathered_bytes``:
-  two blocks whole with one pipeline stage, all of the stage's weights under PP). Under
+  two blocks whole with one pipeline stage, all of the stage's weights under PP or with
+  --torch-fsdp2-no-reshard-after-forward). Under
   --optimizer-cpu-offload the device holds 1 − --optimizer-offload-fraction of the optimizer state.
   Hybrid sharding (--num-distributed-optimizer-instances N) shards over DP × CP / N, the optimizer
   over all DP × CP under --outer-dp-sharding-strategy optim.
@@ -102,11 +103,11 @@ def state_bytes(params: float, *, half: bool = True, dp: int = 1, distributed_op
 def gathered_bytes(cfg: Config, layout: Layout, params: float, vocab: int, *, half: bool = True) -> float:
     """ZeRO-3's working set of whole weights (optim/param_gather.py): two blocks at a time with one
     pipeline stage (the largest layer and the word embedding bound each), the stage's whole weights
-    under PP (kept gathered through the step). 0 below stage 3."""
+    under PP or --torch-fsdp2-no-reshard-after-forward (kept gathered through the step). 0 below stage 3."""
     if layout.stage < 3:
         return 0.0
     w = STATE_BYTES[("meshlm", half)][0]
-    if layout.pp > 1:
+    if layout.pp > 1 or cfg.parallel.torch_fsdp2_no_reshard_after_forward:
         return w * params
     m = cfg.model
     embedding = vocab * m.hidden_size / layout.tp
