@@ -10,7 +10,8 @@ the logits):
   of the causal attention work), at ``peak × gemm_efficiency(M, K, N)`` — a saturating curve per GEMM dimension,
   x / (x + GEMM_HALF_DIM), with M the micro-batch's tokens, h, the per-rank attention width a·d/t and
   MLP width f/t. Attention core (12·s²·a·d·b FLOPs a layer, fwd + bwd, the 4·s·a·d-per-token term of
-  the same formula) runs at ``peak × attention_efficiency``. Recompute adds forward work: full, one
+  the same formula) runs at ``peak × attention_efficiency(s/CP, head dim)``, a curve that rises
+  with the sequence (a per-row cost beside the quadratic work) and the head dim. Recompute adds forward work: full, one
   forward of every layer (1/3 of its FLOPs and its element-wise passes); selective, core attention's.
 - element-wise kernels (norms, RoPE, activations, residuals, the loss): memory-bound, about
   ``ELEMENTWISE_PASSES`` reads and writes of every byte a layer stores for backward
