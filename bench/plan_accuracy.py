@@ -2,7 +2,7 @@
 configurations the planner was not tuned on, predicted (and committed) before they ran.
 
 Usage (from the repository root):
-    PYTHONPATH=src python bench/plan_accuracy.py predict      # writes bench/plan_accuracy_predictions.json
+    PYTHONPATH=src python bench/plan_accuracy.py predict      # adds new cases to bench/plan_accuracy_predictions.json
     PYTHONPATH=src python bench/plan_accuracy.py run --out $OUT [--deadline-s 300]   # the lent H200
     PYTHONPATH=src python bench/plan_accuracy.py table RESULTS.jsonl                  # the markdown table
     PYTHONPATH=src python bench/plan_accuracy.py margin bench/results.jsonl          # the HBM safety margin
@@ -73,17 +73,29 @@ CASES = {  # name: flags, in the order they are measured; none of these shapes o
     "mixtral-small-s4k-m2-sel-acc2": _llama("mixtral-small", 4096, 32000) + _mb(2, 2) + SEL,
     "gpt2.7b-s2k-m4-acc2": _gpt("gpt3-2.7b", 2048) + ["--hidden-dropout", "0"] + _mb(4, 2),
     "llama1b-s4k-m2-v128k": _llama("llama-1b", 4096) + _mb(2),
+    # the second set (2026-12-03), predicted by the model with the attention curve (cost.attention_efficiency)
+    "gpt760m-s8k-m1-full": _gpt("gpt2-760m", 8192) + ["--hidden-dropout", "0"] + _mb(1) + FULL,
+    "gpt1.3b-s16k-m1-sel": _gpt("gpt2-1.3b", 16384) + ["--hidden-dropout", "0"] + _mb(1) + SEL,
+    "llama8b-w-L4-s8k-m1": _llama("llama3-8b", 8192) + ["--num-layers", "4"] + _mb(1),
+    "gpt350m-s4k-m4-acc2": _gpt("gpt2-350m", 4096) + ["--hidden-dropout", "0"] + _mb(4, 2),
 }
 
 
-def predictions() -> dict:
-    """{case: {"flags", "peak_gib", "step_ms", "device_gib"}} from the planner, nothing run."""
+def predictions(date: str) -> dict:
+    """{case: {"flags", "peak_gib", "step_ms", "device_gib", "predicted"}} from the planner, nothing
+    run: the committed file's cases as they are (a prediction, once committed, is never redone), the
+    planner's figures (dated ``date``) for the cases it lacks."""
     from meshlm.planner.gpus import GiB
     out = {}
+    if os.path.exists(PREDICTIONS):
+        with open(PREDICTIONS) as fh:
+            out = json.load(fh)
     for name, flags in CASES.items():
+        if name in out:
+            continue
         p = predict(flags + COMMON, 1)
         out[name] = {"flags": " ".join(flags), "peak_gib": round(p["peak_gib"], 3), "step_ms": round(p["step_ms"], 2),
-                     "device_gib": round(p["device_bytes"] / GiB, 3)}
+                     "device_gib": round(p["device_bytes"] / GiB, 3), "predicted": date}
     return out
 
 
@@ -202,8 +214,9 @@ def main() -> None:
     ap.add_argument("--warm-budget-s", type=float, default=150.0)
     args = ap.parse_args()
     if args.action == "predict":
+        found = predictions(args.date)
         with open(PREDICTIONS, "w") as fh:
-            json.dump(predictions(), fh, indent=1)
+            json.dump(found, fh, indent=1)
         print(open(PREDICTIONS).read())
     elif args.action == "run":
         run(args)
