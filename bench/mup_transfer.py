@@ -1,7 +1,7 @@
 """μP transfer (issue 30): the loss-optimal LR at widths 128, 512 and 2048 under μP and under the
 standard parametrisation, on the embedded corpus (real text: the standard library's sources).
 
-Each parametrisation is one `meshlm sweep` (meshlm/sweep.py): the same LR grid in factor-2 steps at
+Each parametrisation is one `meshlm sweep` (meshlm/sweep.py), the two side by side: the same LR grid in factor-2 steps at
 every width, a normal `meshlm pretrain` process per trial, one GPU each. μP runs with --use-mup
 --mup-base-hidden-size 128 --mup-base-head-dim (the base head dim), the standard one without. The
 claim (Tensor Programs V §1, Fig. 1): under μP the best LR stays within one grid step (a factor of 2)
@@ -49,8 +49,8 @@ def corpus(args) -> list:
             "--tokenizer-model", found["tokenizer_model"]]
 
 
-def sweep(out: str, mup: bool, args, data: list) -> list:
-    """Run (or resume) one parametrisation's sweep; its trials.jsonl records."""
+def sweep(out: str, mup: bool, args, data: list) -> tuple:
+    """Start (or resume) one parametrisation's sweep, half of --slots; (process, its trials.jsonl)."""
     folder = os.path.join(out, "mup" if mup else "standard")
     base = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--num-layers", "4",
             "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "32",
@@ -63,11 +63,14 @@ def sweep(out: str, mup: bool, args, data: list) -> list:
         base += ["--use-mup", "--mup-base-hidden-size", str(smallest), "--mup-base-head-dim", str(smallest // 4)]
     cmd = [sys.executable, "-m", "meshlm", "sweep", "--lr", args.lrs, "--hidden-size", args.widths,
            "--train-iters", str(args.iters), "--sweep-dir", folder, "--spike-factor", "1.2",
-           "--slots", str(args.slots or max(2, (os.cpu_count() or 4) - 2)), "--", *base]
+           "--slots", str(max(1, (args.slots or max(2, (os.cpu_count() or 4) - 2)) // 2)), "--", *base]
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=False)
-    path = os.path.join(folder, "trials.jsonl")
-    return [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
+    return subprocess.Popen(cmd), os.path.join(folder, "trials.jsonl")
+
+
+def trials(path: str) -> list:
+    """The records of a sweep's trials.jsonl (none when it has not started)."""
+    return [json.loads(line) for line in open(path) if line.strip()] if os.path.isfile(path) else []
 
 
 def best_lrs(trials: list) -> dict:
@@ -95,7 +98,10 @@ def main() -> None:
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     data = corpus(args)
-    found = {name: best_lrs(sweep(args.out, name == "mup", args, data)) for name in ("mup", "standard")}
+    started = {name: sweep(args.out, name == "mup", args, data) for name in ("mup", "standard")}  # side by side
+    for proc, _ in started.values():
+        proc.wait()
+    found = {name: best_lrs(trials(path)) for name, (_, path) in started.items()}
     print(f"{'width':>6} {'μP best lr':>11} {'loss':>7} {'SP best lr':>11} {'loss':>7}")
     for w in sorted(set(found["mup"]) | set(found["standard"])):
         m, s = found["mup"].get(w, (math.nan, math.nan)), found["standard"].get(w, (math.nan, math.nan))
