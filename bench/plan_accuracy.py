@@ -5,6 +5,7 @@ Usage (from the repository root):
     PYTHONPATH=src python bench/plan_accuracy.py predict      # adds new cases to bench/plan_accuracy_predictions.json
     PYTHONPATH=src python bench/plan_accuracy.py run --out $OUT [--deadline-s 300]   # the lent H200
     PYTHONPATH=src python bench/plan_accuracy.py table RESULTS.jsonl                  # the markdown table
+    PYTHONPATH=src python bench/plan_accuracy.py now RESULTS.jsonl    # the same runs, the current model's figures
     PYTHONPATH=src python bench/plan_accuracy.py margin bench/results.jsonl          # the HBM safety margin
 
 ``run`` has two phases, so that the device time goes into measured steps, not into compiling:
@@ -187,6 +188,18 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def repredicted(rows: list) -> list:
+    """The rows with the current planner's predictions in place of the committed ones: after a model
+    change these are in-sample figures, never a substitute for predictions committed before a run."""
+    out = []
+    for r in rows:
+        p = predict(r["flags"].split() + COMMON, 1)
+        out.append(dict(r, predicted_peak_gib=p["peak_gib"], predicted_step_ms=p["step_ms"],
+                        peak_error=p["peak_gib"] / r["measured_peak_gib"] - 1,
+                        step_error=p["step_ms"] / r["measured_step_ms"] - 1))
+    return out
+
+
 def margin(rows: list) -> dict:
     """{"runs", "worst_case", "worst_ratio"}: the largest measured / predicted peak over the rows; a
     layout is safe on every recorded run when predicted peak × worst_ratio < HBM."""
@@ -203,7 +216,7 @@ def _rows(path: str, benches=("plan_accuracy",)) -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("action", choices=("predict", "run", "table", "margin"))
+    ap.add_argument("action", choices=("predict", "run", "table", "now", "margin"))
     ap.add_argument("path", nargs="?")
     ap.add_argument("--cases", nargs="*")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out/plan_accuracy"))
@@ -222,6 +235,8 @@ def main() -> None:
         run(args)
     elif args.action == "table":
         print(table(_rows(args.path)))
+    elif args.action == "now":
+        print(table(repredicted(_rows(args.path))))
     else:
         print(json.dumps(margin(_rows(args.path, ("plan_check", "plan_accuracy", "scaling")))))
 
