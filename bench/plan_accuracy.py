@@ -2,9 +2,10 @@
 configurations the planner was not tuned on, predicted (and committed) before they ran.
 
 Usage (from the repository root):
-    PYTHONPATH=src python bench/plan_accuracy.py predict      # writes bench/plan_accuracy_predictions.json
+    PYTHONPATH=src python bench/plan_accuracy.py predict      # adds new cases to bench/plan_accuracy_predictions.json
     PYTHONPATH=src python bench/plan_accuracy.py run --out $OUT [--deadline-s 300]   # the lent H200
     PYTHONPATH=src python bench/plan_accuracy.py table RESULTS.jsonl                  # the markdown table
+    PYTHONPATH=src python bench/plan_accuracy.py now RESULTS.jsonl    # the same runs, the current model's figures
     PYTHONPATH=src python bench/plan_accuracy.py margin bench/results.jsonl          # the HBM safety margin
 
 ``run`` has two phases, so that the device time goes into measured steps, not into compiling:
@@ -73,17 +74,29 @@ CASES = {  # name: flags, in the order they are measured; none of these shapes o
     "mixtral-small-s4k-m2-sel-acc2": _llama("mixtral-small", 4096, 32000) + _mb(2, 2) + SEL,
     "gpt2.7b-s2k-m4-acc2": _gpt("gpt3-2.7b", 2048) + ["--hidden-dropout", "0"] + _mb(4, 2),
     "llama1b-s4k-m2-v128k": _llama("llama-1b", 4096) + _mb(2),
+    # the second set (2026-12-03), predicted by the model with the attention curve (cost.attention_efficiency)
+    "gpt760m-s8k-m1-full": _gpt("gpt2-760m", 8192) + ["--hidden-dropout", "0"] + _mb(1) + FULL,
+    "gpt1.3b-s16k-m1-sel": _gpt("gpt2-1.3b", 16384) + ["--hidden-dropout", "0"] + _mb(1) + SEL,
+    "llama8b-w-L4-s8k-m1": _llama("llama3-8b", 8192) + ["--num-layers", "4"] + _mb(1),
+    "gpt350m-s4k-m4-acc2": _gpt("gpt2-350m", 4096) + ["--hidden-dropout", "0"] + _mb(4, 2),
 }
 
 
-def predictions() -> dict:
-    """{case: {"flags", "peak_gib", "step_ms", "device_gib"}} from the planner, nothing run."""
+def predictions(date: str) -> dict:
+    """{case: {"flags", "peak_gib", "step_ms", "device_gib", "predicted"}} from the planner, nothing
+    run: the committed file's cases as they are (a prediction, once committed, is never redone), the
+    planner's figures (dated ``date``) for the cases it lacks."""
     from meshlm.planner.gpus import GiB
     out = {}
+    if os.path.exists(PREDICTIONS):
+        with open(PREDICTIONS) as fh:
+            out = json.load(fh)
     for name, flags in CASES.items():
+        if name in out:
+            continue
         p = predict(flags + COMMON, 1)
         out[name] = {"flags": " ".join(flags), "peak_gib": round(p["peak_gib"], 3), "step_ms": round(p["step_ms"], 2),
-                     "device_gib": round(p["device_bytes"] / GiB, 3)}
+                     "device_gib": round(p["device_bytes"] / GiB, 3), "predicted": date}
     return out
 
 
@@ -175,6 +188,18 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def repredicted(rows: list) -> list:
+    """The rows with the current planner's predictions in place of the committed ones: after a model
+    change these are in-sample figures, never a substitute for predictions committed before a run."""
+    out = []
+    for r in rows:
+        p = predict(r["flags"].split() + COMMON, 1)
+        out.append(dict(r, predicted_peak_gib=p["peak_gib"], predicted_step_ms=p["step_ms"],
+                        peak_error=p["peak_gib"] / r["measured_peak_gib"] - 1,
+                        step_error=p["step_ms"] / r["measured_step_ms"] - 1))
+    return out
+
+
 def margin(rows: list) -> dict:
     """{"runs", "worst_case", "worst_ratio"}: the largest measured / predicted peak over the rows; a
     layout is safe on every recorded run when predicted peak × worst_ratio < HBM."""
@@ -191,7 +216,7 @@ def _rows(path: str, benches=("plan_accuracy",)) -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("action", choices=("predict", "run", "table", "margin"))
+    ap.add_argument("action", choices=("predict", "run", "table", "now", "margin"))
     ap.add_argument("path", nargs="?")
     ap.add_argument("--cases", nargs="*")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out/plan_accuracy"))
@@ -202,13 +227,16 @@ def main() -> None:
     ap.add_argument("--warm-budget-s", type=float, default=150.0)
     args = ap.parse_args()
     if args.action == "predict":
+        found = predictions(args.date)
         with open(PREDICTIONS, "w") as fh:
-            json.dump(predictions(), fh, indent=1)
+            json.dump(found, fh, indent=1)
         print(open(PREDICTIONS).read())
     elif args.action == "run":
         run(args)
     elif args.action == "table":
         print(table(_rows(args.path)))
+    elif args.action == "now":
+        print(table(repredicted(_rows(args.path))))
     else:
         print(json.dumps(margin(_rows(args.path, ("plan_check", "plan_accuracy", "scaling")))))
 

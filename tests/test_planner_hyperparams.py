@@ -44,3 +44,15 @@ def test_plan_prints_and_writes_the_recommendation(capsys):
     assert hp["inside_fitted_range"] and 0 < hp["lr"] < 1e-2 and hp["fitted_range_flops"] == [1e17, 2e19]
     assert main(flags) == 0
     assert "hyperparameters: --lr " in capsys.readouterr().out
+
+
+def test_recommended_global_batch_is_a_multiple_of_micro_batch_times_dp():
+    cfg = _cfg(1, num_layers=1, hidden_size=64, num_attention_heads=1, seq_length=64)
+    cfg.training.micro_batch_size = 4
+    small = recommend(cfg, 8)  # B_opt of a tiny budget is a few sequences: below micro × DP = 32
+    assert round(small.batch_tokens / 64) < 32 and small.global_batch == 32 and small.step == 32
+    assert "multiple of micro-batch × DP = 32" in small.line()
+    cfg.training.train_iters = round(1e18 / (flops_per_token(cfg.model) * 64))
+    big = recommend(cfg, 8)  # ≈ 3,524 sequences: the nearest multiple of 32
+    assert big.global_batch % 32 == 0 and abs(big.global_batch - big.batch_tokens / 64) <= 16
+    assert big.to_json()["global_batch_multiple_of"] == 32

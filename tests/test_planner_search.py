@@ -2,6 +2,8 @@
 
 import argparse
 
+import pytest
+
 from meshlm.config import add_config_args, config_from_args
 from meshlm.planner.gpus import PRESETS
 from meshlm.planner.layout import Layout
@@ -70,3 +72,19 @@ def test_overlap_param_gather_kept_with_zero1_dropped_without():
     assert mine.distributed_optimizer and mine.describe() in {f.layout.describe() for f in fits}
     assert mine.apply(cfg).parallel.overlap_param_gather  # the user's choice kept with ZeRO-1
     assert not Layout(tp=2, dp=4, sequence_parallel=True).apply(cfg).parallel.overlap_param_gather
+
+
+def test_attention_efficiency_follows_the_measured_h200_kernels():
+    """The attention curve (cost.attention_efficiency) against the H200 figures it was fit to
+    (bench/results.jsonl): SDPA on cuDNN, head dim 128, causal fwd + bwd, 1.319e13 FLOPs (12·s²·a·d)
+    in 14.09 ms at 16k and 5.277e13 in 55.34 ms at 32k; 0.61 at 2,048 (the llama-1b profile)."""
+    from meshlm.planner.cost import attention_efficiency
+    h200 = PRESETS["H200-141GB"]
+    assert attention_efficiency(h200, 2048, 128) == pytest.approx(h200.attention_efficiency)
+    for seq, ms in ((16384, 14.09), (32768, 55.34)):
+        measured = 12 * seq ** 2 * 32 * 128 / (ms * 1e-3) / h200.peak_flops
+        assert attention_efficiency(h200, seq, 128) == pytest.approx(measured, rel=0.015)
+    curve = [attention_efficiency(h200, s, 128) for s in (512, 1024, 4096, 8192, 65536)]
+    assert curve == sorted(curve) and curve[-1] < 1.02  # rises with the sequence, saturates
+    assert attention_efficiency(h200, 16384, 64) == pytest.approx(0.786 * attention_efficiency(h200, 16384, 128),
+                                                                  rel=1e-3)

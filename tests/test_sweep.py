@@ -60,6 +60,8 @@ def test_successive_halving_keeps_the_best_half_and_runs_them_longer(tmp_path, m
     (["--lr", "1e-3,,2e-3"], "give comma-separated floats"),
     (["--lr", "nan,inf"], "'nan' is not a finite positive value"),
     (["--lr=-1e-3,0"], "'-1e-3' is not a finite positive value"),
+    (["--lr", "-1e-3,1e-2"], "--lr -1e-3,1e-2: '-1e-3' is not a finite positive value"),  # no '=': was argparse's
+    (["--lr", "1e-3", "--init-method-std", "-.02"], "'-.02' is not a finite positive value"),
     (["--lr", "1e-3,1e-3"], "a value is listed twice"),
     (["--lr", "1e-3", "--hidden-size", "0,-8"], "'0' is not a finite positive value"),
     (["--lr", "1e-3", "--", "--bogus-flag"], "the trials' pretrain flags are refused"),

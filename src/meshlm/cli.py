@@ -363,6 +363,8 @@ def _run_command(argv: list) -> int:
     """Parse ``argv`` and run its command; a MeshlmError or an interrupt as main() documents."""
     command = next((a for a in argv if not a.startswith("-")), None)
     try:
+        if command == "sweep":  # a negative swept value, which argparse would take for a flag
+            import_module(".sweep", __package__).check_argv(argv)
         parser = build_parser(command)
         args, extra = parser.parse_known_args(argv)
         if extra:  # a Megatron flag meshlm lacks, or a typo: all of them in one line

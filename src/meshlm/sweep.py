@@ -60,28 +60,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _values(args) -> dict:
     """{axis: [values]} of the swept flags given; ConfigError naming a bad value."""
-    out = {}
-    for name, kind in AXES.items():
-        text = getattr(args, name)
-        if text is None:
-            continue
-        flag, parts = "--" + name.replace("_", "-"), text.split(",")
-        try:
-            vals = [kind(v) for v in parts]
-        except ValueError:
-            raise ConfigError(f"{flag} {text}: give comma-separated {kind.__name__}s") from None
-        low = 0 if name == "lr_warmup_iters" else None  # warm-up may be 0; everything else is positive
-        bad = [p for p, v in zip(parts, vals) if not math.isfinite(v) or (v < low if low == 0 else v <= 0)]
-        if bad:
-            kind_word = "non-negative" if low == 0 else "positive"
-            raise ConfigError(f"{flag} {text}: {bad[0].strip()!r} is not a finite {kind_word} value; give e.g. "
-                              f"{flag}=1e-3,3e-3 (with '=' when a value starts with '-')")
-        if len(set(vals)) < len(vals):
-            raise ConfigError(f"{flag} {text}: a value is listed twice; give each once")
-        out[name] = vals
+    out = {name: _axis_values(name, getattr(args, name)) for name in AXES if getattr(args, name) is not None}
     if "lr" not in out:
         raise ConfigError("meshlm sweep needs --lr V1,V2,… (the learning rates to try)")
     return out
+
+
+def _axis_values(name: str, text: str) -> list:
+    """The values of one swept flag's comma list; ConfigError naming a malformed, non-finite,
+    out-of-range (negative; zero except for the warm-up) or repeated value."""
+    kind, flag, parts = AXES[name], "--" + name.replace("_", "-"), text.split(",")
+    try:
+        vals = [kind(v) for v in parts]
+    except ValueError:
+        raise ConfigError(f"{flag} {text}: give comma-separated {kind.__name__}s") from None
+    low = 0 if name == "lr_warmup_iters" else None  # warm-up may be 0; everything else is positive
+    bad = [p for p, v in zip(parts, vals) if not math.isfinite(v) or (v < low if low == 0 else v <= 0)]
+    if bad:
+        kind_word = "non-negative" if low == 0 else "positive"
+        raise ConfigError(f"{flag} {text}: {bad[0].strip()!r} is not a finite {kind_word} value; give e.g. "
+                          f"{flag}=1e-3,3e-3 (with '=' when a value starts with '-')")
+    if len(set(vals)) < len(vals):
+        raise ConfigError(f"{flag} {text}: a value is listed twice; give each once")
+    return vals
+
+
+def check_argv(argv: list) -> None:
+    """Before argparse (which reads ``--lr -1e-3`` as a flag without its value): ConfigError for a
+    swept flag whose next word is a number list starting with '-', as ``_axis_values`` words it."""
+    for flag, word in zip(argv, argv[1:]):
+        if flag == "--":
+            return  # the trials' pretrain flags follow
+        name = flag[2:].replace("-", "_") if flag.startswith("--") else None
+        if name in AXES and word[:1] == "-" and (word[1:2].isdigit() or word[1:2] == "."):
+            _axis_values(name, word)
 
 
 def _check(args) -> None:

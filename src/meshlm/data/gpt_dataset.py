@@ -207,16 +207,19 @@ class GPTDataset:
         self.document_index, self.sample_index, self.shuffle_index = (np.load(p, mmap_mode="r") for p in paths)
 
     def _save(self, cache_dir, paths, arrays, desc_path) -> str | None:
-        """Write the index files (each atomically); None, or the problem as one line."""
+        """Write the index files (each atomically, through a file of this process's own, so that
+        processes building the same cache at once, e.g. a sweep's trials, do not collide); None, or
+        the problem as one line."""
+        tmp = f".{os.getpid()}.tmp"
         try:
             os.makedirs(cache_dir, exist_ok=True)
             for path, arr in zip(paths, arrays):
-                with open(path + ".tmp", "wb") as f:
+                with open(path + tmp, "wb") as f:
                     np.save(f, arr)
-                os.replace(path + ".tmp", path)
-            with open(desc_path + ".tmp", "w") as f:
+                os.replace(path + tmp, path)
+            with open(desc_path + tmp, "w") as f:
                 f.write(self.description)
-            os.replace(desc_path + ".tmp", desc_path)
+            os.replace(desc_path + tmp, desc_path)
         except OSError as e:
             return (f"--data-cache-path {cache_dir}: cannot write the sample indices ({e.strerror}) on "
                     f"{socket.gethostname()}; point --data-cache-path at a writable folder")

@@ -10,7 +10,8 @@ the logits):
   of the causal attention work), at ``peak × gemm_efficiency(M, K, N)`` — a saturating curve per GEMM dimension,
   x / (x + GEMM_HALF_DIM), with M the micro-batch's tokens, h, the per-rank attention width a·d/t and
   MLP width f/t. Attention core (12·s²·a·d·b FLOPs a layer, fwd + bwd, the 4·s·a·d-per-token term of
-  the same formula) runs at ``peak × attention_efficiency``. Recompute adds forward work: full, one
+  the same formula) runs at ``peak × attention_efficiency(s/CP, head dim)``, a curve that rises
+  with the sequence (a per-row cost beside the quadratic work) and the head dim. Recompute adds forward work: full, one
   forward of every layer (1/3 of its FLOPs and its element-wise passes); selective, core attention's.
 - element-wise kernels (norms, RoPE, activations, residuals, the loss): memory-bound, about
   ``ELEMENTWISE_PASSES`` reads and writes of every byte a layer stores for backward
@@ -65,6 +66,9 @@ from .memory import layer_bytes
 from .moe_cp import cp_link, cp_seconds, ep_seconds, expert_rows
 
 GEMM_HALF_DIM = 64  # a GEMM dimension of x reaches x / (x + 64) of the large-GEMM efficiency
+ATTENTION_HALF_SEQ = 1360  # attention's per-row cost, in tokens of its quadratic work (fit: attention_efficiency)
+ATTENTION_HALF_HEAD_DIM = 48  # a head dim of d reaches d / (d + this) of the large-head efficiency
+ATTENTION_REFERENCE = (2048, 128)  # (seq, head dim) at which GPU.attention_efficiency is given
 ELEMENTWISE_PASSES = 4  # HBM bytes moved by element-wise kernels per byte stored for backward
 OPTIMIZER_BYTES_PER_PARAM = 38
 FOLD_BYTES_PER_PARAM = 10
@@ -78,6 +82,25 @@ def gemm_efficiency(gpu: GPU, *dims: float) -> float:
     for x in dims:
         eff *= x / (x + GEMM_HALF_DIM)
     return eff
+
+
+def attention_efficiency(gpu: GPU, seq: float, dim: float) -> float:
+    """Fraction of peak of the attention core (the 12·s²·a·d·b FLOPs a layer, fwd + bwd, counted as
+    if not causal) at sequence ``seq`` and head dim ``dim``: ``gpu.attention_efficiency`` (its
+    value at ``ATTENTION_REFERENCE``) × r(seq) × r(head_dim), each r the saturating x / (x + x_half)
+    over its value at the reference.
+
+    The sequence curve is time ∝ s² + s·ATTENTION_HALF_SEQ per row of heads: the quadratic tile work
+    plus a per-row cost (softmax statistics, the backward's preprocessing, the partly masked tiles on
+    the causal diagonal). Fit (bench/RESULTS.md, 2026-12-03 planner section) to the H200 attention of
+    bench/results.jsonl, head dim 128, bf16, causal, fwd + bwd: 0.61 at s 2,048 (llama-1b profile,
+    2026-12-01), 0.946 at 16k and 0.964 at 32k (cp-attention rows, SDPA on cuDNN, 2026-12-02); the
+    curve is within 1.1% of all three. The head-dim curve is fit to llama-1b at 16k (head dim 64,
+    plan_accuracy 2026-12-03): 0.79 of head dim 128's efficiency (fewer FLOPs a loaded K/V tile)."""
+    s0, d0 = ATTENTION_HALF_SEQ, ATTENTION_HALF_HEAD_DIM
+    ref_s, ref_d = ATTENTION_REFERENCE
+    return gpu.attention_efficiency * (seq / (seq + s0)) / (ref_s / (ref_s + s0)) \
+        * (dim / (dim + d0)) / (ref_d / (ref_d + d0))
 
 
 @dataclass
@@ -157,7 +180,7 @@ def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: b
     linear_layers = layers - n_fp8 + n_fp8 / gpu.fp8_gemm_speedup
     gemm_s = ((layer - attention) * linear_layers + layer_moe_extra * n_moe + head) / split / (gpu.peak_flops * eff) \
         + expert_s
-    attn_layer_s = attention / split / (gpu.peak_flops * gpu.attention_efficiency)
+    attn_layer_s = attention / split / (gpu.peak_flops * attention_efficiency(gpu, s / layout.cp, head_dim(m)))
     attn_s = attn_layer_s * layers
     stored = {kind: layer_bytes(m, b, replace(layout, recompute=NONE), act_bytes=act, moe=kind) for kind in set(moe)}
     elem_s = ELEMENTWISE_PASSES * (sum(stored[k] for k in moe) + (act * s * b * padded / t if logits else 0.0)) \

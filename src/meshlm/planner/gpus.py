@@ -7,7 +7,8 @@ A profile holds what the memory and step-time models need of one GPU and its lin
   sheets: A100 312, H100/H200 SXM 989.4 TFLOP/s), the figure MFU is measured against.
 - ``gemm_efficiency``: the fraction of the peak cuBLAS reaches on large bf16 GEMMs; smaller GEMM
   dimensions get less through the saturating curve of ``planner.cost.gemm_efficiency``.
-- ``attention_efficiency``: the fraction of the peak the flash/cuDNN attention kernels reach.
+- ``attention_efficiency``: the fraction of the peak the flash/cuDNN attention kernels reach at
+  seq 2,048 and head dim 128; ``planner.cost.attention_efficiency`` carries it to other shapes.
 - ``hbm_bytes_per_s``: achievable device-memory bandwidth (copy kernels; about 85% of the data sheet).
 - ``intra_node_bytes_per_s`` / ``inter_node_bytes_per_s``: achievable NCCL bus bandwidth per GPU inside
   a node (NVLink) and across nodes (one 200/400 Gb/s NIC per GPU), the ``busbw`` of nccl-tests, so a

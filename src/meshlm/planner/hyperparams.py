@@ -11,14 +11,16 @@ weights of a layer with a 4h GeLU MLP; here it is 6 × the layer's real matrix w
 GQA, attention output, the MLP or, for MoE, the top-k experts and the shared one), which is
 DeepSeek's M for their shape and the same count for others. The fit was made with AdamW and their
 multi-step schedule on their data; a budget outside [1e17, 2e19] is an extrapolation, and
-``recommend`` says so.
+``recommend`` says so. The global batch is B_opt in sequences rounded to the nearest multiple of
+micro-batch × DP of the flags' layout (at least one such multiple), so the recommended
+--global-batch-size is one the layout can run (Megatron requires a multiple of micro-batch × DP).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ffn_hidden, head_dim, moe_ffn, query_groups, run_samples
+from ..config import dp_size, ffn_hidden, head_dim, moe_ffn, query_groups, run_samples
 
 SOURCE = "DeepSeek LLM (arXiv:2401.02954) §3.1 Eq. (1)"
 FITTED = (1e17, 2e19)  # FLOPs: the compute budgets of the fit
@@ -27,25 +29,27 @@ FITTED = (1e17, 2e19)  # FLOPs: the compute budgets of the fit
 @dataclass(frozen=True)
 class Recommendation:
     """compute: C in FLOPs; lr: eta_opt; batch_tokens: B_opt in tokens; global_batch: B_opt in
-    sequences of --seq-length (at least 1); inside: C within the fitted range."""
+    sequences of --seq-length rounded to a multiple of ``step`` = micro-batch × DP (at least one
+    step); inside: C within the fitted range."""
 
     compute: float
     lr: float
     batch_tokens: float
     global_batch: int
     inside: bool
+    step: int = 1
 
     def line(self) -> str:
         """One line for `meshlm plan`: the values, the formula, the fitted range, the source."""
         where = "inside" if self.inside else "OUTSIDE (an extrapolation)"
         return (f"hyperparameters: --lr {self.lr:.3g} --global-batch-size {self.global_batch} "
-                f"({self.batch_tokens:,.0f} tokens) for C = {self.compute:.3g} FLOPs; eta = 0.3118·C^-0.1250, "
+                f"({self.batch_tokens:,.0f} tokens, rounded to a multiple of micro-batch × DP = {self.step}) for C = {self.compute:.3g} FLOPs; eta = 0.3118·C^-0.1250, "
                 f"B = 0.2920·C^0.3271 tokens, fitted for C in [{FITTED[0]:.0e}, {FITTED[1]:.0e}] ({where}), "
                 f"{SOURCE}")
 
     def to_json(self) -> dict:
         return {"compute_flops": self.compute, "lr": self.lr, "batch_tokens": self.batch_tokens,
-                "global_batch_size": self.global_batch, "inside_fitted_range": self.inside,
+                "global_batch_size": self.global_batch, "global_batch_multiple_of": self.step, "inside_fitted_range": self.inside,
                 "fitted_range_flops": list(FITTED), "source": SOURCE}
 
 
@@ -61,9 +65,10 @@ def flops_per_token(m) -> float:
 
 def recommend(cfg, world: int) -> Recommendation:
     """The recommendation for the run's model and token budget (--train-iters or --train-samples
-    × --seq-length)."""
+    × --seq-length) on ``world`` GPUs; its global batch a multiple of the flags' micro-batch × DP."""
     tokens = run_samples(cfg, world) * cfg.model.seq_length
     c = flops_per_token(cfg.model) * tokens
     batch = 0.2920 * c ** 0.3271
-    return Recommendation(c, 0.3118 * c ** -0.1250, batch, max(1, round(batch / cfg.model.seq_length)),
-                          FITTED[0] <= c <= FITTED[1])
+    step = cfg.training.micro_batch_size * max(1, dp_size(cfg, world))
+    sequences = max(1, round(batch / cfg.model.seq_length / step)) * step
+    return Recommendation(c, 0.3118 * c ** -0.1250, batch, sequences, FITTED[0] <= c <= FITTED[1], step)
