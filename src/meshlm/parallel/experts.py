@@ -1,6 +1,13 @@
-"""Expert-parallel token dispatch: routes to their experts' EP ranks and back (all-to-all).
+"""Token dispatch: routes to their experts (and EP ranks, by all-to-all) and back.
 
-``dispatch_combine`` (Megatron's MoEAlltoAllTokenDispatcher, in order):
+At EP = 1 (``_local``) the dispatch has fixed shapes and never reads the device from the host, so
+it compiles into the MoE layer's graph (meshlm/fast.py): the routing map's T·k slots are taken in
+expert-major order by one stable argsort of the map (routes first, by expert then token; the
+slots of dropped routes follow, gate 0), the rows gathered, the experts run on the counts per
+expert as a device tensor (the dropped slots ride with the last expert; their gate 0 zeroes
+their output and gradients), and the gate-weighted results summed back per token (index_add).
+
+At EP > 1 ``dispatch_combine`` follows Megatron's MoEAlltoAllTokenDispatcher, in order:
   1. permute: the routes (token, expert) of routing_map [T, E], expert-major (stable: by expert,
      then token), their rows gathered; counts [E] routes per expert;
   2. counts exchange: one all_to_all_single of the counts over the EP group, so each rank learns
@@ -71,32 +78,56 @@ def _regroup(x: torch.Tensor, sizes: list, outer: int, inner: int) -> torch.Tens
 
 
 def dispatch_combine(tokens: torch.Tensor, gates: torch.Tensor, routing_map: torch.Tensor, experts,
-                     group) -> torch.Tensor:
+                     group, slots: int) -> torch.Tensor:
     """Σ_e gates[t, e] · expert_e(tokens[t]) for each token t over its routes (module doc).
 
     tokens [T, h]; gates [T, E] (fp32 or wider, zero off the routes); routing_map [T, E] bool;
-    experts(x [N, h] sorted by local expert, counts [E_local] int64) → [N, h]. Returns [T, h]
-    in tokens' dtype. Collective over ``group`` (the EP group; None at EP = 1).
+    experts(x [N, h] sorted by local expert, counts [E_local] int64, expert_idx [N] or None) → [N, h]
+    (expert_idx: each row's local expert, given at EP = 1 where rows past counts.sum() belong to
+    the last expert). slots: T·k, the routes before dropping (EP = 1's fixed row count). Returns
+    [T, h] in tokens' dtype. Collective over ``group`` (the EP group; None at EP = 1).
     """
     T, E = routing_map.shape
+    ep = group_size(group)
+    if ep == 1:
+        return _local(tokens, gates, routing_map, experts, slots)
+    local = E // ep
     expert_idx, token_idx = routing_map.t().nonzero(as_tuple=True)  # expert-major, then token
     rows = tokens.index_select(0, token_idx)
     counts = routing_map.sum(0)
-    ep = group_size(group)
-    local = E // ep
-    if ep == 1:
-        y = experts(rows, counts)
-    else:
-        received = _exchange("all_to_all of the MoE token counts", torch.empty_like(counts), counts, None, None,
-                             group)
-        sent_list, recv_list = counts.tolist(), received.tolist()  # the one host read of the exchange
-        send = [sum(sent_list[r * local:(r + 1) * local]) for r in range(ep)]
-        recv = [sum(recv_list[r * local:(r + 1) * local]) for r in range(ep)]
-        x = _regroup(all_to_all(rows, recv, send, group), recv_list, ep, local)
-        local_counts = received.view(ep, local).sum(0)
-        y = experts(x, local_counts)
-        by_expert = [recv_list[s * local + e] for e in range(local) for s in range(ep)]
-        y = all_to_all(_regroup(y, by_expert, local, ep), send, recv, group)
+    received = _exchange("all_to_all of the MoE token counts", torch.empty_like(counts), counts, None, None,
+                         group)
+    sent_list, recv_list = counts.tolist(), received.tolist()  # the one host read of the exchange
+    send = [sum(sent_list[r * local:(r + 1) * local]) for r in range(ep)]
+    recv = [sum(recv_list[r * local:(r + 1) * local]) for r in range(ep)]
+    x = _regroup(all_to_all(rows, recv, send, group), recv_list, ep, local)
+    local_counts = received.view(ep, local).sum(0)
+    y = experts(x, local_counts, None)
+    by_expert = [recv_list[s * local + e] for e in range(local) for s in range(ep)]
+    y = all_to_all(_regroup(y, by_expert, local, ep), send, recv, group)
+    return _combine(y, gates, token_idx, expert_idx, T)
+
+
+def permute(routing_map: torch.Tensor, slots: int) -> tuple:
+    """(token_idx [slots], expert_idx [slots], counts [E] int64) of routing_map [T, E] bool, with no
+    host read: the routes expert-major (by expert, then token; nonzero's order) in the first
+    counts.sum() slots, then the first unrouted (token, expert) pairs in the same order, which the
+    caller gives gate 0. ``slots`` ≥ the routes (T·k: every route of a top-k before dropping)."""
+    T = routing_map.shape[0]
+    order = torch.argsort((~routing_map).t().reshape(-1).to(torch.int8), stable=True)[:slots]
+    return order % T, order // T, routing_map.sum(0)
+
+
+def _combine(y: torch.Tensor, gates: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor,
+             T: int) -> torch.Tensor:
+    """Σ over a token's slots of gate · expert output: y [N, h], indices [N] → [T, h] in y's dtype."""
     weighted = y.to(gates.dtype) * gates[token_idx, expert_idx].unsqueeze(1)
-    out = torch.zeros((T, tokens.shape[1]), dtype=gates.dtype, device=tokens.device)
-    return out.index_add(0, token_idx, weighted).to(tokens.dtype)
+    out = torch.zeros((T, y.shape[1]), dtype=gates.dtype, device=y.device)
+    return out.index_add(0, token_idx, weighted).to(y.dtype)
+
+
+def _local(tokens, gates, routing_map, experts, slots: int) -> torch.Tensor:
+    """dispatch_combine at EP = 1, fixed shapes and no host read (module doc)."""
+    token_idx, expert_idx, counts = permute(routing_map, slots)
+    y = experts(tokens.index_select(0, token_idx), counts, expert_idx)
+    return _combine(y, gates, token_idx, expert_idx, routing_map.shape[0])
