@@ -44,3 +44,10 @@ def test_moe_under_cp2_with_tp_sp_and_ep_over_dp_cp_with_zero1():
     """EP = 2 inside CP = 2 at TP = 2 + SP (token group TP × CP); EP = 4 over DP × CP under ZeRO-1."""
     assert_parity(moe_case(cp=2, tp=2, sp=True, ep=2),
                   moe_case(cp=2, dp=2, ep=4, dist_opt=True, overlap_grad=True))
+
+
+def test_compiled_moe_fast_path_equals_one_process():
+    """--fast-path on (compiled on CPU, as on CUDA): the MoE layers compiled with EP = 1's fixed-slot
+    dispatch under capacity dropping at DP = 2, and EP = 2 (its all-to-all eager) in the same start."""
+    cap = MOE + (("moe_expert_capacity_factor", 1.0),)
+    assert_parity(Case(experts=4, moe=cap, dp=2, fast="on"), moe_case(dp=2, ep=2, fast="on"))

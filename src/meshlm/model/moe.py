@@ -195,8 +195,7 @@ class Experts(nn.Module):
 
     ``forward(x, counts, expert_idx)``: x [N, h] rows sorted by local expert, counts [E_local]
     int64 (a device tensor, never read by the host when expert_idx is given), expert_idx [N] each
-    row's local expert or None; → [N, h]. With expert_idx (EP = 1, parallel/experts.py) the rows
-    past counts.sum() are padding of gate 0 that belong to the last expert here.
+    row's local expert (EP = 1, parallel/experts.py) or None; → [N, h].
     One grouped GEMM per projection (``torch._grouped_mm`` over the counts' cumulative offsets,
     weights stacked) where torch has it and ``grouped`` (CUDA, fp32/bf16/fp16); else with
     expert_idx each expert on every row, its rows kept (``torch.where``: the same products per
@@ -241,8 +240,6 @@ class Experts(nn.Module):
                 y = torch.where((expert_idx == j).unsqueeze(1), e(x), y)
             return y
         offs = counts.cumsum(0).to(torch.int32)
-        if expert_idx is not None:  # the padding rows go with the last expert
-            offs = torch.cat([offs[:-1], offs.new_full((1,), x.shape[0])])
         fc1 = [e.linear_fc1 for e in experts]
         fc2 = [e.linear_fc2 for e in experts]
         y = torch._grouped_mm(x, torch.stack([m.weight for m in fc1]).transpose(1, 2), offs=offs)
@@ -290,7 +287,7 @@ class MoELayer(nn.Module):
         bias = self.router.expert_bias if self.router.use_bias else None
         gates, routing_map = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function,
                                    cfg.moe_router_pre_softmax, bias)
-        routes = routing_map.sum(0)
+        chosen, routes = routing_map, routing_map.sum(0)
         if cfg.moe_expert_capacity_factor is not None:
             cap = capacity(tokens.shape[0], cfg.num_experts, cfg.moe_router_topk, cfg.moe_expert_capacity_factor)
             gates, routing_map = drop(gates, routing_map, cap, cfg.moe_token_drop_policy)
@@ -300,8 +297,7 @@ class MoELayer(nn.Module):
                               self.token_group)
         if training:
             gates = _attach_and_record(self, gates, z, aux, routes, routing_map.sum(0), tokens.shape[0])
-        y = dispatch_combine(tokens, gates, routing_map, self.experts, self.ps.ep_group,
-                             tokens.shape[0] * cfg.moe_router_topk)
+        y = dispatch_combine(tokens, gates, routing_map, self.experts, self.ps.ep_group, chosen, cfg.moe_router_topk)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).reshape(-1, shape[-1])
         return y.reshape(shape)
