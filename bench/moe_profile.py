@@ -11,8 +11,10 @@ top-2 softmax, aux coefficient 1e-2, bf16 weights and activations, the router in
 is timed by CUDA events around ``--iters`` calls after 3 warm-ups (median, ms), on inputs made
 once: router = logits and top-k (``route``), permute = the rows in expert order (``nonzero`` before
 issue 31, ``experts.permute`` after), grouped GEMM = ``Experts`` (fc1, SwiGLU, fc2), unpermute =
-the gate-weighted sum back per token, aux loss = ``aux_loss``; then the whole ``MoELayer`` eagerly
-and under torch.compile (as the fast path runs it). Backward of each stage is driven by a
+the gate-weighted sum back per token, aux loss = ``aux_loss``; dense_mlp = the dense SwiGLU MLP of
+width 2 × 3584 on the same tokens (the same GEMM FLOPs as the k = 2 experts: the ceiling of the
+grouped GEMM stage, also eager); then the whole ``MoELayer`` eagerly and under torch.compile (as
+the fast path runs it). Backward of each stage is driven by a
 fixed random gradient. One JSON row goes to --results ("bench": "moe_profile").
 """
 
@@ -124,6 +126,10 @@ def main() -> None:
         return torch.zeros((T, h), dtype=torch.float32, device=device).index_add(0, token_idx, w).to(y.dtype)
 
     x3 = x.detach().reshape(T // 8, 8, h).requires_grad_()
+    import dataclasses
+    from meshlm.model.mlp import MLP
+    dense = MLP(dataclasses.replace(m, ffn_hidden_size=2 * ffn), ps, init, init, sequence_parallel=False,
+                params_dtype=dtype)
     compiled = torch.compile(layer)
     stages = {
         "router": _fwd_bwd(lambda t: moe.route(layer.router(t), 2)[0], x),
@@ -131,6 +137,7 @@ def main() -> None:
         "grouped_gemm": _fwd_bwd(gemm, rows),
         "unpermute": _fwd_bwd(unpermute, y_rows, gates),
         "aux_loss": _fwd_bwd(lambda lg: moe.aux_loss(lg, 2, "softmax", 1e-2)[0], logits),
+        "dense_mlp": _fwd_bwd(dense, x),
         "layer_eager": _fwd_bwd(layer, x3),
         "layer_compiled": _fwd_bwd(compiled, x3),
     }
