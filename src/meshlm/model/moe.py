@@ -197,10 +197,10 @@ class Experts(nn.Module):
     int64 (a device tensor, never read by the host when expert_idx is given), expert_idx [N] each
     row's local expert (EP = 1, parallel/experts.py) or None; → [N, h].
     One grouped GEMM per projection (``torch._grouped_mm`` over the counts' cumulative offsets,
-    weights stacked) where torch has it and ``grouped`` (CUDA, fp32/bf16/fp16); else with
-    expert_idx each expert on every row, its rows kept (``torch.where``: the same products per
-    row, fixed shapes for torch.compile, E× the FLOPs, for CPU tests), without it a loop over the
-    experts' row blocks. Every expert runs, on zero rows if it got none, so each gets a gradient,
+    weights stacked) where torch has it and ``grouped`` (CUDA, fp32/bf16/fp16); else a loop over
+    the experts' row blocks (one host read of the counts), or under torch.compile, with
+    expert_idx, each expert on every row, its rows kept (``torch.where``: the same products per
+    row, fixed shapes, no host read; E× the FLOPs: the CPU tests' compiled path). Every expert runs, on zero rows if it got none, so each gets a gradient,
     zero when unused.
     """
 
@@ -232,7 +232,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_idx: torch.Tensor | None = None) -> torch.Tensor:
         experts = list(self.local_experts.values())
-        if not self.grouped and expert_idx is None:
+        if not self.grouped and (expert_idx is None or not torch.compiler.is_compiling()):
             return torch.cat([e(rows) for e, rows in zip(experts, x.split(counts.tolist()))])
         if not self.grouped:
             y = experts[0](x)
