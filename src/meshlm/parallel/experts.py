@@ -111,6 +111,14 @@ def dispatch_combine(tokens: torch.Tensor, gates: torch.Tensor, routing_map: tor
     return _combine(y, gates, token_idx, expert_idx, T)
 
 
+def _combine(y: torch.Tensor, gates: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor,
+             T: int) -> torch.Tensor:
+    """Σ over a token's routes of gate · expert output: y [N, h], indices [N] → [T, h] in y's dtype."""
+    weighted = y.to(gates.dtype) * gates[token_idx, expert_idx].unsqueeze(1)
+    out = torch.zeros((T, y.shape[1]), dtype=gates.dtype, device=y.device)
+    return out.index_add(0, token_idx, weighted).to(y.dtype)
+
+
 def permute(chosen: torch.Tensor, k: int) -> tuple:
     """(perm, inv, expert_idx, counts) of chosen [T, E] bool with exactly k per row, no host read:
     perm [T·k] the token-major slots (t·k + j: token t's j-th expert, ascending) in expert-major
