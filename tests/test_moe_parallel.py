@@ -47,7 +47,8 @@ def test_moe_under_cp2_with_tp_sp_and_ep_over_dp_cp_with_zero1():
 
 
 def test_compiled_moe_fast_path_equals_one_process():
-    """--fast-path on (compiled on CPU, as on CUDA): the MoE layers compiled with EP = 1's fixed-slot
-    dispatch under capacity dropping at DP = 2, and EP = 2 (its all-to-all eager) in the same start."""
+    """--fast-path on (compiled on CPU, as on CUDA; the dense counterpart is test_parity_matrix's
+    compiled test): two layers, the first MoE, compiled with EP = 1's fixed-slot dispatch under
+    capacity dropping (sigmoid scores, expert bias, aux and z-loss, a shared expert) at DP = 2."""
     cap = MOE + (("moe_expert_capacity_factor", 1.0),)
-    assert_parity(Case(experts=4, moe=cap, dp=2, fast="on"), moe_case(dp=2, ep=2, fast="on"))
+    assert_parity(Case(experts=4, moe=cap, dp=2, layers=2, fast="on"))
