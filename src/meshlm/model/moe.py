@@ -4,8 +4,9 @@ Per layer, on this rank's tokens x [s, b, h] ([s/tp, b, h] under sequence parall
 needs at TP > 1; [s/cp, b, h] under context parallelism; each rank routes its own rows; the
 ranks that split one micro-batch's tokens — TP under SP, times CP — are the *token group*,
 ``ParallelState.tp_cp_group``):
-  logits = x W_rᵀ [T, E] (fp32 at least), router z-loss (attached to the gates, ``_attach_and_record``; this rank's mean over the
-  token group's size: the shares add up to the micro-batch's mean);
+  logits = x W_rᵀ [T, E] (fp32 at least), router z-loss (attached to the gates,
+  ``_attach_and_record``; this rank's mean over the token group's size: the shares add up to the
+  micro-batch's mean);
   scores and top-k (``route``; Megatron's topk_routing_with_score_function): softmax over the k
   chosen logits, or over all E first with --moe-router-pre-softmax (not renormalised); sigmoid,
   normalised over the k chosen. The expert bias (aux-loss-free balancing; sigmoid scores, as in
