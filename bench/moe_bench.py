@@ -1,5 +1,6 @@
-"""MoE benchmark (issue 14): a Mixtral-shaped model at EP=1 in meshlm against a plain-PyTorch MoE
-of the same shape (bench/baseline.py --experts), in one invocation, on one GPU.
+"""MoE benchmark (issues 14, 31): a Mixtral-shaped model at EP=1 in meshlm against a plain-PyTorch MoE
+of the same shape (bench/baseline.py --experts) and against the dense model of the same active FLOPs
+per token, in one invocation, on one GPU.
 
 Usage (lent H200, repository root):
     PYTHONPATH=src python bench/moe_bench.py --out $OUT --results $OUT/results.jsonl --date 2026-12-02
@@ -7,14 +8,19 @@ Usage (lent H200, repository root):
 
 Shape: preset ``mixtral-small`` (16 layers, h 1024, 16 heads / 8 KV groups, 8 SwiGLU experts of
 3584, top-2, load-balancing coefficient 1e-2), vocabulary 32000, sequence 2048, bf16,
---mock-data; --tiny: preset ``mixtral-tiny`` at sequence 128 on CPU. Baseline first, then meshlm
-(default fast path), each its own process; per side the median of the iterations after --warmup
-(wall clock of the whole step). FLOPs per token are meshlm's model FLOPs
+--mock-data; --tiny: preset ``mixtral-tiny`` at sequence 128 on CPU. Cases (--cases, in order,
+each its own process; the median of the iterations after --warmup, wall clock of the whole step):
+baseline (plain PyTorch), learned (meshlm, default fast path, learned routing with the aux loss),
+balanced (--moe-router-force-load-balancing: random logits, the load even in expectation),
+capacity (--moe-expert-capacity-factor 1.0, dropping by probability), dense (--num-experts 0
+--ffn-hidden-size k × the expert width: the same GEMM FLOPs per token without routing, the
+ceiling). Each case's MFU counts its own model FLOPs. FLOPs per token are meshlm's model FLOPs
 (meshlm/flops.py ``flops_per_iteration``: the k routed experts a token uses, the router,
 attention, logits; ×3 for backward) for both sides, so TFLOP/s and MFU compare like with like;
 MFU against the dense bf16 peak of ``flops.PEAK_TFLOPS`` (n/a on CPU). meshlm's row also keeps
 the routing figures of its last logged iteration (tokens per expert imbalance, aux loss).
-One JSON row goes to --results ("bench": "moe"); the markdown table to stdout and <out>/moe_bench.md.
+One JSON row goes to --results ("bench": "moe", the learned case's figures at top level, every
+case under "cases"); the markdown table to stdout and <out>/moe_bench.md.
 """
 
 from __future__ import annotations
@@ -41,26 +47,30 @@ SHAPES = {  # preset, flags, baseline shape (the preset's numbers), micro-batch,
 
 
 def model_flops_per_token(preset: str, flags: list) -> float:
-    """meshlm's model FLOPs per token (forward + backward) of the preset with the flags."""
-    from meshlm.config import Config, padded_vocab_size
-    from meshlm.presets import apply_preset
+    """meshlm's model FLOPs per token (forward + backward) of ``meshlm pretrain --model preset flags``."""
+    from meshlm.config import padded_vocab_size
     from meshlm.flops import flops_per_iteration
-    cfg = Config()
-    apply_preset(cfg, preset)
-    m = cfg.model
-    m.vocab_size, m.seq_length = int(flags[flags.index("--vocab-size") + 1]), int(flags[flags.index("--seq-length") + 1])
+    from runs import config_of
+    m = config_of(["--model", preset, *flags]).model
     return flops_per_iteration(m, 1, padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)) / m.seq_length
 
 
-def run_meshlm(preset: str, flags: list, micro: int, out: str, iters: int, warmup: int) -> dict:
+def case_flags(name: str, shape: dict) -> list:
+    """The extra flags of one meshlm case (module doc)."""
+    return {"learned": [], "balanced": ["--moe-router-force-load-balancing"],
+            "capacity": ["--moe-expert-capacity-factor", "1.0"],
+            "dense": ["--num-experts", "0", "--ffn-hidden-size", str(shape["topk"] * shape["ffn"])]}[name]
+
+
+def run_meshlm(preset: str, flags: list, micro: int, out: str, iters: int, warmup: int, name: str = "moe") -> dict:
     """One `meshlm pretrain` process on one device; medians of its metrics.jsonl after warm-up."""
-    run_dir = os.path.join(out, "runs", "meshlm-moe")
+    run_dir = os.path.join(out, "runs", f"meshlm-{name}")
     cmd = [sys.executable, "-m", "meshlm", "pretrain", "--model", preset, *flags, *COMMON,
            "--micro-batch-size", str(micro), "--global-batch-size", str(micro), "--train-iters", str(iters),
            "--nproc-per-node", "1", "--run-dir", run_dir]
     t0 = time.time()
     proc = subprocess.run(cmd, env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"), capture_output=True, text=True)
-    with open(os.path.join(out, "meshlm-moe.log"), "w") as fh:
+    with open(os.path.join(out, f"meshlm-{name}.log"), "w") as fh:
         fh.write(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
@@ -71,8 +81,10 @@ def run_meshlm(preset: str, flags: list, micro: int, out: str, iters: int, warmu
     return {"iter_ms": statistics.median(r["iter_ms"] for r in timed),
             "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
             "peak_mem_gb": max((r.get("mem_max_allocated_gb") or 0.0) for r in timed),
-            "losses": [r["lm_loss"] for r in rows], "imbalance": rows[-1]["moe_tokens_per_expert"]["imbalance"],
-            "aux_loss": rows[-1]["moe_aux_loss"], "wall_s": round(time.time() - t0, 1)}
+            "losses": [r["lm_loss"] for r in rows],
+            "imbalance": (rows[-1].get("moe_tokens_per_expert") or {}).get("imbalance"),
+            "dropped": rows[-1].get("moe_dropped_fraction"),
+            "aux_loss": rows[-1].get("moe_aux_loss"), "wall_s": round(time.time() - t0, 1)}
 
 
 def main() -> None:
@@ -82,7 +94,10 @@ def main() -> None:
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results.jsonl"))
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--micro-batch", type=int, default=None)
+    ap.add_argument("--cases", default="baseline,learned,balanced,capacity,dense",
+                    help="comma-separated, from: baseline, learned, balanced, capacity, dense (module doc)")
     args = ap.parse_args()
+    names = args.cases.split(",")
     import torch
 
     from meshlm.flops import peak_tflops
@@ -92,19 +107,25 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     peak = peak_tflops(gpu, torch.bfloat16)
     per_token = model_flops_per_token(preset, flags)
-    base = run_baseline(shape, micro, args.out, iters, warmup)
+    base = run_baseline(shape, micro, args.out, iters, warmup) if "baseline" in names else {"error": "not run"}
     print(f"baseline: {base}", flush=True)
-    ours = run_meshlm(preset, flags + ([] if args.tiny else ["--bf16"]), micro, args.out, iters, warmup)
-    print(f"meshlm: {ours}", flush=True)
-    if "error" in ours:
-        raise SystemExit(f"meshlm failed: {ours['error']}")
+    cases = {}
+    for name in [n for n in names if n != "baseline"]:
+        extra = case_flags(name, shape)
+        r = run_meshlm(preset, flags + extra + ([] if args.tiny else ["--bf16"]), micro, args.out, iters, warmup, name)
+        r["flops_per_token"] = model_flops_per_token(preset, flags + extra)
+        cases[name] = r
+        print(f"meshlm {name}: {r}", flush=True)
 
-    def tflops(r):
-        return None if "error" in r else per_token * r["tokens_per_sec"] / 1e12
+    def tflops(r, per=per_token):
+        return None if "error" in r else r.get("flops_per_token", per) * r["tokens_per_sec"] / 1e12
 
     def mfu(r):
         return None if tflops(r) is None or not peak else round(tflops(r) / peak, 4)
 
+    ours = cases.get("learned") or next(iter(cases.values()))
+    if "error" in ours:
+        raise SystemExit(f"meshlm failed: {ours['error']}")
     ok = "error" not in base
     rec = {"date": args.date, "gpu": gpu or "cpu", "gpus": 1, "bench": "moe", "case": f"{preset} ep1",
            "model": f"{preset} L{shape['layers']} h{shape['hidden']} a{shape['heads']}/g{shape['groups']} "
@@ -117,9 +138,18 @@ def main() -> None:
            "baseline_peak_mem_gb": round(base["peak_mem_gb"], 2) if ok else None,
            "baseline_error": None if ok else base["error"],
            "vs_baseline": round(ours["tokens_per_sec"] / base["tokens_per_sec"], 3) if ok else None,
-           "imbalance_last": round(ours["imbalance"], 3), "aux_loss_last": ours["aux_loss"],
+           "imbalance_last": ours["imbalance"] and round(ours["imbalance"], 3), "aux_loss_last": ours["aux_loss"],
            "first_losses": [round(x, 4) for x in ours["losses"][:5]],
-           "baseline_first_losses": [round(x, 4) for x in base["losses"][:5]] if ok else None}
+           "baseline_first_losses": [round(x, 4) for x in base["losses"][:5]] if ok else None,
+           "cases": {n: {"tokens_per_sec": r.get("tokens_per_sec"), "iter_ms": r.get("iter_ms"),
+                         "flops_per_token": r["flops_per_token"], "mfu": mfu(r), "error": r.get("error"),
+                         "peak_mem_gb": r.get("peak_mem_gb"), "imbalance": r.get("imbalance"),
+                         "dropped": r.get("dropped"), "first_losses": [round(x, 4) for x in r.get("losses", [])[:5]]}
+                     for n, r in cases.items()}}
+    dense = cases.get("dense")
+    if dense and "error" not in dense:
+        rec["vs_dense"] = {n: round(r["tokens_per_sec"] / dense["tokens_per_sec"], 3)
+                           for n, r in cases.items() if "error" not in r}
     print(json.dumps(rec), flush=True)
     with open(args.results, "a") as fh:
         fh.write(json.dumps(rec) + "\n")
@@ -131,8 +161,9 @@ def main() -> None:
         f"| plain PyTorch | {fmt(rec['baseline_tokens_per_sec'], ',.0f')} | {fmt(rec['baseline_tflops_per_gpu'], '.1f')} "
         f"| {fmt(rec['baseline_mfu'], '.3f')} | {fmt(rec['baseline_peak_mem_gb'], '.2f')} | "
         f"{fmt(base.get('iter_ms'), '.1f')} |",
-        f"| meshlm EP=1 | {rec['tokens_per_sec']:,.0f} | {rec['tflops_per_gpu']:.1f} | {fmt(rec['mfu'], '.3f')} "
-        f"| {rec['peak_mem_gb']:.2f} | {rec['iter_ms']:.1f} |"])
+        *(f"| meshlm {n} | {fmt(r.get('tokens_per_sec'), ',.0f')} | {fmt(tflops(r), '.1f')} | "
+          f"{fmt(mfu(r), '.3f')} | {fmt(r.get('peak_mem_gb'), '.2f')} | {fmt(r.get('iter_ms'), '.1f')} |"
+          for n, r in cases.items())])
     with open(os.path.join(args.out, "moe_bench.md"), "w") as fh:
         fh.write(f"{rec['model']}, seq {rec['seq']}, micro-batch {micro}, {rec['gpu']}\n\n{table}\n")
     print(table)

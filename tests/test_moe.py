@@ -252,3 +252,68 @@ def test_model_flops_count_the_k_experts_a_token_uses_and_the_router():
     B, V, h, s, k, f_e, E = 3, 64, 16, 8, 2, 8, 4
     per_layer = 2 * h * k * f_e * 2 + 2 * h * E - 2 * h * 4 * h * 2
     assert flops_per_iteration(moe_cfg, B, V) - flops_per_iteration(dense, B, V) == 3 * B * s * 2 * per_layer
+
+
+def test_fixed_slot_dispatch_is_nonzero_order_and_equals_index_add_with_dropping():
+    """EP = 1's fixed T·k slots (parallel/experts.py): the experts see the routes in nonzero's
+    expert-major order, the dropped routes' slots carry gate 0, and output and gradients equal the
+    index_select / index_add formulation (float64)."""
+    from meshlm.parallel import experts as dispatch
+    g = torch.Generator().manual_seed(3)
+    T, E, k, h = 12, 4, 2, 5
+    probs, chosen = moe.route(torch.randn(T, E, generator=g, dtype=torch.float64), k)
+    probs.requires_grad_()
+    gates, kept = moe.drop(probs, chosen, moe.capacity(T, E, k, 0.75), "probs")
+    assert (kept != chosen).any(), "the case must drop routes"
+    perm, inv, expert_idx, counts = dispatch.permute(chosen, k)
+    e_ref, t_ref = chosen.t().nonzero(as_tuple=True)
+    assert torch.equal(expert_idx, e_ref) and torch.equal(torch.div(perm, k, rounding_mode="floor"), t_ref)
+    assert torch.equal(inv[perm], torch.arange(T * k)) and torch.equal(counts, chosen.sum(0))
+    w = torch.randn(E, h, h, generator=g, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(T, h, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def experts(rows, counts, idx):  # a different linear map per expert, row by row
+        return torch.einsum("nh,nhf->nf", rows, w[idx])
+
+    y = dispatch.dispatch_combine(x, gates, kept, experts, None, chosen, k)
+    out = torch.randn(T, h, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((y * out).sum(), (x, w, probs), retain_graph=True)  # a dropped gate's own gradient differs
+    e_idx, t_idx = kept.t().nonzero(as_tuple=True)
+    weighted = experts(x.index_select(0, t_idx), None, e_idx) * gates[t_idx, e_idx].unsqueeze(1)
+    want_y = torch.zeros(T, h, dtype=torch.float64).index_add(0, t_idx, weighted)
+    want = torch.autograd.grad((want_y * out).sum(), (x, w, probs))
+    torch.testing.assert_close(y, want_y, rtol=1e-13, atol=1e-14)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.slow
+def test_compiled_moe_layer_has_one_eager_step_and_equals_eager_in_float64():
+    """The MoE layer as dynamo captures it on the fast path (float64, z-loss, aux loss, capacity
+    dropping; AOT autograd without Inductor's codegen, which tests/test_moe_parallel.py's compiled
+    parity runs): one graph break, at the losses' attachment and statistics (no host sync in the
+    dispatch), output and gradients equal to eager, statistics recorded once per call."""
+    from meshlm import fast
+    m = _cfg(swiglu=True, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_expert_capacity_factor=1.0)
+    layer = _layer(m)
+    x = torch.randn(8, 2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    runs = []
+    for compiled in (False, True):
+        if compiled:
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            fast._before_compile()
+            layer.compile(backend="aot_eager")
+        layer.zero_grad()
+        x.grad = None
+        y = layer(x)
+        y.square().sum().backward()
+        runs.append((y.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in layer.named_parameters()}))
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    assert len(breaks) == 1 and "_attach_and_record" in next(iter(breaks)), dict(breaks)
+    (y0, gx0, g0), (y1, gx1, g1) = runs
+    torch.testing.assert_close(y1, y0, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-12, atol=1e-14)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-12, atol=1e-14, msg=n)
+    assert layer.state.stats[0]["calls"] == 2

@@ -44,3 +44,11 @@ def test_moe_under_cp2_with_tp_sp_and_ep_over_dp_cp_with_zero1():
     """EP = 2 inside CP = 2 at TP = 2 + SP (token group TP × CP); EP = 4 over DP × CP under ZeRO-1."""
     assert_parity(moe_case(cp=2, tp=2, sp=True, ep=2),
                   moe_case(cp=2, dp=2, ep=4, dist_opt=True, overlap_grad=True))
+
+
+def test_compiled_moe_fast_path_equals_one_process():
+    """--fast-path on (compiled on CPU, as on CUDA; the dense counterpart is test_parity_matrix's
+    compiled test): two layers, the first MoE, compiled with EP = 1's fixed-slot dispatch under
+    capacity dropping (sigmoid scores, expert bias, aux and z-loss, a shared expert) at DP = 2."""
+    cap = MOE + (("moe_expert_capacity_factor", 1.0),)
+    assert_parity(Case(experts=4, moe=cap, dp=2, layers=2, fast="on"))

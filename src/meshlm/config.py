@@ -119,6 +119,9 @@ class ModelConfig:
         False, "aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the scores for the top-k choice, "
         "moved each step by --moe-router-bias-update-rate towards the mean load", action="store_true")
     moe_router_bias_update_rate: float = opt(1e-3, "step of the expert bias update")
+    moe_router_force_load_balancing: bool = opt(
+        False, "benchmarking only: route by random normal logits (the router's gradient passes straight "
+        "through), so the load is balanced in expectation", action="store_true")
     moe_expert_capacity_factor: Optional[float] = opt(
         None, "expert capacity = ceil(tokens × k / experts × this) per micro-batch and rank; routes beyond "
         "it are dropped (none: no dropping)")

@@ -4,8 +4,9 @@ Per layer, on this rank's tokens x [s, b, h] ([s/tp, b, h] under sequence parall
 needs at TP > 1; [s/cp, b, h] under context parallelism; each rank routes its own rows; the
 ranks that split one micro-batch's tokens — TP under SP, times CP — are the *token group*,
 ``ParallelState.tp_cp_group``):
-  logits = x W_rᵀ [T, E] (fp32 at least), router z-loss attached (this rank's mean over the
-  token group's size: the shares add up to the micro-batch's mean);
+  logits = x W_rᵀ [T, E] (fp32 at least), router z-loss (attached to the gates,
+  ``_attach_and_record``; this rank's mean over the token group's size: the shares add up to the
+  micro-batch's mean);
   scores and top-k (``route``; Megatron's topk_routing_with_score_function): softmax over the k
   chosen logits, or over all E first with --moe-router-pre-softmax (not renormalised); sigmoid,
   normalised over the k chosen. The expert bias (aux-loss-free balancing; sigmoid scores, as in
@@ -44,6 +45,7 @@ from torch import nn
 
 from ..config import gelu_tanh, moe_ffn
 from ..dtypes import wide
+from ..fast import eager
 from ..parallel import watchdog
 from ..parallel.comm import group_size
 from ..parallel.experts import dispatch_combine
@@ -138,7 +140,7 @@ def aux_loss(logits: torch.Tensor, k: int, score_function: str, coeff: float, gr
     """(loss, tokens per expert [E]) of Switch/GShard balancing: coeff · E/(k·T²) · Σ_i P_i · f_i, with
     P_i the summed scores of this rank's rows and f_i the routes of the top-k of those scores
     counted over every rank of ``group`` (the token group: TP under SP × CP, which split the
-    micro-batch's T tokens evenly; one all-reduce), so summing the ranks' losses gives the loss of
+    micro-batch's T tokens evenly; one all-reduce, run eagerly under torch.compile), so summing the ranks' losses gives the loss of
     the whole micro-batch (Megatron's switch_load_balancing_loss_func on
     compute_routing_scores_for_aux_loss, counts reduced over its tp_cp group). logits [T_local, E]."""
     if score_function == "softmax":
@@ -150,10 +152,17 @@ def aux_loss(logits: torch.Tensor, k: int, score_function: str, coeff: float, gr
     counts = torch.zeros_like(scores).scatter(1, idx, 1.0).sum(0)
     tokens = logits.shape[0]
     if group is not None:
-        dist.all_reduce(counts, group=group)
+        counts = _summed(counts, group)
         tokens *= dist.get_world_size(group)
     E = logits.shape[1]
     return (scores.sum(0) * counts).sum() * (E * coeff / (k * tokens * tokens)), counts
+
+
+@eager
+def _summed(counts: torch.Tensor, group) -> torch.Tensor:
+    """counts summed over ``group`` (in place)."""
+    dist.all_reduce(counts, group=group)
+    return counts
 
 
 def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
@@ -185,10 +194,15 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """This EP rank's routed experts: MLPs (TP = 1) under their global indices ``local_experts.<e>``.
 
-    ``forward(x, counts)``: x [N, h] rows sorted by local expert, counts [E_local] int64 → [N, h].
-    One grouped GEMM per projection (``torch._grouped_mm``, weights stacked) where torch has it
-    and ``grouped`` (CUDA, fp32/bf16/fp16), else a loop over the experts (every expert runs, on
-    zero rows if it got none, so each gets a gradient, zero when unused).
+    ``forward(x, counts, expert_idx)``: x [N, h] rows sorted by local expert, counts [E_local]
+    int64 (a device tensor, never read by the host when expert_idx is given), expert_idx [N] each
+    row's local expert (EP = 1, parallel/experts.py) or None; → [N, h].
+    One grouped GEMM per projection (``torch._grouped_mm`` over the counts' cumulative offsets,
+    weights stacked) where torch has it and ``grouped`` (CUDA, fp32/bf16/fp16); else a loop over
+    the experts' row blocks (one host read of the counts), or under torch.compile, with
+    expert_idx, each expert on every row, its rows kept (``torch.where``: the same products per
+    row, fixed shapes, no host read; E× the FLOPs: the CPU tests' compiled path). Every expert runs, on zero rows if it got none, so each gets a gradient,
+    zero when unused.
     """
 
     def __init__(self, cfg, ps, init, scaled_init, *, sequence_parallel: bool, params_dtype):
@@ -217,10 +231,15 @@ class Experts(nn.Module):
             return F.silu(gate) * up
         return F.gelu(y, approximate=self.gelu_approximate)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_idx: torch.Tensor | None = None) -> torch.Tensor:
         experts = list(self.local_experts.values())
-        if not self.grouped:
+        if not self.grouped and (expert_idx is None or not torch.compiler.is_compiling()):
             return torch.cat([e(rows) for e, rows in zip(experts, x.split(counts.tolist()))])
+        if not self.grouped:
+            y = experts[0](x)
+            for j, e in enumerate(experts[1:], 1):
+                y = torch.where((expert_idx == j).unsqueeze(1), e(x), y)
+            return y
         offs = counts.cumsum(0).to(torch.int32)
         fc1 = [e.linear_fc1 for e in experts]
         fc2 = [e.linear_fc2 for e in experts]
@@ -258,46 +277,59 @@ class MoELayer(nn.Module):
                                       lambda n: scaled_init(n.replace("mlp.", "mlp.shared_experts.", 1)), **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg, state = self.cfg, self.state
+        cfg = self.cfg
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         logits = self.router(tokens)
+        if cfg.moe_router_force_load_balancing:  # random logits, straight-through (Megatron's RandomSTE)
+            logits = logits + (torch.randn_like(logits) - logits).detach()
         training = self.training and torch.is_grad_enabled()
-        record = training and not _in_backward()
-        if training and cfg.moe_z_loss_coeff:
-            z = z_loss(logits, cfg.moe_z_loss_coeff / self.split)
-            if record:
-                state.record(self.layer, z=z * self.split / cfg.moe_z_loss_coeff)
-            logits = AttachLoss.apply(logits, z * self._token_weight(tokens), state)
+        z = z_loss(logits, cfg.moe_z_loss_coeff / self.split) if training and cfg.moe_z_loss_coeff else None
         bias = self.router.expert_bias if self.router.use_bias else None
         gates, routing_map = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function,
                                    cfg.moe_router_pre_softmax, bias)
-        routes = routing_map.sum(0)
+        chosen, routes = routing_map, routing_map.sum(0)
         if cfg.moe_expert_capacity_factor is not None:
             cap = capacity(tokens.shape[0], cfg.num_experts, cfg.moe_router_topk, cfg.moe_expert_capacity_factor)
             gates, routing_map = drop(gates, routing_map, cap, cfg.moe_token_drop_policy)
+        aux = None
         if training and aux_coeff(cfg):
             aux, _ = aux_loss(logits, cfg.moe_router_topk, cfg.moe_router_score_function, aux_coeff(cfg),
                               self.token_group)
-            if record:
-                state.record(self.layer, aux=aux / aux_coeff(cfg))
-            gates = AttachLoss.apply(gates, aux * self._token_weight(tokens), state)
-        kept = routing_map.sum(0)
-        if record:
-            state.record(self.layer, tokens=kept.to(torch.float64), routes=routes.sum().to(torch.float64), calls=1)
-            if self.router.use_bias:
-                self.router.tokens_per_expert += kept
-        y = dispatch_combine(tokens, gates, routing_map, self.experts, self.ps.ep_group)
+        if training:
+            gates = _attach_and_record(self, gates, z, aux, routes, routing_map.sum(0), tokens.shape[0])
+        y = dispatch_combine(tokens, gates, routing_map, self.experts, self.ps.ep_group, chosen, cfg.moe_router_topk)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).reshape(-1, shape[-1])
         return y.reshape(shape)
 
-    def _token_weight(self, tokens: torch.Tensor) -> float:
-        """1, or under --calculate-per-token-loss the micro-batch's tokens on this DP rank (this
-        rank's T times the token group's size; Megatron's num_local_tokens · tp_cp size)."""
-        if not isinstance(self.state.scale, torch.Tensor):
-            return 1.0
-        return float(tokens.shape[0] * self.split)
+
+@eager
+def _attach_and_record(layer: MoELayer, gates: torch.Tensor, z, aux, routes: torch.Tensor, kept: torch.Tensor,
+                       tokens: int) -> torch.Tensor:
+    """gates with the z-loss and load-balancing loss (None: off) attached (``AttachLoss``: both on the
+    gates, which every route's gradient passes, so the z-loss reaches the logits as if attached
+    there), and this call's statistics recorded unless a backward re-runs the forward (full
+    recompute). routes, kept: [E] routes per expert before and after dropping. The one eager
+    step of a compiled MoE layer (its Python state)."""
+    cfg, state = layer.cfg, layer.state
+    record = not _in_backward()
+    # 1, or under --calculate-per-token-loss the micro-batch's tokens on this DP rank (this rank's
+    # T times the token group's size; Megatron's num_local_tokens · tp_cp size)
+    weight = float(tokens * layer.split) if isinstance(state.scale, torch.Tensor) else 1.0
+    if z is not None:
+        if record:
+            state.record(layer.layer, z=z * layer.split / cfg.moe_z_loss_coeff)
+        gates = AttachLoss.apply(gates, z * weight, state)
+    if aux is not None:
+        if record:
+            state.record(layer.layer, aux=aux / aux_coeff(cfg))
+        gates = AttachLoss.apply(gates, aux * weight, state)
+    if record:
+        state.record(layer.layer, tokens=kept.to(torch.float64), routes=routes.sum().to(torch.float64), calls=1)
+        if layer.router.use_bias:
+            layer.router.tokens_per_expert += kept
+    return gates
 
 
 @torch.no_grad()

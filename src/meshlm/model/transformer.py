@@ -90,7 +90,8 @@ class TransformerLayer(nn.Module):
     so its masks must agree across TP ranks: the keyed streams stay.
 
     moe_state: the chunk's MoEState when this layer's MLP is a mixture of experts (model/moe.py;
-    not compiled: its dispatch reads the routes' counts on the host).
+    compiled too: at EP = 1 its only eager step is the losses' attachment and statistics; at
+    EP > 1 the all-to-all's host read of the counts splits the graph as well).
     """
 
     def __init__(self, cfg, ps, layer: int, init, scaled_init, rng, seq: SequenceSlice, *,
@@ -107,7 +108,7 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(cfg, ps, init, scaled_init, **kw) if moe_state is None else \
             MoELayer(cfg, ps, layer, init, scaled_init, moe_state, **kw)
 
-        if fast and moe_state is None:
+        if fast:
             compile_module(self)
 
     def forward(self, x: torch.Tensor, call: int, positions=None, mask=None) -> torch.Tensor:

@@ -1,6 +1,16 @@
-"""Expert-parallel token dispatch: routes to their experts' EP ranks and back (all-to-all).
+"""Token dispatch: routes to their experts (and EP ranks, by all-to-all) and back.
 
-``dispatch_combine`` (Megatron's MoEAlltoAllTokenDispatcher, in order):
+At EP = 1 (``_local``) the dispatch has fixed shapes and never reads the device from the host, so
+it compiles into the MoE layer's graph (meshlm/fast.py). Its T·k slots are the k routes each token
+chose before any capacity dropping (``chosen``; a dropped route keeps its slot with gate 0), so
+token t's slots are t·k … t·k + k − 1 in token-major order; one stable argsort by expert gives the
+expert-major order ``perm`` (by expert, then token: nonzero's order) and its inverse ``inv``. The
+rows are one gather (backward: a gather and a sum over each token's k slots, no atomics), the
+experts run on the counts per expert as a device tensor, and the results come back by the inverse
+gather and a gate-weighted sum over the k slots in fp32 (``_Gather``: both directions are
+permutations, so no backward scatters).
+
+At EP > 1 ``dispatch_combine`` follows Megatron's MoEAlltoAllTokenDispatcher, in order:
   1. permute: the routes (token, expert) of routing_map [T, E], expert-major (stable: by expert,
      then token), their rows gathered; counts [E] routes per expert;
   2. counts exchange: one all_to_all_single of the counts over the EP group, so each rank learns
@@ -71,32 +81,81 @@ def _regroup(x: torch.Tensor, sizes: list, outer: int, inner: int) -> torch.Tens
 
 
 def dispatch_combine(tokens: torch.Tensor, gates: torch.Tensor, routing_map: torch.Tensor, experts,
-                     group) -> torch.Tensor:
+                     group, chosen: torch.Tensor, k: int) -> torch.Tensor:
     """Σ_e gates[t, e] · expert_e(tokens[t]) for each token t over its routes (module doc).
 
     tokens [T, h]; gates [T, E] (fp32 or wider, zero off the routes); routing_map [T, E] bool;
-    experts(x [N, h] sorted by local expert, counts [E_local] int64) → [N, h]. Returns [T, h]
-    in tokens' dtype. Collective over ``group`` (the EP group; None at EP = 1).
+    experts(x [N, h] sorted by local expert, counts [E_local] int64, expert_idx [N] each row's
+    local expert, or None at EP > 1) → [N, h]. chosen [T, E] bool: the k routes of each token
+    before capacity dropping (EP = 1's fixed slots; routing_map ⊆ chosen). Returns [T, h] in
+    tokens' dtype. Collective over ``group`` (the EP group; None at EP = 1).
     """
     T, E = routing_map.shape
+    ep = group_size(group)
+    if ep == 1:
+        return _local(tokens, gates, chosen, experts, k)
+    local = E // ep
     expert_idx, token_idx = routing_map.t().nonzero(as_tuple=True)  # expert-major, then token
     rows = tokens.index_select(0, token_idx)
     counts = routing_map.sum(0)
-    ep = group_size(group)
-    local = E // ep
-    if ep == 1:
-        y = experts(rows, counts)
-    else:
-        received = _exchange("all_to_all of the MoE token counts", torch.empty_like(counts), counts, None, None,
-                             group)
-        sent_list, recv_list = counts.tolist(), received.tolist()  # the one host read of the exchange
-        send = [sum(sent_list[r * local:(r + 1) * local]) for r in range(ep)]
-        recv = [sum(recv_list[r * local:(r + 1) * local]) for r in range(ep)]
-        x = _regroup(all_to_all(rows, recv, send, group), recv_list, ep, local)
-        local_counts = received.view(ep, local).sum(0)
-        y = experts(x, local_counts)
-        by_expert = [recv_list[s * local + e] for e in range(local) for s in range(ep)]
-        y = all_to_all(_regroup(y, by_expert, local, ep), send, recv, group)
+    received = _exchange("all_to_all of the MoE token counts", torch.empty_like(counts), counts, None, None,
+                         group)
+    sent_list, recv_list = counts.tolist(), received.tolist()  # the one host read of the exchange
+    send = [sum(sent_list[r * local:(r + 1) * local]) for r in range(ep)]
+    recv = [sum(recv_list[r * local:(r + 1) * local]) for r in range(ep)]
+    x = _regroup(all_to_all(rows, recv, send, group), recv_list, ep, local)
+    local_counts = received.view(ep, local).sum(0)
+    y = experts(x, local_counts, None)
+    by_expert = [recv_list[s * local + e] for e in range(local) for s in range(ep)]
+    y = all_to_all(_regroup(y, by_expert, local, ep), send, recv, group)
+    return _combine(y, gates, token_idx, expert_idx, T)
+
+
+def _combine(y: torch.Tensor, gates: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor,
+             T: int) -> torch.Tensor:
+    """Σ over a token's routes of gate · expert output: y [N, h], indices [N] → [T, h] in y's dtype."""
     weighted = y.to(gates.dtype) * gates[token_idx, expert_idx].unsqueeze(1)
-    out = torch.zeros((T, tokens.shape[1]), dtype=gates.dtype, device=tokens.device)
-    return out.index_add(0, token_idx, weighted).to(tokens.dtype)
+    out = torch.zeros((T, y.shape[1]), dtype=gates.dtype, device=y.device)
+    return out.index_add(0, token_idx, weighted).to(y.dtype)
+
+
+def permute(chosen: torch.Tensor, k: int) -> tuple:
+    """(perm, inv, expert_idx, counts) of chosen [T, E] bool with exactly k per row, no host read:
+    perm [T·k] the token-major slots (t·k + j: token t's j-th expert, ascending) in expert-major
+    order (by expert, then token), inv [T·k] its inverse, expert_idx [T·k] int64 the expert of
+    each expert-major slot, counts [E] int64 slots per expert."""
+    T = chosen.shape[0]
+    expert_of = torch.sort(chosen.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :k]
+    flat = expert_of.reshape(-1)
+    perm = torch.argsort(flat, stable=True)
+    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(T * k, device=perm.device))
+    return perm, inv, flat.index_select(0, perm), chosen.sum(0)
+
+
+class _Gather(torch.autograd.Function):
+    """x.index_select(0, idx), whose backward is a gather too: g.index_select(0, back) summed over
+    each ``group`` consecutive rows (back: the inverse of idx as a map of slots; no scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, idx, back, group):
+        ctx.save_for_backward(back)
+        ctx.group = group
+        return x.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, g):
+        (back,) = ctx.saved_tensors
+        g = g.index_select(0, back)
+        if ctx.group > 1:
+            g = g.view(-1, ctx.group, g.shape[-1]).sum(1)
+        return g, None, None, None
+
+
+def _local(tokens, gates, chosen, experts, k: int) -> torch.Tensor:
+    """dispatch_combine at EP = 1, fixed shapes and no host read (module doc)."""
+    T, h = tokens.shape
+    perm, inv, expert_idx, counts = permute(chosen, k)
+    rows = _Gather.apply(tokens, torch.div(perm, k, rounding_mode="floor"), inv, k)
+    y = _Gather.apply(experts(rows, counts, expert_idx), inv, perm, 1).view(T, k, h)
+    g = gates.gather(1, expert_idx.index_select(0, inv).view(T, k))  # [T, k] in token-major slot order
+    return (y.to(gates.dtype) * g.unsqueeze(2)).sum(1).to(tokens.dtype)

@@ -26,8 +26,9 @@ which MoE needs at TP > 1); R = k·T their routes; E experts of width f_e, EP ra
 - Activations kept for backward, replacing the dense MLP's fc1 and activation outputs
   (``moe_mlp_terms``, checked against a MoELayer's saved tensors in tests/test_planner_moe_cp.py): the
   dispatched rows act·R·h, the experts' fc1 and activation outputs act·R·f_e·(2 | 1) + act·R·f_e (as
-  the dense terms count SwiGLU), the combine's fp32 copies of the expert outputs, 2·4·R·h, the
-  routing indices and gates 32·R bytes, the router's fp32 copies of its input and weight 4·(T + E)·h
+  the dense terms count SwiGLU), the combine's fp32 copy of the expert outputs, 4·R·h, the
+  routing and fixed-slot indices and gates 56·R bytes (EP = 1's permutation, its inverse, the rows'
+  tokens and experts as int64, the gathered gates), the router's fp32 copies of its input and weight 4·(T + E)·h
   (bf16/fp16 only), and a shared expert's fc1 and activation outputs as a dense MLP of width f_s (the
   aux and z losses keep a few more T × E fp32 tensors, left out; so is the per-layer transient of
   the exchange buffers, freed before the next layer).
@@ -80,9 +81,9 @@ def moe_mlp_terms(m: ModelConfig, b: int, layout, *, act_bytes: int = 2) -> dict
     R, f_e, f_s = m.moe_router_topk * T, moe_ffn(m), m.moe_shared_expert_intermediate_size or 0
     h, gates = m.hidden_size, 2 if m.swiglu else 1
     wide_copies = 4 * (T + m.num_experts) * h if act_bytes < 4 else 0  # the router's fp32 input and weight
-    return {"router": 32 * R + wide_copies, "dispatched": act_bytes * R * h,
+    return {"router": 56 * R + wide_copies, "dispatched": act_bytes * R * h,
             "expert_fc1": act_bytes * R * f_e * gates, "expert_activation": act_bytes * R * f_e,
-            "combine": 2 * 4 * R * h,
+            "combine": 4 * R * h,
             "shared_fc1": act_bytes * b * m.seq_length * f_s * gates / t,
             "shared_activation": act_bytes * b * m.seq_length * f_s / t}
 
