@@ -49,6 +49,10 @@ def test_moe_under_cp2_with_tp_sp_and_ep_over_dp_cp_with_zero1():
 def test_compiled_moe_fast_path_equals_one_process():
     """--fast-path on (compiled on CPU, as on CUDA; the dense counterpart is test_parity_matrix's
     compiled test): two layers, the first MoE, compiled with EP = 1's fixed-slot dispatch under
-    capacity dropping (sigmoid scores, expert bias, aux and z-loss, a shared expert) at DP = 2."""
+    capacity dropping (sigmoid scores, expert bias, aux and z-loss, a shared expert), in one process:
+    DP adds nothing inside a compiled layer (the eager MoE cases above run it at DP, TP, PP, CP, EP),
+    and each rank would compile the same graphs again. The dense layer is the Llama layer of
+    test_parity_matrix's compiled cases (Inductor's on-disk cache compiles it once)."""
     cap = MOE + (("moe_expert_capacity_factor", 1.0),)
-    assert_parity(Case(experts=4, moe=cap, dp=2, layers=2, fast="on"))
+    assert_parity(Case(experts=4, moe=cap, layers=2, tied=False, pos="rope", norm="RMSNorm", swiglu=True,
+                       fast="on"))
