@@ -25,17 +25,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from runs import COMMON, metrics_json, predict, pretrain  # noqa: E402
+from runs import COMMON, predict, pretrain, records  # noqa: E402
 
 FLAGS = ["--model", "llama2-7b", "--vocab-size", "32000", "--micro-batch-size", "1", "--fast-path", "off"]
-
-
-def _records(run_dir: str) -> list:
-    path = os.path.join(run_dir, "logs", "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [r for r in (metrics_json.loads(x) for x in fh if x.strip()) if r.get("iter_ms") is not None]
 
 
 def main() -> None:
@@ -53,7 +45,7 @@ def main() -> None:
     t0 = time.time()
     r = pretrain(offload + ["--train-iters", str(args.iters)], 1, os.path.join(args.out, "run"),
                  os.path.join(args.out, "offload_7b.log"), timeout=args.timeout_s)
-    rows = r.get("records") or _records(os.path.join(args.out, "run"))  # the steps logged before a timeout
+    rows = r.get("records") or records(os.path.join(args.out, "run"))  # the steps logged before a timeout
     rows = rows[1:]  # the first step allocates the buffers and warms the kernels
     rec = {"date": args.date, "bench": "offload_7b", "gpu": "1x H200", "case": "llama2-7b-cpu-offload",
            "flags": " ".join(offload), "predicted_peak_gib": round(pred["peak_gib"], 2),

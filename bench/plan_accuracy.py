@@ -36,7 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from runs import COMMON, predict  # noqa: E402
+from runs import COMMON, predict, records  # noqa: E402
 
 WARM_GIB = 125.0   # the warm phase's concurrent runs: predicted device GiB together at most
 WARM_FLAGS = ["--num-layers", "1"]  # every layer compiles to the same graph: one layer fills the caches
@@ -114,15 +114,6 @@ def _pretrain(name: str, flags: list, out: str, iters: int, port: int = 29500) -
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), run_dir
 
 
-def _records(run_dir: str) -> list:
-    from meshlm import metrics_json
-    path = os.path.join(run_dir, "logs", "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [r for r in (metrics_json.loads(x) for x in fh if x.strip()) if r.get("iter_ms") is not None]
-
-
 def run(args) -> None:
     start = time.time()
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
@@ -154,7 +145,7 @@ def run(args) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 code = "timeout"
-            rows = _records(run_dir)[args.warmup:]
+            rows = records(run_dir)[args.warmup:]
             peaks = [r["mem_max_allocated_gb"] for r in rows if r.get("mem_max_allocated_gb") is not None]
             if code != 0 or not rows:
                 print(f"{name}: exit {code}, {len(rows)} measured rows", flush=True)

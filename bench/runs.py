@@ -52,9 +52,17 @@ def pretrain(flags: list, gpus: int, run_dir: str, log_path: str, timeout: Optio
         fh.write(" ".join(cmd) + "\n" + out)
     if failed:
         return {"error": out.strip().splitlines()[-1:]}
-    with open(os.path.join(run_dir, "logs", "metrics.jsonl")) as fh:
-        records = [metrics_json.loads(x) for x in fh if x.strip()]
-    return {"records": [r for r in records if r.get("iter_ms") is not None], "stdout": proc.stdout}
+    return {"records": records(run_dir), "stdout": proc.stdout}
+
+
+def records(run_dir: str) -> list:
+    """The training records (metrics.jsonl lines with ``iter_ms``) of a run folder, in file order;
+    [] when it has no metrics.jsonl yet."""
+    path = os.path.join(run_dir, "logs", "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        return [r for r in (metrics_json.loads(x) for x in fh if x.strip()) if r.get("iter_ms") is not None]
 
 
 def config_of(flags: list):
