@@ -133,6 +133,9 @@ def config(case: Case, global_batch: Optional[int] = None):
     t.log_interval, t.eval_interval = 1, 1000
     t.calculate_per_token_loss = case.per_token
     cfg.data.eod_mask_loss = cfg.data.reset_position_ids = cfg.data.reset_attention_mask = case.packed
+    # the batches are built in the rank itself (--num-workers 0): forking loader workers cost each rank
+    # ~0.3 CPU-s a case, and which process reads a batch is tests/test_data_loader.py's subject, not parity's
+    cfg.data.num_workers = 0
     if case.experts:
         m.num_experts, m.moe_ffn_hidden_size, p.expert_model_parallel_size = case.experts, 12, case.ep
         for name, value in case.moe:
