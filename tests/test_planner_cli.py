@@ -4,6 +4,7 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from meshlm.cli import main
@@ -67,7 +68,7 @@ def test_calibrate_measures_the_grouped_gemm_of_an_moe_model(tmp_path):
     """--calibrate on an MoE model times torch._grouped_mm (CPU here, tiny shapes) and stores its
     efficiency, which a dense model's profile keeps from the preset."""
     if not hasattr(torch, "_grouped_mm"):
-        return
+        pytest.skip("this torch has no _grouped_mm")
     from meshlm.planner.calibrate import calibrate
     p = argparse.ArgumentParser()
     add_config_args(p)

@@ -118,8 +118,18 @@ def test_moe_layer_saves_the_planned_bytes_for_backward(dtype, act):
 def test_compiled_grouped_moe_layer_saves_the_planned_bytes_for_backward():
     """The GPU's fast path on CPU: the layer compiled, the experts' grouped GEMM forced on (bf16):
     its saved tensors are moe_mlp_terms(fast=True), the stacked expert weights included (what
-    torch.compile's partitioner keeps; it differs from eager: the combine's fp32 copy is fused away)."""
+    torch.compile's partitioner keeps; it differs from eager: the combine's fp32 copy is fused away).
+    Compiled as Inductor splits forward from backward (its decompositions, its min-cut partition),
+    without generating the kernels (seconds instead of a minute; the same saved tensors)."""
+    import functools
+    from functorch.compile import nop
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
     from test_moe import _cfg, _layer
+    split_as_inductor = aot_autograd(fw_compiler=nop, bw_compiler=nop, decompositions=select_decomp_table(),
+                                     partition_fn=functools.partial(min_cut_rematerialization_partition,
+                                                                    compiler="inductor"))
     m = _cfg(swiglu=True, add_bias_linear=False, hidden_size=32, num_attention_heads=4, seq_length=32,
              moe_aux_loss_coeff=0.01)
     m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size = 8, 2, 48
@@ -135,7 +145,7 @@ def test_compiled_grouped_moe_layer_saves_the_planned_bytes_for_backward():
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        torch.compile(layer)(x)
+        torch.compile(layer, backend=split_as_inductor)(x)
     terms = moe_mlp_terms(m, 2, Layout(micro_batch=2), act_bytes=2)
     assert terms["stacked_weights"] == 2 * 8 * 3 * 32 * 48
     assert sum(saved.values()) == sum(terms.values()), \
