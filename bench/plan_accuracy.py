@@ -79,6 +79,10 @@ CASES = {  # name: flags, in the order they are measured; none of these shapes o
     "gpt1.3b-s16k-m1-sel": _gpt("gpt2-1.3b", 16384) + ["--hidden-dropout", "0"] + _mb(1) + SEL,
     "llama8b-w-L4-s8k-m1": _llama("llama3-8b", 8192) + ["--num-layers", "4"] + _mb(1),
     "gpt350m-s4k-m4-acc2": _gpt("gpt2-350m", 4096) + ["--hidden-dropout", "0"] + _mb(4, 2),
+    # the third set (2026-12-03), MoE, predicted by the model with the grouped-GEMM and compiled-layer terms
+    "mixtral-small-s4k-m4": _llama("mixtral-small", 4096, 32000) + _mb(4),
+    "moe-e16-top4-f1792-s2k-m4": _llama("mixtral-small", 2048, 32000) + ["--num-experts", "16", "--moe-router-topk", "4",
+                                                                      "--moe-ffn-hidden-size", "1792"] + _mb(4),
 }
 
 

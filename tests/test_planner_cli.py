@@ -4,6 +4,7 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from meshlm.cli import main
@@ -61,6 +62,20 @@ def test_calibrate_on_cpu_writes_a_profile(tmp_path, capsys):
     assert main(["plan", *GPT, "--num-gpus", "1", "--gpu-profile", str(path), "--json"]) == 0
     capsys.readouterr()
 
+
+
+def test_calibrate_measures_the_grouped_gemm_of_an_moe_model(tmp_path):
+    """--calibrate on an MoE model times torch._grouped_mm (CPU here, tiny shapes) and stores its
+    efficiency, which a dense model's profile keeps from the preset."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    from meshlm.planner.calibrate import calibrate
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    moe = calibrate(config_from_args(p.parse_args(["--model", "mixtral-tiny", "--vocab-size", "256"])), quick=True)
+    assert 0 < moe.grouped_gemm_efficiency <= 1 and "grouped GEMM" in moe.source and "TFLOP/s at" in moe.source
+    dense = calibrate(config_from_args(p.parse_args(["--model", "tiny", "--vocab-size", "256"])), quick=True)
+    assert dense.grouped_gemm_efficiency == PRESETS["H200-141GB"].grouped_gemm_efficiency
 
 def test_explain_oom_names_prediction_allocation_and_fixes():
     p = argparse.ArgumentParser()

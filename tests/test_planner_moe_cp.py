@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from meshlm.config import add_config_args, config_from_args, ffn_hidden
+from meshlm.config import add_config_args, config_from_args, ffn_hidden, moe_ffn
 from meshlm.planner.analyze import analyze
 from meshlm.planner.gpus import COLLECTIVE_LATENCY_S, PRESETS
 from meshlm.planner.layout import Layout
@@ -106,11 +106,50 @@ def test_moe_layer_saves_the_planned_bytes_for_backward(dtype, act):
         layer(x)
     lay = Layout(micro_batch=2)
     assert m.seq_length == 8 and m.hidden_size == 16
-    assert sum(saved.values()) == sum(moe_mlp_terms(m, 2, lay, act_bytes=act).values())
-    # an MoE layer's bytes: the dense layer's, its fc1/activation outputs replaced by these terms
+    assert sum(saved.values()) == sum(moe_mlp_terms(m, 2, lay, act_bytes=act, fast=False).values())
+    # an MoE layer's bytes: the dense layer's, its fc1/activation outputs replaced by the fast path's terms
     dense = layer_bytes(m, 2, lay, act_bytes=act)
     assert layer_bytes(m, 2, lay, act_bytes=act, moe=True) == pytest.approx(
         dense - 2 * act * 16 * ffn_hidden(m) + sum(moe_mlp_terms(m, 2, lay, act_bytes=act).values()))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_compiled_grouped_moe_layer_saves_the_planned_bytes_for_backward():
+    """The GPU's fast path on CPU: the layer compiled, the experts' grouped GEMM forced on (bf16):
+    its saved tensors are moe_mlp_terms(fast=True), the stacked expert weights included (what
+    torch.compile's partitioner keeps; it differs from eager: the combine's fp32 copy is fused away).
+    Compiled as Inductor splits forward from backward (its decompositions, its min-cut partition),
+    without generating the kernels (seconds instead of a minute; the same saved tensors)."""
+    import functools
+    from functorch.compile import nop
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+    from test_moe import _cfg, _layer
+    split_as_inductor = aot_autograd(fw_compiler=nop, bw_compiler=nop, decompositions=select_decomp_table(),
+                                     partition_fn=functools.partial(min_cut_rematerialization_partition,
+                                                                    compiler="inductor"))
+    m = _cfg(swiglu=True, add_bias_linear=False, hidden_size=32, num_attention_heads=4, seq_length=32,
+             moe_aux_loss_coeff=0.01)
+    m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size = 8, 2, 48
+    layer = _layer(m, torch.bfloat16)
+    layer.experts.grouped = True
+    keep = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    x = torch.randn(m.seq_length, 2, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    keep.add(x.untyped_storage().data_ptr())
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in keep:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.compile(layer, backend=split_as_inductor)(x)
+    terms = moe_mlp_terms(m, 2, Layout(micro_batch=2), act_bytes=2)
+    assert terms["stacked_weights"] == 2 * 8 * 3 * 32 * 48
+    assert sum(saved.values()) == sum(terms.values()), \
+        "the compiled MoE layer's saved bytes changed: update moe_cp.moe_mlp_terms (STACKED_COPY: weights stacked a call)"
 
 
 def test_only_the_moe_layers_pay_the_expert_flops():
@@ -124,6 +163,37 @@ def test_only_the_moe_layers_pay_the_expert_flops():
     # k = 2 experts of 14336 against a dense MLP of 3584: every MoE layer costs more, half the layers half as much
     assert dense_t < times["4"] < times["2"] < times["1"]
     assert times["2"] - dense_t == pytest.approx((times["1"] - dense_t) / 2, rel=1e-9)
+
+
+
+def test_expert_gemms_run_at_the_grouped_gemm_efficiency_and_the_stack_is_a_copy():
+    """Halving GPU.grouped_gemm_efficiency adds exactly the routed experts' GEMM time once more
+    (the FLOPs at the grouped efficiency and the size curve of their shape); the stacked weights
+    cost one read and one write a micro-batch, not the element-wise passes of an activation."""
+    from meshlm.planner.cost import gemm_efficiency, step_time
+    from meshlm.planner.moe_cp import stacked_weight_bytes
+    cfg = cfg_of("--model", "mixtral-small", "--vocab-size", "32000", "--micro-batch-size", "2",
+                 "--global-batch-size", "2", "--bf16")
+    m, lay = cfg.model, Layout(micro_batch=2)
+    kw = dict(gpus_per_node=8, params_per_rank=1)
+    a = step_time(cfg, lay, H100, 32000, **kw).compute
+    b = step_time(cfg, lay, dataclasses.replace(H100, grouped_gemm_efficiency=H100.grouped_gemm_efficiency / 2),
+                  32000, **kw).compute
+    rows = 2 * 2 * m.seq_length / 8  # k·T/E a local expert
+    flops = m.num_layers * 3 * 2 * m.seq_length * 2 * m.hidden_size * 2 * moe_ffn(m) * 3
+    eff = gemm_efficiency(dataclasses.replace(H100, gemm_efficiency=H100.grouped_gemm_efficiency), rows,
+                          m.hidden_size, moe_ffn(m))
+    assert b - a == pytest.approx(flops / (H100.peak_flops * eff), rel=1e-9)
+    stacked = stacked_weight_bytes(m, lay)
+    assert stacked == 2 * 8 * 3 * m.hidden_size * moe_ffn(m)
+    with_copy = step_time(cfg, lay, H100, 32000, **kw).compute
+    import meshlm.planner.moe_cp as moe_cp
+    try:
+        moe_cp.STACKED_COPY = False  # experts stored stacked: no copy
+        without = step_time(cfg, lay, H100, 32000, **kw).compute
+    finally:
+        moe_cp.STACKED_COPY = True
+    assert with_copy - without == pytest.approx(m.num_layers * 2 * stacked / H100.hbm_bytes_per_s, rel=1e-9)
 
 
 # ----------------------------------------------------------------------------- communication

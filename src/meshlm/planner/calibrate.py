@@ -5,6 +5,11 @@ Measured, each as the best of a few timed repeats after a warm-up:
   × MLP width × h; bf16 on CUDA, fp32 on CPU); ``gemm_efficiency`` is the achieved fraction of the
   peak divided by ``cost.gemm_efficiency``'s size factor at those shapes, so the planner reproduces
   the measurement at the model's dimensions;
+- for an MoE model (--num-experts), the routed experts' grouped GEMMs (``torch._grouped_mm``; fc1 of
+  width (2 | 1)·f_e and fc2, forward and backward with both gradients) on k·T/E rows an expert, balanced;
+  ``grouped_gemm_efficiency`` is their achieved fraction of the peak over the same size factor
+  (``cost.grouped_gemm_efficiency``); kept from the base profile for a dense model or a torch
+  without ``_grouped_mm``;
 - on a GPU with FP8 tensor cores, the same GEMMs as FP8 (``torch._scaled_mm``): ``fp8_gemm_speedup``
   is the bf16 time over the FP8 time (the GEMMs alone; the casts are the step model's);
 - device-memory bandwidth: a copy of a large buffer (read + write bytes / time);
@@ -21,7 +26,7 @@ from dataclasses import replace
 
 import torch
 
-from ..config import Config, ffn_hidden, head_dim, query_groups
+from ..config import Config, ffn_hidden, head_dim, moe_ffn, query_groups
 from ..flops import peak_tflops
 from .cost import gemm_efficiency
 from .gpus import GPU, PRESETS
@@ -60,10 +65,17 @@ def calibrate(cfg: Config, *, quick: bool = False, base: GPU = PRESETS["H200-141
         flops += 2.0 * mm * k * n
     achieved = flops / seconds
     fp8 = _fp8_speedup(shapes, seconds, 3 if quick else 10, sync) if cuda else 1.0
+    grouped = _grouped(cfg, tokens, quick, dev, dtype, sync)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = (peak_tflops(name, torch.bfloat16) or 0) * 1e12 if cuda else 0.0
     peak = peak or achieved
     size = gemm_efficiency(replace(base, gemm_efficiency=1.0), tokens, h, qkv, f)
+    grouped_eff, grouped_note = base.grouped_gemm_efficiency, "grouped GEMM not measured (no experts or no _grouped_mm)"
+    if grouped:
+        grouped_flops, grouped_s, dims = grouped
+        grouped_eff = min(1.0, grouped_flops / grouped_s / peak / gemm_efficiency(replace(base, gemm_efficiency=1.0),
+                                                                                *dims))
+        grouped_note = f"grouped GEMM {grouped_flops / grouped_s / 1e12:.2f} TFLOP/s at (rows, h, f_e) {dims}"
     n = (16 if quick else 512) * 2 ** 20
     src = torch.empty(n, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
@@ -76,10 +88,10 @@ def calibrate(cfg: Config, *, quick: bool = False, base: GPU = PRESETS["H200-141
         link = n / _best(lambda: other.copy_(src), 5, lambda: (torch.cuda.synchronize(0), torch.cuda.synchronize(1)))
     return replace(base, name=name, memory_bytes=memory, peak_flops=peak, hbm_bytes_per_s=hbm,
                    intra_node_bytes_per_s=link, gemm_efficiency=min(1.0, achieved / peak / size),
-                   fp8_gemm_speedup=fp8,
+                   fp8_gemm_speedup=fp8, grouped_gemm_efficiency=grouped_eff,
                    source=f"measured by meshlm plan --calibrate on {name} ({'quick' if quick else 'full'} shapes "
-                          f"{shapes}; GEMM {achieved / 1e12:.2f} TFLOP/s, FP8 {fp8:.2f}× faster; memory copy "
-                          f"{hbm / 1e9:.1f} GB/s)")
+                          f"{shapes}; GEMM {achieved / 1e12:.2f} TFLOP/s, FP8 {fp8:.2f}× faster; {grouped_note}; "
+                          f"memory copy {hbm / 1e9:.1f} GB/s)")
 
 
 def _fp8_speedup(shapes: list, bf16_seconds: float, repeats: int, sync) -> float:
@@ -95,3 +107,31 @@ def _fp8_speedup(shapes: list, bf16_seconds: float, repeats: int, sync) -> float
         seconds += _best(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
                          repeats, sync)
     return bf16_seconds / seconds
+
+
+def _grouped(cfg: Config, tokens: int, quick: bool, dev, dtype, sync):
+    """(FLOPs, seconds, (rows, h, f_e)) of one MoE layer's expert GEMMs, forward + backward
+    (``torch._grouped_mm``: x [E·rows, h] × [E, h, (2 | 1)·f_e], then [E·rows, f_e] × [E, f_e, h],
+    both inputs' gradients), rows = k·T/E a local expert (balanced routing, rounded up to 16), the
+    best of a few repeats; None for a dense model or a torch without ``_grouped_mm``."""
+    m = cfg.model
+    if not m.num_experts or not hasattr(torch, "_grouped_mm"):
+        return None
+    E, h, f_e, gates = m.num_experts, m.hidden_size, moe_ffn(m), 2 if m.swiglu else 1
+    if quick:
+        E, h, f_e = min(E, 4), min(h, 128), min(f_e, 128)
+    rows = -(-m.moe_router_topk * tokens // (E * 16)) * 16
+    offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * rows
+    x1 = torch.randn(E * rows, h, device=dev, dtype=dtype, requires_grad=True)
+    x2 = torch.randn(E * rows, f_e, device=dev, dtype=dtype, requires_grad=True)
+    w1 = torch.randn(E, h, gates * f_e, device=dev, dtype=dtype, requires_grad=True)
+    w2 = torch.randn(E, f_e, h, device=dev, dtype=dtype, requires_grad=True)
+    g1 = torch.randn(E * rows, gates * f_e, device=dev, dtype=dtype)
+    g2 = torch.randn(E * rows, h, device=dev, dtype=dtype)
+
+    def step():
+        torch.autograd.backward([torch._grouped_mm(x1, w1, offs=offs), torch._grouped_mm(x2, w2, offs=offs)],
+                                [g1, g2], inputs=[x1, x2, w1, w2])
+        x1.grad = x2.grad = w1.grad = w2.grad = None
+    flops = 3 * 2.0 * E * rows * h * f_e * (gates + 1)
+    return flops, _best(step, 3 if quick else 10, sync), (rows, h, f_e)

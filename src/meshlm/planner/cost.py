@@ -5,7 +5,8 @@ the logits):
 
 - GEMMs: the model FLOPs of its layers and logits (``flops.flops_per_iteration``,
   Narayanan et al. 2021 §5.1, taken as f(L = 1) − f(L = 0) per dense layer; an MoE layer's MLP as
-  ``flops.mlp_flops_per_token``, its routed experts at their own GEMM shape: ``moe_cp``),
+  ``flops.mlp_flops_per_token``, its routed experts at their own GEMM shape (``moe_cp``) and at
+  ``grouped_gemm_efficiency``, the grouped GEMM's own fraction of peak),
   less attention core, divided by TP × CP (CP: each rank has s/CP tokens and, zigzag-balanced, 1/CP
   of the causal attention work), at ``peak × gemm_efficiency(M, K, N)`` — a saturating curve per GEMM dimension,
   x / (x + GEMM_HALF_DIM), with M the micro-batch's tokens, h, the per-rank attention width a·d/t and
@@ -15,7 +16,10 @@ the logits):
   forward of every layer (1/3 of its FLOPs and its element-wise passes); selective, core attention's.
 - element-wise kernels (norms, RoPE, activations, residuals, the loss): memory-bound, about
   ``ELEMENTWISE_PASSES`` reads and writes of every byte a layer stores for backward
-  (``memory.layer_terms``), and of the logits, at the GPU's HBM bandwidth.
+  (``memory.layer_terms``), and of the logits, at the GPU's HBM bandwidth; an MoE layer's stored
+  bytes (``moe_cp.moe_mlp_terms``: the dispatched rows, the experts' outputs, the routing tensors)
+  carry its permute, unpermute and router passes the same way, and the grouped GEMM's stacked copy
+  of the expert weights (``moe_cp.stacked_weight_bytes``) one read and one write a micro-batch.
 - TP (Megatron's f/g, Shoeybi et al. 2019 §3): without SP, 2 all-reduces of the [s, b, h] activation
   in forward and 2 in backward, each 2(t−1)/t · bytes / NVLink bandwidth; with SP, 4 all-gathers or
   reduce-scatters in forward and 6 in backward (meshlm all-gathers the s/t QKV and FC1 inputs again),
@@ -63,7 +67,7 @@ from ..parallel.schedules import analytic_bubble_fraction
 from .gpus import COLLECTIVE_LATENCY_S, GPU
 from .layout import NONE, Layout
 from .memory import layer_bytes
-from .moe_cp import cp_link, cp_seconds, ep_seconds, expert_rows
+from .moe_cp import cp_link, cp_seconds, ep_seconds, expert_rows, stacked_weight_bytes
 
 GEMM_HALF_DIM = 64  # a GEMM dimension of x reaches x / (x + 64) of the large-GEMM efficiency
 ATTENTION_HALF_SEQ = 1360  # attention's per-row cost, in tokens of its quadratic work (fit: attention_efficiency)
@@ -82,6 +86,13 @@ def gemm_efficiency(gpu: GPU, *dims: float) -> float:
     for x in dims:
         eff *= x / (x + GEMM_HALF_DIM)
     return eff
+
+
+def grouped_gemm_efficiency(gpu: GPU, *dims: float) -> float:
+    """Fraction of peak of the routed experts' grouped GEMMs (``torch._grouped_mm``, fwd + bwd) with
+    these per-expert dimensions (rows a local expert, h, f_e): gpu.grouped_gemm_efficiency × the same
+    size curve as ``gemm_efficiency``."""
+    return gemm_efficiency(replace(gpu, gemm_efficiency=gpu.grouped_gemm_efficiency), *dims)
 
 
 def attention_efficiency(gpu: GPU, seq: float, dim: float) -> float:
@@ -167,14 +178,15 @@ def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: b
     attention = 12.0 * s * s * a * head_dim(m) * b
     head = _flops(c, 0, b, padded) if logits else 0.0
     eff = gemm_efficiency(gpu, b * s / layout.cp, h, a * head_dim(m) / t, ffn_hidden(m) / t)
-    expert_s = 0.0
+    expert_s, stack_s = 0.0, 0.0
     if n_moe:
         tokens = 3.0 * b * s  # fwd + bwd, per token
         routed = 2 * h * m.moe_router_topk * moe_ffn(m) * (3 if m.swiglu else 2)
         other = mlp_flops_per_token(m, True) - routed - mlp_flops_per_token(m, False)  # router, shared − dense
         layer_moe_extra = tokens * other
         expert_s = n_moe * tokens * routed / split / (
-            gpu.peak_flops * gemm_efficiency(gpu, expert_rows(m, b, layout), h, moe_ffn(m)))
+            gpu.peak_flops * grouped_gemm_efficiency(gpu, expert_rows(m, b, layout), h, moe_ffn(m)))
+        stack_s = n_moe * 2 * stacked_weight_bytes(m, layout, act_bytes=act) / gpu.hbm_bytes_per_s
     else:
         layer_moe_extra = 0.0
     linear_layers = layers - n_fp8 + n_fp8 / gpu.fp8_gemm_speedup
@@ -183,8 +195,10 @@ def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: b
     attn_layer_s = attention / split / (gpu.peak_flops * attention_efficiency(gpu, s / layout.cp, head_dim(m)))
     attn_s = attn_layer_s * layers
     stored = {kind: layer_bytes(m, b, replace(layout, recompute=NONE), act_bytes=act, moe=kind) for kind in set(moe)}
-    elem_s = ELEMENTWISE_PASSES * (sum(stored[k] for k in moe) + (act * s * b * padded / t if logits else 0.0)) \
-        / gpu.hbm_bytes_per_s
+    stacked = stacked_weight_bytes(m, layout, act_bytes=act)  # stored by an MoE layer, but a copy, not a pass
+    elem_s = ELEMENTWISE_PASSES * (sum(stored[k] - k * stacked for k in moe) + (act * s * b * padded / t if logits
+                                                                                 else 0.0)) \
+        / gpu.hbm_bytes_per_s + stack_s
     if n_fp8:
         weights = (layer - attention) / (6 * b * s)  # the linears' parameters: 6 FLOPs a parameter and token
         elem_s += n_fp8 * FP8_CAST_BYTES * weights / t / gpu.hbm_bytes_per_s

@@ -9,6 +9,12 @@ A profile holds what the memory and step-time models need of one GPU and its lin
   dimensions get less through the saturating curve of ``planner.cost.gemm_efficiency``.
 - ``attention_efficiency``: the fraction of the peak the flash/cuDNN attention kernels reach at
   seq 2,048 and head dim 128; ``planner.cost.attention_efficiency`` carries it to other shapes.
+- ``grouped_gemm_efficiency``: the same for the routed experts' grouped GEMMs (``torch._grouped_mm``,
+  forward + backward), through the same size curve at a local expert's shape (rows k·T·EP/E, h, f_e).
+  The presets take 0.65: fit to the one recorded MoE step of the current code (bench/RESULTS.md,
+  2026-12-03 MoE-terms section: mixtral-small, micro-batch 8 × 2,048, EP 1, 124.3 ms on the H200;
+  0.84 of the dense GEMMs' 0.77, about 590 TFLOP/s at its 4,096 × 1,024 × 3,584 experts), in-sample;
+  ``plan --calibrate`` on an MoE model measures it.
 - ``hbm_bytes_per_s``: achievable device-memory bandwidth (copy kernels; about 85% of the data sheet).
 - ``intra_node_bytes_per_s`` / ``inter_node_bytes_per_s``: achievable NCCL bus bandwidth per GPU inside
   a node (NVLink) and across nodes (one 200/400 Gb/s NIC per GPU), the ``busbw`` of nccl-tests, so a
@@ -63,6 +69,7 @@ class GPU:
     gemm_efficiency: float = 0.77
     attention_efficiency: float = 0.61
     source: str = "preset"
+    grouped_gemm_efficiency: float = 0.65
     fp8_gemm_speedup: float = 1.0
 
     def to_json(self) -> dict:

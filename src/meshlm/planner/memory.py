@@ -45,8 +45,9 @@ math-attention term instead (Megatron's unfused softmax).
 FP8 layers (--fp8-format, meshlm/fp8_rules.py) keep their linears' inputs in FP8 for backward, one
 byte an element (``layer_terms``' fp8), instead of bf16; no FP8 weight copy, no amax history.
 
-MoE layers keep ``moe_cp.moe_mlp_terms`` (the dispatched routes, the experts' outputs, the
-combine's fp32 copies, routing indices) instead of the dense MLP's fc1 and activation outputs.
+MoE layers keep ``moe_cp.moe_mlp_terms`` (the dispatched routes, the experts' outputs, routing
+indices, the grouped GEMM's stacked copy of the expert weights) instead of the dense MLP's fc1 and
+activation outputs: the compiled grouped-GEMM layer's saved tensors (the GPU's fast path).
 
 Micro-batches in flight: under 1F1B the first stage holds min(m, p) micro-batches of its layers, the
 last stage one; interleaved with v stages the first holds L·(1 + (p−1)/(p·v)) layers' worth (Megatron's
@@ -163,7 +164,8 @@ def layer_bytes(m: ModelConfig, b: int, layout: Layout, *, checkpointed: bool = 
         terms.update(moe_mlp_terms(m, b, layout, act_bytes=act_bytes))
     if layout.recompute.selective:
         terms.pop("core_attention")
-    return sum(terms.values()) / layout.cp
+    weights = terms.pop("stacked_weights", 0.0)  # a copy of the weights: no share of the tokens
+    return sum(terms.values()) / layout.cp + weights
 
 
 @dataclass

@@ -24,14 +24,20 @@ which MoE needs at TP > 1); R = k·T their routes; E experts of width f_e, EP ra
   exchange over NVLink while the others use the NIC, at once: max(NVLink bytes / its bandwidth,
   NIC bytes / its bandwidth).
 - Activations kept for backward, replacing the dense MLP's fc1 and activation outputs
-  (``moe_mlp_terms``, checked against a MoELayer's saved tensors in tests/test_planner_moe_cp.py): the
-  dispatched rows act·R·h, the experts' fc1 and activation outputs act·R·f_e·(2 | 1) + act·R·f_e (as
-  the dense terms count SwiGLU), the combine's fp32 copy of the expert outputs, 4·R·h, the
-  routing and fixed-slot indices and gates 56·R bytes (EP = 1's permutation, its inverse, the rows'
-  tokens and experts as int64, the gathered gates), the router's fp32 copies of its input and weight 4·(T + E)·h
-  (bf16/fp16 only), and a shared expert's fc1 and activation outputs as a dense MLP of width f_s (the
-  aux and z losses keep a few more T × E fp32 tensors, left out; so is the per-layer transient of
-  the exchange buffers, freed before the next layer).
+  (``moe_mlp_terms``, checked against a MoELayer's saved tensors in tests/test_planner_moe_cp.py).
+  ``fast`` (the GPU default: a compiled layer, one grouped GEMM a projection): the dispatched rows
+  act·R·h, the experts' fc1 and activation outputs act·R·f_e·(2 | 1) + act·R·f_e (as the dense
+  terms count SwiGLU), the experts' output act·R·h (the combine's fp32 cast is fused), the routing
+  tensors 40·R + 8·T·E bytes (the fixed slots' experts and order, their inverse, the gathered
+  gates; the router's fp32 scores and probabilities for the top-k and the aux loss; 8·E of counts
+  and offsets), the router's
+  fp32 copies of its input and weight 4·(T + E)·h (bf16/fp16 only), the grouped GEMM's stacked
+  weights act·(E/EP)·(2 | 1 + 1)·h·f_e while ``STACKED_COPY`` (model/moe.py ``Experts`` stacks
+  the per-expert weights each call, a new tensor the GEMM keeps for backward), and a shared
+  expert's fc1 and activation outputs as a dense MLP of width f_s. Eager (``fast=False``, the
+  CPU's loop over the experts): the combine keeps an fp32 copy, 4·R·h, and the routing 56·R, no
+  stacked copy. The per-layer transient of the exchange buffers is left out (freed before the
+  next layer).
 - Model state: a rank holds E/EP experts per MoE layer (``planner/params.py``); their gradients
   are reduced over, and under ZeRO-1 their optimizer state sharded over, the expert-data-parallel
   group of DP × CP / EP ranks (parallel/data.py, optim/distributed.py), the rest over DP × CP.
@@ -61,10 +67,20 @@ from __future__ import annotations
 from ..config import Config, ModelConfig, head_dim, moe_ffn, query_groups
 from .gpus import COLLECTIVE_LATENCY_S as LATENCY_S, GPU
 
+STACKED_COPY = True  # model/moe.py Experts.forward stacks the experts' weights each call (torch.stack)
+
 
 def tokens_per_rank(m: ModelConfig, b: int, layout) -> float:
     """T: the tokens one rank routes per micro-batch, b·s/CP, /TP under sequence parallelism."""
     return b * m.seq_length / layout.cp / (layout.tp if layout.sequence_parallel else 1)
+
+
+def stacked_weight_bytes(m: ModelConfig, layout, *, act_bytes: int = 2) -> float:
+    """Bytes of the grouped GEMM's per-call stack of one layer's local expert weights: act·(E/EP)·(2 | 1
+    + 1)·h·f_e while ``STACKED_COPY``, else 0 (and for a dense model)."""
+    if not STACKED_COPY or not m.num_experts:
+        return 0.0
+    return act_bytes * m.num_experts / layout.ep * ((2 if m.swiglu else 1) + 1) * m.hidden_size * moe_ffn(m)
 
 
 def expert_rows(m: ModelConfig, b: int, layout) -> float:
@@ -72,18 +88,20 @@ def expert_rows(m: ModelConfig, b: int, layout) -> float:
     return m.moe_router_topk * tokens_per_rank(m, b, layout) * layout.ep / m.num_experts
 
 
-def moe_mlp_terms(m: ModelConfig, b: int, layout, *, act_bytes: int = 2) -> dict:
+def moe_mlp_terms(m: ModelConfig, b: int, layout, *, act_bytes: int = 2, fast: bool = True) -> dict:
     """Bytes an MoE layer's MLP keeps for backward on one rank (module doc), by term, at CP 1 (the
     caller divides by CP as for the other terms): {"router", "dispatched", "expert_fc1",
-    "expert_activation", "combine", "shared_fc1", "shared_activation"}."""
+    "expert_activation", "combine", "stacked_weights", "shared_fc1", "shared_activation"}.
+    fast: the compiled grouped-GEMM layer (GPUs); False: the eager loop over the experts."""
     t = layout.tp
     T = b * m.seq_length / (t if layout.sequence_parallel else 1)
     R, f_e, f_s = m.moe_router_topk * T, moe_ffn(m), m.moe_shared_expert_intermediate_size or 0
-    h, gates = m.hidden_size, 2 if m.swiglu else 1
-    wide_copies = 4 * (T + m.num_experts) * h if act_bytes < 4 else 0  # the router's fp32 input and weight
-    return {"router": 56 * R + wide_copies, "dispatched": act_bytes * R * h,
+    h, gates, E = m.hidden_size, 2 if m.swiglu else 1, m.num_experts
+    wide_copies = 4 * (T + E) * h if act_bytes < 4 else 0  # the router's fp32 input and weight
+    stacked = stacked_weight_bytes(m, layout, act_bytes=act_bytes) if fast else 0.0
+    return {"router": (40 * R + 8 * T * E + 8 * E if fast else 56 * R) + wide_copies, "dispatched": act_bytes * R * h,
             "expert_fc1": act_bytes * R * f_e * gates, "expert_activation": act_bytes * R * f_e,
-            "combine": 4 * R * h,
+            "combine": (act_bytes if fast else 4) * R * h, "stacked_weights": stacked,
             "shared_fc1": act_bytes * b * m.seq_length * f_s * gates / t,
             "shared_activation": act_bytes * b * m.seq_length * f_s / t}
 
