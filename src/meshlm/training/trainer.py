@@ -266,10 +266,13 @@ def report_memory(report: dict, ps: ParallelState) -> None:
     for rank, r in enumerate(shown):
         b = r["bytes_per_param"]
         who = f"rank {rank}" if len(reports) <= 8 else "largest rank"
+        host = r.get("optimizer_host_bytes", 0)
+        offload = (f" | host (--optimizer-cpu-offload): optimizer {size(host)} + staging "
+                   f"{size(r.get('host_staging_bytes', 0))}") if host else ""
         print(f"meshlm: memory {who}: {r['num_params']:,} params | weights {size(r['weights_bytes'])} "
               f"+ grads {size(r['grads_bytes'])} + optimizer {size(r['optimizer_bytes'])} "
               f"= {size(r['total_bytes'])} | bytes/param {b['weights']:.1f} + {b['grads']:.1f} "
-              f"+ {b['optimizer']:.1f} = {b['total']:.1f}", flush=True)
+              f"+ {b['optimizer']:.1f} = {b['total']:.1f}{offload}", flush=True)
 
 
 def train(run: Run, state: TrainState) -> dict:
