@@ -106,17 +106,19 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     flags = FLAGS + ["--global-batch-size", str(args.global_batch)] + COMMON
     available = available_bytes()
+    if available is None and args.fraction is None:
+        raise SystemExit("offload_7b: the host's available memory cannot be read here: give --fraction")
     fraction = args.fraction if args.fraction is not None else largest_fraction(
         flags + ["--optimizer-cpu-offload"], SHARE * available)
     offload = flags + ["--optimizer-cpu-offload", "--optimizer-offload-fraction", f"{fraction:g}"]
     pred, pred_gpu = predict(offload, 1), predict(flags, 1)
-    print(f"offload_7b: {available / GiB:.1f} GiB available on the host; fraction {fraction:g}: planned host "
+    print(f"offload_7b: {(available or 0) / GiB:.1f} GiB available on the host; fraction {fraction:g}: planned host "
           f"{pred['host_gib']:.2f} GiB, device peak {pred['peak_gib']:.2f} GiB", flush=True)
     r = run(offload + ["--train-iters", str(args.iters)], os.path.join(args.out, "run"),
             os.path.join(args.out, "offload_7b.log"), args.timeout_s)
     rows = records(os.path.join(args.out, "run"))[1:]  # the first step allocates the buffers, warms the kernels
     rec = {"date": args.date, "bench": "offload_7b", "gpu": "1x H200", "case": "llama2-7b-cpu-offload",
-           "flags": " ".join(offload), "fraction": fraction, "host_available_gib": round(available / GiB, 2),
+           "flags": " ".join(offload), "fraction": fraction, "host_available_gib": available and round(available / GiB, 2),
            "predicted_host_gib": round(pred["host_gib"], 2), "measured_host_peak_gib": r["host_peak_gib"],
            "child_maxrss_gib": r["child_maxrss_gib"], "min_available_gib": r["min_available_gib"],
            "predicted_peak_gib": round(pred["peak_gib"], 2),
