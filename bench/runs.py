@@ -38,10 +38,7 @@ def pretrain(flags: list, gpus: int, run_dir: str, log_path: str, timeout: Optio
     visible GPUs; its command line and output go to ``log_path``. Returns {"records": training
     records in file order, "stdout"}, or {"error": [last output line]} when it fails or runs past
     ``timeout`` seconds (then it is killed; its workers die with it)."""
-    cmd = [sys.executable, "-m", "meshlm", "pretrain", *flags, "--nproc-per-node", str(gpus), "--run-dir", run_dir]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(ids[:gpus]))
+    cmd, env = command(flags, gpus, run_dir)
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         out, failed = proc.stdout + proc.stderr, proc.returncode != 0
@@ -53,6 +50,15 @@ def pretrain(flags: list, gpus: int, run_dir: str, log_path: str, timeout: Optio
     if failed:
         return {"error": out.strip().splitlines()[-1:]}
     return {"records": records(run_dir), "stdout": proc.stdout}
+
+
+def command(flags: list, gpus: int, run_dir: str) -> tuple:
+    """(argv, environment) of ``meshlm pretrain FLAGS --nproc-per-node GPUS --run-dir RUN_DIR`` on the
+    first ``gpus`` visible GPUs."""
+    cmd = [sys.executable, "-m", "meshlm", "pretrain", *flags, "--nproc-per-node", str(gpus), "--run-dir", run_dir]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
+    return cmd, dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(ids[:gpus]))
 
 
 def records(run_dir: str) -> list:
@@ -75,7 +81,9 @@ def config_of(flags: list):
 def predict(flags: list, world: int, stage: Optional[int] = None) -> dict:
     """The planner's figures for ``meshlm pretrain FLAGS`` on ``world`` GPUs of one host:
     {"peak_gib" (torch max allocated of pipeline rank ``stage``, default the larger of the first and
-    the last), "step_ms", "device_bytes" (peak + CUDA context + fragmentation), "activations_gib", "state_gib", "time" (cost.StepTime as a dict, seconds)}."""
+    the last), "step_ms", "device_bytes" (peak + CUDA context + fragmentation), "activations_gib", "state_gib",
+    "host_gib" and "host_full_gib" (--optimizer-cpu-offload: the host bytes of the fraction and of the whole optimizer,
+    memory.Memory), "time" (cost.StepTime as a dict, seconds)}."""
     cfg = config_of(flags)
     cfg.training.global_batch_size = global_batch(cfg, world)
     lay = Layout.of(cfg, world)
@@ -85,4 +93,4 @@ def predict(flags: list, world: int, stage: Optional[int] = None) -> dict:
                   expert_params_per_rank=mem.expert_params)
     return {"peak_gib": mem.peak_bytes / GiB, "step_ms": 1000 * t.total, "device_bytes": mem.device_bytes, "activations_gib": mem.activations / GiB,
             "state_gib": (mem.weights + mem.optimizer + (mem.grads if mem.grads_at_peak else 0)) / GiB,
-            "time": t.to_json()}
+            "host_gib": mem.host_bytes / GiB, "host_full_gib": mem.host_optimizer_full / GiB, "time": t.to_json()}

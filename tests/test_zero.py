@@ -134,46 +134,142 @@ def test_hybrid_sharding_inside_replicas_matches_single_process_in_float64():
                   Case(dp=4, experts=4, ep=2, moe=MOE, micro=1, batch=8, instances=2, **BOTH))
 
 
+def test_an_offload_fraction_the_host_cannot_hold_is_refused_before_any_worker(monkeypatch):
+    """llama2-7b on one GPU with --optimizer-cpu-offload: the planner's host bytes are 12 a parameter
+    of the fraction plus 384 MiB of staging; with 60 GiB available, fraction 1 (75.7 GiB) is refused
+    in one line naming the flag, both figures and the largest fraction that fits, which validates
+    (and 0.01 more does not); two local ranks need twice the host; --dry-run prints the host line."""
+    from meshlm import dry_run, host_memory
+    from meshlm.config import add_config_args, config_from_args
+    from meshlm.errors import ConfigError
+    from meshlm.planner.layout import Layout
+    from meshlm.planner.memory import GiB, estimate
+    from meshlm.validate import validate
+    import argparse
+
+    def cfg_of(fraction: float):
+        parser = argparse.ArgumentParser()
+        add_config_args(parser)
+        return config_from_args(parser.parse_args(
+            ["--model", "llama2-7b", "--vocab-size", "32000", "--micro-batch-size", "1", "--global-batch-size", "8",
+             "--mock-data", "--bf16", "--optimizer-cpu-offload", "--optimizer-offload-fraction", str(fraction)]))
+
+    def problem(fraction: float) -> str:
+        try:
+            validate(cfg_of(fraction), world=1, check_files=False, cuda=True)
+        except ConfigError as e:
+            return str(e)
+        return ""
+
+    mem = estimate(cfg_of(0.5), Layout(), 32000)
+    assert mem.params == 6_738_415_616 and mem.host_optimizer_full == 12 * mem.params
+    assert mem.host_bytes == 6 * mem.params + 384 * 2 ** 20
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 60 * GiB)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    line = problem(1.0)
+    assert "--optimizer-offload-fraction 1 needs 75.7 GiB of host memory" in line and "60.0 GiB is available" in line
+    assert "give --optimizer-offload-fraction 0.79 or less" in line and "\n" not in line.strip()
+    assert not problem(0.79) and problem(0.8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert "needs 95.6 GiB" in problem(0.63) and "0.39 or less" in problem(0.63)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    [host] = [x for x in dry_run.report(cfg_of(0.5), 1) if x.startswith("host memory")]
+    assert "masters and moments 37.65 GiB + staging 0.38 GiB = 38.03 GiB" in host and "60.0 GiB available" in host
+
+
 @pytest.mark.slow  # multi-process: make test-quick leaves it out
 def test_optimizer_cpu_offload_matches_single_process_in_float64():
     """--optimizer-cpu-offload: half the state (whole shards from the first) or all of it updated on
     the host, under plain DP and ZeRO-3 (on CPU the host is the device: the split arithmetic, the
     grads' and masters' copies and the state's placement are what is checked)."""
     assert_parity(Case(dp=4, offload=0.5), Case(dp=4, offload=1.0, micro=2, batch=8, **BOTH))
-    (half, whole), = run_distributed(_offloaded, 1, [0.5, 1.0])
+    (half, whole, host), = run_distributed(_offloaded, 1, [0.5, 1.0])
     # float64 params: the host holds master + 2 moments (24 bytes an element), the device the 2
     # moments beside the param that is its own master (16); one bucket a param, so whole shards split
-    host, device = half["optimizer_host_bytes"] / 24, half["optimizer_bytes"] / 16
-    assert 0.4 * (host + device) < host <= 0.5 * (host + device)
-    assert whole["optimizer_bytes"] == 0 and whole["optimizer_host_bytes"] == 24 * (host + device)
-    # the host update streams the grads in batches of HOST_BATCH elements: 100 gives many batches,
-    # and the same weights bit for bit as one batch
+    on_host, device = half["optimizer_host_bytes"] / 24, half["optimizer_bytes"] / 16
+    assert 0.4 * (on_host + device) < on_host <= 0.5 * (on_host + device)
+    assert whole["optimizer_bytes"] == 0 and whole["optimizer_host_bytes"] == 24 * (on_host + device)
+    # the host update streams the grads in batches of HOST_BATCH elements: 100 gives many batches
+    # (fragments split across them), and the same weights bit for bit as one batch
     assert whole["batches"] > 10 and whole["same_batched"]
+    # host memory, measured (the process's resident set, /proc/self/status) in fp32 with 2^20
+    # elements a staging buffer, 8 M params: building the optimizer holds 12 bytes a parameter
+    # (master + 2 moments) plus one staging buffer, and never more on the way (no whole copy of a
+    # bucket); the first step holds nothing new beyond the grads' staging buffer
+    mib = 2 ** 20
+    assert host["host_bytes"] == 12 * host["num_params"] and host["num_params"] > 8_000_000
+    assert abs(host["held"] - host["host_bytes"] - host["staging_build"]) < 0.01 * host["host_bytes"] + 4 * mib
+    assert host["build_peak"] - host["held"] < 4 * mib
+    assert host["step_peak"] < host["staging_step"] - host["staging_build"] + 4 * mib
+
+
+def _resident() -> tuple:
+    """(resident bytes now, the peak since the last _reset_peak) of this process (Linux)."""
+    with open("/proc/self/status") as fh:
+        kb = dict(line.split(":", 1) for line in fh)
+    return int(kb["VmRSS"].split()[0]) * 1024, int(kb["VmHWM"].split()[0]) * 1024
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # resets VmHWM to the current resident set (proc(5))
 
 
 def _offloaded(rank, world, fractions):
     """memory_report of the parity model with --optimizer-cpu-offload at each fraction; for the last,
-    whether two steps with the host update in batches of 100 elements give the weights of one batch."""
-    from meshlm.optim import optimizer
+    whether two steps with the host update in batches of 100 elements give the weights of one batch;
+    then the host memory a wider fp32 model's offloaded optimizer holds (see the test)."""
+    import gc
+    from meshlm.optim import offload
+    from meshlm.optim.distributed import build_optimizer
     from meshlm.training import trainer
 
     def trained(batch: int, fraction: float):
-        optimizer.HOST_BATCH = batch
+        offload.HOST_BATCH = batch
         run = trainer.build(parity.config(Case(offload=fraction)), dtype=torch.float64)
         run.train_ds, state = parity.MaskedData(), trainer.TrainState()
         for _ in range(2):
             trainer.train_step(run, state)
-        n = sum(1 for g, w, host in run.opt._groups if host for _ in optimizer._host_batches(g, w))
-        return run, [p.detach().clone() for c in run.chunks for p in c.parameters()], n
+        return run, [p.detach().clone() for c in run.chunks for p in c.parameters()], run.opt.host_batches
 
-    out, default = [], optimizer.HOST_BATCH
+    out, default = [], offload.HOST_BATCH
     for f in fractions[:-1]:
         out.append(trainer.build(parity.config(Case(offload=f)), dtype=torch.float64).opt.memory_report())
     run, params, _ = trained(default, fractions[-1])
     _, batched, n = trained(100, fractions[-1])
-    optimizer.HOST_BATCH = default
     same = all(torch.equal(a, b) for a, b in zip(params, batched))
-    return out + [dict(run.opt.memory_report(), batches=n, same_batched=same)]
+    out.append(dict(run.opt.memory_report(), batches=n, same_batched=same))
+
+    offload.HOST_BATCH = 1 << 20
+    cfg = parity.config(Case(offload=1.0, layers=2), global_batch=1)
+    cfg.model.hidden_size, cfg.model.num_attention_heads = 576, 4
+    run = trainer.build(cfg, dtype=torch.float32)
+    gc.collect()
+    before = _resident()[0]
+    _reset_peak()
+    opt = build_optimizer(cfg, run.ps, run.chunks, run.ddp)  # a second one over the same buffers
+    held, build_peak = (x - before for x in _resident())
+    rep = opt.memory_report()
+    del opt
+    peaks, step = [], run.opt.step
+
+    def measured(*args, **kw):
+        now = _resident()[0]
+        _reset_peak()
+        result = step(*args, **kw)
+        peaks.append(_resident()[1] - now)
+        return result
+
+    run.opt.step = measured
+    run.train_ds, state = parity.MaskedData(), trainer.TrainState()
+    staging_build = run.opt.staging.nbytes()
+    trainer.train_step(run, state)  # its step allocates the grads' staging buffer
+    offload.HOST_BATCH = default
+    out.append({"num_params": rep["num_params"], "host_bytes": rep["optimizer_host_bytes"], "held": held,
+                "build_peak": build_peak, "staging_build": rep["host_staging_bytes"],
+                "staging_step": run.opt.staging.nbytes() - staging_build + rep["host_staging_bytes"],
+                "step_peak": peaks[-1]})
+    return out
 
 
 # ---------------------------------------------------------------------------- checkpoints

@@ -3,14 +3,15 @@
 Parameters are counted from the model shape (planner/params.py: no model is built), the
 vocabulary found as data/tokenizer.py's ``vocab_of`` says.
 Memory per rank is the planner's estimate (planner/memory.py: model state by precision and ZeRO-1,
-activations per layer and in flight, logits), the same figures `meshlm plan` prints.
+activations per layer and in flight, logits), the same figures `meshlm plan` prints; under
+--optimizer-cpu-offload also the host memory of a rank and of the node's ranks.
 """
 
 from __future__ import annotations
 
 import copy
 
-from .config import Config, batch_schedule, dp_size, global_batch, num_microbatches, run_iterations
+from .config import Config, batch_schedule, default_nproc, dp_size, global_batch, num_microbatches, run_iterations
 from .data.tokenizer import vocab_of
 from .fp8_rules import fp8_layers
 from .planner.layout import Layout
@@ -87,4 +88,21 @@ def memory_lines(cfg: Config, world: int, vocab: int) -> list:
             f"{mem.loss / GiB:.2f} GiB",
             f"memory peak per rank (planner): {mem.peak_bytes / GiB:.2f} GiB allocated, about "
             f"{mem.device_bytes / GiB:.2f} GiB of device memory with the CUDA context and allocator reserve "
-            f"(`meshlm plan` with the same flags compares it with a GPU and ranks the layouts that fit)"]
+            f"(`meshlm plan` with the same flags compares it with a GPU and ranks the layouts that fit)",
+            *host_lines(cfg, world, mem)]
+
+
+def host_lines(cfg: Config, world: int, mem) -> list:
+    """Under --optimizer-cpu-offload: the host memory of a rank and of this node's ranks (planner/memory.py
+    ``host_bytes``) beside what this host has available (validate refuses more)."""
+    o = cfg.optimizer
+    if not o.optimizer_cpu_offload:
+        return []
+    from .host_memory import available_bytes
+    local = min(world, default_nproc(cfg))
+    state = o.optimizer_offload_fraction * mem.host_optimizer_full
+    available = available_bytes()
+    here = f"; {available / GiB:.1f} GiB available on this host" if available is not None else ""
+    return [f"host memory per rank (planner, --optimizer-cpu-offload, fraction {o.optimizer_offload_fraction:g}): "
+            f"masters and moments {state / GiB:.2f} GiB + staging {(mem.host_bytes - state) / GiB:.2f} GiB = "
+            f"{mem.host_bytes / GiB:.2f} GiB; × {local} local rank(s) = {local * mem.host_bytes / GiB:.2f} GiB{here}"]

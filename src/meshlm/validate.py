@@ -57,6 +57,8 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     problems += _profile_problems(cfg, world)
     if check_files:
         problems += _file_problems(cfg)
+    if not problems:  # the estimate needs a valid layout and shape
+        problems += offload_host_problems(cfg, world)
     if problems:  # a problem two checks find (e.g. building the tokenizer repeats a flag check) once
         raise ConfigError(list(dict.fromkeys(problems)))
 
@@ -190,6 +192,42 @@ def _training_problems(cfg: Config, cuda: Optional[bool]) -> list:
         problems.append("--keep-checkpoints 1 is too few: give at least 2 (a crash may damage the latest, "
                         "and loading then falls back to the one before)")
     return problems
+
+
+def offload_host_problems(cfg: Config, world: int, available: Optional[float] = None) -> list:
+    """--optimizer-cpu-offload: the host bytes of this node's ranks (planner/memory.py ``host_bytes``:
+    the fraction's fp32 masters and moments, 12 bytes an element, plus the staging; × the local
+    ranks, LOCAL_WORLD_SIZE under torchrun, else the workers meshlm starts) must not exceed
+    ``available`` bytes (default: this host's, meshlm/host_memory.py). One line naming the flag, both
+    figures and the largest fraction that fits; [] when it fits, without offload, or when the
+    available memory cannot be read."""
+    o = cfg.optimizer
+    if not o.optimizer_cpu_offload or o.optimizer_offload_fraction == 0:
+        return []
+    from .host_memory import available_bytes
+    available = available_bytes() if available is None else available
+    if available is None:
+        return []
+    import copy
+
+    from .config import default_nproc
+    from .data.tokenizer import vocab_of
+    from .planner.layout import Layout
+    from .planner.memory import GiB, estimate, largest_offload_fraction
+    c = copy.deepcopy(cfg)
+    c.training.global_batch_size = global_batch(cfg, world)
+    half = bool(c.training.bf16 or c.training.fp16)
+    mem = estimate(c, Layout.of(c, world), vocab_of(c)[0], half=half)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or min(world, default_nproc(cfg)))
+    need = local * mem.host_bytes
+    if need <= available:
+        return []
+    fit = largest_offload_fraction(mem, available / local, half=half)
+    fix = (f"give --optimizer-offload-fraction {fit:.2f} or less (the rest stays on the GPU)" if fit > 0 else
+           "no fraction fits: free host memory, or shard the optimizer over more GPUs (--use-distributed-optimizer)")
+    return [f"--optimizer-offload-fraction {o.optimizer_offload_fraction:g} needs {need / GiB:.1f} GiB of host memory "
+            f"({local} local rank(s) × {mem.host_bytes / GiB:.2f} GiB: fp32 masters and Adam moments, 12 bytes an "
+            f"element, and the staging buffers) but {available / GiB:.1f} GiB is available on this host: {fix}"]
 
 
 def _fp8_problems(cfg: Config, cuda: Optional[bool]) -> list:

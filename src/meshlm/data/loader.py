@@ -42,6 +42,15 @@ class MicroBatchLoader:
         self._running: Optional[Iterator] = None
         self._next = -1  # the sample the running iterator's next micro-batch starts at
 
+    def start(self) -> "MicroBatchLoader":
+        """Fork the workers now, reading ahead from sample 0 (``at`` restarts the same workers
+        elsewhere): the trainer does so before --optimizer-cpu-offload allocates its host state,
+        which workers forked later would share copy-on-write, so that every host update copies it."""
+        if self._running is None:
+            self.sampler.start = 0
+            self._running, self._next = iter(self.loader), 0
+        return self
+
     def at(self, consumed_samples: int) -> Iterator[dict]:
         """Micro-batches from sample ``consumed_samples`` on, as ``micro_batches(dataset,
         consumed_samples, …)`` yields them; ends where fewer than a whole block remain."""

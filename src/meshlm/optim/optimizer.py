@@ -27,11 +27,11 @@ One ``step()`` (Megatron's order):
   5. masters copied back to the model params (and all-gathered under ZeRO-1).
 
 Under --optimizer-cpu-offload the first shards, up to --optimizer-offload-fraction of the
-elements, keep their fp32 master (pinned on CUDA) and moments in host memory: their grads are
-copied to the host after clipping, HOST_BATCH elements at a time (the host holds no whole grad),
-the foreach AdamW updates each batch there, and the step copies
-the masters back into the device params (the ZeRO-Offload split, Ren et al. 2021 §4: the update
-on the CPU, forward and backward on the GPU). The norm and the inf check stay on the device.
+elements, keep their fp32 master and moments in host memory (12 bytes an element, nothing else
+whole: optim/offload.py): their grads come to the host after clipping a bounded batch at a time,
+one fused CPU AdamW pass updates each batch there, and the step copies the masters back into the
+device params through the same bounded staging (the ZeRO-Offload split, Ren et al. 2021 §4). The
+norm and the inf check stay on the device.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from .. import fast
 from ..dtypes import HALF, wide
 from ..parallel import watchdog
 from .adamw import Group, adamw_
+from .offload import Staging, host_update
 from .scaler import build_scaler
 from .schedule import scheduler_for
 
@@ -101,42 +102,21 @@ class Fragment:
     lr_mult: float = 1.0
 
 
-# grad elements on the host at once under --optimizer-cpu-offload (256 MiB in fp32): a 7B model's
-# whole fp32 grad (27 GB) beside its host masters and moments (81 GB) would not fit a 128 GiB host
-HOST_BATCH = 1 << 26
-
-
-def _host_batches(group, where: list):
-    """(sub-group, its part of ``where``) of a host Group, each with at most HOST_BATCH grad
-    elements (or one fragment, when a fragment alone is larger). AdamW is elementwise, so updating
-    the batches in turn is the same update."""
-    def part(a: int, b: int):
-        return (Group(group.params[a:b], [], group.exp_avgs[a:b], group.exp_avg_sqs[a:b], group.decay,
-                      group.lr_mult), where[a:b])
-
-    start, n = 0, 0
-    for k, (_, lo, hi) in enumerate(where):
-        if k > start and n + hi - lo > HOST_BATCH:
-            yield part(start, k)
-            start, n = k, 0
-        n += hi - lo
-    if start < len(where):
-        yield part(start, len(where))
-
-
 class Shard:
     """This rank's range [start, end) of one bucket with its fp32 master and Adam moments, [n]; on
     the host (``host``: --optimizer-cpu-offload) or beside the params."""
 
-    def __init__(self, buf, bucket, start: int, end: int, names: dict, ps, host: bool = False):
-        self.buf, self.bucket, self.start, self.end, self.host = buf, bucket, start, end, host
+    def __init__(self, buf, bucket, start: int, end: int, names: dict, ps, staging: Optional[Staging] = None):
+        """staging: the optimizer's host staging when this shard lives on the host, else None."""
+        self.buf, self.bucket, self.start, self.end, self.host = buf, bucket, start, end, staging is not None
         self.param = buf.param_of(bucket, start, end)
-        self.separate_master = self.param.dtype in HALF or host
-        self.master = self.param.to(wide(self.param.dtype)) if self.separate_master else self.param
-        if host:
-            self.master = self.master.to("cpu", copy=True)
-            if self.param.is_cuda:
-                self.master = self.master.pin_memory()
+        self.separate_master = self.param.dtype in HALF or self.host
+        dtype, n = wide(self.param.dtype), end - start
+        if self.host:  # exact sizes, pageable, filled through the bounded staging (optim/offload.py)
+            self.master = torch.empty(n, dtype=dtype)
+            staging.to_host(self.master, self.param)
+        else:
+            self.master = self.param.to(dtype) if self.separate_master else self.param
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.fragments = []
@@ -180,14 +160,17 @@ class MixedPrecisionOptimizer:
         total, room = sum(e - s for _, _, s, e in ranges), 0.0
         if o.optimizer_cpu_offload:
             room = o.optimizer_offload_fraction * total
-        self.shards = []
-        for buf, b, s, e in ranges:  # whole shards from the first, while within the fraction
-            host = e - s <= room
-            room -= (e - s) if host else room
-            self.shards.append(Shard(buf, b, s, e, self.names, ps, host=host))
+        on_host = []
+        for _, _, s, e in ranges:  # whole shards from the first, while within the fraction
+            on_host.append(e - s <= room)
+            room -= (e - s) if on_host[-1] else room
+        self.staging = Staging(ps.device, sum(e - s for (_, _, s, e), h in zip(ranges, on_host) if h))
+        self.shards = [Shard(buf, b, s, e, self.names, ps, self.staging if host else None)
+                       for (buf, b, s, e), host in zip(ranges, on_host)]
         self.expert_norm_groups = [ps.ep_group] if any(buf.expert for buf in ddp.buffers) else []  # see grad_norm
         self.fused = fast.enabled(cfg.training.fast_path, ps.device)
-        self._groups = None  # [(adamw Group, [(shard index, lo, hi)] of its grads)], built on first use
+        self._groups = None  # [(adamw Group, [(shard index, lo, hi)] of its grads, on the host)], built on first use
+        self.host_batches = 0  # host AdamW batches in the last step (optim/offload.py)
 
     def _shard_range(self, buf, bucket) -> tuple:
         return bucket.start, bucket.end
@@ -274,6 +257,8 @@ class MixedPrecisionOptimizer:
 
     def _adamw(self, grads: list, grad_scale: float) -> None:
         """One AdamW update of every shard's fragments (optim/adamw.py); grads used ÷ grad_scale.
+        The host shards' in batches on the host (optim/offload.py ``host_update``; their count
+        in ``host_batches``).
 
         The masters' and moments' fragment views are built once; the grads' each step (the
         buckets' grad tensors are new every step, see parallel/data.py)."""
@@ -283,16 +268,10 @@ class MixedPrecisionOptimizer:
         kw = dict(step=self.step_count, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
         device = [group for group, _, on_host in self._groups if not on_host]
         for group, where, on_host in self._groups:
-            if not on_host:
-                group.grads = [grads[i][lo:hi] for i, lo, hi in where]
+            group.grads = [] if on_host else [grads[i][lo:hi] for i, lo, hi in where]
         adamw_(device, fused=self.fused, grad_scale=grad_scale, **kw)
-        for group, where, on_host in self._groups:
-            if on_host:  # the grads come to the host a batch at a time (HOST_BATCH), clipped there
-                for sub, batch in _host_batches(group, where):
-                    sub.grads = [grads[i][lo:hi].to("cpu", copy=True) for i, lo, hi in batch]
-                    if grad_scale != 1.0:
-                        torch._foreach_div_(sub.grads, grad_scale)
-                    adamw_([sub], fused=False, **kw)
+        self.host_batches = host_update([(g, w) for g, w, on_host in self._groups if on_host], grads,
+                                        self.staging, grad_scale=grad_scale, **kw)
         for group, _, _ in self._groups:
             group.grads = []  # hold no grad memory past the step
 
@@ -312,9 +291,12 @@ class MixedPrecisionOptimizer:
         return list(groups.values())
 
     def _publish(self) -> None:
-        """Copy the updated masters into the model params (cast to their dtype)."""
+        """Copy the updated masters into the model params (cast to their dtype; host masters
+        through the bounded staging)."""
         for s in self.shards:
-            if s.separate_master:
+            if s.host:
+                self.staging.to_device(s.param, s.master)
+            elif s.separate_master:
                 s.param.copy_(s.master)
 
     # ------------------------------------------------------------------ checkpointing
@@ -349,7 +331,9 @@ class MixedPrecisionOptimizer:
         them, not from the initial weights. fp32 params are their own masters: nothing to do."""
         self.finish_param_sync()
         for s in self.shards:
-            if s.separate_master:
+            if s.host:
+                self.staging.to_host(s.master, s.param)
+            elif s.separate_master:
                 s.master.copy_(s.param)
 
     # ------------------------------------------------------------------ reporting
@@ -360,12 +344,14 @@ class MixedPrecisionOptimizer:
         grads = the main_grad buffers while allocated (under ZeRO-2/3 the reduced shards a rank
         keeps), optimizer = fp32 masters (when the params are not fp32) + exp_avg + exp_avg_sq
         over this rank's shards on the device, padding included (optimizer_host_bytes: the same for
-        the shards --optimizer-cpu-offload keeps on the host, not in total_bytes). Per parameter this is the ZeRO paper's
+        the shards --optimizer-cpu-offload keeps on the host, not in total_bytes; host_staging_bytes: its
+        pinned staging buffers allocated so far, optim/offload.py). Per parameter this is the ZeRO paper's
         accounting (Rajbhandari et al. 2020, §3.1): bf16 params with fp32 main_grads: 2 + 4 + 12
         bytes, 2 + 4 + 12/DP under ZeRO-1, 2 + 4/DP + 12/DP under ZeRO-2, (2 + 4 + 12)/DP under
         ZeRO-3; fp32: 4 + 4 + 8 likewise.
         Returns {"num_params", "weights_bytes", "grads_bytes", "optimizer_bytes", "total_bytes",
-        "bytes_per_param": {"weights", "grads", "optimizer", "total"}, "optimizer_host_bytes"}.
+        "bytes_per_param": {"weights", "grads", "optimizer", "total"}, "optimizer_host_bytes",
+        "host_staging_bytes"}.
         """
         n = sum(p.numel() for buf in self.ddp.buffers for p in buf.params)
         weights = grads = 0
@@ -385,4 +371,4 @@ class MixedPrecisionOptimizer:
                (("weights", weights), ("grads", grads), ("optimizer", optim), ("total", total))}
         return {"num_params": n, "weights_bytes": weights, "grads_bytes": grads, "optimizer_bytes": optim,
                 "total_bytes": total, "bytes_per_param": per,
-                "optimizer_host_bytes": sum(n for host, n in held if host)}
+                "optimizer_host_bytes": sum(n for host, n in held if host), "host_staging_bytes": self.staging.nbytes()}

@@ -13,7 +13,10 @@ Model state (bytes per parameter of the rank's stage, from ``planner/params.py``
   ZeRO-3 (optim_grads_params) the weights too, plus its gathered working set (``gathered_bytes``:
   two blocks whole with one pipeline stage, all of the stage's weights under PP or with
   --torch-fsdp2-no-reshard-after-forward). Under
-  --optimizer-cpu-offload the device holds 1 − --optimizer-offload-fraction of the optimizer state.
+  --optimizer-cpu-offload the device holds 1 − --optimizer-offload-fraction of the optimizer state
+  and the host (``host_bytes``) the rest at 12 bytes an element (fp32 master and two moments, the
+  master separate even for fp32 params) plus the offload's staging buffers (optim/offload.py:
+  min(2^26, host elements) × (4 + the params' element bytes), 384 MiB for a large bf16 model).
   Hybrid sharding (--num-distributed-optimizer-instances N) shards over DP × CP / N, the optimizer
   over all DP × CP under --outer-dp-sharding-strategy optim.
   Gradient memory exists only from the first backward to the next
@@ -71,6 +74,7 @@ device needs beyond that (``device_bytes``): the CUDA context and cuBLAS/NCCL wo
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -177,6 +181,9 @@ class Memory:
     activations_per_layer, rebuilt under full recompute); loss = the last stage's logits, their gradient and the output layer's
     inputs; peak_bytes = what torch.cuda.max_memory_allocated reports (grads only when held at the
     activation peak); device_bytes = peak + CUDA context + allocator fragmentation.
+    host_bytes: host memory of --optimizer-cpu-offload (the fraction's masters and moments + staging;
+    0 without it); host_optimizer_full: the masters and moments of the whole optimizer on the host
+    (fraction 1), for ``largest_offload_fraction``.
     """
 
     stage: int
@@ -192,6 +199,8 @@ class Memory:
     grads_at_peak: bool
     peak_bytes: float
     device_bytes: float
+    host_bytes: float = 0.0
+    host_optimizer_full: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -214,6 +223,7 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
     last, whose rank logs ``mem_max_allocated_gb``). ``cfg`` must carry --global-batch-size.
     ConfigError if the layers cannot be split over the stages (meshlm's own partition rules)."""
     from ..config import padded_vocab_size
+    from ..optim.offload import HOST_STATE_BYTES, staging_bytes
     from ..parallel.pipeline import stage_layers
     c = layout.apply(cfg)
     m = c.model
@@ -254,15 +264,32 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
                              dp=layout.edp, stage=layout.stage, accounting=accounting)
         st = {k: dense[k] + routed[k] for k in dense}
         st["weights"] += gathered_bytes(c, layout, params[rank], vocab, half=half)
+        host = full = 0.0
         if c.optimizer.optimizer_cpu_offload:  # that share of the optimizer state lives on the host
-            st["optimizer"] *= 1.0 - c.optimizer.optimizer_offload_fraction
+            f = c.optimizer.optimizer_offload_fraction
+            full = st["optimizer"] / STATE_BYTES[(accounting, half)][2] * HOST_STATE_BYTES
+            host = f * full + (staging_bytes(f * full / HOST_STATE_BYTES, 2 if half else 4) if f else 0.0)
+            st["optimizer"] *= 1.0 - f
         held = nmb > 1 or layout.pp > 1
         peak = st["weights"] + st["optimizer"] + acts + loss + (st["grads"] if held else 0.0)
         peak = max(peak, 2 * st["weights"] + st["optimizer"] + st["grads"])  # the step's weight-sized transient
         mem = Memory(stage=rank, params=params[rank], expert_params=experts[rank], weights=st["weights"],
                      grads=st["grads"], optimizer=st["optimizer"], activations=acts, activations_per_layer=full_layer,
                      in_flight=chunks * share, loss=loss, grads_at_peak=held, peak_bytes=peak,
-                     device_bytes=peak * (1 + FRAGMENTATION) + CONTEXT_BYTES)
+                     device_bytes=peak * (1 + FRAGMENTATION) + CONTEXT_BYTES, host_bytes=host,
+                     host_optimizer_full=full)
         if best is None or mem.peak_bytes > best.peak_bytes:
             best = mem
     return best
+
+
+def largest_offload_fraction(mem: Memory, budget: float, *, half: bool = True) -> float:
+    """The largest --optimizer-offload-fraction, floored to 0.01, whose host bytes (``mem.host_bytes``'
+    formula: the fraction of ``mem.host_optimizer_full`` plus the staging) fit in ``budget`` bytes;
+    0.0 when none does (or the estimate has no offload)."""
+    from ..optim.offload import HOST_STATE_BYTES, staging_bytes
+    full = mem.host_optimizer_full
+    if full <= 0:
+        return 0.0
+    room = budget - staging_bytes(full / HOST_STATE_BYTES, 2 if half else 4)
+    return max(0.0, min(1.0, math.floor(100 * room / full) / 100))

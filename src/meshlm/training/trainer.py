@@ -206,6 +206,9 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
         torch.cuda.synchronize(ps.device)
     build_s = time.perf_counter() - t0
     ddp = DistributedDataParallel(chunks, ps, cfg)
+    loaders = {}
+    if cfg.optimizer.optimizer_cpu_offload and cfg.data.num_workers > 0 and ps.device.type == "cuda":  # see loader.start
+        loaders = {id(ds): rank_loader(ds, cfg, ps).start() for ds in (train_ds, valid_ds) if ds is not None}
     opt = build_optimizer(cfg, ps, chunks, ddp)
     gb, nmb = C.global_batch(cfg, ps.world_size), C.num_microbatches(cfg, ps.world_size)
     batches, iters = C.batch_schedule(cfg, ps.world_size), C.run_iterations(cfg, ps.world_size)
@@ -229,7 +232,7 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
         from ..checkpoint.async_save import AsyncSaver
         saver = AsyncSaver(ps.world_size, p.distributed_timeout_minutes)
     return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb, batches, iters,
-               saver=saver, stragglers=StragglerWatch(ps), spikes=LossSpikes(t.loss_spike_threshold))
+               saver=saver, loaders=loaders, stragglers=StragglerWatch(ps), spikes=LossSpikes(t.loss_spike_threshold))
 
 
 def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
@@ -266,10 +269,13 @@ def report_memory(report: dict, ps: ParallelState) -> None:
     for rank, r in enumerate(shown):
         b = r["bytes_per_param"]
         who = f"rank {rank}" if len(reports) <= 8 else "largest rank"
+        host = r.get("optimizer_host_bytes", 0)
+        offload = (f" | host (--optimizer-cpu-offload): optimizer {size(host)} + staging "
+                   f"{size(r.get('host_staging_bytes', 0))}") if host else ""
         print(f"meshlm: memory {who}: {r['num_params']:,} params | weights {size(r['weights_bytes'])} "
               f"+ grads {size(r['grads_bytes'])} + optimizer {size(r['optimizer_bytes'])} "
               f"= {size(r['total_bytes'])} | bytes/param {b['weights']:.1f} + {b['grads']:.1f} "
-              f"+ {b['optimizer']:.1f} = {b['total']:.1f}", flush=True)
+              f"+ {b['optimizer']:.1f} = {b['total']:.1f}{offload}", flush=True)
 
 
 def train(run: Run, state: TrainState) -> dict:
