@@ -8,7 +8,8 @@ claim (Tensor Programs V §1, Fig. 1): under μP the best LR stays within one gr
 across the widths; under the standard parametrisation it drifts down as the width grows.
 
 Prints a table (width → best LR and its loss, per parametrisation), appends one record to --results
-(default bench/results.jsonl) and writes the two sweeps' pages (loss against LR, one curve per width)
+(default bench/results.jsonl: the best LRs, their spread and every trial's loss, which
+bench/mup_transfer_plot.py draws) and writes the two sweeps' pages (loss against LR, one curve per width)
 under --out. A killed run started again with the same --out goes on where it stopped (the sweeps'
 trials.jsonl).
 
@@ -83,6 +84,15 @@ def best_lrs(trials: list) -> dict:
     return dict(sorted(out.items()))
 
 
+def losses(trials: list) -> dict:
+    """{width: {lr: loss}} of every trial (None: diverged or failed), for the record's plot
+    (bench/mup_transfer_plot.py)."""
+    out = {}
+    for r in trials:
+        out.setdefault(str(r["values"]["hidden_size"]), {})[f"{r['values']['lr']:.6g}"] = r["loss"]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join(HERE, "out", "mup_transfer"))
@@ -101,7 +111,8 @@ def main() -> None:
     started = {name: sweep(args.out, name == "mup", args, data) for name in ("mup", "standard")}  # side by side
     for proc, _ in started.values():
         proc.wait()
-    found = {name: best_lrs(trials(path)) for name, (_, path) in started.items()}
+    every = {name: trials(path) for name, (_, path) in started.items()}
+    found = {name: best_lrs(rows) for name, rows in every.items()}
     print(f"{'width':>6} {'μP best lr':>11} {'loss':>7} {'SP best lr':>11} {'loss':>7}")
     for w in sorted(set(found["mup"]) | set(found["standard"])):
         m, s = found["mup"].get(w, (math.nan, math.nan)), found["standard"].get(w, (math.nan, math.nan))
@@ -116,7 +127,8 @@ def main() -> None:
                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "widths": args.widths, "lrs": args.lrs, "iters": args.iters, "corpus": "embedded",
                "slots": args.slots, "fast_path": args.fast_path, "bf16": args.bf16,
-               "best": {k: {str(w): v for w, v in b.items()} for k, b in found.items()}, "spread": spread}
+               "best": {k: {str(w): v for w, v in b.items()} for k, b in found.items()}, "spread": spread,
+               "losses": {k: losses(rows) for k, rows in every.items()}}
         with open(args.results, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
