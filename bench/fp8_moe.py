@@ -38,7 +38,9 @@ RUN = ["--bf16", "--mock-data", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup
 
 
 def run(name: str, flags: list, iters: int, out: str, timeout: int) -> list:
-    """The training records of one pretrain process ([] if it failed; its log says why)."""
+    """The training records of one pretrain process, also of one that timed out (on 2026-12-03 the
+    tiny cases trained all their steps in 35 s, then ran out of time in the compiled final
+    validation); its log says how it ended."""
     d = os.path.join(out, "runs", name)  # its files stay on the machine ($OUT returns two levels)
     cmd = [sys.executable, "-m", "meshlm", "pretrain", *flags, *RUN, "--train-iters", str(iters), "--run-dir", d]
     with open(os.path.join(out, f"{name}.log"), "w") as log:
@@ -49,7 +51,7 @@ def run(name: str, flags: list, iters: int, out: str, timeout: int) -> list:
         except subprocess.TimeoutExpired:
             rc = "timeout"
     print(f"{name}: rc {rc}", flush=True)
-    return records(d) if rc == 0 else []
+    return records(d)
 
 
 def main() -> None:
@@ -60,7 +62,7 @@ def main() -> None:
     ap.add_argument("--no-small", action="store_true")
     ap.add_argument("--fast-path", default="auto", help="of the tiny cases")
     ap.add_argument("--small-fast-path", default="auto")
-    ap.add_argument("--timeout", type=int, default=60, help="seconds per process")
+    ap.add_argument("--timeout", type=int, default=90, help="seconds per process")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results.jsonl"))
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     args = ap.parse_args()
