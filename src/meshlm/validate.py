@@ -18,7 +18,7 @@ import os
 from typing import Optional
 
 from .config import (Config, ModelConfig, config_fields, ffn_hidden, flag_of, global_batch, head_dim,
-                     max_positions, query_groups, rotary_dim, run_iterations, world_size_of)
+                     max_positions, moe_ffn, query_groups, rotary_dim, run_iterations, world_size_of)
 from .errors import ConfigError
 from .fp8_rules import alignment_problems, fp8_problems
 from .parallel import layout_rules
@@ -247,6 +247,10 @@ def _fp8_problems(cfg: Config, cuda: Optional[bool]) -> list:
         sizes = {"--hidden-size": m.hidden_size, "--ffn-hidden-size / TP": ffn // tp,
                  "query and key/value widths / TP": (m.num_attention_heads + 2 * query_groups(m)) * d // tp,
                  "heads × head dim / TP": m.num_attention_heads * d // tp}
+        if m.num_experts:
+            sizes["--moe-ffn-hidden-size"] = moe_ffn(m)
+            if m.moe_shared_expert_intermediate_size:
+                sizes["--moe-shared-expert-intermediate-size / TP"] = m.moe_shared_expert_intermediate_size // tp
         problems += alignment_problems(sizes, cfg.training.micro_batch_size * m.seq_length)
     return problems
 

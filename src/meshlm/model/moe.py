@@ -49,6 +49,7 @@ from ..fast import eager
 from ..parallel import watchdog
 from ..parallel.comm import group_size
 from ..parallel.experts import dispatch_combine
+from ..parallel.fp8_experts import fp8_expert_linear
 from .mlp import MLP
 
 
@@ -203,6 +204,10 @@ class Experts(nn.Module):
     expert_idx, each expert on every row, its rows kept (``torch.where``: the same products per
     row, fixed shapes, no host read; E× the FLOPs: the CPU tests' compiled path). Every expert runs, on zero rows if it got none, so each gets a gradient,
     zero when unused.
+    ``fp8``: an Fp8Recipe (set by model.chunks.apply_fp8) runs both projections as FP8 GEMMs scaled
+    per expert and source micro-batch (parallel/fp8_experts.py; ``blocks``: the expert-major
+    (local expert, source EP rank) row counts at EP > 1, host ints), amax max-reduced over the
+    token group; the router stays out of FP8.
     """
 
     def __init__(self, cfg, ps, init, scaled_init, *, sequence_parallel: bool, params_dtype):
@@ -224,6 +229,7 @@ class Experts(nn.Module):
         self.swiglu, self.gelu_approximate = cfg.swiglu, "tanh" if gelu_tanh(cfg) else "none"
         self.grouped = (hasattr(torch, "_grouped_mm") and ps.device.type == "cuda"
                         and params_dtype in (torch.float32, torch.bfloat16, torch.float16))
+        self.fp8, self.token_group = None, token_group(ps, sequence_parallel)
 
     def _act(self, y: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -231,8 +237,11 @@ class Experts(nn.Module):
             return F.silu(gate) * up
         return F.gelu(y, approximate=self.gelu_approximate)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_idx: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_idx: torch.Tensor | None = None,
+                blocks: list | None = None) -> torch.Tensor:
         experts = list(self.local_experts.values())
+        if self.fp8 is not None:
+            return self._fp8_forward(experts, x, counts, blocks)
         if not self.grouped and (expert_idx is None or not torch.compiler.is_compiling()):
             return torch.cat([e(rows) for e, rows in zip(experts, x.split(counts.tolist()))])
         if not self.grouped:
@@ -255,6 +264,21 @@ class Experts(nn.Module):
         return y
 
 
+    def _fp8_forward(self, experts, x, counts, blocks) -> torch.Tensor:
+        """forward with both projections' GEMMs in FP8 (parallel/fp8_experts.py); biases by row."""
+        def linear(t, mods):
+            y = fp8_expert_linear(t, [m.weight for m in mods], counts, blocks, self.fp8, self.token_group)
+            if mods[0].bias is None:
+                return y
+            return y + torch.stack([m.bias for m in mods]).repeat_interleave(counts, dim=0, output_size=x.shape[0])
+        return linear(self._act(linear(x, [e.linear_fc1 for e in experts])), [e.linear_fc2 for e in experts])
+
+
+def token_group(ps, sequence_parallel: bool):
+    """The ranks that split one micro-batch's tokens: TP under SP × CP (module doc)."""
+    return ps.tp_cp_group if sequence_parallel else ps.cp_group
+
+
 class MoELayer(nn.Module):
     """The MLP of an MoE layer: x [s, b, h] ([s/tp, b, h] under SP) → same shape (module doc).
 
@@ -265,7 +289,7 @@ class MoELayer(nn.Module):
                  params_dtype):
         super().__init__()
         self.cfg, self.ps, self.layer, self.state = cfg, ps, layer, state
-        self.token_group = ps.tp_cp_group if sequence_parallel else ps.cp_group  # module doc
+        self.token_group = token_group(ps, sequence_parallel)
         self.split = group_size(self.token_group)
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
         self.router = Router(cfg, ps, init, **kw)

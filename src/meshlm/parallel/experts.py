@@ -86,7 +86,8 @@ def dispatch_combine(tokens: torch.Tensor, gates: torch.Tensor, routing_map: tor
 
     tokens [T, h]; gates [T, E] (fp32 or wider, zero off the routes); routing_map [T, E] bool;
     experts(x [N, h] sorted by local expert, counts [E_local] int64, expert_idx [N] each row's
-    local expert, or None at EP > 1) → [N, h]. chosen [T, E] bool: the k routes of each token
+    local expert, or None at EP > 1, blocks: at EP > 1 the rows of each (local expert, source rank)
+    in x's order, expert-major, host ints) → [N, h]. chosen [T, E] bool: the k routes of each token
     before capacity dropping (EP = 1's fixed slots; routing_map ⊆ chosen). Returns [T, h] in
     tokens' dtype. Collective over ``group`` (the EP group; None at EP = 1).
     """
@@ -105,8 +106,8 @@ def dispatch_combine(tokens: torch.Tensor, gates: torch.Tensor, routing_map: tor
     recv = [sum(recv_list[r * local:(r + 1) * local]) for r in range(ep)]
     x = _regroup(all_to_all(rows, recv, send, group), recv_list, ep, local)
     local_counts = received.view(ep, local).sum(0)
-    y = experts(x, local_counts, None)
     by_expert = [recv_list[s * local + e] for e in range(local) for s in range(ep)]
+    y = experts(x, local_counts, None, by_expert)
     y = all_to_all(_regroup(y, by_expert, local, ep), send, recv, group)
     return _combine(y, gates, token_idx, expert_idx, T)
 
