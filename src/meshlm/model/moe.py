@@ -196,7 +196,9 @@ class Experts(nn.Module):
 
     ``forward(x, counts, expert_idx)``: x [N, h] rows sorted by local expert, counts [E_local]
     int64 (a device tensor, never read by the host when expert_idx is given), expert_idx [N] each
-    row's local expert (EP = 1, parallel/experts.py) or None; → [N, h].
+    row's local expert (EP = 1, parallel/experts.py) or None; → [N, h]. Rows past Σ counts (the
+    slots the capacity dropped, expert_idx E_local) are not computed: their outputs are undefined
+    (zero on the loop path), the caller masks them.
     One grouped GEMM per projection (``torch._grouped_mm`` over the counts' cumulative offsets,
     weights stacked) where torch has it and ``grouped`` (CUDA, fp32/bf16/fp16); else a loop over
     the experts' row blocks (one host read of the counts), or under torch.compile, with
@@ -234,7 +236,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_idx: torch.Tensor | None = None) -> torch.Tensor:
         experts = list(self.local_experts.values())
         if not self.grouped and (expert_idx is None or not torch.compiler.is_compiling()):
-            return torch.cat([e(rows) for e, rows in zip(experts, x.split(counts.tolist()))])
+            sizes = counts.tolist()
+            rows = x.split(sizes + [x.shape[0] - sum(sizes)])  # the last: rows past the counts (dropped)
+            return torch.cat([e(r) for e, r in zip(experts, rows)] + [rows[-1].new_zeros(rows[-1].shape)])
         if not self.grouped:
             y = experts[0](x)
             for j, e in enumerate(experts[1:], 1):
@@ -247,7 +251,7 @@ class Experts(nn.Module):
         row_expert = None
         if fc1[0].bias is not None:
             row_expert = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=torch.int32),
-                                            right=True)
+                                            right=True).clamp(max=len(experts) - 1)  # rows past the offsets
             y = y + torch.stack([m.bias for m in fc1])[row_expert]
         y = torch._grouped_mm(self._act(y), torch.stack([m.weight for m in fc2]).transpose(1, 2), offs=offs)
         if row_expert is not None:

@@ -5,6 +5,9 @@ it compiles into the MoE layer's graph (meshlm/fast.py). Its T·k slots are the 
 chose before any capacity dropping (``chosen``; a dropped route keeps its slot with gate 0), so
 token t's slots are t·k … t·k + k − 1 in token-major order; one stable argsort by expert gives the
 expert-major order ``perm`` (by expert, then token: nonzero's order) and its inverse ``inv``. The
+slots the capacity dropped sort after every expert's (key E), past the counts' last offset: the
+grouped GEMM skips them, and two ``torch.where`` zero their rows and their rows' gradients (a
+GEMM leaves rows past its last offset undefined), so dropping does less expert work. The
 rows are one gather (backward: a gather and a sum over each token's k slots, no atomics), the
 experts run on the counts per expert as a device tensor, and the results come back by the inverse
 gather and a gate-weighted sum over the k slots in fp32 (``_Gather``: both directions are
@@ -93,7 +96,7 @@ def dispatch_combine(tokens: torch.Tensor, gates: torch.Tensor, routing_map: tor
     T, E = routing_map.shape
     ep = group_size(group)
     if ep == 1:
-        return _local(tokens, gates, chosen, experts, k)
+        return _local(tokens, gates, chosen, None if routing_map is chosen else routing_map, experts, k)
     local = E // ep
     expert_idx, token_idx = routing_map.t().nonzero(as_tuple=True)  # expert-major, then token
     rows = tokens.index_select(0, token_idx)
@@ -119,17 +122,20 @@ def _combine(y: torch.Tensor, gates: torch.Tensor, token_idx: torch.Tensor, expe
     return out.index_add(0, token_idx, weighted).to(y.dtype)
 
 
-def permute(chosen: torch.Tensor, k: int) -> tuple:
-    """(perm, inv, expert_idx, counts) of chosen [T, E] bool with exactly k per row, no host read:
-    perm [T·k] the token-major slots (t·k + j: token t's j-th expert, ascending) in expert-major
-    order (by expert, then token), inv [T·k] its inverse, expert_idx [T·k] int64 the expert of
-    each expert-major slot, counts [E] int64 slots per expert."""
-    T = chosen.shape[0]
-    expert_of = torch.sort(chosen.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :k]
-    flat = expert_of.reshape(-1)
+def permute(chosen: torch.Tensor, k: int, kept: torch.Tensor | None = None) -> tuple:
+    """(perm, inv, expert_idx, counts, slot_expert) of chosen [T, E] bool with exactly k per row, no
+    host read: perm [T·k] the token-major slots (t·k + j: token t's j-th expert, ascending) in
+    expert-major order (by expert, then token), inv [T·k] its inverse, expert_idx [T·k] int64 the
+    expert of each expert-major slot, counts [E] int64 slots per expert, slot_expert [T, k] the
+    expert of each token-major slot. kept [T, E] bool ⊆ chosen (the routes the capacity kept) or
+    None: a dropped slot's expert_idx is E (it sorts last) and counts count the kept slots only."""
+    T, E = chosen.shape
+    slot_expert = torch.sort(chosen.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :k]
+    key = slot_expert if kept is None else torch.where(kept.gather(1, slot_expert), slot_expert, E)
+    flat = key.reshape(-1)
     perm = torch.argsort(flat, stable=True)
     inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(T * k, device=perm.device))
-    return perm, inv, flat.index_select(0, perm), chosen.sum(0)
+    return perm, inv, flat.index_select(0, perm), (chosen if kept is None else kept).sum(0), slot_expert
 
 
 class _Gather(torch.autograd.Function):
@@ -151,11 +157,18 @@ class _Gather(torch.autograd.Function):
         return g, None, None, None
 
 
-def _local(tokens, gates, chosen, experts, k: int) -> torch.Tensor:
-    """dispatch_combine at EP = 1, fixed shapes and no host read (module doc)."""
+def _local(tokens, gates, chosen, kept, experts, k: int) -> torch.Tensor:
+    """dispatch_combine at EP = 1, fixed shapes and no host read (module doc); kept: the routes the
+    capacity kept, or None when nothing is dropped."""
     T, h = tokens.shape
-    perm, inv, expert_idx, counts = permute(chosen, k)
+    E = chosen.shape[1]
+    perm, inv, expert_idx, counts, slot_expert = permute(chosen, k, kept)
     rows = _Gather.apply(tokens, torch.div(perm, k, rounding_mode="floor"), inv, k)
-    y = _Gather.apply(experts(rows, counts, expert_idx), inv, perm, 1).view(T, k, h)
-    g = gates.gather(1, expert_idx.index_select(0, inv).view(T, k))  # [T, k] in token-major slot order
+    if kept is None:
+        out = experts(rows, counts, expert_idx)
+    else:  # the dropped slots (key E, last) are past the GEMM's offsets: zero them both ways
+        live = (expert_idx < E).unsqueeze(1)
+        out = torch.where(live, experts(torch.where(live, rows, 0), counts, expert_idx), 0)
+    y = _Gather.apply(out, inv, perm, 1).view(T, k, h)
+    g = gates.gather(1, slot_expert)  # [T, k] in token-major slot order
     return (y.to(gates.dtype) * g.unsqueeze(2)).sum(1).to(tokens.dtype)
