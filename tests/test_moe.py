@@ -281,7 +281,7 @@ def test_fixed_slot_dispatch_is_nonzero_order_and_equals_index_add_with_dropping
         y = torch.einsum("nh,nhf->nf", rows, w[idx.clamp(max=E - 1)])
         return y if counts is None else torch.where((torch.arange(len(idx)) < counts.sum()).unsqueeze(1), y, torch.nan)
 
-    y = dispatch.dispatch_combine(x, gates, kept, experts, None, chosen, k)
+    y, _ = dispatch.dispatch_combine(x, gates, kept, experts, None, chosen, k)
     out = torch.randn(T, h, generator=g, dtype=torch.float64)
     got = torch.autograd.grad((y * out).sum(), (x, w, probs), retain_graph=True)  # a dropped gate's own gradient differs
     e_idx, t_idx = kept.t().nonzero(as_tuple=True)

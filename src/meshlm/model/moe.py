@@ -302,10 +302,10 @@ class MoELayer(nn.Module):
                               self.token_group)
         if training:
             gates = _attach_and_record(self, gates, z, aux, routes, routing_map.sum(0), tokens.shape[0])
-        y = dispatch_combine(tokens, gates, routing_map, self.experts, self.ps.ep_group, chosen, cfg.moe_router_topk)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x).reshape(-1, shape[-1])
-        return y.reshape(shape)
+        shared = None if self.shared_experts is None else lambda: self.shared_experts(x).reshape(-1, shape[-1])
+        y, s = dispatch_combine(tokens, gates, routing_map, self.experts, self.ps.ep_group, chosen,
+                                cfg.moe_router_topk, shared)  # the shared expert overlaps EP's all-to-all
+        return (y if s is None else y + s).reshape(shape)
 
 
 @eager
