@@ -100,10 +100,11 @@ def test_layer_is_the_gate_weighted_sum_of_its_experts(swiglu, shared):
     torch.testing.assert_close(y.reshape(-1, 16), want, rtol=1e-12, atol=1e-14)
 
 
-def test_grouped_gemm_equals_the_expert_loop():
+@pytest.mark.parametrize("factor", [None, 0.5])  # 0.5: dropped slots past the grouped GEMM's offsets
+def test_grouped_gemm_equals_the_expert_loop(factor):
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm")
-    m = _cfg(swiglu=True, add_bias_linear=True)
+    m = _cfg(swiglu=True, add_bias_linear=True, moe_expert_capacity_factor=factor)
     layer = _layer(m, torch.float32)
     x = torch.randn(8, 2, 16)
     outs, grads = [], []

@@ -248,15 +248,17 @@ class Experts(nn.Module):
         fc1 = [e.linear_fc1 for e in experts]
         fc2 = [e.linear_fc2 for e in experts]
         y = torch._grouped_mm(x, torch.stack([m.weight for m in fc1]).transpose(1, 2), offs=offs)
-        row_expert = None
-        if fc1[0].bias is not None:
-            row_expert = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=torch.int32),
-                                            right=True).clamp(max=len(experts) - 1)  # rows past the offsets
-            y = y + torch.stack([m.bias for m in fc1])[row_expert]
+        row_bias = None
+        if fc1[0].bias is not None:  # rows past the offsets get none (their undefined gradients reach no bias)
+            row = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
+            row_expert = torch.searchsorted(offs, row, right=True).clamp(max=len(experts) - 1)
+            live = (row < offs[-1]).unsqueeze(1)
+
+            def row_bias(ms):  # [N, out] each row's expert's bias, 0 past the offsets
+                return torch.where(live, torch.stack([m.bias for m in ms])[row_expert], 0)
+            y = y + row_bias(fc1)
         y = torch._grouped_mm(self._act(y), torch.stack([m.weight for m in fc2]).transpose(1, 2), offs=offs)
-        if row_expert is not None:
-            y = y + torch.stack([m.bias for m in fc2])[row_expert]
-        return y
+        return y if row_bias is None else y + row_bias(fc2)
 
 
 class MoELayer(nn.Module):
