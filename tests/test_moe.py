@@ -100,10 +100,11 @@ def test_layer_is_the_gate_weighted_sum_of_its_experts(swiglu, shared):
     torch.testing.assert_close(y.reshape(-1, 16), want, rtol=1e-12, atol=1e-14)
 
 
-def test_grouped_gemm_equals_the_expert_loop():
+@pytest.mark.parametrize("factor", [None, 0.5])  # 0.5: dropped slots past the grouped GEMM's offsets
+def test_grouped_gemm_equals_the_expert_loop(factor):
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm")
-    m = _cfg(swiglu=True, add_bias_linear=True)
+    m = _cfg(swiglu=True, add_bias_linear=True, moe_expert_capacity_factor=factor)
     layer = _layer(m, torch.float32)
     x = torch.randn(8, 2, 16)
     outs, grads = [], []
@@ -265,17 +266,23 @@ def test_fixed_slot_dispatch_is_nonzero_order_and_equals_index_add_with_dropping
     probs.requires_grad_()
     gates, kept = moe.drop(probs, chosen, moe.capacity(T, E, k, 0.75), "probs")
     assert (kept != chosen).any(), "the case must drop routes"
-    perm, inv, expert_idx, counts = dispatch.permute(chosen, k)
+    perm, inv, expert_idx, counts, _ = dispatch.permute(chosen, k)
     e_ref, t_ref = chosen.t().nonzero(as_tuple=True)
     assert torch.equal(expert_idx, e_ref) and torch.equal(torch.div(perm, k, rounding_mode="floor"), t_ref)
     assert torch.equal(inv[perm], torch.arange(T * k)) and torch.equal(counts, chosen.sum(0))
+    perm, inv, expert_idx, counts, _ = dispatch.permute(chosen, k, kept)  # the dropped slots go last
+    e_ref, t_ref = kept.t().nonzero(as_tuple=True)
+    n = len(e_ref)
+    assert torch.equal(expert_idx[:n], e_ref) and torch.equal(torch.div(perm[:n], k, rounding_mode="floor"), t_ref)
+    assert (expert_idx[n:] == E).all() and torch.equal(counts, kept.sum(0)) and torch.equal(inv[perm], torch.arange(T * k))
     w = torch.randn(E, h, h, generator=g, dtype=torch.float64, requires_grad=True)
     x = torch.randn(T, h, generator=g, dtype=torch.float64, requires_grad=True)
 
-    def experts(rows, counts, idx):  # a different linear map per expert, row by row
-        return torch.einsum("nh,nhf->nf", rows, w[idx])
+    def experts(rows, counts, idx):  # a different linear map per expert, row by row; NaN past the counts
+        y = torch.einsum("nh,nhf->nf", rows, w[idx.clamp(max=E - 1)])
+        return y if counts is None else torch.where((torch.arange(len(idx)) < counts.sum()).unsqueeze(1), y, torch.nan)
 
-    y = dispatch.dispatch_combine(x, gates, kept, experts, None, chosen, k)
+    y, _ = dispatch.dispatch_combine(x, gates, kept, experts, None, chosen, k)
     out = torch.randn(T, h, generator=g, dtype=torch.float64)
     got = torch.autograd.grad((y * out).sum(), (x, w, probs), retain_graph=True)  # a dropped gate's own gradient differs
     e_idx, t_idx = kept.t().nonzero(as_tuple=True)

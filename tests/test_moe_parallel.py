@@ -12,7 +12,9 @@ whole sequence (summed over TP × CP), so a CP rank's share differs from a loss 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from distributed import run_distributed
 from parity import Case, assert_parity
 
 pytestmark = pytest.mark.slow  # multi-process: make test-quick leaves it out
@@ -56,3 +58,57 @@ def test_compiled_moe_fast_path_equals_one_process():
     cap = MOE + (("moe_expert_capacity_factor", 1.0),)
     assert_parity(Case(experts=4, moe=cap, layers=2, tied=False, pos="rope", norm="RMSNorm", swiglu=True,
                        fast="on"))
+
+
+def _overlapped_dispatch(rank, world):
+    """The EP = 2 dispatch with a side computation: the order of its exchanges, waits and the
+    side's call, and output and gradients with the side against without (float64)."""
+    import torch
+    import torch.distributed as dist
+    from meshlm.parallel.experts import dispatch_combine
+    log, plain = [], dist.all_to_all_single
+
+    class Work:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            log.append("wait")
+            return self.work.wait()
+
+    def logged(*args, async_op=False, **kwargs):
+        log.append(f"a2a async={async_op}")
+        out = plain(*args, async_op=async_op, **kwargs)
+        return Work(out) if async_op else out
+
+    dist.all_to_all_single = logged
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randn(6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    routing = torch.zeros(6, 2, dtype=torch.bool)
+    routing[:, rank] = routing[::2, 1 - rank] = True
+    gates = routing.double() / 2
+    shared = torch.randn(4, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    results = []
+    for overlap in (False, True):
+        log.clear()
+
+        def side():
+            log.append("side")
+            return tokens @ shared
+        y, s = dispatch_combine(tokens, gates, routing, lambda x, counts, idx: 3 * x.sin(), dist.group.WORLD,
+                                routing, 1, side if overlap else None)
+        s = side() if s is None else s
+        forward = list(log)
+        grads = torch.autograd.grad((y + s).square().sum(), (tokens, shared))
+        results.append((forward, (y + s).detach(), grads))
+    dist.all_to_all_single = plain
+    return results
+
+
+def test_shared_expert_runs_while_the_ep_exchange_is_in_flight():
+    for (plain_log, y0, g0), (log, y1, g1) in run_distributed(_overlapped_dispatch, 2):
+        assert plain_log == ["a2a async=False"] * 3 + ["side"], plain_log
+        assert log == ["a2a async=False", "a2a async=True", "side", "wait", "a2a async=False"], log
+        torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+        for a, b in zip(g1, g0):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

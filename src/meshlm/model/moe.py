@@ -197,7 +197,9 @@ class Experts(nn.Module):
 
     ``forward(x, counts, expert_idx)``: x [N, h] rows sorted by local expert, counts [E_local]
     int64 (a device tensor, never read by the host when expert_idx is given), expert_idx [N] each
-    row's local expert (EP = 1, parallel/experts.py) or None; → [N, h].
+    row's local expert (EP = 1, parallel/experts.py) or None; → [N, h]. Rows past Σ counts (the
+    slots the capacity dropped, expert_idx E_local) are not computed: their outputs are undefined
+    (zero on the loop path), the caller masks them.
     One grouped GEMM per projection (``torch._grouped_mm`` over the counts' cumulative offsets,
     weights stacked) where torch has it and ``grouped`` (CUDA, fp32/bf16/fp16); else a loop over
     the experts' row blocks (one host read of the counts), or under torch.compile, with
@@ -243,7 +245,9 @@ class Experts(nn.Module):
         if self.fp8 is not None:
             return self._fp8_forward(experts, x, counts, blocks)
         if not self.grouped and (expert_idx is None or not torch.compiler.is_compiling()):
-            return torch.cat([e(rows) for e, rows in zip(experts, x.split(counts.tolist()))])
+            sizes = counts.tolist()
+            rows = x.split(sizes + [x.shape[0] - sum(sizes)])  # the last: rows past the counts (dropped)
+            return torch.cat([e(r) for e, r in zip(experts, rows)] + [rows[-1].new_zeros(rows[-1].shape)])
         if not self.grouped:
             y = experts[0](x)
             for j, e in enumerate(experts[1:], 1):
@@ -253,15 +257,17 @@ class Experts(nn.Module):
         fc1 = [e.linear_fc1 for e in experts]
         fc2 = [e.linear_fc2 for e in experts]
         y = torch._grouped_mm(x, torch.stack([m.weight for m in fc1]).transpose(1, 2), offs=offs)
-        row_expert = None
-        if fc1[0].bias is not None:
-            row_expert = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=torch.int32),
-                                            right=True)
-            y = y + torch.stack([m.bias for m in fc1])[row_expert]
+        row_bias = None
+        if fc1[0].bias is not None:  # rows past the offsets get none (their undefined gradients reach no bias)
+            row = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
+            row_expert = torch.searchsorted(offs, row, right=True).clamp(max=len(experts) - 1)
+            live = (row < offs[-1]).unsqueeze(1)
+
+            def row_bias(ms):  # [N, out] each row's expert's bias, 0 past the offsets
+                return torch.where(live, torch.stack([m.bias for m in ms])[row_expert], 0)
+            y = y + row_bias(fc1)
         y = torch._grouped_mm(self._act(y), torch.stack([m.weight for m in fc2]).transpose(1, 2), offs=offs)
-        if row_expert is not None:
-            y = y + torch.stack([m.bias for m in fc2])[row_expert]
-        return y
+        return y if row_bias is None else y + row_bias(fc2)
 
 
     def _fp8_forward(self, experts, x, counts, blocks) -> torch.Tensor:
@@ -322,10 +328,10 @@ class MoELayer(nn.Module):
                               self.token_group)
         if training:
             gates = _attach_and_record(self, gates, z, aux, routes, routing_map.sum(0), tokens.shape[0])
-        y = dispatch_combine(tokens, gates, routing_map, self.experts, self.ps.ep_group, chosen, cfg.moe_router_topk)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x).reshape(-1, shape[-1])
-        return y.reshape(shape)
+        shared = None if self.shared_experts is None else lambda: self.shared_experts(x).reshape(-1, shape[-1])
+        y, s = dispatch_combine(tokens, gates, routing_map, self.experts, self.ps.ep_group, chosen,
+                                cfg.moe_router_topk, shared)  # the shared expert overlaps EP's all-to-all
+        return (y if s is None else y + s).reshape(shape)
 
 
 @eager

@@ -5,6 +5,9 @@ it compiles into the MoE layer's graph (meshlm/fast.py). Its T·k slots are the 
 chose before any capacity dropping (``chosen``; a dropped route keeps its slot with gate 0), so
 token t's slots are t·k … t·k + k − 1 in token-major order; one stable argsort by expert gives the
 expert-major order ``perm`` (by expert, then token: nonzero's order) and its inverse ``inv``. The
+slots the capacity dropped sort after every expert's (key E), past the counts' last offset: the
+grouped GEMM skips them, and two ``torch.where`` zero their rows and their rows' gradients (a
+GEMM leaves rows past its last offset undefined), so dropping does less expert work. The
 rows are one gather (backward: a gather and a sum over each token's k slots, no atomics), the
 experts run on the counts per expert as a device tensor, and the results come back by the inverse
 gather and a gate-weighted sum over the k slots in fp32 (``_Gather``: both directions are
@@ -18,6 +21,9 @@ At EP > 1 ``dispatch_combine`` follows Megatron's MoEAlltoAllTokenDispatcher, in
      counts for the split sizes;
   3. all_to_all_single of the rows with those split sizes (autograd: the backward is the reverse
      all-to-all); the rows arrive [source rank][local expert] and are regrouped expert-major;
+     with a shared expert, the exchange is started asynchronously and the shared expert's
+     forward runs before it is waited for (the overlap of Megatron's
+     --moe-shared-expert-overlap, forward only: backward's exchanges block);
   4. the experts (``experts(x, counts)``);
   5. the inverse regrouping, the reverse all-to-all, and the gate-weighted sum of each token's k
      results in token order (index_add).
@@ -66,6 +72,44 @@ class _AllToAll(torch.autograd.Function):
         return dx, None, None, None
 
 
+class _AllToAllStart(torch.autograd.Function):
+    """The forward exchange of ``_AllToAll`` started (async_op) and not waited for: the output's
+    rows are valid once ``_Wait`` has run; the work handle goes onto ``pending``. Backward: the
+    reverse exchange, blocking."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, pending):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        x = x.contiguous()
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        pending.append((dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True), x))
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _AllToAll.backward(ctx, dy)[:3] + (None, None)
+
+
+class _Wait(torch.autograd.Function):
+    """y = x once ``pending``'s exchange is done (watched and timed as "ep": the exposed wait)."""
+
+    @staticmethod
+    def forward(ctx, x, pending, group):
+        work, _ = pending.pop()
+        watchdog.enter("all_to_all of the MoE tokens", group)
+        start = begin_timed(x.device)
+        try:
+            work.wait()
+        finally:
+            watchdog.leave()
+        end_timed("ep", start, x.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None, None
+
+
 def all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
     """Autograd-aware uneven all-to-all of rows: send x's rows in ``in_splits`` chunks to the
     group's ranks in order, receive ``out_splits`` rows from each."""
@@ -81,20 +125,24 @@ def _regroup(x: torch.Tensor, sizes: list, outer: int, inner: int) -> torch.Tens
 
 
 def dispatch_combine(tokens: torch.Tensor, gates: torch.Tensor, routing_map: torch.Tensor, experts,
-                     group, chosen: torch.Tensor, k: int) -> torch.Tensor:
-    """Σ_e gates[t, e] · expert_e(tokens[t]) for each token t over its routes (module doc).
+                     group, chosen: torch.Tensor, k: int, side=None) -> tuple:
+    """(Σ_e gates[t, e] · expert_e(tokens[t]) for each token t over its routes (module doc), side()).
 
     tokens [T, h]; gates [T, E] (fp32 or wider, zero off the routes); routing_map [T, E] bool;
     experts(x [N, h] sorted by local expert, counts [E_local] int64, expert_idx [N] each row's
     local expert, or None at EP > 1, blocks: at EP > 1 the rows of each (local expert, source rank)
     in x's order, expert-major, host ints) → [N, h]. chosen [T, E] bool: the k routes of each token
-    before capacity dropping (EP = 1's fixed slots; routing_map ⊆ chosen). Returns [T, h] in
-    tokens' dtype. Collective over ``group`` (the EP group; None at EP = 1).
+    before capacity dropping (EP = 1's fixed slots; routing_map ⊆ chosen). side: a callable of no
+    arguments (the shared expert) or None; at EP > 1 it runs while the rows' all-to-all is in
+    flight (started async_op, waited for after it), so the exchange hides behind its compute.
+    Returns ([T, h] in tokens' dtype, side()'s result or None). Collective over ``group`` (the EP
+    group; None at EP = 1).
     """
     T, E = routing_map.shape
     ep = group_size(group)
     if ep == 1:
-        return _local(tokens, gates, chosen, experts, k)
+        y = _local(tokens, gates, chosen, None if routing_map is chosen else routing_map, experts, k)
+        return y, (side() if side is not None else None)
     local = E // ep
     expert_idx, token_idx = routing_map.t().nonzero(as_tuple=True)  # expert-major, then token
     rows = tokens.index_select(0, token_idx)
@@ -104,12 +152,19 @@ def dispatch_combine(tokens: torch.Tensor, gates: torch.Tensor, routing_map: tor
     sent_list, recv_list = counts.tolist(), received.tolist()  # the one host read of the exchange
     send = [sum(sent_list[r * local:(r + 1) * local]) for r in range(ep)]
     recv = [sum(recv_list[r * local:(r + 1) * local]) for r in range(ep)]
-    x = _regroup(all_to_all(rows, recv, send, group), recv_list, ep, local)
+    if side is None:
+        x, side_out = all_to_all(rows, recv, send, group), None
+    else:
+        pending: list = []
+        x = _AllToAllStart.apply(rows, recv, send, group, pending)
+        side_out = side()  # overlaps the exchange
+        x = _Wait.apply(x, pending, group)
+    x = _regroup(x, recv_list, ep, local)
     local_counts = received.view(ep, local).sum(0)
     by_expert = [recv_list[s * local + e] for e in range(local) for s in range(ep)]
     y = experts(x, local_counts, None, by_expert)
     y = all_to_all(_regroup(y, by_expert, local, ep), send, recv, group)
-    return _combine(y, gates, token_idx, expert_idx, T)
+    return _combine(y, gates, token_idx, expert_idx, T), side_out
 
 
 def _combine(y: torch.Tensor, gates: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor,
@@ -120,17 +175,20 @@ def _combine(y: torch.Tensor, gates: torch.Tensor, token_idx: torch.Tensor, expe
     return out.index_add(0, token_idx, weighted).to(y.dtype)
 
 
-def permute(chosen: torch.Tensor, k: int) -> tuple:
-    """(perm, inv, expert_idx, counts) of chosen [T, E] bool with exactly k per row, no host read:
-    perm [T·k] the token-major slots (t·k + j: token t's j-th expert, ascending) in expert-major
-    order (by expert, then token), inv [T·k] its inverse, expert_idx [T·k] int64 the expert of
-    each expert-major slot, counts [E] int64 slots per expert."""
-    T = chosen.shape[0]
-    expert_of = torch.sort(chosen.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :k]
-    flat = expert_of.reshape(-1)
+def permute(chosen: torch.Tensor, k: int, kept: torch.Tensor | None = None) -> tuple:
+    """(perm, inv, expert_idx, counts, slot_expert) of chosen [T, E] bool with exactly k per row, no
+    host read: perm [T·k] the token-major slots (t·k + j: token t's j-th expert, ascending) in
+    expert-major order (by expert, then token), inv [T·k] its inverse, expert_idx [T·k] int64 the
+    expert of each expert-major slot, counts [E] int64 slots per expert, slot_expert [T, k] the
+    expert of each token-major slot. kept [T, E] bool ⊆ chosen (the routes the capacity kept) or
+    None: a dropped slot's expert_idx is E (it sorts last) and counts count the kept slots only."""
+    T, E = chosen.shape
+    slot_expert = torch.sort(chosen.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :k]
+    key = slot_expert if kept is None else torch.where(kept.gather(1, slot_expert), slot_expert, E)
+    flat = key.reshape(-1)
     perm = torch.argsort(flat, stable=True)
     inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(T * k, device=perm.device))
-    return perm, inv, flat.index_select(0, perm), chosen.sum(0)
+    return perm, inv, flat.index_select(0, perm), (chosen if kept is None else kept).sum(0), slot_expert
 
 
 class _Gather(torch.autograd.Function):
@@ -152,11 +210,18 @@ class _Gather(torch.autograd.Function):
         return g, None, None, None
 
 
-def _local(tokens, gates, chosen, experts, k: int) -> torch.Tensor:
-    """dispatch_combine at EP = 1, fixed shapes and no host read (module doc)."""
+def _local(tokens, gates, chosen, kept, experts, k: int) -> torch.Tensor:
+    """dispatch_combine at EP = 1, fixed shapes and no host read (module doc); kept: the routes the
+    capacity kept, or None when nothing is dropped."""
     T, h = tokens.shape
-    perm, inv, expert_idx, counts = permute(chosen, k)
+    E = chosen.shape[1]
+    perm, inv, expert_idx, counts, slot_expert = permute(chosen, k, kept)
     rows = _Gather.apply(tokens, torch.div(perm, k, rounding_mode="floor"), inv, k)
-    y = _Gather.apply(experts(rows, counts, expert_idx), inv, perm, 1).view(T, k, h)
-    g = gates.gather(1, expert_idx.index_select(0, inv).view(T, k))  # [T, k] in token-major slot order
+    if kept is None:
+        out = experts(rows, counts, expert_idx)
+    else:  # the dropped slots (key E, last) are past the GEMM's offsets: zero them both ways
+        live = (expert_idx < E).unsqueeze(1)
+        out = torch.where(live, experts(torch.where(live, rows, 0), counts, expert_idx), 0)
+    y = _Gather.apply(out, inv, perm, 1).view(T, k, h)
+    g = gates.gather(1, slot_expert)  # [T, k] in token-major slot order
     return (y.to(gates.dtype) * g.unsqueeze(2)).sum(1).to(tokens.dtype)
