@@ -95,7 +95,7 @@ def _overlapped_dispatch(rank, world):
         def side():
             log.append("side")
             return tokens @ shared
-        y, s = dispatch_combine(tokens, gates, routing, lambda x, counts, idx: 3 * x.sin(), dist.group.WORLD,
+        y, s = dispatch_combine(tokens, gates, routing, lambda x, *_: 3 * x.sin(), dist.group.WORLD,
                                 routing, 1, side if overlap else None)
         s = side() if s is None else s
         forward = list(log)

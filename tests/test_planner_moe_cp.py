@@ -274,7 +274,7 @@ def _timed_dispatch_and_ring(rank, world):
     routing[:, rank] = routing[::2, 1 - rank] = True
     gates = routing.double() / 2
     comm.start_timing()
-    dispatch_combine(tokens, gates, routing, lambda x, counts, idx: 2 * x, group, routing, 1)[0].sum().backward()
+    dispatch_combine(tokens, gates, routing, lambda x, *_: 2 * x, group, routing, 1)[0].sum().backward()
     q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     context.attention(q, k, v, group, "p2p").sum().backward()
     return comm.stop_timing()
