@@ -183,7 +183,9 @@ def permute(chosen: torch.Tensor, k: int, kept: torch.Tensor | None = None) -> t
     expert of each token-major slot. kept [T, E] bool ⊆ chosen (the routes the capacity kept) or
     None: a dropped slot's expert_idx is E (it sorts last) and counts count the kept slots only."""
     T, E = chosen.shape
-    slot_expert = torch.sort(chosen.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :k]
+    # contiguous: the gates' gather keeps this index for backward, and a view would keep the whole
+    # [T, E] int64 sort result alive (8·T·E bytes a layer instead of 8·T·k)
+    slot_expert = torch.sort(chosen.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :k].contiguous()
     key = slot_expert if kept is None else torch.where(kept.gather(1, slot_expert), slot_expert, E)
     flat = key.reshape(-1)
     perm = torch.argsort(flat, stable=True)
