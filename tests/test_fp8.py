@@ -2,7 +2,7 @@
 torch._scaled_mm (the GPU's path, which torch also runs on CPU), the FP8 linear's forward and
 backward against a hand-written reference in float64, the bf16 first/last layers, every refusal
 in one line, and TP = 2 with FP8 emulation against TP = 1 (the parity rule, 1e-10 in float64); the
-experts' FP8 GEMMs (parallel/fp8_experts.py) by blocks, and FP8 MoE at EP = 2 against one process."""
+experts' grouped FP8 GEMMs (parallel/fp8_experts.py: rowwise, the weight gradient by blocks), and FP8 MoE at EP = 2 against one process."""
 
 import pytest
 import torch
@@ -76,55 +76,41 @@ def test_fp8_linear_forward_and_backward_match_the_reference_in_float64(fmt):
     assert torch.allclose(w.grad, gq.reshape(-1, 24).t() @ xq.reshape(-1, 16), rtol=1e-13, atol=1e-14)
 
 
-def _fake(t, dtype):  # quantize → dequantize by the formulas, independently of parallel/fp8.py
-    s = torch.finfo(dtype).max / t.abs().max() / 2
-    return (t * s).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype).to(torch.float64) / s
+def _fake_along(t, dim, margin=1):  # rowwise quantize → dequantize by the formulas: E4M3, amax along dim
+    a = t.abs().amax(dim, keepdim=True)
+    s = torch.where(a > 0, torch.finfo(E4M3).max / a / 2 ** margin, torch.ones_like(a))
+    return (t * s).clamp(-torch.finfo(E4M3).max, torch.finfo(E4M3).max).to(E4M3).to(torch.float64) / s
 
 
 def _expert_inputs(dtype):
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(40, 32, dtype=torch.float64, generator=g) * torch.linspace(0.1, 4, 40).unsqueeze(1))
-    ws = [torch.randn(16, 32, dtype=torch.float64, generator=g) / (4 + e) for e in range(2)]
-    dy = torch.randn(40, 16, dtype=torch.float64, generator=g)
-    return x.to(dtype).requires_grad_(), [w.to(dtype).requires_grad_() for w in ws], dy.to(dtype)
+    w = torch.stack([torch.randn(16, 32, dtype=torch.float64, generator=g) / (4 + e) for e in range(2)])
+    dy = torch.randn(40, 16, dtype=torch.float64, generator=g) * torch.linspace(3, 0.2, 40).unsqueeze(1)
+    return x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_(), dy.to(dtype)
 
 
-def test_expert_gemms_scale_each_block_by_its_own_amax_in_float64():
-    """Two local experts, rows in (expert, source) blocks [10, 15 | 0, 15] as EP = 2 lays them out:
-    y, dx and dW against a reference that quantizes each block (x, dy) and each weight on its own,
-    the weight gradient summing its blocks; one scale for all of an expert's rows would differ."""
-    x, ws, dy = _expert_inputs(torch.float64)
+def test_expert_gemms_are_rowwise_and_the_weight_gradient_per_block_in_float64():
+    """Two local experts, rows in (expert, source) blocks [10, 15 | 0, 15] as EP = 2 lays them out,
+    hybrid (the experts' GEMMs take E4M3 throughout): y with x per row and W per output channel, dx
+    with dy per row and W per input channel, dW summing its blocks with dy and x per (block,
+    channel), against a reference by the formulas; scaling an expert's rows as one block differs."""
+    x, w, dy = _expert_inputs(torch.float64)
     counts, blocks, owner = torch.tensor([25, 15]), [10, 15, 0, 15], [0, 0, 1, 1]
-    y = fp8_expert_linear(x, ws, counts, blocks, Fp8Recipe("hybrid", margin=1, emulate=True), None)
+    y = fp8_expert_linear(x, w, counts, blocks, Fp8Recipe("hybrid", margin=1, emulate=True), None)
     y.backward(dy)
-    xq, gq = x.detach().split(blocks), dy.split(blocks)
-    y_ref, dx_ref, dw_ref = [], [], [torch.zeros_like(w) for w in ws]
-    for b, (xb, gb) in enumerate(zip(xq, gq)):
-        if not blocks[b]:
-            continue
-        xb, gb, wq = _fake(xb, E4M3), _fake(gb, E5M2), _fake(ws[owner[b]].detach(), E4M3)
-        y_ref.append(xb @ wq.t())
-        dx_ref.append(gb @ wq)
-        dw_ref[owner[b]] += gb.t() @ xb
+    xd, y_ref, dx_ref, dw_ref = x.detach(), [], [], torch.zeros_like(w)
+    for e, rows in enumerate((slice(0, 25), slice(25, 40))):
+        y_ref.append(_fake_along(xd[rows], 1) @ _fake_along(w[e].detach(), 1).t())
+        dx_ref.append(_fake_along(dy[rows], 1) @ _fake_along(w[e].detach(), 0))
+    for b, (xb, gb) in enumerate(zip(xd.split(blocks), dy.split(blocks))):
+        if blocks[b]:
+            dw_ref[owner[b]] += _fake_along(gb, 0).t() @ _fake_along(xb, 0)
     assert torch.allclose(y, torch.cat(y_ref), rtol=1e-13, atol=1e-14)
     assert torch.allclose(x.grad, torch.cat(dx_ref), rtol=1e-13, atol=1e-14)
-    for w, want in zip(ws, dw_ref):
-        assert torch.allclose(w.grad, want, rtol=1e-13, atol=1e-14)
-    whole = _fake(x.detach()[:25], E4M3) @ _fake(ws[0].detach(), E4M3).t()  # expert 0 scaled as one tensor
-    assert not torch.allclose(y[:25], whole, rtol=1e-6)
-
-
-def test_expert_gemms_emulated_equal_torch_scaled_mm():
-    """The GPU's path (one torch._scaled_mm per block, rows zero-padded to 16 for the weight
-    gradient; torch runs it on CPU too) against the emulation, forward and backward, to fp32 rounding."""
-    grads = []
-    for emulate in (True, False):
-        x, ws, dy = _expert_inputs(torch.float32)
-        y = fp8_expert_linear(x, ws, torch.tensor([25, 15]), [10, 15, 0, 15], Fp8Recipe("e4m3", 0, emulate), None)
-        y.backward(dy)
-        grads.append((y, x.grad, *(w.grad for w in ws)))
-    for real, emulated in zip(*grads):
-        assert torch.allclose(real, emulated, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(w.grad, dw_ref, rtol=1e-13, atol=1e-14)
+    whole = _fake_along(dy[:25], 0).t() @ _fake_along(xd[:25], 0)  # expert 0's rows as one block
+    assert not torch.allclose(w.grad[0], whole, rtol=1e-6)
 
 
 def test_first_and_last_layers_stay_in_bf16():
