@@ -9,7 +9,9 @@ Checks, each printed as one `PROBE {json}` line:
   timing at mixtral-small's expert shapes (8 experts, h 1024, ffn 3584 SwiGLU: fc1 1024 → 7168,
       fc2 3584 → 1024; 32768 routed rows, top-2 of mb 8 × seq 2048, even load): forward, dgrad and
       wgrad of both projections, bf16 torch._grouped_mm against FP8 torch._scaled_grouped_mm, the
-      median of CUDA-event timings (ms), without the quantization.
+      median of CUDA-event timings (ms), without the quantization;
+  linear: meshlm's fp8_expert_linear (parallel/fp8_experts.py, quantization included), compiled,
+      forward + backward of each projection, against bf16 torch._grouped_mm's forward + backward.
 
 Usage (lent H200): PYTHONPATH=src python bench/fp8_grouped_probe.py
 """
@@ -119,6 +121,22 @@ def timing(E=8, rows=32768):
                tflops={key: flops / v / 1e9 for key, v in t.items()})
 
 
+def linear_timing(E=8, rows=32768):
+    from meshlm.parallel.fp8 import Fp8Recipe
+    from meshlm.parallel.fp8_experts import fp8_expert_linear
+
+    counts = torch.full((E,), rows // E, device="cuda")
+    offs = counts.cumsum(0).int()
+    fp8 = torch.compile(lambda x, w: fp8_expert_linear(x, w, counts, None, Fp8Recipe("hybrid"), None))
+    bf16 = torch.compile(lambda x, w: torch._grouped_mm(x, w.transpose(1, 2), offs=offs))
+    for name, k, n in (("fc1", 1024, 7168), ("fc2", 3584, 1024)):
+        x = torch.randn(rows, k, device="cuda").bfloat16().requires_grad_()
+        w = (torch.randn(E, n, k, device="cuda") / 30).bfloat16().requires_grad_()
+        dy = torch.randn(rows, n, device="cuda").bfloat16()
+        t = {key: timed(lambda: fn(x, w).backward(dy), reps=10) for key, fn in (("bf16", bf16), ("fp8", fp8))}
+        report(check="linear", gemm=name, ms=t, fp8_vs_bf16=t["bf16"] / t["fp8"])
+
+
 def main() -> None:
     report(check="env", torch=torch.__version__, gpu=torch.cuda.get_device_name(0),
            schema=str(torch.ops.aten._scaled_grouped_mm.default._schema))
@@ -127,6 +145,7 @@ def main() -> None:
     for sizes in ([64, 64], [48, 80], [40, 88], [40, 0, 88], [37, 91]):
         check_wgrad(sizes)
     timing()
+    linear_timing()
 
 
 if __name__ == "__main__":

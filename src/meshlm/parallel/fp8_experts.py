@@ -105,6 +105,7 @@ class _Fp8Grouped(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offs, block_offs, per, margin, emulate, group):
         x8, sx = _rowwise(x, 1, margin)                       # [N, k], [N, 1]
+        x8 = x8.contiguous()  # row-major operands (the op's rule): a cast can keep a permuted input's strides
         w8, sw = _rowwise(w, 2, margin)                       # [E, n, k], [E, n, 1]
         ctx.save_for_backward(x, w, offs, block_offs)
         ctx.meta = per, margin, emulate, group
@@ -116,7 +117,7 @@ class _Fp8Grouped(torch.autograd.Function):
         per, margin, emulate, group = ctx.meta
         g8, sg = _rowwise(dy, 1, margin)                      # [N, n], [N, 1]
         wt8, swt = _rowwise(w.transpose(1, 2), 2, margin)     # [E, k, n] per input channel
-        dx = _grouped(g8, sg, wt8.contiguous().transpose(1, 2), swt.transpose(1, 2), offs, x.dtype, emulate)
+        dx = _grouped(g8.contiguous(), sg, wt8.contiguous().transpose(1, 2), swt.transpose(1, 2), offs, x.dtype, emulate)
         pad = -x.shape[0] % ALIGN  # zero rows past the offsets: the operands' row stride in 16 bytes
         dyp, xp = (F.pad(dy, (0, 0, 0, pad)), F.pad(x, (0, 0, 0, pad))) if pad else (dy, x)
         sgb, sxb = _block_scales(dyp, block_offs, margin, group), _block_scales(xp, block_offs, margin, group)
