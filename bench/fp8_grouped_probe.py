@@ -5,7 +5,9 @@ Checks, each printed as one `PROBE {json}` line:
   fwd (2d × 3d: A [N, k] row-major, B [E, k, n] column-major, scale_a [N], scale_b [E, n]) and
   wgrad (2d × 2d, the groups along the contraction: A [n, N], B [N, k], scale_a [G·n], scale_b [G·k]):
       the relative error against the same dequantized operands through bf16 torch._grouped_mm (fp32
-      accumulation in both: small), offsets that are and are not multiples of 16, an empty group;
+      accumulation in both: small), offsets that are and are not multiples of 16, an empty group
+      (wgrad's groups must be multiples of 16 rows: 40 rows failed a device assertion, which ends the
+      process, so only multiples are checked);
   timing at mixtral-small's expert shapes (8 experts, h 1024, ffn 3584 SwiGLU: fc1 1024 → 7168,
       fc2 3584 → 1024; 32768 routed rows, top-2 of mb 8 × seq 2048, even load): forward, dgrad and
       wgrad of both projections, bf16 torch._grouped_mm against FP8 torch._scaled_grouped_mm, the
@@ -142,7 +144,7 @@ def main() -> None:
            schema=str(torch.ops.aten._scaled_grouped_mm.default._schema))
     for sizes in ([64, 64], [40, 88], [40, 0, 88], [0, 128]):
         check_fwd(sizes)
-    for sizes in ([64, 64], [48, 80], [40, 88], [40, 0, 88], [37, 91]):
+    for sizes in ([64, 64], [48, 80], [0, 128]):  # 40 | 88 failed the op's device assertion (2026-12-03)
         check_wgrad(sizes)
     timing()
     linear_timing()

@@ -19,7 +19,9 @@ one per source micro-batch: one per expert at EP = 1; at EP > 1 one per (local e
 rank), expert-major, as parallel/experts.py lays them out. A block's column amax is max-reduced over
 the token group (the ranks that split one micro-batch's tokens, TP under SP), so it is the one
 process's amax for that expert and micro-batch; the grouped GEMM then runs one group per block (2d ×
-2d, the offsets along the contraction) and each expert sums its blocks.
+2d, the offsets along the contraction; each block's rows moved to a multiple of 16, zero rows
+between, which the op needs: 40 rows failed its device assertion on the H200) and each expert sums
+its blocks.
 
 All operands are E4M3, under ``hybrid`` too: ``torch._scaled_grouped_mm`` takes E4M3 only (torch
 2.11), and a per-row or per-block scale gives a gradient the range E5M2 would. Rows past the last
@@ -35,14 +37,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..dtypes import wide
 from ..fast import eager
 from . import comm
 from .fp8 import E4M3, Fp8Recipe, quantize, scale_of
 
-ALIGN = 16  # the 2d × 2d grouped GEMM's operands: a row stride of a multiple of 16 bytes
+ALIGN = 16  # the 2d × 2d grouped GEMM: each group's rows (its contraction) a multiple of 16 bytes
 
 
 def _rowwise(t: torch.Tensor, dim: int, margin: int) -> tuple:
@@ -54,6 +55,20 @@ def _rowwise(t: torch.Tensor, dim: int, margin: int) -> tuple:
 def _group_of_rows(offs: torch.Tensor, n: int) -> torch.Tensor:
     """[n] each row's group (offs: cumulative ends); rows past the last offset get len(offs)."""
     return torch.searchsorted(offs, torch.arange(n, device=offs.device, dtype=offs.dtype), right=True)
+
+
+def _aligned(t: torch.Tensor, offs: torch.Tensor) -> tuple:
+    """(t', offs'): t [N, c]'s rows moved so that each group of rows (ends offs [G]) starts at a
+    multiple of ALIGN, zero rows between (the rows past the offsets last); t' has the static
+    length N + (ALIGN − 1)·G rounded up to ALIGN, offs' the moved ends."""
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    padded = (sizes + ALIGN - 1) // ALIGN * ALIGN
+    ends = padded.cumsum(0).to(offs.dtype)
+    shift = torch.cat([(ends - padded) - (offs - sizes), ends[-1:] - offs[-1:]])  # [G + 1] moved − old start
+    rows = torch.arange(t.shape[0], device=t.device, dtype=offs.dtype)
+    dest = (rows + shift[_group_of_rows(offs, t.shape[0])]).to(torch.int64)
+    n = -(-(t.shape[0] + (ALIGN - 1) * offs.shape[0]) // ALIGN) * ALIGN
+    return t.new_zeros(n, t.shape[1]).index_copy(0, dest, t), ends
 
 
 def _block_scales(t: torch.Tensor, offs: torch.Tensor, margin: int, group) -> torch.Tensor:
@@ -118,13 +133,12 @@ class _Fp8Grouped(torch.autograd.Function):
         g8, sg = _rowwise(dy, 1, margin)                      # [N, n], [N, 1]
         wt8, swt = _rowwise(w.transpose(1, 2), 2, margin)     # [E, k, n] per input channel
         dx = _grouped(g8.contiguous(), sg, wt8.contiguous().transpose(1, 2), swt.transpose(1, 2), offs, x.dtype, emulate)
-        pad = -x.shape[0] % ALIGN  # zero rows past the offsets: the operands' row stride in 16 bytes
-        dyp, xp = (F.pad(dy, (0, 0, 0, pad)), F.pad(x, (0, 0, 0, pad))) if pad else (dy, x)
-        sgb, sxb = _block_scales(dyp, block_offs, margin, group), _block_scales(xp, block_offs, margin, group)
-        rows = _group_of_rows(block_offs, xp.shape[0])
-        g8b = quantize(dyp, torch.cat([sgb, sgb.new_ones(1, sgb.shape[1])])[rows], E4M3)  # [N, n]
-        x8b = quantize(xp, torch.cat([sxb, sxb.new_ones(1, sxb.shape[1])])[rows], E4M3)   # [N, k]
-        dw = _grouped_wgrad(g8b.t().contiguous(), sgb, x8b.t().contiguous().t(), sxb, block_offs, w.dtype, emulate)
+        (dyp, ends), (xp, _) = _aligned(dy, block_offs), _aligned(x, block_offs)  # zero rows between blocks
+        sgb, sxb = _block_scales(dyp, ends, margin, group), _block_scales(xp, ends, margin, group)
+        rows = _group_of_rows(ends, xp.shape[0])
+        g8b = quantize(dyp, torch.cat([sgb, sgb.new_ones(1, sgb.shape[1])])[rows], E4M3)  # [N', n]
+        x8b = quantize(xp, torch.cat([sxb, sxb.new_ones(1, sxb.shape[1])])[rows], E4M3)   # [N', k]
+        dw = _grouped_wgrad(g8b.t().contiguous(), sgb, x8b.t().contiguous().t(), sxb, ends, w.dtype, emulate)
         if per > 1:
             dw = dw.to(wide(w.dtype)).view(w.shape[0], per, *w.shape[1:]).sum(1).to(w.dtype)
         return dx, dw, None, None, None, None, None, None
