@@ -70,7 +70,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     fast = ["--fast-path", args.fast_path]
     import torch
-    row = {"date": args.date, "bench": "fp8_moe", "fp8": "rowwise (experts), tensorwise (dense)", "fp8_format": "hybrid",
+    row = {"date": args.date, "bench": "fp8_moe", "fp8": "rowwise (experts), tensorwise (dense)",
+           "fp8_format": "hybrid",
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "fast_path": args.fast_path}
     loss = {}
     for name, extra in (() if args.no_tiny else (("bf16", []), ("fp8", ["--fp8-format", "hybrid"]))):

@@ -2,7 +2,8 @@
 torch._scaled_mm (the GPU's path, which torch also runs on CPU), the FP8 linear's forward and
 backward against a hand-written reference in float64, the bf16 first/last layers, every refusal
 in one line, and TP = 2 with FP8 emulation against TP = 1 (the parity rule, 1e-10 in float64); the
-experts' grouped FP8 GEMMs (parallel/fp8_experts.py: rowwise, the weight gradient by blocks), and FP8 MoE at EP = 2 against one process."""
+experts' grouped FP8 GEMMs (parallel/fp8_experts.py: rowwise, the weight gradient by blocks), and
+FP8 MoE at EP = 2 against one process."""
 
 import pytest
 import torch
@@ -111,6 +112,23 @@ def test_expert_gemms_are_rowwise_and_the_weight_gradient_per_block_in_float64()
     assert torch.allclose(w.grad, dw_ref, rtol=1e-13, atol=1e-14)
     whole = _fake_along(dy[:25], 0).t() @ _fake_along(xd[:25], 0)  # expert 0's rows as one block
     assert not torch.allclose(w.grad[0], whole, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_expert_gemms_at_ep1_trace_as_one_graph():
+    """At EP = 1 the experts' FP8 path has no host read and no graph break (torch.compile fullgraph,
+    forward and backward; a break would leave the fast path's quantization unfused, as on
+    2026-12-03, when one tensor passed twice to the autograd Function broke the graph), and the
+    traced function equals the eager one."""
+    x0, w0, dy = _expert_inputs(torch.float64)
+    counts, recipe, out = torch.tensor([25, 15]), Fp8Recipe("hybrid", margin=1, emulate=True), []
+    for fn in (fp8_expert_linear, torch.compile(fp8_expert_linear, fullgraph=True, backend="aot_eager")):
+        x, w = x0.detach().clone().requires_grad_(), w0.detach().clone().requires_grad_()
+        y = fn(x, w, counts, None, recipe, None)
+        y.backward(dy)
+        out.append((y, x.grad, w.grad))
+    for traced, eager in zip(out[1], out[0]):
+        assert torch.allclose(traced, eager, rtol=1e-13, atol=1e-14)
 
 
 def test_first_and_last_layers_stay_in_bf16():

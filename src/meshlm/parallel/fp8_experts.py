@@ -115,7 +115,8 @@ def _grouped_wgrad(a8, sa, b8, sb, offs, out_dtype, emulate: bool) -> torch.Tens
 
 class _Fp8Grouped(torch.autograd.Function):
     """y [N, n] = x [N, k] times its expert's weightᵀ, w [E, n, k] (module doc). offs [E] the experts'
-    row ends, block_offs [E·per] the blocks' (per blocks an expert, expert-major)."""
+    row ends, block_offs [E·per] the blocks' (per blocks an expert, expert-major; None: offs, a block
+    per expert — not offs itself: dynamo refuses a tensor passed twice to one apply)."""
 
     @staticmethod
     def forward(ctx, x, w, offs, block_offs, per, margin, emulate, group):
@@ -130,9 +131,11 @@ class _Fp8Grouped(torch.autograd.Function):
     def backward(ctx, dy):
         x, w, offs, block_offs = ctx.saved_tensors
         per, margin, emulate, group = ctx.meta
+        block_offs = offs if block_offs is None else block_offs
         g8, sg = _rowwise(dy, 1, margin)                      # [N, n], [N, 1]
         wt8, swt = _rowwise(w.transpose(1, 2), 2, margin)     # [E, k, n] per input channel
-        dx = _grouped(g8.contiguous(), sg, wt8.contiguous().transpose(1, 2), swt.transpose(1, 2), offs, x.dtype, emulate)
+        dx = _grouped(g8.contiguous(), sg, wt8.contiguous().transpose(1, 2), swt.transpose(1, 2), offs, x.dtype,
+                      emulate)
         (dyp, ends), (xp, _) = _aligned(dy, block_offs), _aligned(x, block_offs)  # zero rows between blocks
         sgb, sxb = _block_scales(dyp, ends, margin, group), _block_scales(xp, ends, margin, group)
         rows = _group_of_rows(ends, xp.shape[0])
@@ -158,7 +161,7 @@ def fp8_expert_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, bl
     emulate = recipe.emulate or x.dtype != torch.bfloat16
     offs = counts.cumsum(0).to(torch.int32)
     if blocks is None:
-        return _Fp8Grouped.apply(x, w, offs, offs, 1, recipe.margin, emulate, group)
+        return _Fp8Grouped.apply(x, w, offs, None, 1, recipe.margin, emulate, group)
     return _blocked(x, w, offs, blocks, recipe.margin, emulate, group)
 
 
