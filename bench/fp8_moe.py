@@ -7,11 +7,11 @@ Cases (each a `meshlm pretrain` process on one GPU, --mock-data, same seed; in o
       difference (FP8 rounds, so not 0; a broken GEMM lands far off) and the last losses;
   small-bf16, small-fp8 (unless --no-small): preset mixtral-small (16 layers, h 1024, 8 experts of
       3584, top-2) at sequence 2048, micro-batch 8, --small-iters steps: tokens/s, the median of
-      the logged iterations after the first (warm-up).
+      the logged iterations after the first (warm-up), and both cases' losses per step.
 --fast-path / --small-fast-path are passed through (default auto: compiled on CUDA; the FP8 experts
 run eagerly inside a compiled layer).
 
-Usage: PYTHONPATH=src python bench/fp8_moe.py --out $OUT [--iters 30] [--small-iters 6] [--no-small]
+Usage: PYTHONPATH=src python bench/fp8_moe.py --out $OUT [--iters 30] [--small-iters 6] [--no-small] [--no-tiny]
 Prints one line `FP8_MOE {json}` and appends it to --results.
 """
 
@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--small-iters", type=int, default=6)
     ap.add_argument("--no-small", action="store_true")
+    ap.add_argument("--no-tiny", action="store_true")
     ap.add_argument("--fast-path", default="auto", help="of the tiny cases")
     ap.add_argument("--small-fast-path", default="auto")
     ap.add_argument("--timeout", type=int, default=90, help="seconds per process")
@@ -69,26 +70,28 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     fast = ["--fast-path", args.fast_path]
     import torch
-    row = {"date": args.date, "bench": "fp8_moe", "fp8": "tensorwise", "fp8_format": "hybrid",
+    row = {"date": args.date, "bench": "fp8_moe", "fp8": "rowwise (experts), tensorwise (dense)",
+           "fp8_format": "hybrid",
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "fast_path": args.fast_path}
     loss = {}
-    for name, extra in (("bf16", []), ("fp8", ["--fp8-format", "hybrid"])):
+    for name, extra in (() if args.no_tiny else (("bf16", []), ("fp8", ["--fp8-format", "hybrid"]))):
         loss[name] = [r["lm_loss"] for r in run(f"tiny-{name}", TINY + fast + extra, args.iters, args.out,
                                                  args.timeout)]
-    if loss["bf16"] and loss["fp8"]:
+    if loss.get("bf16") and loss.get("fp8"):
         rel = [abs(a - b) / abs(b) for a, b in zip(loss["fp8"], loss["bf16"])]
         row["tiny"] = {"config": "mixtral-tiny seq 128 mb 4", "iters": len(rel), "max_rel_loss_diff": max(rel),
                        "first": [loss["bf16"][0], loss["fp8"][0]], "last": [loss["bf16"][-1], loss["fp8"][-1]]}
         print("tiny " + json.dumps(row["tiny"]), flush=True)
     if not args.no_small:
-        speed = {}
+        speed, small_loss = {}, {}
         for name, extra in (("bf16", []), ("fp8", ["--fp8-format", "hybrid"])):
             flags = SMALL + ["--fast-path", args.small_fast_path] + extra
             recs = run(f"small-{name}", flags, args.small_iters, args.out, args.timeout)
             tps = [r["tokens_per_sec"] for r in recs[1:] if r.get("tokens_per_sec")]
             speed[name] = statistics.median(tps) if tps else None
+            small_loss[name] = [r["lm_loss"] for r in recs]
         row["small"] = {"config": "mixtral-small seq 2048 mb 8 EP 1", "iters": args.small_iters,
-                        "fast_path": args.small_fast_path,
+                        "fast_path": args.small_fast_path, "losses": small_loss,
                         "tokens_per_s": speed,
                         "vs_bf16": speed["fp8"] / speed["bf16"] if speed["fp8"] and speed["bf16"] else None}
     print("FP8_MOE " + json.dumps(row), flush=True)

@@ -9,11 +9,12 @@ Hopper's tensor cores lack). --fp8-param-gather (weights all-gathered in FP8) is
 (docs/design.md, "FP8 training", says what it would take to keep it exact).
 
 FP8 covers the four linears of each dense transformer layer (QKV, attention projection, fc1, fc2),
-as in Megatron, and in MoE layers the routed experts' two projections (parallel/fp8_experts.py)
-and the shared expert's linears; the router, the embedding, the output layer and the loss stay in
-the params' dtype (the router in fp32 at least). Under
---first-last-layers-bf16 the first --num-layers-at-start-in-bf16 and the last
---num-layers-at-end-in-bf16 layers stay out of FP8 too (:func:`fp8_layers`).
+as in Megatron, and in MoE layers the routed experts' two projections (parallel/fp8_experts.py: the
+rowwise recipe, E4M3 operands under hybrid too, as torch's grouped FP8 GEMM needs) and the shared
+expert's linears; the router, the embedding, the output layer and the loss stay in the params' dtype
+(the router in fp32 at least). Under --first-last-layers-bf16 the first
+--num-layers-at-start-in-bf16 and the last --num-layers-at-end-in-bf16 layers stay out of FP8 too
+(:func:`fp8_layers`).
 
 On CPU the FP8 GEMMs are emulated (quantize → dequantize → matmul in the params' dtype), so the
 float64 parity tests run the same scaling code as the GPU.
@@ -70,12 +71,12 @@ def fp8_problems(cfg, gpu: Optional[tuple] = None) -> list:
     if t.fp16:
         problems.append("--fp8-format with --fp16 is not built; use --bf16 (FP8 GEMMs, bf16 elsewhere)")
     if m.num_experts and m.moe_expert_capacity_factor is not None:
-        problems.append("--fp8-format with --num-experts and --moe-expert-capacity-factor is not built (at EP = 1 "
-                        "dropped routes keep their rows, which would enter the experts' FP8 amax); drop the "
+        problems.append("--fp8-format with --num-experts and --moe-expert-capacity-factor is not built (the "
+                        "experts' rowwise FP8 skips dropped rows, but no parity case proves it yet); drop the "
                         "capacity factor or --fp8-format")
     if m.num_experts and cfg.parallel.context_parallel_size > 1:
         problems.append("--fp8-format with --num-experts and --context-parallel-size > 1 is not built (the experts' "
-                        "per-micro-batch FP8 scales would have to be reduced over CP peers on other EP ranks); "
+                        "weight-gradient scales per source micro-batch would span CP peers on other EP ranks); "
                         "drop one of them")
     if t.first_last_layers_bf16 and t.num_layers_at_start_in_bf16 + t.num_layers_at_end_in_bf16 >= m.num_layers:
         problems.append(f"--num-layers-at-start-in-bf16 {t.num_layers_at_start_in_bf16} + "

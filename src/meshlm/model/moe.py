@@ -206,10 +206,10 @@ class Experts(nn.Module):
     expert_idx, each expert on every row, its rows kept (``torch.where``: the same products per
     row, fixed shapes, no host read; E× the FLOPs: the CPU tests' compiled path). Every expert runs, on zero rows if it got none, so each gets a gradient,
     zero when unused.
-    ``fp8``: an Fp8Recipe (set by model.chunks.apply_fp8) runs both projections as FP8 GEMMs scaled
-    per expert and source micro-batch (parallel/fp8_experts.py; ``blocks``: the expert-major
-    (local expert, source EP rank) row counts at EP > 1, host ints), amax max-reduced over the
-    token group; the router stays out of FP8.
+    ``fp8``: an Fp8Recipe (set by model.chunks.apply_fp8) runs both projections as grouped FP8 GEMMs,
+    rowwise scaled, the weight gradient per source micro-batch block (parallel/fp8_experts.py;
+    ``blocks``: the expert-major (local expert, source EP rank) row counts at EP > 1, host ints);
+    the router stays out of FP8.
     """
 
     def __init__(self, cfg, ps, init, scaled_init, *, sequence_parallel: bool, params_dtype):
@@ -273,7 +273,7 @@ class Experts(nn.Module):
     def _fp8_forward(self, experts, x, counts, blocks) -> torch.Tensor:
         """forward with both projections' GEMMs in FP8 (parallel/fp8_experts.py); biases by row."""
         def linear(t, mods):
-            y = fp8_expert_linear(t, [m.weight for m in mods], counts, blocks, self.fp8, self.token_group)
+            y = fp8_expert_linear(t, torch.stack([m.weight for m in mods]), counts, blocks, self.fp8, self.token_group)
             if mods[0].bias is None:
                 return y
             return y + torch.stack([m.bias for m in mods]).repeat_interleave(counts, dim=0, output_size=x.shape[0])
