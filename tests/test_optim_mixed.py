@@ -122,10 +122,12 @@ def test_nan_gradient_in_bf16_or_fp32_is_reported_not_trained_on(dtype):
     before = [p.detach().clone() for p in model.parameters()]
     ddp.zero_grad()
     ddp.finish_grad_sync()
+    assert ddp.lazy_check and ddp.local_grads_finite() is True  # one process: summed when asked
     model.norm.weight.main_grad[0] = float("nan")
     res = opt.step()
     assert not res.ok and res.skipped and res.found_inf
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert ddp.local_grads_finite() is False and not ddp._checked_sums  # no per-step sums taken
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -362,7 +362,6 @@ def _attach_and_record(layer: MoELayer, gates: torch.Tensor, z, aux, routes: tor
     return gates
 
 
-@torch.no_grad()
 def routing_stats(chunks, ps, cfg) -> dict:
     """The routing statistics the MoE layers recorded since the last call, summed over every rank
     (TP, DP × CP, PP: each rank routes its own tokens; EP ranks are DP ranks), then reset.
@@ -372,6 +371,16 @@ def routing_stats(chunks, ps, cfg) -> dict:
     --moe-aux-loss-coeff is 0), "z": the same for the z-loss}} for the MoE layers that trained.
     Collective over all ranks: every rank calls it at the same iterations (the log iterations).
     """
+    return start_routing_stats(chunks, ps, cfg)()
+
+
+@torch.no_grad()
+def start_routing_stats(chunks, ps, cfg):
+    """``routing_stats`` in two halves: this call sums and resets the statistics (the collective)
+    and starts copying them to the host; the function it returns gives ``routing_stats``'s dict.
+    On CUDA the copy waits on an event recorded right after it, so called between the backward
+    and the optimizer step, the host's read waits for no later work (the trainer's log
+    iterations: a read after the step would drain the GPU before the next step is launched)."""
     E, L = cfg.num_experts, cfg.num_layers
     table = torch.zeros(L, E + 4, dtype=torch.float64, device=ps.device)
     for chunk in chunks:
@@ -385,14 +394,23 @@ def routing_stats(chunks, ps, cfg) -> dict:
     if ps.world_size > 1:
         watchdog.call("all_reduce of the MoE routing statistics", None, dist.all_reduce, table)
     shares = ps.tp * ps.cp  # MoE at TP > 1 runs under SP: each TP × CP rank records its rows' share
-    out = {}
-    for layer in range(L):
-        routes, aux, z, calls = table[layer, E:].tolist()
-        if calls:
-            out[layer] = {"tokens": table[layer, :E].tolist(), "routes": routes,
-                          "aux": aux * shares / calls if aux_coeff(cfg) else None,  # shares add up
-                          "z": z / calls if cfg.moe_z_loss_coeff else None}  # each rank's is a mean
-    return out
+    host, copied = table, None
+    if table.device.type == "cuda":
+        host, copied = table.to("cpu", non_blocking=True), torch.cuda.Event()
+        copied.record()
+
+    def finish() -> dict:
+        if copied is not None:
+            copied.synchronize()
+        rows, out = host.tolist(), {}
+        for layer in range(L):
+            routes, aux, z, calls = rows[layer][E:]
+            if calls:
+                out[layer] = {"tokens": rows[layer][:E], "routes": routes,
+                              "aux": aux * shares / calls if aux_coeff(cfg) else None,  # shares add up
+                              "z": z / calls if cfg.moe_z_loss_coeff else None}  # each rank's is a mean
+        return out
+    return finish
 
 
 def routing_summary(stats: dict, iterations: int) -> dict:

@@ -32,7 +32,10 @@ with overlap on and off.
 
 Under --check-for-nan-in-loss-and-grad (the default) each bucket's sum is taken just before its
 reduction (no host sync): ``local_grads_finite`` tells, after a failed NaN/inf check, whether
-this rank's own gradients were the non-finite ones (training/faults.py).
+this rank's own gradients were the non-finite ones (training/faults.py). Where nothing would
+change the gradients before that question is asked (DP × CP of 1, no SP or tied-embedding
+all-reduce, no fp16 unscale: ``lazy_check``) the sums are taken only when it is asked, sparing a
+read of every gradient (4 bytes a parameter) each step.
 
 MoE expert params (``p.expert``, model/moe.py) live in buffers of their own, reduced over the
 expert-data-parallel group ``ps.edp_group`` (the ranks holding the same experts) but divided by
@@ -327,6 +330,11 @@ class DistributedDataParallel:
         self._checked_sums = []  # the last finished step's
         self.sequence_parallel = p.sequence_parallel and ps.tp > 1
         self.tied_embeddings = ps.pp > 1 and not cfg.model.untie_embeddings_and_output_weights
+        # nothing changes the gradients between the backward and a failed check when this rank's
+        # grads are never reduced or re-summed (no DP × CP, SP or tied-embedding all-reduce, no
+        # fp16 unscale): the check then reads them when asked, not each step (4 bytes a parameter)
+        self.lazy_check = (self.size == 1 and not (p.sequence_parallel and ps.tp > 1) and not self.tied_embeddings
+                           and not cfg.training.fp16)
         self.bucket_size = p.ddp_bucket_size or max(40_000_000, 1_000_000 * ps.dp)
         self.single_tensor_collectives = supports_single_tensor_collectives(self.group)
         self.chunks, self.bias_rate = list(chunks), cfg.model.moe_router_bias_update_rate
@@ -467,7 +475,7 @@ class DistributedDataParallel:
             end_timed("zero", start, self.ps.device)
         if bucket.grad is None:  # no param of the bucket got a gradient this step
             buf.allocate_grad(bucket)
-        if self.check_local_grads:  # NaN/inf anywhere makes the sum non-finite (training/faults.py)
+        if self.check_local_grads and not self.lazy_check:  # NaN/inf anywhere makes the sum non-finite
             self._local_sums.append(bucket.grad.sum())
         data = bucket.grad
         if self.size > 1:
@@ -595,6 +603,9 @@ class DistributedDataParallel:
         failed global check."""
         if not self.check_local_grads:
             return None
+        if self.lazy_check:
+            return bool(all(torch.isfinite(buf.owned_grad(b.start, b.end, b).sum()) for buf in self.buffers
+                            for b in buf.buckets if (b.shard_grad if buf.shard_grads else b.grad) is not None))
         return bool(all(torch.isfinite(s) for s in self._checked_sums))
 
     def _reset(self) -> None:

@@ -66,10 +66,11 @@ class StragglerWatch:
     def gather(self) -> list:
         """Every rank's mean own-work seconds per iteration since the last call (rank order);
         prints the straggler line on rank 0. Collective over the world (log iterations only)."""
-        mine = torch.tensor([self.own_s / max(self.iters, 1)], dtype=torch.float64, device=self.ps.device)
+        own = self.own_s / max(self.iters, 1)
         self.own_s, self.iters = 0.0, 0
-        if self.ps.world_size == 1:
-            return [float(mine.item())]
+        if self.ps.world_size == 1:  # no device round trip: its read would drain the GPU's queued step
+            return [own]
+        mine = torch.tensor([own], dtype=torch.float64, device=self.ps.device)
         parts = [torch.empty_like(mine) for _ in range(self.ps.world_size)]
         watchdog.call("all_gather of the step times", None, dist.all_gather, parts, mine)
         times = [float(p.item()) for p in parts]

@@ -38,7 +38,7 @@ from ..data.tokenizer import NullTokenizer, build_tokenizer, resolve_tokenizer_t
 from ..errors import CheckpointError, DataError, TrainingError
 from ..flops import flops_per_iteration
 from ..model.chunks import build_model_chunks
-from ..model.moe import routing_stats
+from ..model.moe import start_routing_stats
 from ..optim.distributed import build_optimizer
 from ..batches import BatchSchedule
 from ..optim.schedule import scheduler_for
@@ -398,6 +398,7 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
     lr = run.sched.lr
     loss_t = reduce_losses(outputs, ps, t.calculate_per_token_loss)
     read_loss = _start_read(loss_t)  # copied before the step's sync: reading it waits for no update
+    read_moe = start_routing_stats(run.chunks, ps, cfg.model) if log_now and cfg.model.num_experts else None
     watchdog.at(it, "optimizer step")
     with annotate("optimizer step"):
         result = run.opt.step(loss_t)  # its grad norm is the step's one host sync; a NaN loss skips it too
@@ -429,7 +430,7 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
                           bubble=bubble, timeline=timeline, global_batch=batch, timed_comm_s=timed,
                           rank_iter_s=run.stragglers.gather() if log_now else None,
                           loss_spike=spike_mean is not None,
-                          moe=routing_stats(run.chunks, ps, cfg.model) if log_now and cfg.model.num_experts else None)
+                          moe=read_moe() if read_moe is not None else None)
     watchdog.at(it, "between steps", step_ended=True)
     return None if skipped or nan else loss
 
