@@ -61,6 +61,7 @@ def _mb(micro: int, acc: int = 1) -> list:
 SEL = ["--recompute-activations"]
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 ZERO = ["--use-distributed-optimizer"]
+FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
 CASES = {  # name: flags, in the order they are measured; none of these shapes or sizes is in plan_check.py's tuned set
     "llama8b-w-L16-s4k-m2-full-zero": _llama("llama3-8b", 4096) + ["--num-layers", "16"] + _mb(2) + FULL + ZERO,
     "mixtral-small-s2k-m4": _llama("mixtral-small", 2048, 32000) + _mb(4),
@@ -83,6 +84,15 @@ CASES = {  # name: flags, in the order they are measured; none of these shapes o
     "mixtral-small-s4k-m4": _llama("mixtral-small", 4096, 32000) + _mb(4),
     "moe-e16-top4-f1792-s2k-m4": _llama("mixtral-small", 2048, 32000) + ["--num-experts", "16", "--moe-router-topk", "4",
                                                                       "--moe-ffn-hidden-size", "1792"] + _mb(4),
+    # the fourth set (2026-12-03, session 11): the grouped GEMM as tiles and waves, the FP8 activation casts
+    "moe-e16-top2-f1792-s2k-m8": _llama("mixtral-small", 2048, 32000) + ["--num-experts", "16", "--moe-router-topk", "2",
+                                                                      "--moe-ffn-hidden-size", "1792"] + _mb(8),
+    "moe-e8-top4-f1792-s1k-m16": _llama("mixtral-small", 1024, 32000) + ["--moe-router-topk", "4",
+                                                                      "--moe-ffn-hidden-size", "1792"] + _mb(16),
+    "llama3b-s2k-m4-fp8": _llama("llama-3b", 2048) + _mb(4) + FP8,
+    "gpt1.3b-s4k-m2-full-zero": _gpt("gpt2-1.3b", 4096) + ["--hidden-dropout", "0"] + _mb(2) + FULL + ZERO,
+    "llama8b-w-L4-s4k-m2-fp8-sel": _llama("llama3-8b", 4096) + ["--num-layers", "4"] + _mb(2) + FP8 + SEL,
+    "gpt760m-s16k-m1-sel": _gpt("gpt2-760m", 16384) + ["--hidden-dropout", "0"] + _mb(1) + SEL,
 }
 
 

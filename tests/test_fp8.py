@@ -250,6 +250,11 @@ def test_planner_models_fp8_memory_and_step_time():
     assert t8.total < t16.total
     slow = dataclasses.replace(PRESETS["H200-141GB"], fp8_gemm_speedup=1.0)
     assert plan("hybrid", slow)[1].total > t16.total
+    # at a speed-up of 1 FP8 adds exactly its casts: 6 bytes a weight and 7 an element of each linear's
+    # input and output (QKV 4096 → 6144, proj 4096 → 4096, fc1 4096 → 2·14336, fc2 14336 → 4096), 8 layers
+    weights, widths = 4096 * (6144 + 4096 + 2 * 14336 + 14336), 4 * 4096 + 6144 + 4096 + 3 * 14336
+    casts = 8 * (6 * weights + 7 * 4 * 2048 * widths) / PRESETS["H200-141GB"].hbm_bytes_per_s
+    assert plan("hybrid", slow)[1].compute - t16.compute == pytest.approx(casts, rel=1e-6)
 
 
 @pytest.mark.slow

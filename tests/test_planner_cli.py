@@ -73,7 +73,8 @@ def test_calibrate_measures_the_grouped_gemm_of_an_moe_model(tmp_path):
     p = argparse.ArgumentParser()
     add_config_args(p)
     moe = calibrate(config_from_args(p.parse_args(["--model", "mixtral-tiny", "--vocab-size", "256"])), quick=True)
-    assert 0 < moe.grouped_gemm_efficiency <= 1 and "grouped GEMM" in moe.source and "TFLOP/s at" in moe.source
+    assert 0 < moe.grouped_gemm_efficiency <= 1 and moe.grouped_wave_s >= 0
+    assert "grouped GEMM" in moe.source and "ms at (experts, rows, h, f_e, gates)" in moe.source
     dense = calibrate(config_from_args(p.parse_args(["--model", "tiny", "--vocab-size", "256"])), quick=True)
     assert dense.grouped_gemm_efficiency == PRESETS["H200-141GB"].grouped_gemm_efficiency
 

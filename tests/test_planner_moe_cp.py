@@ -174,9 +174,9 @@ def test_only_the_moe_layers_pay_the_expert_flops():
 
 def test_expert_gemms_run_at_the_grouped_gemm_efficiency_and_the_stack_is_a_copy():
     """Halving GPU.grouped_gemm_efficiency adds exactly the routed experts' GEMM time once more
-    (the FLOPs at the grouped efficiency and the size curve of their shape); the stacked weights
-    cost one read and one write a micro-batch, not the element-wise passes of an activation."""
-    from meshlm.planner.cost import gemm_efficiency, step_time
+    (their waves' tile FLOPs at the grouped efficiency); the stacked weights cost one read and one
+    write a micro-batch, not the element-wise passes of an activation."""
+    from meshlm.planner.cost import grouped_gemm_terms, step_time
     from meshlm.planner.moe_cp import stacked_weight_bytes
     cfg = cfg_of("--model", "mixtral-small", "--vocab-size", "32000", "--micro-batch-size", "2",
                  "--global-batch-size", "2", "--bf16")
@@ -186,10 +186,8 @@ def test_expert_gemms_run_at_the_grouped_gemm_efficiency_and_the_stack_is_a_copy
     b = step_time(cfg, lay, dataclasses.replace(H100, grouped_gemm_efficiency=H100.grouped_gemm_efficiency / 2),
                   32000, **kw).compute
     rows = 2 * 2 * m.seq_length / 8  # k·T/E a local expert
-    flops = m.num_layers * 3 * 2 * m.seq_length * 2 * m.hidden_size * 2 * moe_ffn(m) * 3
-    eff = gemm_efficiency(dataclasses.replace(H100, gemm_efficiency=H100.grouped_gemm_efficiency), rows,
-                          m.hidden_size, moe_ffn(m))
-    assert b - a == pytest.approx(flops / (H100.peak_flops * eff), rel=1e-9)
+    full, _ = grouped_gemm_terms(H100, 8, rows, m.hidden_size, moe_ffn(m), 2)
+    assert b - a == pytest.approx(m.num_layers * full / H100.grouped_gemm_efficiency, rel=1e-9)
     stacked = stacked_weight_bytes(m, lay)
     assert stacked == 2 * 8 * 3 * m.hidden_size * moe_ffn(m)
     with_copy = step_time(cfg, lay, H100, 32000, **kw).compute
@@ -289,3 +287,24 @@ def _timed_dispatch_and_ring(rank, world):
 def test_expert_dispatch_and_the_cp_ring_are_timed_as_ep_and_cp():
     for timed in run_distributed(_timed_dispatch_and_ring, 2):
         assert set(timed) == {"ep", "cp"} and all(0 < s < 10 for s in timed.values())
+
+
+def test_grouped_gemm_waves_count_tiles_over_the_sms_and_calibration_recovers_its_constants():
+    """The wave model by hand at one shape (8 experts × 1,024 rows, h 1,024, f_e 512, SwiGLU, 132
+    SMs: ⌈8·8·4/132⌉ = 2 waves of K = 1,024 for forward fc1, …), and ``fit_grouped`` gives back the
+    efficiency and per-wave cost that produced two times."""
+    from meshlm.planner.calibrate import fit_grouped
+    from meshlm.planner.cost import grouped_gemm_seconds, grouped_gemm_terms
+    gpu = dataclasses.replace(H100, sm_count=132, grouped_gemm_efficiency=1.0, grouped_wave_s=0.0)
+    full, waves = grouped_gemm_terms(gpu, 8, 1024, 1024, 512, 2)
+    # (M, N, K): (1024, 1024, 1024) (1024, 1024, 512) (1024, 512, 1024) (1024, 1024, 1024) (1024, 1024, 1024) (512, 1024, 1024)
+    tiles = [8 * 8 * 4, 8 * 8 * 4, 8 * 8 * 2, 8 * 8 * 4, 8 * 8 * 4, 8 * 4 * 4]
+    ks = [1024, 512, 1024, 1024, 1024, 1024]
+    n = [-(-t // 132) for t in tiles]
+    assert waves == sum(n)
+    assert full == pytest.approx(sum(w * 2 * 128 * 256 * k for w, k in zip(n, ks)) / (H100.peak_flops / 132), rel=1e-12)
+    assert grouped_gemm_terms(gpu, 8, 100, 1024, 512, 2)[1] > 0  # a small group takes the 64 × 128 tile
+    true = dataclasses.replace(gpu, grouped_gemm_efficiency=0.7, grouped_wave_s=3e-6)
+    shapes = [(8, 4096, 1024, 3584, 2), (8, 1024, 1024, 3584, 2)]
+    eff, tau = fit_grouped(gpu, [(grouped_gemm_seconds(true, *s), s) for s in shapes])
+    assert eff == pytest.approx(0.7, rel=1e-9) and tau == pytest.approx(3e-6, rel=1e-6)

@@ -6,10 +6,11 @@ Measured, each as the best of a few timed repeats after a warm-up:
   peak divided by ``cost.gemm_efficiency``'s size factor at those shapes, so the planner reproduces
   the measurement at the model's dimensions;
 - for an MoE model (--num-experts), the routed experts' grouped GEMMs (``torch._grouped_mm``; fc1 of
-  width (2 | 1)·f_e and fc2, forward and backward with both gradients) on k·T/E rows an expert, balanced;
-  ``grouped_gemm_efficiency`` is their achieved fraction of the peak over the same size factor
-  (``cost.grouped_gemm_efficiency``); kept from the base profile for a dense model or a torch
-  without ``_grouped_mm``;
+  width (2 | 1)·f_e and fc2, forward and backward with both gradients) at two shapes, k·T/E rows an
+  expert (balanced) and a quarter of that; ``grouped_gemm_efficiency`` (the tile rate) and
+  ``grouped_wave_s`` (a wave's fixed cost) are the two constants of ``cost.grouped_gemm_seconds``
+  that reproduce both times (``fit_grouped``); kept from the base profile for a dense model or a
+  torch without ``_grouped_mm``;
 - on a GPU with FP8 tensor cores, the same GEMMs as FP8 (``torch._scaled_mm``): ``fp8_gemm_speedup``
   is the bf16 time over the FP8 time (the GEMMs alone; the casts are the step model's);
 - device-memory bandwidth: a copy of a large buffer (read + write bytes / time);
@@ -28,7 +29,7 @@ import torch
 
 from ..config import Config, ffn_hidden, head_dim, moe_ffn, query_groups
 from ..flops import peak_tflops
-from .cost import gemm_efficiency
+from .cost import gemm_efficiency, grouped_gemm_terms
 from .gpus import GPU, PRESETS
 
 
@@ -70,12 +71,14 @@ def calibrate(cfg: Config, *, quick: bool = False, base: GPU = PRESETS["H200-141
     peak = (peak_tflops(name, torch.bfloat16) or 0) * 1e12 if cuda else 0.0
     peak = peak or achieved
     size = gemm_efficiency(replace(base, gemm_efficiency=1.0), tokens, h, qkv, f)
-    grouped_eff, grouped_note = base.grouped_gemm_efficiency, "grouped GEMM not measured (no experts or no _grouped_mm)"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else base.sm_count
+    grouped_eff, wave_s = base.grouped_gemm_efficiency, base.grouped_wave_s
+    grouped_note = "grouped GEMM not measured (no experts or no _grouped_mm)"
     if grouped:
-        grouped_flops, grouped_s, dims = grouped
-        grouped_eff = min(1.0, grouped_flops / grouped_s / peak / gemm_efficiency(replace(base, gemm_efficiency=1.0),
-                                                                                *dims))
-        grouped_note = f"grouped GEMM {grouped_flops / grouped_s / 1e12:.2f} TFLOP/s at (rows, h, f_e) {dims}"
+        grouped_eff, wave_s = fit_grouped(replace(base, peak_flops=peak, sm_count=sms), grouped)
+        grouped_note = "grouped GEMM " + ", ".join(f"{1e3 * t:.3f} ms at (experts, rows, h, f_e, gates) {shape}"
+                                                   for t, shape in grouped) \
+            + f" → {grouped_eff:.3f} of the tile rate, {1e6 * wave_s:.2f} µs a wave"
     n = (16 if quick else 512) * 2 ** 20
     src = torch.empty(n, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
@@ -88,7 +91,7 @@ def calibrate(cfg: Config, *, quick: bool = False, base: GPU = PRESETS["H200-141
         link = n / _best(lambda: other.copy_(src), 5, lambda: (torch.cuda.synchronize(0), torch.cuda.synchronize(1)))
     return replace(base, name=name, memory_bytes=memory, peak_flops=peak, hbm_bytes_per_s=hbm,
                    intra_node_bytes_per_s=link, gemm_efficiency=min(1.0, achieved / peak / size),
-                   fp8_gemm_speedup=fp8, grouped_gemm_efficiency=grouped_eff,
+                   fp8_gemm_speedup=fp8, grouped_gemm_efficiency=grouped_eff, grouped_wave_s=wave_s, sm_count=sms,
                    source=f"measured by meshlm plan --calibrate on {name} ({'quick' if quick else 'full'} shapes "
                           f"{shapes}; GEMM {achieved / 1e12:.2f} TFLOP/s, FP8 {fp8:.2f}× faster; {grouped_note}; "
                           f"memory copy {hbm / 1e9:.1f} GB/s)")
@@ -110,28 +113,46 @@ def _fp8_speedup(shapes: list, bf16_seconds: float, repeats: int, sync) -> float
 
 
 def _grouped(cfg: Config, tokens: int, quick: bool, dev, dtype, sync):
-    """(FLOPs, seconds, (rows, h, f_e)) of one MoE layer's expert GEMMs, forward + backward
-    (``torch._grouped_mm``: x [E·rows, h] × [E, h, (2 | 1)·f_e], then [E·rows, f_e] × [E, f_e, h],
-    both inputs' gradients), rows = k·T/E a local expert (balanced routing, rounded up to 16), the
-    best of a few repeats; None for a dense model or a torch without ``_grouped_mm``."""
+    """[(seconds, (experts, rows, h, f_e, gates))] of one MoE layer's expert GEMMs, forward +
+    backward (``torch._grouped_mm``: x [E·rows, h] × [E, h, (2 | 1)·f_e], then [E·rows, f_e] × [E,
+    f_e, h], both inputs' gradients and both weights'), at two shapes: rows = k·T/E a local expert
+    (balanced routing, rounded up to 16) and a quarter of it (fewer waves a GEMM, so the per-wave
+    cost and the tile rate separate); each the best of a few repeats. None for a dense model or a
+    torch without ``_grouped_mm``."""
     m = cfg.model
     if not m.num_experts or not hasattr(torch, "_grouped_mm"):
         return None
     E, h, f_e, gates = m.num_experts, m.hidden_size, moe_ffn(m), 2 if m.swiglu else 1
     if quick:
         E, h, f_e = min(E, 4), min(h, 128), min(f_e, 128)
-    rows = -(-m.moe_router_topk * tokens // (E * 16)) * 16
-    offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * rows
-    x1 = torch.randn(E * rows, h, device=dev, dtype=dtype, requires_grad=True)
-    x2 = torch.randn(E * rows, f_e, device=dev, dtype=dtype, requires_grad=True)
-    w1 = torch.randn(E, h, gates * f_e, device=dev, dtype=dtype, requires_grad=True)
-    w2 = torch.randn(E, f_e, h, device=dev, dtype=dtype, requires_grad=True)
-    g1 = torch.randn(E * rows, gates * f_e, device=dev, dtype=dtype)
-    g2 = torch.randn(E * rows, h, device=dev, dtype=dtype)
+    full = -(-m.moe_router_topk * tokens // (E * 16)) * 16
+    out = []
+    for rows in (full, -(-full // 64) * 16):
+        offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * rows
+        x1 = torch.randn(E * rows, h, device=dev, dtype=dtype, requires_grad=True)
+        x2 = torch.randn(E * rows, f_e, device=dev, dtype=dtype, requires_grad=True)
+        w1 = torch.randn(E, h, gates * f_e, device=dev, dtype=dtype, requires_grad=True)
+        w2 = torch.randn(E, f_e, h, device=dev, dtype=dtype, requires_grad=True)
+        g1 = torch.randn(E * rows, gates * f_e, device=dev, dtype=dtype)
+        g2 = torch.randn(E * rows, h, device=dev, dtype=dtype)
 
-    def step():
-        torch.autograd.backward([torch._grouped_mm(x1, w1, offs=offs), torch._grouped_mm(x2, w2, offs=offs)],
-                                [g1, g2], inputs=[x1, x2, w1, w2])
-        x1.grad = x2.grad = w1.grad = w2.grad = None
-    flops = 3 * 2.0 * E * rows * h * f_e * (gates + 1)
-    return flops, _best(step, 3 if quick else 10, sync), (rows, h, f_e)
+        def step():
+            torch.autograd.backward([torch._grouped_mm(x1, w1, offs=offs), torch._grouped_mm(x2, w2, offs=offs)],
+                                    [g1, g2], inputs=[x1, x2, w1, w2])
+            x1.grad = x2.grad = w1.grad = w2.grad = None
+        out.append((_best(step, 3 if quick else 10, sync), (E, rows, h, f_e, gates)))
+    return out
+
+
+def fit_grouped(gpu: GPU, measured: list) -> tuple:
+    """(grouped_gemm_efficiency, grouped_wave_s) that make ``cost.grouped_gemm_seconds`` equal two
+    measurements [(seconds, (experts, rows, h, f_e, gates))]: t_i = full_i / eff + waves_i · τ
+    solved for 1/eff and τ; τ clamped at 0 (then eff from the larger shape alone) and eff at 1."""
+    (t1, s1), (t2, s2) = measured
+    (f1, w1), (f2, w2) = grouped_gemm_terms(gpu, *s1), grouped_gemm_terms(gpu, *s2)
+    det = f1 * w2 - f2 * w1
+    inv = (t1 * w2 - t2 * w1) / det if det else 0.0
+    tau = (f1 * t2 - f2 * t1) / det if det else -1.0
+    if tau < 0 or inv <= 0:
+        tau, inv = 0.0, t1 / f1
+    return min(1.0, 1 / inv), tau

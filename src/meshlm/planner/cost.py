@@ -5,8 +5,8 @@ the logits):
 
 - GEMMs: the model FLOPs of its layers and logits (``flops.flops_per_iteration``,
   Narayanan et al. 2021 §5.1, taken as f(L = 1) − f(L = 0) per dense layer; an MoE layer's MLP as
-  ``flops.mlp_flops_per_token``, its routed experts at their own GEMM shape (``moe_cp``) and at
-  ``grouped_gemm_efficiency``, the grouped GEMM's own fraction of peak),
+  ``flops.mlp_flops_per_token``, its routed experts as the grouped GEMM's tiles and waves at their
+  own per-expert shape (``grouped_gemm_seconds``, rows from ``moe_cp.expert_rows``)),
   less attention core, divided by TP × CP (CP: each rank has s/CP tokens and, zigzag-balanced, 1/CP
   of the causal attention work), at ``peak × gemm_efficiency(M, K, N)`` — a saturating curve per GEMM dimension,
   x / (x + GEMM_HALF_DIM), with M the micro-batch's tokens, h, the per-rank attention width a·d/t and
@@ -30,7 +30,10 @@ the logits):
   all-gather): ``moe_cp.ep_seconds`` and ``moe_cp.cp_seconds``, each layer; full recompute repeats
   their forward part.
 - FP8 layers (--fp8-format): their linears' GEMM time / ``GPU.fp8_gemm_speedup`` (measured by
-  `plan --calibrate`), plus the weights' casts (``FP8_CAST_BYTES`` a weight, each micro-batch).
+  `plan --calibrate`), plus the weights' casts (``FP8_CAST_BYTES`` a weight, each micro-batch) and
+  the activations' (``FP8_ACTIVATION_CAST_BYTES`` an element of every linear's input and output
+  gradient: parallel/fp8.py's amax read 2, cast read 2 + write 1, and the transposed FP8 copy the
+  weight-gradient GEMM takes, read 1 + write 1), at the HBM bandwidth.
 - the main_grad fold after each backward (bf16 grad added into the fp32 buffer, 10 bytes a parameter).
 
 Per step: (m + (p − 1)/v) micro-batch times (the bubble is the (p − 1)/v part: Narayanan et al. 2021
@@ -60,7 +63,7 @@ from dataclasses import asdict, dataclass
 from dataclasses import replace
 
 from ..config import (Config, ffn_hidden, global_batch, head_dim, moe_ffn, moe_layer_pattern, num_microbatches,
-                      padded_vocab_size)
+                      padded_vocab_size, query_groups)
 from ..flops import flops_per_iteration, mlp_flops_per_token
 from ..fp8_rules import fp8_layers
 from ..parallel.schedules import analytic_bubble_fraction
@@ -77,6 +80,7 @@ ELEMENTWISE_PASSES = 4  # HBM bytes moved by element-wise kernels per byte store
 OPTIMIZER_BYTES_PER_PARAM = 38
 FOLD_BYTES_PER_PARAM = 10
 FP8_CAST_BYTES = 6  # an FP8 weight a micro-batch: read bf16 + write FP8, in forward and again (transposed) in backward
+FP8_ACTIVATION_CAST_BYTES = 7  # an FP8 linear's input and output-gradient element: amax, cast, transposed copy
 STEP_OVERHEAD_S = 0.0
 
 
@@ -88,11 +92,41 @@ def gemm_efficiency(gpu: GPU, *dims: float) -> float:
     return eff
 
 
-def grouped_gemm_efficiency(gpu: GPU, *dims: float) -> float:
-    """Fraction of peak of the routed experts' grouped GEMMs (``torch._grouped_mm``, fwd + bwd) with
-    these per-expert dimensions (rows a local expert, h, f_e): gpu.grouped_gemm_efficiency × the same
-    size curve as ``gemm_efficiency``."""
-    return gemm_efficiency(replace(gpu, gemm_efficiency=gpu.grouped_gemm_efficiency), *dims)
+GROUPED_TILE = (128, 256)  # torch._grouped_mm's SM90 CTA tile (M, N) (ATen GroupMM.cu, cooperative schedule)
+GROUPED_SMALL_TILE = (64, 128)  # its tile when a group's M or N is at most 128 (ping-pong schedule)
+
+
+def grouped_gemm_terms(gpu: GPU, experts: float, rows: float, h: int, f_e: int, gates: int) -> tuple:
+    """(seconds at the full tensor-core rate, waves) of one MoE layer's routed-expert GEMMs on one
+    rank, forward + backward: ``experts`` local experts of ``rows`` rows each (balanced routing), the
+    six grouped GEMMs (M, N, K) per expert: forward fc1 (rows, g·f_e, h) and fc2 (rows, h, f_e);
+    backward the inputs' gradients (rows, f_e, h) and (rows, h, g·f_e) and the weights' (h, g·f_e,
+    rows) and (f_e, h, rows), g = 2 (SwiGLU) or 1.
+
+    Wave quantisation (a persistent kernel over ``gpu.sm_count`` SMs, one CTA an SM): a GEMM has
+    experts · ⌈M/t_m⌉ · ⌈N/t_n⌉ output tiles of ``GROUPED_TILE`` (``GROUPED_SMALL_TILE`` when M or
+    N ≤ 128), run ⌈tiles / SMs⌉ waves, each wave one tile's 2·t_m·t_n·K FLOPs at an SM's share
+    of the peak. So a small expert GEMM pays for its partly empty last wave and its partly filled
+    edge tiles (Nvidia, "Matrix Multiplication Background User's Guide": tile and wave
+    quantization)."""
+    per_sm = gpu.peak_flops / gpu.sm_count
+    seconds, waves = 0.0, 0
+    for M, N, K in ((rows, gates * f_e, h), (rows, h, f_e), (rows, f_e, h), (rows, h, gates * f_e),
+                    (h, gates * f_e, rows), (f_e, h, rows)):
+        tm, tn = GROUPED_TILE if min(M, N) > 128 else GROUPED_SMALL_TILE
+        n = math.ceil(experts * math.ceil(M / tm) * math.ceil(N / tn) / gpu.sm_count)
+        seconds += n * 2.0 * tm * tn * K / per_sm
+        waves += n
+    return seconds, waves
+
+
+def grouped_gemm_seconds(gpu: GPU, experts: float, rows: float, h: int, f_e: int, gates: int) -> float:
+    """Seconds of one MoE layer's routed-expert GEMMs on one rank, forward + backward
+    (``torch._grouped_mm``; shapes and waves: ``grouped_gemm_terms``): the waves' tile FLOPs at
+    ``gpu.grouped_gemm_efficiency`` of the rate, plus ``gpu.grouped_wave_s`` a wave (a tile's fixed
+    cost: its epilogue, the switch of TMA descriptors between experts)."""
+    full, waves = grouped_gemm_terms(gpu, experts, rows, h, f_e, gates)
+    return full / gpu.grouped_gemm_efficiency + waves * gpu.grouped_wave_s
 
 
 def attention_efficiency(gpu: GPU, seq: float, dim: float) -> float:
@@ -166,7 +200,7 @@ def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: b
     """Seconds of one micro-batch's forward + backward on one rank holding layers whose MoE flags
     are ``moe`` (and the logits when ``logits``), by component: gemm, attn, elem, recompute, tp, ep,
     cp, and the forward parts of the last three (tp_forward, ep_forward, cp_forward). MoE layers'
-    routed experts run at the efficiency of their own GEMM shape (moe_cp.expert_rows × h × f_e).
+    routed experts take ``grouped_gemm_seconds`` at their own shape (moe_cp.expert_rows × h × f_e).
     fp8: per layer, whether its linears run FP8 GEMMs: their time / ``gpu.fp8_gemm_speedup``, plus
     ``FP8_CAST_BYTES`` of HBM traffic per weight each micro-batch (cast in forward, again in backward)."""
     m = c.model
@@ -184,8 +218,8 @@ def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: b
         routed = 2 * h * m.moe_router_topk * moe_ffn(m) * (3 if m.swiglu else 2)
         other = mlp_flops_per_token(m, True) - routed - mlp_flops_per_token(m, False)  # router, shared − dense
         layer_moe_extra = tokens * other
-        expert_s = n_moe * tokens * routed / split / (
-            gpu.peak_flops * grouped_gemm_efficiency(gpu, expert_rows(m, b, layout), h, moe_ffn(m)))
+        expert_s = n_moe * grouped_gemm_seconds(gpu, m.num_experts / layout.ep, expert_rows(m, b, layout), h,
+                                                moe_ffn(m), 2 if m.swiglu else 1)
         stack_s = n_moe * 2 * stacked_weight_bytes(m, layout, act_bytes=act) / gpu.hbm_bytes_per_s
     else:
         layer_moe_extra = 0.0
@@ -202,6 +236,10 @@ def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: b
     if n_fp8:
         weights = (layer - attention) / (6 * b * s)  # the linears' parameters: 6 FLOPs a parameter and token
         elem_s += n_fp8 * FP8_CAST_BYTES * weights / t / gpu.hbm_bytes_per_s
+        q = (a + 2 * query_groups(m)) * head_dim(m)  # the QKV projection's width
+        widths = h + q / t + a * head_dim(m) / t + h + h + (2 if m.swiglu else 1) * ffn_hidden(m) / t \
+            + ffn_hidden(m) / t + h  # each linear's input + output width on this rank
+        elem_s += n_fp8 * FP8_ACTIVATION_CAST_BYTES * b * s / layout.cp * widths / gpu.hbm_bytes_per_s
     r = layout.recompute
     full = r.granularity == "full"
     if full:

@@ -9,12 +9,13 @@ A profile holds what the memory and step-time models need of one GPU and its lin
   dimensions get less through the saturating curve of ``planner.cost.gemm_efficiency``.
 - ``attention_efficiency``: the fraction of the peak the flash/cuDNN attention kernels reach at
   seq 2,048 and head dim 128; ``planner.cost.attention_efficiency`` carries it to other shapes.
-- ``grouped_gemm_efficiency``: the same for the routed experts' grouped GEMMs (``torch._grouped_mm``,
-  forward + backward), through the same size curve at a local expert's shape (rows k·T·EP/E, h, f_e).
-  The presets take 0.65: fit to the one recorded MoE step of the current code (bench/RESULTS.md,
-  2026-12-03 MoE-terms section: mixtral-small, micro-batch 8 × 2,048, EP 1, 124.3 ms on the H200;
-  0.84 of the dense GEMMs' 0.77, about 590 TFLOP/s at its 4,096 × 1,024 × 3,584 experts), in-sample;
-  ``plan --calibrate`` on an MoE model measures it.
+- ``grouped_gemm_efficiency``: the routed experts' grouped GEMMs (``torch._grouped_mm``, forward +
+  backward) as tiles and waves over ``sm_count`` SMs (``planner.cost.grouped_gemm_seconds``): the
+  fraction of an SM's share of the peak a tile's FLOPs run at, plus ``grouped_wave_s`` seconds a
+  wave. The presets take 0.66 and 0 s, fit to the mixtral-small learned row (bench/RESULTS.md,
+  2026-12-03 session 10 last call: micro-batch 8 × 2,048, EP 1, 119.5 ms on the H200), in-sample;
+  ``plan --calibrate`` on an MoE model measures both at two shapes.
+- ``sm_count``: streaming multiprocessors (NVIDIA data sheets: H100/H200 SXM 132, A100 108).
 - ``hbm_bytes_per_s``: achievable device-memory bandwidth (copy kernels; about 85% of the data sheet).
 - ``intra_node_bytes_per_s`` / ``inter_node_bytes_per_s``: achievable NCCL bus bandwidth per GPU inside
   a node (NVLink) and across nodes (one 200/400 Gb/s NIC per GPU), the ``busbw`` of nccl-tests, so a
@@ -69,24 +70,26 @@ class GPU:
     gemm_efficiency: float = 0.77
     attention_efficiency: float = 0.61
     source: str = "preset"
-    grouped_gemm_efficiency: float = 0.65
+    grouped_gemm_efficiency: float = 0.66
     fp8_gemm_speedup: float = 1.0
+    sm_count: int = 132
+    grouped_wave_s: float = 0.0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def _preset(name: str, device_name: str, memory_bytes: float, hbm: float, nvlink_per_direction: float,
-            nic_gbit: float, fp8: float = 1.0) -> GPU:
+            nic_gbit: float, fp8: float = 1.0, sm_count: int = 132) -> GPU:
     return GPU(name=name, memory_bytes=memory_bytes, peak_flops=peak_tflops(device_name, torch.bfloat16) * 1e12,
                hbm_bytes_per_s=0.85 * hbm, intra_node_bytes_per_s=0.8 * nvlink_per_direction,
-               inter_node_bytes_per_s=0.9 * nic_gbit / 8 * 1e9, fp8_gemm_speedup=fp8)
+               inter_node_bytes_per_s=0.9 * nic_gbit / 8 * 1e9, fp8_gemm_speedup=fp8, sm_count=sm_count)
 
 
 FP8_HOPPER = 1.6  # bf16 GEMM time over FP8's (the data sheet's 2×, derated; see the module doc)
 
 PRESETS = {
-    "A100-80GB": _preset("A100-80GB", "NVIDIA A100-SXM4-80GB", 80 * GiB, 2.039e12, 300e9, 200),
+    "A100-80GB": _preset("A100-80GB", "NVIDIA A100-SXM4-80GB", 80 * GiB, 2.039e12, 300e9, 200, sm_count=108),
     "H100-80GB": _preset("H100-80GB", "NVIDIA H100 80GB HBM3", 80 * GiB, 3.35e12, 450e9, 400, FP8_HOPPER),
     "H200-141GB": _preset("H200-141GB", "NVIDIA H200", 143771 * 2 ** 20, 4.8e12, 450e9, 400, FP8_HOPPER),
 }
