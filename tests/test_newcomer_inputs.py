@@ -322,3 +322,14 @@ def test_plan_turns_sequence_parallel_off_at_tp_1_as_a_launch_does(capsys):
                  "--global-batch-size", "64", "--bf16", "--mock-data", "--vocab-size", "32000", "--num-gpus", "8",
                  "--gpus-per-node", "8", "--gpu", "H100-80GB", "--sequence-parallel", "--top", "1"]) == 0
     assert "your layout TP 1 × PP 1 × DP 8," in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, named", [(["--world-size", "0"], "--world-size 0 is out of range"),
+                                          (["--world-size", "-4"], "--world-size -4 is out of range"),
+                                          (["--nnodes", "0"], "--nnodes 0 is out of range"),
+                                          (["--nnodes", "-1"], "--nnodes -1 is out of range")])
+def test_dry_run_refuses_a_job_of_no_processes(capsys, flags, named):
+    """`--dry-run --world-size 0` checked the --nproc-per-node job instead, `-4` passed every
+    check, and `--nnodes 0` ended in a ZeroDivisionError traceback."""
+    err = _refused(capsys, SHAPE + ["--mock-data", "--vocab-size", "64", "--dry-run"] + flags)
+    assert named in err and len(err.splitlines()) == 1

@@ -189,10 +189,13 @@ def _dry_run(args: argparse.Namespace) -> int:
     from .config import default_nproc, explicit_fields
     from .dry_run import report
     from .megatron_flags import startup_lines
-    from .validate import notes, validate
+    from .validate import job_size_problems, notes, validate
 
+    problems = job_size_problems(args.world_size, args.nnodes)
+    if problems:
+        raise ConfigError(problems)
     cfg, embedded = _config_and_source(args)
-    world = args.world_size or args.nnodes * default_nproc(cfg)
+    world = args.world_size if args.world_size is not None else args.nnodes * default_nproc(cfg)
     from .checkpoint.convert import carry_dropout
     for note in notes(cfg) + startup_lines(args, explicit_fields(args)) + carry_dropout(cfg, explicit_fields(args)):
         print(f"meshlm: note: {note}", flush=True)

@@ -433,6 +433,18 @@ def _tokenizer_problems(cfg: Config) -> list:
     return []
 
 
+def job_size_problems(world_size: Optional[int], nnodes: int) -> list:
+    """The job a --dry-run checks: --world-size (None: --nnodes × --nproc-per-node) and --nnodes
+    must be positive (a 0 world size used to be read as unset, a 0 node count divided by zero)."""
+    problems = []
+    if world_size is not None and world_size < 1:
+        problems.append(f"--world-size {world_size} is out of range: give the job's process count (1 or more), "
+                        f"or leave it out for --nnodes × --nproc-per-node")
+    if nnodes < 1:
+        problems.append(f"--nnodes {nnodes} is out of range: give the job's node count (1 or more)")
+    return problems
+
+
 def _profile_problems(cfg: Config, world: int) -> list:
     from .training.profiling import problems  # imports torch: only when a config is checked
     return problems(cfg, world)
