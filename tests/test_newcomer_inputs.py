@@ -1,6 +1,8 @@
 """Bad inputs a newcomer's launch script produced (found by trying meshlm from its README): each is
 refused before any worker starts, in one line naming the flag, never a traceback or another run."""
 
+import os
+
 import pytest
 
 from meshlm.cli import main
@@ -333,3 +335,29 @@ def test_dry_run_refuses_a_job_of_no_processes(capsys, flags, named):
     check, and `--nnodes 0` ended in a ZeroDivisionError traceback."""
     err = _refused(capsys, SHAPE + ["--mock-data", "--vocab-size", "64", "--dry-run"] + flags)
     assert named in err and len(err.splitlines()) == 1
+
+
+def test_a_report_onto_a_full_disk_keeps_the_earlier_report_whole(tmp_path, monkeypatch):
+    """write_text_file wrote in place: a full disk left a cut-off report.html and a traceback."""
+    from meshlm import folders
+    from meshlm.errors import ConfigError
+    path = tmp_path / "report.html"
+    path.write_text("the earlier report")
+
+    class FullDisk:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(folders, "open", FullDisk, raising=False)
+    with pytest.raises(ConfigError, match=rf"^--output {path}: no space left in {tmp_path}"):
+        folders.write_text_file(str(path), "<html>new</html>")
+    monkeypatch.undo()
+    assert path.read_text() == "the earlier report" and os.listdir(tmp_path) == ["report.html"]
