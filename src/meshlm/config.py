@@ -555,11 +555,13 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict] = None) -> C
     return cfg
 
 
-def dump_yaml(cfg: Config, path: str) -> None:
-    """Write the resolved config, nested by section, as a YAML file ``--config`` reads back."""
+def dump_yaml(cfg: Config, path: str, flag: str = "--run-dir") -> None:
+    """Write the resolved config, nested by section, as a YAML file ``--config`` reads back; whole
+    or not at all (a full disk: ConfigError naming ``flag``, folders.write_text_file)."""
     import yaml
-    with open(path, "w") as fh:
-        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
+
+    from .folders import write_text_file
+    write_text_file(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False), flag)
 
 
 def load_yaml(path: str) -> dict:
