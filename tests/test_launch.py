@@ -117,10 +117,12 @@ def test_worker_bug_keeps_its_traceback_in_the_log(world_of_one, monkeypatch):
 
 
 class _FullDiskFile:
-    """A log file on a full disk: opens, refuses every write."""
+    """A log file on a full disk: opens, refuses every write (once closed, as a closed file does)."""
     name, closed = "full/rank0.log", False
 
     def write(self, text):
+        if self.closed:
+            raise ValueError("I/O operation on closed file.")
         raise OSError(28, "No space left on device")
 
     flush = write

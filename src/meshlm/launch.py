@@ -190,7 +190,7 @@ def _log_error(log, text: str) -> None:
     try:
         log.write(text)
         log.flush()
-    except OSError:
+    except (OSError, ValueError):  # ValueError: the tee closed it when a write failed
         if is_self_launched_worker():
             last = text.strip().splitlines()[-1]
             sys.__stderr__.write(last if last.startswith(ERROR_PREFIX) else f"{ERROR_PREFIX}{last}")
