@@ -326,3 +326,24 @@ def test_enum_members_pickled_by_name_load_and_getattr_on_anything_else_is_refus
     _repickle(planted / "iter_0000002", target=pathlib.PosixPath)  # getattr(PosixPath, "NAME"): not an enum
     with pytest.raises(CheckpointError, match=r"getattr\(PosixPath, .*is not allowed"):
         ckpt.load(str(planted), iteration=2)
+
+
+def test_a_save_that_cannot_write_is_one_line_and_leaves_the_previous_checkpoint_latest(tmp_path, monkeypatch):
+    """A full --save disk ended the run in DCP's traceback ("unexpected pos 704 vs 598") and left
+    its partial iter_XXXXXXX.tmp taking the space."""
+    root = str(tmp_path / "ck")
+    ckpt.save(root, 1, _state(1))
+    real = ckpt._write_json
+
+    def full_disk(path, obj):
+        if os.path.basename(path).startswith("rank_"):
+            raise OSError(28, "No space left on device", path)
+        real(path, obj)
+    monkeypatch.setattr(ckpt, "_write_json", full_disk)
+    with pytest.raises(CheckpointError) as e:
+        ckpt.save(root, 2, _state(2))
+    assert len(str(e.value).splitlines()) == 1
+    assert re.match(rf"--save {root}: the checkpoint of iteration 2 was not saved \(rank 0: OSError: .*No space "
+                    rf"left on device.*; [\d,]+ bytes free there", str(e.value))
+    assert ckpt.read_tracker(root) == 1 and sorted(os.listdir(root)) == ["iter_0000001",
+                                                                         "latest_checkpointed_iteration.txt"]

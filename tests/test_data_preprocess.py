@@ -9,7 +9,7 @@ import pytest
 from meshlm.data.indexed import IndexedDataset
 from meshlm.data.preprocess import add_arguments, preprocess_files, run
 from meshlm.data.records import SHOW_BAD
-from meshlm.errors import DataError
+from meshlm.errors import ConfigError, DataError
 
 VOCAB = 100  # NullTokenizer: text is ids, eod = 99
 
@@ -225,7 +225,21 @@ def test_a_failure_while_finalizing_leaves_no_file(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", full_disk)
-    with pytest.raises(OSError):
+    with pytest.raises(ConfigError, match=rf"^--output-prefix {tmp_path / 'out'}: no space left in {tmp_path} "
+                                          r"\([\d,]+ bytes free; OSError: .*\); free space there"):
+        preprocess_files([str(_corpus(tmp_path))], str(tmp_path / "out"), null_cfg(), VOCAB,
+                         json_keys=("text",), quiet=True)
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_full_disk_while_writing_documents_is_one_line_naming_the_prefix(tmp_path, monkeypatch):
+    """It was the OSError's traceback (from IndexedDatasetWriter.add_document)."""
+    from meshlm.data.indexed import IndexedDatasetWriter
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(IndexedDatasetWriter, "add_document", full_disk)
+    with pytest.raises(ConfigError, match=rf"^--output-prefix {tmp_path / 'out'}: no space left"):
         preprocess_files([str(_corpus(tmp_path))], str(tmp_path / "out"), null_cfg(), VOCAB,
                          json_keys=("text",), quiet=True)
     assert _leftovers(tmp_path) == []

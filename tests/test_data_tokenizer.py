@@ -234,3 +234,27 @@ def test_null_tokenizer_takes_megatrons_eod_and_pad_ids(tmp_path):
     check_token_ids([prefix], 101, null_tokenizer=True)
     with pytest.raises(DataError, match="use the tokenizer the data was preprocessed with"):
         check_token_ids([prefix], 100)  # another tokenizer: the general line
+
+
+def test_train_onto_a_full_disk_is_one_line_naming_output_and_leaves_no_file(tmp_path, monkeypatch):
+    """The tokenizers library's `Exception: No space left on device (os error 28)` was a traceback."""
+    import contextlib
+
+    import meshlm.data.tokenizer as tokenizer_module
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": t}) for t in TEXTS) + "\n")
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    out = tmp_path / "tokenizer.json"
+    args = parser.parse_args(["--input", str(jsonl), "--vocab-size", "300", "--output", str(out)])
+    real_replacing = tokenizer_module.replacing
+
+    @contextlib.contextmanager
+    def replacing_onto_a_full_disk(path):  # tok.save(tmp) in it fails as the tokenizers library does
+        with real_replacing(path) as tmp:
+            yield tmp
+            raise Exception("No space left on device (os error 28)")
+    monkeypatch.setattr(tokenizer_module, "replacing", replacing_onto_a_full_disk)
+    with pytest.raises(ConfigError, match=rf"^--output {out}: no space left in {tmp_path} .*os error 28"):
+        run_train(args)
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl"]

@@ -254,3 +254,34 @@ def test_killing_the_launcher_stops_its_workers_and_frees_the_save_lock(tmp_path
             except ProcessLookupError:
                 pass
         launcher.wait()
+
+
+def test_the_lock_holds_on_a_full_disk_without_its_note_of_who_holds_it(tmp_path, monkeypatch):
+    """Writing the holder's note raised ENOSPC out of `hold`, a traceback before the run started."""
+    import types
+
+    from meshlm.checkpoint import lock
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    class FullDiskFile:  # the real lock file, whose writes the full disk refuses
+        def __init__(self, fh):
+            self.fh = fh
+
+        def __getattr__(self, name):
+            return full_disk if name in ("write", "flush") else getattr(self.fh, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+    real_open = lock._open_lock
+    monkeypatch.setattr(lock, "_open_lock", lambda folder, flag: FullDiskFile(real_open(folder, flag)))
+    monkeypatch.setattr(lock, "os", types.SimpleNamespace(**{**vars(os), "write": full_disk}))
+    with hold(str(tmp_path), flag="--run-dir"):
+        monkeypatch.undo()
+        with pytest.raises(CheckpointError, match="is in use by a running job"):
+            with hold(str(tmp_path), flag="--run-dir"):
+                pass

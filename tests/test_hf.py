@@ -251,3 +251,24 @@ def test_convert_flags_and_outputs_are_checked(hf, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "--position-embedding-type learned_absolute; a Hugging Face llama model needs rope" in err
     assert len(err.splitlines()) == 1
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_folder(hf, tmp_path, monkeypatch):
+    """safetensors' "os error 28" was a SafetensorError traceback, and the folder stayed behind
+    with a tokenizer.json and no weights."""
+    from meshlm.checkpoint import convert
+    from meshlm.errors import ConfigError
+    ckpt = str(tmp_path / "ckpt")
+    assert main(["convert", "--from-hf", hf["llama"][0], "--save", ckpt]) == 0
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(convert, "write_hf_folder", full_disk)
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=rf"^--output {out}: no space left in {out} .*; free space there"):
+        convert.export_hf(ckpt, str(out))
+    assert not out.exists()
+    out.mkdir()  # an empty folder given: emptied again, kept
+    with pytest.raises(ConfigError):
+        convert.export_hf(ckpt, str(out))
+    assert os.listdir(out) == []

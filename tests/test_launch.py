@@ -116,6 +116,39 @@ def test_worker_bug_keeps_its_traceback_in_the_log(world_of_one, monkeypatch):
     assert "Traceback" in log and "RuntimeError: shape mismatch in layer 3" in log
 
 
+class _FullDiskFile:
+    """A log file on a full disk: opens, refuses every write (once closed, as a closed file does)."""
+    name, closed = "full/rank0.log", False
+
+    def write(self, text):
+        if self.closed:
+            raise ValueError("I/O operation on closed file.")
+        raise OSError(28, "No space left on device")
+
+    flush = write
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_worker_whose_log_is_on_a_full_disk_trains_on_and_its_error_reaches_the_console(
+        world_of_one, monkeypatch, capfd):
+    """The log's OSError used to end the worker in a cascade of tracebacks, its error line lost."""
+    def pretrain(cfg):
+        print("step 1 done")
+        print("step 2 done")
+        raise DataError("--data-path x: truncated index")
+    fake_trainer(monkeypatch, pretrain)
+    monkeypatch.setattr(launch, "open", lambda *args, **kwargs: _FullDiskFile(), raising=False)
+    assert launch.run_worker(world_of_one) == 2
+    out, err = capfd.readouterr()
+    assert "step 1 done\nstep 2 done\n" in out
+    warnings = [line for line in (out + err).splitlines() if "warning" in line]
+    assert warnings == ["meshlm: warning: full/rank0.log: No space left on device; the log file stops here "
+                        "(the console keeps every line)"]
+    assert err.strip().endswith("meshlm: error: --data-path x: truncated index")
+
+
 def test_outside_a_launched_worker_errors_propagate(world_of_one, monkeypatch):
     monkeypatch.delenv(launch.WORKER_ENV)
     def pretrain(cfg):

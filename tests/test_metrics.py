@@ -182,3 +182,24 @@ def test_non_finite_values_are_written_as_valid_json_and_read_back_in_both_forms
     _logger(tmp_path, log_interval=1).begin(1)
     kept = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert kept == [lines[0], '{"iteration": 1, "val_loss": NaN}']
+
+
+def test_a_full_disk_under_metrics_jsonl_is_one_line_naming_the_file(tmp_path, monkeypatch):
+    """It was the OSError's traceback from inside the training loop."""
+    class FullDisk:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+    log = _logger(tmp_path)
+    monkeypatch.setattr(metrics, "open", FullDisk, raising=False)
+    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'metrics.jsonl'}: no space left in {tmp_path} "
+                                          r"\([\d,]+ bytes free; OSError"):
+        log.evaluation(10, 320, 2.5)

@@ -1,6 +1,8 @@
 """Bad inputs a newcomer's launch script produced (found by trying meshlm from its README): each is
 refused before any worker starts, in one line naming the flag, never a traceback or another run."""
 
+import os
+
 import pytest
 
 from meshlm.cli import main
@@ -322,3 +324,40 @@ def test_plan_turns_sequence_parallel_off_at_tp_1_as_a_launch_does(capsys):
                  "--global-batch-size", "64", "--bf16", "--mock-data", "--vocab-size", "32000", "--num-gpus", "8",
                  "--gpus-per-node", "8", "--gpu", "H100-80GB", "--sequence-parallel", "--top", "1"]) == 0
     assert "your layout TP 1 × PP 1 × DP 8," in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, named", [(["--world-size", "0"], "--world-size 0 is out of range"),
+                                          (["--world-size", "-4"], "--world-size -4 is out of range"),
+                                          (["--nnodes", "0"], "--nnodes 0 is out of range"),
+                                          (["--nnodes", "-1"], "--nnodes -1 is out of range")])
+def test_dry_run_refuses_a_job_of_no_processes(capsys, flags, named):
+    """`--dry-run --world-size 0` checked the --nproc-per-node job instead, `-4` passed every
+    check, and `--nnodes 0` ended in a ZeroDivisionError traceback."""
+    err = _refused(capsys, SHAPE + ["--mock-data", "--vocab-size", "64", "--dry-run"] + flags)
+    assert named in err and len(err.splitlines()) == 1
+
+
+def test_a_report_onto_a_full_disk_keeps_the_earlier_report_whole(tmp_path, monkeypatch):
+    """write_text_file wrote in place: a full disk left a cut-off report.html and a traceback."""
+    from meshlm import folders
+    from meshlm.errors import ConfigError
+    path = tmp_path / "report.html"
+    path.write_text("the earlier report")
+
+    class FullDisk:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(folders, "open", FullDisk, raising=False)
+    with pytest.raises(ConfigError, match=rf"^--output {path}: no space left in {tmp_path}"):
+        folders.write_text_file(str(path), "<html>new</html>")
+    monkeypatch.undo()
+    assert path.read_text() == "the earlier report" and os.listdir(tmp_path) == ["report.html"]

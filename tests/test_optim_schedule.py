@@ -149,3 +149,37 @@ def test_a_checkpoint_from_before_the_sample_count_resumes_at_its_samples():
     t = LRScheduler(OptimizerConfig(lr_decay_style="cosine", lr_warmup_iters=2), 110, 8)
     t.load_state_dict(s.state_dict())
     assert t.lr == s.lr and s.lr != s.lr_at(5)
+
+
+def test_a_resume_with_another_schedule_is_refused_unless_a_megatron_switch_says_whose():
+    """A run saved at --train-iters 110 and resumed at 210 (the decay length follows it) jumped to
+    another cosine silently; Megatron's OptimizerParamScheduler asserts instead, and so does meshlm,
+    naming the setting and the two switches (--override-/--use-checkpoint-opt_param-scheduler)."""
+    import json
+
+    from meshlm.errors import CheckpointError
+    saved = sched("cosine")
+    saved.step(samples=50)
+    sd = json.loads(json.dumps(saved.state_dict()))  # as rank_XXXXX.json holds it
+    sched("cosine").load_state_dict(sd)  # the same flags: no complaint
+    longer = sched("cosine", train_iters=210, lr=2e-3)
+    with pytest.raises(CheckpointError, match=r"--load ck: .*--lr saved=0.001 now=0.002; decay samples .*"
+                                              r"saved=110 now=210; pass --override-opt_param-scheduler"):
+        longer.load_state_dict(sd, where="ck")
+    longer.load_state_dict(sd, "override")
+    assert longer.samples == 50 and longer.lr == sched("cosine", train_iters=210, lr=2e-3).lr_at(50)
+    longer.load_state_dict(sd, "checkpoint")
+    assert longer.samples == 50 and longer.lr == saved.lr and longer.lr_at(150) == pytest.approx(1e-4)
+    old = {"num_samples": 50}  # a checkpoint from before the settings were saved: not compared
+    longer.load_state_dict(old)
+
+
+def test_the_two_scheduler_switches_parse_in_both_spellings_and_exclude_each_other(capsys):
+    from meshlm.cli import build_parser, main
+    from meshlm.config import config_from_args
+    for flag in ("--override-opt-param-scheduler", "--override-opt_param-scheduler"):
+        args = build_parser("pretrain").parse_args(["pretrain", flag])
+        assert config_from_args(args).checkpoint.override_opt_param_scheduler
+    assert main(["pretrain", "--mock-data", "--vocab-size", "64", "--train-iters", "2", "--dry-run",
+                 "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"]) == 2
+    assert "are exclusive" in capsys.readouterr().err

@@ -277,9 +277,12 @@ def _save_two_ranks(rank, world, tmp):
     return trainer.pretrain(cfg)
 
 
-def _resume_catching(rank, world, tmp, load, model_changes):
+def _resume_catching(rank, world, tmp, load, model_changes, schedule="override"):
+    """Resume the 1-iteration checkpoint for 2 iterations (a longer LR decay: ``schedule`` "check"
+    refuses it, "override" takes this run's, as --override-opt_param-scheduler)."""
     cfg = tiny_config(os.path.join(tmp, f"resume{rank}"), iters=2)
     cfg.checkpoint.load = load
+    cfg.checkpoint.override_opt_param_scheduler = schedule == "override"
     for key, value in model_changes.items():
         setattr(cfg.model, key, value)
     try:
@@ -308,6 +311,14 @@ def test_load_of_another_model_is_refused_on_every_rank_listing_each_flag(two_ra
     # dropout may change on resume
     assert run_distributed(_resume_catching, 2, str(tmp_path), str(two_rank_checkpoint),
                            {"hidden_dropout": 0.2}) == ["resumed", "resumed"]
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_lr_schedule_is_refused_on_every_rank(two_rank_checkpoint, tmp_path):
+    """The run saved at --train-iters 1 resumed at 2 used to decay over 2 iterations silently."""
+    outs = run_distributed(_resume_catching, 2, str(tmp_path), str(two_rank_checkpoint), {}, "check")
+    assert outs[0] == outs[1] and outs[0].startswith(f"CheckpointError: --load {two_rank_checkpoint}: "
+                                                     f"the checkpoint's LR schedule differs")
 
 
 def test_a_file_only_rank_1_reads_damaged_stops_both_ranks_with_one_line(two_rank_checkpoint, tmp_path):

@@ -102,6 +102,7 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
     Raises ConfigError listing every problem, DataError for an unusable corpus.
     """
     from .config import dump_yaml, explicit_fields, world_size_of
+    from .folders import space_errors_named
     from .validate import notes, validate
 
     cfg, embedded = _config_and_source(args)
@@ -120,7 +121,8 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
         from .data.corpus import prepare_default_corpus
         print("meshlm: no --data-path, --train-data-path or --mock-data: training on the embedded default "
               "corpus (the Python standard library's sources)", flush=True)
-        corpus = prepare_default_corpus(run_dir)
+        with space_errors_named(f"--run-dir {run_dir}", run_dir):  # corpus, tokenizer, .bin/.idx
+            corpus = prepare_default_corpus(run_dir)
         cfg.data.data_path = list(corpus["data_path"])
         cfg.data.tokenizer_type = "HuggingFaceTokenizer"
         cfg.data.tokenizer_model = corpus["tokenizer_model"]
@@ -131,7 +133,7 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
         _lock(held, save, "--save", run_dir)
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.yaml")
-    dump_yaml(cfg, path)
+    dump_yaml(cfg, path)  # a full disk is one line (validate's probe file takes no block)
     print(f"meshlm: config {path}", flush=True)
     return cfg
 
@@ -189,10 +191,13 @@ def _dry_run(args: argparse.Namespace) -> int:
     from .config import default_nproc, explicit_fields
     from .dry_run import report
     from .megatron_flags import startup_lines
-    from .validate import notes, validate
+    from .validate import job_size_problems, notes, validate
 
+    problems = job_size_problems(args.world_size, args.nnodes)
+    if problems:
+        raise ConfigError(problems)
     cfg, embedded = _config_and_source(args)
-    world = args.world_size or args.nnodes * default_nproc(cfg)
+    world = args.world_size if args.world_size is not None else args.nnodes * default_nproc(cfg)
     from .checkpoint.convert import carry_dropout
     for note in notes(cfg) + startup_lines(args, explicit_fields(args)) + carry_dropout(cfg, explicit_fields(args)):
         print(f"meshlm: note: {note}", flush=True)

@@ -33,15 +33,16 @@ TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTok
 
 
 def opt(default: Any, help: str, *, flag: Optional[str] = None, choices=None,
-        action: Optional[str] = None, nargs=None, metavar=None):
+        action: Optional[str] = None, nargs=None, metavar=None, aliases: tuple = ()):
     """A config field with its command-line metadata.
 
-    flag: the Megatron flag name when it differs from ``--field-name``.
+    flag: the Megatron flag name when it differs from ``--field-name``; aliases: Megatron's other
+    spellings of it (e.g. ``--override-opt-param-scheduler`` beside ``--override-opt_param-scheduler``).
     action: "store_true" for a boolean switch, "store_false" for a ``--disable-x`` switch.
     metavar: the value's name(s) in --help (default: the field name in capitals).
     """
     meta = {"help": help, "flag": flag, "choices": choices, "action": action, "nargs": nargs,
-            "metavar": metavar}
+            "metavar": metavar, "aliases": aliases}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -335,6 +336,15 @@ class CheckpointConfig:
                               "loaded weights", action="store_true")
     no_load_rng: bool = opt(False, "do not load the RNG states (python, numpy, torch, dropout streams)",
                             action="store_true")
+    override_opt_param_scheduler: bool = opt(
+        False, "on --load, take the LR schedule's settings (--lr, --min-lr, --lr-decay-style, warm-up and "
+        "decay lengths) from this run's flags; without it a checkpoint saved with other settings is refused, "
+        "as in Megatron", flag="--override-opt_param-scheduler", aliases=("--override-opt-param-scheduler",),
+        action="store_true")
+    use_checkpoint_opt_param_scheduler: bool = opt(
+        False, "on --load, take the LR schedule's settings from the checkpoint, not from this run's flags",
+        flag="--use-checkpoint-opt_param-scheduler", aliases=("--use-checkpoint-opt-param-scheduler",),
+        action="store_true")
     keep_checkpoints: int = opt(2, "after each save, delete the complete checkpoints beyond the newest N "
                                 "(at least 2: the latest may be the one a crash damaged)", metavar="N")
     verify_integrity: bool = opt(False, "before loading, compare every file's SHA-256 with the manifest "
@@ -504,7 +514,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                     kw["metavar"] = m["metavar"] or f.name.upper()
                 if m["nargs"]:
                     kw["nargs"] = m["nargs"]
-            group.add_argument(flag_of(f), **kw)
+            group.add_argument(flag_of(f), *m.get("aliases", ()), **kw)
 
 
 def _help(f) -> str:
@@ -545,11 +555,13 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict] = None) -> C
     return cfg
 
 
-def dump_yaml(cfg: Config, path: str) -> None:
-    """Write the resolved config, nested by section, as a YAML file ``--config`` reads back."""
+def dump_yaml(cfg: Config, path: str, flag: str = "--run-dir") -> None:
+    """Write the resolved config, nested by section, as a YAML file ``--config`` reads back; whole
+    or not at all (a full disk: ConfigError naming ``flag``, folders.write_text_file)."""
     import yaml
-    with open(path, "w") as fh:
-        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
+
+    from .folders import write_text_file
+    write_text_file(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False), flag)
 
 
 def load_yaml(path: str) -> dict:

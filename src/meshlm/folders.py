@@ -8,8 +8,16 @@ every folder it created: the file system is left as it was found.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import shutil
 import tempfile
+
+from .errors import ConfigError
+
+# errno values of a write refused for space: no space left, quota exceeded, file too large
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def missing_top(path: str):
@@ -72,11 +80,48 @@ def output_file_problem(flag: str, path: str, example: str = "report.html"):
     return None
 
 
-def write_text_file(path: str, text: str) -> None:
-    """Write ``text`` to ``path``, creating its missing folders (checked by output_file_problem)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(text)
+def write_text_file(path: str, text: str, flag: str = "--output") -> None:
+    """Write ``text`` to ``path``, creating its missing folders (checked by output_file_problem),
+    through a temporary file: an earlier file at ``path`` stays whole until the new one is. A full
+    disk raises ConfigError naming ``flag`` (:func:`space_errors_named`)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = path + ".tmp"
+    try:
+        with space_errors_named(f"{flag} {path}", folder):
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+def out_of_space(e: BaseException) -> bool:
+    """Whether ``e`` is a write refused for space: an OSError with ENOSPC/EDQUOT/EFBIG, or a
+    library's own exception that carries only the OS's words (tokenizers, safetensors: "os error 28")."""
+    if isinstance(e, OSError) and e.errno in _NO_SPACE:
+        return True
+    text = str(e)
+    return any(f"os error {code}" in text for code in _NO_SPACE) or "No space left on device" in text
+
+
+@contextlib.contextmanager
+def space_errors_named(what: str, folder: str):
+    """Turn a write refused for space inside the block into one ConfigError line naming ``what``
+    (the flag and path), ``folder``'s free bytes and the fix; the caller removes what it wrote.
+    Any other exception passes unchanged."""
+    try:
+        yield
+    except Exception as e:
+        if not out_of_space(e):
+            raise
+        try:
+            free = f"{shutil.disk_usage(folder).free:,} bytes free"
+        except OSError:
+            free = "free space unknown"
+        raise ConfigError(f"{what}: no space left in {folder} ({free}; {type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:200]}); free space there or choose another folder") from None
 
 
 def read_jsonl(path: str, error, what: str) -> list:

@@ -71,18 +71,32 @@ def worker_threads(nproc: int) -> int:
 # ----------------------------------------------------------------------------- workers
 
 class _Tee:
-    """A text stream that writes to the console stream and to a log file."""
+    """A text stream that writes to the console stream and to a log file. A log write that fails
+    (a full disk) ends the copy to the file with one warning on the console, which keeps every line:
+    the run is not stopped by its log (a full disk stops it at metrics.jsonl or the next save)."""
 
     def __init__(self, console, log):
         self._console, self._log = console, log
 
     def write(self, text: str) -> int:
-        self._log.write(text)
+        self._copy(lambda: self._log.write(text))
         return self._console.write(text)
 
     def flush(self) -> None:
-        self._log.flush()
+        self._copy(lambda: self._log.flush())
         self._console.flush()
+
+    def _copy(self, step) -> None:
+        if self._log is None or self._log.closed:
+            return
+        try:
+            step()
+        except OSError as e:
+            name, log, self._log = self._log.name, self._log, None
+            with contextlib.suppress(OSError):  # closed: the other stream's tee of this file stops too
+                log.close()
+            self._console.write(f"meshlm: warning: {name}: {e.strerror}; the log file stops here (the console "
+                                f"keeps every line)\n")
 
     def __getattr__(self, name):  # isatty, fileno, encoding, … of the console
         return getattr(self._console, name)
@@ -92,13 +106,15 @@ class _Tee:
 def _tee_output(path: str):
     """Copy sys.stdout and sys.stderr to ``path`` (appending) inside the block; yield the log file."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "a", buffering=1) as log:
-        out, err = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
-        try:
-            yield log
-        finally:
-            sys.stdout, sys.stderr = out, err
+    log = open(path, "a", buffering=1)
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
+    try:
+        yield log
+    finally:
+        sys.stdout, sys.stderr = out, err
+        with contextlib.suppress(OSError):  # a full disk: the last buffered line is lost, not the run's status
+            log.close()
 
 
 def exit_with_launcher() -> None:
@@ -151,12 +167,12 @@ def run_worker(cfg: Config) -> int:
             pretrain(cfg)
             dist.barrier()  # no rank tears its connections down while a peer is still in a collective
         except MeshlmError as e:
-            log.write(f"{ERROR_PREFIX}{e}\n")
+            _log_error(log, f"{ERROR_PREFIX}{e}\n")
             if is_self_launched_worker():
                 return 2
             raise
         except Exception:
-            log.write(traceback.format_exc())
+            _log_error(log, traceback.format_exc())
             if is_self_launched_worker():
                 return 1
             raise
@@ -164,6 +180,22 @@ def run_worker(cfg: Config) -> int:
             if dist.is_initialized():
                 dist.destroy_process_group()
     return 0
+
+
+def _log_error(log, text: str) -> None:
+    """Write a worker's error to its log, where the launcher of a self-launched worker reads it;
+    where the log cannot take it (a full disk) its last line (a traceback's exception) to the
+    console instead, so that it is not lost (elsewhere the error is re-raised and reported by the
+    caller)."""
+    try:
+        log.write(text)
+        log.flush()
+    except (OSError, ValueError):  # ValueError: the tee closed it when a write failed
+        if is_self_launched_worker():
+            last = text.strip().splitlines()[-1]
+            sys.__stderr__.write(last if last.startswith(ERROR_PREFIX) else f"{ERROR_PREFIX}{last}")
+            sys.__stderr__.write("\n")
+            sys.__stderr__.flush()
 
 
 # Settings each node keeps from its own command line (or --config) instead of taking rank 0's: they
@@ -309,10 +341,12 @@ def _forward_signal(name):
 
 @contextlib.contextmanager
 def _agent_log(path: str):
-    """Send torch.distributed's (elastic agent's) log records to ``path`` instead of the console."""
+    """Send torch.distributed's (elastic agent's) log records to ``path`` instead of the console
+    (a record the file cannot take, on a full disk, is dropped: the agent's log only informs)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     logger = logging.getLogger("torch.distributed")
     handler = logging.FileHandler(path)
+    handler.handleError = lambda record: None
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     saved = logger.handlers[:], logger.propagate  # torch's own handler prints to stderr
     logger.handlers[:] = [handler]
@@ -321,7 +355,8 @@ def _agent_log(path: str):
         yield
     finally:
         logger.handlers[:], logger.propagate = saved
-        handler.close()
+        with contextlib.suppress(OSError):
+            handler.close()
 
 
 def _log_size(path: str) -> int:
@@ -345,7 +380,8 @@ def _last_error_line(lines: list):
 
 
 def _tail(lines: list, n: int = LOG_TAIL_LINES) -> str:
-    return "\n".join("  " + line for line in lines[-n:]) if lines else "  (it wrote nothing)"
+    return ("\n".join("  " + line for line in lines[-n:]) if lines
+            else "  (nothing; a worker whose log cannot be written, on a full disk, prints its error above)")
 
 
 def launch_local(cfg: Config, config_path: str, nproc: int) -> int:

@@ -188,6 +188,9 @@ def _training_problems(cfg: Config, cuda: Optional[bool]) -> list:
         problems.append(f"--optimizer-offload-fraction {o.optimizer_offload_fraction} needs --optimizer-cpu-offload")
     if c.save_interval is not None and not c.save:
         problems.append(f"--save-interval {c.save_interval} needs --save (a checkpoint directory)")
+    if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
+        problems.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are exclusive: "
+                        "keep the first to use this run's LR schedule, the second to keep the checkpoint's")
     if c.keep_checkpoints == 1:  # below 1 is the numeric rule's
         problems.append("--keep-checkpoints 1 is too few: give at least 2 (a crash may damage the latest, "
                         "and loading then falls back to the one before)")
@@ -433,6 +436,18 @@ def _tokenizer_problems(cfg: Config) -> list:
     return []
 
 
+def job_size_problems(world_size: Optional[int], nnodes: int) -> list:
+    """The job a --dry-run checks: --world-size (None: --nnodes × --nproc-per-node) and --nnodes
+    must be positive (a 0 world size used to be read as unset, a 0 node count divided by zero)."""
+    problems = []
+    if world_size is not None and world_size < 1:
+        problems.append(f"--world-size {world_size} is out of range: give the job's process count (1 or more), "
+                        f"or leave it out for --nnodes × --nproc-per-node")
+    if nnodes < 1:
+        problems.append(f"--nnodes {nnodes} is out of range: give the job's node count (1 or more)")
+    return problems
+
+
 def _profile_problems(cfg: Config, world: int) -> list:
     from .training.profiling import problems  # imports torch: only when a config is checked
     return problems(cfg, world)
@@ -468,7 +483,10 @@ def notes(cfg: Config) -> list:
                      f"so no TensorBoard logs are written (as in Megatron; metrics.jsonl has every figure); "
                      f"pip install tensorboard")
     switches = [flag for flag, on in (("--finetune", c.finetune), ("--no-load-optim", c.no_load_optim),
-                                      ("--no-load-rng", c.no_load_rng)) if on]
+                                      ("--no-load-rng", c.no_load_rng),
+                                      ("--override-opt_param-scheduler", c.override_opt_param_scheduler),
+                                      ("--use-checkpoint-opt_param-scheduler",
+                                       c.use_checkpoint_opt_param_scheduler)) if on]
     if switches and not c.load:
         lines.append(f"{' '.join(switches)} ignored without --load (as in Megatron): the run starts from "
                      f"its initial weights; add --load CHECKPOINT_DIR to start from a checkpoint")

@@ -93,27 +93,6 @@ class Staging:
         return buf
 
 
-def _one_line(e: BaseException) -> str:
-    """What failed, in one line naming the failing rank (DCP's CheckpointException: the first
-    failing rank it reports)."""
-    failures = getattr(e, "failures", None)  # DCP: {rank: (exception, traceback)}
-    if failures:
-        rank, (e, _) = min(failures.items(), key=lambda item: item[0])
-    else:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-    text = " ".join(str(e).split()) or "no message"
-    return f"rank {rank}: {type(e).__name__}: {text[:300]}"
-
-
-def _attempt(step) -> Optional[str]:
-    """None if ``step()`` succeeds, else ``_one_line`` of its exception."""
-    try:
-        step()
-        return None
-    except BaseException as e:  # DCP's CheckpointException is a BaseException
-        return _one_line(e)
-
-
 class AsyncSaver:
     """Writes checkpoints in the background, one at a time (see the module docstring).
 
@@ -142,7 +121,7 @@ class AsyncSaver:
         """
         previous = self.wait()
         copied: list = []
-        problem = self._agree(_attempt(lambda: copied.append(self.staging.copy(state))))
+        problem = self._agree(ckpt.attempt(lambda: copied.append(self.staging.copy(state))))
         if problem:
             raise CheckpointError(f"--async-save: the state of iteration {iteration} could not be copied to "
                                   f"host memory ({problem}); give the job more host memory or save without "
@@ -167,7 +146,7 @@ class AsyncSaver:
         problem = self._agree(self._outcome)
         if problem:
             raise CheckpointError(f"--async-save: the checkpoint of iteration {iteration} in {root} was not "
-                                  f"saved ({problem}); {ckpt.TRACKER} still names the previous one, "
+                                  f"saved ({problem}{ckpt.free_space(root)}); {ckpt.TRACKER} still names the previous one, "
                                   f"which a resume loads")
         return ckpt.iteration_dir(root, iteration)
 
@@ -187,21 +166,22 @@ class AsyncSaver:
         (None, or the agreed problem; rank 0's own finalising problem) for ``wait``."""
         try:
             start, rank = time.perf_counter(), dist.get_rank() if dist.is_initialized() else 0
-            problem = self._agree(_attempt(lambda: ckpt.make_temp_dir(root, iteration)) if rank == 0 else None)
+            problem = self._agree(ckpt.attempt(lambda: ckpt.make_temp_dir(root, iteration))
+                                  if rank == 0 else None)
             written: list = []
             if problem is None:
                 tmp = ckpt.temp_dir(root, iteration)
-                problem = self._agree(_attempt(lambda: written.append(
+                problem = self._agree(ckpt.attempt(lambda: written.append(
                     ckpt.write(tmp, state, coords=coords, group=self.group))))
             if problem is None:
                 files = ckpt.gather_files(written[0], group=self.group)
             if problem is None and rank == 0:
                 world = dist.get_world_size() if dist.is_initialized() else 1
-                problem = _attempt(lambda: ckpt.finalize(root, iteration, files, world_size=world, layout=layout,
-                                                         config=config, keep=keep))
+                problem = ckpt.attempt(lambda: ckpt.finalize(root, iteration, files, world_size=world,
+                                                             layout=layout, config=config, keep=keep))
                 if problem is None:
                     print(f"saved checkpoint {ckpt.iteration_dir(root, iteration)} in the background "
                           f"({time.perf_counter() - start:.1f} s)", flush=True)
             self._outcome = problem
         except BaseException as e:  # a collective of the writer's group itself failed
-            self._outcome = _one_line(e)
+            self._outcome = ckpt.one_line(e)

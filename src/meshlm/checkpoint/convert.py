@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 
 from .. import config as C
 from ..errors import CheckpointError, ConfigError
+from ..folders import space_errors_named
 from . import dist as ckpt
 from .hf import HFWeights, full_shapes, load_into_chunks, to_hf_tensors, write_hf_folder
 from .hf_config import ARCHITECTURES, flag_problems, hf_config_from_model, is_hf_folder, model_from_hf, read_hf_config
@@ -190,7 +192,8 @@ def export_hf(load: str, output: str, arch=None, max_shard_bytes: int = _size("5
     as a Hugging Face folder ``output``; return the files written.
 
     Raises CheckpointError (one line) for an unreadable checkpoint, a model the HF architecture
-    cannot express (naming the flag), or an ``output`` that is a file or not empty.
+    cannot express (naming the flag), or an ``output`` that is a file or not empty; ConfigError
+    naming --output when its disk is full. On any error ``output`` is left as it was found.
     """
     from .safe_read import reading
     from .state import full_model_state
@@ -204,13 +207,27 @@ def export_hf(load: str, output: str, arch=None, max_shard_bytes: int = _size("5
     tensors = to_hf_tensors(full, hf_config["model_type"], saved.model)
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise CheckpointError(f"--output {output} exists and is not an empty folder; give a new folder")
+    created = not os.path.exists(output)
     os.makedirs(output, exist_ok=True)
-    tokenizer_files, notes, ids = export_tokenizer(saved.data, output, vocab)
-    for note in notes:
-        print(f"meshlm: note: {note}")
-    hf_config.update(ids)
-    files = write_hf_folder(output, tensors, hf_config, max_shard_bytes)
-    return files + write_generation_config(output, ids) + tokenizer_files
+    try:  # a full disk: one line naming --output; on any error the folder is left as it was found
+        with space_errors_named(f"--output {output}", output):
+            tokenizer_files, notes, ids = export_tokenizer(saved.data, output, vocab)
+            for note in notes:
+                print(f"meshlm: note: {note}")
+            hf_config.update(ids)
+            files = write_hf_folder(output, tensors, hf_config, max_shard_bytes)
+            return files + write_generation_config(output, ids) + tokenizer_files
+    except BaseException:
+        if created:
+            shutil.rmtree(output, ignore_errors=True)
+        else:  # it was empty
+            for name in os.listdir(output):
+                path = os.path.join(output, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.remove(path)
+        raise
 
 
 # ----------------------------------------------------------------------------- fine-tuning

@@ -45,10 +45,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointError
-from ..parallel.agree import all_problems
+from ..parallel.agree import all_problems, first_problem
 from . import manifest
 from .boxes import Boxes
 from .hf_config import is_hf_folder
@@ -152,11 +153,6 @@ def _world() -> tuple:
     return 0, 1
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 # ----------------------------------------------------------------------------- save / load
 
 def save(root: str, iteration: int, state: dict, *, layout: Optional[dict] = None,
@@ -175,14 +171,52 @@ def save(root: str, iteration: int, state: dict, *, layout: Optional[dict] = Non
     by a background save (async_save.py).
     """
     rank, world = _world()
-    if rank == 0:
-        make_temp_dir(root, iteration)
-    _barrier()
-    files = gather_files(write(temp_dir(root, iteration), state, coords=coords))
-    if rank == 0:
-        finalize(root, iteration, files, world_size=world, layout=layout, config=config, keep=keep)
-    _barrier()
+    tmp, written = temp_dir(root, iteration), []
+    agree = first_problem if world > 1 else (lambda problem: problem)  # a barrier too
+    problem = agree(attempt(lambda: make_temp_dir(root, iteration)) if rank == 0 else None)
+    if problem is None:  # DCP's own errors reach every rank; the rank JSON's, this rank's alone: agreed
+        problem = agree(attempt(lambda: written.append(write(tmp, state, coords=coords))))
+    if problem is None:
+        files = gather_files(written[0])
+        problem = agree(attempt(lambda: finalize(root, iteration, files, world_size=world, layout=layout,
+                                                 config=config, keep=keep)) if rank == 0 else None)
+    if problem is not None:
+        if rank == 0:  # a full disk gets its space back; the tracker still names the previous save
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"--save {root}: the checkpoint of iteration {iteration} was not saved "
+                              f"({problem}{free_space(root)}); {TRACKER} still names the previous one (if any); "
+                              f"free space or give a --save folder you can write to")
     return iteration_dir(root, iteration)
+
+
+def one_line(e: BaseException) -> str:
+    """What failed, in one line naming the failing rank (DCP's CheckpointException: the first
+    failing rank it reports)."""
+    failures = getattr(e, "failures", None)  # DCP: {rank: (exception, traceback)}
+    if failures:
+        rank, (e, _) = min(failures.items(), key=lambda item: item[0])
+    else:
+        rank = _world()[0]
+    text = " ".join(str(e).split()) or "no message"
+    return f"rank {rank}: {type(e).__name__}: {text[:300]}"
+
+
+def attempt(step) -> Optional[str]:
+    """None if ``step()`` succeeds, else ``one_line`` of its exception (an interrupt is not caught)."""
+    try:
+        step()
+        return None
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        return one_line(e)
+
+
+def free_space(root: str) -> str:
+    """"; N bytes free there" for a save's message (a full disk shows in torch's words only as
+    e.g. "unexpected pos 704 vs 598"), or "" when the file system cannot be asked."""
+    try:
+        return f"; {shutil.disk_usage(root).free:,} bytes free there without the partial save"
+    except OSError:
+        return ""
 
 
 def temp_dir(root: str, iteration: int) -> str:

@@ -60,8 +60,9 @@ def hold(folder: str, run_dir: str | None = None, flag: str = "--save"):
                               f"system that supports locks") from None
         fh.seek(0)
         fh.truncate()
-        fh.write(f"pid {os.getpid()} on {socket.gethostname()}, run directory {run_dir or os.getcwd()}\n")
-        fh.flush()
+        holder = f"pid {os.getpid()} on {socket.gethostname()}, run directory {run_dir or os.getcwd()}\n"
+        with contextlib.suppress(OSError):  # a full disk: the lock holds without its note of who holds it
+            os.write(fh.fileno(), holder.encode())
         try:
             yield
         except BaseException:

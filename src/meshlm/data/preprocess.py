@@ -27,6 +27,7 @@ from typing import Optional
 
 from ..config import TOKENIZER_TYPES, DataConfig
 from ..errors import ConfigError, DataError
+from ..folders import space_errors_named
 from .indexed import IndexedDatasetWriter, token_dtype
 from .outputs import check_output_file
 from .records import BadRecords, check_inputs, check_json_keys, iter_records, parse_record
@@ -124,14 +125,15 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
     prefixes = [f"{output_prefix}_{key}_document" for key in keys]
     for prefix in prefixes:
         check_output_file(prefix + ".bin", f"--output-prefix {output_prefix}")
-    writers = []
-    try:
-        for prefix in prefixes:
-            writers.append(IndexedDatasetWriter(prefix, token_dtype(tokenizer.vocab_size)))
-        stats, text_tokens = _write(inputs, writers, tokenizer, keys, append_eod, workers, quiet, log_interval)
-        _check_written(inputs, stats, keys, text_tokens)
-        for writer in writers:
-            writer.finalize()
+    writers, folder = [], os.path.dirname(os.path.abspath(output_prefix))
+    try:  # a full disk: one line naming --output-prefix; on any error the partial files are removed
+        with space_errors_named(f"--output-prefix {output_prefix}", folder):
+            for prefix in prefixes:
+                writers.append(IndexedDatasetWriter(prefix, token_dtype(tokenizer.vocab_size)))
+            stats, text_tokens = _write(inputs, writers, tokenizer, keys, append_eod, workers, quiet, log_interval)
+            _check_written(inputs, stats, keys, text_tokens)
+            for writer in writers:
+                writer.finalize()
     except BaseException:
         for writer in writers:
             writer.abort()

@@ -23,6 +23,7 @@ from typing import Optional
 
 from ..config import TOKENIZER_TYPES, Config
 from ..errors import ConfigError, DataError
+from ..folders import space_errors_named
 from .outputs import check_output_file, replacing
 from .records import BadRecords, check_inputs, check_json_keys, iter_texts
 from .tokenizer_base import SENTENCEPIECE_TYPES, Tokenizer, file_digest, require_path
@@ -292,7 +293,8 @@ def run_train(args: argparse.Namespace) -> int:
     keys = check_json_keys(args.json_keys)
     check_output_file(args.output, f"--output {args.output}")
     bad = BadRecords()
-    tok = train_bpe(list(args.input), args.vocab_size, args.output, keys, bad)
+    with space_errors_named(f"--output {args.output}", os.path.dirname(os.path.abspath(args.output))):
+        tok = train_bpe(list(args.input), args.vocab_size, args.output, keys, bad)  # no file left on error
     bad.print()
     print(f"wrote {args.output}: byte-level BPE, vocab {tok.vocab_size}, eod {EOD} = {tok.eod}; "
           f"skipped {bad.count:,} bad records")

@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from ..errors import CheckpointError
+
 WSD_ANNEAL = {
     "exponential": lambda q: 2.0 * 0.5 ** q - 1.0,
     "linear": lambda q: 1.0 - q,
@@ -88,12 +90,49 @@ class LRScheduler:
         return self.lr
 
     def state_dict(self) -> dict:
-        return {"num_samples": self.samples}
+        """The position and the settings it was reached under (compared on load: :meth:`load_state_dict`)."""
+        return {"num_samples": self.samples, **self._settings()}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def _settings(self) -> dict:
+        return {name: getattr(self, attr) for name, (attr, _) in SETTINGS.items()}
+
+    def load_state_dict(self, sd: dict, policy: str = "check", where: str = "") -> None:
         """Restore the position; a checkpoint from before the sample count ({"num_steps": n}
-        iterations of the constant batch B) gives n·B."""
+        iterations of the constant batch B) gives n·B.
+
+        The settings, as Megatron's OptimizerParamScheduler.load_state_dict: ``policy`` "check"
+        (default) raises CheckpointError naming every setting that differs from the checkpoint's
+        and the two flags that resolve it; "override" (--override-opt_param-scheduler) keeps this
+        run's; "checkpoint" (--use-checkpoint-opt_param-scheduler) takes the checkpoint's.
+        Checkpoints saved before the settings were stored are not compared. where: the --load
+        folder, for the message.
+        """
         self.samples = int(sd["num_samples"]) if "num_samples" in sd else int(sd["num_steps"]) * self.batch
+        saved = {name: sd[name] for name in SETTINGS if name in sd}
+        if policy == "checkpoint":
+            for name, value in saved.items():
+                setattr(self, SETTINGS[name][0], value)
+            return
+        differ = [f"{flags} saved={saved[name]} now={value}" for name, value in self._settings().items()
+                  for flags in [SETTINGS[name][1]] if name in saved and saved[name] != value]
+        if differ and policy == "check":
+            raise CheckpointError(
+                f"--load {where}: the checkpoint's LR schedule differs from this run's: {'; '.join(differ)}; "
+                f"pass --override-opt_param-scheduler to use this run's settings from here on, or "
+                f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's (as Megatron-LM)")
+
+
+# state_dict key → (LRScheduler attribute, the flags that set it). Lengths are in samples.
+SETTINGS = {
+    "max_lr": ("max_lr", "--lr"),
+    "min_lr": ("min_lr", "--min-lr"),
+    "decay_style": ("style", "--lr-decay-style"),
+    "warmup_samples": ("warmup", "warm-up samples (--lr-warmup-iters/-samples/-fraction × global batch)"),
+    "decay_samples": ("decay", "decay samples (--lr-decay-iters/-samples, default --train-iters/-samples, "
+                               "× global batch)"),
+    "wsd_decay_samples": ("wsd_anneal", "WSD anneal samples (--lr-wsd-decay-iters/-samples)"),
+    "wsd_decay_style": ("wsd_style", "--lr-wsd-decay-style"),
+}
 
 
 def scheduler_for(cfg, world_size: int) -> LRScheduler:

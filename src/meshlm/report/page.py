@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     if problems:  # before anything is written
         raise ConfigError(problems)
     findings, predicted = planner_views(runs, predict=not args.no_predict)
-    write_text_file(out, build_page(runs, findings, predicted))
+    write_text_file(out, build_page(runs, findings, predicted), flag)
     print(f"meshlm: report {out}", flush=True)
     if args.trace:
         timelines = [(r.name, tl["events"]) for r in runs if (tl := r.last_timeline())]

@@ -42,4 +42,4 @@ def write_trace(timelines: list, path: str) -> None:
     for i, (name, tl) in enumerate(timelines):
         events += trace_events(tl, name, 1000 * i)
     from ..folders import write_text_file
-    write_text_file(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    write_text_file(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), "--trace")

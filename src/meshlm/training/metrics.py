@@ -16,6 +16,7 @@ import torch
 
 from .. import metrics_json
 from ..flops import peak_tflops
+from ..folders import space_errors_named
 from ..model.moe import routing_summary
 
 
@@ -282,8 +283,8 @@ class MetricsLogger:
         return rec
 
     def _write(self, rec: dict) -> None:
-        if self.path:
-            with open(self.path, "a") as fh:
+        if self.path:  # a full disk: one line naming the file
+            with space_errors_named(self.path, os.path.dirname(self.path)), open(self.path, "a") as fh:
                 fh.write(metrics_json.dumps(rec) + "\n")
         if self.tb is not None:
             for tag, value in tensorboard_scalars(rec):

@@ -594,9 +594,10 @@ def load_checkpoint(run: Run) -> TrainState:
             print(f"--load {c.load}: no checkpoint yet, starting from scratch", flush=True)
         return TrainState()
     iteration, tree = loaded
-    if _loads(c, "optim"):
+    if _loads(c, "optim"):  # the schedule first: its check raises the same on every rank, before any collective
+        run.sched.load_state_dict(tree["scheduler"], "override" if c.override_opt_param_scheduler else
+                                  "checkpoint" if c.use_checkpoint_opt_param_scheduler else "check", c.load)
         run.opt.load_state_dict(tree["optimizer"])
-        run.sched.load_state_dict(tree["scheduler"])
     else:
         run.opt.reload_model_params()
     if _loads(c, "rng"):
