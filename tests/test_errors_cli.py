@@ -234,8 +234,10 @@ def test_killing_the_launcher_stops_its_workers_and_frees_the_save_lock(tmp_path
     try:
         log = tmp_path / "run" / "logs" / "rank0.log"
         wait_for(lambda: log.exists() and " iteration " in log.read_text(), 240, "the workers to train")
-        workers = [pid for pid in children(launcher.pid)
-                   if b"meshlm" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        # forked from the launcher's forkserver (its one child that imported meshlm)
+        [forkserver] = [pid for pid in children(launcher.pid)
+                        if b"meshlm" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        workers = children(forkserver)
         assert len(workers) == 2
 
         second = meshlm("pretrain", *LONG, "--save", "ckpt", "--run-dir", "second", cwd=tmp_path)

@@ -170,18 +170,20 @@ def test_workers_get_nvls_off_and_the_worker_marker(tmp_path, monkeypatch):
     seen = {}
 
     def fake_launch(config, entrypoint):
-        def run(*argv):
-            seen.update(os.environ)
-            seen["argv"] = argv
+        def run(config_path, env):
+            seen.update(os.environ)  # what the forkserver starts with
+            seen.update(entry=entrypoint, start=config.start_method, config_path=config_path, env=env)
         return run
     import torch.distributed.launcher.api as api
     monkeypatch.setattr(api, "elastic_launch", fake_launch)
     cfg = Config()
     cfg.logging.run_dir = str(tmp_path)
     assert launch.launch_local(cfg, "run/config.yaml", 2) == 0
-    assert seen["NCCL_NVLS_ENABLE"] == "0" and seen[launch.WORKER_ENV] == "1"
-    assert int(seen["OMP_NUM_THREADS"]) == launch.worker_threads(2)
-    assert list(seen["argv"][-3:]) == ["pretrain", "--config", "run/config.yaml"]
+    for env in (seen, seen["env"]):
+        assert env["NCCL_NVLS_ENABLE"] == "0" and env[launch.WORKER_ENV] == "1"
+        assert int(env["OMP_NUM_THREADS"]) == launch.worker_threads(2)
+        assert env[launch.LAUNCHER_PID_ENV] == str(os.getpid())
+    assert (seen["entry"], seen["start"], seen["config_path"]) == (launch.worker_main, "forkserver", "run/config.yaml")
     assert launch.WORKER_ENV not in os.environ  # restored in the launcher
 
 
@@ -243,8 +245,9 @@ def test_a_stop_signal_waits_for_a_starting_workers_handler_instead_of_killing_i
              "signal.signal(signal.SIGUSR1, lambda *a: got.append(1)); end = time.time() + 10\n"
              "while not got and time.time() < end: time.sleep(0.05)\n"
              "print('stopped' if got else 'never signalled'); sys.exit(0 if got else 3)")
-    worker = subprocess.Popen([sys.executable, "-c", child], env=clean_env(**{launch.WORKER_ENV: "1"}),
-                              stdout=subprocess.PIPE, text=True)
+    # a worker is a grandchild of the launcher (forked from its forkserver): a shell stands in between
+    worker = subprocess.Popen(["sh", "-c", f'"{sys.executable}" -c "$CHILD"; exit $?'],
+                              env=clean_env(CHILD=child, **{launch.WORKER_ENV: "1"}), stdout=subprocess.PIPE, text=True)
     with launch._forward_signal("SIGUSR1") as received:
         os.kill(os.getpid(), signal.SIGUSR1)  # the user's stop, while the worker has no handler yet
         out, _ = worker.communicate(timeout=60)

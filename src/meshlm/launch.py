@@ -24,9 +24,9 @@ agent's stop-and-kill) and exits 0 once they have saved and exited 0 (:func:`_fo
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -41,10 +41,12 @@ from .run_logs import worker_log_path
 
 WORKER_ENV = "MESHLM_WORKER"
 LAUNCHER_PID_ENV = "MESHLM_LAUNCHER_PID"
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 ERROR_PREFIX = "meshlm: error: "
 LOG_TAIL_LINES = 30
 AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the elastic agent's (LaunchConfig's default)
+# what the workers' forkserver imports once, so that each forked worker starts without the ~2 s of
+# imports a fresh interpreter pays (torch, torch.distributed, the trainer and what it imports)
+PRELOAD = ("torch", "torch.distributed", "meshlm.cli", "meshlm.training.trainer")
 
 
 def is_self_launched_worker() -> bool:
@@ -121,27 +123,45 @@ def exit_with_launcher() -> None:
     """In a self-launched worker: be killed (SIGKILL) as soon as the launcher dies, however it dies,
     so a ``kill -9`` of ``meshlm pretrain`` leaves no worker training and writing checkpoints.
 
-    The launcher's main thread starts the workers (the elastic agent runs in it and Popens them),
-    so the parent that PR_SET_PDEATHSIG watches is the launcher process itself. Without prctl (not
-    Linux) a daemon thread polls os.getppid() once a second instead. A worker whose launcher
-    died before this call (its parent pid already differs) kills itself at once.
+    A worker is forked from the launcher's forkserver (:func:`launch_local`), whose life the
+    workers themselves prolong (each holds the forkserver's pipe, so a parent-death signal on it
+    would never come): a daemon thread waits on a pidfd of the launcher instead (Linux 5.3; where
+    there is none it polls once a second). A worker whose launcher died before this call (it is
+    no longer its parent's parent) kills itself at once.
     """
     launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
     if not launcher:
         return
     try:
-        armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        armed = False
-    if os.getppid() != launcher:
+        pidfd = os.pidfd_open(launcher)
+    except (AttributeError, OSError):  # no pidfd (not Linux, an old kernel), or the launcher is gone
+        pidfd = None
+    if not _launcher_alive(launcher):
         os.kill(os.getpid(), signal.SIGKILL)
-    if not armed:
-        threading.Thread(target=_kill_when_orphaned, args=(launcher,), daemon=True).start()
+    threading.Thread(target=_kill_when_orphaned, args=(launcher, pidfd), name="meshlm-launcher-watch",
+                     daemon=True).start()
 
 
-def _kill_when_orphaned(launcher: int) -> None:
-    while os.getppid() == launcher:
-        time.sleep(1.0)
+def _parent_of(pid: int) -> int:
+    """The parent pid of ``pid`` (0 where /proc cannot say: gone, or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _launcher_alive(launcher: int) -> bool:
+    """Whether this worker's parent (the forkserver) is still the launcher's child."""
+    return launcher in (os.getppid(), _parent_of(os.getppid()))
+
+
+def _kill_when_orphaned(launcher: int, pidfd) -> None:
+    if pidfd is not None:
+        select.select([pidfd], [], [])  # readable once the launcher has exited
+    else:
+        while _launcher_alive(launcher):
+            time.sleep(1.0)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -266,23 +286,22 @@ def _environ(defaults: dict, forced: dict):
 
 
 def _worker_pids() -> list:
-    """Pids of this process's children that are self-launched workers (MESHLM_WORKER=1 in their
-    environment), read from /proc (Linux; an empty list elsewhere)."""
-    me, pids = os.getpid(), []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                parent = int(fh.read().rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid
-            if parent != me:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                if f"{WORKER_ENV}=1".encode() in fh.read().split(b"\0"):
-                    pids.append(int(entry))
-        except (OSError, IndexError, ValueError):  # gone meanwhile, or not ours to read
-            continue
-    return pids
+    """Pids of this launcher's self-launched workers: the children of its children (the workers
+    are forked from its forkserver) that run with MESHLM_WORKER=1, read from /proc (Linux; an
+    empty list elsewhere)."""
+    me = os.getpid()
+    parents = {int(e): _parent_of(int(e)) for e in (os.listdir("/proc") if os.path.isdir("/proc") else [])
+               if e.isdigit()}
+    children = {pid for pid, parent in parents.items() if parent == me}
+    return [pid for pid, parent in parents.items() if parent in children and _is_worker(pid)]
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return f"{WORKER_ENV}=1".encode() in fh.read().split(b"\0")
+    except OSError:  # gone meanwhile, or not ours to read
+        return False
 
 
 def _catches(pid: int, sig: int) -> bool:
@@ -384,6 +403,26 @@ def _tail(lines: list, n: int = LOG_TAIL_LINES) -> str:
             else "  (nothing; a worker whose log cannot be written, on a full disk, prints its error above)")
 
 
+def _forkserver_preload() -> None:
+    """Have the workers' forkserver import torch and the training code once (:data:`PRELOAD`)."""
+    import multiprocessing
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+
+
+def worker_main(config_path: str, env: dict) -> None:
+    """A self-launched worker's body, forked from the launcher's forkserver: ``meshlm pretrain
+    --config config_path`` in this process, with ``env`` (the launcher's settings for its workers)
+    in its environment. Exits with pretrain's status (SystemExit) where that is not 0."""
+    os.environ.update(env)
+    sys.stdout.reconfigure(line_buffering=True)  # as the console of `python -u`: each line as printed
+    import torch
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from .cli import main
+    status = main(["pretrain", "--config", config_path])
+    if status:
+        raise SystemExit(status)
+
+
 def launch_local(cfg: Config, config_path: str, nproc: int) -> int:
     """Start ``nproc`` workers on this node running ``meshlm pretrain --config config_path``.
 
@@ -411,19 +450,19 @@ def launch_local(cfg: Config, config_path: str, nproc: int) -> int:
     forwarded = t.exit_signal if t.exit_signal_handler else None
     launch_cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                               role="meshlm", rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-                              max_restarts=0, monitor_interval=0.1,
+                              max_restarts=0, monitor_interval=0.1, start_method="forkserver",
                               logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
                               signals_to_handle=",".join(s for s in AGENT_SIGNALS if s != forwarded))
     log_dir = os.path.dirname(worker_log_path(cfg, 0))
     defaults = {"OMP_NUM_THREADS": str(worker_threads(nproc)), "NCCL_NVLS_ENABLE": "0"}
     forced = {WORKER_ENV: "1", LAUNCHER_PID_ENV: str(os.getpid())}
-    argv = ["-u", "-m", "meshlm", "pretrain", "--config", config_path]
     log_start = {rank: _log_size(worker_log_path(cfg, rank)) for rank in range(nproc)}  # logs append
     received = []
     try:
         with _environ(defaults, forced), _agent_log(os.path.join(log_dir, "launcher.log")), \
                 _forward_signal(forwarded) as received:
-            elastic_launch(launch_cfg, sys.executable)(*argv)
+            _forkserver_preload()
+            elastic_launch(launch_cfg, worker_main)(config_path, {k: os.environ[k] for k in (*defaults, *forced)})
     except ChildFailedError as e:
         killed = sorted(r for r, f in e.failures.items() if received and f.exitcode == -signal.Signals[forwarded])
         if killed:  # the stop signal reached them (sent to the process group, say) before their handler
