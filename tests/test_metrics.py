@@ -12,6 +12,7 @@ from meshlm.errors import ConfigError
 from meshlm.model.transformer import GPTModel
 from meshlm.parallel.mesh import ParallelState
 from meshlm.training import metrics
+from full_disk import FullDiskFile
 
 
 def _model_cfg(**kw):
@@ -186,20 +187,8 @@ def test_non_finite_values_are_written_as_valid_json_and_read_back_in_both_forms
 
 def test_a_full_disk_under_metrics_jsonl_is_one_line_naming_the_file(tmp_path, monkeypatch):
     """It was the OSError's traceback from inside the training loop."""
-    class FullDisk:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def write(self, text):
-            raise OSError(28, "No space left on device")
     log = _logger(tmp_path)
-    monkeypatch.setattr(metrics, "open", FullDisk, raising=False)
+    monkeypatch.setattr(metrics, "open", FullDiskFile, raising=False)
     with pytest.raises(ConfigError, match=rf"^{tmp_path / 'metrics.jsonl'}: no space left in {tmp_path} "
                                           r"\([\d,]+ bytes free; OSError"):
         log.evaluation(10, 320, 2.5)

@@ -6,6 +6,7 @@ import os
 import pytest
 
 from meshlm.cli import main
+from full_disk import FullDiskFile
 
 SHAPE = ["pretrain", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2"]
@@ -344,19 +345,7 @@ def test_a_report_onto_a_full_disk_keeps_the_earlier_report_whole(tmp_path, monk
     path = tmp_path / "report.html"
     path.write_text("the earlier report")
 
-    class FullDisk:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def write(self, text):
-            raise OSError(28, "No space left on device")
-    monkeypatch.setattr(folders, "open", FullDisk, raising=False)
+    monkeypatch.setattr(folders, "open", FullDiskFile, raising=False)
     with pytest.raises(ConfigError, match=rf"^--output {path}: no space left in {tmp_path}"):
         folders.write_text_file(str(path), "<html>new</html>")
     monkeypatch.undo()
