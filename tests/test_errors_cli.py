@@ -239,6 +239,8 @@ def test_killing_the_launcher_stops_its_workers_and_frees_the_save_lock(tmp_path
                         if b"meshlm" in open(f"/proc/{pid}/cmdline", "rb").read()]
         workers = children(forkserver)
         assert len(workers) == 2
+        # each leads a session of its own (a terminal's Ctrl-C reaches the launcher, whose agent stops them)
+        assert [os.getsid(pid) for pid in workers] == workers
 
         second = meshlm("pretrain", *LONG, "--save", "ckpt", "--run-dir", "second", cwd=tmp_path)
         assert second.returncode == 2 and len(second.stderr.splitlines()) == 1

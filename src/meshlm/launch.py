@@ -412,7 +412,12 @@ def _forkserver_preload() -> None:
 def worker_main(config_path: str, env: dict) -> None:
     """A self-launched worker's body, forked from the launcher's forkserver: ``meshlm pretrain
     --config config_path`` in this process, with ``env`` (the launcher's settings for its workers)
-    in its environment. Exits with pretrain's status (SystemExit) where that is not 0."""
+    in its environment. Exits with pretrain's status (SystemExit) where that is not 0.
+
+    The worker leads a session of its own, as torch.distributed.run's subprocess workers do: a
+    terminal's Ctrl-C (SIGINT to the foreground group) reaches the launcher alone, whose agent then
+    stops each worker once, and the worker's data-loader processes with it."""
+    os.setsid()
     os.environ.update(env)
     sys.stdout.reconfigure(line_buffering=True)  # as the console of `python -u`: each line as printed
     import torch
