@@ -45,8 +45,13 @@ which MoE needs at TP > 1); R = k·T their routes; E experts of width f_e, EP ra
   0.07 at 8 top-4, 0.21 at 16 top-2 and 0.26 at 16 top-4 (bench/RESULTS.md, 2026-12-04 planner
   section). Empirical, not a mechanism: ``MOE_TOKEN_EXPERT2_S`` · T · (E/EP)² a layer (fwd + bwd),
   the one-constant form that fits those five runs best (within 8%; T·E or T·k·E miss by 12–17%).
-  The suspects (per-expert work in the compiled layer, the sort of the [T, E] routing map, the
-  kernels Inductor picks at E 16) need a per-kernel profile at E 16 to tell apart.
+  Tested on unseen runs (2026-12-04) and refuted as a form: E 4 top-1 (1.8 ms of term) ran 19 ms
+  slower than predicted, E 12 top-3 15 ms, E 16 top-1 13 ms beyond its 28.5 ms; a profile of the E 16
+  run found the GPU busy for what the other terms predict and idle for the rest, the idle growing
+  within the run with the learned router's imbalance (98 → 122 ms a step as max / mean routes went
+  2.0 → 3.8). The term to replace it with is the MoE layer's exposed idle time and its dependence on
+  the imbalance (the planner takes routing as balanced); kept until that is measured, since it is
+  the best of the fits on the E 16 runs.
 - Model state: a rank holds E/EP experts per MoE layer (``planner/params.py``); their gradients
   are reduced over, and under ZeRO-1 their optimizer state sharded over, the expert-data-parallel
   group of DP × CP / EP ranks (parallel/data.py, optim/distributed.py), the rest over DP × CP.
