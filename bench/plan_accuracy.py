@@ -54,6 +54,11 @@ def _llama(name: str, seq: int, vocab: int = 128256) -> list:
             str(seq)]
 
 
+def _moe(seq: int, experts: int, topk: int, ffn: int) -> list:
+    return _llama("mixtral-small", seq, 32000) + ["--num-experts", str(experts), "--moe-router-topk", str(topk),
+                                                  "--moe-ffn-hidden-size", str(ffn)]
+
+
 def _mb(micro: int, acc: int = 1) -> list:
     return ["--micro-batch-size", str(micro), "--global-batch-size", str(micro * acc)]
 
@@ -93,6 +98,20 @@ CASES = {  # name: flags, in the order they are measured; none of these shapes o
     "gpt1.3b-s4k-m2-full-zero": _gpt("gpt2-1.3b", 4096) + ["--hidden-dropout", "0"] + _mb(2) + FULL + ZERO,
     "llama8b-w-L4-s4k-m2-fp8-sel": _llama("llama3-8b", 4096) + ["--num-layers", "4"] + _mb(2) + FP8 + SEL,
     "gpt760m-s16k-m1-sel": _gpt("gpt2-760m", 16384) + ["--hidden-dropout", "0"] + _mb(1) + SEL,
+    # the fifth set (2026-12-04): FP8 on its own size curve (cost.fp8_speedup), the grouped GEMM at its calibrated
+    # rate and the MoE cost that grows with the expert count (moe_cp.routing_seconds)
+    "gpt350m-s2k-m8-sel": _gpt("gpt2-350m", 2048) + ["--hidden-dropout", "0"] + _mb(8) + SEL,
+    "llama1b-s8k-m1-fp8-sel": _llama("llama-1b", 8192) + _mb(1) + FP8 + SEL,
+    "moe-e12-top3-f2048-s2k-m4": _moe(2048, 12, 3, 2048) + _mb(4),
+    "gpt1.3b-s1k-m16-full": _gpt("gpt2-1.3b", 1024) + ["--hidden-dropout", "0"] + _mb(16) + FULL,
+    "llama8b-w-L6-s2k-m2-fp8": _llama("llama3-8b", 2048) + ["--num-layers", "6"] + _mb(2) + FP8,
+    "moe-e16-top1-f3584-s4k-m2": _moe(4096, 16, 1, 3584) + _mb(2),
+    "gpt760m-s4k-m2-zero": _gpt("gpt2-760m", 4096) + ["--hidden-dropout", "0"] + _mb(2) + ZERO,
+    "gpt2.7b-s4k-m1-fp8": _gpt("gpt3-2.7b", 4096) + ["--hidden-dropout", "0"] + _mb(1) + FP8,
+    "moe-e4-top1-f7168-s2k-m4-sel": _moe(2048, 4, 1, 7168) + _mb(4) + SEL,
+    "llama8b-w-L4-s1k-m8-sel-zero": _llama("llama3-8b", 1024) + ["--num-layers", "4"] + _mb(8) + SEL + ZERO,
+    "llama3b-s4k-m2-fp8-full": _llama("llama-3b", 4096) + _mb(2) + FP8 + FULL,
+    "moe-e32-top4-f896-s2k-m2": _moe(2048, 32, 4, 896) + _mb(2),
 }
 
 

@@ -225,7 +225,7 @@ def test_tp2_with_fp8_emulation_matches_tp1_in_float64():
 
 def test_planner_models_fp8_memory_and_step_time():
     """plan / --dry-run: FP8 layers keep 1-byte linear inputs and weights (less activation memory than
-    bf16 at the 8B widths) and their GEMMs run fp8_gemm_speedup times faster; at a speed-up of 1 the
+    bf16 at the 8B widths) and their GEMMs run faster (cost.fp8_speedup); at a speed-up of 1 at every size the
     step time only gains the weights' casts."""
     import dataclasses
 
@@ -248,7 +248,7 @@ def test_planner_models_fp8_memory_and_step_time():
     (m16, t16), (m8, t8) = plan(None), plan("hybrid")
     assert m8.activations < 0.85 * m16.activations and m8.peak_bytes <= m16.peak_bytes  # peak: the optimizer step
     assert t8.total < t16.total
-    slow = dataclasses.replace(PRESETS["H200-141GB"], fp8_gemm_speedup=1.0)
+    slow = dataclasses.replace(PRESETS["H200-141GB"], fp8_gemm_speedup=1.0, fp8_half_dim=64.0)  # no FP8 gain
     assert plan("hybrid", slow)[1].total > t16.total
     # at a speed-up of 1 FP8 adds exactly its casts: 6 bytes a weight and 7 an element of each linear's
     # input and output (QKV 4096 → 6144, proj 4096 → 4096, fc1 4096 → 2·14336, fc2 14336 → 4096), 8 layers
@@ -269,3 +269,22 @@ def test_fp8_moe_at_ep2_matches_one_process_in_float64():
     assert_parity(moe_case(dp=4, ep=2, **fp8), moe_case(tp=2, sp=True, dp=2, ep=2, dist_opt=True, **fp8))
     on, off = references([moe_case(**fp8), moe_case(**dict(fp8, fp8=""))])
     assert abs(on["losses"][-1] - off["losses"][-1]) > 1e-6 * abs(off["losses"][-1])
+
+
+def test_fp8_speedup_rises_with_the_gemm_size_and_calibration_recovers_its_constants():
+    """``cost.fp8_speedup``: 1 at every size for a GPU without FP8 (A100: half-dim = bf16's), on
+    Hopper below the large-GEMM 2× and rising with the widths (h 1,024 < 2,048 < 4,096); and
+    ``fit_fp8`` gives back the speed-up and half-dim that produced two measured ratios."""
+    import dataclasses
+
+    from meshlm.planner.calibrate import fit_fp8
+    from meshlm.planner.cost import fp8_speedup
+    from meshlm.planner.gpus import PRESETS
+    h200, a100 = PRESETS["H200-141GB"], PRESETS["A100-80GB"]
+    assert fp8_speedup(a100, 16384, 1024, 1024, 3584) == 1.0
+    small, mid, large = (fp8_speedup(h200, 8192, h, h, 4 * h) for h in (1024, 2048, 4096))
+    assert small < mid < large < h200.fp8_gemm_speedup == 2.0
+    true = dataclasses.replace(h200, fp8_gemm_speedup=1.9, fp8_half_dim=300.0)
+    dims = [(16384, 2048, 2048, 8192), (16384, 1024, 1024, 4096)]
+    speed, half = fit_fp8([(fp8_speedup(true, *d), d) for d in dims])
+    assert speed == pytest.approx(1.9, rel=1e-6) and half == pytest.approx(300.0, rel=1e-6)

@@ -11,8 +11,11 @@ Measured, each as the best of a few timed repeats after a warm-up:
   ``grouped_wave_s`` (a wave's fixed cost) are the two constants of ``cost.grouped_gemm_seconds``
   that reproduce both times (``fit_grouped``); kept from the base profile for a dense model or a
   torch without ``_grouped_mm``;
-- on a GPU with FP8 tensor cores, the same GEMMs as FP8 (``torch._scaled_mm``): ``fp8_gemm_speedup``
-  is the bf16 time over the FP8 time (the GEMMs alone; the casts are the step model's);
+- on a GPU with FP8 tensor cores, the same GEMMs in bf16 and as FP8 (``torch._scaled_mm``) at the
+  model's widths and at half of them: the two speed-ups (bf16 time over FP8 time, the GEMMs alone;
+  the casts are the step model's) give ``fp8_gemm_speedup`` and ``fp8_half_dim``, the two constants
+  of ``cost.fp8_speedup`` (``fit_fp8``); each GEMM is timed over several back-to-back calls, so the
+  launch and synchronisation of one call (~15 µs, a sixth of a small FP8 GEMM) is not counted;
 - device-memory bandwidth: a copy of a large buffer (read + write bytes / time);
 - with more than one CUDA device, the device-to-device copy bandwidth between GPUs 0 and 1 as the
   intra-node link (an estimate of NCCL's bus bandwidth; inter-node is kept from the base profile).
@@ -29,19 +32,21 @@ import torch
 
 from ..config import Config, ffn_hidden, head_dim, moe_ffn, query_groups
 from ..flops import peak_tflops
-from .cost import gemm_efficiency, grouped_gemm_terms
+from .cost import GEMM_HALF_DIM, gemm_efficiency, grouped_gemm_terms
 from .gpus import GPU, PRESETS
 
 
-def _best(fn, repeats: int, sync) -> float:
+def _best(fn, repeats: int, sync, calls: int = 1) -> float:
+    """Seconds of one fn() call: the best of ``repeats`` timings of ``calls`` back-to-back calls."""
     fn()
     sync()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         sync()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, (time.perf_counter() - t0) / calls)
     return best
 
 
@@ -54,18 +59,22 @@ def calibrate(cfg: Config, *, quick: bool = False, base: GPU = PRESETS["H200-141
     m = cfg.model
     h, f = m.hidden_size, ffn_hidden(m)
     qkv = (m.num_attention_heads + 2 * query_groups(m)) * head_dim(m)
+    attn = m.num_attention_heads * head_dim(m)
     tokens = cfg.training.micro_batch_size * m.seq_length
     if quick:
-        h, f, qkv, tokens = min(h, 256), min(f, 512), min(qkv, 384), min(tokens, 256)
+        h, f, qkv, attn, tokens = min(h, 256), min(f, 512), min(qkv, 384), min(attn, 256), min(tokens, 256)
     shapes = [(tokens, h, qkv), (tokens, h, f), (tokens, f, h)]
-    flops, seconds = 0.0, 0.0
-    for mm, k, n in shapes:
-        a = torch.randn(mm, k, device=dev, dtype=dtype)
-        b = torch.randn(k, n, device=dev, dtype=dtype)
-        seconds += _best(lambda: a @ b, 3 if quick else 10, sync)
-        flops += 2.0 * mm * k * n
-    achieved = flops / seconds
-    fp8 = _fp8_speedup(shapes, seconds, 3 if quick else 10, sync) if cuda else 1.0
+    repeats, calls = (3, 1) if quick else (10, 10)
+    seconds = _bf16_seconds(shapes, repeats, calls, dev, dtype, sync)
+    achieved = sum(2.0 * mm * k * n for mm, k, n in shapes) / seconds
+    fp8, half_dim, fp8_note = 1.0, float(GEMM_HALF_DIM), "no FP8 tensor cores (FP8 runs at bf16's rate)"
+    if cuda and torch.cuda.get_device_capability() >= (8, 9):
+        halves = [(mm, max(16, k // 32 * 16), max(16, n // 32 * 16)) for mm, k, n in shapes]
+        r1 = seconds / _fp8_seconds(shapes, repeats, calls, sync)
+        r2 = _bf16_seconds(halves, repeats, calls, dev, dtype, sync) / _fp8_seconds(halves, repeats, calls, sync)
+        fp8, half_dim = fit_fp8([(r1, (tokens, h, attn, f)), (r2, (tokens, h / 2, attn / 2, f / 2))])
+        fp8_note = f"FP8 {r1:.2f}× faster at the model's widths, {r2:.2f}× at half → {fp8:.2f}× on large GEMMs, " \
+                   f"half rate at {half_dim:.0f}"
     grouped = _grouped(cfg, tokens, quick, dev, dtype, sync)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = (peak_tflops(name, torch.bfloat16) or 0) * 1e12 if cuda else 0.0
@@ -91,25 +100,56 @@ def calibrate(cfg: Config, *, quick: bool = False, base: GPU = PRESETS["H200-141
         link = n / _best(lambda: other.copy_(src), 5, lambda: (torch.cuda.synchronize(0), torch.cuda.synchronize(1)))
     return replace(base, name=name, memory_bytes=memory, peak_flops=peak, hbm_bytes_per_s=hbm,
                    intra_node_bytes_per_s=link, gemm_efficiency=min(1.0, achieved / peak / size),
-                   fp8_gemm_speedup=fp8, grouped_gemm_efficiency=grouped_eff, grouped_wave_s=wave_s, sm_count=sms,
+                   fp8_gemm_speedup=fp8, fp8_half_dim=half_dim, grouped_gemm_efficiency=grouped_eff, grouped_wave_s=wave_s, sm_count=sms,
                    source=f"measured by meshlm plan --calibrate on {name} ({'quick' if quick else 'full'} shapes "
-                          f"{shapes}; GEMM {achieved / 1e12:.2f} TFLOP/s, FP8 {fp8:.2f}× faster; {grouped_note}; "
+                          f"{shapes}; GEMM {achieved / 1e12:.2f} TFLOP/s; {fp8_note}; {grouped_note}; "
                           f"memory copy {hbm / 1e9:.1f} GB/s)")
 
 
-def _fp8_speedup(shapes: list, bf16_seconds: float, repeats: int, sync) -> float:
-    """bf16 time over FP8 time of the same GEMMs (torch._scaled_mm, E4M3, row-major × column-major, bf16
-    out); 1.0 on a GPU without FP8 tensor cores (compute capability below 8.9)."""
-    if torch.cuda.get_device_capability() < (8, 9):
-        return 1.0
+def _bf16_seconds(shapes: list, repeats: int, calls: int, dev, dtype, sync) -> float:
+    """Seconds of one pass of the (M, K, N) GEMMs, summed."""
+    seconds = 0.0
+    for mm, k, n in shapes:
+        a = torch.randn(mm, k, device=dev, dtype=dtype)
+        b = torch.randn(k, n, device=dev, dtype=dtype)
+        seconds += _best(lambda: a @ b, repeats, sync, calls)
+    return seconds
+
+
+def _fp8_seconds(shapes: list, repeats: int, calls: int, sync) -> float:
+    """Seconds of the same GEMMs in FP8 (torch._scaled_mm, E4M3, row-major × column-major, bf16 out)."""
     one = torch.ones((), device="cuda")
     seconds = 0.0
     for mm, k, n in shapes:
         a = torch.randn(mm, k, device="cuda").to(torch.float8_e4m3fn)
         b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t()
         seconds += _best(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-                         repeats, sync)
-    return bf16_seconds / seconds
+                         repeats, sync, calls)
+    return seconds
+
+
+def fit_fp8(measured: list) -> tuple:
+    """(fp8_gemm_speedup, fp8_half_dim) that make ``cost.fp8_speedup`` equal two measured speed-ups
+    [(bf16 time / FP8 time, GEMM dimensions)], the first at larger dimensions than the second: the
+    half-dim from the ratio of the two (bisection over [1, 65536]: the ratio rises with it), then the
+    large-GEMM speed-up from the first. A second speed-up at least the first's (no size effect seen)
+    gives the first at bf16's half-dim."""
+    (r1, d1), (r2, d2) = measured
+
+    def curve(dims, half):
+        out = 1.0
+        for x in dims:
+            out *= (x + GEMM_HALF_DIM) / (x + half)
+        return out
+
+    if r2 >= r1:
+        return r1, float(GEMM_HALF_DIM)
+    lo, hi = 1.0, 65536.0
+    for _ in range(100):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if curve(d1, mid) / curve(d2, mid) < r1 / r2 else (lo, mid)
+    half = (lo * hi) ** 0.5
+    return r1 / curve(d1, half), half
 
 
 def _grouped(cfg: Config, tokens: int, quick: bool, dev, dtype, sync):

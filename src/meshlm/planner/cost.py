@@ -19,7 +19,9 @@ the logits):
   (``memory.layer_terms``), and of the logits, at the GPU's HBM bandwidth; an MoE layer's stored
   bytes (``moe_cp.moe_mlp_terms``: the dispatched rows, the experts' outputs, the routing tensors)
   carry its permute, unpermute and router passes the same way, and the grouped GEMM's stacked copy
-  of the expert weights (``moe_cp.stacked_weight_bytes``) one read and one write a micro-batch.
+  of the expert weights (``moe_cp.stacked_weight_bytes``) one read and one write a micro-batch;
+  plus the MoE layer's time outside its GEMMs that grows with the expert count
+  (``moe_cp.routing_seconds``, empirical).
 - TP (Megatron's f/g, Shoeybi et al. 2019 §3): without SP, 2 all-reduces of the [s, b, h] activation
   in forward and 2 in backward, each 2(t−1)/t · bytes / NVLink bandwidth; with SP, 4 all-gathers or
   reduce-scatters in forward and 6 in backward (meshlm all-gathers the s/t QKV and FC1 inputs again),
@@ -29,8 +31,9 @@ the logits):
 - EP all-to-all and CP's K/V exchange (ring, partly hidden behind the blocks' attention, or
   all-gather): ``moe_cp.ep_seconds`` and ``moe_cp.cp_seconds``, each layer; full recompute repeats
   their forward part.
-- FP8 layers (--fp8-format): their linears' GEMM time / ``GPU.fp8_gemm_speedup`` (measured by
-  `plan --calibrate`), plus the weights' casts (``FP8_CAST_BYTES`` a weight, each micro-batch) and
+- FP8 layers (--fp8-format): their linears' GEMM time / ``fp8_speedup`` at the layer's GEMM
+  dimensions (FP8 GEMMs on their own size curve: ``GPU.fp8_gemm_speedup`` for large GEMMs, less for
+  small ones through ``GPU.fp8_half_dim``; both measured by `plan --calibrate`), plus the weights' casts (``FP8_CAST_BYTES`` a weight, each micro-batch) and
   the activations' (``FP8_ACTIVATION_CAST_BYTES`` an element of every linear's input and output
   gradient: parallel/fp8.py's amax read 2, cast read 2 + write 1, and the transposed FP8 copy the
   weight-gradient GEMM takes, read 1 + write 1), at the HBM bandwidth.
@@ -70,7 +73,7 @@ from ..parallel.schedules import analytic_bubble_fraction
 from .gpus import COLLECTIVE_LATENCY_S, GPU
 from .layout import NONE, Layout
 from .memory import layer_bytes
-from .moe_cp import cp_link, cp_seconds, ep_seconds, expert_rows, stacked_weight_bytes
+from .moe_cp import cp_link, cp_seconds, ep_seconds, expert_rows, routing_seconds, stacked_weight_bytes
 
 GEMM_HALF_DIM = 64  # a GEMM dimension of x reaches x / (x + 64) of the large-GEMM efficiency
 ATTENTION_HALF_SEQ = 1360  # attention's per-row cost, in tokens of its quadratic work (fit: attention_efficiency)
@@ -90,6 +93,20 @@ def gemm_efficiency(gpu: GPU, *dims: float) -> float:
     for x in dims:
         eff *= x / (x + GEMM_HALF_DIM)
     return eff
+
+
+def fp8_speedup(gpu: GPU, *dims: float) -> float:
+    """bf16 GEMM time over FP8's for GEMMs with these dimensions: each dtype on its own saturating
+    curve, FP8's reaching ``gpu.fp8_gemm_speedup`` × bf16's rate on large GEMMs and its half rate at
+    ``gpu.fp8_half_dim`` (bf16's at GEMM_HALF_DIM): gpu.fp8_gemm_speedup × Π (x + 64) / (x + fp8_half_dim).
+    An FP8 GEMM does half the bytes a FLOP, so it needs larger tiles' worth of work to reach its
+    rate. Fit (bench/RESULTS.md, 2026-12-04 planner section) to the four recorded FP8 steps (llama-1b,
+    llama-3b, the 8B widths twice) less their modelled non-GEMM time: 1.63× at h 2,048, 1.73× at
+    h 3,072, ~1.8–1.9× at h 4,096; half-dim 256 and 2.0× at large shapes (the data sheet's ratio)."""
+    ratio = gpu.fp8_gemm_speedup
+    for x in dims:
+        ratio *= (x + GEMM_HALF_DIM) / (x + gpu.fp8_half_dim)
+    return ratio
 
 
 GROUPED_TILE = (128, 256)  # torch._grouped_mm's SM90 CTA tile (M, N) (ATen GroupMM.cu, cooperative schedule)
@@ -201,7 +218,8 @@ def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: b
     are ``moe`` (and the logits when ``logits``), by component: gemm, attn, elem, recompute, tp, ep,
     cp, and the forward parts of the last three (tp_forward, ep_forward, cp_forward). MoE layers'
     routed experts take ``grouped_gemm_seconds`` at their own shape (moe_cp.expert_rows × h × f_e).
-    fp8: per layer, whether its linears run FP8 GEMMs: their time / ``gpu.fp8_gemm_speedup``, plus
+    fp8: per layer, whether its linears run FP8 GEMMs: their time / ``fp8_speedup`` at the layer's
+    GEMM dimensions, plus
     ``FP8_CAST_BYTES`` of HBM traffic per weight each micro-batch (cast in forward, again in backward)."""
     m = c.model
     t, b, s, h, a = layout.tp, layout.micro_batch, m.seq_length, m.hidden_size, m.num_attention_heads
@@ -211,7 +229,8 @@ def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: b
     layer = _flops(c, 1, b, padded) - _flops(c, 0, b, padded)
     attention = 12.0 * s * s * a * head_dim(m) * b
     head = _flops(c, 0, b, padded) if logits else 0.0
-    eff = gemm_efficiency(gpu, b * s / layout.cp, h, a * head_dim(m) / t, ffn_hidden(m) / t)
+    dims = (b * s / layout.cp, h, a * head_dim(m) / t, ffn_hidden(m) / t)  # a layer's GEMMs: M, K, N
+    eff = gemm_efficiency(gpu, *dims)
     expert_s, stack_s = 0.0, 0.0
     if n_moe:
         tokens = 3.0 * b * s  # fwd + bwd, per token
@@ -220,10 +239,11 @@ def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: b
         layer_moe_extra = tokens * other
         expert_s = n_moe * grouped_gemm_seconds(gpu, m.num_experts / layout.ep, expert_rows(m, b, layout), h,
                                                 moe_ffn(m), 2 if m.swiglu else 1)
-        stack_s = n_moe * 2 * stacked_weight_bytes(m, layout, act_bytes=act) / gpu.hbm_bytes_per_s
+        stack_s = n_moe * (2 * stacked_weight_bytes(m, layout, act_bytes=act) / gpu.hbm_bytes_per_s
+                           + routing_seconds(m, b, layout))
     else:
         layer_moe_extra = 0.0
-    linear_layers = layers - n_fp8 + n_fp8 / gpu.fp8_gemm_speedup
+    linear_layers = layers - n_fp8 + (n_fp8 / fp8_speedup(gpu, *dims) if n_fp8 else 0.0)
     gemm_s = ((layer - attention) * linear_layers + layer_moe_extra * n_moe + head) / split / (gpu.peak_flops * eff) \
         + expert_s
     attn_layer_s = attention / split / (gpu.peak_flops * attention_efficiency(gpu, s / layout.cp, head_dim(m)))

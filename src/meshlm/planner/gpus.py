@@ -12,9 +12,11 @@ A profile holds what the memory and step-time models need of one GPU and its lin
 - ``grouped_gemm_efficiency``: the routed experts' grouped GEMMs (``torch._grouped_mm``, forward +
   backward) as tiles and waves over ``sm_count`` SMs (``planner.cost.grouped_gemm_seconds``): the
   fraction of an SM's share of the peak a tile's FLOPs run at, plus ``grouped_wave_s`` seconds a
-  wave. The presets take 0.66 and 0 s, fit to the mixtral-small learned row (bench/RESULTS.md,
-  2026-12-03 session 10 last call: micro-batch 8 × 2,048, EP 1, 119.5 ms on the H200), in-sample;
-  ``plan --calibrate`` on an MoE model measures both at two shapes.
+  wave. The presets take 1.0 and 7.0 µs, the H200's kernel as ``plan --calibrate`` timed it alone
+  at mixtral-small's shape (8 experts × 4,096 rows × 1,024 × 3,584: 3.080 ms a layer, 120 waves)
+  and e16-top4's (16 × 2,048 × 1,024 × 1,792: 1.681 ms, 79 waves): 6.9 and 7.0 µs a wave at the
+  full tile rate (bench/results.jsonl, grouped_gemm_calibrate, 2026-12-03); ``plan --calibrate``
+  on an MoE model measures both at two shapes.
 - ``sm_count``: streaming multiprocessors (NVIDIA data sheets: H100/H200 SXM 132, A100 108).
 - ``hbm_bytes_per_s``: achievable device-memory bandwidth (copy kernels; about 85% of the data sheet).
 - ``intra_node_bytes_per_s`` / ``inter_node_bytes_per_s``: achievable NCCL bus bandwidth per GPU inside
@@ -29,10 +31,13 @@ project's H200 measurements (bench/RESULTS.md, 2026-12-01, llama-1b at micro-bat
 148.3 ms for 105 TFLOP = 0.72 of peak; flash attention 21.7 ms for 13.2 TFLOP = 0.61) and used for the
 other Hopper/Ampere presets alike. H200 memory is the lent machine's 143,771 MiB.
 
-- ``fp8_gemm_speedup``: how many times faster an FP8 GEMM (``torch._scaled_mm``, E4M3) runs than the
-  same bf16 GEMM; 1 where the GPU has no FP8 tensor cores (A100) and on CPU (FP8 is emulated there).
-  Hopper's data sheet doubles the bf16 peak; the presets take 1.6 until ``plan --calibrate``
-  measures it at the model's shapes.
+- ``fp8_gemm_speedup`` and ``fp8_half_dim``: how many times faster a large FP8 GEMM
+  (``torch._scaled_mm``, E4M3) runs than the same bf16 GEMM, and the GEMM dimension at which FP8's
+  size curve reaches half its rate (bf16's is ``cost.GEMM_HALF_DIM``): ``cost.fp8_speedup`` gives
+  the speed-up at a layer's shapes. 1 and 64 where the GPU has no FP8 tensor cores (A100) and on CPU
+  (FP8 is emulated there): no speed-up at any size. Hopper: 2.0 (the data sheet's FP8 peak over
+  bf16's) and 256, fit to this project's four FP8 training steps on the H200 (cost.fp8_speedup);
+  ``plan --calibrate`` measures both at two sizes of the model's shapes.
 
 ``meshlm plan --calibrate`` measures a profile on this machine and writes it as JSON to
 ``$XDG_CACHE_HOME/meshlm/gpus/<name>.json`` (default ``~/.cache/meshlm/gpus/``), or to
@@ -70,23 +75,25 @@ class GPU:
     gemm_efficiency: float = 0.77
     attention_efficiency: float = 0.61
     source: str = "preset"
-    grouped_gemm_efficiency: float = 0.66
+    grouped_gemm_efficiency: float = 1.0
     fp8_gemm_speedup: float = 1.0
     sm_count: int = 132
-    grouped_wave_s: float = 0.0
+    grouped_wave_s: float = 7.0e-6
+    fp8_half_dim: float = 64.0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def _preset(name: str, device_name: str, memory_bytes: float, hbm: float, nvlink_per_direction: float,
-            nic_gbit: float, fp8: float = 1.0, sm_count: int = 132) -> GPU:
+            nic_gbit: float, fp8: tuple = (1.0, 64.0), sm_count: int = 132) -> GPU:
     return GPU(name=name, memory_bytes=memory_bytes, peak_flops=peak_tflops(device_name, torch.bfloat16) * 1e12,
                hbm_bytes_per_s=0.85 * hbm, intra_node_bytes_per_s=0.8 * nvlink_per_direction,
-               inter_node_bytes_per_s=0.9 * nic_gbit / 8 * 1e9, fp8_gemm_speedup=fp8, sm_count=sm_count)
+               inter_node_bytes_per_s=0.9 * nic_gbit / 8 * 1e9, fp8_gemm_speedup=fp8[0], fp8_half_dim=fp8[1],
+               sm_count=sm_count)
 
 
-FP8_HOPPER = 1.6  # bf16 GEMM time over FP8's (the data sheet's 2×, derated; see the module doc)
+FP8_HOPPER = (2.0, 256.0)  # large-GEMM speed-up over bf16 and FP8's half-rate dimension (see the module doc)
 
 PRESETS = {
     "A100-80GB": _preset("A100-80GB", "NVIDIA A100-SXM4-80GB", 80 * GiB, 2.039e12, 300e9, 200, sm_count=108),
