@@ -46,7 +46,7 @@ import torch.distributed as dist
 from .. import fast
 from ..dtypes import HALF, wide
 from ..parallel import watchdog
-from .adamw import Group, adamw_
+from .adamw import Group, Run, adamw_, flat_adamw_, flat_step
 from .offload import Staging, host_update
 from .scaler import build_scaler
 from .schedule import scheduler_for
@@ -169,6 +169,12 @@ class MixedPrecisionOptimizer:
                        for (buf, b, s, e), host in zip(ranges, on_host)]
         self.expert_norm_groups = [ps.ep_group] if any(buf.expert for buf in ddp.buffers) else []  # see grad_norm
         self.fused = fast.enabled(cfg.training.fast_path, ps.device)
+        # fused on CUDA with fp32 masters: one compiled element-wise kernel a run, publishing too
+        self.flat = (self.fused and ps.device.type == "cuda"
+                     and all(s.master.dtype == torch.float32 for s in self.shards if not s.host))
+        self._kernel = None  # flat_step compiled, on first use
+        self._runs = None  # [(Run, shard index, lo, hi)] of the device shards, built on first use
+        self._published: set = set()  # shards whose params this step's flat update already wrote
         self._groups = None  # [(adamw Group, [(shard index, lo, hi)] of its grads, on the host)], built on first use
         self.host_batches = 0  # host AdamW batches in the last step (optim/offload.py)
 
@@ -268,12 +274,46 @@ class MixedPrecisionOptimizer:
         kw = dict(step=self.step_count, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
         device = [group for group, _, on_host in self._groups if not on_host]
         for group, where, on_host in self._groups:
-            group.grads = [] if on_host else [grads[i][lo:hi] for i, lo, hi in where]
-        adamw_(device, fused=self.fused, grad_scale=grad_scale, **kw)
+            group.grads = [] if on_host or self.flat else [grads[i][lo:hi] for i, lo, hi in where]
+        if self.flat:
+            self._flat_update(grads, grad_scale, kw)
+        else:
+            adamw_(device, fused=self.fused, grad_scale=grad_scale, **kw)
         self.host_batches = host_update([(g, w) for g, w, on_host in self._groups if on_host], grads,
                                         self.staging, grad_scale=grad_scale, **kw)
         for group, _, _ in self._groups:
             group.grads = []  # hold no grad memory past the step
+
+    def _flat_update(self, grads: list, grad_scale: float, kw: dict) -> None:
+        """The device shards' update as runs (optim/adamw.py ``flat_adamw_``), their params published."""
+        if self._runs is None:
+            self._runs = self._flat_runs()
+            self._kernel = fast.compile_fn(flat_step, dynamic=True)
+        for run, i, lo, hi in self._runs:
+            run.grad = grads[i][lo:hi]
+        flat_adamw_([r for r, *_ in self._runs], grad_scale=grad_scale, kernel=self._kernel, **kw)
+        for run, *_ in self._runs:
+            run.grad = None
+        self._published = {i for _, i, _, _ in self._runs}
+
+    def _flat_runs(self) -> list:
+        """[(Run, shard index, lo, hi)]: each device shard's consecutive fragments of one (decay,
+        lr_mult) merged into one range of views (masters, moments, the params to publish into)."""
+        runs = []
+        for i, s in enumerate(self.shards):
+            if s.host:
+                continue
+            spans = []
+            for f in s.fragments:
+                if spans and spans[-1][1] == f.lo and spans[-1][2:] == (f.decay, f.lr_mult):
+                    spans[-1][1] = f.hi
+                else:
+                    spans.append([f.lo, f.hi, f.decay, f.lr_mult])
+            for lo, hi, decay, lr_mult in spans:
+                out = s.param[lo:hi] if s.separate_master else None
+                runs.append((Run(s.master[lo:hi], None, s.exp_avg[lo:hi], s.exp_avg_sq[lo:hi], out, decay, lr_mult),
+                             i, lo, hi))
+        return runs
 
     def _fragment_groups(self) -> list:
         """[(Group, where, on the host)], one per (decay, lr_mult, device or host) present: fragment
@@ -292,11 +332,12 @@ class MixedPrecisionOptimizer:
 
     def _publish(self) -> None:
         """Copy the updated masters into the model params (cast to their dtype; host masters
-        through the bounded staging)."""
-        for s in self.shards:
+        through the bounded staging), but for the shards this step's flat update wrote."""
+        published, self._published = self._published, set()
+        for i, s in enumerate(self.shards):
             if s.host:
                 self.staging.to_device(s.param, s.master)
-            elif s.separate_master:
+            elif s.separate_master and i not in published:
                 s.param.copy_(s.master)
 
     # ------------------------------------------------------------------ checkpointing
