@@ -12,7 +12,9 @@ between steps but the trainer's own; --log-interval as given, 1 as bench/moe_ben
 the wall ms a step over --gap-steps steps, and from a CUDA-only trace (kernels, copies and fills
 alone, so the profiler adds no host work) the idle ms a step and the largest gaps, each with the
 kernels before and after it and its time from the window's start. With OUT set, one step is
-also traced with the host's ops to $OUT/gaps_trace.json.gz (bench/trace_gaps.py reads it).
+also traced with the host's ops to $OUT/gaps_trace.json.gz.
+--syncs: one step under torch.cuda.set_sync_debug_mode("warn"), each synchronizing call listed
+by the Python line that made it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gaps", action="store_true", help="also the GPU's idle gaps (module doc)")
     parser.add_argument("--gap-steps", type=int, default=6)
+    parser.add_argument("--syncs", action="store_true", help="list the host syncs of one step (module doc)")
     add_config_args(parser)
     args = parser.parse_args(sys.argv[1:])
     cfg = config_from_args(args)
@@ -88,6 +91,26 @@ def main() -> None:
         print(f"| {c} | {ms:.2f} | {ms / busy:.1%} | {tops} |")
     if args.gaps:
         gaps(run, state, args.gap_steps)
+    if args.syncs:
+        syncs(run, state)
+
+
+def syncs(run, state) -> None:
+    """Print the host syncs of one training step, by the Python line that made each."""
+    import warnings
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train_step(run, state)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    lines = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:80]}" for w in caught
+             if "synchroniz" in str(w.message)]
+    print(f"\nhost syncs in one step: {len(lines)}")
+    for line in lines:
+        print("  " + line)
 
 
 def _kernels(prof) -> list:

@@ -52,6 +52,9 @@ from .scaler import build_scaler
 from .schedule import scheduler_for
 
 
+FLAT_MIN = 1 << 20  # elements: smaller runs go to the multi-tensor kernel (``_flat_update``)
+
+
 @dataclass
 class StepResult:
     """Outcome of one optimizer step.
@@ -285,13 +288,28 @@ class MixedPrecisionOptimizer:
             group.grads = []  # hold no grad memory past the step
 
     def _flat_update(self, grads: list, grad_scale: float, kw: dict) -> None:
-        """The device shards' update as runs (optim/adamw.py ``flat_adamw_``), their params published."""
+        """The device shards' update as runs, their params published: each run of at least
+        ``FLAT_MIN`` elements by the compiled kernel (optim/adamw.py ``flat_adamw_``), the small
+        ones (norms, biases, the router) together by the multi-tensor kernel and one copy, since
+        a compiled call costs the host tens of µs whatever its size."""
         if self._runs is None:
             self._runs = self._flat_runs()
             self._kernel = fast.compile_fn(flat_step, dynamic=True)
         for run, i, lo, hi in self._runs:
             run.grad = grads[i][lo:hi]
-        flat_adamw_([r for r, *_ in self._runs], grad_scale=grad_scale, kernel=self._kernel, **kw)
+        big = [r for r, *_ in self._runs if r.master.numel() >= FLAT_MIN]
+        flat_adamw_(big, grad_scale=grad_scale, kernel=self._kernel, **kw)
+        small = {}
+        for r, *_ in self._runs:
+            if r.master.numel() < FLAT_MIN:
+                g = small.setdefault((r.decay, r.lr_mult), Group([], [], [], [], r.decay, r.lr_mult))
+                for dst, t in ((g.params, r.master), (g.grads, r.grad), (g.exp_avgs, r.exp_avg),
+                               (g.exp_avg_sqs, r.exp_avg_sq)):
+                    dst.append(t)
+        adamw_(list(small.values()), fused=True, grad_scale=grad_scale, **kw)
+        outs = [(r.out, r.master) for r, *_ in self._runs if r.out is not None and r.master.numel() < FLAT_MIN]
+        if outs:
+            torch._foreach_copy_(*map(list, zip(*outs)))
         for run, *_ in self._runs:
             run.grad = None
         self._published = {i for _, i, _, _ in self._runs}
@@ -305,7 +323,7 @@ class MixedPrecisionOptimizer:
                 continue
             spans = []
             for f in s.fragments:
-                if spans and spans[-1][1] == f.lo and spans[-1][2:] == (f.decay, f.lr_mult):
+                if spans and spans[-1][1] == f.lo and spans[-1][2:] == [f.decay, f.lr_mult]:
                     spans[-1][1] = f.hi
                 else:
                     spans.append([f.lo, f.hi, f.decay, f.lr_mult])
