@@ -21,10 +21,14 @@ One ``step()`` (Megatron's order):
   4. clipping by clip_grad / (norm + 1e-6) when that is below 1, and AdamW (optim/adamw.py,
      torch.optim.AdamW's arithmetic; no weight decay on params marked ``no_weight_decay``, the LR
      times ``lr_mult`` on params that carry one: μP's hidden matrices, meshlm/mup.py) over
-     the fragments of every shard. On the fast path (meshlm/fast.py) one fused kernel does both
-     (the clip coefficient enters as its grad scale); otherwise
+     the fragments of every shard. On the fast path (meshlm/fast.py) fused kernels do both (the
+     clip coefficient enters as their grad scale): on CUDA, one compiled element-wise kernel a
+     run of at least ``FLAT_MIN`` elements (a shard's consecutive fragments of one decay and
+     lr_mult; optim/adamw.py ``flat_adamw_``), which also writes the new params, and torch's
+     multi-tensor kernel for the smaller runs together; otherwise
      the grads are scaled in place first and foreach kernels update;
-  5. masters copied back to the model params (and all-gathered under ZeRO-1).
+  5. masters copied back to the model params (but for the runs the flat kernel wrote), and
+     all-gathered under ZeRO-1.
 
 Under --optimizer-cpu-offload the first shards, up to --optimizer-offload-fraction of the
 elements, keep their fp32 master and moments in host memory (12 bytes an element, nothing else
