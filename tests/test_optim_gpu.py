@@ -33,8 +33,9 @@ def test_compiled_flat_update_matches_the_fused_kernel_and_compiles_once():
         adamw_([Group([s["master"]], [g], [s["exp_avg"]], [s["exp_avg_sq"]], d) for s, g, d in zip(ref, grads, decays)],
                step=step, lr=lr, fused=True, grad_scale=1.5, **kw)
     for s, r, o in zip(state, ref, outs):
-        for k in ("master", "exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(s[k], r[k], rtol=2e-6, atol=1e-9, msg=k)
+        # fp32 rounding of the update (up to 0.5 here; masters near 0 after it cancel): a few ulps of it
+        for k, atol in (("master", 2e-7), ("exp_avg", 1e-8), ("exp_avg_sq", 1e-10)):
+            torch.testing.assert_close(s[k], r[k], rtol=1e-5, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
         assert torch.equal(o, s["master"].to(torch.bfloat16))
         assert torch.equal(s["grad"], r["grad"])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
