@@ -234,3 +234,19 @@ def test_flat_update_publishes_the_bf16_params(monkeypatch):
     for sa, sb in zip(opt_a.shards, opt_b.shards):
         torch.testing.assert_close(sb.master, sa.master, rtol=1e-6, atol=1e-7)
         assert torch.equal(sb.param, sb.master.to(torch.bfloat16))
+
+
+def test_flat_update_skips_a_nan_step_and_keeps_no_grad(monkeypatch):
+    """A NaN gradient on the flat path: nothing updated, and no run holds a view of the step's
+    grads afterwards (they would keep the gradient buckets alive into the next step)."""
+    model, ddp, opt = setup(torch.bfloat16)
+    _flat(opt, monkeypatch, 100)
+    before = [p.detach().clone() for p in model.parameters()]
+    ddp.zero_grad()
+    ddp.finish_grad_sync()
+    model.norm.weight.main_grad[0] = float("nan")
+    assert opt.step().skipped
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(r.grad is None for r, *_ in opt._runs) and opt._small == []
+    train_step(model, ddp, opt, seed=0)
+    assert all(r.grad is None for r, *_ in opt._runs) and opt._small == []

@@ -182,6 +182,7 @@ class MixedPrecisionOptimizer:
         self._kernel = None  # flat_step compiled, on first use
         self._runs = None  # [(Run, shard index, lo, hi)] of the device shards, built on first use
         self._published: set = set()  # shards whose params this step's flat update already wrote
+        self._small: list = []  # this step's small runs as multi-tensor Groups (``_flat_prepare``)
         self._groups = None  # [(adamw Group, [(shard index, lo, hi)] of its grads, on the host)], built on first use
         self.host_batches = 0  # host AdamW batches in the last step (optim/offload.py)
 
@@ -206,10 +207,13 @@ class MixedPrecisionOptimizer:
         """
         self._before_step()
         grads = [s.grad.to(s.master.dtype) for s in self.shards]  # views when dtypes match
+        if self.flat:
+            self._flat_prepare(grads)
         scale = self.scaler.scale
         found_inf = scale != 1.0 and self._unscale_and_check(grads, 1.0 / scale)
         norm = 0.0 if found_inf else self.grad_norm(grads, loss)
         if found_inf or not math.isfinite(norm):
+            self._drop_run_grads()
             ok = self.scaler.dynamic and scale > self.scaler.min_scale
             self.scaler.update(True)
             return StepResult(ok=ok, grad_norm=0.0, loss_scale=scale, skipped=True, found_inf=True)
@@ -283,7 +287,7 @@ class MixedPrecisionOptimizer:
         for group, where, on_host in self._groups:
             group.grads = [] if on_host or self.flat else [grads[i][lo:hi] for i, lo, hi in where]
         if self.flat:
-            self._flat_update(grads, grad_scale, kw)
+            self._flat_update(grad_scale, kw)
         else:
             adamw_(device, fused=self.fused, grad_scale=grad_scale, **kw)
         self.host_batches = host_update([(g, w) for g, w, on_host in self._groups if on_host], grads,
@@ -291,32 +295,41 @@ class MixedPrecisionOptimizer:
         for group, _, _ in self._groups:
             group.grads = []  # hold no grad memory past the step
 
-    def _flat_update(self, grads: list, grad_scale: float, kw: dict) -> None:
-        """The device shards' update as runs, their params published: each run of at least
-        ``FLAT_MIN`` elements by the compiled kernel (optim/adamw.py ``flat_adamw_``), the small
-        ones (norms, biases, the router) together by the multi-tensor kernel and one copy, since
-        a compiled call costs the host tens of µs whatever its size."""
+    def _flat_prepare(self, grads: list) -> None:
+        """Point the runs at this step's grads and group the small runs (``_flat_update``): host
+        work done before the grad norm's sync, while the GPU still runs the backward."""
         if self._runs is None:
             self._runs = self._flat_runs()
             self._kernel = fast.compile_fn(flat_step, dynamic=True)
+        small = {}
         for run, i, lo, hi in self._runs:
             run.grad = grads[i][lo:hi]
+            if run.master.numel() < FLAT_MIN:
+                g = small.setdefault((run.decay, run.lr_mult), Group([], [], [], [], run.decay, run.lr_mult))
+                for dst, t in ((g.params, run.master), (g.grads, run.grad), (g.exp_avgs, run.exp_avg),
+                               (g.exp_avg_sqs, run.exp_avg_sq)):
+                    dst.append(t)
+        self._small = list(small.values())
+
+    def _flat_update(self, grad_scale: float, kw: dict) -> None:
+        """The device shards' update as runs, their params published: each run of at least
+        ``FLAT_MIN`` elements by the compiled kernel (optim/adamw.py ``flat_adamw_``), the small
+        ones (norms, biases, the router) together by the multi-tensor kernel and one copy, since
+        a compiled call costs the host tens of µs whatever its size. After ``_flat_prepare``."""
         big = [r for r, *_ in self._runs if r.master.numel() >= FLAT_MIN]
         flat_adamw_(big, grad_scale=grad_scale, kernel=self._kernel, **kw)
-        small = {}
-        for r, *_ in self._runs:
-            if r.master.numel() < FLAT_MIN:
-                g = small.setdefault((r.decay, r.lr_mult), Group([], [], [], [], r.decay, r.lr_mult))
-                for dst, t in ((g.params, r.master), (g.grads, r.grad), (g.exp_avgs, r.exp_avg),
-                               (g.exp_avg_sqs, r.exp_avg_sq)):
-                    dst.append(t)
-        adamw_(list(small.values()), fused=True, grad_scale=grad_scale, **kw)
+        adamw_(self._small, fused=True, grad_scale=grad_scale, **kw)
         outs = [(r.out, r.master) for r, *_ in self._runs if r.out is not None and r.master.numel() < FLAT_MIN]
         if outs:
             torch._foreach_copy_(*map(list, zip(*outs)))
-        for run, *_ in self._runs:
-            run.grad = None
+        self._drop_run_grads()
         self._published = {i for _, i, _, _ in self._runs}
+
+    def _drop_run_grads(self) -> None:
+        """Hold no grad memory past the step (the runs' and small groups' views)."""
+        for run, *_ in self._runs or ():
+            run.grad = None
+        self._small = []
 
     def _flat_runs(self) -> list:
         """[(Run, shard index, lo, hi)]: each device shard's consecutive fragments of one (decay,
