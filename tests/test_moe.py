@@ -324,3 +324,22 @@ def test_compiled_moe_layer_has_one_eager_step_and_equals_eager_in_float64():
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-12, atol=1e-14, msg=n)
     assert layer.state.stats[0]["calls"] == 2
+
+
+def test_routing_stats_sum_device_tensors_and_host_numbers():
+    """routing_stats adds each layer's recorded tensors (on the device) and host numbers (call
+    counts, an absent z-loss) into one table; the host's go over in one copy (no blocking copy
+    of a Python number to the device: moe.start_routing_stats)."""
+    m = _cfg(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=0.0)
+    state = moe.MoEState()
+    for call in range(2):
+        state.record(0, tokens=torch.tensor([3.0, 1.0, 0.0, 4.0], dtype=torch.float64),
+                     routes=torch.tensor(8.0 + call, dtype=torch.float64), aux=torch.tensor(0.5 * (call + 1)), calls=1)
+    state.record(1, tokens=torch.tensor([2.0, 2.0, 2.0, 2.0], dtype=torch.float64),
+                 routes=torch.tensor(8.0, dtype=torch.float64), aux=torch.tensor(1.0), calls=1)
+    chunk = torch.nn.Module()
+    chunk.moe_state = state
+    got = moe.routing_stats([chunk], ParallelState.single(), m)
+    assert got == {0: {"tokens": [6.0, 2.0, 0.0, 8.0], "routes": 17.0, "aux": 0.75, "z": None},
+                   1: {"tokens": [2.0, 2.0, 2.0, 2.0], "routes": 8.0, "aux": 1.0, "z": None}}
+    assert state.stats == {} and moe.routing_stats([chunk], ParallelState.single(), m) == {}

@@ -175,3 +175,78 @@ def test_memory_report_counts_bytes_per_parameter():
         assert rep["bytes_per_param"] == {"weights": weights, "grads": 4, "optimizer": optim,
                                           "total": weights + 4 + optim}
         assert rep["total_bytes"] == n * (weights + 4 + optim)
+
+
+def _flat(opt, monkeypatch, min_elements):
+    """opt on the flat update (the CUDA fast path's), its kernel eager; runs of at least
+    ``min_elements`` go to the kernel, the rest to the multi-tensor kernel."""
+    import meshlm.optim.optimizer as optimizer
+    from meshlm.optim.adamw import flat_step
+    monkeypatch.setattr(optimizer, "FLAT_MIN", min_elements)
+    opt.flat, opt.fused, opt._kernel, opt._runs = True, True, flat_step, opt._flat_runs()
+    return opt
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_flat_update_matches_the_foreach_adamw_in_float64(monkeypatch, clip):
+    """The flat runs (optim/adamw.py flat_adamw_, both sizes of run) give the foreach update:
+    weight decay per run, clipping, the step's bias corrections."""
+    a, ddp_a, opt_a = setup(wd=0.1, clip=clip)
+    b, ddp_b, opt_b = setup(wd=0.1, clip=clip)
+    _flat(opt_b, monkeypatch, 100)
+    kinds = {r.master.numel() >= 100 for r, *_ in opt_b._runs}
+    assert kinds == {True, False} and any(not r.decay for r, *_ in opt_b._runs)
+    for step in range(3):
+        _, res = train_step(a, ddp_a, opt_a, seed=step)
+        train_step(b, ddp_b, opt_b, seed=step)
+    assert clip == 0 or res.grad_norm > clip, "the test must clip"
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-15, msg=n)
+
+
+def test_flat_kernel_takes_the_grad_scale_as_the_fused_kernel_does():
+    """flat_adamw_ with grad_scale s on grads g equals the update on g / s (float64), and leaves g."""
+    from meshlm.optim.adamw import Group, Run, adamw_, flat_adamw_
+    torch.manual_seed(0)
+    p, g, m = (torch.randn(50, dtype=torch.float64) for _ in range(3))
+    v = torch.rand(50, dtype=torch.float64)
+    ref = [t.clone() for t in (p, g, m, v)]
+    ref[1] /= 1.7
+    kw = dict(step=4, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    adamw_([Group([ref[0]], [ref[1]], [ref[2]], [ref[3]], True)], fused=False, **kw)
+    g0 = g.clone()
+    flat_adamw_([Run(p, g, m, v, None, True)], grad_scale=1.7, **kw)
+    for x, y in zip((p, m, v), (ref[0], ref[2], ref[3])):
+        torch.testing.assert_close(x, y, rtol=1e-13, atol=1e-16)
+    assert torch.equal(g, g0)
+
+
+def test_flat_update_publishes_the_bf16_params(monkeypatch):
+    """bf16 params, fp32 masters: the flat update writes each run's new master into the params
+    (no separate publish), and the masters follow the foreach update at fp32 rounding."""
+    a, ddp_a, opt_a = setup(dtype=torch.bfloat16, wd=0.1)
+    b, ddp_b, opt_b = setup(dtype=torch.bfloat16, wd=0.1)
+    _flat(opt_b, monkeypatch, 100)
+    opt_b._publish = lambda: None  # the params can change only through the flat update's writes
+    for step in range(2):
+        train_step(a, ddp_a, opt_a, seed=step)
+        train_step(b, ddp_b, opt_b, seed=step)
+    for sa, sb in zip(opt_a.shards, opt_b.shards):
+        torch.testing.assert_close(sb.master, sa.master, rtol=1e-6, atol=1e-7)
+        assert torch.equal(sb.param, sb.master.to(torch.bfloat16))
+
+
+def test_flat_update_skips_a_nan_step_and_keeps_no_grad(monkeypatch):
+    """A NaN gradient on the flat path: nothing updated, and no run holds a view of the step's
+    grads afterwards (they would keep the gradient buckets alive into the next step)."""
+    model, ddp, opt = setup(torch.bfloat16)
+    _flat(opt, monkeypatch, 100)
+    before = [p.detach().clone() for p in model.parameters()]
+    ddp.zero_grad()
+    ddp.finish_grad_sync()
+    model.norm.weight.main_grad[0] = float("nan")
+    assert opt.step().skipped
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(r.grad is None for r, *_ in opt._runs) and opt._small == []
+    train_step(model, ddp, opt, seed=0)
+    assert all(r.grad is None for r, *_ in opt._runs) and opt._small == []

@@ -18,16 +18,18 @@ STEPS = 5
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖: the relative error of a whole tensor."""
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
-VARIANTS = {  # name: (use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, flat collectives)
-    "plain": (False, False, False, True),
-    "zero1": (True, False, False, True),
-    "zero1-overlap": (True, True, True, True),
-    "zero1-gloo-fallback": (True, True, False, False),
+VARIANTS = {  # name: (use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, flat collectives,
+    #                 the flat AdamW runs of the CUDA fast path, their kernel eager)
+    "plain": (False, False, False, True, False),
+    "zero1": (True, False, False, True, False),
+    "zero1-overlap": (True, True, True, True, False),
+    "zero1-gloo-fallback": (True, True, False, False, False),
+    "zero1-flat-update": (True, True, True, True, True),
 }
 
 
 def _train(ps, variant):
-    dist_opt, overlap_grad, overlap_param, flat = VARIANTS[variant]
+    dist_opt, overlap_grad, overlap_param, flat, flat_update = VARIANTS[variant]
     cfg = make_cfg(ddp_bucket_size=300, use_distributed_optimizer=dist_opt, overlap_grad_reduce=overlap_grad,
                    overlap_param_gather=overlap_param)
     cfg.optimizer.clip_grad, cfg.optimizer.lr, cfg.optimizer.lr_warmup_iters = 0.5, 1e-2, 0
@@ -36,6 +38,12 @@ def _train(ps, variant):
     ddp.single_tensor_collectives = flat
     opt = build_optimizer(cfg, ps, [model], ddp)
     assert isinstance(opt, DistributedOptimizer) == dist_opt
+    if flat_update:  # runs of both sizes: the compiled kernel's and the multi-tensor kernel's
+        import meshlm.optim.optimizer as optimizer
+        from meshlm.optim.adamw import flat_step
+        opt.flat, opt.fused, opt._kernel, opt._runs = True, True, flat_step, opt._flat_runs()
+        # the largest runs of this rank's shards to the kernel, the rest to the multi-tensor path
+        restore, optimizer.FLAT_MIN = optimizer.FLAT_MIN, max(r.master.numel() for r, *_ in opt._runs)
     losses, norms = [], []
     for step in range(STEPS):
         tokens, labels = batch(8, seed=step)
@@ -47,6 +55,8 @@ def _train(ps, variant):
         assert res.ok and not res.skipped
         norms.append(res.grad_norm)
     opt.finish_param_sync()
+    if flat_update:
+        optimizer.FLAT_MIN = restore
     return model, opt, {"losses": losses, "norms": norms,
                         "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
@@ -91,7 +101,7 @@ def _zero_vs_plain(rank, world, root):
 def test_zero1_matches_plain_dp_over_five_steps(dp, tmp_path):
     for runs in run_distributed(_zero_vs_plain, dp, str(tmp_path / "ckpt")):
         ref = runs["plain"]
-        for variant in ("zero1", "zero1-overlap", "zero1-gloo-fallback"):
+        for variant in ("zero1", "zero1-overlap", "zero1-gloo-fallback", "zero1-flat-update"):
             got = runs[variant]
             assert got["losses"] == pytest.approx(ref["losses"], rel=1e-12)
             assert got["norms"] == pytest.approx(ref["norms"], rel=1e-12)

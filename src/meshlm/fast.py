@@ -67,10 +67,11 @@ def _before_compile() -> None:
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * _CACHE_LIMIT)
 
 
-def compile_fn(fn):
-    """fn under torch.compile (Inductor; compiled on first call, for the shapes it sees)."""
+def compile_fn(fn, dynamic=None):
+    """fn under torch.compile (Inductor; compiled on first call, for the shapes it sees, or for
+    any size with ``dynamic=True``)."""
     _before_compile()
-    return torch.compile(fn)
+    return torch.compile(fn, dynamic=dynamic)
 
 
 def compile_module(module: torch.nn.Module) -> None:

@@ -382,15 +382,29 @@ def start_routing_stats(chunks, ps, cfg):
     and the optimizer step, the host's read waits for no later work (the trainer's log
     iterations: a read after the step would drain the GPU before the next step is launched)."""
     E, L = cfg.num_experts, cfg.num_layers
-    table = torch.zeros(L, E + 4, dtype=torch.float64, device=ps.device)
+    # the host's numbers (the call counts, absent losses) go to the device in one copy from pinned
+    # memory: a tensor made on the device from a Python number is a blocking copy, which would
+    # drain the GPU here, before the optimizer step is launched
+    numbers = torch.zeros(L, E + 4, dtype=torch.float64)
+    device_parts = []
     for chunk in chunks:
         state = getattr(chunk, "moe_state", None)
         for layer, s in (state.stats.items() if state is not None else ()):
-            table[layer, :E] += s["tokens"]
-            table[layer, E:] += torch.stack([torch.as_tensor(s.get(k, 0.0), dtype=torch.float64, device=ps.device)
-                                             for k in ("routes", "aux", "z", "calls")])
+            device_parts.append((layer, slice(0, E), s["tokens"]))
+            for j, k in enumerate(("routes", "aux", "z", "calls")):
+                v = s.get(k, 0.0)
+                if isinstance(v, torch.Tensor):
+                    device_parts.append((layer, E + j, v))
+                else:
+                    numbers[layer, E + j] += v
         if state is not None:
             state.stats.clear()
+    if ps.device.type == "cuda":
+        table = numbers.pin_memory().to(ps.device, non_blocking=True)
+    else:
+        table = numbers.to(ps.device)
+    for layer, where, v in device_parts:
+        table[layer, where] += v
     if ps.world_size > 1:
         watchdog.call("all_reduce of the MoE routing statistics", None, dist.all_reduce, table)
     shares = ps.tp * ps.cp  # MoE at TP > 1 runs under SP: each TP × CP rank records its rows' share

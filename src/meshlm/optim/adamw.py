@@ -6,16 +6,26 @@ Per element, with step t (1-based), decoupled weight decay wd on the ``decay`` l
     v ← β2 v + (1 − β2) g²
     p ← p − lr / (1 − β1^t) · m / (√v / √(1 − β2^t) + ε)
 
-Two implementations of the same update: ``fused`` runs ``torch._fused_adamw_`` (one multi-tensor
+Three implementations of the same update: ``fused`` runs ``torch._fused_adamw_`` (one multi-tensor
 kernel that reads and writes each tensor once; torch.optim.AdamW(fused=True)'s kernel), otherwise
 foreach kernels do the passes one at a time (the CPU and eager path, bitwise equal to per-tensor
 ops). The tensors are fragment views of the optimizer's flat shards (optim/optimizer.py), grouped
 into a decayed and a non-decayed list, so one call covers every shard.
+
+``flat_adamw_`` (the fast path on CUDA) updates *runs*: maximal ranges of a shard whose fragments
+share the decay and LR multiplier, each one element-wise kernel (``flat_step`` under
+torch.compile, dynamic sizes) that reads master, grad and moments once, writes them once, and
+writes the new master into the bf16/fp16 params too (the publish of ``optimizer.step`` fused in:
+28 + 2 bytes an element, against the multi-tensor kernel's 28 plus the publish's 4 + 2). Its
+arithmetic is the fused kernel's (torch's fused_adam_utils.cuh, ADAMW mode): p ← p − lr·wd·p;
+m ← β1 m + (1 − β1) g; v ← β2 v + (1 − β2) g²; p ← p − lr / (1 − β1^t) · m / (√v / √(1 − β2^t) + ε),
+with g the grad ÷ grad_scale (the grad itself left as it is).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -62,3 +72,47 @@ def adamw_(groups: list, *, step: int, lr: float, betas: tuple, eps: float, weig
         torch._foreach_div_(denom, (1 - b2 ** step) ** 0.5)
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(g.params, g.exp_avgs, denom, value=-lr_g / (1 - b1 ** step))
+
+
+@dataclass
+class Run:
+    """One contiguous range of a shard: master [n] fp32 (updated), grad [n], exp_avg and exp_avg_sq
+    [n] fp32, out [n] the model params to publish into (bf16/fp16; None when the master is the
+    param), decay and lr_mult as in ``Group``."""
+
+    master: torch.Tensor
+    grad: Optional[torch.Tensor]
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    out: Optional[torch.Tensor]
+    decay: bool
+    lr_mult: float = 1.0
+
+
+def flat_step(p, g, m, v, out, lr_wd: float, b1: float, b2: float, step_size: float, bc2_sqrt: float,
+              eps: float, grad_scale: float) -> None:
+    """One AdamW update of flat tensors p, m, v in place (and out ← p when out is not None); the
+    fused kernel's arithmetic (module doc). All [n]; scalars as Python floats."""
+    g = g.to(p.dtype) / grad_scale
+    p_new = p - lr_wd * p
+    m_new = b1 * m + (1 - b1) * g
+    v_new = b2 * v + (1 - b2) * g * g
+    p_new = p_new - step_size * m_new / (v_new.sqrt() / bc2_sqrt + eps)
+    p.copy_(p_new)
+    m.copy_(m_new)
+    v.copy_(v_new)
+    if out is not None:
+        out.copy_(p_new)
+
+
+def flat_adamw_(runs: list, *, step: int, lr: float, betas: tuple, eps: float, weight_decay: float,
+                grad_scale: float = 1.0, kernel=flat_step) -> None:
+    """Update every run in place with ``kernel`` (``flat_step``, compiled by the optimizer on CUDA);
+    the grads used ÷ grad_scale; each run's params published when it has ``out``."""
+    b1, b2 = betas
+    bc1 = 1 - b1 ** step
+    bc2_sqrt = (1 - b2 ** step) ** 0.5
+    for r in runs:
+        lr_r = lr * r.lr_mult
+        kernel(r.master, r.grad, r.exp_avg, r.exp_avg_sq, r.out, lr_r * (weight_decay if r.decay else 0.0),
+               b1, b2, lr_r / bc1, bc2_sqrt, eps, grad_scale)

@@ -21,10 +21,14 @@ One ``step()`` (Megatron's order):
   4. clipping by clip_grad / (norm + 1e-6) when that is below 1, and AdamW (optim/adamw.py,
      torch.optim.AdamW's arithmetic; no weight decay on params marked ``no_weight_decay``, the LR
      times ``lr_mult`` on params that carry one: μP's hidden matrices, meshlm/mup.py) over
-     the fragments of every shard. On the fast path (meshlm/fast.py) one fused kernel does both
-     (the clip coefficient enters as its grad scale); otherwise
+     the fragments of every shard. On the fast path (meshlm/fast.py) fused kernels do both (the
+     clip coefficient enters as their grad scale): on CUDA, one compiled element-wise kernel a
+     run of at least ``FLAT_MIN`` elements (a shard's consecutive fragments of one decay and
+     lr_mult; optim/adamw.py ``flat_adamw_``), which also writes the new params, and torch's
+     multi-tensor kernel for the smaller runs together; otherwise
      the grads are scaled in place first and foreach kernels update;
-  5. masters copied back to the model params (and all-gathered under ZeRO-1).
+  5. masters copied back to the model params (but for the runs the flat kernel wrote), and
+     all-gathered under ZeRO-1.
 
 Under --optimizer-cpu-offload the first shards, up to --optimizer-offload-fraction of the
 elements, keep their fp32 master and moments in host memory (12 bytes an element, nothing else
@@ -46,10 +50,13 @@ import torch.distributed as dist
 from .. import fast
 from ..dtypes import HALF, wide
 from ..parallel import watchdog
-from .adamw import Group, adamw_
+from .adamw import Group, Run, adamw_, flat_adamw_, flat_step
 from .offload import Staging, host_update
 from .scaler import build_scaler
 from .schedule import scheduler_for
+
+
+FLAT_MIN = 1 << 20  # elements: smaller runs go to the multi-tensor kernel (``_flat_update``)
 
 
 @dataclass
@@ -169,6 +176,13 @@ class MixedPrecisionOptimizer:
                        for (buf, b, s, e), host in zip(ranges, on_host)]
         self.expert_norm_groups = [ps.ep_group] if any(buf.expert for buf in ddp.buffers) else []  # see grad_norm
         self.fused = fast.enabled(cfg.training.fast_path, ps.device)
+        # fused on CUDA with fp32 masters: one compiled element-wise kernel a run, publishing too
+        self.flat = (self.fused and ps.device.type == "cuda"
+                     and all(s.master.dtype == torch.float32 for s in self.shards if not s.host))
+        self._kernel = None  # flat_step compiled, on first use
+        self._runs = None  # [(Run, shard index, lo, hi)] of the device shards, built on first use
+        self._published: set = set()  # shards whose params this step's flat update already wrote
+        self._small: list = []  # this step's small runs as multi-tensor Groups (``_flat_prepare``)
         self._groups = None  # [(adamw Group, [(shard index, lo, hi)] of its grads, on the host)], built on first use
         self.host_batches = 0  # host AdamW batches in the last step (optim/offload.py)
 
@@ -193,10 +207,13 @@ class MixedPrecisionOptimizer:
         """
         self._before_step()
         grads = [s.grad.to(s.master.dtype) for s in self.shards]  # views when dtypes match
+        if self.flat:
+            self._flat_prepare(grads)
         scale = self.scaler.scale
         found_inf = scale != 1.0 and self._unscale_and_check(grads, 1.0 / scale)
         norm = 0.0 if found_inf else self.grad_norm(grads, loss)
         if found_inf or not math.isfinite(norm):
+            self._drop_run_grads()
             ok = self.scaler.dynamic and scale > self.scaler.min_scale
             self.scaler.update(True)
             return StepResult(ok=ok, grad_norm=0.0, loss_scale=scale, skipped=True, found_inf=True)
@@ -268,12 +285,70 @@ class MixedPrecisionOptimizer:
         kw = dict(step=self.step_count, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
         device = [group for group, _, on_host in self._groups if not on_host]
         for group, where, on_host in self._groups:
-            group.grads = [] if on_host else [grads[i][lo:hi] for i, lo, hi in where]
-        adamw_(device, fused=self.fused, grad_scale=grad_scale, **kw)
+            group.grads = [] if on_host or self.flat else [grads[i][lo:hi] for i, lo, hi in where]
+        if self.flat:
+            self._flat_update(grad_scale, kw)
+        else:
+            adamw_(device, fused=self.fused, grad_scale=grad_scale, **kw)
         self.host_batches = host_update([(g, w) for g, w, on_host in self._groups if on_host], grads,
                                         self.staging, grad_scale=grad_scale, **kw)
         for group, _, _ in self._groups:
             group.grads = []  # hold no grad memory past the step
+
+    def _flat_prepare(self, grads: list) -> None:
+        """Point the runs at this step's grads and group the small runs (``_flat_update``): host
+        work done before the grad norm's sync, while the GPU still runs the backward."""
+        if self._runs is None:
+            self._runs = self._flat_runs()
+            self._kernel = fast.compile_fn(flat_step, dynamic=True)
+        small = {}
+        for run, i, lo, hi in self._runs:
+            run.grad = grads[i][lo:hi]
+            if run.master.numel() < FLAT_MIN:
+                g = small.setdefault((run.decay, run.lr_mult), Group([], [], [], [], run.decay, run.lr_mult))
+                for dst, t in ((g.params, run.master), (g.grads, run.grad), (g.exp_avgs, run.exp_avg),
+                               (g.exp_avg_sqs, run.exp_avg_sq)):
+                    dst.append(t)
+        self._small = list(small.values())
+
+    def _flat_update(self, grad_scale: float, kw: dict) -> None:
+        """The device shards' update as runs, their params published: each run of at least
+        ``FLAT_MIN`` elements by the compiled kernel (optim/adamw.py ``flat_adamw_``), the small
+        ones (norms, biases, the router) together by the multi-tensor kernel and one copy, since
+        a compiled call costs the host tens of µs whatever its size. After ``_flat_prepare``."""
+        big = [r for r, *_ in self._runs if r.master.numel() >= FLAT_MIN]
+        flat_adamw_(big, grad_scale=grad_scale, kernel=self._kernel, **kw)
+        adamw_(self._small, fused=True, grad_scale=grad_scale, **kw)
+        outs = [(r.out, r.master) for r, *_ in self._runs if r.out is not None and r.master.numel() < FLAT_MIN]
+        if outs:
+            torch._foreach_copy_(*map(list, zip(*outs)))
+        self._drop_run_grads()
+        self._published = {i for _, i, _, _ in self._runs}
+
+    def _drop_run_grads(self) -> None:
+        """Hold no grad memory past the step (the runs' and small groups' views)."""
+        for run, *_ in self._runs or ():
+            run.grad = None
+        self._small = []
+
+    def _flat_runs(self) -> list:
+        """[(Run, shard index, lo, hi)]: each device shard's consecutive fragments of one (decay,
+        lr_mult) merged into one range of views (masters, moments, the params to publish into)."""
+        runs = []
+        for i, s in enumerate(self.shards):
+            if s.host:
+                continue
+            spans = []
+            for f in s.fragments:
+                if spans and spans[-1][1] == f.lo and spans[-1][2:] == [f.decay, f.lr_mult]:
+                    spans[-1][1] = f.hi
+                else:
+                    spans.append([f.lo, f.hi, f.decay, f.lr_mult])
+            for lo, hi, decay, lr_mult in spans:
+                out = s.param[lo:hi] if s.separate_master else None
+                runs.append((Run(s.master[lo:hi], None, s.exp_avg[lo:hi], s.exp_avg_sq[lo:hi], out, decay, lr_mult),
+                             i, lo, hi))
+        return runs
 
     def _fragment_groups(self) -> list:
         """[(Group, where, on the host)], one per (decay, lr_mult, device or host) present: fragment
@@ -292,11 +367,12 @@ class MixedPrecisionOptimizer:
 
     def _publish(self) -> None:
         """Copy the updated masters into the model params (cast to their dtype; host masters
-        through the bounded staging)."""
-        for s in self.shards:
+        through the bounded staging), but for the shards this step's flat update wrote."""
+        published, self._published = self._published, set()
+        for i, s in enumerate(self.shards):
             if s.host:
                 self.staging.to_device(s.param, s.master)
-            elif s.separate_master:
+            elif s.separate_master and i not in published:
                 s.param.copy_(s.master)
 
     # ------------------------------------------------------------------ checkpointing

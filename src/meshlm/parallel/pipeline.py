@@ -294,12 +294,12 @@ def reduce_losses(losses: list, ps: ParallelState, per_token: bool = False) -> t
     pipeline. Every rank must call it.
     """
     t = torch.zeros(2, dtype=torch.float64, device=ps.device)
-    if losses:
+    if losses:  # no Python number assigned into t: that is a blocking copy, draining the GPU here
         loss = torch.stack([d["lm_loss"].to(torch.float64) for d in losses])
         if per_token:
-            t[0], t[1] = loss.sum(), torch.stack([d["num_tokens"].to(torch.float64) for d in losses]).sum()
+            t = torch.stack([loss.sum(), torch.stack([d["num_tokens"].to(torch.float64) for d in losses]).sum()])
         else:
-            t[0], t[1] = loss.mean(), 1.0
+            t = torch.stack([loss.mean(), torch.ones((), dtype=torch.float64, device=loss.device)])
     if ps.pp_group is not None:
         watchdog.call("broadcast of the loss", ps.pp_group, dist.broadcast, t, src=ps.pp_ranks[-1],
                       group=ps.pp_group)

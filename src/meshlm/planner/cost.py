@@ -48,8 +48,9 @@ under ZeRO-1 reduce-scatter (n−1)/n · 4 + all-gather of bf16 params (n−1)/n
 DP × TP group fits a node, else the NIC; one ``COLLECTIVE_LATENCY_S`` per bucket of
 ``--ddp-bucket-size`` elements, default max(40M, 1M × DP) as parallel/data.py), of which
 ``--overlap-grad-reduce`` hides what fits in the last micro-batch's backward (never the last bucket; the ZeRO-1 all-gather is counted exposed), and the
-optimizer: ``OPTIMIZER_BYTES_PER_PARAM`` of HBM traffic per parameter (fused AdamW reads grad, master,
-two moments and writes three: 28; the grad norm 4; master → bf16 copy 6), / DP × CP under ZeRO-1
+optimizer: ``OPTIMIZER_BYTES_PER_PARAM`` of HBM traffic per parameter (the fast path's flat AdamW,
+optim/adamw.py, reads grad, master and two moments and writes the three and the bf16 param: 30; the grad
+norm 4; until 2026-12-04 the multi-tensor kernel's 28 and a separate master → bf16 copy of 6: 38), / DP × CP under ZeRO-1
 (experts / DP × CP / EP).
 
 Calibration (H200, bench/RESULTS.md 2026-12-01 profile of llama-1b, micro 8, seq 2048): GEMMs 148.3 ms,
@@ -80,7 +81,7 @@ ATTENTION_HALF_SEQ = 1360  # attention's per-row cost, in tokens of its quadrati
 ATTENTION_HALF_HEAD_DIM = 48  # a head dim of d reaches d / (d + this) of the large-head efficiency
 ATTENTION_REFERENCE = (2048, 128)  # (seq, head dim) at which GPU.attention_efficiency is given
 ELEMENTWISE_PASSES = 4  # HBM bytes moved by element-wise kernels per byte stored for backward
-OPTIMIZER_BYTES_PER_PARAM = 38
+OPTIMIZER_BYTES_PER_PARAM = 34
 FOLD_BYTES_PER_PARAM = 10
 FP8_CAST_BYTES = 6  # an FP8 weight a micro-batch: read bf16 + write FP8, in forward and again (transposed) in backward
 FP8_ACTIVATION_CAST_BYTES = 7  # an FP8 linear's input and output-gradient element: amax, cast, transposed copy
