@@ -216,7 +216,9 @@ class TrainingConfig:
                                        action="store_true")
     num_layers_at_start_in_bf16: int = opt(1, "layers kept in bf16 at the start, with --first-last-layers-bf16")
     num_layers_at_end_in_bf16: int = opt(1, "layers kept in bf16 at the end, with --first-last-layers-bf16")
-    fp8_param_gather: bool = opt(False, "all-gather weights in FP8 (not built: refused)", action="store_true")
+    fp8_param_gather: bool = opt(False, "keep the FP8 layers' weights in FP8, cast from the fp32 master after each step, "
+                                 "and all-gather them in FP8 (needs --use-distributed-optimizer or a "
+                                 "--data-parallel-sharding-strategy)", action="store_true")
     skip_nan_steps: bool = opt(False, "skip a step with NaN/inf loss instead of stopping (bf16/fp32)",
                                action="store_true")
     check_for_nan_in_loss_and_grad: bool = opt(

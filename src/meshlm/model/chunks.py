@@ -37,13 +37,16 @@ def build_model_chunks(cfg: Config, ps: ParallelState, vocab_size: int,
                                recompute=Recompute.of(cfg.training),
                                use_cpu_initialization=cfg.parallel.use_cpu_initialization,
                                fast=fast.enabled(cfg.training.fast_path, ps.device)))
-        apply_fp8(chunks[-1], Fp8Recipe.of(cfg.training, ps.device), fp8_layers(cfg.training, cfg.model.num_layers))
+        apply_fp8(chunks[-1], Fp8Recipe.of(cfg.training, ps.device), fp8_layers(cfg.training, cfg.model.num_layers),
+                  param_gather=cfg.training.fp8_param_gather)
     return chunks
 
 
-def apply_fp8(chunk, recipe, in_fp8: list) -> None:
+def apply_fp8(chunk, recipe, in_fp8: list, param_gather: bool = False) -> None:
     """Give every TP linear (those with an ``fp8`` attribute) of chunk's layers i with in_fp8[i] the
-    FP8 recipe (None: leave them in the params' dtype). The embedding and output layer stay out."""
+    FP8 recipe (None: leave them in the params' dtype). The embedding and output layer stay out.
+    param_gather (--fp8-param-gather): also mark each such linear's weight ``fp8_gather`` = the
+    recipe, so that the DDP keeps it in an FP8 buffer (parallel/data.py)."""
     if recipe is None:
         return
     for i, layer in chunk.layers.items():
@@ -51,3 +54,5 @@ def apply_fp8(chunk, recipe, in_fp8: list) -> None:
             for m in layer.modules():
                 if hasattr(m, "fp8"):
                     m.fp8 = recipe
+                    if param_gather:
+                        m.weight.fp8_gather = recipe
