@@ -338,6 +338,32 @@ def test_fp8_param_gather_halves_the_bytes_of_the_fp8_weights_gathers():
             assert off["params"] == on["params"] + 2 * on["fp8"]
 
 
+def _save_resume_whole(rank, world, root, saved, resumed):
+    import test_checkpoint_reshard as reshard
+    first = reshard._train(rank, world, saved, root, None, reshard.SAVED_AT, "saved")
+    return (first, reshard._train(rank, world, resumed, root, "saved", reshard.STEPS - reshard.SAVED_AT, None),
+            reshard._train(rank, world, saved, root, None, reshard.STEPS, None))
+
+
+@pytest.mark.slow
+def test_fp8_param_gather_checkpoint_at_zero3_resumes_at_zero1_exactly(tmp_path):
+    """A save reads the params whole (the FP8 buffers' gathered by finish_param_sync, not their FP8
+    copies), and a load casts the loaded masters again: DP 2 at ZeRO-3 saved after 2 steps and
+    resumed at ZeRO-1 repeats the uninterrupted ZeRO-3 run at 1e-10."""
+    import test_checkpoint_reshard as reshard
+    from distributed import run_distributed
+    from parity import TOL, rel_err
+
+    fp8 = dict(dp=2, fp8="e4m3", fp8_gather=True, **reshard.MODEL)
+    for _, resumed, whole in run_distributed(_save_resume_whole, 2, str(tmp_path), Case(zero=3, **fp8),
+                                             Case(dist_opt=True, **fp8)):
+        assert resumed["iteration"] == whole["iteration"] == reshard.STEPS
+        for x, y in zip(resumed["losses"], whole["losses"][reshard.SAVED_AT:]):
+            assert abs(x - y) <= TOL * abs(y)
+        for name, t in whole["params"].items():
+            assert rel_err(resumed["params"][name], t) <= TOL, name
+
+
 def test_planner_counts_the_fp8_weight_copies_of_fp8_param_gather():
     """plan / --dry-run under --fp8-param-gather: ZeRO-1 adds one byte per weight of the FP8 layers'
     linears (whole), ZeRO-3 a 1/DP shard of them and gathers them in FP8 (one byte less each, two
