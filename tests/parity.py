@@ -79,6 +79,9 @@ class Case:
     fp8: str = ""                # --fp8-format (emulated on CPU); "" off
     fp8_ends: int = 0            # --first-last-layers-bf16 with this many layers at each end (0: off)
     fp8_gather: bool = False     # --fp8-param-gather (its reference: one process with it, ZeRO-1)
+    fp8_recipe: str = "tensorwise"  # --fp8-recipe
+    fp8_history: int = 1         # --fp8-amax-history-len (delayed)
+    fp8_algo: str = "most_recent"  # --fp8-amax-compute-algo (delayed)
 
     @property
     def world(self) -> int:
@@ -88,7 +91,7 @@ class Case:
         """What the single-process reference depends on."""
         return (self.tied, self.pos, self.rotary, self.norm, self.swiglu, self.groups, self.micro,
                 self.layers, self.per_token, self.packed, self.experts, self.moe, self.masked, self.batch, self.mup,
-                self.fp8, self.fp8_ends, self.fp8_gather)
+                self.fp8, self.fp8_ends, self.fp8_gather, self.fp8_recipe, self.fp8_history, self.fp8_algo)
 
     def __str__(self) -> str:
         default = Case()
@@ -145,6 +148,7 @@ def config(case: Case, global_batch: Optional[int] = None):
         setattr(m, name, value)
     t.fp8_format = case.fp8 or None
     t.fp8_param_gather = case.fp8_gather
+    t.fp8_recipe, t.fp8_amax_history_len, t.fp8_amax_compute_algo = case.fp8_recipe, case.fp8_history, case.fp8_algo
     if case.fp8_ends:
         t.first_last_layers_bf16, t.num_layers_at_start_in_bf16 = True, case.fp8_ends
         t.num_layers_at_end_in_bf16 = case.fp8_ends
@@ -265,7 +269,8 @@ def _single(case: Case) -> Case:
                 groups=case.groups, micro=case.micro, layers=case.layers, per_token=case.per_token,
                 packed=case.packed, experts=case.experts, moe=case.moe, masked=case.masked, batch=case.batch,
                 mup=case.mup, fp8=case.fp8, fp8_ends=case.fp8_ends, fp8_gather=case.fp8_gather,
-                dist_opt=case.fp8_gather)
+                dist_opt=case.fp8_gather, fp8_recipe=case.fp8_recipe, fp8_history=case.fp8_history,
+                fp8_algo=case.fp8_algo)
 
 
 def references(cases: list) -> list:

@@ -98,6 +98,53 @@ def test_fp8_linear_takes_a_given_fp8_weight_as_it_is():
     assert torch.allclose(w.grad, fake(dy).t() @ fake(x.detach()), rtol=1e-13, atol=1e-14)
 
 
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scales_come_from_earlier_steps_amaxes_in_float64(algo):
+    """--fp8-recipe delayed, hybrid, margin 1, history 2: step 1's GEMMs scale x, W and dy by their
+    current amax (no history yet); step t's use fmax / a / 2 with a the max of steps t−2, t−1's amaxes
+    (max) or step t−1's (most_recent), each step's amax the max over its GEMM calls (two
+    micro-batches); the forward and both gradients equal the formulas with those scales, and values
+    past a scale's range saturate."""
+    from meshlm.parallel.fp8_delayed import DelayedState, end_step
+
+    recipe = Fp8Recipe("hybrid", margin=1, emulate=True, delayed=True, amax_history_len=2, amax_compute_algo=algo)
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(24, 16, dtype=torch.float64, generator=g) / 4).requires_grad_()
+    state = DelayedState(recipe, torch.float64, "cpu")
+    fmax = torch.tensor([448.0, 448.0, 57344.0], dtype=torch.float64)
+    seen = []  # per step: [x, W, dy] amaxes
+
+    def fake(t, scale, dtype):
+        return quantize(t, scale, dtype).to(torch.float64) / scale
+
+    for step, size in enumerate((1.0, 50.0, 0.2, 3.0)):
+        if seen:
+            a = torch.stack(seen[-2:]).amax(0) if algo == "max" else seen[-1]
+            want = fmax / a / 2
+            assert torch.allclose(state.scale, want, rtol=1e-15)
+        step_amax = torch.zeros(3, dtype=torch.float64)
+        for micro in range(2):
+            x = (torch.randn(8, 16, dtype=torch.float64, generator=g) * size * (1 + micro)).requires_grad_()
+            dy = torch.randn(8, 24, dtype=torch.float64, generator=g) * size / 10
+            if not seen:  # the first step: current amaxes
+                want = fmax / torch.stack([x.detach().abs().max(), w.detach().abs().max(), dy.abs().max()]) / 2
+            w.grad = None
+            y = fp8_linear(x, w, recipe, None, x_split=False, state=state)
+            y.backward(dy)
+            xq, wq, gq = fake(x.detach(), want[0], E4M3), fake(w.detach(), want[1], E4M3), fake(dy, want[2], E5M2)
+            assert torch.allclose(y, xq @ wq.t(), rtol=1e-13, atol=1e-14)
+            assert torch.allclose(x.grad, gq @ wq, rtol=1e-13, atol=1e-14)
+            assert torch.allclose(w.grad, gq.t() @ xq, rtol=1e-13, atol=1e-14)
+            step_amax = torch.maximum(step_amax, torch.stack([x.abs().max(), w.abs().max(), dy.abs().max()]).detach())
+        if step == 1:  # scale from step 1 (size 1): step 2's x (50× larger) saturates at ±448 / scale
+            assert float(xq.abs().max()) == pytest.approx(448 / float(want[0]))
+        seen.append(step_amax)
+        end_step([state], [None])
+    with torch.no_grad():  # evaluation records nothing
+        fp8_linear(torch.full((8, 16), 1e3, dtype=torch.float64), w, recipe, None, x_split=False, state=state)
+    assert float(state.amax.abs().max()) == 0.0
+
+
 def _fake_along(t, dim, margin=1):  # rowwise quantize → dequantize by the formulas: E4M3, amax along dim
     a = t.abs().amax(dim, keepdim=True)
     s = torch.where(a > 0, torch.finfo(E4M3).max / a / 2 ** margin, torch.ones_like(a))
@@ -182,15 +229,17 @@ def test_the_linears_of_fp8_layers_get_the_recipe():
 def _cfg(**training):
     cfg = Config()
     for k, v in training.items():
-        setattr(cfg.training, k, v)
+        setattr(cfg.parallel if k == "use_distributed_optimizer" else cfg.training, k, v)
     return cfg
 
 
 @pytest.mark.parametrize("flags,gpu,words", [
-    (dict(fp8_recipe="delayed"), None, "--fp8-recipe delayed is not built"),
+    (dict(fp8_recipe="delayed", fp8_amax_history_len=0), None, "--fp8-amax-history-len 0 must be at least 1"),
+    (dict(fp8_recipe="delayed", fp8_param_gather=True, use_distributed_optimizer=True), None,
+     "--fp8-recipe delayed with --fp8-param-gather is not built"),
     (dict(fp8_recipe="blockwise"), None, "--fp8-recipe blockwise is not built"),
     (dict(fp8_recipe="mxfp8"), H200, "this GPU is NVIDIA H200 (compute capability 9.0)"),
-    (dict(fp8_amax_history_len=1024, fp8_amax_compute_algo="max"), None, "delayed recipe's amax history"),
+    (dict(fp8_amax_history_len=1024, fp8_amax_compute_algo="max"), None, "add --fp8-recipe delayed or drop them"),
     (dict(fp8_param_gather=True), None, "--fp8-param-gather all-gathers the weights that the distributed optimizer"),
     (dict(fp16=True), None, "--fp8-format with --fp16"),
     (dict(first_last_layers_bf16=True, num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=2), None,
@@ -203,6 +252,7 @@ def test_each_fp8_refusal_is_one_line_naming_its_flag(flags, gpu, words):
 
 
 @pytest.mark.parametrize("section,field,value,words", [
+    ("training", "fp8_recipe", "delayed", "--fp8-recipe delayed with --num-experts is not built"),
     ("model", "moe_expert_capacity_factor", 1.0, "--num-experts and --moe-expert-capacity-factor is not built"),
     ("parallel", "context_parallel_size", 2, "--num-experts and --context-parallel-size > 1 is not built"),
 ])
@@ -291,6 +341,18 @@ def test_planner_models_fp8_memory_and_step_time():
     weights, widths = 4096 * (6144 + 4096 + 2 * 14336 + 14336), 4 * 4096 + 6144 + 4096 + 3 * 14336
     casts = 8 * (6 * weights + 7 * 4 * 2048 * widths) / PRESETS["H200-141GB"].hbm_bytes_per_s
     assert plan("hybrid", slow)[1].compute - t16.compute == pytest.approx(casts, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_delayed_recipe_at_tp2_dp2_and_pp2_matches_one_process_in_float64():
+    """--fp8-recipe delayed (emulated): TP 2 with SP × DP 2 at ZeRO-1 (history 2, max) and TP 2 × PP 2
+    (1F1B, full recompute: forwards run twice; history 1, most_recent) against one process with the
+    same recipe, at 1e-10: each step's amaxes are max-reduced over TP and DP before they enter the
+    histories, so every layout scales as one process does (one step's amax kept per rank instead, the
+    DP ranks' scales differ)."""
+    fp8 = dict(fp8="hybrid", swiglu=True, micro=2, fp8_recipe="delayed")
+    assert_parity(Case(tp=2, sp=True, dp=2, dist_opt=True, fp8_history=2, fp8_algo="max", **fp8),
+                  Case(tp=2, pp=2, schedule="1f1b", recompute="full-uniform-1", **fp8))
 
 
 @pytest.mark.slow

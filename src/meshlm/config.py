@@ -205,12 +205,13 @@ class TrainingConfig:
     fp8_format: Optional[str] = opt(None, "FP8 GEMMs in the transformer layers' linears: e4m3 everywhere, or "
                                     "hybrid (e4m3 forward, e5m2 gradients); on CPU emulated (meshlm/fp8_rules.py)",
                                     choices=["e4m3", "hybrid"])
-    fp8_recipe: str = opt("tensorwise", "FP8 scaling: tensorwise (each tensor by its current amax) is built; "
-                          "delayed, blockwise and mxfp8 are refused", choices=["tensorwise", "delayed", "blockwise",
+    fp8_recipe: str = opt("tensorwise", "FP8 scaling: tensorwise (each tensor by its current amax) or delayed "
+                          "(by an amax history of earlier steps); blockwise and mxfp8 are refused", choices=["tensorwise", "delayed", "blockwise",
                                                                                "mxfp8"])
     fp8_margin: int = opt(0, "FP8 scale = format max / amax / 2^margin")
-    fp8_amax_history_len: int = opt(1, "amax history length (the delayed recipe's, not built)")
-    fp8_amax_compute_algo: str = opt("most_recent", "amax from the history (the delayed recipe's, not built)",
+    fp8_amax_history_len: int = opt(1, "steps of amax history the delayed recipe keeps per operand")
+    fp8_amax_compute_algo: str = opt("most_recent", "the delayed recipe's amax from its history: its max or "
+                                     "the most recent",
                                      choices=["most_recent", "max"])
     first_last_layers_bf16: bool = opt(False, "keep the first and last transformer layers out of FP8",
                                        action="store_true")

@@ -1,11 +1,13 @@
 """FP8 training's flags (Megatron-LM's names): what may be combined, and which layers run in FP8.
 
-meshlm builds one recipe, ``tensorwise`` (Megatron's name; Transformer Engine's current scaling):
-every GEMM input is scaled by its own amax at the time of the GEMM (parallel/fp8.py). The other
-recipes are refused in one line each: ``delayed`` (scales from an amax history; so
---fp8-amax-history-len and --fp8-amax-compute-algo are refused unless at Megatron's defaults,
-where they describe no history), ``blockwise``, and ``mxfp8`` (Blackwell's block scaling, which
-Hopper's tensor cores lack). --fp8-param-gather (the FP8 layers' weights cast from the fp32 master
+meshlm builds two recipes: ``tensorwise`` (Megatron's name; Transformer Engine's current scaling),
+every GEMM input scaled by its own amax at the time of the GEMM (parallel/fp8.py), and ``delayed``,
+the scales from --fp8-amax-history-len earlier steps' amaxes by --fp8-amax-compute-algo
+(parallel/fp8_delayed.py; those two flags are refused with another recipe unless at Megatron's
+defaults, where they describe no history; delayed is refused with MoE experts, whose rowwise recipe
+scales each row by its current amax, and with --fp8-param-gather, which casts the weights by their
+current amax). The others are refused in one line each: ``blockwise``, and ``mxfp8`` (Blackwell's
+block scaling, which Hopper's tensor cores lack). --fp8-param-gather (the FP8 layers' weights cast from the fp32 master
 once a step and all-gathered in FP8, optim/fp8_gather.py) needs the distributed optimizer (ZeRO-1/2/3:
 the only layouts that gather weights) and is refused with MoE (the experts' rowwise recipe casts each
 weight twice, per output and per input channel: one gathered FP8 copy cannot serve both), with
@@ -31,7 +33,7 @@ from .config import zero_stage
 
 # torch._scaled_mm needs each matrix dimension a multiple of 16 (cuBLASLt's FP8 rule)
 FP8_ALIGN = 16
-BUILT_RECIPES = ("tensorwise",)
+BUILT_RECIPES = ("tensorwise", "delayed")
 
 
 def fp8_layers(t, num_layers: int) -> list:
@@ -65,11 +67,21 @@ def fp8_problems(cfg, gpu: Optional[tuple] = None) -> list:
                         f"kernels, {where}; use --fp8-recipe tensorwise")
     elif t.fp8_recipe not in BUILT_RECIPES:
         problems.append(f"--fp8-recipe {t.fp8_recipe} is not built in meshlm; use --fp8-recipe tensorwise "
-                        f"(each tensor scaled by its current amax)")
-    if t.fp8_amax_history_len != 1 or t.fp8_amax_compute_algo != "most_recent":
+                        f"(each tensor scaled by its current amax) or delayed (by an amax history)")
+    delayed = t.fp8_recipe == "delayed"
+    if not delayed and (t.fp8_amax_history_len != 1 or t.fp8_amax_compute_algo != "most_recent"):
         problems.append(f"--fp8-amax-history-len {t.fp8_amax_history_len} / --fp8-amax-compute-algo "
-                        f"{t.fp8_amax_compute_algo} set the delayed recipe's amax history, which meshlm does not "
-                        f"build; drop them (tensorwise scales each tensor by its current amax)")
+                        f"{t.fp8_amax_compute_algo} set the delayed recipe's amax history, but --fp8-recipe is "
+                        f"{t.fp8_recipe}; add --fp8-recipe delayed or drop them")
+    if delayed and t.fp8_amax_history_len < 1:
+        problems.append(f"--fp8-amax-history-len {t.fp8_amax_history_len} must be at least 1 (the steps whose "
+                        f"amaxes the delayed scales come from); raise it")
+    if delayed and m.num_experts:
+        problems.append("--fp8-recipe delayed with --num-experts is not built (the experts' rowwise FP8 scales each "
+                        "row by its current amax); use --fp8-recipe tensorwise")
+    if delayed and t.fp8_param_gather:
+        problems.append("--fp8-recipe delayed with --fp8-param-gather is not built (the gathered weights are cast "
+                        "by their current amax); drop one of them")
     if t.fp8_param_gather:
         problems += fp8_param_gather_problems(cfg)
     if t.fp16:

@@ -46,7 +46,8 @@ and the log-sum-exp (4·a·s·b bytes, fp32). Selective recompute drops those tw
 math-attention term instead (Megatron's unfused softmax).
 
 FP8 layers (--fp8-format, meshlm/fp8_rules.py) keep their linears' inputs in FP8 for backward, one
-byte an element (``layer_terms``' fp8), instead of bf16; no amax history (tensorwise). No FP8 weight
+byte an element (``layer_terms``' fp8), instead of bf16; the delayed recipe's amax histories (3 · L
+values a linear, 48 KiB a layer at L = 1024 in fp32) are not counted. No FP8 weight
 copy, except under --fp8-param-gather (``fp8_copy_bytes``): one byte per weight of the FP8 layers'
 linears, whole under ZeRO-1/2 (beside the bf16 params), a 1/(DP × CP) shard under ZeRO-3, whose
 gathered working set then holds those weights in FP8 (one byte, not two).
@@ -133,7 +134,8 @@ def layer_terms(m: ModelConfig, b: int, *, tp: int = 1, sp: bool = False, flash:
     or SDPA's own output and log-sum-exp (flash=True).
     fp8: the layer's linears run FP8 GEMMs (parallel/fp8.py): their four inputs are kept in FP8, one
     byte an element (the QKV and MLP inputs all-gathered, [s, b, h], under SP); the weights are
-    re-cast in backward (no FP8 copy kept), and tensorwise scaling keeps no amax history.
+    re-cast in backward (no FP8 copy kept; --fp8-param-gather's copies: ``fp8_copy_bytes``), and the
+    delayed recipe's small amax histories are not counted.
     """
     s, h, a, d = m.seq_length, m.hidden_size, m.num_attention_heads, head_dim(m)
     sbh, q, kv, f = s * b * h, a * d, query_groups(m) * d, ffn_hidden(m)
