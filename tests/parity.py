@@ -78,6 +78,10 @@ class Case:
     mup: tuple = ()              # --use-mup and the --mup-* flags: ((config field, value), …)
     fp8: str = ""                # --fp8-format (emulated on CPU); "" off
     fp8_ends: int = 0            # --first-last-layers-bf16 with this many layers at each end (0: off)
+    fp8_gather: bool = False     # --fp8-param-gather (its reference: one process with it, ZeRO-1)
+    fp8_recipe: str = "tensorwise"  # --fp8-recipe
+    fp8_history: int = 1         # --fp8-amax-history-len (delayed)
+    fp8_algo: str = "most_recent"  # --fp8-amax-compute-algo (delayed)
 
     @property
     def world(self) -> int:
@@ -87,7 +91,7 @@ class Case:
         """What the single-process reference depends on."""
         return (self.tied, self.pos, self.rotary, self.norm, self.swiglu, self.groups, self.micro,
                 self.layers, self.per_token, self.packed, self.experts, self.moe, self.masked, self.batch, self.mup,
-                self.fp8, self.fp8_ends)
+                self.fp8, self.fp8_ends, self.fp8_gather, self.fp8_recipe, self.fp8_history, self.fp8_algo)
 
     def __str__(self) -> str:
         default = Case()
@@ -143,6 +147,8 @@ def config(case: Case, global_batch: Optional[int] = None):
     for name, value in case.mup:
         setattr(m, name, value)
     t.fp8_format = case.fp8 or None
+    t.fp8_param_gather = case.fp8_gather
+    t.fp8_recipe, t.fp8_amax_history_len, t.fp8_amax_compute_algo = case.fp8_recipe, case.fp8_history, case.fp8_algo
     if case.fp8_ends:
         t.first_last_layers_bf16, t.num_layers_at_start_in_bf16 = True, case.fp8_ends
         t.num_layers_at_end_in_bf16 = case.fp8_ends
@@ -177,14 +183,15 @@ class MaskedData:
 
 def poison_pending_gathers(opt) -> None:
     """Defer every asynchronous parameter all-gather of a DistributedOptimizer to its wait(), and
-    fill the bucket with NaN until then: a parameter read before its gather is waited for is NaN,
-    so a race shows as a NaN loss or a parity failure on every run, not by chance."""
+    fill the bucket with NaN until then (an FP8 copy with 0x7F, NaN in E4M3 and E5M2): a parameter
+    read before its gather is waited for is NaN, so a race shows as a NaN loss or a parity failure
+    on every run, not by chance."""
     original = opt._gather
 
     class Deferred:
         def __init__(self, full, shard, kw):
             self.full, self.shard, self.kw = full, shard.clone(), kw
-            full.fill_(float("nan"))
+            full.fill_(0x7F if full.dtype == torch.uint8 else float("nan"))
 
         def wait(self):
             original(self.full, self.shard, async_op=False, **self.kw)
@@ -261,7 +268,9 @@ def _single(case: Case) -> Case:
     return Case(tied=case.tied, pos=case.pos, rotary=case.rotary, norm=case.norm, swiglu=case.swiglu,
                 groups=case.groups, micro=case.micro, layers=case.layers, per_token=case.per_token,
                 packed=case.packed, experts=case.experts, moe=case.moe, masked=case.masked, batch=case.batch,
-                mup=case.mup, fp8=case.fp8, fp8_ends=case.fp8_ends)
+                mup=case.mup, fp8=case.fp8, fp8_ends=case.fp8_ends, fp8_gather=case.fp8_gather,
+                dist_opt=case.fp8_gather, fp8_recipe=case.fp8_recipe, fp8_history=case.fp8_history,
+                fp8_algo=case.fp8_algo)
 
 
 def references(cases: list) -> list:

@@ -3,7 +3,8 @@ torch._scaled_mm (the GPU's path, which torch also runs on CPU), the FP8 linear'
 backward against a hand-written reference in float64, the bf16 first/last layers, every refusal
 in one line, and TP = 2 with FP8 emulation against TP = 1 (the parity rule, 1e-10 in float64); the
 experts' grouped FP8 GEMMs (parallel/fp8_experts.py: rowwise, the weight gradient by blocks), and
-FP8 MoE at EP = 2 against one process."""
+FP8 MoE at EP = 2 against one process; --fp8-param-gather at ZeRO-1 and ZeRO-3 against one process
+casting its own master, and the bytes its gathers move."""
 
 import pytest
 import torch
@@ -75,6 +76,73 @@ def test_fp8_linear_forward_and_backward_match_the_reference_in_float64(fmt):
     assert torch.allclose(y, xq @ wq.t(), rtol=1e-13, atol=1e-14)
     assert torch.allclose(x.grad, gq @ wq, rtol=1e-13, atol=1e-14)
     assert torch.allclose(w.grad, gq.reshape(-1, 24).t() @ xq.reshape(-1, 16), rtol=1e-13, atol=1e-14)
+
+
+def test_fp8_linear_takes_a_given_fp8_weight_as_it_is():
+    """--fp8-param-gather hands the GEMMs the weight already cast (``fp8_data``, ``fp8_scale``): forward
+    and dgrad use those bytes, not a cast of the weight itself (here a different matrix), and the
+    weight gradient still reaches the weight."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(24, 16, dtype=torch.float64, generator=g).requires_grad_()
+    dy = torch.randn(8, 24, dtype=torch.float64, generator=g)
+    other = torch.randn(24, 16, dtype=torch.float64, generator=g) / 3
+    s = scale_of(amax(other), E4M3)
+    w.fp8_data, w.fp8_scale = quantize(other, s, E4M3), s
+    y = fp8_linear(x, w, Fp8Recipe("e4m3", emulate=True), None, x_split=False)
+    y.backward(dy)
+    fake = lambda t: quantize(t, scale_of(amax(t), E4M3), E4M3).to(torch.float64) / scale_of(amax(t), E4M3)
+    wq = w.fp8_data.to(torch.float64) / s
+    assert torch.allclose(y, fake(x.detach()) @ wq.t(), rtol=1e-13, atol=1e-14)
+    assert torch.allclose(x.grad, fake(dy) @ wq, rtol=1e-13, atol=1e-14)
+    assert torch.allclose(w.grad, fake(dy).t() @ fake(x.detach()), rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scales_come_from_earlier_steps_amaxes_in_float64(algo):
+    """--fp8-recipe delayed, hybrid, margin 1, history 2: step 1's GEMMs scale x, W and dy by their
+    current amax (no history yet); step t's use fmax / a / 2 with a the max of steps t−2, t−1's amaxes
+    (max) or step t−1's (most_recent), each step's amax the max over its GEMM calls (two
+    micro-batches); the forward and both gradients equal the formulas with those scales, and values
+    past a scale's range saturate."""
+    from meshlm.parallel.fp8_delayed import DelayedState, end_step
+
+    recipe = Fp8Recipe("hybrid", margin=1, emulate=True, delayed=True, amax_history_len=2, amax_compute_algo=algo)
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(24, 16, dtype=torch.float64, generator=g) / 4).requires_grad_()
+    state = DelayedState(recipe, torch.float64, "cpu")
+    fmax = torch.tensor([448.0, 448.0, 57344.0], dtype=torch.float64)
+    seen = []  # per step: [x, W, dy] amaxes
+
+    def fake(t, scale, dtype):
+        return quantize(t, scale, dtype).to(torch.float64) / scale
+
+    for step, size in enumerate((1.0, 50.0, 0.2, 3.0)):
+        if seen:
+            a = torch.stack(seen[-2:]).amax(0) if algo == "max" else seen[-1]
+            want = fmax / a / 2
+            assert torch.allclose(state.scale, want, rtol=1e-15)
+        step_amax = torch.zeros(3, dtype=torch.float64)
+        for micro in range(2):
+            x = (torch.randn(8, 16, dtype=torch.float64, generator=g) * size * (1 + micro)).requires_grad_()
+            dy = torch.randn(8, 24, dtype=torch.float64, generator=g) * size / 10
+            if not seen:  # the first step: current amaxes
+                want = fmax / torch.stack([x.detach().abs().max(), w.detach().abs().max(), dy.abs().max()]) / 2
+            w.grad = None
+            y = fp8_linear(x, w, recipe, None, x_split=False, state=state)
+            y.backward(dy)
+            xq, wq, gq = fake(x.detach(), want[0], E4M3), fake(w.detach(), want[1], E4M3), fake(dy, want[2], E5M2)
+            assert torch.allclose(y, xq @ wq.t(), rtol=1e-13, atol=1e-14)
+            assert torch.allclose(x.grad, gq @ wq, rtol=1e-13, atol=1e-14)
+            assert torch.allclose(w.grad, gq.t() @ xq, rtol=1e-13, atol=1e-14)
+            step_amax = torch.maximum(step_amax, torch.stack([x.abs().max(), w.abs().max(), dy.abs().max()]).detach())
+        if step == 1:  # scale from step 1 (size 1): step 2's x (50× larger) saturates at ±448 / scale
+            assert float(xq.abs().max()) == pytest.approx(448 / float(want[0]))
+        seen.append(step_amax)
+        end_step([state], [None])
+    with torch.no_grad():  # evaluation records nothing
+        fp8_linear(torch.full((8, 16), 1e3, dtype=torch.float64), w, recipe, None, x_split=False, state=state)
+    assert float(state.amax.abs().max()) == 0.0
 
 
 def _fake_along(t, dim, margin=1):  # rowwise quantize → dequantize by the formulas: E4M3, amax along dim
@@ -161,16 +229,18 @@ def test_the_linears_of_fp8_layers_get_the_recipe():
 def _cfg(**training):
     cfg = Config()
     for k, v in training.items():
-        setattr(cfg.training, k, v)
+        setattr(cfg.parallel if k == "use_distributed_optimizer" else cfg.training, k, v)
     return cfg
 
 
 @pytest.mark.parametrize("flags,gpu,words", [
-    (dict(fp8_recipe="delayed"), None, "--fp8-recipe delayed is not built"),
+    (dict(fp8_recipe="delayed", fp8_amax_history_len=0), None, "--fp8-amax-history-len 0 must be at least 1"),
+    (dict(fp8_recipe="delayed", fp8_param_gather=True, use_distributed_optimizer=True), None,
+     "--fp8-recipe delayed with --fp8-param-gather is not built"),
     (dict(fp8_recipe="blockwise"), None, "--fp8-recipe blockwise is not built"),
     (dict(fp8_recipe="mxfp8"), H200, "this GPU is NVIDIA H200 (compute capability 9.0)"),
-    (dict(fp8_amax_history_len=1024, fp8_amax_compute_algo="max"), None, "delayed recipe's amax history"),
-    (dict(fp8_param_gather=True), None, "--fp8-param-gather is not built"),
+    (dict(fp8_amax_history_len=1024, fp8_amax_compute_algo="max"), None, "add --fp8-recipe delayed or drop them"),
+    (dict(fp8_param_gather=True), None, "--fp8-param-gather all-gathers the weights that the distributed optimizer"),
     (dict(fp16=True), None, "--fp8-format with --fp16"),
     (dict(first_last_layers_bf16=True, num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=2), None,
      "leave none of --num-layers 4 in FP8"),
@@ -182,6 +252,7 @@ def test_each_fp8_refusal_is_one_line_naming_its_flag(flags, gpu, words):
 
 
 @pytest.mark.parametrize("section,field,value,words", [
+    ("training", "fp8_recipe", "delayed", "--fp8-recipe delayed with --num-experts is not built"),
     ("model", "moe_expert_capacity_factor", 1.0, "--num-experts and --moe-expert-capacity-factor is not built"),
     ("parallel", "context_parallel_size", 2, "--num-experts and --context-parallel-size > 1 is not built"),
 ])
@@ -192,6 +263,21 @@ def test_fp8_experts_refuse_what_is_not_built_in_one_line(section, field, value,
     setattr(getattr(cfg, section), field, value)
     problems = fp8_problems(cfg)
     assert len(problems) == 1 and words in problems[0] and "\n" not in problems[0]
+
+
+def test_fp8_param_gather_refuses_what_is_not_built_in_one_line():
+    cfg = _cfg(fp8_format="e4m3", fp8_param_gather=True)
+    cfg.parallel.use_distributed_optimizer = True
+    assert fp8_problems(cfg) == []
+    for section, field, value, words in (
+            ("model", "num_experts", 4, "--fp8-param-gather with --num-experts is not built"),
+            ("parallel", "num_distributed_optimizer_instances", 2, "--num-distributed-optimizer-instances > 1"),
+            ("optimizer", "optimizer_cpu_offload", True, "--fp8-param-gather with --optimizer-cpu-offload")):
+        bad = _cfg(fp8_format="e4m3", fp8_param_gather=True)
+        bad.parallel.use_distributed_optimizer = True
+        setattr(getattr(bad, section), field, value)
+        problems = [p for p in fp8_problems(bad) if "param-gather" in p]
+        assert len(problems) == 1 and words in problems[0] and "\n" not in problems[0]
 
 
 def test_fp8_flags_need_fp8_format_and_sizes_must_suit_fp8_gemms():
@@ -255,6 +341,114 @@ def test_planner_models_fp8_memory_and_step_time():
     weights, widths = 4096 * (6144 + 4096 + 2 * 14336 + 14336), 4 * 4096 + 6144 + 4096 + 3 * 14336
     casts = 8 * (6 * weights + 7 * 4 * 2048 * widths) / PRESETS["H200-141GB"].hbm_bytes_per_s
     assert plan("hybrid", slow)[1].compute - t16.compute == pytest.approx(casts, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_delayed_recipe_at_tp2_dp2_and_pp2_matches_one_process_in_float64():
+    """--fp8-recipe delayed (emulated): TP 2 with SP × DP 2 at ZeRO-1 (history 2, max) and TP 2 × PP 2
+    (1F1B, full recompute: forwards run twice; history 1, most_recent) against one process with the
+    same recipe, at 1e-10: each step's amaxes are max-reduced over TP and DP before they enter the
+    histories, so every layout scales as one process does (one step's amax kept per rank instead, the
+    DP ranks' scales differ)."""
+    fp8 = dict(fp8="hybrid", swiglu=True, micro=2, fp8_recipe="delayed")
+    assert_parity(Case(tp=2, sp=True, dp=2, dist_opt=True, fp8_history=2, fp8_algo="max", **fp8),
+                  Case(tp=2, pp=2, schedule="1f1b", recompute="full-uniform-1", **fp8))
+
+
+@pytest.mark.slow
+def test_fp8_param_gather_at_zero1_and_zero3_matches_one_process_in_float64():
+    """--fp8-param-gather: TP 2 × DP 2 at ZeRO-1 and at ZeRO-3 with SP, both with overlapped param
+    gathers NaN-poisoned (0x7F in the FP8 copies) until waited for, against one process that casts
+    its own master, at 1e-10: each weight's scale is max-reduced over DP and TP before its shards are
+    cast, so the gathered FP8 bytes are the cast of the whole weight (a scale from the shard alone
+    misses by about 1e-2)."""
+    e4m3 = dict(tp=2, dp=2, fp8="e4m3", swiglu=True, micro=2, fp8_gather=True, overlap_param=True)
+    assert_parity(Case(dist_opt=True, **e4m3), Case(zero=3, sp=True, overlap_grad=True, **e4m3))
+
+
+def _gather_bytes(rank, world, cases):
+    """Per case: the optimizer's param_gather_bytes of the second train_step, bf16 params."""
+    from parity import MaskedData, config
+    from meshlm.training import trainer
+
+    out = []
+    for case in cases:
+        run = trainer.build(config(case), dtype=torch.bfloat16)
+        run.train_ds, state = MaskedData(), trainer.TrainState()
+        trainer.train_step(run, state)
+        run.opt.param_gather_bytes = {"fp8": 0, "params": 0}
+        trainer.train_step(run, state)
+        out.append(dict(run.opt.param_gather_bytes))
+        run.opt.finish_param_sync()
+    return out
+
+
+@pytest.mark.slow
+def test_fp8_param_gather_halves_the_bytes_of_the_fp8_weights_gathers():
+    """bf16 params, DP 2, every param a bucket of its own (--ddp-bucket-size 1, so the padding is the
+    same with and without the flag): the FP8 copies' gathers carry one byte an element, so the
+    params' gathers without the flag equal those with it plus twice the FP8 bytes, at ZeRO-1 (one
+    gather a step) and ZeRO-3 (one per block use)."""
+    from distributed import run_distributed
+
+    cases = [Case(dp=2, fp8="e4m3", swiglu=True, layers=2, fp8_gather=g, **z)
+             for z in (dict(dist_opt=True), dict(zero=3)) for g in (True, False)]
+    per_rank = run_distributed(_gather_bytes, 2, cases)
+    for rank in per_rank:
+        for on, off in (rank[0:2], rank[2:4]):
+            assert on["fp8"] > 0 and off["fp8"] == 0
+            assert off["params"] == on["params"] + 2 * on["fp8"]
+
+
+def _save_resume_whole(rank, world, root, saved, resumed):
+    import test_checkpoint_reshard as reshard
+    first = reshard._train(rank, world, saved, root, None, reshard.SAVED_AT, "saved")
+    return (first, reshard._train(rank, world, resumed, root, "saved", reshard.STEPS - reshard.SAVED_AT, None),
+            reshard._train(rank, world, saved, root, None, reshard.STEPS, None))
+
+
+@pytest.mark.slow
+def test_fp8_param_gather_checkpoint_at_zero3_resumes_at_zero1_exactly(tmp_path):
+    """A save reads the params whole (the FP8 buffers' gathered by finish_param_sync, not their FP8
+    copies), and a load casts the loaded masters again: DP 2 at ZeRO-3 saved after 2 steps and
+    resumed at ZeRO-1 repeats the uninterrupted ZeRO-3 run at 1e-10."""
+    import test_checkpoint_reshard as reshard
+    from distributed import run_distributed
+    from parity import TOL, rel_err
+
+    fp8 = dict(dp=2, fp8="e4m3", fp8_gather=True, **reshard.MODEL)
+    for _, resumed, whole in run_distributed(_save_resume_whole, 2, str(tmp_path), Case(zero=3, **fp8),
+                                             Case(dist_opt=True, **fp8)):
+        assert resumed["iteration"] == whole["iteration"] == reshard.STEPS
+        for x, y in zip(resumed["losses"], whole["losses"][reshard.SAVED_AT:]):
+            assert abs(x - y) <= TOL * abs(y)
+        for name, t in whole["params"].items():
+            assert rel_err(resumed["params"][name], t) <= TOL, name
+
+
+def test_planner_counts_the_fp8_weight_copies_of_fp8_param_gather():
+    """plan / --dry-run under --fp8-param-gather: ZeRO-1 adds one byte per weight of the FP8 layers'
+    linears (whole), ZeRO-3 a 1/DP shard of them and gathers them in FP8 (one byte less each, two
+    layers whole at a time); the dry run's FP8 line says so."""
+    from meshlm.dry_run import fp8_lines
+    from meshlm.planner.layout import Layout
+    from meshlm.planner.memory import estimate
+
+    def weights(gather, **parallel):
+        cfg = Config()
+        m, t = cfg.model, cfg.training
+        m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, m.seq_length = 4, 256, 4, 1024, 128
+        t.bf16, t.micro_batch_size, t.global_batch_size, t.fp8_format, t.fp8_param_gather = True, 1, 4, "e4m3", gather
+        for k, v in parallel.items():
+            setattr(cfg.parallel, k, v)
+        return estimate(cfg, Layout.of(cfg, 4), 1024).weights, cfg
+
+    linears = 256 * (3 * 256 + 256 + 2 * 1024)  # QKV, projection, fc1, fc2 of one layer
+    on, cfg = weights(True, use_distributed_optimizer=True)
+    assert on - weights(False, use_distributed_optimizer=True)[0] == pytest.approx(4 * linears)
+    assert "an FP8 copy of their weights" in fp8_lines(cfg)[0]
+    z3 = dict(data_parallel_sharding_strategy="optim_grads_params")
+    assert weights(True, **z3)[0] - weights(False, **z3)[0] == pytest.approx(4 * linears / 4 - 2 * linears)
 
 
 @pytest.mark.slow

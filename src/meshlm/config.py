@@ -205,18 +205,21 @@ class TrainingConfig:
     fp8_format: Optional[str] = opt(None, "FP8 GEMMs in the transformer layers' linears: e4m3 everywhere, or "
                                     "hybrid (e4m3 forward, e5m2 gradients); on CPU emulated (meshlm/fp8_rules.py)",
                                     choices=["e4m3", "hybrid"])
-    fp8_recipe: str = opt("tensorwise", "FP8 scaling: tensorwise (each tensor by its current amax) is built; "
-                          "delayed, blockwise and mxfp8 are refused", choices=["tensorwise", "delayed", "blockwise",
+    fp8_recipe: str = opt("tensorwise", "FP8 scaling: tensorwise (each tensor by its current amax) or delayed "
+                          "(by an amax history of earlier steps); blockwise and mxfp8 are refused", choices=["tensorwise", "delayed", "blockwise",
                                                                                "mxfp8"])
     fp8_margin: int = opt(0, "FP8 scale = format max / amax / 2^margin")
-    fp8_amax_history_len: int = opt(1, "amax history length (the delayed recipe's, not built)")
-    fp8_amax_compute_algo: str = opt("most_recent", "amax from the history (the delayed recipe's, not built)",
+    fp8_amax_history_len: int = opt(1, "steps of amax history the delayed recipe keeps per operand")
+    fp8_amax_compute_algo: str = opt("most_recent", "the delayed recipe's amax from its history: its max or "
+                                     "the most recent",
                                      choices=["most_recent", "max"])
     first_last_layers_bf16: bool = opt(False, "keep the first and last transformer layers out of FP8",
                                        action="store_true")
     num_layers_at_start_in_bf16: int = opt(1, "layers kept in bf16 at the start, with --first-last-layers-bf16")
     num_layers_at_end_in_bf16: int = opt(1, "layers kept in bf16 at the end, with --first-last-layers-bf16")
-    fp8_param_gather: bool = opt(False, "all-gather weights in FP8 (not built: refused)", action="store_true")
+    fp8_param_gather: bool = opt(False, "keep the FP8 layers' weights in FP8, cast from the fp32 master after each step, "
+                                 "and all-gather them in FP8 (needs --use-distributed-optimizer or a "
+                                 "--data-parallel-sharding-strategy)", action="store_true")
     skip_nan_steps: bool = opt(False, "skip a step with NaN/inf loss instead of stopping (bf16/fp32)",
                                action="store_true")
     check_for_nan_in_loss_and_grad: bool = opt(

@@ -66,7 +66,11 @@ def fp8_lines(cfg: Config) -> list:
     on = [i for i, f in enumerate(fp8_layers(t, cfg.model.num_layers)) if f]
     return [f"FP8 (--fp8-format {t.fp8_format}, --fp8-recipe {t.fp8_recipe}): the linears of layers {on[0]}–{on[-1]} "
             f"of {cfg.model.num_layers}; the memory above keeps their inputs in FP8 for backward (1 byte an "
-            f"element), no FP8 weight copy (re-cast in backward) and no amax history (tensorwise)"]
+            f"element), " + ("an FP8 copy of their weights (1 byte each: whole under ZeRO-1/2, a shard and the "
+                             "gathered blocks under ZeRO-3; --fp8-param-gather)" if t.fp8_param_gather else
+                             "no FP8 weight copy (re-cast in backward)") +
+            (f" and not their amax histories (delayed: 3 × {t.fp8_amax_history_len} values a linear)"
+             if t.fp8_recipe == "delayed" else " and no amax history (tensorwise)")]
 
 
 def memory_lines(cfg: Config, world: int, vocab: int) -> list:

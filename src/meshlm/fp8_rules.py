@@ -1,12 +1,17 @@
 """FP8 training's flags (Megatron-LM's names): what may be combined, and which layers run in FP8.
 
-meshlm builds one recipe, ``tensorwise`` (Megatron's name; Transformer Engine's current scaling):
-every GEMM input is scaled by its own amax at the time of the GEMM (parallel/fp8.py). The other
-recipes are refused in one line each: ``delayed`` (scales from an amax history; so
---fp8-amax-history-len and --fp8-amax-compute-algo are refused unless at Megatron's defaults,
-where they describe no history), ``blockwise``, and ``mxfp8`` (Blackwell's block scaling, which
-Hopper's tensor cores lack). --fp8-param-gather (weights all-gathered in FP8) is not built
-(docs/design.md, "FP8 training", says what it would take to keep it exact).
+meshlm builds two recipes: ``tensorwise`` (Megatron's name; Transformer Engine's current scaling),
+every GEMM input scaled by its own amax at the time of the GEMM (parallel/fp8.py), and ``delayed``,
+the scales from --fp8-amax-history-len earlier steps' amaxes by --fp8-amax-compute-algo
+(parallel/fp8_delayed.py; those two flags are refused with another recipe unless at Megatron's
+defaults, where they describe no history; delayed is refused with MoE experts, whose rowwise recipe
+scales each row by its current amax, and with --fp8-param-gather, which casts the weights by their
+current amax). The others are refused in one line each: ``blockwise``, and ``mxfp8`` (Blackwell's
+block scaling, which Hopper's tensor cores lack). --fp8-param-gather (the FP8 layers' weights cast from the fp32 master
+once a step and all-gathered in FP8, optim/fp8_gather.py) needs the distributed optimizer (ZeRO-1/2/3:
+the only layouts that gather weights) and is refused with MoE (the experts' rowwise recipe casts each
+weight twice, per output and per input channel: one gathered FP8 copy cannot serve both), with
+hybrid sharding and with optimizer offload (the master is split across replicas / on the host).
 
 FP8 covers the four linears of each dense transformer layer (QKV, attention projection, fc1, fc2),
 as in Megatron, and in MoE layers the routed experts' two projections (parallel/fp8_experts.py: the
@@ -24,9 +29,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .config import zero_stage
+
 # torch._scaled_mm needs each matrix dimension a multiple of 16 (cuBLASLt's FP8 rule)
 FP8_ALIGN = 16
-BUILT_RECIPES = ("tensorwise",)
+BUILT_RECIPES = ("tensorwise", "delayed")
 
 
 def fp8_layers(t, num_layers: int) -> list:
@@ -60,14 +67,23 @@ def fp8_problems(cfg, gpu: Optional[tuple] = None) -> list:
                         f"kernels, {where}; use --fp8-recipe tensorwise")
     elif t.fp8_recipe not in BUILT_RECIPES:
         problems.append(f"--fp8-recipe {t.fp8_recipe} is not built in meshlm; use --fp8-recipe tensorwise "
-                        f"(each tensor scaled by its current amax)")
-    if t.fp8_amax_history_len != 1 or t.fp8_amax_compute_algo != "most_recent":
+                        f"(each tensor scaled by its current amax) or delayed (by an amax history)")
+    delayed = t.fp8_recipe == "delayed"
+    if not delayed and (t.fp8_amax_history_len != 1 or t.fp8_amax_compute_algo != "most_recent"):
         problems.append(f"--fp8-amax-history-len {t.fp8_amax_history_len} / --fp8-amax-compute-algo "
-                        f"{t.fp8_amax_compute_algo} set the delayed recipe's amax history, which meshlm does not "
-                        f"build; drop them (tensorwise scales each tensor by its current amax)")
+                        f"{t.fp8_amax_compute_algo} set the delayed recipe's amax history, but --fp8-recipe is "
+                        f"{t.fp8_recipe}; add --fp8-recipe delayed or drop them")
+    if delayed and t.fp8_amax_history_len < 1:
+        problems.append(f"--fp8-amax-history-len {t.fp8_amax_history_len} must be at least 1 (the steps whose "
+                        f"amaxes the delayed scales come from); raise it")
+    if delayed and m.num_experts:
+        problems.append("--fp8-recipe delayed with --num-experts is not built (the experts' rowwise FP8 scales each "
+                        "row by its current amax); use --fp8-recipe tensorwise")
+    if delayed and t.fp8_param_gather:
+        problems.append("--fp8-recipe delayed with --fp8-param-gather is not built (the gathered weights are cast "
+                        "by their current amax); drop one of them")
     if t.fp8_param_gather:
-        problems.append("--fp8-param-gather is not built in meshlm (ZeRO-1/3 all-gather the weights in the "
-                        "params' dtype and each GEMM quantizes its own; see docs/design.md, FP8 training); drop it")
+        problems += fp8_param_gather_problems(cfg)
     if t.fp16:
         problems.append("--fp8-format with --fp16 is not built; use --bf16 (FP8 GEMMs, bf16 elsewhere)")
     if m.num_experts and m.moe_expert_capacity_factor is not None:
@@ -85,6 +101,26 @@ def fp8_problems(cfg, gpu: Optional[tuple] = None) -> list:
     if gpu and tuple(gpu[1]) < (8, 9):
         problems.append(f"--fp8-format needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); "
                         f"this GPU is {gpu[0]} ({gpu[1][0]}.{gpu[1][1]}); drop --fp8-format")
+    return problems
+
+
+def fp8_param_gather_problems(cfg) -> list:
+    """--fp8-param-gather's combinations (with --fp8-format given): one line each."""
+    p, problems = cfg.parallel, []
+    if zero_stage(p) < 1:
+        problems.append("--fp8-param-gather all-gathers the weights that the distributed optimizer shards; add "
+                        "--use-distributed-optimizer (or --data-parallel-sharding-strategy optim|optim_grads|"
+                        "optim_grads_params), or drop it")
+    if cfg.model.num_experts:
+        problems.append("--fp8-param-gather with --num-experts is not built (the experts' rowwise FP8 casts each "
+                        "weight per output channel and again per input channel, so one gathered FP8 copy cannot "
+                        "serve both); drop --fp8-param-gather")
+    if p.num_distributed_optimizer_instances > 1:
+        problems.append("--fp8-param-gather with --num-distributed-optimizer-instances > 1 is not built (a "
+                        "weight's scale would need the amax over every replica's shards); drop one of them")
+    if cfg.optimizer.optimizer_cpu_offload:
+        problems.append("--fp8-param-gather with --optimizer-cpu-offload is not built (the FP8 weights are cast "
+                        "from the fp32 master, which would be on the host); drop one of them")
     return problems
 
 

@@ -57,7 +57,8 @@ DIFFERENT_DEFAULTS = {
     "--eval-iters": ("100", "short runs evaluate quickly"),
     "--use-cpu-initialization": ("off", "full weights from one seed, sliced per rank: any layout starts identical"),
     "--accumulate-allreduce-grads-in-fp32": ("off", "main_grad is always fp32"),
-    "--fp8-recipe": ("delayed", "meshlm builds the tensorwise recipe only (meshlm/fp8_rules.py)"),
+    "--fp8-recipe": ("delayed", "tensorwise scales by the current amaxes: no history to warm up, and the recipe "
+                     "bench/ measured (delayed is built too: meshlm/fp8_rules.py)"),
 }
 
 # meshlm flags that Megatron does not have (besides --config and --model).

@@ -10,7 +10,9 @@ import torch
 from .. import fast
 from ..config import Config
 from ..fp8_rules import fp8_layers
+from ..dtypes import wide
 from ..parallel.fp8 import Fp8Recipe
+from ..parallel.fp8_delayed import DelayedState
 from ..parallel.mesh import ParallelState
 from ..parallel.pipeline import stage_layers, virtual_size
 from .recompute import Recompute
@@ -37,13 +39,17 @@ def build_model_chunks(cfg: Config, ps: ParallelState, vocab_size: int,
                                recompute=Recompute.of(cfg.training),
                                use_cpu_initialization=cfg.parallel.use_cpu_initialization,
                                fast=fast.enabled(cfg.training.fast_path, ps.device)))
-        apply_fp8(chunks[-1], Fp8Recipe.of(cfg.training, ps.device), fp8_layers(cfg.training, cfg.model.num_layers))
+        apply_fp8(chunks[-1], Fp8Recipe.of(cfg.training, ps.device), fp8_layers(cfg.training, cfg.model.num_layers),
+                  param_gather=cfg.training.fp8_param_gather)
     return chunks
 
 
-def apply_fp8(chunk, recipe, in_fp8: list) -> None:
+def apply_fp8(chunk, recipe, in_fp8: list, param_gather: bool = False) -> None:
     """Give every TP linear (those with an ``fp8`` attribute) of chunk's layers i with in_fp8[i] the
-    FP8 recipe (None: leave them in the params' dtype). The embedding and output layer stay out."""
+    FP8 recipe (None: leave them in the params' dtype). The embedding and output layer stay out.
+    param_gather (--fp8-param-gather): also mark each such linear's weight ``fp8_gather`` = the
+    recipe, so that the DDP keeps it in an FP8 buffer (parallel/data.py). A delayed recipe gives each
+    such linear its amax histories (``fp8_state``, parallel/fp8_delayed.py)."""
     if recipe is None:
         return
     for i, layer in chunk.layers.items():
@@ -51,3 +57,7 @@ def apply_fp8(chunk, recipe, in_fp8: list) -> None:
             for m in layer.modules():
                 if hasattr(m, "fp8"):
                     m.fp8 = recipe
+                    if recipe.delayed and hasattr(m, "fp8_state"):
+                        m.fp8_state = DelayedState(recipe, wide(m.weight.dtype), m.weight.device)
+                    if param_gather:
+                        m.weight.fp8_gather = recipe

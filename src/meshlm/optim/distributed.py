@@ -25,6 +25,11 @@ shard is the bucket's ``param_shard`` and optim/param_gather.py gathers each blo
 it runs; ``finish_param_sync()`` makes every bucket whole (for a save, an export, the end of
 training) until the next update frees them.
 
+Under --fp8-param-gather the FP8 buffers' buckets are gathered as their uint8 FP8 copies, cast
+from the masters after each update (optim/fp8_gather.py); their params are gathered whole only by
+``finish_param_sync``. ``param_gather_bytes`` counts the bytes every param all-gather delivers
+(the whole bucket's), {"fp8": …, "params": …}.
+
 ``build_optimizer`` picks this class or the plain MixedPrecisionOptimizer from the flags.
 """
 
@@ -36,6 +41,7 @@ import torch.distributed as dist
 from ..parallel import watchdog
 from ..parallel.data import all_gather_flat, blocks
 from .optimizer import MixedPrecisionOptimizer
+from .fp8_gather import Fp8Gather
 from .param_gather import ParamGather
 
 
@@ -70,6 +76,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 self._hook_block(chunk, recurse=False)  # parameters a chunk holds itself, if any
                 for block in blocks(chunk):
                     self._hook_block(block, recurse=True)
+        self.param_gather_bytes = {"fp8": 0, "params": 0}
+        self._stale = {}  # id(bucket) → Shard: FP8 buckets whose params are whole only in this rank's shard
+        self.fp8 = Fp8Gather(self.shards, ddp, ps.tp_group) if any(b.fp8 for b in ddp.buffers) else None
+        self._refresh_fp8()
 
     def _shard_range(self, buf, bucket) -> tuple:
         lo, hi = bucket.shard(buf.rank, buf.size)
@@ -87,15 +97,35 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         watchdog.call("all_gather of the ZeRO-1 params", group, self._start_gather, full, shard, False, buf)
 
     def _start_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool, buf=None):
+        self.param_gather_bytes["fp8" if full.dtype == torch.uint8 else "params"] += full.numel() * full.element_size()
         group, size = (buf.group, buf.size) if buf is not None else (self.ddp.group, self.ddp.size)
         single = buf.single_tensor if buf is not None else self.ddp.single_tensor_collectives
         if single:
             return all_gather_flat(full, shard, group=group, async_op=async_op)
         return dist.all_gather(list(full.chunk(size)), shard, group=group, async_op=async_op)
 
+    @staticmethod
+    def _whole_and_shard(s, fp8: bool) -> tuple:
+        """The bucket of shard s, whole, and this rank's shard of it: its params, or its FP8 copy."""
+        lo, hi = s.bucket.shard(s.buf.rank, s.buf.size)
+        if fp8:
+            return s.bucket.param8, s.buf.param8_of(s.bucket, lo, hi)
+        return s.bucket.param, s.buf.param_of(s.bucket, lo, hi)
+
+    def _refresh_fp8(self) -> None:
+        """Cast the masters into the FP8 copies and all-gather them (not under ZeRO-3, which gathers
+        per block), waiting: at the start and after the masters are reloaded."""
+        if self.fp8 is None:
+            return
+        self.fp8.cast()
+        for s in self.shards:
+            if s.buf.fp8 and s.buf.group is not None and not s.buf.sharded_params:
+                self._gather(*self._whole_and_shard(s, True), async_op=False, buf=s.buf)
+
     def _publish(self) -> None:
-        """Copy masters into this rank's param shards, then all-gather every bucket's params
-        (ZeRO-3: free them instead; each block gathers its own when it next runs)."""
+        """Copy masters into this rank's param shards, then all-gather every bucket's params (the
+        FP8 buffers' FP8 copies, cast first; ZeRO-3: free them instead; each block gathers its own
+        when it next runs)."""
         super()._publish()
         if self.param_gather is not None:
             self.param_gather.free_all()
@@ -104,12 +134,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 shard = s.buf.param_of(s.bucket, *s.bucket.shard(s.buf.rank, s.buf.size))
                 watchdog.call("all_gather of a param shard across replicas", s.buf.replica, all_gather_flat,
                               shard, s.param.clone(), group=s.buf.replica)
+        if self.fp8 is not None:
+            self.fp8.cast()
         for s in reversed(self.shards):  # forward order: the first layers' bucket first
             if s.buf.group is None or s.buf.sharded_params:
                 continue
-            full = s.bucket.param
-            shard = s.buf.param_of(s.bucket, *s.bucket.shard(s.buf.rank, s.buf.size))
-            handle = self._gather(full, shard, async_op=self.overlap_param_gather, buf=s.buf)
+            if s.buf.fp8:
+                self._stale[id(s.bucket)] = s
+            handle = self._gather(*self._whole_and_shard(s, s.buf.fp8), async_op=self.overlap_param_gather, buf=s.buf)
             if self.overlap_param_gather:
                 self._pending[id(s.bucket)] = handle
 
@@ -128,19 +160,26 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if handle is not None:
                 watchdog.call("all_gather of the ZeRO-1 params", self.ddp.group, handle.wait)
 
-    def finish_param_sync(self) -> None:
-        """Wait for every parameter all-gather still in flight; under ZeRO-3 make every bucket
-        whole (collective over DP × CP: every rank calls it)."""
+    def _wait_all(self) -> None:
         for handle in self._pending.values():
             watchdog.call("all_gather of the ZeRO-1 params", self.ddp.group, handle.wait)
         self._pending.clear()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather still in flight; all-gather the params of the FP8
+        buckets (--fp8-param-gather gathers their FP8 copies only); under ZeRO-3 make every bucket
+        whole (collective over DP × CP: every rank calls it)."""
+        self._wait_all()
+        for s in self._stale.values():
+            self._gather(*self._whole_and_shard(s, False), async_op=False, buf=s.buf)
+        self._stale.clear()
         if self.param_gather is not None:
             self.param_gather.gather_all()
 
     def _before_step(self) -> None:
         """ZeRO-3 reads no whole bucket in the step: wait for gathers in flight, free the rest."""
         if self.param_gather is None:
-            self.finish_param_sync()
+            self._wait_all()
         else:
             self.param_gather.free_all()
 
@@ -153,6 +192,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         super().reload_model_params()
         if self.param_gather is not None:
             self.param_gather.free_all()
+        self._refresh_fp8()
 
 
 def build_optimizer(cfg, ps, chunks, ddp) -> MixedPrecisionOptimizer:

@@ -416,7 +416,8 @@ class MixedPrecisionOptimizer:
     def memory_report(self) -> dict:
         """Bytes this rank holds for weights, gradients and optimizer state, and per parameter.
 
-        weights = param buffers (under ZeRO-3 the param shards plus the buckets whole right now),
+        weights = param buffers (under ZeRO-3 the param shards plus the buckets whole right now; under
+        --fp8-param-gather the FP8 copies too, one byte an element, likewise),
         grads = the main_grad buffers while allocated (under ZeRO-2/3 the reduced shards a rank
         keeps), optimizer = fp32 masters (when the params are not fp32) + exp_avg + exp_avg_sq
         over this rank's shards on the device, padding included (optimizer_host_bytes: the same for
@@ -439,6 +440,9 @@ class MixedPrecisionOptimizer:
             else:
                 weights += sum(k.param_shard.numel() * k.param_shard.element_size()
                                + k.param.untyped_storage().nbytes() for k in b.buckets)
+            if b.fp8:  # --fp8-param-gather's uint8 copies: whole (ZeRO-1/2), or the shard and what is gathered
+                weights += sum(k.param8.untyped_storage().nbytes() + (k.param8_shard.numel() if b.sharded_params else 0)
+                               for k in b.buckets)
         held = [(s.host, t.numel() * t.element_size()) for s in self.shards for k, t in s.tensors().items()
                 if s.separate_master or k != "master"]
         optim = sum(n for host, n in held if not host)

@@ -32,6 +32,10 @@ for a working set of every bucket of the rank's chunks (``working_set_bytes``).
 Every gather goes through the optimizer's ``_gather`` (tests poison the asynchronous ones with
 NaN until waited for), over the bucket's buffer group (DP × CP; expert-DP for MoE experts). All
 ranks of a group run the same blocks in the same order, so their collectives match.
+
+Under --fp8-param-gather a bucket of an FP8 buffer is gathered as its uint8 FP8 copy
+(``param8`` from ``param8_shard``: one byte an element, optim/fp8_gather.py), which is all its
+block's GEMMs read; ``gather_all`` gathers its params too (a save reads them), and freeing frees both.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class ParamGather:
         self.gather, self.prefetch, self.reshard = gather, prefetch, reshard
         self.state, self.handles = {}, {}  # id(bucket) → FREED/PENDING/WHOLE; → handle while PENDING
         self.buckets = {}  # id(bucket) → (buf, bucket), sharded ones only
+        self.params_whole = set()  # FP8 buffers' buckets whose params gather_all made whole too
         self.gathered_bytes = self.peak_bytes = self.gathers = 0
         self.chunk_blocks = []  # per chunk: [[id(bucket)] of each block]
         for chunk in chunks:
@@ -85,17 +90,25 @@ class ParamGather:
             self.chunk_blocks.append(per_block)
 
     # ------------------------------------------------------------------ one bucket
-    def _nbytes(self, b: int) -> int:
-        return self.buckets[b][1].param.numel() * self.buckets[b][1].param.element_size()
+    def _gathered(self, b: int, params: bool = False) -> tuple:
+        """(whole, shard) that a block's use of bucket b gathers: the FP8 copy of an FP8 buffer's
+        bucket (its params with ``params``), else its params."""
+        buf, bucket = self.buckets[b]
+        return (bucket.param8, bucket.param8_shard) if buf.fp8 and not params else (bucket.param, bucket.param_shard)
+
+    def _nbytes(self, b: int, params: bool = False) -> int:
+        whole = self._gathered(b, params)[0]
+        return whole.numel() * whole.element_size()
 
     def _start(self, b: int, async_op: bool) -> None:
         """Make bucket b's storage and all-gather its shards into it (FREED → PENDING or WHOLE)."""
         buf, bucket = self.buckets[b]
-        restore_storage(bucket.param)
+        whole, shard = self._gathered(b)
+        restore_storage(whole)
         self.gathers += 1
         self.gathered_bytes += self._nbytes(b)
         self.peak_bytes = max(self.peak_bytes, self.gathered_bytes)
-        handle = self.gather(bucket.param, bucket.param_shard, async_op, buf=buf)
+        handle = self.gather(whole, shard, async_op, buf=buf)
         if async_op:
             self.state[b], self.handles[b] = PENDING, handle
         else:
@@ -127,12 +140,21 @@ class ParamGather:
         for b in ids:
             if self.state[b] == WHOLE:
                 self.buckets[b][0].free_param(self.buckets[b][1])
-                self.gathered_bytes -= self._nbytes(b)
+                self.gathered_bytes -= self._nbytes(b) + (self._nbytes(b, True) if b in self.params_whole else 0)
+                self.params_whole.discard(b)
                 self.state[b] = FREED
 
     def gather_all(self) -> None:
-        """Make every bucket whole (checkpoint save/load, export, the end of training)."""
+        """Make every bucket whole (checkpoint save/load, export, the end of training); the FP8
+        buffers' buckets with their params too."""
         self.ensure(list(self.buckets))
+        for b, (buf, bucket) in self.buckets.items():
+            if buf.fp8 and b not in self.params_whole:
+                restore_storage(bucket.param)
+                self.gather(bucket.param, bucket.param_shard, False, buf=buf)
+                self.params_whole.add(b)
+                self.gathered_bytes += self._nbytes(b, True)
+                self.peak_bytes = max(self.peak_bytes, self.gathered_bytes)
 
     def free_all(self) -> None:
         """Free every bucket (after the optimizer's update: the whole buckets are stale)."""

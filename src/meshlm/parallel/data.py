@@ -55,6 +55,12 @@ or in ``finish_grad_sync``. ZeRO-3 (``optim_grads_params``) reduces the same way
 each bucket its own parameter storage (``Bucket.param``), freed and all-gathered per block by
 optim/param_gather.py; under it buckets never span two blocks (``blocks``: the units gathered).
 
+Under --fp8-param-gather the FP8 layers' linear weights (marked ``fp8_gather`` by
+model.chunks.apply_fp8) get buffers of their own, whose buckets also hold a uint8 ``param8``: the
+weights cast to E4M3, written shard by shard by the optimizer and all-gathered in place of the
+params (one byte an element; optim/fp8_gather.py). Each such weight carries ``fp8_data`` (its E4M3
+view of ``param8``) and ``fp8_scale`` (0-dim, the master's dtype), which parallel/fp8.py's GEMMs take.
+
 After the DP reduction, ``finish_grad_sync`` all-reduces over TP the gradients of replicated
 params marked ``sequence_parallel`` (under ``--sequence-parallel``), and over the embedding
 group the ``shared_embedding`` params' gradients (tied embeddings, PP > 1), then moves the MoE
@@ -74,6 +80,7 @@ import torch.distributed as dist
 from ..config import zero_stage
 from ..dtypes import wide
 from . import watchdog
+from .fp8 import E4M3
 from .comm import begin_timed, end_timed, elapsed as _elapsed, group_rank, group_size, mark as _mark
 from .mesh import ParallelState
 
@@ -127,6 +134,7 @@ class Bucket:
 
     param: the bucket's [end - start] view of the buffer's params (under ZeRO-3 a tensor of its
     own whose storage is freed between uses; param_shard then holds this rank's [n/DP]).
+    param8 / param8_shard: the same for the FP8 copy (uint8) of an FP8 buffer (--fp8-param-gather).
     shard_grad: under ZeRO-2/3, this rank's reduced [n/DP] gradient of the step (None until
     its first reduction is waited for); inflight: the reduction not yet waited for."""
 
@@ -139,6 +147,8 @@ class Bucket:
     grad: Optional[torch.Tensor] = None  # flat main_grad [end - start]; None until first needed
     param: Optional[torch.Tensor] = None
     param_shard: Optional[torch.Tensor] = None
+    param8: Optional[torch.Tensor] = None
+    param8_shard: Optional[torch.Tensor] = None
     shard_grad: Optional[torch.Tensor] = None
     inflight: Optional[tuple] = None  # (handle or None, full grad, reduce-scattered [n/DP] or None)
 
@@ -176,13 +186,16 @@ class ParamAndGradBuffer:
     embedding alone, ZeRO-3's blocks). stage: the ZeRO stage: ≥ 2 keeps reduced gradients in
     ``Bucket.shard_grad`` (no grads allocated at build); 3 with a group of more than one rank
     (``sharded_params``) gives each bucket its own param storage, keeps ``param_shard`` and frees
-    the rest (``param_data`` is then None).
+    the rest (``param_data`` is then None). fp8: the params are FP8 weights (--fp8-param-gather):
+    each bucket gets ``param8`` (and under ZeRO-3 ``param8_shard``, ``param8`` freed), each param
+    ``fp8_data`` and ``fp8_scale`` (module doc).
     """
 
     def __init__(self, params: list, grad_dtype: torch.dtype, bucket_size: int, pad_to: int,
                  unit=lambda p: None, *, group=None, expert: bool = False, single_tensor: bool = True,
-                 stage: int = 0, replica=None, optim_across: bool = False):
+                 stage: int = 0, replica=None, optim_across: bool = False, fp8: bool = False):
         self.params, self.group, self.expert, self.single_tensor = params, group, expert, single_tensor
+        self.fp8 = fp8
         self.size, self.rank = group_size(group), group_rank(group)
         self.replica, self.replica_size, self.replica_rank = replica, group_size(replica), group_rank(replica)
         self.optim_across = optim_across and self.replica_size > 1
@@ -217,11 +230,26 @@ class ParamAndGradBuffer:
                 s, e = self.index[p]
                 b.param[b.local(s, e)].copy_(p.data.reshape(-1))
                 p.data = b.param[b.local(s, e)].view(p.shape)
+            if fp8:
+                self._add_fp8(b)
             if self.sharded_params:
                 b.param_shard = b.param[b.local(*b.shard(self.rank, self.size))].clone()
                 self.free_param(b)
             if not self.shard_grads:
                 self.allocate_grad(b)
+
+    def _add_fp8(self, b: Bucket) -> None:
+        """Give bucket b its uint8 FP8 copy (zeros until the optimizer's first cast) and its params
+        their E4M3 views of it and a scale (one, until the cast)."""
+        b.param8 = torch.zeros(b.end - b.start, dtype=torch.uint8, device=self.device)
+        for p in b.params:
+            # a tensor of its own over the bucket's bytes (as ``p.data``), so that a gather into param8
+            # does not count as modifying what backward saved (ZeRO-3 gathers it again for backward)
+            p.fp8_data = torch.empty(0, dtype=E4M3, device=self.device)
+            p.fp8_data.data = b.param8[b.local(*self.index[p])].view(E4M3).view(p.shape)
+            p.fp8_scale = torch.ones((), dtype=wide(p.dtype), device=self.device)
+        if self.sharded_params:
+            b.param8_shard = b.param8[b.local(*b.shard(self.rank, self.size))].clone()
 
     def allocate_grad(self, bucket: Bucket, zero: bool = True) -> None:
         """Give ``bucket`` a grad tensor (zeroed, or uninitialised for a caller that writes every
@@ -251,6 +279,8 @@ class ParamAndGradBuffer:
             for p in bucket.params:
                 p.data = bucket.param[bucket.local(*self.index[p])].view(p.shape)
         free_storage(bucket.param)
+        if bucket.param8 is not None:
+            free_storage(bucket.param8)
 
     def param_of(self, bucket: Bucket, start: int, end: int) -> torch.Tensor:
         """The params of buffer elements [start, end) of ``bucket`` (inside this rank's shard under
@@ -259,6 +289,13 @@ class ParamAndGradBuffer:
             return bucket.param[bucket.local(start, end)]
         lo = bucket.shard(self.rank, self.size)[0]
         return bucket.param_shard[start - lo:end - lo]
+
+    def param8_of(self, bucket: Bucket, start: int, end: int) -> torch.Tensor:
+        """``param_of`` for the bucket's FP8 copy (uint8)."""
+        if not self.sharded_params:
+            return bucket.param8[bucket.local(start, end)]
+        lo = bucket.shard(self.rank, self.size)[0]
+        return bucket.param8_shard[start - lo:end - lo]
 
     def owned_grad(self, start: int, end: int, bucket: Bucket) -> torch.Tensor:
         """This rank's reduced gradient of buffer elements [start, end) of ``bucket`` (inside its
@@ -353,8 +390,12 @@ class DistributedDataParallel:
                 return (block_of.get(q), shared and getattr(q, "shared_embedding", False) and id(q))
 
             params = [q for q in chunk.parameters() if q.requires_grad][::-1]
-            for dtype, expert in dict.fromkeys((q.dtype, getattr(q, "expert", False)) for q in params):
-                group = [q for q in params if q.dtype == dtype and getattr(q, "expert", False) == expert]
+
+            def kind(q):  # one buffer per (dtype, expert or not, FP8 weight under --fp8-param-gather or not)
+                return q.dtype, getattr(q, "expert", False), hasattr(q, "fp8_gather")
+
+            for dtype, expert, fp8 in dict.fromkeys(kind(q) for q in params):
+                group = [q for q in params if kind(q) == (dtype, expert, fp8)]
                 grad_dtype = wide(dtype) if p.accumulate_allreduce_grads_in_fp32 else dtype
                 hybrid = ps.instances > 1 and not expert
                 reduce_group = ps.edp_group if expert else ps.shard_group if hybrid else self.group
@@ -363,7 +404,7 @@ class DistributedDataParallel:
                 buf = ParamAndGradBuffer(group, grad_dtype, self.bucket_size, pad_to, unit, group=reduce_group,
                                          expert=expert, stage=self.stage,
                                          replica=ps.replica_group if hybrid else None,
-                                         optim_across=hybrid and p.outer_dp_sharding_strategy == "optim",
+                                         optim_across=hybrid and p.outer_dp_sharding_strategy == "optim", fp8=fp8,
                                          single_tensor=expert_single if expert else self.single_tensor_collectives)
                 self.buffers.append(buf)
                 self._chunk_buffers.setdefault(id(chunk), []).append(buf)

@@ -22,7 +22,10 @@ and dy [T, out] (T = s·b tokens):
               dW = dy8ᵀ @ x8        (E5M2 or E4M3 × E4M3)
 
 Backward keeps x8 (one byte an element) instead of x in bf16, and re-casts W with the forward's
-scale (the same FP8 values) rather than keep an FP8 copy of every weight until backward.
+scale (the same FP8 values) rather than keep an FP8 copy of every weight until backward. Under
+--fp8-param-gather the weight arrives already in FP8 with its scale (``w8``, ``sw``: cast from the
+fp32 master by the optimizer and all-gathered in FP8, optim/fp8_gather.py); the GEMMs take them as
+they are, forward and backward, and the high-precision weight is not read.
 
 Tensor parallelism: a tensor split over TP has its amax all-reduced (max) over ``group`` before
 the scale is taken, so every rank scales by the amax of the full tensor. The weight is split in
@@ -30,6 +33,10 @@ both linears; in a column-parallel linear dy is split (its output columns) and x
 all-gathered from SP first), in a row-parallel one x is split (its input columns) and dy
 replicated. With the same scales, the quantized values of a shard are those of the full tensor,
 and TP = k computes the TP = 1 function (tests/test_fp8.py).
+
+Under --fp8-recipe delayed the three scales come from a linear's amax histories instead
+(parallel/fp8_delayed.py, ``state``): nothing is reduced at GEMM time, each operand's local amax
+is recorded for the step's end.
 """
 
 from __future__ import annotations
@@ -52,11 +59,16 @@ class Fp8Recipe:
 
     fmt: "e4m3" or "hybrid" (E5M2 gradients). margin: scale = max / amax / 2^margin.
     emulate: quantize → dequantize → matmul instead of ``torch._scaled_mm`` (True off CUDA).
+    delayed: --fp8-recipe delayed, with its --fp8-amax-history-len and --fp8-amax-compute-algo
+    (parallel/fp8_delayed.py).
     """
 
     fmt: str
     margin: int = 0
     emulate: bool = False
+    delayed: bool = False
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
 
     @property
     def forward_dtype(self) -> torch.dtype:
@@ -71,7 +83,9 @@ class Fp8Recipe:
         """The recipe of TrainingConfig ``t`` (None without --fp8-format); emulated off CUDA."""
         if not t.fp8_format:
             return None
-        return cls(t.fp8_format, t.fp8_margin, emulate=torch.device(device).type != "cuda")
+        return cls(t.fp8_format, t.fp8_margin, emulate=torch.device(device).type != "cuda",
+                   delayed=t.fp8_recipe == "delayed", amax_history_len=t.fp8_amax_history_len,
+                   amax_compute_algo=t.fp8_amax_compute_algo)
 
 
 def amax(t: torch.Tensor, group=None) -> torch.Tensor:
@@ -117,12 +131,25 @@ class _Fp8Matmul(torch.autograd.Function):
     way round (column-parallel). The weight is split whenever the group has more than one rank."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, x_split, fwd_dtype, grad_dtype, margin, emulate):
-        sx = scale_of(amax(x, group if x_split else None), fwd_dtype, margin)
-        sw = scale_of(amax(weight, group), fwd_dtype, margin)
+    def forward(ctx, x, weight, w8, sw, state, record, group, x_split, fwd_dtype, grad_dtype, margin, emulate):
+        delayed = state is not None and state.steps > 0  # the first step has no history: current scaling
+        if state is not None and record:  # delayed: the amaxes recorded for the step's end
+            state.record(0, x)
+            state.record(1, weight)
+        if delayed:  # the scales from the histories
+            sx, sw = state.scale[0], state.scale[1]
+        else:
+            sx = scale_of(amax(x, group if x_split else None), fwd_dtype, margin)
         # row-major operands (torch._scaled_mm's rule): a cast can keep a permuted input's strides
-        x8, w8 = quantize(x, sx, fwd_dtype).contiguous(), quantize(weight, sw, fwd_dtype).contiguous()
-        ctx.save_for_backward(x8, sx, weight, sw)  # the weight is re-cast in backward: no FP8 copy kept
+        x8 = quantize(x, sx, fwd_dtype).contiguous()
+        ctx.given, ctx.state, ctx.delayed = w8 is not None, state, delayed
+        if ctx.given:  # --fp8-param-gather: the gathered FP8 weight and its scale, kept for backward
+            ctx.save_for_backward(x8, sx, w8, sw)
+        else:  # the weight is re-cast in backward: no FP8 copy kept
+            if not delayed:
+                sw = scale_of(amax(weight, group), fwd_dtype, margin)
+            w8 = quantize(weight, sw, fwd_dtype).contiguous()
+            ctx.save_for_backward(x8, sx, weight, sw)
         ctx.fwd_dtype = fwd_dtype
         ctx.group, ctx.dy_split, ctx.grad_dtype, ctx.margin, ctx.emulate = group, not x_split, grad_dtype, margin, emulate
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
@@ -130,19 +157,32 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x8, sx, weight, sw = ctx.saved_tensors
-        sg = scale_of(amax(dy, ctx.group if ctx.dy_split else None), ctx.grad_dtype, ctx.margin)
+        x8, sx, w, sw = ctx.saved_tensors
+        if ctx.state is not None:
+            ctx.state.record(2, dy)
+        if ctx.delayed:
+            sg = ctx.state.scale[2]
+        else:
+            sg = scale_of(amax(dy, ctx.group if ctx.dy_split else None), ctx.grad_dtype, ctx.margin)
         g8 = quantize(dy, sg, ctx.grad_dtype).contiguous()
-        w8 = quantize(weight, sw, ctx.fwd_dtype)  # the forward's FP8 weight again (same scale, same values)
+        # the forward's FP8 weight: as gathered, or cast again (same scale, same values)
+        w8 = w if ctx.given else quantize(w, sw, ctx.fwd_dtype)
         dx = scaled_mm(g8, sg, _column_major(w8), sw, ctx.x_dtype, ctx.emulate)
         dw = scaled_mm(g8.t().contiguous(), sg, _column_major(x8), sx, ctx.w_dtype, ctx.emulate)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, group, x_split: bool) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, group, x_split: bool,
+               state=None) -> torch.Tensor:
     """x Wᵀ by FP8 GEMMs (no bias). x [s, b, in] (any leading dims), weight [out, in] → [s, b, out].
-    group: the TP group the weight (and x, if x_split, else the output) is split over."""
+    group: the TP group the weight (and x, if x_split, else the output) is split over. A weight with
+    ``fp8_data`` (E4M3 [out, in]) and ``fp8_scale`` (0-dim) set by --fp8-param-gather
+    (parallel/data.py) is used in FP8 as it is; its gradient still goes to ``weight``. state: the
+    linear's DelayedState under --fp8-recipe delayed (parallel/fp8_delayed.py; amaxes recorded only
+    when autograd is on)."""
     lead = x.shape[:-1]
-    y = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, group, x_split, recipe.forward_dtype,
+    w8, sw = getattr(weight, "fp8_data", None), getattr(weight, "fp8_scale", None)
+    y = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, w8, sw, state, torch.is_grad_enabled(), group,
+                         x_split, recipe.forward_dtype,
                          recipe.grad_dtype, recipe.margin, recipe.emulate)
     return y.reshape(*lead, y.shape[-1])

@@ -121,11 +121,12 @@ class ColumnParallelLinear(nn.Module):
             for p in self.parameters():
                 p.fused_parts = parts
         self.fp8 = None  # an Fp8Recipe: FP8 GEMMs (parallel/fp8.py), set by model.chunks.apply_fp8
+        self.fp8_state = None  # its DelayedState under --fp8-recipe delayed (parallel/fp8_delayed.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:  # under SP the bf16 rows are gathered, then quantized
             x = comm.gather_from_sp(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
-            y = fp8_linear(x, self.weight, self.fp8, self.group, x_split=False)
+            y = fp8_linear(x, self.weight, self.fp8, self.group, x_split=False, state=self.fp8_state)
             y = y if self.bias is None else y + self.bias
         elif self.sequence_parallel and comm.group_size(self.group) > 1:
             y = _GatheredLinear.apply(x, self.weight, self.bias, self.group)
@@ -180,12 +181,13 @@ class RowParallelLinear(nn.Module):
             self.bias.no_weight_decay = True
             self.bias.sequence_parallel = sequence_parallel
         self.fp8 = None  # an Fp8Recipe: FP8 GEMMs (parallel/fp8.py), set by model.chunks.apply_fp8
+        self.fp8_state = None  # its DelayedState under --fp8-recipe delayed (parallel/fp8_delayed.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, self.group)
         if self.fp8 is not None:
-            y = fp8_linear(x, self.weight, self.fp8, self.group, x_split=True)
+            y = fp8_linear(x, self.weight, self.fp8, self.group, x_split=True, state=self.fp8_state)
         else:
             y = F.linear(x, self.weight)
         y = comm.reduce_scatter_to_sp(y, self.group) if self.sequence_parallel else comm.reduce_from_tp(y, self.group)

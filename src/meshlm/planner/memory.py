@@ -46,7 +46,11 @@ and the log-sum-exp (4·a·s·b bytes, fp32). Selective recompute drops those tw
 math-attention term instead (Megatron's unfused softmax).
 
 FP8 layers (--fp8-format, meshlm/fp8_rules.py) keep their linears' inputs in FP8 for backward, one
-byte an element (``layer_terms``' fp8), instead of bf16; no FP8 weight copy, no amax history.
+byte an element (``layer_terms``' fp8), instead of bf16; the delayed recipe's amax histories (3 · L
+values a linear, 48 KiB a layer at L = 1024 in fp32) are not counted. No FP8 weight
+copy, except under --fp8-param-gather (``fp8_copy_bytes``): one byte per weight of the FP8 layers'
+linears, whole under ZeRO-1/2 (beside the bf16 params), a 1/(DP × CP) shard under ZeRO-3, whose
+gathered working set then holds those weights in FP8 (one byte, not two).
 
 MoE layers keep ``moe_cp.moe_mlp_terms`` (the dispatched routes, the experts' outputs, routing
 indices, the grouped GEMM's stacked copy of the expert weights) instead of the dense MLP's fc1 and
@@ -130,7 +134,8 @@ def layer_terms(m: ModelConfig, b: int, *, tp: int = 1, sp: bool = False, flash:
     or SDPA's own output and log-sum-exp (flash=True).
     fp8: the layer's linears run FP8 GEMMs (parallel/fp8.py): their four inputs are kept in FP8, one
     byte an element (the QKV and MLP inputs all-gathered, [s, b, h], under SP); the weights are
-    re-cast in backward (no FP8 copy kept), and tensorwise scaling keeps no amax history.
+    re-cast in backward (no FP8 copy kept; --fp8-param-gather's copies: ``fp8_copy_bytes``), and the
+    delayed recipe's small amax histories are not counted.
     """
     s, h, a, d = m.seq_length, m.hidden_size, m.num_attention_heads, head_dim(m)
     sbh, q, kv, f = s * b * h, a * d, query_groups(m) * d, ffn_hidden(m)
@@ -216,6 +221,25 @@ def _in_flight(stage_rank: int, pp: int, vp: int, m: int) -> tuple:
     return min(m * vp, (pp - stage_rank - 1) * 2 + (vp - 1) * pp + 1), 1.0 / vp
 
 
+def fp8_linear_params(m: ModelConfig, tp: int) -> float:
+    """Weights of one layer's four linears on a rank (QKV, projection, fc1, fc2; split over TP)."""
+    q, d = (m.num_attention_heads + 2 * query_groups(m)) * head_dim(m), m.num_attention_heads * head_dim(m)
+    return m.hidden_size * (q + d + ((2 if m.swiglu else 1) + 1) * ffn_hidden(m)) / tp
+
+
+def fp8_copy_bytes(c: Config, layout: Layout, n_fp8: int, *, half: bool = True) -> float:
+    """--fp8-param-gather's FP8 weight copies on a rank holding ``n_fp8`` FP8 layers (module doc),
+    less the bytes ZeRO-3's working set no longer gathers for them (the params' element size less
+    one, for each FP8 layer whole at once: two, or all under PP). 0 without the flag."""
+    if not c.training.fp8_param_gather or not n_fp8 or layout.stage < 1:
+        return 0.0
+    w = fp8_linear_params(c.model, layout.tp)
+    if layout.stage < 3:
+        return n_fp8 * w
+    whole = n_fp8 if layout.pp > 1 or c.parallel.torch_fsdp2_no_reshard_after_forward else min(n_fp8, 2)
+    return n_fp8 * w / (layout.dp * layout.cp) - whole * w * (STATE_BYTES[("meshlm", half)][0] - 1)
+
+
 def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "meshlm", flash: bool = True,
              half: bool = True, stage: Optional[int] = None) -> Memory:
     """Memory of ``layout`` for cfg's model and global batch: the largest of the first and the last
@@ -264,6 +288,8 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
                              dp=layout.edp, stage=layout.stage, accounting=accounting)
         st = {k: dense[k] + routed[k] for k in dense}
         st["weights"] += gathered_bytes(c, layout, params[rank], vocab, half=half)
+        st["weights"] += fp8_copy_bytes(c, layout, sum(fp8[n] for chunk in chunks_of_rank for n in chunk),
+                                         half=half)
         host = full = 0.0
         if c.optimizer.optimizer_cpu_offload:  # that share of the optimizer state lives on the host
             f = c.optimizer.optimizer_offload_fraction

@@ -42,7 +42,7 @@ from ..model.moe import start_routing_stats
 from ..optim.distributed import build_optimizer
 from ..batches import BatchSchedule
 from ..optim.schedule import scheduler_for
-from ..parallel import comm
+from ..parallel import comm, fp8_delayed
 from ..parallel.agree import first_problem
 from ..parallel.context import split_batches
 from ..parallel.data import DistributedDataParallel
@@ -395,6 +395,8 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
                                loss_scale=run.opt.loss_scale, no_sync=run.ddp.no_sync, timeline=timeline)
     schedule_end = time.perf_counter()
     run.ddp.finish_grad_sync()
+    if t.fp8_format and t.fp8_recipe == "delayed":  # this step's amaxes into the histories (next step's scales)
+        fp8_delayed.end_step(fp8_delayed.delayed_states(run.chunks), (ps.tp_group, ps.dp_cp_group))
     lr = run.sched.lr
     loss_t = reduce_losses(outputs, ps, t.calculate_per_token_loss)
     read_loss = _start_read(loss_t)  # copied before the step's sync: reading it waits for no update
