@@ -12,7 +12,7 @@ import pytest
 
 from meshlm import launch
 from meshlm.checkpoint.lock import hold
-from meshlm.cli import main
+from meshlm.cli import main, worker_main
 from meshlm.config import Config
 from meshlm.errors import CheckpointError, ConfigError, MeshlmError
 from test_launch import TINY, clean_env, meshlm, torchrun
@@ -200,7 +200,7 @@ def reused_run_dir(tmp_path, monkeypatch):
                 raise ChildFailedError("meshlm", {0: failure})
             return run
         monkeypatch.setattr(api, "elastic_launch", fake_launch)
-        return lambda: launch.launch_local(cfg, "run/config.yaml", 2)
+        return lambda: launch.launch_local(cfg, "run/config.yaml", 2, worker_main)
     return fail_with
 
 

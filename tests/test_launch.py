@@ -14,6 +14,7 @@ import yaml
 
 from distributed import _free_port
 from meshlm import launch
+from meshlm.cli import worker_main
 from meshlm.config import Config
 from meshlm.errors import DataError
 
@@ -67,9 +68,9 @@ def test_a_data_error_inside_a_worker_is_one_line_naming_the_rank(tmp_path):
 @pytest.mark.slow
 def test_a_crashed_worker_is_reported_by_rank_with_its_log_tail(tmp_path):
     # a config file the workers cannot read: each worker exits with status 2 before training
-    code = ("import sys; from meshlm import launch; from meshlm.config import Config\n"
+    code = ("import sys; from meshlm import launch; from meshlm.cli import worker_main; from meshlm.config import Config\n"
             "cfg = Config(); cfg.logging.run_dir = sys.argv[1]\n"
-            "sys.exit(launch.launch_local(cfg, sys.argv[2], 2))\n")
+            "sys.exit(launch.launch_local(cfg, sys.argv[2], 2, worker_main))\n")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run"), str(tmp_path / "absent.yaml")],
                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 1
@@ -178,12 +179,12 @@ def test_workers_get_nvls_off_and_the_worker_marker(tmp_path, monkeypatch):
     monkeypatch.setattr(api, "elastic_launch", fake_launch)
     cfg = Config()
     cfg.logging.run_dir = str(tmp_path)
-    assert launch.launch_local(cfg, "run/config.yaml", 2) == 0
+    assert launch.launch_local(cfg, "run/config.yaml", 2, worker_main) == 0
     for env in (seen, seen["env"]):
         assert env["NCCL_NVLS_ENABLE"] == "0" and env[launch.WORKER_ENV] == "1"
         assert int(env["OMP_NUM_THREADS"]) == launch.worker_threads(2)
         assert env[launch.LAUNCHER_PID_ENV] == str(os.getpid())
-    assert (seen["entry"], seen["start"], seen["config_path"]) == (launch.worker_main, "forkserver", "run/config.yaml")
+    assert (seen["entry"], seen["start"], seen["config_path"]) == (worker_main, "forkserver", "run/config.yaml")
     assert launch.WORKER_ENV not in os.environ  # restored in the launcher
 
 
@@ -270,7 +271,7 @@ def test_a_worker_the_stop_signal_killed_during_start_up_is_a_clean_stop(tmp_pat
     monkeypatch.setattr(launch, "_worker_pids", lambda: [])
     cfg = Config()
     cfg.logging.run_dir, cfg.training.exit_signal_handler = str(tmp_path), True
-    assert launch.launch_local(cfg, str(tmp_path / "config.yaml"), 2) == 0
+    assert launch.launch_local(cfg, str(tmp_path / "config.yaml"), 2, worker_main) == 0
     out = capsys.readouterr().out
     assert "meshlm: stopped on SIGTERM (--exit-signal-handler) during start-up, before the first step: worker " \
            "rank(s) 1 got it before setting up the handler; nothing trained, nothing to save" in out

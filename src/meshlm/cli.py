@@ -233,7 +233,17 @@ def _run_pretrain(args: argparse.Namespace) -> int:
         print(f"meshlm: starting {nproc} workers: TP={p.tensor_model_parallel_size} "
               f"CP={p.context_parallel_size} PP={p.pipeline_model_parallel_size} DP={dp_size(cfg, nproc)}; "
               f"their logs go to {os.path.dirname(launch.worker_log_path(cfg, 0))}", flush=True)
-        return launch.launch_local(cfg, os.path.join(cfg.logging.run_dir, "config.yaml"), nproc)
+        return launch.launch_local(cfg, os.path.join(cfg.logging.run_dir, "config.yaml"), nproc, worker_main)
+
+
+def worker_main(config_path: str, env: dict) -> None:
+    """A self-launched worker's body (launch.launch_local forks it from its forkserver): ``meshlm
+    pretrain --config config_path`` in this process, with ``env`` in its environment
+    (launch.become_worker). Exits with pretrain's status (SystemExit) where that is not 0."""
+    launch.become_worker(env)
+    status = main(["pretrain", "--config", config_path])
+    if status:
+        raise SystemExit(status)
 
 
 # ----------------------------------------------------------------------------- other commands

@@ -409,27 +409,23 @@ def _forkserver_preload() -> None:
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
 
 
-def worker_main(config_path: str, env: dict) -> None:
-    """A self-launched worker's body, forked from the launcher's forkserver: ``meshlm pretrain
-    --config config_path`` in this process, with ``env`` (the launcher's settings for its workers)
-    in its environment. Exits with pretrain's status (SystemExit) where that is not 0.
-
-    The worker leads a session of its own, as torch.distributed.run's subprocess workers do: a
-    terminal's Ctrl-C (SIGINT to the foreground group) reaches the launcher alone, whose agent then
-    stops each worker once, and the worker's data-loader processes with it."""
+def become_worker(env: dict) -> None:
+    """The start of a self-launched worker forked from the launcher's forkserver (cli's
+    ``worker_main``): lead a session of its own, as torch.distributed.run's subprocess workers do
+    (a terminal's Ctrl-C, SIGINT to the foreground group, reaches the launcher alone, whose agent
+    then stops each worker once, and the worker's data-loader processes with it); put ``env`` (the
+    launcher's settings for its workers) in the environment; print each line as written, as the
+    console of ``python -u``; take OMP_NUM_THREADS's threads."""
+    import torch
     os.setsid()
     os.environ.update(env)
-    sys.stdout.reconfigure(line_buffering=True)  # as the console of `python -u`: each line as printed
-    import torch
+    sys.stdout.reconfigure(line_buffering=True)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from .cli import main
-    status = main(["pretrain", "--config", config_path])
-    if status:
-        raise SystemExit(status)
 
 
-def launch_local(cfg: Config, config_path: str, nproc: int) -> int:
-    """Start ``nproc`` workers on this node running ``meshlm pretrain --config config_path``.
+def launch_local(cfg: Config, config_path: str, nproc: int, entry: Callable[[str, dict], None]) -> int:
+    """Start ``nproc`` workers on this node running ``meshlm pretrain --config config_path``:
+    each runs ``entry(config_path, env)`` (cli's ``worker_main``), forked from one forkserver.
 
     Uses torch.distributed.run's elastic agent with a standalone c10d rendezvous (what
     ``torchrun --standalone --nproc-per-node`` does), no restarts. Workers get OMP_NUM_THREADS =
@@ -467,7 +463,7 @@ def launch_local(cfg: Config, config_path: str, nproc: int) -> int:
         with _environ(defaults, forced), _agent_log(os.path.join(log_dir, "launcher.log")), \
                 _forward_signal(forwarded) as received:
             _forkserver_preload()
-            elastic_launch(launch_cfg, worker_main)(config_path, {k: os.environ[k] for k in (*defaults, *forced)})
+            elastic_launch(launch_cfg, entry)(config_path, {k: os.environ[k] for k in (*defaults, *forced)})
     except ChildFailedError as e:
         killed = sorted(r for r, f in e.failures.items() if received and f.exitcode == -signal.Signals[forwarded])
         if killed:  # the stop signal reached them (sent to the process group, say) before their handler
