@@ -687,6 +687,14 @@ def test_each_bad_split_says_what_is_wrong(split, words):
     assert words in msg
 
 
+def test_fp8_with_experts_says_at_start_that_the_experts_measured_slower_than_bf16():
+    cfg = small()
+    cfg.training.fp8_format = "hybrid"
+    assert not notes(cfg)
+    cfg.model.num_experts = 4
+    assert ["0.57x bf16's tokens/s for mixtral-small" in line for line in notes(cfg)] == [True]
+
+
 def test_num_query_groups_without_gqa_is_ignored_as_in_megatron():
     cfg = small()
     cfg.model.num_query_groups = 2
