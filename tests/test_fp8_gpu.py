@@ -66,10 +66,12 @@ def test_expert_grouped_fp8_gemms_match_the_emulation(blocks, compiled):
     assert float((out[False][0] - exact).norm() / exact.norm()) > 1e-3
 
 
-def _train_fp8(param_gather: bool, steps: int = 12) -> tuple:
+def _train_fp8(param_gather: bool, steps: int = 12, recipe: str = "tensorwise") -> tuple:
     """Losses of a small Llama (4 layers, h 256) trained in bf16 with FP8 GEMMs (hybrid) on the fast path
     through the production DDP buffers and distributed optimizer (DP 1), with or without
-    --fp8-param-gather; the optimizer, model and dynamo's graph count after step 3 and at the end."""
+    --fp8-param-gather, under ``recipe`` (delayed: history 4, max, pushed after each step's gradient
+    sync as the trainer does); dynamo's graph count after step 3 and at the end, the optimizer, the model."""
+    from meshlm.parallel import fp8_delayed
     from meshlm.config import Config
     from meshlm.fp8_rules import fp8_layers
     from meshlm.model.chunks import apply_fp8
@@ -86,6 +88,8 @@ def _train_fp8(param_gather: bool, steps: int = 12) -> tuple:
     m.group_query_attention, m.num_query_groups = True, 4
     m.hidden_dropout = m.attention_dropout = 0.0
     t.bf16, t.fast_path, t.fp8_format, t.fp8_param_gather = True, "on", "hybrid", param_gather
+    if recipe == "delayed":
+        t.fp8_recipe, t.fp8_amax_history_len, t.fp8_amax_compute_algo = "delayed", 4, "max"
     cfg.parallel.use_distributed_optimizer = True
     cfg.optimizer.lr, cfg.optimizer.lr_warmup_iters = 3e-4, 0
     ps = ParallelState.single(torch.device("cuda", 0))
@@ -101,11 +105,12 @@ def _train_fp8(param_gather: bool, steps: int = 12) -> tuple:
         loss = model(data[step % 2, :, :-1], data[step % 2, :, 1:]).mean()
         loss.backward()
         ddp.finish_grad_sync()
+        fp8_delayed.end_step(fp8_delayed.delayed_states([model]), ())
         assert opt.step().ok
         losses.append(loss.item())
         if step in (2, steps - 1):
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    return losses, graphs, opt
+    return losses, graphs, opt, model
 
 
 @pytest.mark.skipif(not _fp8_gpu(), reason="needs an FP8 GPU (compute capability ≥ 8.9)")
@@ -116,8 +121,8 @@ def test_fp8_param_gather_trains_on_the_real_fp8_path():
     compiles no new graph after step 3."""
     from meshlm.parallel.fp8 import E4M3, quantize, scale_of
 
-    plain, _, _ = _train_fp8(False)
-    gathered, graphs, opt = _train_fp8(True)
+    plain, *_ = _train_fp8(False)
+    gathered, graphs, opt, _ = _train_fp8(True)
     assert gathered[-1] < 0.9 * gathered[0], "the model must learn (two batches repeated)"
     for step, (a, b) in enumerate(zip(gathered, plain)):
         assert abs(a - b) <= 2e-2 * abs(b), (step, a, b)
@@ -131,3 +136,23 @@ def test_fp8_param_gather_trains_on_the_real_fp8_path():
                 assert torch.equal(f.param.fp8_data.reshape(-1).view(torch.uint8), want.view(torch.uint8))
                 checked += 1
     assert checked == 4 * 4  # four linears in each of the four layers
+
+
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs an FP8 GPU (compute capability ≥ 8.9)")
+def test_the_delayed_recipe_trains_on_the_real_fp8_path_like_tensorwise():
+    """--fp8-recipe delayed on the GPU (compiled layers, scales from 4 steps of amax history, max):
+    every linear's history fills, it learns as the tensorwise recipe does (the scales differ by at most
+    the weights' drift over 4 steps: within 2e-2), and compiles no new graph once the history runs."""
+    from meshlm.parallel import fp8_delayed
+
+    current, *_ = _train_fp8(False)
+    delayed, graphs, _, model = _train_fp8(False, recipe="delayed")
+    states = fp8_delayed.delayed_states([model])
+    assert len(states) == 4 * 4 and all(st.steps == 12 for st in states)  # every step pushed, every linear
+    for st in states:  # the histories full of real amaxes, and the scales taken from their maxima
+        assert bool((st.history > 0).all())
+        assert torch.equal(st.scale, st.fp8_max / st.history.amax(1))
+    assert delayed[-1] < 0.9 * delayed[0], "the model must learn (two batches repeated)"
+    for step, (a, b) in enumerate(zip(delayed, current)):
+        assert abs(a - b) <= 2e-2 * abs(b), (step, a, b)
+    assert graphs[0] > 0 and graphs[0] == graphs[1], f"recompiled after step 3: {graphs}"
