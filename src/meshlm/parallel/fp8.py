@@ -132,7 +132,7 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, w8, sw, state, record, group, x_split, fwd_dtype, grad_dtype, margin, emulate):
-        delayed = state is not None and state.steps > 0  # the first step has no history: current scaling
+        delayed = state is not None and state.started  # the first step has no history: current scaling
         if state is not None and record:  # delayed: the amaxes recorded for the step's end
             state.record(0, x)
             state.record(1, weight)

@@ -45,7 +45,10 @@ class DelayedState:
         self.history = torch.zeros(3, recipe.amax_history_len, dtype=dtype, device=device)
         self.scale = torch.ones(3, dtype=dtype, device=device)
         self.amax = torch.zeros(3, dtype=dtype, device=device)
-        self.steps = 0  # histories pushed; 0: the first step scales by the current amaxes
+        self.steps = 0  # histories pushed
+        # whether a history exists (False: the first step scales by the current amaxes); a bool, which
+        # compiled code may read: it changes once, where the count would recompile the layers every step
+        self.started = False
         fmax = [torch.finfo(d).max for d in (recipe.forward_dtype, recipe.forward_dtype, recipe.grad_dtype)]
         self.fp8_max = torch.tensor(fmax, dtype=dtype, device=device)
 
@@ -60,6 +63,7 @@ class DelayedState:
         self.scale.copy_(torch.where(a > 0, self.fp8_max / a / 2.0 ** self.margin, self.scale))
         self.amax.zero_()
         self.steps += 1
+        self.started = True
 
 
 def delayed_states(chunks) -> list:
