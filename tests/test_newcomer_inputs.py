@@ -185,10 +185,16 @@ PLAN = ["plan", "--num-layers", "2", "--hidden-size", "64", "--num-attention-hea
     (["--num-gpus", "12"], "--num-gpus 12 is not whole nodes"),
     (["--gpu-tflops", "0"], "--gpu-tflops 0"), (["--gpu-memory-gib", "-5"], "--gpu-memory-gib -5"),
     (["--gpu-gemm-efficiency", "2"], "--gpu-gemm-efficiency 2"),
+    (["--gpu-hbm-gbps", "inf"], "--gpu-hbm-gbps inf: give a finite number above 0"),
+    (["--gpu-mtbf-hours", "inf"], "--gpu-mtbf-hours inf: give finite hours"),
+    (["--ckpt-write-gbps", "inf"], "--ckpt-write-gbps inf: give finite GB/s"),
+    (["--restart-minutes", "inf"], "--restart-minutes inf: give a finite number of minutes"),
+    (["--train-tokens", "inf"], "--train-tokens inf: give a finite number"),
 ])
 def test_plan_refuses_impossible_cluster_flags(capsys, flags, named):
     """--gpu-tflops 0 ended in ZeroDivisionError; --num-gpus 0 planned the default world, -4 printed
-    empty tables, --gpu-memory-gib -5 excluded every layout with exit 0."""
+    empty tables, --gpu-memory-gib -5 excluded every layout with exit 0; --gpu-mtbf-hours inf ended in
+    a traceback, --gpu-hbm-gbps, --ckpt-write-gbps and --restart-minutes inf planned on with inf/0 figures."""
     err = _refused(capsys, PLAN + flags)
     assert named in err
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 
@@ -117,14 +118,17 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     from ..config import moe_layer_pattern
     from .search import LONG_SEQUENCE, evaluate, layout_problems, search
     from .lint import lint
+    finite = math.inf  # every value below is a finite number: an inf MTBF or bandwidth made a traceback
     cluster = [f"{flag} {value}: give {what}" for flag, value, ok, what in (
         ("--num-gpus", args.num_gpus, args.num_gpus is None or args.num_gpus >= 1, "the job's GPU count (1 or more)"),
         ("--gpus-per-node", args.gpus_per_node, args.gpus_per_node >= 1, "1 or more"),
         ("--top", args.top, args.top >= 0, "0 or more layouts to print"),
-        ("--train-tokens", args.train_tokens, args.train_tokens is None or args.train_tokens >= 1, "1 or more tokens"),
-        ("--gpu-mtbf-hours", args.gpu_mtbf_hours, args.gpu_mtbf_hours > 0, "hours above 0"),
-        ("--ckpt-write-gbps", args.ckpt_write_gbps, args.ckpt_write_gbps > 0, "GB/s above 0"),
-        ("--restart-minutes", args.restart_minutes, args.restart_minutes >= 0, "0 or more minutes")) if not ok]
+        ("--train-tokens", args.train_tokens, args.train_tokens is None or 1 <= args.train_tokens < finite,
+         "a finite number of tokens, 1 or more"),
+        ("--gpu-mtbf-hours", args.gpu_mtbf_hours, 0 < args.gpu_mtbf_hours < finite, "finite hours above 0"),
+        ("--ckpt-write-gbps", args.ckpt_write_gbps, 0 < args.ckpt_write_gbps < finite, "finite GB/s above 0"),
+        ("--restart-minutes", args.restart_minutes, 0 <= args.restart_minutes < finite, "a finite number of "
+         "minutes, 0 or more")) if not ok]
     if args.train_tokens is not None and ({"training.train_iters", "training.train_samples"} & set(vars(args))):
         cluster.append("--train-tokens with --train-iters or --train-samples: give one run length")
     if not cluster and args.num_gpus and args.num_gpus > args.gpus_per_node and args.num_gpus % args.gpus_per_node:
