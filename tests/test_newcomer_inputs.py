@@ -343,6 +343,14 @@ def test_dry_run_refuses_a_job_of_no_processes(capsys, flags, named):
     assert named in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("flags", [["--nnodes", "2"], ["--world-size", "4"], ["--nnodes", "1", "--world-size", "2"]])
+def test_job_size_flags_without_dry_run_are_refused_not_ignored(tmp_path, capsys, flags):
+    """`meshlm pretrain … --nnodes 2` (or --world-size 4) trained a world of 1 on this node alone."""
+    err = _refused(capsys, SHAPE + ["--mock-data", "--vocab-size", "64", "--run-dir", str(tmp_path / "run")] + flags)
+    assert f"{' '.join(flags)} only size the job that --dry-run checks" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_report_onto_a_full_disk_keeps_the_earlier_report_whole(tmp_path, monkeypatch):
     """write_text_file wrote in place: a full disk left a cut-off report.html and a traceback."""
     from meshlm import folders
