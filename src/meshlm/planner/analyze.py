@@ -160,7 +160,9 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
     """The report of one run as a JSON-able dict.
 
     records: training records of metrics.jsonl (``load_run``). config: the run's config dict
-    (sections model, training, parallel, …) or None. predictor: see the module doc.
+    (sections model, training, parallel, …) or None. predictor: see the module doc. A fix whose
+    flags meshlm would refuse for this run (``predict.refusal_check``: e.g. twice the pipeline
+    stages of a model with too few layers) is left out, with or without a predictor.
     Returns {"iterations": [first, last], "step_ms", "breakdown": {kind: share}, "dominant": kind
     or "compute", "pipeline": {...} or None, "findings": [Finding as dict]}; ConfigError if there
     is no training record.
@@ -187,7 +189,10 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
     findings += [_memory(records, flags), _throughput(steady), *_loss(records), _stragglers(steady)]
     findings = [f for f in findings if f is not None]
     findings.sort(key=lambda f: ({"warn": 0, "info": 1, "ok": 2}[f.severity], -(f.share or 0)))
+    from .predict import refusal_check
+    refused = refusal_check(config, records)
     for f in findings:
+        f.fixes = [fix for fix in f.fixes if not fix.flags or refused(fix.flags) is None]
         for fix in f.fixes:
             if predictor is not None and fix.flags:
                 fix.predicted_gain = predictor(config, dict(fix.flags))
