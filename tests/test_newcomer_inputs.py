@@ -273,6 +273,23 @@ def test_a_run_stopped_by_an_error_says_so(tmp_path, capsys, command):
     assert "the run stopped" not in text
 
 
+def test_an_earlier_attempts_error_in_an_appended_log_is_not_the_runs_end(tmp_path):
+    """A resume refused for its LR schedule, then resumed with --override-opt_param-scheduler to the
+    end, was analyzed as `the run stopped with an error: --load …`: rank logs append across attempts."""
+    from meshlm.planner.analyze import stop_finding
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    log = tmp_path / "rank0.log"
+    refused = "meshlm: error: --load ck: the checkpoint's LR schedule differs from this run's\n"
+    world = "meshlm: world=1 TP=1 CP=1 DP=1 PP=1 | 8 iterations\n"
+    log.write_text(world + refused + world + "loaded checkpoint ck/iter_0000005 (iteration 5)\n"
+                   " iteration        6/       8 | lm loss: 5.3\n")
+    assert stop_finding(str(tmp_path)) is None
+    log.write_text(log.read_text() + "meshlm: error: iteration 7: lm loss is nan\n")
+    assert "the run stopped with an error: iteration 7: lm loss is nan" in stop_finding(str(tmp_path))["message"]
+    log.write_text(world + refused)  # the last attempt itself refused: still the run's end
+    assert "LR schedule differs" in stop_finding(str(tmp_path))["message"]
+
+
 def test_the_example_launch_script_without_arguments_prints_its_usage(tmp_path):
     """`DRY_RUN=1 examples/train_llama3_8b_distributed.sh` (as the README names it) ended in
     `line 21: $1: unbound variable`."""

@@ -130,11 +130,17 @@ def _config_of(folder: str) -> Optional[dict]:
     return None
 
 
+# Lines a worker writes only while a run goes on (training/metrics.py, trainer, checkpoint): after an
+# error line in the same appended rank log they are a later attempt's.
+PROGRESS = ("meshlm: world=", "loaded checkpoint", " iteration ", "saved checkpoint", " validation loss")
+
+
 def stop_finding(logs_dir: str) -> Optional[dict]:
     """A "stopped" warn finding (as analyze()'s findings) when a worker's log in ``logs_dir`` ends the
     run with a ``meshlm: error:`` line (a NaN/inf loss, a hang, a crash named by meshlm): the run's
-    last logged record does not say so, the worker logs do. A log last written before metrics.jsonl
-    (an earlier attempt's error, the job restarted and went on) does not count."""
+    last logged record does not say so, the worker logs do. An earlier attempt's error (the job was
+    restarted or resumed and went on) does not count: a log last written before metrics.jsonl, or an
+    error line followed in its (appended) log by a later attempt's progress (``PROGRESS`` lines)."""
     errors = []
     metrics = os.path.join(logs_dir, "metrics.jsonl")
     since = os.path.getmtime(metrics) - 1.0 if os.path.exists(metrics) else 0.0
@@ -142,9 +148,14 @@ def stop_finding(logs_dir: str) -> Optional[dict]:
         try:
             if os.path.getmtime(path) < since:
                 continue
+            own = []
             with open(path, encoding="utf-8", errors="replace") as fh:
-                errors += [line.strip()[len("meshlm: error:"):].strip() for line in fh
-                           if line.startswith("meshlm: error:")]
+                for line in fh:
+                    if line.startswith("meshlm: error:"):
+                        own.append(line.strip()[len("meshlm: error:"):].strip())
+                    elif own and line.startswith(PROGRESS):
+                        own = []  # a later attempt trained on: the error above was not the run's end
+            errors += own
         except OSError:
             continue
     if not errors:
