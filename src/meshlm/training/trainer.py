@@ -140,6 +140,12 @@ def pretrain(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> dict:
         except torch.OutOfMemoryError as e:  # one message: predicted, allocated, layouts that fit
             from ..planner.oom import explain_oom
             raise TrainingError(explain_oom(cfg, e, world=run.ps.world_size, vocab=run.tokenizer.vocab_size)) from e
+        except RuntimeError as e:  # a CPU run out of host memory: one message too, not a traceback
+            from ..planner.oom import explain_host_oom, is_host_oom
+            if not is_host_oom(e):
+                raise
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or C.default_nproc(cfg)
+            raise TrainingError(explain_host_oom(cfg, e, world=run.ps.world_size, local_ranks=local)) from e
         finally:
             run.logger.close()
             if dog is not None:
