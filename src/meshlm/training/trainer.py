@@ -250,8 +250,8 @@ def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
     problem = None
     if ps.rank == 0:
         try:
-            null = resolve_tokenizer_type(cfg.data, cfg.model.vocab_size) == "NullTokenizer"
-            check_token_ids(prefixes, vocab_size, null)
+            kind = resolve_tokenizer_type(cfg.data, cfg.model.vocab_size)
+            check_token_ids(prefixes, vocab_size, kind == "NullTokenizer", kind == "TikTokenizer")
         except DataError as e:
             problem = str(e)
     problem = first_problem(problem)
