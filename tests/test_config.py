@@ -716,3 +716,16 @@ def test_checking_an_output_folder_leaves_nothing_behind(tmp_path):
     cfg.checkpoint.save = str(tmp_path / "a" / "b" / "ckpt")
     validate(cfg, world=1)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind, noted", [("HuggingFaceTokenizer", True), ("Llama2Tokenizer", True),
+                                         ("NullTokenizer", False), ("TikTokenizer", False)])
+def test_vocab_size_with_a_tokenizer_file_is_noted_as_ignored(kind, noted):
+    """`--tokenizer-model tok.json --vocab-size 50` trained the file's 300 ids without a word."""
+    cfg = small()
+    cfg.data.mock_data, cfg.data.data_path = False, ["d_text_document"]
+    cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.model.vocab_size = kind, "tok.json", 50
+    said = [line for line in notes(cfg) if line.startswith("--vocab-size 50 ignored with ")]
+    assert bool(said) == noted
+    cfg.data.tokenizer_type = None  # implied by --tokenizer-model: HuggingFaceTokenizer
+    assert any(line.startswith("--vocab-size 50 ignored with HuggingFaceTokenizer") for line in notes(cfg))
