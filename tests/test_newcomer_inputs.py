@@ -199,6 +199,16 @@ def test_plan_refuses_impossible_cluster_flags(capsys, flags, named):
     assert named in err
 
 
+def test_plan_says_when_it_assumes_the_vocabulary(capsys):
+    """`meshlm plan` with neither a tokenizer nor --vocab-size planned a 32000-token vocabulary silently
+    (the README promises one note whenever the vocabulary is assumed)."""
+    argv = PLAN[:PLAN.index("--mock-data")] + ["--num-gpus", "1", "--top", "1"]
+    assert main(argv) == 0
+    assert "meshlm plan: note: no tokenizer and no --vocab-size given; planning with vocabulary 32000" in \
+        capsys.readouterr().err
+    assert main(argv + ["--vocab-size", "512"]) == 0 and "note: no tokenizer" not in capsys.readouterr().err
+
+
 def test_plan_of_a_context_parallel_layout_names_cp_and_splits_the_activations(capsys):
     """`plan --context-parallel-size 2` printed `your layout TP 1 × PP 1 × DP 1` (CP dropped) with
     the activations of CP 1, and said context parallelism does not train yet."""

@@ -64,7 +64,8 @@ def _row(name: str, lay: Layout, mem, time) -> str:
 def plan_vocab(cfg) -> tuple:
     """(vocabulary size, how it was found) for the plan: ``data.tokenizer.vocab_of``, except that a tokenizer
     file that is not on this machine (a cluster launch script's path) is not read: the vocabulary is
-    then --vocab-size or vocab_of's default for the tokenizer type, and one note on stderr says which.
+    then --vocab-size or vocab_of's default for the tokenizer type, and one note on stderr says which;
+    so does a plan given no tokenizer and no --vocab-size at all (an assumed vocabulary).
     The plan needs only shapes, so no data or tokenizer file has to exist."""
     from ..data.tokenizer import vocab_of
     d = cfg.data
@@ -72,7 +73,12 @@ def plan_vocab(cfg) -> tuple:
               for name in ("tokenizer_model", "vocab_file", "merge_file")
               if getattr(d, name) and not os.path.exists(getattr(d, name))]
     if not absent:
-        return vocab_of(cfg)
+        vocab, source = vocab_of(cfg)
+        if source.startswith("assumed"):
+            print(f"meshlm plan: note: no tokenizer and no --vocab-size given; planning with vocabulary {vocab} "
+                  f"({source}); give --vocab-size N or the tokenizer flags for the real one", file=sys.stderr,
+                  flush=True)
+        return vocab, source
     vocab, source = vocab_of(dataclasses.replace(cfg, data=dataclasses.replace(
         d, tokenizer_model=None, vocab_file=None, merge_file=None)))
     print(f"meshlm plan: note: {', '.join(absent)} not found here; planning with vocabulary {vocab} "
