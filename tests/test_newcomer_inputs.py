@@ -167,6 +167,19 @@ def test_a_bad_line_in_the_middle_is_still_refused(tmp_path, capsys, command):
     assert "metrics.jsonl line 4: not JSON" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("command, tail, named", [
+    ("report", '{"iteration": 4, "iter_ms": 1, "lm_loss": 2}\n', "record 4 (a training record) has no integer "
+                                                                   "consumed_samples"),
+    ("report", '{"iteration": 4, "consumed_samples": "x", "val_loss": 2}\n', "record 4 (a validation record)"),
+    ("analyze", '{"iter_ms": 1, "lm_loss": 2}\n', "training record 4 has no integer \"iteration\""),
+    ("report", '{"iter_ms": 1, "lm_loss": 2}\n', "has no integer iteration or consumed_samples")])
+def test_a_record_without_its_iteration_or_samples_is_one_line(tmp_path, capsys, command, tail, named):
+    """A hand-edited (or foreign) metrics.jsonl whose record lacked consumed_samples or iteration ended
+    in a KeyError traceback from the charts' x axes or the iteration sort."""
+    err = _refused(capsys, [command, str(_run_dir(tmp_path, tail=tail))])
+    assert named in err and len(err.splitlines()) == 1
+
+
 @pytest.mark.parametrize("command", ["analyze", "report"])
 @pytest.mark.parametrize("text", ["a: [1,\n b: :\n", "- just\n- a list\n"])
 def test_a_damaged_config_yaml_is_one_line_naming_the_file(tmp_path, capsys, command, text):

@@ -109,6 +109,10 @@ def load_run(run_dir: str) -> tuple:
     from ..metrics_json import decode
     records = [decode(rec) for rec in read_jsonl(path, ConfigError, "a meshlm metrics.jsonl")
                if isinstance(rec, dict) and "iter_ms" in rec]
+    bad = next((n for n, rec in enumerate(records, 1) if not isinstance(rec.get("iteration"), int)), None)
+    if bad:  # analyze() orders and names iterations by it: a KeyError traceback before
+        raise ConfigError(f"{path}: training record {bad} has no integer \"iteration\"; give the metrics.jsonl "
+                          f"`meshlm pretrain` wrote")
     folder = run_dir if os.path.isdir(run_dir) else os.path.dirname(os.path.dirname(os.path.abspath(path)))
     return records, _config_of(folder)
 
