@@ -254,3 +254,18 @@ def test_a_speed_fix_the_planner_predicts_slower_is_dropped_but_a_memory_fix_is_
     fixes = by_kind(report, "dp")[0]["fixes"]
     assert fixes and all(f["predicted_gain"] is None or f["predicted_gain"] >= 0 for f in fixes)
     assert "slower" not in format_report(report)
+
+
+def test_a_fix_meshlm_would_refuse_for_the_run_is_not_offered():
+    """A 2-layer TP=2 × PP=2 run was told `--tensor-model-parallel-size 1 --pipeline-model-parallel-size 4`
+    (4 stages of a 2-layer model), and a DP=8 run with global batch 8 `--micro-batch-size 2`."""
+    tp = config(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    tp["model"] = {"num_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+    records = [rec(i, comm_share={"tp": 0.5}, world_size=4) for i in range(1, 5)]
+    assert "--pipeline-model-parallel-size" not in fix_flags(by_kind(analyze(records, tp), "tp")[0])
+    tp["model"]["num_layers"] = 8  # 2 a stage at PP 4: offered
+    assert by_kind(analyze(records, tp), "tp")[0]["fixes"][0]["flags"] == {
+        "--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "4"}
+    dp = [rec(i, comm_share={"dp": 0.5}, world_size=8) for i in range(1, 5)]
+    assert "--micro-batch-size" not in fix_flags(by_kind(analyze(dp, config(global_batch_size=8)), "dp")[0])
+    assert "--micro-batch-size" in fix_flags(by_kind(analyze(dp, config(global_batch_size=16)), "dp")[0])

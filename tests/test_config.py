@@ -724,3 +724,33 @@ def test_checking_an_output_folder_leaves_nothing_behind(tmp_path):
     cfg.checkpoint.save = str(tmp_path / "a" / "b" / "ckpt")
     validate(cfg, world=1)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind, noted", [("HuggingFaceTokenizer", True), ("Llama2Tokenizer", True),
+                                         ("NullTokenizer", False), ("TikTokenizer", False)])
+def test_vocab_size_with_a_tokenizer_file_is_noted_as_ignored(kind, noted):
+    """`--tokenizer-model tok.json --vocab-size 50` trained the file's 300 ids without a word."""
+    cfg = small()
+    cfg.data.mock_data, cfg.data.data_path = False, ["d_text_document"]
+    cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.model.vocab_size = kind, "tok.json", 50
+    said = [line for line in notes(cfg) if line.startswith("--vocab-size 50 ignored with ")]
+    assert bool(said) == noted
+    cfg.data.tokenizer_type = None  # implied by --tokenizer-model: HuggingFaceTokenizer
+    assert any(line.startswith("--vocab-size 50 ignored with HuggingFaceTokenizer") for line in notes(cfg))
+
+
+@pytest.mark.parametrize("key, value, words", [("tensor_model_parallel_size", None, "an integer (default 1)"),
+                                                ("bf16", None, "true or false (default False)"),
+                                                ("data_path", None, "a list (default [])")])
+def test_a_yaml_null_for_a_field_without_an_unset_state_is_one_line(key, value, words):
+    """`parallel: {tensor_model_parallel_size: null}` in --config ended in a TypeError traceback."""
+    from meshlm.config import apply_mapping
+    cfg = Config()
+    with pytest.raises(ConfigError, match=f"c.yaml: {key.replace('_', '-')} is null but has no unset state; give "
+                                          f"{re.escape(words)} or leave the key out"):
+        apply_mapping(cfg, {key: value}, "c.yaml")
+    apply_mapping(cfg, {"train_iters": None, "run_dir": None}, "c.yaml")  # these may be unset
+    assert cfg.training.train_iters is None
+    with pytest.raises(ConfigError, match=r"c.yaml: 'model' is a section: give a mapping of its keys \(e.g. model: "
+                                          r"\{num_layers: …\}\) or a preset name, not 3"):  # was "unknown key 'model'"
+        apply_mapping(cfg, {"model": 3}, "c.yaml")

@@ -11,7 +11,7 @@ from meshlm.config import Config
 from meshlm.data.blend import BlendedDataset, build_blending_indices, parse_data_path, samples_per_dataset
 from meshlm.data.gpt_dataset import build_datasets
 from meshlm.data.indexed import IndexedDatasetWriter
-from meshlm.errors import DataError
+from meshlm.errors import ConfigError, DataError
 
 VOCAB, SEQ = 500, 16
 
@@ -56,6 +56,15 @@ def test_samples_per_dataset_has_a_half_percent_surplus():
 def test_weighted_data_path_is_normalised():
     assert parse_data_path(["3", "A", "1", "B"]) == [(0.75, "A"), (0.25, "B")]
     assert parse_data_path(["A", "B"]) == [(0.5, "A"), (0.5, "B")]
+    assert parse_data_path(["1e308", "A", "1e308", "B"]) == [(0.5, "A"), (0.5, "B")]
+
+
+@pytest.mark.parametrize("weight", ["nan", "inf", "-inf", "1e400", "0", "-1"])
+def test_a_weight_that_is_not_finite_and_positive_is_refused(weight):
+    """`--data-path nan A 1 B` passed validation and ended in a worker's ValueError traceback."""
+    with pytest.raises(ConfigError, match=f"--train-data-path: expected a finite positive weight then a prefix, "
+                                          f"got '{weight}' 'A'"):
+        parse_data_path([weight, "A", "1", "B"], "--train-data-path")
 
 
 def test_a_dataset_that_cannot_supply_its_share_is_a_data_error():

@@ -118,6 +118,10 @@ def test_check_token_ids_names_the_file_and_the_largest_id(tmp_path):
     with pytest.raises(DataError) as err:
         check_token_ids([good, bad], vocab_size=100)
     assert "bad.bin" in str(err.value) and "300" in str(err.value)
+    # a tokenizer file fixes the vocabulary: --vocab-size (ignored by it) is no fix to name
+    assert str(err.value).endswith("use the tokenizer the data was preprocessed with")
+    with pytest.raises(DataError, match=r"preprocessed with \(or --vocab-size 301 or more\)$"):
+        check_token_ids([bad], vocab_size=100, sized_by_flag=True)  # TikTokenizer's vocabulary is --vocab-size's
 
 
 def _corrupt(prefix, how):

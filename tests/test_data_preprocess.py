@@ -74,7 +74,15 @@ def test_plain_text_file_is_one_document_and_several_keys_stay_aligned(tmp_path)
     assert stats.tokens == 5
 
 
-def test_worker_pool_writes_the_same_files(tmp_path):
+@pytest.fixture
+def full_pool(monkeypatch):
+    """Start every --workers process even for these small inputs (pool_size caps it at the input's
+    chunks and the machine's cores): the tests below are about the pool itself."""
+    from meshlm.data import preprocess
+    monkeypatch.setattr(preprocess, "pool_size", lambda workers, total_bytes, cores=None: workers)
+
+
+def test_worker_pool_writes_the_same_files(tmp_path, full_pool):
     rng = np.random.default_rng(0)
     path = tmp_path / "big.jsonl"
     docs = [" ".join(map(str, rng.integers(0, VOCAB - 1, rng.integers(0, 50)))) for _ in range(3000)]
@@ -123,7 +131,7 @@ def _leftovers(folder):
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_every_kind_of_bad_record_is_skipped_by_the_cli_and_the_rest_kept(tmp_path, capsys, workers):
+def test_every_kind_of_bad_record_is_skipped_by_the_cli_and_the_rest_kept(tmp_path, capsys, workers, full_pool):
     from meshlm.cli import main
     path = tmp_path / "c.jsonl"
     path.write_text("\n".join([
@@ -170,7 +178,7 @@ def bpe(tmp_path_factory):
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_a_lone_surrogate_does_not_reach_a_real_tokenizer(tmp_path, bpe, workers):
+def test_a_lone_surrogate_does_not_reach_a_real_tokenizer(tmp_path, bpe, workers, full_pool):
     path = tmp_path / "s.jsonl"
     path.write_text('{"text": "hello"}\n{"text": "a\\ud800b"}\n{"text": "world"}\n')
     stats = preprocess_files([str(path)], str(tmp_path / "out"), bpe, workers=workers, quiet=True)
@@ -203,7 +211,7 @@ def test_keyboard_interrupt_while_writing_leaves_no_file(tmp_path, monkeypatch):
     assert _leftovers(tmp_path) == []
 
 
-def test_an_error_in_a_worker_process_leaves_no_file(tmp_path, monkeypatch):
+def test_an_error_in_a_worker_process_leaves_no_file(tmp_path, monkeypatch, full_pool):
     import multiprocessing
     from meshlm.data.tokenizer import NullTokenizer
     if multiprocessing.get_start_method() != "fork":
@@ -297,3 +305,16 @@ def test_split_sentences_is_refused_in_one_line_naming_it(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--split-sentences: meshlm does not split" in err
     assert not (tmp_path / "out_text_document.bin").exists()
+
+
+def test_workers_beyond_the_inputs_chunks_or_the_cores_are_not_started(tmp_path, capsys):
+    """`meshlm preprocess --workers 100000` on a 30 KiB file forked 100000 tokenizer processes and
+    ran for half an hour; the pool is now as large as there is work and cores for, with a note."""
+    from meshlm.data.preprocess import CHUNK_BYTES, pool_size
+    assert pool_size(100000, 30_000, cores=2) == 1 and pool_size(8, 5 * CHUNK_BYTES, cores=16) == 5
+    assert pool_size(8, 100 * CHUNK_BYTES, cores=2) == 2 and pool_size(3, 100 * CHUNK_BYTES, cores=16) == 3
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "1 2"}\n')
+    stats = preprocess_files([str(path)], str(tmp_path / "out"), null_cfg(), VOCAB, workers=100000)
+    assert stats.documents == 1
+    assert "preprocess: note: --workers 100000: using 1 tokenizer process(es)" in capsys.readouterr().err

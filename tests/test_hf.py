@@ -272,3 +272,21 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_folder(hf, tmp_pat
     with pytest.raises(ConfigError):
         convert.export_hf(ckpt, str(out))
     assert os.listdir(out) == []
+
+
+@pytest.mark.parametrize("act, form", [("gelu_new", "tanh"), ("gelu", "exact")])
+def test_a_gpt2_is_loaded_by_any_flags_that_give_its_gelu(act, form):
+    """A meshlm GPT-2 exported (default fused bias-GeLU, tanh) came back as `gelu_new` = --openai-gelu,
+    and `pretrain --load hf-dir` with the flags it was trained with was refused as another shape."""
+    import dataclasses
+
+    hf = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "n_positions": 16,
+          "activation_function": act}
+    m = model_from_hf(hf, "x/config.json")
+    base = dataclasses.replace(m.model_config(), openai_gelu=False, bias_gelu_fusion=True)  # meshlm's default
+    tanh = [base, dataclasses.replace(base, openai_gelu=True, bias_gelu_fusion=False)]
+    exact = [dataclasses.replace(base, bias_gelu_fusion=False)]
+    for flags in (tanh if form == "tanh" else exact):
+        assert flag_problems(m, flags, "HF") == []
+    [problem] = flag_problems(m, (exact if form == "tanh" else tanh)[0], "HF")
+    assert f"GeLU hf={form} now={'exact' if form == 'tanh' else 'tanh'}" in problem

@@ -168,6 +168,19 @@ def test_a_bad_line_in_the_middle_is_still_refused(tmp_path, capsys, command):
     assert "metrics.jsonl line 4: not JSON" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("command, tail, named", [
+    ("report", '{"iteration": 4, "iter_ms": 1, "lm_loss": 2}\n', "record 4 (a training record) has no integer "
+                                                                   "consumed_samples"),
+    ("report", '{"iteration": 4, "consumed_samples": "x", "val_loss": 2}\n', "record 4 (a validation record)"),
+    ("analyze", '{"iter_ms": 1, "lm_loss": 2}\n', "training record 4 has no integer \"iteration\""),
+    ("report", '{"iter_ms": 1, "lm_loss": 2}\n', "has no integer iteration or consumed_samples")])
+def test_a_record_without_its_iteration_or_samples_is_one_line(tmp_path, capsys, command, tail, named):
+    """A hand-edited (or foreign) metrics.jsonl whose record lacked consumed_samples or iteration ended
+    in a KeyError traceback from the charts' x axes or the iteration sort."""
+    err = _refused(capsys, [command, str(_run_dir(tmp_path, tail=tail))])
+    assert named in err and len(err.splitlines()) == 1
+
+
 @pytest.mark.parametrize("command", ["analyze", "report"])
 @pytest.mark.parametrize("text", ["a: [1,\n b: :\n", "- just\n- a list\n"])
 def test_a_damaged_config_yaml_is_one_line_naming_the_file(tmp_path, capsys, command, text):
@@ -186,12 +199,28 @@ PLAN = ["plan", "--num-layers", "2", "--hidden-size", "64", "--num-attention-hea
     (["--num-gpus", "12"], "--num-gpus 12 is not whole nodes"),
     (["--gpu-tflops", "0"], "--gpu-tflops 0"), (["--gpu-memory-gib", "-5"], "--gpu-memory-gib -5"),
     (["--gpu-gemm-efficiency", "2"], "--gpu-gemm-efficiency 2"),
+    (["--gpu-hbm-gbps", "inf"], "--gpu-hbm-gbps inf: give a finite number above 0"),
+    (["--gpu-mtbf-hours", "inf"], "--gpu-mtbf-hours inf: give finite hours"),
+    (["--ckpt-write-gbps", "inf"], "--ckpt-write-gbps inf: give finite GB/s"),
+    (["--restart-minutes", "inf"], "--restart-minutes inf: give a finite number of minutes"),
+    (["--train-tokens", "inf"], "--train-tokens inf: give a finite number"),
 ])
 def test_plan_refuses_impossible_cluster_flags(capsys, flags, named):
     """--gpu-tflops 0 ended in ZeroDivisionError; --num-gpus 0 planned the default world, -4 printed
-    empty tables, --gpu-memory-gib -5 excluded every layout with exit 0."""
+    empty tables, --gpu-memory-gib -5 excluded every layout with exit 0; --gpu-mtbf-hours inf ended in
+    a traceback, --gpu-hbm-gbps, --ckpt-write-gbps and --restart-minutes inf planned on with inf/0 figures."""
     err = _refused(capsys, PLAN + flags)
     assert named in err
+
+
+def test_plan_says_when_it_assumes_the_vocabulary(capsys):
+    """`meshlm plan` with neither a tokenizer nor --vocab-size planned a 32000-token vocabulary silently
+    (the README promises one note whenever the vocabulary is assumed)."""
+    argv = PLAN[:PLAN.index("--mock-data")] + ["--num-gpus", "1", "--top", "1"]
+    assert main(argv) == 0
+    assert "meshlm plan: note: no tokenizer and no --vocab-size given; planning with vocabulary 32000" in \
+        capsys.readouterr().err
+    assert main(argv + ["--vocab-size", "512"]) == 0 and "note: no tokenizer" not in capsys.readouterr().err
 
 
 def test_plan_of_a_context_parallel_layout_names_cp_and_splits_the_activations(capsys):
@@ -268,6 +297,23 @@ def test_a_run_stopped_by_an_error_says_so(tmp_path, capsys, command):
     assert "the run stopped" not in text
 
 
+def test_an_earlier_attempts_error_in_an_appended_log_is_not_the_runs_end(tmp_path):
+    """A resume refused for its LR schedule, then resumed with --override-opt_param-scheduler to the
+    end, was analyzed as `the run stopped with an error: --load …`: rank logs append across attempts."""
+    from meshlm.planner.analyze import stop_finding
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    log = tmp_path / "rank0.log"
+    refused = "meshlm: error: --load ck: the checkpoint's LR schedule differs from this run's\n"
+    world = "meshlm: world=1 TP=1 CP=1 DP=1 PP=1 | 8 iterations\n"
+    log.write_text(world + refused + world + "loaded checkpoint ck/iter_0000005 (iteration 5)\n"
+                   " iteration        6/       8 | lm loss: 5.3\n")
+    assert stop_finding(str(tmp_path)) is None
+    log.write_text(log.read_text() + "meshlm: error: iteration 7: lm loss is nan\n")
+    assert "the run stopped with an error: iteration 7: lm loss is nan" in stop_finding(str(tmp_path))["message"]
+    log.write_text(world + refused)  # the last attempt itself refused: still the run's end
+    assert "LR schedule differs" in stop_finding(str(tmp_path))["message"]
+
+
 def test_the_example_launch_script_without_arguments_prints_its_usage(tmp_path):
     """`DRY_RUN=1 examples/train_llama3_8b_distributed.sh` (as the README names it) ended in
     `line 21: $1: unbound variable`."""
@@ -336,6 +382,14 @@ def test_dry_run_refuses_a_job_of_no_processes(capsys, flags, named):
     check, and `--nnodes 0` ended in a ZeroDivisionError traceback."""
     err = _refused(capsys, SHAPE + ["--mock-data", "--vocab-size", "64", "--dry-run"] + flags)
     assert named in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("flags", [["--nnodes", "2"], ["--world-size", "4"], ["--nnodes", "1", "--world-size", "2"]])
+def test_job_size_flags_without_dry_run_are_refused_not_ignored(tmp_path, capsys, flags):
+    """`meshlm pretrain … --nnodes 2` (or --world-size 4) trained a world of 1 on this node alone."""
+    err = _refused(capsys, SHAPE + ["--mock-data", "--vocab-size", "64", "--run-dir", str(tmp_path / "run")] + flags)
+    assert f"{' '.join(flags)} only size the job that --dry-run checks" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_report_onto_a_full_disk_keeps_the_earlier_report_whole(tmp_path, monkeypatch):

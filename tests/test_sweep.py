@@ -66,6 +66,12 @@ def test_successive_halving_keeps_the_best_half_and_runs_them_longer(tmp_path, m
     (["--lr", "1e-3", "--hidden-size", "0,-8"], "'0' is not a finite positive value"),
     (["--lr", "1e-3", "--", "--bogus-flag"], "the trials' pretrain flags are refused"),
     (["--lr", "1e-3", "--", "--mock-data", "--num-attention-heads", "3"], "the trials' pretrain flags are refused"),
+    # the sweep's own per-trial flags, given after `--` too: the trial's were silently replaced (50 iterations run)
+    (["--lr", "1e-3", "--", "--mock-data", "--train-iters", "3"], "--train-iters 3 after `--`: the sweep sets each "
+                                                                   "trial's length: give it as `meshlm sweep --train-iters N`"),
+    (["--lr", "1e-3,2e-3", "--", "--lr=5"], "--lr 5 after `--`: the sweep sets each trial's value from its own --lr"),
+    (["--lr", "1e-3", "--hidden-size", "32,64", "--", "--hidden-size", "48"], "--hidden-size 48 after `--`"),
+    (["--lr", "1e-3", "--", "--run-dir", "x"], "--run-dir x after `--`: the sweep runs each trial in its own folder"),
 ])
 def test_bad_sweep_input_is_one_line_before_any_trial(tmp_path, capsys, bad, words):
     """The newcomer's cases: each crashed, was silently changed, or ran every trial before failing."""

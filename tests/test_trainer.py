@@ -165,8 +165,11 @@ def test_skip_nan_steps_skips_the_update_and_counts_it(tmp_path):
 
 # ----------------------------------------------------------------------------- out of memory
 
-def _oom_in_the_first_step(rank, world, tmp):
+def _oom_in_the_first_step(rank, world, tmp, host=False):
     def out_of_memory(*args, **kwargs):
+        if host:  # torch's CPU allocator, word for word
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                               "memory: you tried to allocate 40000000000 bytes. Error code 12 (Cannot allocate memory)")
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     trainer.forward_backward = out_of_memory  # this spawned process only
@@ -189,6 +192,16 @@ def test_an_out_of_memory_step_is_one_training_error_with_the_planners_predictio
     assert "allocated when it failed: n/a (no CUDA device)" in facts
     fits = next(line for line in facts if line.startswith("layouts that fit (planner): "))
     assert "--micro-batch-size" in fits and " GiB)" in fits
+
+
+def test_a_cpu_run_out_of_host_memory_is_one_training_error_not_a_traceback(tmp_path):
+    """`--seq-length 100000` on CPU ended in a worker traceback of torch's DefaultCPUAllocator."""
+    kind, message, cause = run_distributed(_oom_in_the_first_step, 1, str(tmp_path), True)[0]
+    assert (kind, cause) == ("TrainingError", "RuntimeError")
+    first, available, fix = message.splitlines()
+    assert first.startswith("out of host memory at TP 1 × PP 1 × DP 1, micro-batch 2, --seq-length ")
+    assert first.endswith("DefaultCPUAllocator: can't allocate memory: you tried to allocate 40000000000 bytes")
+    assert available.startswith("host memory available now: ") and "--micro-batch-size" in fix
 
 
 # ----------------------------------------------------------------------------- --load == --save, fresh

@@ -193,11 +193,12 @@ def _dry_run(args: argparse.Namespace) -> int:
     from .megatron_flags import startup_lines
     from .validate import job_size_problems, notes, validate
 
-    problems = job_size_problems(args.world_size, args.nnodes)
+    nnodes = 1 if args.nnodes is None else args.nnodes
+    problems = job_size_problems(args.world_size, nnodes)
     if problems:
         raise ConfigError(problems)
     cfg, embedded = _config_and_source(args)
-    world = args.world_size if args.world_size is not None else args.nnodes * default_nproc(cfg)
+    world = args.world_size if args.world_size is not None else nnodes * default_nproc(cfg)
     from .checkpoint.convert import carry_dropout
     for note in notes(cfg) + startup_lines(args, explicit_fields(args)) + carry_dropout(cfg, explicit_fields(args)):
         print(f"meshlm: note: {note}", flush=True)
@@ -218,6 +219,12 @@ def _run_pretrain(args: argparse.Namespace) -> int:
 
     if args.dry_run:
         return _dry_run(args)
+    sized = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("nnodes", "world_size")
+             if getattr(args, name) is not None]
+    if sized:  # a launch that silently ran on one node's --nproc-per-node workers instead
+        raise ConfigError(f"{' '.join(sized)} only size the job that --dry-run checks; a launch takes its size from "
+                          f"--nproc-per-node (local workers) or from torchrun / Slurm (e.g. `torchrun --nnodes 2 "
+                          f"--nproc-per-node 8 -m meshlm pretrain …`): add --dry-run, or drop {' and '.join(sized)}")
 
     if launch.is_self_launched_worker():  # re-entered with the resolved config.yaml
         return launch.run_worker(config_from_args(args))
@@ -276,8 +283,10 @@ def _add_pretrain(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("dry run")
     run.add_argument("--dry-run", action="store_true", help="check the flags, files and layout, print the "
                      "layout and per-rank memory, exit without starting workers")
-    run.add_argument("--nnodes", type=int, default=1, help="nodes of the job --dry-run checks (× --nproc-per-node)")
-    run.add_argument("--world-size", type=int, default=None, help="processes of the job --dry-run checks")
+    run.add_argument("--nnodes", type=int, default=None, help="nodes of the job --dry-run checks (× "
+                     "--nproc-per-node; default 1); only with --dry-run")
+    run.add_argument("--world-size", type=int, default=None, help="processes of the job --dry-run checks; only "
+                     "with --dry-run")
     add_no_effect_args(parser)
     parser.epilog = help_epilog({flag_of(f) for _, f in config_fields()})
     parser.set_defaults(_run=_run_pretrain)

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from .batches import BatchSchedule
 from .errors import ConfigError
-from .values import coerce, expected, flag_type, kind_of
+from .values import WORDS, coerce, expected, flag_type, kind_of
 
 SHARDING = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}  # Megatron's names: ZeRO stage
 
@@ -436,9 +436,14 @@ def _index():
 
 
 def _coerce(f, value, where: str):
-    """Convert a YAML value to the field's kind; raise ConfigError naming the key and the kind."""
+    """Convert a YAML value to the field's kind; raise ConfigError naming the key and the kind (also
+    for a null, ``key: ~`` or ``key:``, of a field that has no unset state: a traceback before)."""
     if value is None:
-        return None
+        if "Optional" in str(f.type):
+            return None
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        raise ConfigError(f"{where}: {flag_of(f)[2:]} is null but has no unset state; give "
+                          f"{WORDS[kind_of(f)]} (default {default!r}) or leave the key out")
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"{where}: {flag_of(f)[2:]}={value!r} is not one of {', '.join(choices)}")
@@ -468,6 +473,11 @@ def apply_mapping(cfg: Config, mapping: dict, source: str) -> None:
     idx = _index()
     problems, given, unknown = [], {}, []
     for key, value in _flatten(mapping):
+        if key in SECTIONS:  # `model: 3`: the section holds no mapping (was called an unknown key)
+            problems.append(f"{source}: {key!r} is a section: give a mapping of its keys (e.g. {key}: "
+                            f"{{{next(f.name for s, f in config_fields() if s == key)}: …}})" +
+                            (" or a preset name" if key == "model" else "") + f", not {value!r}")
+            continue
         if key != "model_preset" and key not in idx:
             unknown.append(key)
             continue

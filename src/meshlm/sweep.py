@@ -4,7 +4,8 @@ warm-up, init std and the width) on short proxy runs, each a normal ``meshlm pre
     meshlm sweep --lr 1e-3,3e-3,1e-2 --hidden-size 128,256 --sweep-dir DIR [--method halving]
                  [--target-hidden-size 4096] -- <pretrain flags, e.g. --use-mup --mock-data …>
 
-The swept flags take comma lists of pretrain's values; the flags after ``--`` are every trial's.
+The swept flags take comma lists of pretrain's values; the flags after ``--`` are every trial's
+(except what the sweep sets per trial: --train-iters, --run-dir and the swept flags are refused there).
 Trials run in parallel, one per slot: a GPU each (CUDA_VISIBLE_DEVICES) when there are GPUs, else
 --slots CPU processes; a trial is one process (TP = PP = 1) unless the flags give --nproc-per-node. A trial ends as ``ok`` (its loss: the last validation loss, else the mean of
 its last three training losses), ``diverged`` (a NaN/inf loss, or a loss above --spike-factor × its
@@ -105,6 +106,26 @@ def _check(args) -> None:
             raise ConfigError(f"{flag} {value} is out of range: give {least} or more")
     if not (math.isfinite(args.spike_factor) and args.spike_factor > 1):
         raise ConfigError(f"--spike-factor {args.spike_factor} is out of range: give a number above 1, e.g. 1.5")
+
+
+def _check_trial_flags(args, base: list) -> None:
+    """ConfigError for a pretrain flag after ``--`` that the sweep sets on every trial's command line
+    itself (appended last, so the trial's own would be silently replaced): --train-iters (the sweep's
+    --train-iters), --run-dir (a folder in --sweep-dir) and each swept flag."""
+    owned = {"--train-iters": "the sweep sets each trial's length: give it as `meshlm sweep --train-iters N` "
+                              "(halving: rung 0's)",
+             "--run-dir": "the sweep runs each trial in its own folder under --sweep-dir: drop it"}
+    owned.update({"--" + name.replace("_", "-"): f"the sweep sets each trial's value from its own "
+                  f"--{name.replace('_', '-')} {getattr(args, name)}: drop one of the two"
+                  for name in AXES if getattr(args, name) is not None})
+    problems = []
+    for i, tok in enumerate(base):
+        flag, eq, value = tok.partition("=")
+        if flag in owned:
+            value = value if eq else (base[i + 1] if i + 1 < len(base) else "")
+            problems.append(f"{flag} {value} after `--`: {owned[flag]}".replace("  ", " "))
+    if problems:
+        raise ConfigError(problems)
 
 
 def _dry_run(base: list, settings: dict, iters: int, extra: list) -> None:
@@ -213,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
     base = [a for a in args.pretrain if a != "--"]
     _check(args)
     values = _values(args)
+    _check_trial_flags(args, base)
     widths = sorted(values.pop("hidden_size", [None]), key=lambda w: w or 0)
     mup = "--use-mup" in base
     if mup and "--mup-base-hidden-size" not in base and widths != [None]:

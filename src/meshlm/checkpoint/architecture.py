@@ -6,8 +6,24 @@ Hugging Face load with the HF model's (hf_config.py ``flag_problems``).
 
 from __future__ import annotations
 
+import dataclasses
+
 from .. import config as C
 from .. import mup
+
+GELU = "gelu"  # architecture()'s key for the GeLU's form ("tanh" / "exact"), which two flags decide
+
+
+def difference(name: str, a, b, sides: tuple) -> str:
+    """One differing architecture entry as ``--flag <sides[0]>=a <sides[1]>=b`` (an inverted switch
+    such as --disable-bias-linear in its own sense); the GeLU's form names the flags that give each."""
+    if name == GELU:
+        return (f"GeLU {sides[0]}={a} {sides[1]}={b} (tanh: --openai-gelu, or the default fused bias-GeLU with "
+                f"biases; exact: --no-bias-gelu-fusion)")
+    f = {f.name: f for f in dataclasses.fields(C.ModelConfig)}[name]
+    if f.metadata.get("action") == "store_false":
+        a, b = not a, not b
+    return f"{C.flag_of(f)} {sides[0]}={a} {sides[1]}={b}"
 
 
 def architecture(m: C.ModelConfig) -> dict:
@@ -17,12 +33,13 @@ def architecture(m: C.ModelConfig) -> dict:
     length (except as the learned position table size) may change on resume and are left out, and
     so may --make-vocab-size-divisible-by (checkpoints hold the unpadded vocabulary)."""
     arch = {name: getattr(m, name) for name in (
-        "num_layers", "hidden_size", "num_attention_heads", "normalization", "swiglu", "openai_gelu",
+        "num_layers", "hidden_size", "num_attention_heads", "normalization", "swiglu",
         "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
         "vocab_size")}
     arch.update(num_query_groups=C.query_groups(m), ffn_hidden_size=C.ffn_hidden(m), kv_channels=C.head_dim(m))
-    # the GeLU's form: the fused bias-GeLU's tanh unless --openai-gelu says so anyway or there is no GeLU bias
-    arch["bias_gelu_fusion"] = C.gelu_tanh(m) if not m.openai_gelu and m.add_bias_linear and not m.swiglu else None
+    # the GeLU's form, whichever flags give it: --openai-gelu and the default fused bias-GeLU are the same
+    # tanh (a GPT-2 export of the one re-imports as the other); None for SwiGLU
+    arch[GELU] = None if m.swiglu else "tanh" if C.gelu_tanh(m) else "exact"
     arch["num_experts"] = m.num_experts or None
     if m.num_experts:  # what routes and where the experts are (the bias, losses and capacity may change)
         arch.update(moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=C.moe_ffn(m),

@@ -35,7 +35,7 @@ from typing import Optional
 
 from .. import config as C
 from ..errors import CheckpointError
-from .architecture import architecture
+from .architecture import architecture, difference
 
 ARCHITECTURES = ("llama", "mistral", "mixtral", "gpt2")
 CONFIG = "config.json"
@@ -184,15 +184,8 @@ def flag_problems(hf_model: HFModel, m: C.ModelConfig, load: str) -> list:
     architecture flag that differs (``--flag hf=X now=Y``, then the flags to pass), and a
     --seq-length beyond Mistral's sliding window. [] when the run's model is the HF one."""
     want, now = architecture(hf_model.model_config()), architecture(m)
-    fields = {f.name: f for f in dataclasses.fields(C.ModelConfig)}
-    diffs = []
-    for name in want:
-        a, b = want[name], now.get(name)
-        if name in _NOT_COMPARED or a == b:
-            continue
-        if fields[name].metadata.get("action") == "store_false":
-            a, b = not a, not b
-        diffs.append(f"{C.flag_of(fields[name])} hf={a} now={b}")
+    diffs = [difference(name, want[name], now.get(name), ("hf", "now")) for name in want
+             if name not in _NOT_COMPARED and want[name] != now.get(name)]
     problems = []
     if diffs:
         problems.append(f"--load {load} is a Hugging Face {hf_model.arch} model of another shape than the "

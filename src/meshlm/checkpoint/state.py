@@ -5,7 +5,6 @@ RNG states, and the model architecture a resume must match.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import os
 from typing import Optional
@@ -15,7 +14,7 @@ import torch
 from .. import config as C
 from ..dtypes import at_least_fp32
 from ..errors import CheckpointError, ConfigError
-from .architecture import architecture
+from .architecture import architecture, difference
 from .dist import CONFIG, _check_format, _unflatten, rank_trees, read_config, read_manifest, read_tensors
 from .model_space import ModelSpace
 from .safe_read import SafeReader, reading
@@ -44,15 +43,8 @@ def check_model_config(path: str, model: C.ModelConfig, load: Optional[str] = No
     now["vocab_size"] = now["vocab_size"] or vocab_size
     if saved["vocab_size"] is None or now["vocab_size"] is None:
         del saved["vocab_size"]
-    fields = {f.name: f for f in dataclasses.fields(C.ModelConfig)}
-    diffs = []
-    for name in (n for n in now if n in saved):  # position fields differ with the position type
-        a, b = saved[name], now[name]
-        if a != b:
-            f = fields[name]
-            if f.metadata.get("action") == "store_false":
-                a, b = not a, not b
-            diffs.append(f"{C.flag_of(f)} saved={a} now={b}")
+    diffs = [difference(name, saved[name], now[name], ("saved", "now"))  # position fields: with the position type
+             for name in now if name in saved and saved[name] != now[name]]
     if diffs:
         raise CheckpointError(f"--load {load or os.path.dirname(os.path.normpath(path))}: checkpoint "
                               f"{os.path.basename(os.path.normpath(path))} is of another model: {', '.join(diffs)}; "

@@ -21,7 +21,8 @@ def parse_data_path(tokens: list, flag: str = "--data-path") -> list:
     get equal weights.
 
     Raises ConfigError naming ``flag`` (where the tokens came from) when weights and prefixes do
-    not alternate or a weight is not positive.
+    not alternate or a weight is not a finite positive number (``nan``/``inf``/``1e400`` parse as
+    floats but leave no share to sample by).
     """
     if not tokens:
         return []
@@ -40,11 +41,12 @@ def parse_data_path(tokens: list, flag: str = "--data-path") -> list:
                           f"(e.g. 0.7 A 0.3 B)")
     pairs = []
     for w, prefix in zip(tokens[::2], tokens[1::2]):
-        if not is_number(w) or float(w) <= 0 or is_number(prefix):
-            raise ConfigError(f"{flag}: expected a positive weight then a prefix, got {w!r} {prefix!r}")
+        if not is_number(w) or not 0 < float(w) < math.inf or is_number(prefix):
+            raise ConfigError(f"{flag}: expected a finite positive weight then a prefix, got {w!r} {prefix!r}")
         pairs.append((float(w), prefix))
-    total = sum(w for w, _ in pairs)
-    return [(w / total, prefix) for w, prefix in pairs]
+    top = max(w for w, _ in pairs)  # scaled first: two weights near the float maximum sum to inf
+    total = sum(w / top for w, _ in pairs)
+    return [(w / top / total, prefix) for w, prefix in pairs]
 
 
 def samples_per_dataset(weights, num_samples: int, surplus: float = 0.0) -> list:

@@ -168,12 +168,14 @@ class IndexedDataset:
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
 
-def check_token_ids(prefixes, vocab_size: int, null_tokenizer: bool = False) -> None:
+def check_token_ids(prefixes, vocab_size: int, null_tokenizer: bool = False, sized_by_flag: bool = False) -> None:
     """Raise DataError naming the .bin file and its largest id if any id is ≥ vocab_size.
 
     prefixes: indexed-dataset prefixes (without .bin/.idx). Reads each .bin in 64 MiB chunks.
     null_tokenizer: the run's NullTokenizer: a largest id of exactly vocab_size is data made by
     megatron-core 0.16.1's NullTokenizer (eod = --vocab-size, one id more), and the line says so.
+    sized_by_flag: the vocabulary is --vocab-size's (NullTokenizer, TikTokenizer), so a larger one is a
+    fix the line may name; other tokenizers' files fix their vocabulary (--vocab-size changes nothing).
     """
     for prefix in prefixes:
         ds = IndexedDataset(prefix)
@@ -187,4 +189,5 @@ def check_token_ids(prefixes, vocab_size: int, null_tokenizer: bool = False) -> 
                             f"{vocab_size - 1}): load it with --vocab-size {vocab_size + 1}")
         if largest >= vocab_size:
             raise DataError(f"{prefix}.bin holds token id {largest} but the vocabulary has {vocab_size} "
-                            f"ids; use the tokenizer the data was preprocessed with (or a larger --vocab-size)")
+                            f"ids; use the tokenizer the data was preprocessed with" +
+                            (f" (or --vocab-size {largest + 1} or more)" if null_tokenizer or sized_by_flag else ""))

@@ -142,11 +142,27 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
     return stats
 
 
+def pool_size(workers: int, total_bytes: int, cores: Optional[int] = None) -> int:
+    """Tokenizer processes worth starting for --workers: no more than the input's chunks of
+    CHUNK_BYTES (an extra process would get no work) nor than this machine's usable cores (it would
+    only take turns on them, holding its own tokenizer): ``--workers 100000`` started 100000
+    processes for a 30 KiB file and ran for half an hour."""
+    cores = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return max(1, min(workers, -(-total_bytes // CHUNK_BYTES), cores))
+
+
 def _write(inputs, writers, tokenizer, keys, append_eod, workers, quiet, log_interval=None) -> tuple:
     """Tokenize every record into the writers → (stats, per-key count of text tokens)."""
     stats = PreprocessStats()
     start = time.perf_counter()
-    progress, task = _progress(sum(os.path.getsize(p) for p in inputs), quiet)
+    total = sum(os.path.getsize(p) for p in inputs)
+    used = pool_size(workers, total)
+    if used < workers and not quiet:
+        print(f"preprocess: note: --workers {workers}: using {used} tokenizer process(es), as many as the input's "
+              f"{-(-total // CHUNK_BYTES)} chunk(s) of {CHUNK_BYTES >> 20} MiB and this machine's cores allow",
+              file=sys.stderr, flush=True)
+    workers = used
+    progress, task = _progress(total, quiet)
     text_tokens = [0] * len(keys)
     lines = log_interval if log_interval and not quiet and progress.disable else None
     pool = None

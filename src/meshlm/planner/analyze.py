@@ -109,6 +109,10 @@ def load_run(run_dir: str) -> tuple:
     from ..metrics_json import decode
     records = [decode(rec) for rec in read_jsonl(path, ConfigError, "a meshlm metrics.jsonl")
                if isinstance(rec, dict) and "iter_ms" in rec]
+    bad = next((n for n, rec in enumerate(records, 1) if not isinstance(rec.get("iteration"), int)), None)
+    if bad:  # analyze() orders and names iterations by it: a KeyError traceback before
+        raise ConfigError(f"{path}: training record {bad} has no integer \"iteration\"; give the metrics.jsonl "
+                          f"`meshlm pretrain` wrote")
     folder = run_dir if os.path.isdir(run_dir) else os.path.dirname(os.path.dirname(os.path.abspath(path)))
     return records, _config_of(folder)
 
@@ -130,11 +134,17 @@ def _config_of(folder: str) -> Optional[dict]:
     return None
 
 
+# Lines a worker writes only while a run goes on (training/metrics.py, trainer, checkpoint): after an
+# error line in the same appended rank log they are a later attempt's.
+PROGRESS = ("meshlm: world=", "loaded checkpoint", " iteration ", "saved checkpoint", " validation loss")
+
+
 def stop_finding(logs_dir: str) -> Optional[dict]:
     """A "stopped" warn finding (as analyze()'s findings) when a worker's log in ``logs_dir`` ends the
     run with a ``meshlm: error:`` line (a NaN/inf loss, a hang, a crash named by meshlm): the run's
-    last logged record does not say so, the worker logs do. A log last written before metrics.jsonl
-    (an earlier attempt's error, the job restarted and went on) does not count."""
+    last logged record does not say so, the worker logs do. An earlier attempt's error (the job was
+    restarted or resumed and went on) does not count: a log last written before metrics.jsonl, or an
+    error line followed in its (appended) log by a later attempt's progress (``PROGRESS`` lines)."""
     errors = []
     metrics = os.path.join(logs_dir, "metrics.jsonl")
     since = os.path.getmtime(metrics) - 1.0 if os.path.exists(metrics) else 0.0
@@ -142,9 +152,14 @@ def stop_finding(logs_dir: str) -> Optional[dict]:
         try:
             if os.path.getmtime(path) < since:
                 continue
+            own = []
             with open(path, encoding="utf-8", errors="replace") as fh:
-                errors += [line.strip()[len("meshlm: error:"):].strip() for line in fh
-                           if line.startswith("meshlm: error:")]
+                for line in fh:
+                    if line.startswith("meshlm: error:"):
+                        own.append(line.strip()[len("meshlm: error:"):].strip())
+                    elif own and line.startswith(PROGRESS):
+                        own = []  # a later attempt trained on: the error above was not the run's end
+            errors += own
         except OSError:
             continue
     if not errors:
@@ -160,7 +175,9 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
     """The report of one run as a JSON-able dict.
 
     records: training records of metrics.jsonl (``load_run``). config: the run's config dict
-    (sections model, training, parallel, …) or None. predictor: see the module doc.
+    (sections model, training, parallel, …) or None. predictor: see the module doc. A fix whose
+    flags meshlm would refuse for this run (``predict.refusal_check``: e.g. twice the pipeline
+    stages of a model with too few layers) is left out, with or without a predictor.
     Returns {"iterations": [first, last], "step_ms", "breakdown": {kind: share}, "dominant": kind
     or "compute", "pipeline": {...} or None, "findings": [Finding as dict]}; ConfigError if there
     is no training record.
@@ -187,7 +204,10 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
     findings += [_memory(records, flags), _throughput(steady), *_loss(records), _stragglers(steady)]
     findings = [f for f in findings if f is not None]
     findings.sort(key=lambda f: ({"warn": 0, "info": 1, "ok": 2}[f.severity], -(f.share or 0)))
+    from .predict import refusal_check
+    refused = refusal_check(config, records)
     for f in findings:
+        f.fixes = [fix for fix in f.fixes if not fix.flags or refused(fix.flags) is None]
         for fix in f.fixes:
             if predictor is not None and fix.flags:
                 fix.predicted_gain = predictor(config, dict(fix.flags))

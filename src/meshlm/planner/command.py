@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 
@@ -63,7 +64,8 @@ def _row(name: str, lay: Layout, mem, time) -> str:
 def plan_vocab(cfg) -> tuple:
     """(vocabulary size, how it was found) for the plan: ``data.tokenizer.vocab_of``, except that a tokenizer
     file that is not on this machine (a cluster launch script's path) is not read: the vocabulary is
-    then --vocab-size or vocab_of's default for the tokenizer type, and one note on stderr says which.
+    then --vocab-size or vocab_of's default for the tokenizer type, and one note on stderr says which;
+    so does a plan given no tokenizer and no --vocab-size at all (an assumed vocabulary).
     The plan needs only shapes, so no data or tokenizer file has to exist."""
     from ..data.tokenizer import vocab_of
     d = cfg.data
@@ -71,7 +73,12 @@ def plan_vocab(cfg) -> tuple:
               for name in ("tokenizer_model", "vocab_file", "merge_file")
               if getattr(d, name) and not os.path.exists(getattr(d, name))]
     if not absent:
-        return vocab_of(cfg)
+        vocab, source = vocab_of(cfg)
+        if source.startswith("assumed"):
+            print(f"meshlm plan: note: no tokenizer and no --vocab-size given; planning with vocabulary {vocab} "
+                  f"({source}); give --vocab-size N or the tokenizer flags for the real one", file=sys.stderr,
+                  flush=True)
+        return vocab, source
     vocab, source = vocab_of(dataclasses.replace(cfg, data=dataclasses.replace(
         d, tokenizer_model=None, vocab_file=None, merge_file=None)))
     print(f"meshlm plan: note: {', '.join(absent)} not found here; planning with vocabulary {vocab} "
@@ -117,14 +124,17 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     from ..config import moe_layer_pattern
     from .search import LONG_SEQUENCE, evaluate, layout_problems, search
     from .lint import lint
+    finite = math.inf  # every value below is a finite number: an inf MTBF or bandwidth made a traceback
     cluster = [f"{flag} {value}: give {what}" for flag, value, ok, what in (
         ("--num-gpus", args.num_gpus, args.num_gpus is None or args.num_gpus >= 1, "the job's GPU count (1 or more)"),
         ("--gpus-per-node", args.gpus_per_node, args.gpus_per_node >= 1, "1 or more"),
         ("--top", args.top, args.top >= 0, "0 or more layouts to print"),
-        ("--train-tokens", args.train_tokens, args.train_tokens is None or args.train_tokens >= 1, "1 or more tokens"),
-        ("--gpu-mtbf-hours", args.gpu_mtbf_hours, args.gpu_mtbf_hours > 0, "hours above 0"),
-        ("--ckpt-write-gbps", args.ckpt_write_gbps, args.ckpt_write_gbps > 0, "GB/s above 0"),
-        ("--restart-minutes", args.restart_minutes, args.restart_minutes >= 0, "0 or more minutes")) if not ok]
+        ("--train-tokens", args.train_tokens, args.train_tokens is None or 1 <= args.train_tokens < finite,
+         "a finite number of tokens, 1 or more"),
+        ("--gpu-mtbf-hours", args.gpu_mtbf_hours, 0 < args.gpu_mtbf_hours < finite, "finite hours above 0"),
+        ("--ckpt-write-gbps", args.ckpt_write_gbps, 0 < args.ckpt_write_gbps < finite, "finite GB/s above 0"),
+        ("--restart-minutes", args.restart_minutes, 0 <= args.restart_minutes < finite, "a finite number of "
+         "minutes, 0 or more")) if not ok]
     if args.train_tokens is not None and ({"training.train_iters", "training.train_samples"} & set(vars(args))):
         cluster.append("--train-tokens with --train-iters or --train-samples: give one run length")
     if not cluster and args.num_gpus and args.num_gpus > args.gpus_per_node and args.num_gpus % args.gpus_per_node:

@@ -158,9 +158,9 @@ def resolve_gpu(name: str, profile: Optional[str] = None, overrides: Optional[di
     else:
         raise ConfigError(f"--gpu {name!r} is neither a preset ({', '.join(PRESETS)}) nor a calibrated profile "
                           f"in {profile_dir()}; run `meshlm plan --calibrate` on that GPU or pass --gpu-profile")
-    bad = [f"--gpu-{k} {v:g}: give a number above 0" + (" and at most 1" if k == "gemm-efficiency" else "")
+    bad = [f"--gpu-{k} {v:g}: give a finite number above 0" + (" and at most 1" if k == "gemm-efficiency" else "")
            for k, v in (overrides or {}).items()
-           if v is not None and not (0 < v <= (1 if k == "gemm-efficiency" else float("inf")))]
+           if v is not None and not (0 < v <= 1 if k == "gemm-efficiency" else 0 < v < float("inf"))]
     if bad:
         raise ConfigError(bad)
     changes = {OVERRIDES[k][0]: v * OVERRIDES[k][1] for k, v in (overrides or {}).items() if v is not None}

@@ -1,7 +1,9 @@
 """An out-of-memory error explained: what the planner predicted, what was allocated, what would fit.
 
 ``explain_oom`` is called by the trainer when a step raises ``torch.OutOfMemoryError`` and its text
-becomes the one-line-per-fact TrainingError the CLI prints (training/trainer.py, ``pretrain``).
+becomes the one-line-per-fact TrainingError the CLI prints (training/trainer.py, ``pretrain``);
+``explain_host_oom`` likewise for the RuntimeError of torch's CPU allocator (``is_host_oom``), where
+a CPU run's host memory runs out.
 """
 
 from __future__ import annotations
@@ -62,4 +64,31 @@ def explain_oom(cfg: Config, exc: BaseException, *, world: int, vocab: int, gpus
             f"{' '.join(f.layout.flags())} ({f.memory.device_bytes / GiB:.1f} GiB)" for f in picks))
     else:
         lines.append(f"no layout of {world} GPUs fits this model and batch; add GPUs (`meshlm plan --num-gpus N`)")
+    return "\n".join(lines)
+
+
+HOST_OOM = "DefaultCPUAllocator: can't allocate memory"  # torch's CPU allocator (c10/core/impl/alloc_cpu.cpp)
+
+
+def is_host_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's CPU allocator failing (a RuntimeError; CUDA raises OutOfMemoryError)."""
+    return isinstance(exc, RuntimeError) and HOST_OOM in str(exc)
+
+
+def explain_host_oom(cfg: Config, exc: BaseException, *, world: int, local_ranks: int) -> str:
+    """The message for the host running out of memory in a CPU run of cfg on ``world`` ranks
+    (``local_ranks`` of them on this machine): the layout, torch's request, the host memory available
+    now, and the flags that shrink a step's activations. No planner figures: its activation model
+    is the GPU kernels' (flash attention), not the CPU math path's s² attention scores."""
+    from ..host_memory import available_bytes
+    lay = Layout.of(cfg, world)
+    text = str(exc)
+    request = text[text.index(HOST_OOM):].split(". Error code")[0].rstrip(".")
+    free = available_bytes()
+    lines = [f"out of host memory at {lay.describe()}, micro-batch {lay.micro_batch}, --seq-length "
+             f"{cfg.model.seq_length}, {lay.recompute_name} recompute: {request}",
+             f"host memory available now: {free / GiB:.1f} GiB for {local_ranks} local rank(s)" if free is not None
+             else "host memory available now: unknown",
+             "lower --micro-batch-size or --seq-length (attention on CPU computes micro-batch × seq-length² scores "
+             "at a time), or add --recompute-activations (fewer activations kept for backward)"]
     return "\n".join(lines)

@@ -89,6 +89,34 @@ def with_flags(cfg: Config, flags: dict) -> Optional[Config]:
     return config_from_args(args, base=cfg.to_dict())
 
 
+def refusal_check(config: Optional[dict], records: list):
+    """A function flags → why meshlm would refuse the run's config with those flags applied ({flag:
+    value}, None for a switch), or None when it would run: the layout, batch, pipeline and MoE rules
+    (parallel/layout_rules.py, what a launch checks) at the run's world size. Flags whose values are
+    advice ("×2", "smaller") are not judged (None), nor is any fix of a run whose config is unknown,
+    does not load, or is itself refused by these rules (a partial config: nothing to compare with)."""
+    from ..parallel import layout_rules
+
+    def problems(cfg: Config, world: int) -> list:
+        try:
+            layout_rules.adjust(cfg)
+            return layout_rules.layout_problems(cfg, world) + layout_rules.moe_problems(cfg, world)
+        except MeshlmError as e:
+            return [str(e)]
+    try:
+        base, world = Config(), world_of(config or {}, records)
+        apply_mapping(base, config, "the run's config") if config else None
+        judged = bool(config) and not problems(copy.deepcopy(base), world)
+    except (MeshlmError, ValueError, TypeError):
+        judged = False
+
+    def refused(flags: dict) -> Optional[str]:
+        cfg = with_flags(base, flags) if judged else None
+        found = problems(cfg, world) if cfg is not None else []
+        return found[0] if found else None
+    return refused
+
+
 def seconds_per_sample(model: RunModel, cfg: Config) -> Optional[float]:
     """The planner's step time over the global batch for cfg on the run's world and GPU; None for
     a layout meshlm would refuse."""

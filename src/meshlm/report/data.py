@@ -111,13 +111,14 @@ def load_run(path: str, name: Optional[str] = None) -> RunData:
     from ..folders import read_jsonl
     from ..metrics_json import decode
     records = [decode(r) for r in read_jsonl(metrics, DataError, "a metrics.jsonl that `meshlm pretrain` wrote")]
-    for rec in records:
-        if not isinstance(rec, dict):
+    for n, rec in enumerate(records, 1):
+        if not isinstance(rec, dict) or not ("val_loss" in rec or "iter_ms" in rec):
             continue
-        if "val_loss" in rec:
-            run.evals.append(rec)
-        elif "iter_ms" in rec:
-            run.train.append(rec)
+        missing = [key for key in ("iteration", "consumed_samples") if not isinstance(rec.get(key), int)]
+        if missing:  # the charts' x axes: a KeyError traceback before
+            raise DataError(f"{metrics}: record {n} (a {'validation' if 'val_loss' in rec else 'training'} record) "
+                            f"has no integer {' or '.join(missing)}; give the metrics.jsonl `meshlm pretrain` wrote")
+        (run.evals if "val_loss" in rec else run.train).append(rec)
     if records and not any(isinstance(rec, dict) and "iteration" in rec for rec in records):
         raise DataError(f"{metrics}: not a meshlm metrics file (none of its records has an "
                         f"\"iteration\"); give a run directory or the metrics.jsonl `meshlm pretrain` wrote")

@@ -140,6 +140,12 @@ def pretrain(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> dict:
         except torch.OutOfMemoryError as e:  # one message: predicted, allocated, layouts that fit
             from ..planner.oom import explain_oom
             raise TrainingError(explain_oom(cfg, e, world=run.ps.world_size, vocab=run.tokenizer.vocab_size)) from e
+        except RuntimeError as e:  # a CPU run out of host memory: one message too, not a traceback
+            from ..planner.oom import explain_host_oom, is_host_oom
+            if not is_host_oom(e):
+                raise
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or C.default_nproc(cfg)
+            raise TrainingError(explain_host_oom(cfg, e, world=run.ps.world_size, local_ranks=local)) from e
         finally:
             run.logger.close()
             if dog is not None:
@@ -244,8 +250,8 @@ def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
     problem = None
     if ps.rank == 0:
         try:
-            null = resolve_tokenizer_type(cfg.data, cfg.model.vocab_size) == "NullTokenizer"
-            check_token_ids(prefixes, vocab_size, null)
+            kind = resolve_tokenizer_type(cfg.data, cfg.model.vocab_size)
+            check_token_ids(prefixes, vocab_size, kind == "NullTokenizer", kind == "TikTokenizer")
         except DataError as e:
             problem = str(e)
     problem = first_problem(problem)
