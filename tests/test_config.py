@@ -687,6 +687,21 @@ def test_each_bad_split_says_what_is_wrong(split, words):
     assert words in msg
 
 
+def test_a_process_count_that_would_swamp_the_node_is_refused_in_one_line(monkeypatch):
+    """--nproc-per-node 100000 (or --num-workers 100000) forked that many processes on a 2-core machine."""
+    from meshlm.parallel import mesh
+    monkeypatch.setattr(mesh, "usable_cores", lambda: 2)
+    cfg = small()
+    cfg.parallel.nproc_per_node, cfg.data.num_workers = 16, 3  # 64 processes: 32 a core, allowed
+    validate(cfg, world=16)
+    for nproc, loaders in ((100000, 2), (1, 100000), (17, 3)):
+        cfg.parallel.nproc_per_node, cfg.data.num_workers = nproc, loaders
+        [line] = [m for m in problems_of(cfg, world=nproc) if "processes on this node" in m]
+        assert line == (f"--nproc-per-node {nproc} × (1 + --num-workers {loaders}) = {nproc * (1 + loaders):,} "
+                        f"processes on this node's 2 usable cores; meshlm starts at most 64 (32 a core): lower "
+                        f"--nproc-per-node or --num-workers")
+
+
 def test_fp8_with_experts_says_at_start_that_the_experts_measured_slower_than_bf16():
     cfg = small()
     cfg.training.fp8_format = "hybrid"

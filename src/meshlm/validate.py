@@ -52,6 +52,7 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     problems += _training_problems(cfg, cuda)
     problems += _fp8_problems(cfg, cuda)
     problems += _run_length_problems(cfg, world)
+    problems += _process_count_problems(cfg)
     problems += _data_problems(cfg)
     problems += _output_problems(cfg)
     problems += _profile_problems(cfg, world)
@@ -269,6 +270,24 @@ def exclusive_lengths(cfg: Config) -> list:
     if t.train_samples is not None and t.train_iters is not None:
         return [f"--train-iters {t.train_iters} and --train-samples {t.train_samples} are exclusive; give one"]
     return []
+
+
+# local processes a run may start per usable core (workers and their data-loader processes): far past
+# what trains usefully, short of what would fork a machine to a standstill (--nproc-per-node 100000)
+PROCESSES_PER_CORE = 32
+
+
+def _process_count_problems(cfg: Config) -> list:
+    """--nproc-per-node × (1 + --num-workers) processes on this node, at most PROCESSES_PER_CORE a
+    usable core (meshlm's preprocess caps its --workers likewise)."""
+    from .parallel.mesh import usable_cores
+    nproc, loaders = cfg.parallel.nproc_per_node or 1, cfg.data.num_workers
+    count, cores = nproc * (1 + loaders), usable_cores()
+    if count <= PROCESSES_PER_CORE * cores:
+        return []
+    return [f"--nproc-per-node {nproc} × (1 + --num-workers {loaders}) = {count:,} processes on this node's "
+            f"{cores} usable cores; meshlm starts at most {PROCESSES_PER_CORE * cores:,} "
+            f"({PROCESSES_PER_CORE} a core): lower --nproc-per-node or --num-workers"]
 
 
 def _run_length_problems(cfg: Config, world: int) -> list:
