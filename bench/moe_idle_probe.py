@@ -104,7 +104,25 @@ def main() -> None:
     run = build(cfg)
     state = TrainState()
     from torch._dynamo.utils import counters
+    import os
+    from meshlm.training import trainer
+    spans = {"fb": 0.0, "opt": 0.0, "item": 0.0}
+
+    def timed(key, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spans[key] += time.perf_counter() - t0
+        return wrapper
+    trainer.forward_backward = timed("fb", trainer.forward_backward)
+    run.opt.step = timed("opt", run.opt.step)
+    torch.Tensor.item = timed("item", torch.Tensor.item)
     for i in range(args.steps):
+        for k in spans:
+            spans[k] = 0.0
+        c0, p0 = time.thread_time(), time.process_time()
         if i == 3:
             profiled(run, state, train_step, "early")
         torch.cuda.synchronize()
@@ -116,7 +134,10 @@ def main() -> None:
         s = routing_summary(routing_stats(run.chunks, run.ps, cfg.model), 1)
         print(f"step {i + 1}: wall {wall * 1e3:8.1f} ms host {host * 1e3:8.1f} ms imbalance "
               f"{s['moe_tokens_per_expert']['imbalance']:.2f} graphs {counters['stats'].get('unique_graphs')} "
-              f"recompiles {len(counters.get('recompiles', {}))}", flush=True)
+              f"recompiles {len(counters.get('recompiles', {}))} | main-thread CPU {(time.thread_time() - c0) * 1e3:.1f} ms "
+              f"process CPU {(time.process_time() - p0) * 1e3:.1f} ms; fwd-bwd {spans['fb'] * 1e3:.1f}, optimizer "
+              f"{spans['opt'] * 1e3:.1f} of which item() {spans['item'] * 1e3:.1f} ms; load {os.getloadavg()[0]:.1f}",
+              flush=True)
     profiled(run, state, train_step, "late")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -125,7 +146,7 @@ def main() -> None:
             train_step(run, state)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    print("syncs: " + "; ".join(f"{w.filename.split('/')[-1]}:{w.lineno}" for w in caught
+    print("syncs: " + "; ".join(f"{w.filename}:{w.lineno}" for w in caught
                                 if "synchroniz" in str(w.message)))
 
 
