@@ -47,10 +47,12 @@ which MoE needs at TP > 1); R = k·T their routes; E experts of width f_e, EP ra
   the one-constant form that fits those five runs best (within 8%; T·E or T·k·E miss by 12–17%).
   Tested on unseen runs (2026-12-04) and refuted as a form: E 4 top-1 (1.8 ms of term) ran 19 ms
   slower than predicted, E 12 top-3 15 ms, E 16 top-1 13 ms beyond its 28.5 ms; a profile of the E 16
-  run found the GPU busy for what the other terms predict and idle for the rest, the idle growing
-  within the run with the learned router's imbalance (98 → 122 ms a step as max / mean routes went
-  2.0 → 3.8). The term to replace it with is the MoE layer's exposed idle time and its dependence on
-  the imbalance (the planner takes routing as balanced); kept until that is measured, since it is
+  run found the GPU busy for what the other terms predict and idle for the rest. The idle is the
+  host, not the routing (bench/RESULTS.md, 2026-12-04, "the host, not the routing"): the step is
+  host-bound (GPU kernels 77.5 ms, wall = the process's CPU time, 100–175 ms a step), forced-balance
+  routing drifts from step to step as much as learned routing, no recompiles, no sync in the MoE
+  path. The term to replace it with is the step's host time (per kernel launch, compiled frame and
+  parameter tensor), the step the larger of host and GPU; kept until that is fitted, since it is
   the best of the fits on the E 16 runs.
 - Model state: a rank holds E/EP experts per MoE layer (``planner/params.py``); their gradients
   are reduced over, and under ZeRO-1 their optimizer state sharded over, the expert-data-parallel
