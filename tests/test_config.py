@@ -702,6 +702,16 @@ def test_a_process_count_that_would_swamp_the_node_is_refused_in_one_line(monkey
                         f"--nproc-per-node or --num-workers")
 
 
+def test_under_torchrun_a_different_nproc_per_node_is_refused_not_ignored(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cfg = small()
+    cfg.parallel.nproc_per_node = 2  # torchrun's own figure: allowed
+    validate(cfg, world=2)
+    cfg.parallel.nproc_per_node = 4
+    assert ("--nproc-per-node 4 is meshlm's own launcher's, but torchrun started this job with 2 processes on "
+            "this node; drop it (torchrun's --nproc-per-node sizes the job)") in problems_of(cfg, world=2)
+
+
 def test_fp8_with_experts_says_at_start_that_the_experts_measured_slower_than_bf16():
     cfg = small()
     cfg.training.fp8_format = "hybrid"

@@ -278,16 +278,24 @@ PROCESSES_PER_CORE = 32
 
 
 def _process_count_problems(cfg: Config) -> list:
-    """--nproc-per-node × (1 + --num-workers) processes on this node, at most PROCESSES_PER_CORE a
-    usable core (meshlm's preprocess caps its --workers likewise)."""
+    """The processes of this node: --nproc-per-node × (1 + --num-workers), at most PROCESSES_PER_CORE a
+    usable core (meshlm's preprocess caps its --workers likewise); under torchrun (LOCAL_WORLD_SIZE
+    set) a --nproc-per-node that is not torchrun's, which would be ignored (torchrun started the
+    workers)."""
     from .parallel.mesh import usable_cores
+    problems = []
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and cfg.parallel.nproc_per_node and cfg.parallel.nproc_per_node != int(local):
+        problems.append(f"--nproc-per-node {cfg.parallel.nproc_per_node} is meshlm's own launcher's, but "
+                        f"torchrun started this job with {local} processes on this node; drop it (torchrun's "
+                        f"--nproc-per-node sizes the job)")
     nproc, loaders = cfg.parallel.nproc_per_node or 1, cfg.data.num_workers
     count, cores = nproc * (1 + loaders), usable_cores()
-    if count <= PROCESSES_PER_CORE * cores:
-        return []
-    return [f"--nproc-per-node {nproc} × (1 + --num-workers {loaders}) = {count:,} processes on this node's "
-            f"{cores} usable cores; meshlm starts at most {PROCESSES_PER_CORE * cores:,} "
-            f"({PROCESSES_PER_CORE} a core): lower --nproc-per-node or --num-workers"]
+    if count > PROCESSES_PER_CORE * cores:
+        problems.append(f"--nproc-per-node {nproc} × (1 + --num-workers {loaders}) = {count:,} processes on this "
+                        f"node's {cores} usable cores; meshlm starts at most {PROCESSES_PER_CORE * cores:,} "
+                        f"({PROCESSES_PER_CORE} a core): lower --nproc-per-node or --num-workers")
+    return problems
 
 
 def _run_length_problems(cfg: Config, world: int) -> list:
