@@ -58,6 +58,13 @@ GPT = ["plan", "--model", "gpt2-1.3b", "--vocab-size", "50257", "--global-batch-
        "--num-gpus", "8", "--top", "1"]
 
 
+def test_the_checkpoint_interval_never_passes_the_run_s_end():
+    """A 5-step run was told --save-interval 8794237 (Daly's interval, far past its end)."""
+    short = campaign(steps=5, step_s=1.0, global_batch=8, seq_length=1024, num_gpus=8, params=10 ** 9)
+    for mode in ("sync", "async"):
+        assert short.saves[mode]["interval_steps"] == 5 and short.saves[mode]["flags"].startswith("--save-interval 5")
+
+
 def test_plan_gives_the_campaign_in_json_and_text(capsys):
     assert main([*GPT, "--train-tokens", "26e9", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -114,11 +114,11 @@ def run_steps(train_iters: Optional[int], train_samples: Optional[int], train_to
 
 
 def _saving(mode: str, train_s: float, step_s: float, blocking: float, durable: float, mtbf: float,
-            restart: float) -> Saving:
+            restart: float, run_steps: int) -> Saving:
     tau = daly_interval(blocking, mtbf)
     if mode == "async":
         tau = max(tau, durable)  # one background write at a time
-    steps = max(1, round(tau / step_s))
+    steps = min(max(1, round(tau / step_s)), run_steps)  # past the run's end: one save, at its end
     tau = steps * step_s
     lost = (tau + blocking) / 2 if mode == "sync" else tau / 2 + durable
     busy = 1 - (restart + lost) / mtbf
@@ -138,8 +138,9 @@ def campaign(*, steps: int, step_s: float, global_batch: int, seq_length: int, n
     mtbf = gpu_mtbf_hours * HOUR / num_gpus
     ckpt = CHECKPOINT_BYTES_PER_PARAM * params
     write = ckpt / write_bytes_per_s
-    saves = {"sync": _saving("sync", train_s, step_s, write, write, mtbf, restart_s),
-             "async": _saving("async", train_s, step_s, ckpt / num_gpus / D2H_BYTES_PER_S, write, mtbf, restart_s)}
+    saves = {"sync": _saving("sync", train_s, step_s, write, write, mtbf, restart_s, steps),
+             "async": _saving("async", train_s, step_s, ckpt / num_gpus / D2H_BYTES_PER_S, write, mtbf, restart_s,
+                              steps)}
     return Campaign(steps=steps, tokens=float(steps) * global_batch * seq_length, step_s=step_s, train_s=train_s,
                     train_days=train_s / DAY, gpu_hours=train_s * num_gpus / HOUR, num_gpus=num_gpus,
                     gpu_mtbf_hours=gpu_mtbf_hours, job_mtbf_s=mtbf, params=params, checkpoint_bytes=ckpt,
