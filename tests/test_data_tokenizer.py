@@ -102,6 +102,21 @@ def test_train_cli_reads_jsonl_keys_and_plain_text(tmp_path):
         run_train(missing)
 
 
+def test_train_cli_says_when_the_input_cannot_give_the_vocabulary_asked(tmp_path, capsys):
+    """--vocab-size 100000000 on a small file silently gave a few hundred ids."""
+    txt = tmp_path / "b.txt"
+    txt.write_text("plain text file, one document\n")
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    out = str(tmp_path / "tokenizer.json")
+    assert run_train(parser.parse_args(["--input", str(txt), "--vocab-size", "100000000", "--output", out])) == 0
+    size = build_tokenizer(tok_cfg(tokenizer_model=out)).vocab_size
+    assert (f"meshlm: note: --vocab-size 100,000,000 asked, but the input gives only {size:,} tokens (every merge "
+            f"it has); train on more text for a larger vocabulary") in capsys.readouterr().out
+    assert run_train(parser.parse_args(["--input", str(txt), "--vocab-size", str(size), "--output", out])) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("content", ["", json.dumps({"text": ""}) + "\n" + json.dumps({"text": ""}) + "\n",
                                      "{broken\n" + json.dumps({"body": "text under another key"}) + "\n"])
 def test_train_cli_without_any_text_is_a_data_error_and_writes_nothing(tmp_path, content):

@@ -298,6 +298,9 @@ def run_train(args: argparse.Namespace) -> int:
     bad.print()
     print(f"wrote {args.output}: byte-level BPE, vocab {tok.vocab_size}, eod {EOD} = {tok.eod}; "
           f"skipped {bad.count:,} bad records")
+    if tok.vocab_size < args.vocab_size:
+        print(f"meshlm: note: --vocab-size {args.vocab_size:,} asked, but the input gives only {tok.vocab_size:,} "
+              f"tokens (every merge it has); train on more text for a larger vocabulary")
     return 0
 
 
