@@ -138,6 +138,10 @@ def test_bad_args_files_are_one_line_each(tmp_path):
     assert problems(config(per_split_data_args_path=str(tmp_path / "no_train.json")), True) == [
         f"--per-split-data-args-path {tmp_path / 'no_train.json'} (train): no training data; give \"train\" "
         f"a dataset"]
+    (tmp_path / "typo.json").write_text(json.dumps({"train": a, "validation": a, "valid": None, "test": None}))
+    assert problems(config(per_split_data_args_path=str(tmp_path / "typo.json")), True) == [
+        f"--per-split-data-args-path {tmp_path / 'typo.json'}: unknown key 'validation'; the keys are \"train\", "
+        f"\"valid\", \"test\""]
     assert "weights and prefixes must alternate" in problems(config(data_args_path=str(tmp_path / "bad.txt")),
                                                               True)[0]
     missing = problems(config(data_args_path=str(tmp_path / "none.txt")), True)

@@ -88,6 +88,10 @@ def _per_split_file(path: str) -> list:
     if missing:
         raise ConfigError(f"{flag} {path}: no key {', '.join(repr(k) for k in missing)}; give an object with "
                           f"keys \"train\", \"valid\", \"test\" (null for a split without data)")
+    extra = sorted(set(data) - {"train", "valid", "test"})
+    if extra:  # a typo ("validation") would otherwise leave that split without data, unsaid
+        raise ConfigError(f"{flag} {path}: unknown key {', '.join(repr(k) for k in extra)}; the keys are "
+                          f"\"train\", \"valid\", \"test\"")
     out = []
     for key in ("train", "valid", "test"):
         value = data[key]
