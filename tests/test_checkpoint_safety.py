@@ -347,3 +347,15 @@ def test_a_save_that_cannot_write_is_one_line_and_leaves_the_previous_checkpoint
                     rf"left on device.*; [\d,]+ bytes free there", str(e.value))
     assert ckpt.read_tracker(root) == 1 and sorted(os.listdir(root)) == ["iter_0000001",
                                                                          "latest_checkpointed_iteration.txt"]
+
+
+def test_a_library_message_quoted_in_a_damaged_checkpoint_line_is_cut_at_a_word():
+    """torch's unpickling text was cut mid-word at 120 characters ('… could not be loa')."""
+    from meshlm.checkpoint.safe_read import damaged
+    from meshlm.errors import clipped
+
+    words = "the file is not a zip archive and its central directory could not be located in any of the bytes read"
+    line = str(damaged("save/iter_0000003", RuntimeError(words + " " + words)))
+    quoted = line.split("(RuntimeError: ", 1)[1].rsplit("); load", 1)[0]
+    assert quoted.endswith(" …") and (words + " " + words).startswith(quoted[:-2]) and len(quoted) <= 122
+    assert clipped("short text", 120) == "short text" and clipped("a " * 100, 9) == "a a a a …"

@@ -30,3 +30,14 @@ class CheckpointError(MeshlmError):
 
 class TrainingError(MeshlmError):
     """The run cannot go on (NaN/inf loss, exhausted loss scale); the message names the iteration."""
+
+
+def clipped(text: str, limit: int) -> str:
+    """``text`` on one line, cut at the last word boundary within ``limit`` characters, "…" marking the
+    cut: a library's message quoted inside one of ours stays readable (never cut mid-word)."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    head = text[:limit].rsplit(" ", 1)[0] if " " in text[:limit] else text[:limit]
+    return head.rstrip(" ,;:") + " …"
+

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, clipped
 from ..parallel.agree import all_problems, first_problem
 from . import manifest
 from .boxes import Boxes
@@ -197,8 +197,7 @@ def one_line(e: BaseException) -> str:
         rank, (e, _) = min(failures.items(), key=lambda item: item[0])
     else:
         rank = _world()[0]
-    text = " ".join(str(e).split()) or "no message"
-    return f"rank {rank}: {type(e).__name__}: {text[:300]}"
+    return f"rank {rank}: {type(e).__name__}: {clipped(str(e), 300) or 'no message'}"
 
 
 def attempt(step) -> Optional[str]:

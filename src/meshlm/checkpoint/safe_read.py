@@ -27,7 +27,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, clipped
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
@@ -135,7 +135,7 @@ def _reason(e: BaseException) -> str:
         return f"{os.path.basename(str(e.filename))} is missing"
     if isinstance(e, KeyError):
         return f"entry {e} is missing"
-    text = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:120]
+    text = clipped((str(e).strip().splitlines() or [""])[0].split(". ")[0], 120)
     return text if isinstance(e, _Corrupt) else f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
