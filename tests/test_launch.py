@@ -159,6 +159,16 @@ def test_outside_a_launched_worker_errors_propagate(world_of_one, monkeypatch):
         launch.run_worker(world_of_one)
 
 
+def test_a_worker_knows_whether_its_launcher_lives_with_or_without_proc(monkeypatch):
+    """A worker's parent is the launcher's forkserver: the launcher is its grandparent (/proc); where
+    /proc cannot say (macOS) a probe of the pid stands in, so no worker there kills itself at start."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert launch._launcher_alive(os.getppid()) and not launch._launcher_alive(gone.pid)
+    monkeypatch.setattr(launch, "_parent_of", lambda pid: 0)
+    assert launch._launcher_alive(os.getpid()) and not launch._launcher_alive(gone.pid)
+
+
 def test_threads_per_worker_share_the_cores():
     cores = len(os.sched_getaffinity(0))
     assert launch.worker_threads(1) == cores

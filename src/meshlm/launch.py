@@ -152,8 +152,18 @@ def _parent_of(pid: int) -> int:
 
 
 def _launcher_alive(launcher: int) -> bool:
-    """Whether this worker's parent (the forkserver) is still the launcher's child."""
-    return launcher in (os.getppid(), _parent_of(os.getppid()))
+    """Whether this worker's parent (the forkserver) is still the launcher's child; where /proc cannot
+    say (not Linux), whether a process ``launcher`` exists."""
+    grandparent = _parent_of(os.getppid())
+    if grandparent:
+        return launcher in (os.getppid(), grandparent)
+    try:
+        os.kill(launcher, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's: the pid was reused
+        return False
+    return True
 
 
 def _kill_when_orphaned(launcher: int, pidfd) -> None:
