@@ -159,9 +159,7 @@ def _launcher_alive(launcher: int) -> bool:
         return launcher in (os.getppid(), grandparent)
     try:
         os.kill(launcher, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, another user's: the pid was reused
+    except (ProcessLookupError, PermissionError):  # gone, or the pid reused by another user's process
         return False
     return True
 
