@@ -169,6 +169,21 @@ def test_a_worker_knows_whether_its_launcher_lives_with_or_without_proc(monkeypa
     assert launch._launcher_alive(os.getpid()) and not launch._launcher_alive(gone.pid)
 
 
+def test_the_agents_and_the_process_contexts_warnings_go_to_the_launcher_log(tmp_path, capfd):
+    """torch.multiprocessing's "Terminating process N via signal SIGTERM" (the forked workers' process
+    context stopping the others after one failed) reached the console beside the one error line."""
+    import logging
+
+    import torch.multiprocessing.spawn  # noqa: F401  (torch's loggers and their console handlers)
+    log = tmp_path / "logs" / "launcher.log"
+    with launch._agent_log(str(log)):
+        logging.getLogger("torch.multiprocessing.spawn").warning("Terminating process 1 via signal SIGTERM")
+        logging.getLogger("torch.distributed.elastic.agent.server.api").warning("Received 2 death signal")
+    assert capfd.readouterr().err == ""
+    text = log.read_text()
+    assert "Terminating process 1 via signal SIGTERM" in text and "Received 2 death signal" in text
+
+
 def test_threads_per_worker_share_the_cores():
     cores = len(os.sched_getaffinity(0))
     assert launch.worker_threads(1) == cores

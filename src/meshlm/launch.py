@@ -368,20 +368,24 @@ def _forward_signal(name):
 
 @contextlib.contextmanager
 def _agent_log(path: str):
-    """Send torch.distributed's (elastic agent's) log records to ``path`` instead of the console
-    (a record the file cannot take, on a full disk, is dropped: the agent's log only informs)."""
+    """Send the elastic agent's log records to ``path`` instead of the console: torch.distributed's and
+    torch.multiprocessing's (whose process context, which starts the forked workers, warns as it stops
+    the others after one failed). A record the file cannot take, on a full disk, is dropped: the
+    agent's log only informs."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    logger = logging.getLogger("torch.distributed")
+    loggers = [logging.getLogger(name) for name in ("torch.distributed", "torch.multiprocessing")]
     handler = logging.FileHandler(path)
     handler.handleError = lambda record: None
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    saved = logger.handlers[:], logger.propagate  # torch's own handler prints to stderr
-    logger.handlers[:] = [handler]
-    logger.propagate = False
+    saved = [(lg.handlers[:], lg.propagate) for lg in loggers]  # torch's own handlers print to stderr
+    for lg in loggers:
+        lg.handlers[:] = [handler]
+        lg.propagate = False
     try:
         yield
     finally:
-        logger.handlers[:], logger.propagate = saved
+        for lg, (handlers, propagate) in zip(loggers, saved):
+            lg.handlers[:], lg.propagate = handlers, propagate
         with contextlib.suppress(OSError):
             handler.close()
 
