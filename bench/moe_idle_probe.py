@@ -139,15 +139,8 @@ def main() -> None:
               f"{spans['opt'] * 1e3:.1f} of which item() {spans['item'] * 1e3:.1f} ms; load {os.getloadavg()[0]:.1f}",
               flush=True)
     profiled(run, state, train_step, "late")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            train_step(run, state)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    print("syncs: " + "; ".join(f"{w.filename}:{w.lineno}" for w in caught
-                                if "synchroniz" in str(w.message)))
+    from profile_step import syncs  # bench/profile_step.py: one step's host syncs, by Python line
+    syncs(run, state)
 
 
 if __name__ == "__main__":
