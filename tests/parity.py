@@ -239,7 +239,8 @@ def train_layout(case: Case, poison: bool = True) -> dict:
     losses = [trainer.train_step(run, state) for _ in range(STEPS)]
     run.opt.finish_param_sync()
     moe = [_flat({k: v for k, v in rec.items() if k.startswith("moe_")}) for rec in records if rec]
-    return {"losses": losses, "norms": norms, "params": _full_params(run), "moe": moe}
+    return {"losses": losses, "norms": norms, "params": _full_params(run), "moe": moe,
+            "fp8_pushes": [st.steps for st in run.fp8_states]}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -323,5 +324,8 @@ def assert_parity(*cases: Case, poison: bool = True) -> None:
         covered = {n.split(" (")[0] for r in results for n in r["params"]}
         bad = [f"parameters missing: {sorted(set(ref['params']) - covered)}"] if covered != set(ref["params"]) else []
         bad += parity_errors(case, results, ref)
+        if case.fp8_recipe == "delayed":  # the trainer pushed every step into every FP8 linear's history
+            bad += [f"FP8 histories pushed {r['fp8_pushes']} times, not {STEPS}" for r in [ref, *results]
+                    if not r["fp8_pushes"] or set(r["fp8_pushes"]) != {STEPS}]
         report += [f"{case}:"] + bad[:20] if bad else []
     assert not report, "\n".join(report)

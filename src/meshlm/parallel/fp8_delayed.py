@@ -24,7 +24,8 @@ Transformer Engine starts from scale 1 instead, which is not exact across layout
 gradient per rank is DP times one process's per micro-batch (each rank averages fewer
 micro-batches), and only a scale that follows the amax absorbs that power of two.
 
-The histories are not checkpointed: a resumed run starts them at zero (scale 1 for its first step).
+The histories are not checkpointed: a resumed run starts them at zero, its first step scaling by
+the current amaxes as a new run's does.
 """
 
 from __future__ import annotations

@@ -94,6 +94,7 @@ class Run:
     stop_signal: Optional[SignalFlag] = None  # --exit-signal-handler
     stragglers: Optional[StragglerWatch] = None
     spikes: Optional[LossSpikes] = None  # --loss-spike-threshold
+    fp8_states: list = dataclasses.field(default_factory=list)  # --fp8-recipe delayed: every FP8 linear's
 
     def micro_batches(self, dataset, consumed_samples: int):
         """This DP rank's micro-batches of ``dataset`` from sample ``consumed_samples`` on, read
@@ -238,7 +239,8 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
         from ..checkpoint.async_save import AsyncSaver
         saver = AsyncSaver(ps.world_size, p.distributed_timeout_minutes)
     return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb, batches, iters,
-               saver=saver, loaders=loaders, stragglers=StragglerWatch(ps), spikes=LossSpikes(t.loss_spike_threshold))
+               saver=saver, loaders=loaders, stragglers=StragglerWatch(ps), spikes=LossSpikes(t.loss_spike_threshold),
+               fp8_states=fp8_delayed.delayed_states(chunks))
 
 
 def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
@@ -401,8 +403,8 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
                                loss_scale=run.opt.loss_scale, no_sync=run.ddp.no_sync, timeline=timeline)
     schedule_end = time.perf_counter()
     run.ddp.finish_grad_sync()
-    if t.fp8_format and t.fp8_recipe == "delayed":  # this step's amaxes into the histories (next step's scales)
-        fp8_delayed.end_step(fp8_delayed.delayed_states(run.chunks), (ps.tp_group, ps.dp_cp_group))
+    if run.fp8_states:  # --fp8-recipe delayed: this step's amaxes into the histories (next step's scales)
+        fp8_delayed.end_step(run.fp8_states, (ps.tp_group, ps.dp_cp_group))
     lr = run.sched.lr
     loss_t = reduce_losses(outputs, ps, t.calculate_per_token_loss)
     read_loss = _start_read(loss_t)  # copied before the step's sync: reading it waits for no update
