@@ -239,6 +239,11 @@ class TrainingConfig:
     fast_path: str = opt("auto", "compiled layers, fused kernels and fused AdamW (auto: on CUDA, off on CPU)",
                          choices=["auto", "on", "off"])
     log_interval: int = opt(10, "iterations between log lines")
+    manual_gc: bool = opt(False, "Python's garbage collector off during training, run at chosen iterations on "
+                          "every rank instead (training/manual_gc.py)", action="store_true")
+    manual_gc_interval: int = opt(0, "with --manual-gc, iterations between collections (0: none between steps)")
+    manual_gc_eval: bool = opt(True, "with --manual-gc, do not collect before and after each evaluation",
+                               flag="--no-manual-gc-eval", action="store_false")
     eval_interval: int = opt(100, "iterations between validation runs")
     eval_iters: int = opt(10, "validation iterations per evaluation")
     eval_at_start: bool = opt(False, "evaluate once before the first step (the untrained validation loss)",

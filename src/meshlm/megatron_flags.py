@@ -35,7 +35,6 @@ NO_EFFECT = {
     "--log-throughput": (False, "tokens/s and TFLOP/s/GPU are always logged"),
     "--ckpt-format": (True, "checkpoints are always torch.distributed.checkpoint (Megatron's torch_dist)"),
     "--distributed-backend": (True, "meshlm uses NCCL on GPUs and gloo on CPU"),
-    "--manual-gc": (False, "no effect on the result; Python's collector runs as usual"),
     "--empty-unused-memory-level": (True, "no effect on the result; the CUDA cache is left to PyTorch"),
     "--moe-grouped-gemm": (False, "MoE experts use torch's grouped GEMM on CUDA by themselves, a loop elsewhere"),
     "--moe-token-dispatcher-type": (True, "MoE tokens are always dispatched by all-to-all (the same result)"),

@@ -79,7 +79,7 @@ def shape_problems(cfg: Config) -> list:
 _INT_MAY_BE_ZERO = {"seed", "eval_iters", "lr_warmup_iters", "lr_warmup_samples", "num_workers",
                     "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                     "profile_step_start", "num_experts", "null_tokenizer_eod_id", "fp8_margin",
-                    "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"}
+                    "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "manual_gc_interval"}
 _ELSEWHERE = {"null_tokenizer_pad_id"}  # -1 is Megatron's "no pad": data.tokenizer.null_ids_problem
 _FLOAT_POSITIVE = {"norm_epsilon", "rotary_base", "rotary_percent", "init_method_std",
                    "initial_loss_scale", "min_loss_scale", "adam_eps", "moe_expert_capacity_factor",

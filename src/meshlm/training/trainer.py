@@ -53,6 +53,7 @@ from ..parallel.pipeline import bubble_fraction, forward_backward, reduce_losses
 from ..profile_ranges import annotate
 from ..run_logs import worker_log_path
 from .faults import LossSpikes, nan_origin
+from .manual_gc import ManualGC
 from . import profiling, progress
 from .metrics import MetricsLogger
 from .stop_signal import SignalFlag
@@ -292,13 +293,25 @@ def train(run: Run, state: TrainState) -> dict:
     differs from the previous step's (a --rampup-batch-size ramp) is preceded by a checkpoint under
     --save. An early exit (--exit-signal-handler, --exit-duration-in-mins, --exit-interval; checked
     after each iteration's save, as Megatron's checkpoint_and_decide_exit) saves (with --save) and
-    returns at once."""
+    returns at once. With --manual-gc, Python's collector runs only where manual_gc.py says."""
+    t = run.cfg.training
+    collector = ManualGC(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval)
+    with collector.running():
+        return _train(run, state, collector)
+
+
+def _train(run: Run, state: TrainState, collector: ManualGC) -> dict:
     cfg, t = run.cfg, run.cfg.training
+
+    def validation(index: int) -> float:
+        with collector.evaluation():
+            return evaluate(run, state, index)
+
     save_every = cfg.checkpoint.save_interval
     losses, val_losses, saved_at, exited = [], [], None, False
     start = _job_start(run.ps) if t.exit_duration_in_mins else None
     if t.eval_at_start and state.iteration == 0 and run.valid_ds is not None:
-        val_losses.append((0, evaluate(run, state, 0)))
+        val_losses.append((0, validation(0)))
     microbatches = run.batches.microbatches_at(state.consumed_samples)
     prof = profiling.for_run(cfg, run.ps)
     bar = progress.for_run(run.ps.is_logging_rank, run.train_iters, state.iteration)
@@ -312,8 +325,9 @@ def train(run: Run, state: TrainState) -> dict:
         losses.append(loss)
         bar.update(state.iteration, loss)
         it = state.iteration
+        collector.after_step(it)
         if t.eval_interval and it % t.eval_interval == 0 and run.valid_ds is not None:
-            val_losses.append((it, evaluate(run, state, it // t.eval_interval - 1)))
+            val_losses.append((it, validation(it // t.eval_interval - 1)))
         if cfg.checkpoint.save and save_every and it % save_every == 0:
             save_checkpoint(run, state)
             saved_at = it
@@ -324,7 +338,7 @@ def train(run: Run, state: TrainState) -> dict:
     bar.close()
     run.opt.finish_param_sync()  # no all-gather may still be in flight when the process ends
     if not exited and run.valid_ds is not None and (not val_losses or val_losses[-1][0] != state.iteration):
-        val_losses.append((state.iteration, evaluate(run, state, state.iteration // max(t.eval_interval, 1))))
+        val_losses.append((state.iteration, validation(state.iteration // max(t.eval_interval, 1))))
     if cfg.checkpoint.save and saved_at != state.iteration:
         save_checkpoint(run, state)
     if run.saver is not None:  # the last background save, complete on every rank (or CheckpointError)
