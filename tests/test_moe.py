@@ -343,3 +343,25 @@ def test_routing_stats_sum_device_tensors_and_host_numbers():
     assert got == {0: {"tokens": [6.0, 2.0, 0.0, 8.0], "routes": 17.0, "aux": 0.75, "z": None},
                    1: {"tokens": [2.0, 2.0, 2.0, 2.0], "routes": 8.0, "aux": 1.0, "z": None}}
     assert state.stats == {} and moe.routing_stats([chunk], ParallelState.single(), m) == {}
+
+
+def test_swiglu_one_pass_backward_is_autograds_in_float64():
+    """model/swiglu.py's activation (the experts' SwiGLU): value and gradient equal autograd's of
+    silu(gate) · up in float64, eagerly and as dynamo captures it (no graph break)."""
+    from meshlm import fast
+    from meshlm.model.swiglu import swiglu
+    gen = torch.Generator().manual_seed(3)
+    y = (torch.randn(5, 3, 2 * 7, dtype=torch.float64, generator=gen) * 3).requires_grad_()
+    dz = torch.randn(5, 3, 7, dtype=torch.float64, generator=gen)
+    gate, up = y.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    (want_dy,) = torch.autograd.grad(want, y, dz)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    fast._before_compile()
+    for fn in (swiglu, torch.compile(swiglu, backend="aot_eager", fullgraph=True)):
+        z = fn(y)
+        (dy,) = torch.autograd.grad(z, y, dz)
+        torch.testing.assert_close(z, want, rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(dy, want_dy, rtol=1e-12, atol=1e-14)
+    assert not torch._dynamo.utils.counters["graph_break"]

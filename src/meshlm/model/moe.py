@@ -51,6 +51,7 @@ from ..parallel.comm import group_size
 from ..parallel.experts import dispatch_combine
 from ..parallel.fp8_experts import fp8_expert_linear
 from .mlp import MLP
+from .swiglu import swiglu
 
 
 class MoEState:
@@ -234,9 +235,8 @@ class Experts(nn.Module):
         self.fp8, self.token_group = None, token_group(ps, sequence_parallel)
 
     def _act(self, y: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            return F.silu(gate) * up
+        if self.swiglu:  # both halves' gradients in one pass (model/swiglu.py)
+            return swiglu(y)
         return F.gelu(y, approximate=self.gelu_approximate)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_idx: torch.Tensor | None = None,
