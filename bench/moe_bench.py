@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results.jsonl"))
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--micro-batch", type=int, default=None)
+    ap.add_argument("--flags", default="", help="extra meshlm flags for every case, one string (e.g. --manual-gc)")
     ap.add_argument("--cases", default="baseline,learned,balanced,capacity,dense",
                     help="comma-separated, from: baseline, learned, balanced, capacity, dense (module doc)")
     args = ap.parse_args()
@@ -112,7 +113,8 @@ def main() -> None:
     cases = {}
     for name in [n for n in names if n != "baseline"]:
         extra = case_flags(name, shape)
-        r = run_meshlm(preset, flags + extra + ([] if args.tiny else ["--bf16"]), micro, args.out, iters, warmup, name)
+        r = run_meshlm(preset, flags + extra + args.flags.split() + ([] if args.tiny else ["--bf16"]), micro, args.out,
+                       iters, warmup, name)
         r["flops_per_token"] = model_flops_per_token(preset, flags + extra)
         cases[name] = r
         print(f"meshlm {name}: {r}", flush=True)
@@ -128,6 +130,7 @@ def main() -> None:
         raise SystemExit(f"meshlm failed: {ours['error']}")
     ok = "error" not in base
     rec = {"date": args.date, "gpu": gpu or "cpu", "gpus": 1, "bench": "moe", "case": f"{preset} ep1",
+           "flags": args.flags or None,
            "model": f"{preset} L{shape['layers']} h{shape['hidden']} a{shape['heads']}/g{shape['groups']} "
                     f"{shape['experts']}x ffn{shape['ffn']} top-{shape['topk']} V{shape['vocab']}",
            "seq": shape["seq"], "micro_batch": micro, "flops_per_token": per_token,

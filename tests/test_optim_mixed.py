@@ -250,3 +250,45 @@ def test_flat_update_skips_a_nan_step_and_keeps_no_grad(monkeypatch):
     assert all(r.grad is None for r, *_ in opt._runs) and opt._small == []
     train_step(model, ddp, opt, seed=0)
     assert all(r.grad is None for r, *_ in opt._runs) and opt._small == []
+
+
+def test_bf16_grad_buckets_give_the_fp32_buckets_update_and_take_one_backward(monkeypatch):
+    """config.half_grads (forced here; it needs the CUDA fast path): bf16 params' buckets hold their
+    bf16 grads as they are, the flat update and grad norm widen them as they read: the same masters
+    and norms as fp32 buckets (clipping on), 2 bytes a gradient, and a second backward refused."""
+    import meshlm.parallel.data as data
+    a, ddp_a, opt_a = setup(dtype=torch.bfloat16, wd=0.1, clip=0.05)
+    monkeypatch.setattr(data, "half_grads", lambda *args: True)
+    b, ddp_b, opt_b = setup(dtype=torch.bfloat16, wd=0.1, clip=0.05)
+    assert {buf.grad_dtype for buf in ddp_a.buffers} == {torch.float32}
+    assert {buf.grad_dtype for buf in ddp_b.buffers} == {torch.bfloat16}
+    for opt in (opt_a, opt_b):
+        _flat(opt, monkeypatch, 100)
+    for step in range(3):
+        _, res_a = train_step(a, ddp_a, opt_a, seed=step)
+        _, res_b = train_step(b, ddp_b, opt_b, seed=step)
+        assert res_a.grad_norm > 0.05 and res_b.grad_norm == pytest.approx(res_a.grad_norm, rel=1e-6)
+    for sa, sb in zip(opt_a.shards, opt_b.shards):
+        torch.testing.assert_close(sb.master, sa.master, rtol=1e-6, atol=1e-7)
+    assert opt_b.memory_report()["bytes_per_param"]["grads"] == 2
+    ddp_b.zero_grad()
+    b(*batch(4, 0)).backward()
+    with pytest.raises(RuntimeError, match="one micro-batch"):
+        b(*batch(4, 1)).backward()
+
+
+def test_half_grads_only_where_one_backward_is_all_a_bucket_gets():
+    from meshlm.config import Config, half_grads
+    def cfg(**kw):
+        c = Config()
+        c.training.bf16 = True
+        for k, v in kw.items():
+            obj = c.training if hasattr(c.training, k) else c.parallel if hasattr(c.parallel, k) else c.optimizer
+            setattr(obj, k, v)
+        return c
+    assert half_grads(cfg(), 1) and not half_grads(cfg(), 1, cuda=False)
+    assert not half_grads(cfg(), 2)  # DP 2 reduces
+    assert not half_grads(cfg(global_batch_size=2), 1)  # two micro-batches sum
+    assert not half_grads(cfg(bf16=False), 1) and not half_grads(cfg(fast_path="off"), 1)
+    assert not half_grads(cfg(overlap_grad_reduce=True), 1) and not half_grads(cfg(optimizer_cpu_offload=True), 1)
+    assert not half_grads(cfg(tensor_model_parallel_size=2, sequence_parallel=True), 2)

@@ -754,3 +754,19 @@ def zero_stage(p: ParallelConfig) -> int:
     --use-torch-fsdp2 (3) ask for (validate.py refuses the contradictory pairs)."""
     return max(SHARDING[p.data_parallel_sharding_strategy], 1 if p.use_distributed_optimizer else 0,
                3 if p.use_torch_fsdp2 else 0)
+
+
+def half_grads(cfg: Config, world: Optional[int] = None, cuda: bool = True) -> bool:
+    """Whether bf16 params keep their gradient buckets in bf16, not fp32 (parallel/data.py): on
+    the CUDA fast path, with one backward a step whose gradients nothing sums or rescales before
+    the optimizer reads them — DP × CP 1, no SP all-reduce at TP > 1, no tied-embedding all-reduce
+    at PP > 1, one micro-batch and no batch ramp, no --overlap-grad-reduce hooks, ZeRO below 2, no
+    optimizer offload. A bf16 gradient widens to fp32 exactly, so the bucket then holds what the
+    fp32 one would; the optimizer widens it as it reads (optim/optimizer.py), and the fold, the grad
+    norm and the update each move 2 bytes a parameter less."""
+    p, t = cfg.parallel, cfg.training
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    return (cuda and t.bf16 and t.fast_path != "off" and dp_size(cfg, world) * p.context_parallel_size == 1
+            and not (p.sequence_parallel and tp > 1) and not (pp > 1 and not cfg.model.untie_embeddings_and_output_weights)
+            and not p.overlap_grad_reduce and zero_stage(p) < 2 and num_microbatches(cfg, world) == 1
+            and not t.rampup_batch_size and not cfg.optimizer.optimizer_cpu_offload)

@@ -29,7 +29,7 @@ NO_EFFECT = {
     "--no-rope-fusion": (False, "--fast-path decides fusion"),
     "--no-persist-layer-norm": (False, "--fast-path decides fusion"),
     "--cross-entropy-loss-fusion": (False, "--fast-path decides fusion"),
-    "--no-gradient-accumulation-fusion": (False, "gradients always accumulate into fp32 main_grad buffers"),
+    "--no-gradient-accumulation-fusion": (False, "gradients accumulate into fp32 main_grad buffers (bf16 ones only where one backward is all they get)"),
     "--no-create-attention-mask-in-dataloader": (False, "meshlm never builds attention-mask tensors (causal SDPA)"),
     "--no-mmap-bin-files": (False, "the .bin files are memory-mapped; the data read is the same"),
     "--log-throughput": (False, "tokens/s and TFLOP/s/GPU are always logged"),
@@ -55,7 +55,7 @@ DIFFERENT_DEFAULTS = {
     "--eval-interval": ("1000", "short runs evaluate often"),
     "--eval-iters": ("100", "short runs evaluate quickly"),
     "--use-cpu-initialization": ("off", "full weights from one seed, sliced per rank: any layout starts identical"),
-    "--accumulate-allreduce-grads-in-fp32": ("off", "main_grad is always fp32"),
+    "--accumulate-allreduce-grads-in-fp32": ("off", "main_grad is fp32 wherever gradients are summed"),
     "--fp8-recipe": ("delayed", "tensorwise scales by the current amaxes: no history to warm up, and the recipe "
                      "bench/ measured (delayed is built too: meshlm/fp8_rules.py)"),
 }

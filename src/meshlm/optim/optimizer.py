@@ -206,7 +206,8 @@ class MixedPrecisionOptimizer:
         the grad norm's host sync, so checking it costs no sync of its own.
         """
         self._before_step()
-        grads = [s.grad.to(s.master.dtype) for s in self.shards]  # views when dtypes match
+        # views when dtypes match; the flat update widens bf16 grads (ddp.half_grads) as it reads them
+        grads = [s.grad if self.flat else s.grad.to(s.master.dtype) for s in self.shards]
         if self.flat:
             self._flat_prepare(grads)
         scale = self.scaler.scale
@@ -260,8 +261,9 @@ class MixedPrecisionOptimizer:
             views = [g[f.lo:f.hi] for s, g in zip(self.shards, grads) if s.buf.expert == expert
                      for f in s.fragments if f.counted]
             sq = torch.zeros(1, dtype=torch.float64, device=self.ps.device)
-            if views:
-                sq += torch.stack(torch._foreach_norm(views)).double().pow(2).sum()
+            if views:  # bf16 grads (ddp.half_grads) summed in fp32, as the fp32 buckets' would be
+                wide32 = {"dtype": torch.float32} if any(v.dtype in HALF for v in views) else {}
+                sq += torch.stack(torch._foreach_norm(views, 2, **wide32)).double().pow(2).sum()
             return sq
 
         sq, experts = squares(False), squares(True)
@@ -301,7 +303,7 @@ class MixedPrecisionOptimizer:
         if self._runs is None:
             self._runs = self._flat_runs()
             self._kernel = fast.compile_fn(flat_step, dynamic=True)
-        small = {}
+        small, narrow = {}, []
         for run, i, lo, hi in self._runs:
             run.grad = grads[i][lo:hi]
             if run.master.numel() < FLAT_MIN:
@@ -309,6 +311,12 @@ class MixedPrecisionOptimizer:
                 for dst, t in ((g.params, run.master), (g.grads, run.grad), (g.exp_avgs, run.exp_avg),
                                (g.exp_avg_sqs, run.exp_avg_sq)):
                     dst.append(t)
+                if run.grad.dtype != run.master.dtype:
+                    narrow.append((g.grads, len(g.grads) - 1))
+        if narrow:  # the multi-tensor kernel takes the masters' dtype: bf16 grads widened in one cast
+            wide_flat = torch.cat([lst[j] for lst, j in narrow]).to(torch.float32)
+            for (lst, j), w in zip(narrow, wide_flat.split([lst[j].numel() for lst, j in narrow])):
+                lst[j] = w
         self._small = list(small.values())
 
     def _flat_update(self, grad_scale: float, kw: dict) -> None:

@@ -12,6 +12,11 @@ micro-batches sum in place, in fp32:
   Python hook per parameter, a few kernels instead of one per parameter. A param used twice in one
   backward (tied embedding and output layer on one stage) then has its two contributions summed
   in ``p.grad``'s dtype first, as eager PyTorch does.
+Where one backward a step is all the gradients get and nothing sums or rescales them before the
+optimizer (``config.half_grads``: the CUDA fast path, DP × CP 1, one micro-batch, …), bf16 params'
+buckets are bf16: a bf16 gradient widens to fp32 exactly, so they hold what fp32 buckets would, and
+the fold, the grad norm and the update each move 2 bytes a parameter less; the optimizer widens
+them as it reads. A second backward into them in one step is refused (``_fold``).
 Params enter the buffers in reverse order of creation, so buckets fill in the order backward
 produces gradients.
 
@@ -77,8 +82,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..config import zero_stage
-from ..dtypes import wide
+from ..config import half_grads, zero_stage
+from ..dtypes import HALF, wide
 from . import watchdog
 from .fp8 import E4M3
 from .comm import begin_timed, end_timed, elapsed as _elapsed, group_rank, group_size, mark as _mark
@@ -372,6 +377,8 @@ class DistributedDataParallel:
         # fp16 unscale): the check then reads them when asked, not each step (4 bytes a parameter)
         self.lazy_check = (self.size == 1 and not (p.sequence_parallel and ps.tp > 1) and not self.tied_embeddings
                            and not cfg.training.fp16)
+        # one backward a step and nothing summing the grads: bf16 params' buckets stay bf16 (config.half_grads)
+        self.half_grads = half_grads(cfg, ps.world_size, ps.device.type == "cuda")
         self.bucket_size = p.ddp_bucket_size or max(40_000_000, 1_000_000 * ps.dp)
         self.single_tensor_collectives = supports_single_tensor_collectives(self.group)
         self.chunks, self.bias_rate = list(chunks), cfg.model.moe_router_bias_update_rate
@@ -397,6 +404,8 @@ class DistributedDataParallel:
             for dtype, expert, fp8 in dict.fromkeys(kind(q) for q in params):
                 group = [q for q in params if kind(q) == (dtype, expert, fp8)]
                 grad_dtype = wide(dtype) if p.accumulate_allreduce_grads_in_fp32 else dtype
+                if self.half_grads and dtype in HALF:
+                    grad_dtype = dtype
                 hybrid = ps.instances > 1 and not expert
                 reduce_group = ps.edp_group if expert else ps.shard_group if hybrid else self.group
                 # padded for ZeRO to 64 × the ranks its shards split over (all DP × CP under hybrid)
@@ -489,6 +498,10 @@ class DistributedDataParallel:
                 copied += got
         skip = set(copied)
         add = [q for q in params if q not in skip]
+        if self.half_grads and any(id(self._where[q][1]) not in fresh and self._where[q][0].grad_dtype in HALF
+                                   for q in add):
+            raise RuntimeError("a second backward in one step reached bf16 gradient buckets, which hold one "
+                               "backward's gradients exactly (config.half_grads): the step must run one micro-batch")
         if copied:
             torch._foreach_copy_([q.main_grad for q in copied], [q.grad for q in copied])
         if add:

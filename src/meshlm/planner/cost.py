@@ -37,7 +37,9 @@ the logits):
   the activations' (``FP8_ACTIVATION_CAST_BYTES`` an element of every linear's input and output
   gradient: parallel/fp8.py's amax read 2, cast read 2 + write 1, and the transposed FP8 copy the
   weight-gradient GEMM takes, read 1 + write 1), at the HBM bandwidth.
-- the main_grad fold after each backward (bf16 grad added into the fp32 buffer, 10 bytes a parameter).
+- the main_grad fold after each backward (bf16 grad added into the fp32 buffer, 10 bytes a parameter;
+  where ``config.half_grads`` keeps the buckets bf16, a bf16 copy of 4, and the optimizer reads 2 + 2
+  bytes less: ``HALF_GRADS_SAVED_BYTES``).
 
 Per step: (m + (p − 1)/v) micro-batch times (the bubble is the (p − 1)/v part: Narayanan et al. 2021
 §2.2, ``schedules.analytic_bubble_fraction`` of the wall time), PP p2p sends of the [s, b, h/t]
@@ -66,7 +68,7 @@ from dataclasses import asdict, dataclass
 
 from dataclasses import replace
 
-from ..config import (Config, ffn_hidden, global_batch, head_dim, moe_ffn, moe_layer_pattern, num_microbatches,
+from ..config import (Config, ffn_hidden, global_batch, half_grads, head_dim, moe_ffn, moe_layer_pattern, num_microbatches,
                       padded_vocab_size, query_groups)
 from ..flops import flops_per_iteration, mlp_flops_per_token
 from ..fp8_rules import fp8_layers
@@ -83,6 +85,7 @@ ATTENTION_REFERENCE = (2048, 128)  # (seq, head dim) at which GPU.attention_effi
 ELEMENTWISE_PASSES = 4  # HBM bytes moved by element-wise kernels per byte stored for backward
 OPTIMIZER_BYTES_PER_PARAM = 34
 FOLD_BYTES_PER_PARAM = 10
+HALF_GRADS_SAVED_BYTES = (6, 4)  # config.half_grads: (fold: a bf16 copy of 4, not 10; optimizer: grad read 2, norm 2)
 FP8_CAST_BYTES = 6  # an FP8 weight a micro-batch: read bf16 + write FP8, in forward and again (transposed) in backward
 FP8_ACTIVATION_CAST_BYTES = 7  # an FP8 linear's input and output-gradient element: amax, cast, transposed copy
 STEP_OVERHEAD_S = 0.0
@@ -347,7 +350,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     w = max(ranks, key=lambda x: sum(x.values()))  # the slowest pipeline rank
     gemm_s, attn_s, elem_s, recompute_s, tp_s, ep_s, cp_s = (w[k] for k in keys)
     link_tp = stages[-1]["link_tp"]
-    fold_s = FOLD_BYTES_PER_PARAM * params_per_rank / gpu.hbm_bytes_per_s
+    saved_fold, saved_opt = HALF_GRADS_SAVED_BYTES if half and half_grads(c, layout.world) else (0, 0)
+    fold_s = (FOLD_BYTES_PER_PARAM - saved_fold) * params_per_rank / gpu.hbm_bytes_per_s
     per_mb = gemm_s + attn_s + elem_s + recompute_s + tp_s + ep_s + cp_s
     compute = nmb * (gemm_s + attn_s + elem_s + recompute_s)
     bubble = (pp - 1) / vp * per_mb
@@ -377,7 +381,7 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     else:
         dp_exposed = dp_s
     sharded = dense / n + experts / edp if layout.stage >= 1 else params_per_rank
-    opt_s = OPTIMIZER_BYTES_PER_PARAM * sharded / gpu.hbm_bytes_per_s + nmb * fold_s
+    opt_s = (OPTIMIZER_BYTES_PER_PARAM - saved_opt) * sharded / gpu.hbm_bytes_per_s + nmb * fold_s
     total = nmb * per_mb + bubble + p2p + dp_exposed + opt_s + STEP_OVERHEAD_S
     gb = global_batch(c, layout.world)
     model_flops = flops_per_iteration(m, gb, padded)

@@ -3,7 +3,8 @@
 Model state (bytes per parameter of the rank's stage, from ``planner/params.py``):
 
 - ``"meshlm"`` accounting, what meshlm allocates (optim/optimizer.py, parallel/data.py): bf16/fp16
-  params 2, fp32 ``main_grad`` 4 (meshlm always accumulates in fp32), fp32 master 4 + Adam moments
+  params 2, fp32 ``main_grad`` 4 (2 where ``config.half_grads`` keeps the buckets bf16: one backward a
+  step on the CUDA fast path, nothing summing them), fp32 master 4 + Adam moments
   4 + 4 = 12, or under --use-distributed-optimizer (ZeRO-1, Rajbhandari et al. 2020 §5.1) 12/(DP × CP)
   — the distributed optimizer shards over the DP × CP group — and, for the routed experts (E/EP of
   them a MoE layer), 12/(DP × CP / EP), the expert-data-parallel group they are reduced and sharded
@@ -82,7 +83,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ..config import Config, ModelConfig, ffn_hidden, head_dim, moe_layer_pattern, num_microbatches, query_groups
+from ..config import Config, ModelConfig, ffn_hidden, half_grads, head_dim, moe_layer_pattern, num_microbatches, query_groups
 from ..fp8_rules import fp8_layers
 from .layout import Layout
 from .moe_cp import moe_mlp_terms, padded
@@ -287,6 +288,8 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
         routed = state_bytes(padded(experts[rank], layout.edp, zero) if experts[rank] else 0, half=half,
                              dp=layout.edp, stage=layout.stage, accounting=accounting)
         st = {k: dense[k] + routed[k] for k in dense}
+        if half and accounting == "meshlm" and half_grads(c, layout.world):
+            st["grads"] /= 2  # bf16 buckets (parallel/data.py): one backward a step, nothing summing them
         st["weights"] += gathered_bytes(c, layout, params[rank], vocab, half=half)
         st["weights"] += fp8_copy_bytes(c, layout, sum(fp8[n] for chunk in chunks_of_rank for n in chunk),
                                          half=half)
