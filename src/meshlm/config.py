@@ -169,7 +169,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = opt(False, "overlap DP gradient reduction with backward", action="store_true")
     overlap_param_gather: bool = opt(False, "overlap ZeRO-1 parameter all-gather with forward",
                                      action="store_true")
-    ddp_bucket_size: Optional[int] = opt(None, "elements per gradient bucket (default max(40M, 1M × DP))")
+    ddp_bucket_size: Optional[int] = opt(None, "elements per gradient bucket (default max(40M, 1M × DP); 2^30 at DP × CP 1)")
     accumulate_allreduce_grads_in_fp32: bool = opt(True, "keep main_grad in fp32 (always on in meshlm)",
                                                    action="store_true")
     use_cpu_initialization: bool = opt(True, "build each full weight from the seed, keep this rank's slice "

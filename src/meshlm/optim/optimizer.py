@@ -127,6 +127,8 @@ class Shard:
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.fragments = []
+        # the grad norm takes the shard's grad whole when every fragment counts (the rest of it is zero padding)
+        self.whole_norm = all(counts_in_norm(p, ps) for p in bucket.params)
         for p in bucket.params:
             s, e = buf.index[p]
             lo, hi = max(s, start), min(e, end)
@@ -258,8 +260,8 @@ class MixedPrecisionOptimizer:
         """Global L2 norm of the gradients (see counts_in_norm), reduced over ``norm_groups``;
         NaN when ``loss`` (a tensor, optional) is NaN or inf (0 · loss enters the sum)."""
         def squares(expert: bool) -> torch.Tensor:
-            views = [g[f.lo:f.hi] for s, g in zip(self.shards, grads) if s.buf.expert == expert
-                     for f in s.fragments if f.counted]
+            views = [v for s, g in zip(self.shards, grads) if s.buf.expert == expert
+                     for v in ([g] if s.whole_norm else [g[f.lo:f.hi] for f in s.fragments if f.counted])]
             sq = torch.zeros(1, dtype=torch.float64, device=self.ps.device)
             if views:  # bf16 grads (ddp.half_grads) summed in fp32, as the fp32 buckets' would be
                 wide32 = {"dtype": torch.float32} if any(v.dtype in HALF for v in views) else {}

@@ -27,6 +27,8 @@ gradient memory is held (4 bytes a parameter for fp32 main_grads; ~4.2 GiB for a
 the same as eager PyTorch with ``zero_grad(set_to_none=True)``; Megatron keeps its grad buffer
 for the whole run.
 
+Buckets hold ``--ddp-bucket-size`` elements, by default max(40M, 1M × DP), or ``ONE_RANK_BUCKET``
+(2^30) at DP × CP 1, where there is no reduction and a bucket is only the optimizer's unit.
 Reduction (group ``ps.dp_cp_group``): each bucket is divided by the group size and then
 all-reduced, or reduce-scattered under ``--use-distributed-optimizer`` (each rank keeps 1/DP of
 every bucket: ZeRO-1, Rajbhandari et al. 2020 §5.1). With ``--overlap-grad-reduce`` a bucket's
@@ -349,6 +351,9 @@ class GradSyncStats:
         return [_elapsed(a, b) for a, b in self.spans]
 
 
+ONE_RANK_BUCKET = 1 << 30  # elements: the default bucket size at DP × CP 1
+
+
 class DistributedDataParallel:
     """Gradient buffers, hooks and DP reduction for a list of model chunks (see module doc).
 
@@ -379,7 +384,10 @@ class DistributedDataParallel:
                            and not cfg.training.fp16)
         # one backward a step and nothing summing the grads: bf16 params' buckets stay bf16 (config.half_grads)
         self.half_grads = half_grads(cfg, ps.world_size, ps.device.type == "cuda")
-        self.bucket_size = p.ddp_bucket_size or max(40_000_000, 1_000_000 * ps.dp)
+        # at DP × CP 1 nothing is reduced, so buckets would only cut the optimizer's flat runs (each
+        # one compiled call, ~0.2 ms of host time): ONE_RANK_BUCKET elements (int32 indexing)
+        self.bucket_size = p.ddp_bucket_size or (max(40_000_000, 1_000_000 * ps.dp) if self.size > 1
+                                                 else ONE_RANK_BUCKET)
         self.single_tensor_collectives = supports_single_tensor_collectives(self.group)
         self.chunks, self.bias_rate = list(chunks), cfg.model.moe_router_bias_update_rate
         has_experts = any(getattr(q, "expert", False) for c in chunks for q in c.parameters())
