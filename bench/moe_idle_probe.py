@@ -9,11 +9,15 @@ the syncs it makes (set_sync_debug_mode). Otherwise: the production step (traine
 step with a sync after each: wall ms, host ms until train_step returned, routing imbalance (max / mean
 routes, the layers' mean), dynamo's graph count; then one early and one late step under the profiler
 with host ops: the CUDA runtime calls and the host ops by self time, and one step's syncs.
+Each step's line also gives the time Python's garbage collector ran inside it, by generation
+(gc.callbacks); with --manual-gc the loop runs under the trainer's collector schedule
+(training/manual_gc.py), so the two runs tell whether the collector is the drift.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 import warnings
@@ -93,7 +97,6 @@ def main() -> None:
         gmm()
         return
     from meshlm.config import add_config_args, config_from_args
-    from meshlm.model.moe import routing_stats, routing_summary
     from meshlm.training.trainer import TrainState, build, train_step
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=14)
@@ -103,8 +106,6 @@ def main() -> None:
     cfg.training.train_iters, cfg.training.log_interval = 1000, 1000
     run = build(cfg)
     state = TrainState()
-    from torch._dynamo.utils import counters
-    import os
     from meshlm.training import trainer
     spans = {"fb": 0.0, "opt": 0.0, "item": 0.0}
 
@@ -119,9 +120,35 @@ def main() -> None:
     trainer.forward_backward = timed("fb", trainer.forward_backward)
     run.opt.step = timed("opt", run.opt.step)
     torch.Tensor.item = timed("item", torch.Tensor.item)
+    collections = {}  # generation → [count, seconds] within the current step
+    started = {}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        else:
+            c = collections.setdefault(info["generation"], [0, 0.0])
+            c[0], c[1] = c[0] + 1, c[1] + time.perf_counter() - started.pop("t", time.perf_counter())
+    gc.callbacks.append(on_gc)
+    from meshlm.training.manual_gc import ManualGC
+    t = cfg.training
+    collector = ManualGC(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval)
+    with collector.running():
+        steps(args, run, state, cfg, spans, collections, collector)
+    profiled(run, state, train_step, "late")
+    from profile_step import syncs  # bench/profile_step.py: one step's host syncs, by Python line
+    syncs(run, state)
+
+
+def steps(args, run, state, cfg, spans, collections, collector) -> None:
+    import os
+    from torch._dynamo.utils import counters
+    from meshlm.model.moe import routing_stats, routing_summary
+    from meshlm.training.trainer import train_step
     for i in range(args.steps):
         for k in spans:
             spans[k] = 0.0
+        collections.clear()
         c0, p0 = time.thread_time(), time.process_time()
         if i == 3:
             profiled(run, state, train_step, "early")
@@ -136,11 +163,10 @@ def main() -> None:
               f"{s['moe_tokens_per_expert']['imbalance']:.2f} graphs {counters['stats'].get('unique_graphs')} "
               f"recompiles {len(counters.get('recompiles', {}))} | main-thread CPU {(time.thread_time() - c0) * 1e3:.1f} ms "
               f"process CPU {(time.process_time() - p0) * 1e3:.1f} ms; fwd-bwd {spans['fb'] * 1e3:.1f}, optimizer "
-              f"{spans['opt'] * 1e3:.1f} of which item() {spans['item'] * 1e3:.1f} ms; load {os.getloadavg()[0]:.1f}",
-              flush=True)
-    profiled(run, state, train_step, "late")
-    from profile_step import syncs  # bench/profile_step.py: one step's host syncs, by Python line
-    syncs(run, state)
+              f"{spans['opt'] * 1e3:.1f} of which item() {spans['item'] * 1e3:.1f} ms; load {os.getloadavg()[0]:.1f}"
+              f"; gc " + (", ".join(f"gen{g} {n}× {sec * 1e3:.1f} ms" for g, (n, sec) in sorted(collections.items()))
+                         or "none"), flush=True)
+        collector.after_step(i + 1)
 
 
 if __name__ == "__main__":
