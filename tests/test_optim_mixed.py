@@ -292,3 +292,21 @@ def test_half_grads_only_where_one_backward_is_all_a_bucket_gets():
     assert not half_grads(cfg(bf16=False), 1) and not half_grads(cfg(fast_path="off"), 1)
     assert not half_grads(cfg(overlap_grad_reduce=True), 1) and not half_grads(cfg(optimizer_cpu_offload=True), 1)
     assert not half_grads(cfg(tensor_model_parallel_size=2, sequence_parallel=True), 2)
+
+
+def test_one_rank_takes_one_bucket_and_the_norm_of_whole_shards():
+    """DP × CP 1: one bucket a buffer by default (parallel/data.py ONE_RANK_BUCKET), and the grad
+    norm over whole shards equals the norm over their fragments (float64)."""
+    cfg = make_cfg()
+    model, ps = Toy(), ParallelState.single()
+    ddp = DistributedDataParallel([model], ps, cfg)
+    opt = build_optimizer(cfg, ps, [model], ddp)
+    assert [len(buf.buckets) for buf in ddp.buffers] == [1] and all(s.whole_norm for s in opt.shards)
+    ddp.zero_grad()
+    model(*batch(4, 0)).backward()
+    ddp.finish_grad_sync()
+    grads = [s.grad for s in opt.shards]
+    whole = opt.grad_norm(grads)
+    for s in opt.shards:
+        s.whole_norm = False
+    assert whole == pytest.approx(opt.grad_norm(grads), rel=1e-13) and whole > 0
