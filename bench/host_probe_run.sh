@@ -23,17 +23,17 @@ declare -A P=(
  [e16a2]="$M --num-experts 16 --moe-router-topk 1 --global-batch-size 2"
 )
 mkdir -p /tmp/hpw; cd "$(dirname "$0")/.."; export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1; t0=$SECONDS
-probe() { python bench/host_probe.py --label $1 --steps $2 ${P[$1]:-} "${@:3}" $C --run-dir /tmp/hp/$1-$2; }
+probe() { python3 bench/host_probe.py --label $1 --steps $2 ${P[$1]:-} "${@:3}" $C --run-dir /tmp/hp/$1-$2; }
 for k in d16 d16fp8 d16full g24 e4 e8 e16 e32; do probe $k 2 > /tmp/hpw/$k.log 2>&1 & done
-python bench/host_probe.py --label real --steps 2 $R $C --run-dir /tmp/hp/rw > /tmp/hpw/real.log 2>&1 &
-python bench/host_probe.py --label fp8w --steps 2 $F $C --run-dir /tmp/hp/fw > /tmp/hpw/fp8.log 2>&1 &
+python3 bench/host_probe.py --label real --steps 2 $R $C --run-dir /tmp/hp/rw > /tmp/hpw/real.log 2>&1 &
+python3 bench/host_probe.py --label fp8w --steps 2 $F $C --run-dir /tmp/hp/fw > /tmp/hpw/fp8.log 2>&1 &
 wait; echo "warm done at $((SECONDS-t0)) s"; for f in $(grep -l Traceback /tmp/hpw/*.log); do echo "== $f"; tail -5 $f; done > $OUT/warm_errors.log; cat $OUT/warm_errors.log
 (for k in d16 d4 d16a4 d16fp8 d16full d16zero g24; do probe $k 10; done) > $OUT/dense.log 2>&1 &
 (for k in e4 e8 e16 e32 e16a2; do probe $k 10; done; probe e16 24 --manual-gc) > $OUT/moe.log 2>&1 &
 wait; echo "tiny done at $((SECONDS-t0)) s"
-python bench/host_probe.py --label real --steps 14 $R $C --run-dir /tmp/hp/r1 > $OUT/real.log 2>&1
-python bench/host_probe.py --label real-mgc --steps 14 $R $C --manual-gc --run-dir /tmp/hp/r2 >> $OUT/real.log 2>&1
+python3 bench/host_probe.py --label real --steps 14 $R $C --run-dir /tmp/hp/r1 > $OUT/real.log 2>&1
+python3 bench/host_probe.py --label real-mgc --steps 14 $R $C --manual-gc --run-dir /tmp/hp/r2 >> $OUT/real.log 2>&1
 echo "real done at $((SECONDS-t0)) s"
-python bench/profile_step.py $F $C --kernels 70 > $OUT/fp8_profile.log 2>&1
+python3 bench/profile_step.py $F $C --kernels 70 > $OUT/fp8_profile.log 2>&1
 echo "profile done at $((SECONDS-t0)) s"
 grep -h SUMMARY $OUT/dense.log $OUT/moe.log $OUT/real.log
