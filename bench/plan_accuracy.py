@@ -112,6 +112,19 @@ CASES = {  # name: flags, in the order they are measured; none of these shapes o
     "llama8b-w-L4-s1k-m8-sel-zero": _llama("llama3-8b", 1024) + ["--num-layers", "4"] + _mb(8) + SEL + ZERO,
     "llama3b-s4k-m2-fp8-full": _llama("llama-3b", 4096) + _mb(2) + FP8 + FULL,
     "moe-e32-top4-f896-s2k-m2": _moe(2048, 32, 4, 896) + _mb(2),
+    # the sixth set (2026-12-04, session 13): the host-time model (planner/host.py), no T·E² term, FP8 at 2× on
+    # bf16's size curve with 44 bytes a weight of casts
+    "moe-e8-top1-f3584-s2k-m2": _moe(2048, 8, 1, 3584) + _mb(2),
+    "gpt1.3b-s2k-m2-fp8": _gpt("gpt2-1.3b", 2048) + ["--hidden-dropout", "0"] + _mb(2) + FP8,
+    "llama1b-s2k-m4-zero": _llama("llama-1b", 2048) + _mb(4) + ZERO,
+    "moe-e24-top2-f1024-s1k-m8": _moe(1024, 24, 2, 1024) + _mb(8),
+    "llama1b-s2k-m2-fp8-full": _llama("llama-1b", 2048) + _mb(2) + FP8 + FULL,
+    "gpt350m-s4k-m2-full": _gpt("gpt2-350m", 4096) + ["--hidden-dropout", "0"] + _mb(2) + FULL,
+    "moe-e6-top2-f2048-s4k-m1-sel": _moe(4096, 6, 2, 2048) + _mb(1) + SEL,
+    "llama8b-w-L4-s2k-m4-fp8-zero": _llama("llama3-8b", 2048) + ["--num-layers", "4"] + _mb(4) + FP8 + ZERO,
+    "llama3b-s1k-m8-sel": _llama("llama-3b", 1024) + _mb(8) + SEL,
+    "gpt350m-s16k-m1": _gpt("gpt2-350m", 16384) + ["--hidden-dropout", "0"] + _mb(1),
+    "llama8b-w-L8-s1k-m16": _llama("llama3-8b", 1024) + ["--num-layers", "8"] + _mb(16),
 }
 
 

@@ -13,6 +13,7 @@ the wall ms a step over --gap-steps steps, and from a CUDA-only trace (kernels, 
 alone, so the profiler adds no host work) the idle ms a step and the largest gaps, each with the
 kernels before and after it and its time from the window's start. With OUT set, one step is
 also traced with the host's ops to $OUT/gaps_trace.json.gz.
+--kernels N: also the N kernels of most GPU time, each with its ms and calls a step.
 --syncs: one step under torch.cuda.set_sync_debug_mode("warn"), each synchronizing call listed
 by the Python line that made it.
 """
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--gaps", action="store_true", help="also the GPU's idle gaps (module doc)")
     parser.add_argument("--gap-steps", type=int, default=6)
     parser.add_argument("--syncs", action="store_true", help="list the host syncs of one step (module doc)")
+    parser.add_argument("--kernels", type=int, default=0, help="list the N kernels of most GPU time")
     add_config_args(parser)
     args = parser.parse_args(sys.argv[1:])
     cfg = config_from_args(args)
@@ -89,6 +91,10 @@ def main() -> None:
     for c, ms in sorted(by_cat.items(), key=lambda kv: -kv[1]):
         tops = "; ".join(f"{k} ({t:.2f}, {n})" for t, n, k in sorted(top[c], reverse=True)[:5])
         print(f"| {c} | {ms:.2f} | {ms / busy:.1%} | {tops} |")
+    if args.kernels:
+        print(f"\nthe {args.kernels} kernels of most GPU time (ms/step, calls/step, name):")
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:args.kernels]:
+            print(f"  {e.self_device_time_total / 2e3:8.3f} {e.count // 2:5d}  {e.key[:140]}")
     if args.gaps:
         gaps(run, state, args.gap_steps)
     if args.syncs:

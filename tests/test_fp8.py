@@ -362,10 +362,13 @@ def test_planner_models_fp8_memory_and_step_time():
     assert t8.total < t16.total
     slow = dataclasses.replace(PRESETS["H200-141GB"], fp8_gemm_speedup=1.0, fp8_half_dim=64.0)  # no FP8 gain
     assert plan("hybrid", slow)[1].total > t16.total
-    # at a speed-up of 1 FP8 adds exactly its casts: 6 bytes a weight and 7 an element of each linear's
-    # input and output (QKV 4096 → 6144, proj 4096 → 4096, fc1 4096 → 2·14336, fc2 14336 → 4096), 8 layers
+    # at a speed-up of 1 FP8 adds exactly its casts: FP8_CAST_BYTES a weight and FP8_ACTIVATION_CAST_BYTES an
+    # element of each linear's input and output (QKV 4096 → 6144, proj 4096 → 4096, fc1 4096 → 2·14336,
+    # fc2 14336 → 4096), 8 layers
+    from meshlm.planner.cost import FP8_ACTIVATION_CAST_BYTES, FP8_CAST_BYTES
     weights, widths = 4096 * (6144 + 4096 + 2 * 14336 + 14336), 4 * 4096 + 6144 + 4096 + 3 * 14336
-    casts = 8 * (6 * weights + 7 * 4 * 2048 * widths) / PRESETS["H200-141GB"].hbm_bytes_per_s
+    casts = 8 * (FP8_CAST_BYTES * weights + FP8_ACTIVATION_CAST_BYTES * 4 * 2048 * widths) \
+        / PRESETS["H200-141GB"].hbm_bytes_per_s
     assert plan("hybrid", slow)[1].compute - t16.compute == pytest.approx(casts, rel=1e-6)
 
 
@@ -493,8 +496,9 @@ def test_fp8_moe_at_ep2_matches_one_process_in_float64():
 
 def test_fp8_speedup_rises_with_the_gemm_size_and_calibration_recovers_its_constants():
     """``cost.fp8_speedup``: 1 at every size for a GPU without FP8 (A100: half-dim = bf16's), on
-    Hopper below the large-GEMM 2× and rising with the widths (h 1,024 < 2,048 < 4,096); and
-    ``fit_fp8`` gives back the speed-up and half-dim that produced two measured ratios."""
+    Hopper's preset 2× at every size (bf16's own curve); with a half-dim above bf16's, below the
+    large-GEMM speed-up and rising with the widths (h 1,024 < 2,048 < 4,096); and ``fit_fp8`` gives
+    back the speed-up and half-dim that produced two measured ratios."""
     import dataclasses
 
     from meshlm.planner.calibrate import fit_fp8
@@ -502,9 +506,10 @@ def test_fp8_speedup_rises_with_the_gemm_size_and_calibration_recovers_its_const
     from meshlm.planner.gpus import PRESETS
     h200, a100 = PRESETS["H200-141GB"], PRESETS["A100-80GB"]
     assert fp8_speedup(a100, 16384, 1024, 1024, 3584) == 1.0
-    small, mid, large = (fp8_speedup(h200, 8192, h, h, 4 * h) for h in (1024, 2048, 4096))
-    assert small < mid < large < h200.fp8_gemm_speedup == 2.0
+    assert fp8_speedup(h200, 8192, 1024, 1024, 4096) == pytest.approx(2.0, rel=1e-12)
     true = dataclasses.replace(h200, fp8_gemm_speedup=1.9, fp8_half_dim=300.0)
+    small, mid, large = (fp8_speedup(true, 8192, h, h, 4 * h) for h in (1024, 2048, 4096))
+    assert small < mid < large < 1.9
     dims = [(16384, 2048, 2048, 8192), (16384, 1024, 1024, 4096)]
     speed, half = fit_fp8([(fp8_speedup(true, *d), d) for d in dims])
     assert speed == pytest.approx(1.9, rel=1e-6) and half == pytest.approx(300.0, rel=1e-6)

@@ -756,6 +756,9 @@ def zero_stage(p: ParallelConfig) -> int:
                3 if p.use_torch_fsdp2 else 0)
 
 
+ONE_RANK_BUCKET = 1 << 30  # elements: the default --ddp-bucket-size at DP × CP 1 (parallel/data.py)
+
+
 def half_grads(cfg: Config, world: Optional[int] = None, cuda: bool = True) -> bool:
     """Whether bf16 params keep their gradient buckets in bf16, not fp32 (parallel/data.py): on
     the CUDA fast path, with one backward a step whose gradients nothing sums or rescales before

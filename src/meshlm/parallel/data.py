@@ -84,7 +84,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..config import half_grads, zero_stage
+from ..config import ONE_RANK_BUCKET, half_grads, zero_stage
 from ..dtypes import HALF, wide
 from . import watchdog
 from .fp8 import E4M3
@@ -349,9 +349,6 @@ class GradSyncStats:
     @property
     def bucket_exposed_s(self) -> list:
         return [_elapsed(a, b) for a, b in self.spans]
-
-
-ONE_RANK_BUCKET = 1 << 30  # elements: the default bucket size at DP × CP 1
 
 
 class DistributedDataParallel:

@@ -17,6 +17,9 @@ Measured, each as the best of a few timed repeats after a warm-up:
   of ``cost.fp8_speedup`` (``fit_fp8``); each GEMM is timed over several back-to-back calls, so the
   launch and synchronisation of one call (~15 µs, a sixth of a small FP8 GEMM) is not counted;
 - device-memory bandwidth: a copy of a large buffer (read + write bytes / time);
+- the host: one small kernel launch's host time (``host.launch_seconds``) over the H200 host's
+  (``host.REFERENCE_LAUNCH_S``) as ``host_scale``, which scales the planner's host-time model
+  (on a CPU, kept from the base profile);
 - with more than one CUDA device, the device-to-device copy bandwidth between GPUs 0 and 1 as the
   intra-node link (an estimate of NCCL's bus bandwidth; inter-node is kept from the base profile).
 The peak is the data-sheet figure (``flops.peak_tflops``) where the device is known,
@@ -32,6 +35,7 @@ import torch
 
 from ..config import Config, ffn_hidden, head_dim, moe_ffn, query_groups
 from ..flops import peak_tflops
+from . import host
 from .cost import GEMM_HALF_DIM, gemm_efficiency, grouped_gemm_terms
 from .gpus import GPU, PRESETS
 
@@ -98,12 +102,14 @@ def calibrate(cfg: Config, *, quick: bool = False, base: GPU = PRESETS["H200-141
     if cuda and torch.cuda.device_count() > 1:
         other = torch.empty(n, dtype=torch.uint8, device="cuda:1")
         link = n / _best(lambda: other.copy_(src), 5, lambda: (torch.cuda.synchronize(0), torch.cuda.synchronize(1)))
-    return replace(base, name=name, memory_bytes=memory, peak_flops=peak, hbm_bytes_per_s=hbm,
+    launch = host.launch_seconds(dev, 200 if quick else 2000)
+    host_scale = launch / host.REFERENCE_LAUNCH_S if cuda else base.host_scale  # on a CPU, the host is the device
+    return replace(base, name=name, memory_bytes=memory, host_scale=host_scale, peak_flops=peak, hbm_bytes_per_s=hbm,
                    intra_node_bytes_per_s=link, gemm_efficiency=min(1.0, achieved / peak / size),
                    fp8_gemm_speedup=fp8, fp8_half_dim=half_dim, grouped_gemm_efficiency=grouped_eff, grouped_wave_s=wave_s, sm_count=sms,
                    source=f"measured by meshlm plan --calibrate on {name} ({'quick' if quick else 'full'} shapes "
                           f"{shapes}; GEMM {achieved / 1e12:.2f} TFLOP/s; {fp8_note}; {grouped_note}; "
-                          f"memory copy {hbm / 1e9:.1f} GB/s)")
+                          f"memory copy {hbm / 1e9:.1f} GB/s; a kernel launch {1e6 * launch:.1f} µs on the host)")
 
 
 def _bf16_seconds(shapes: list, repeats: int, calls: int, dev, dtype, sync) -> float:

@@ -19,9 +19,7 @@ the logits):
   (``memory.layer_terms``), and of the logits, at the GPU's HBM bandwidth; an MoE layer's stored
   bytes (``moe_cp.moe_mlp_terms``: the dispatched rows, the experts' outputs, the routing tensors)
   carry its permute, unpermute and router passes the same way, and the grouped GEMM's stacked copy
-  of the expert weights (``moe_cp.stacked_weight_bytes``) one read and one write a micro-batch;
-  plus the MoE layer's time outside its GEMMs that grows with the expert count
-  (``moe_cp.routing_seconds``, empirical).
+  of the expert weights (``moe_cp.stacked_weight_bytes``) one read and one write a micro-batch.
 - TP (Megatron's f/g, Shoeybi et al. 2019 §3): without SP, 2 all-reduces of the [s, b, h] activation
   in forward and 2 in backward, each 2(t−1)/t · bytes / NVLink bandwidth; with SP, 4 all-gathers or
   reduce-scatters in forward and 6 in backward (meshlm all-gathers the s/t QKV and FC1 inputs again),
@@ -36,7 +34,19 @@ the logits):
   small ones through ``GPU.fp8_half_dim``; both measured by `plan --calibrate`), plus the weights' casts (``FP8_CAST_BYTES`` a weight, each micro-batch) and
   the activations' (``FP8_ACTIVATION_CAST_BYTES`` an element of every linear's input and output
   gradient: parallel/fp8.py's amax read 2, cast read 2 + write 1, and the transposed FP8 copy the
-  weight-gradient GEMM takes, read 1 + write 1), at the HBM bandwidth.
+  weight-gradient GEMM takes, read 1 + write 1), at the HBM bandwidth. The weights' 44 bytes are
+  fit to a per-kernel profile (bench/RESULTS.md 2026-12-04 session 13: gpt3-2.7b widths, 8 layers,
+  4,096 tokens): the FP8 layers' element-wise kernels (Inductor's fused amax / cast / transpose /
+  norm / GeLU kernels) took 12.35 ms where bf16's element-wise model and the activations' 7 bytes
+  give 4.4 ms; the rest, 0.99 ms a layer of 78.6 M weights, is 38 bytes a weight beyond the 6 of a
+  read, cast and transposed re-cast (the weight is amaxed and cast again in backward, and the
+  compiled graph keeps bf16 copies); which kernels are the weights' and which the activations'
+  is not separated by one token count.
+- the step's host (CPU) time (planner/host.py): kernel launches, compiled frames' guards, autograd's
+  per-parameter work and the optimizer's runs; the step is the GPU's time or, where the host
+  launches a phase (the optimizer, a micro-batch's forward or backward) more slowly than the GPU
+  runs it, the GPU waits (``host.overlapped``: the step = max over phases k of the host's time
+  before k plus the GPU's from k).
 - the main_grad fold after each backward (bf16 grad added into the fp32 buffer, 10 bytes a parameter;
   where ``config.half_grads`` keeps the buckets bf16, a bf16 copy of 4, and the optimizer reads 2 + 2
   bytes less: ``HALF_GRADS_SAVED_BYTES``).
@@ -68,7 +78,7 @@ from dataclasses import asdict, dataclass
 
 from dataclasses import replace
 
-from ..config import (Config, ffn_hidden, global_batch, half_grads, head_dim, moe_ffn, moe_layer_pattern, num_microbatches,
+from ..config import (ONE_RANK_BUCKET, Config, ffn_hidden, global_batch, half_grads, head_dim, moe_ffn, moe_layer_pattern, num_microbatches,
                       padded_vocab_size, query_groups)
 from ..flops import flops_per_iteration, mlp_flops_per_token
 from ..fp8_rules import fp8_layers
@@ -76,7 +86,8 @@ from ..parallel.schedules import analytic_bubble_fraction
 from .gpus import COLLECTIVE_LATENCY_S, GPU
 from .layout import NONE, Layout
 from .memory import layer_bytes
-from .moe_cp import cp_link, cp_seconds, ep_seconds, expert_rows, routing_seconds, stacked_weight_bytes
+from . import host
+from .moe_cp import cp_link, cp_seconds, ep_seconds, expert_rows, stacked_weight_bytes
 
 GEMM_HALF_DIM = 64  # a GEMM dimension of x reaches x / (x + 64) of the large-GEMM efficiency
 ATTENTION_HALF_SEQ = 1360  # attention's per-row cost, in tokens of its quadratic work (fit: attention_efficiency)
@@ -86,7 +97,7 @@ ELEMENTWISE_PASSES = 4  # HBM bytes moved by element-wise kernels per byte store
 OPTIMIZER_BYTES_PER_PARAM = 34
 FOLD_BYTES_PER_PARAM = 10
 HALF_GRADS_SAVED_BYTES = (6, 4)  # config.half_grads: (fold: a bf16 copy of 4, not 10; optimizer: grad read 2, norm 2)
-FP8_CAST_BYTES = 6  # an FP8 weight a micro-batch: read bf16 + write FP8, in forward and again (transposed) in backward
+FP8_CAST_BYTES = 44  # an FP8 weight a micro-batch, its casts' HBM bytes: fit to a per-kernel profile (cost.py doc)
 FP8_ACTIVATION_CAST_BYTES = 7  # an FP8 linear's input and output-gradient element: amax, cast, transposed copy
 STEP_OVERHEAD_S = 0.0
 
@@ -178,7 +189,8 @@ class StepTime:
     expert-parallel all-to-alls; cp_comm: the exposed part of CP's K/V exchange; bubble: pipeline
     fill and drain; pp_p2p: activation sends between stages; dp_comm: the whole DP reduction (dense
     gradients over DP × CP, experts' over DP × CP / EP); dp_exposed: the part of it not hidden behind
-    backward; optimizer: the update and the main_grad folds; total; tokens_per_s of the job; mfu
+    backward; optimizer: the update and the main_grad folds; host: the host's (CPU's) seconds of the
+    step (``host``); host_idle: the GPU's wait for them, in total; total; tokens_per_s of the job; mfu
     (model FLOPs, no recompute, over world × peak); bottleneck: the largest cost besides useful
     compute, named with its cause.
     """
@@ -193,6 +205,8 @@ class StepTime:
     dp_comm: float
     dp_exposed: float
     optimizer: float
+    host: float
+    host_idle: float
     total: float
     tokens_per_s: float
     mfu: float
@@ -243,8 +257,7 @@ def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: b
         layer_moe_extra = tokens * other
         expert_s = n_moe * grouped_gemm_seconds(gpu, m.num_experts / layout.ep, expert_rows(m, b, layout), h,
                                                 moe_ffn(m), 2 if m.swiglu else 1)
-        stack_s = n_moe * (2 * stacked_weight_bytes(m, layout, act_bytes=act) / gpu.hbm_bytes_per_s
-                           + routing_seconds(m, b, layout))
+        stack_s = n_moe * 2 * stacked_weight_bytes(m, layout, act_bytes=act) / gpu.hbm_bytes_per_s
     else:
         layer_moe_extra = 0.0
     linear_layers = layers - n_fp8 + (n_fp8 / fp8_speedup(gpu, *dims) if n_fp8 else 0.0)
@@ -286,10 +299,28 @@ def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: b
     halves = layers + layers - (0 if m.moe_shared_expert_intermediate_size else n_moe)
     ep_f, ep_b = ep_seconds(m, b, layout, gpu, gpus_per_node, act_bytes=act)
     cp_f, cp_b = cp_seconds(c, b, layout, gpu, gpus_per_node, attn_layer_s / 3, act_bytes=act)
-    return {"gemm": gemm_s, "attn": attn_s, "elem": elem_s, "recompute": recompute_s,
+    host_f, host_b = host.microbatch_seconds(c, moe, fp8 or [False] * layers, (m.num_experts or 0) / layout.ep,
+                                             layers if full else 0)
+    return {"host_f": gpu.host_scale * host_f, "host_b": gpu.host_scale * host_b,"gemm": gemm_s, "attn": attn_s, "elem": elem_s, "recompute": recompute_s,
             "tp": halves * (fwd * (1 + again) + bwd) * one, "tp_forward": halves * fwd * one,
             "ep": n_moe * (ep_f * (1 + again) + ep_b), "ep_forward": n_moe * ep_f,
             "cp": layers * (cp_f * (1 + again) + cp_b), "cp_forward": layers * cp_f, "link_tp": link_tp}
+
+
+def _host_step(c: Config, layout: Layout, rank: int, dense: float, experts: float,
+               bucket: float) -> float:
+    """(optimizer, bookkeeping) host seconds of a step on pipeline rank ``rank`` (``host.step_seconds``),
+    its parameters ``dense`` + ``experts`` in buckets of ``bucket`` elements."""
+    from ..parallel.pipeline import stage_layers
+    m, pp = c.model, layout.pp
+    pattern, ranges = moe_layer_pattern(m), stage_layers(c)
+    moe = [pattern[n] for s in range(rank, len(ranges), pp) for n in ranges[s]]
+    local = (m.num_experts or 0) / layout.ep
+    embeddings = (rank == 0) * (1 + (m.position_embedding_type == "learned_absolute")) \
+        + (rank == pp - 1) * (m.untie_embeddings_and_output_weights or pp > 1)
+    runs = host.flat_runs(c, moe, dense, experts, bucket, embeddings)
+    tensors = sum(host.layer_tensors(c, x, local) for x in moe) + embeddings + (rank == pp - 1)
+    return host.step_seconds(c, moe, runs, tensors)
 
 
 def _pp_link(layout: Layout, gpu: GPU, gpus_per_node: int) -> float:
@@ -346,8 +377,10 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, t)
     stages = _stage_work(c, layout, gpu, vocab, gpus_per_node, act)
     keys = ("gemm", "attn", "elem", "recompute", "tp", "ep", "cp")
-    ranks = [{k: sum(w[k] for w in stages[r::pp]) for k in keys} for r in range(pp)]  # a rank's chunks
-    w = max(ranks, key=lambda x: sum(x.values()))  # the slowest pipeline rank
+    ranks = [{k: sum(w[k] for w in stages[r::pp]) for k in keys + ("host_f", "host_b", "tp_forward", "ep_forward",
+                                                                       "cp_forward")} for r in range(pp)]
+    slowest = max(range(pp), key=lambda r: sum(ranks[r][k] for k in keys))  # the slowest pipeline rank
+    w = ranks[slowest]
     gemm_s, attn_s, elem_s, recompute_s, tp_s, ep_s, cp_s = (w[k] for k in keys)
     link_tp = stages[-1]["link_tp"]
     saved_fold, saved_opt = HALF_GRADS_SAVED_BYTES if half and half_grads(c, layout.world) else (0, 0)
@@ -360,7 +393,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     link_dp = gpu.intra_node_bytes_per_s if dp * t * layout.cp <= gpus_per_node else gpu.inter_node_bytes_per_s
     n, edp = dp * layout.cp, layout.edp
     dense, experts = params_per_rank - expert_params_per_rank, expert_params_per_rank
-    bucket = c.parallel.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)  # parallel/data.py's default
+    # parallel/data.py's default
+    bucket = c.parallel.ddp_bucket_size or (max(40_000_000, 1_000_000 * dp) if n > 1 else ONE_RANK_BUCKET)
     latency = (math.ceil(params_per_rank / bucket) - 1) * COLLECTIVE_LATENCY_S if n > 1 else 0.0
     if layout.stage >= 1:
         # ZeRO-1/2: one param all-gather after the step; ZeRO-3: one per block use, twice per
@@ -382,7 +416,13 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
         dp_exposed = dp_s
     sharded = dense / n + experts / edp if layout.stage >= 1 else params_per_rank
     opt_s = (OPTIMIZER_BYTES_PER_PARAM - saved_opt) * sharded / gpu.hbm_bytes_per_s + nmb * fold_s
-    total = nmb * per_mb + bubble + p2p + dp_exposed + opt_s + STEP_OVERHEAD_S
+    gpu_s = nmb * per_mb + bubble + p2p + dp_exposed + opt_s + STEP_OVERHEAD_S
+    host_opt, host_book = (gpu.host_scale * x for x in _host_step(c, layout, slowest, dense, experts, bucket))
+    forward = (gemm_s + attn_s + elem_s) / 3 + sum(w[k + "_forward"] for k in ("tp", "ep", "cp"))
+    phases = [(host_book, opt_s)] + [(w["host_f"], forward), (w["host_b"], per_mb - forward)] * nmb \
+        + [(host_opt, bubble + p2p + dp_exposed + STEP_OVERHEAD_S)]
+    total = host.overlapped(phases)
+    host_s = host_opt + host_book + nmb * (w["host_f"] + w["host_b"])
     gb = global_batch(c, layout.world)
     model_flops = flops_per_iteration(m, gb, padded)
     nvlink = {True: "NVLink", False: "inter-node link"}
@@ -399,11 +439,13 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
         f"PP p2p over the {nvlink[link_pp == gpu.intra_node_bytes_per_s]}": p2p,
         "optimizer step and main_grad folds (HBM-bound)": opt_s,
         f"{layout.recompute_name} recompute": nmb * recompute_s,
+        f"host-bound: the GPU waits {1e3 * (total - gpu_s):.1f} ms for kernel launches (host {1e3 * host_s:.0f} ms "
+        f"a step)": total - gpu_s,
     }
     name, worst = max(costs.items(), key=lambda kv: kv[1])
     return StepTime(compute=compute, recompute=nmb * recompute_s, tp_comm=nmb * tp_s, ep_comm=nmb * ep_s,
                     cp_comm=nmb * cp_s, bubble=bubble, pp_p2p=p2p, dp_comm=dp_s, dp_exposed=dp_exposed,
-                    optimizer=opt_s, total=total, tokens_per_s=gb * s / total,
+                    optimizer=opt_s, host=host_s, host_idle=max(0.0, total - gpu_s), total=total, tokens_per_s=gb * s / total,
                     mfu=model_flops / (layout.world * total * gpu.peak_flops),
                     bubble_fraction=analytic_bubble_fraction(pp, nmb, vp) if pp > 1 else 0.0,
                     bottleneck=f"{name}: {100 * worst / total:.0f}% of the step")

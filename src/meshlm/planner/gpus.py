@@ -36,8 +36,13 @@ other Hopper/Ampere presets alike. H200 memory is the lent machine's 143,771 MiB
   size curve reaches half its rate (bf16's is ``cost.GEMM_HALF_DIM``): ``cost.fp8_speedup`` gives
   the speed-up at a layer's shapes. 1 and 64 where the GPU has no FP8 tensor cores (A100) and on CPU
   (FP8 is emulated there): no speed-up at any size. Hopper: 2.0 (the data sheet's FP8 peak over
-  bf16's) and 256, fit to this project's four FP8 training steps on the H200 (cost.fp8_speedup);
-  ``plan --calibrate`` measures both at two sizes of the model's shapes.
+  bf16's) and 64, bf16's own curve: a per-kernel profile of an FP8 step on the H200 (gpt3-2.7b
+  widths, 4,096 tokens: 96 FP8 GEMMs in 10.68 ms, 2.03× the bf16 model's time; bench/RESULTS.md
+  2026-12-04 session 13) found no extra size penalty at these shapes (the 256 fitted before took
+  host-bound and cast time as slow GEMMs); ``plan --calibrate`` measures both at two sizes.
+- ``host_scale``: this machine's host (CPU) time for the same launches over the H200 host's, on
+  which planner/host.py's constants were measured (1 on the presets; ``plan --calibrate`` times a
+  burst of small kernel launches against the H200 host's, ``host.REFERENCE_LAUNCH_S``).
 
 ``meshlm plan --calibrate`` measures a profile on this machine and writes it as JSON to
 ``$XDG_CACHE_HOME/meshlm/gpus/<name>.json`` (default ``~/.cache/meshlm/gpus/``), or to
@@ -80,6 +85,7 @@ class GPU:
     sm_count: int = 132
     grouped_wave_s: float = 7.0e-6
     fp8_half_dim: float = 64.0
+    host_scale: float = 1.0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -93,7 +99,7 @@ def _preset(name: str, device_name: str, memory_bytes: float, hbm: float, nvlink
                sm_count=sm_count)
 
 
-FP8_HOPPER = (2.0, 256.0)  # large-GEMM speed-up over bf16 and FP8's half-rate dimension (see the module doc)
+FP8_HOPPER = (2.0, 64.0)  # large-GEMM speed-up over bf16 and FP8's half-rate dimension (see the module doc)
 
 PRESETS = {
     "A100-80GB": _preset("A100-80GB", "NVIDIA A100-SXM4-80GB", 80 * GiB, 2.039e12, 300e9, 200, sm_count=108),

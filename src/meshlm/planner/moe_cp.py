@@ -38,22 +38,10 @@ which MoE needs at TP > 1); R = k·T their routes; E experts of width f_e, EP ra
   CPU's loop over the experts): the combine keeps an fp32 copy, 4·R·h, and the routing 56·R, no
   stacked copy. The per-layer transient of the exchange buffers is left out (freed before the
   next layer).
-- Time outside the GEMMs that grows with the expert count (``routing_seconds``): the compiled
-  layer's step runs slower than its GEMMs, attention and element-wise bytes say, by a cost per
-  token that rises steeply with the experts: model − measured, per token and MoE layer, after the
-  grouped GEMM at its calibrated rate, is 0.02–0.03 µs at 8 experts top-2 (mixtral-small, two runs),
-  0.07 at 8 top-4, 0.21 at 16 top-2 and 0.26 at 16 top-4 (bench/RESULTS.md, 2026-12-04 planner
-  section). Empirical, not a mechanism: ``MOE_TOKEN_EXPERT2_S`` · T · (E/EP)² a layer (fwd + bwd),
-  the one-constant form that fits those five runs best (within 8%; T·E or T·k·E miss by 12–17%).
-  Tested on unseen runs (2026-12-04) and refuted as a form: E 4 top-1 (1.8 ms of term) ran 19 ms
-  slower than predicted, E 12 top-3 15 ms, E 16 top-1 13 ms beyond its 28.5 ms; a profile of the E 16
-  run found the GPU busy for what the other terms predict and idle for the rest. The idle is the
-  host, not the routing (bench/RESULTS.md, 2026-12-04, "the host, not the routing"): the step is
-  host-bound (GPU kernels 77.5 ms, wall = the process's CPU time, 100–175 ms a step), forced-balance
-  routing drifts from step to step as much as learned routing, no recompiles, no sync in the MoE
-  path. The term to replace it with is the step's host time (per kernel launch, compiled frame and
-  parameter tensor), the step the larger of host and GPU; kept until that is fitted, since it is
-  the best of the fits on the E 16 runs.
+- No term for time outside the GEMMs that grows with the expert count: an empirical 0.85 ns · T ·
+  (E/EP)² a layer (2026-12-04, fit to five runs) was refuted on unseen runs: the misses it fitted
+  were host-bound steps (bench/RESULTS.md, 2026-12-04: GPU kernels 77.5 ms of a 100–175 ms E 16
+  step), now the host-time model's (planner/host.py: an MoE layer's launches grow with its experts).
 - Model state: a rank holds E/EP experts per MoE layer (``planner/params.py``); their gradients
   are reduced over, and under ZeRO-1 their optimizer state sharded over, the expert-data-parallel
   group of DP × CP / EP ranks (parallel/data.py, optim/distributed.py), the rest over DP × CP.
@@ -84,7 +72,6 @@ from ..config import Config, ModelConfig, head_dim, moe_ffn, query_groups
 from .gpus import COLLECTIVE_LATENCY_S as LATENCY_S, GPU
 
 STACKED_COPY = True  # model/moe.py Experts.forward stacks the experts' weights each call (torch.stack)
-MOE_TOKEN_EXPERT2_S = 0.85e-9  # seconds per token and (local expert)² of an MoE layer, fwd + bwd (module doc)
 
 
 def tokens_per_rank(m: ModelConfig, b: int, layout) -> float:
@@ -103,12 +90,6 @@ def stacked_weight_bytes(m: ModelConfig, layout, *, act_bytes: int = 2) -> float
 def expert_rows(m: ModelConfig, b: int, layout) -> float:
     """Rows of one local expert's GEMMs per micro-batch (balanced routing): R·EP/E."""
     return m.moe_router_topk * tokens_per_rank(m, b, layout) * layout.ep / m.num_experts
-
-
-def routing_seconds(m: ModelConfig, b: int, layout) -> float:
-    """Seconds of one MoE layer's work outside its GEMMs that grows with the expert count, forward +
-    backward, per micro-batch on one rank: ``MOE_TOKEN_EXPERT2_S`` · T · (E/EP)² (module doc; empirical)."""
-    return MOE_TOKEN_EXPERT2_S * tokens_per_rank(m, b, layout) * (m.num_experts / layout.ep) ** 2
 
 
 def moe_mlp_terms(m: ModelConfig, b: int, layout, *, act_bytes: int = 2, fast: bool = True) -> dict:

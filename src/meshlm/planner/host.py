@@ -1,0 +1,130 @@
+"""The host's (CPU's) time of a training step, and the step when the GPU waits for it.
+
+A step's kernels are launched by one Python thread (forwards, the optimizer) and autograd's device
+thread (backwards), one at a time. When they launch a phase's kernels more slowly than the GPU runs
+them, the GPU idles: the step is *host-bound*. It happens with many small kernels — MoE layers at
+few tokens (bench/RESULTS.md 2026-12-04: the E 16 top-1 step at 2 × 4,096 tokens, GPU kernels 77.5
+ms, host 100–175 ms), small micro-batches, FP8's extra casts.
+
+Host seconds, measured on the H200's host (a 16-core VM; bench/host_probe.py at 256 tokens a
+micro-batch, where the GPU is never the bottleneck, 8–24 steps of each of 12 configurations; fit and
+figures: bench/RESULTS.md, 2026-12-04 session 13) × 0.92 (the probe ran two processes at once; the
+factor fits the six recorded host-bound runs, each alone), scaled by ``GPU.host_scale`` (1 on the
+presets; ``plan --calibrate`` measures it, ``launch_seconds``):
+
+- each micro-batch on a rank: ``MICROBATCH_S`` (embedding, loss, the data) plus each layer's forward
+  and backward: ``LAYER_S`` + ``LAYER_PARAM_S`` per parameter tensor of the layer (autograd's
+  AccumulateGrad and dynamo's guards grow with them: 6 in a Llama layer, 12 with biases and
+  LayerNorm); an MoE layer adds ``MOE_LAYER_S`` + ``MOE_EXPERT_S`` per local expert (the routing's
+  kernels, the per-expert parameters and their grads); an FP8 layer ``FP8_LINEAR_S`` per linear (its
+  amaxes, casts and ``_scaled_mm``); full recompute ``RECOMPUTE_LAYER_S`` per recomputed layer (the
+  forward again and the checkpoint's wrapper). Of each, ``FORWARD_SHARE`` is the forward's;
+- each step: the optimizer, ``RUN_S`` per flat-AdamW run (optim/optimizer.py: a compiled kernel call
+  for each run of consecutive fragments of one weight decay within a bucket: 2 a Llama layer, 4 with
+  biases, 1 an MoE layer in the dense buffer, one per embedding table, plus one per bucket boundary)
+  and ``OPT_PARAM_S`` per parameter tensor (the grad views), plus ``STEP_S`` (zero_grad, the loss
+  read, the log line) and per MoE layer ``MOE_STATS_S`` + ``MOE_STATS_EXPERT_S`` · E (the routing
+  statistics logged each step at --log-interval 1).
+
+The step (``overlapped``): after the grad norm's sync the GPU is empty; the host launches the
+optimizer and then each micro-batch's forward and backward, the GPU running each phase's kernels
+once launched. With phases i = (host H_i, GPU G_i) in launch order, the GPU ends at
+max_k (Σ_{i<k} H_i + Σ_{i≥k} G_i): the host's time up to the phase it last waited on, then the GPU's
+from there (k = 0: GPU-bound throughout; the last k: host-bound throughout).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..config import Config
+
+MICROBATCH_S = 1.5e-3
+LAYER_S = 1.2e-3
+LAYER_PARAM_S = 0.07e-3
+MOE_LAYER_S = 2.75e-3
+MOE_EXPERT_S = 0.043e-3
+FP8_LINEAR_S = 0.28e-3
+RECOMPUTE_LAYER_S = 1.4e-3
+FORWARD_SHARE = 0.45
+RUN_S = 0.22e-3
+OPT_PARAM_S = 0.0055e-3
+STEP_S = 2.3e-3
+MOE_STATS_S = 0.14e-3
+MOE_STATS_EXPERT_S = 0.009e-3
+# launch_seconds of a host on which these constants hold: the session-13 second call's H200 host measured
+# 6.57 µs and ran that call's host-bound steps at 0.80× the constants' time (bench/RESULTS.md, in-sample)
+REFERENCE_LAUNCH_S = 8.2e-6
+
+
+def layer_tensors(cfg: Config, moe: bool, local_experts: float) -> int:
+    """Parameter tensors of one layer: 2 norms (LayerNorm: weight and bias each), QKV, projection and
+    the MLP's two linears (each + bias with --add-bias-linear); an MoE layer's MLP: the router, and
+    with ``local_experts`` > 0 their fc1 and fc2 each (counted for the optimizer; a layer's host time
+    takes the experts' share as ``MOE_EXPERT_S``, so ``microbatch_seconds`` passes 0)."""
+    m = cfg.model
+    norms = 4 if m.normalization == "LayerNorm" else 2
+    bias = 2 if m.add_bias_linear else 1
+    if moe:
+        return norms + 2 * bias + 1 + 2 * int(local_experts)
+    return norms + 4 * bias
+
+
+def microbatch_seconds(cfg: Config, moe: list, fp8: list, local_experts: float, recomputed: int) -> tuple:
+    """(forward, backward) host seconds of one micro-batch on a rank holding layers whose MoE and FP8
+    flags are ``moe`` and ``fp8``, ``recomputed`` of them fully recomputed (module doc)."""
+    total = MICROBATCH_S + RECOMPUTE_LAYER_S * recomputed
+    for is_moe, is_fp8 in zip(moe, fp8):
+        total += LAYER_S + LAYER_PARAM_S * layer_tensors(cfg, is_moe, 0)
+        if is_moe:
+            total += MOE_LAYER_S + MOE_EXPERT_S * local_experts
+        if is_fp8:
+            total += FP8_LINEAR_S * 4
+    return FORWARD_SHARE * total, (1 - FORWARD_SHARE) * total
+
+
+def flat_runs(cfg: Config, moe: list, dense_params: float, expert_params: float, bucket: float,
+              embeddings: int) -> int:
+    """Flat-AdamW runs a step on a rank (module doc): per layer 2 (4 with biases; 1 an MoE layer), one
+    per embedding table held, one per bucket boundary of the dense and the expert buffers."""
+    per_dense = 4 if cfg.model.add_bias_linear else 2
+    layers = sum(1 if x else per_dense for x in moe)
+    return layers + embeddings + math.ceil(dense_params / bucket) + (math.ceil(expert_params / bucket)
+                                                                    if expert_params else 0)
+
+
+def step_seconds(cfg: Config, moe: list, runs: int, tensors: int) -> tuple:
+    """(optimizer, bookkeeping) host seconds of a step (module doc)."""
+    n_moe = sum(moe)
+    return RUN_S * runs + OPT_PARAM_S * tensors, \
+        STEP_S + n_moe * (MOE_STATS_S + MOE_STATS_EXPERT_S * (cfg.model.num_experts or 0))
+
+
+def launch_seconds(device, launches: int = 2000, repeats: int = 5) -> float:
+    """Host seconds of one small eager kernel launch on ``device`` (an in-place add on 16 elements,
+    ``launches`` back to back, no sync inside; the best of ``repeats``): the unit by which
+    ``plan --calibrate`` compares this host with the H200's (``REFERENCE_LAUNCH_S``)."""
+    import time
+
+    import torch
+    x = torch.zeros(16, device=device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(launches):
+            x.add_(1.0)
+        best = min(best, time.perf_counter() - t0)
+    sync()
+    return best / launches
+
+
+def overlapped(phases: list) -> float:
+    """Seconds until the GPU has run every phase [(host s, GPU s)], launched in order (module doc)."""
+    gpu_left, host_before, end = sum(g for _, g in phases), 0.0, 0.0
+    for h, g in phases:
+        end = max(end, host_before + gpu_left)
+        host_before += h
+        gpu_left -= g
+    return max(end, host_before)

@@ -1,0 +1,70 @@
+"""The planner's host-time term (planner/host.py): the overlap of host and GPU phases, by hand, and
+its place in cost.step_time."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from meshlm.config import ONE_RANK_BUCKET, add_config_args, config_from_args
+from meshlm.planner import host
+from meshlm.planner.cost import step_time
+from meshlm.planner.gpus import PRESETS
+from meshlm.planner.layout import Layout
+
+H200 = PRESETS["H200-141GB"]
+
+
+def cfg_of(*argv):
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    return config_from_args(p.parse_args(list(argv)))
+
+
+def test_overlapped_by_hand():
+    """GPU-bound throughout: the GPU's sum; host-bound throughout: the host's sum; mixed: the host's
+    time up to the phase the GPU last waited on, then the GPU's from there."""
+    assert host.overlapped([(1.0, 5.0), (1.0, 5.0)]) == 10.0
+    assert host.overlapped([(5.0, 1.0), (5.0, 1.0)]) == 10.0
+    # phase 1 host-bound (4 vs 1), phase 2 GPU-bound (1 vs 6): the GPU starts phase 2 at 4, ends at 10
+    assert host.overlapped([(4.0, 1.0), (1.0, 6.0)]) == 10.0
+    # the reverse: GPU 6 then the host's 4 of phase 2 were launched by 5, its GPU 1 ends at 7
+    assert host.overlapped([(1.0, 6.0), (4.0, 1.0)]) == 7.0
+
+
+def test_host_term_in_step_time():
+    """A few-token MoE step is host-bound (total = the host's seconds, more than the GPU's); a large
+    dense step is GPU-bound (no idle); the host's seconds follow host.py's constants; host_scale
+    scales them."""
+    moe = cfg_of("--model", "mixtral-small", "--vocab-size", "32000", "--seq-length", "256",
+                 "--max-position-embeddings", "256", "--micro-batch-size", "1", "--global-batch-size", "2",
+                 "--bf16", "--num-experts", "16", "--moe-router-topk", "1")
+    lay = Layout(micro_batch=1)
+    t = step_time(moe, lay, H200, 32000, gpus_per_node=1, params_per_rank=10 ** 9)
+    assert t.host_idle > 0 and t.total == pytest.approx(t.host, rel=1e-9)
+    m = moe.model
+    per_layer = host.LAYER_S + host.LAYER_PARAM_S * host.layer_tensors(moe, True, 0) + host.MOE_LAYER_S \
+        + host.MOE_EXPERT_S * 16
+    per_mb = host.MICROBATCH_S + m.num_layers * per_layer
+    flags = [True] * m.num_layers
+    embeddings = 1 + m.untie_embeddings_and_output_weights  # RoPE: no position table
+    runs = host.flat_runs(moe, flags, 10 ** 9, 0, ONE_RANK_BUCKET, embeddings)  # one GPU: one bucket
+    assert runs == m.num_layers + embeddings + 1
+    tensors = m.num_layers * host.layer_tensors(moe, True, 16) + embeddings + 1
+    assert t.host - 2 * per_mb == pytest.approx(sum(host.step_seconds(moe, flags, runs, tensors)), rel=1e-9)
+    slow = step_time(moe, lay, dataclasses.replace(H200, host_scale=2.0), 32000, gpus_per_node=1,
+                     params_per_rank=10 ** 9)
+    assert slow.host == pytest.approx(2 * t.host, rel=1e-9)
+    dense = cfg_of("--model", "llama-1b", "--vocab-size", "32000", "--seq-length", "4096",
+                   "--max-position-embeddings", "4096", "--micro-batch-size", "4", "--global-batch-size", "4",
+                   "--bf16")
+    d = step_time(dense, Layout(micro_batch=4), H200, 32000, gpus_per_node=1, params_per_rank=10 ** 9)
+    assert d.host_idle == pytest.approx(0.0, abs=1e-12) and d.host < d.total
+
+
+def test_launch_seconds_is_a_positive_time_per_launch():
+    """The calibration's unit: seconds of one small op's launch, on the CPU here."""
+    small = host.launch_seconds("cpu", 50, 2)
+    assert 0 < small < 1e-2
