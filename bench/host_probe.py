@@ -18,13 +18,14 @@ then a summary line {"label", "median": {...}} (median over the steps after the 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
 import time
 
 import torch
+
+from host_timing import Spans
 
 
 def main() -> None:
@@ -41,39 +42,17 @@ def main() -> None:
     cfg.training.train_iters = 1000
     run = trainer.build(cfg)
     state = trainer.TrainState()
-    spans = {"fwd": 0.0, "bwd": 0.0, "opt": 0.0, "item": 0.0, "gc0": 0.0, "gc1": 0.0, "gc2": 0.0}
-    counts = {"gc0": 0, "gc1": 0, "gc2": 0}
-
-    def timed(key, fn):
-        def wrapper(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                spans[key] += time.perf_counter() - t0
-        return wrapper
-    pipeline._Executor.forward = timed("fwd", pipeline._Executor.forward)
-    pipeline._Executor.backward = timed("bwd", pipeline._Executor.backward)
-    run.opt.step = timed("opt", run.opt.step)
-    torch.Tensor.item = timed("item", torch.Tensor.item)
-    gc_start = [0.0]
-
-    def on_gc(phase, info):
-        if phase == "start":
-            gc_start[0] = time.perf_counter()
-        else:
-            spans[f"gc{info['generation']}"] += time.perf_counter() - gc_start[0]
-            counts[f"gc{info['generation']}"] += 1
-    gc.callbacks.append(on_gc)
+    spans = Spans("fwd", "bwd", "opt", "item")
+    pipeline._Executor.forward = spans.wrap("fwd", pipeline._Executor.forward)
+    pipeline._Executor.backward = spans.wrap("bwd", pipeline._Executor.backward)
+    run.opt.step = spans.wrap("opt", run.opt.step)
+    torch.Tensor.item = spans.wrap("item", torch.Tensor.item)
     t = cfg.training
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     rows = []
     with ManualGC(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval).running() as collector:
         for i in range(args.steps):
-            for k in spans:
-                spans[k] = 0.0
-            for k in counts:
-                counts[k] = 0
+            spans.reset()
             sync()
             p0 = time.process_time()
             t0 = time.perf_counter()
@@ -82,13 +61,15 @@ def main() -> None:
             sync()
             wall = time.perf_counter() - t0
             collector.after_step(state.iteration)
-            opt = spans["opt"] - spans["item"]
-            host = ret - spans["item"]
+            sec = spans.seconds
+            opt = sec["opt"] - sec["item"]
+            host = ret - sec["item"]
             row = {"label": args.label, "step": i + 1, "wall_ms": wall * 1e3, "host_ms": host * 1e3,
-                   "fwd_ms": spans["fwd"] * 1e3, "bwd_ms": spans["bwd"] * 1e3, "opt_ms": opt * 1e3,
-                   "rest_ms": (host - spans["fwd"] - spans["bwd"] - opt) * 1e3, "item_ms": spans["item"] * 1e3,
+                   "fwd_ms": sec["fwd"] * 1e3, "bwd_ms": sec["bwd"] * 1e3, "opt_ms": opt * 1e3,
+                   "rest_ms": (host - sec["fwd"] - sec["bwd"] - opt) * 1e3, "item_ms": sec["item"] * 1e3,
                    "cpu_ms": (time.process_time() - p0) * 1e3,
-                   "gc_ms": {g: round(spans[g] * 1e3, 2) for g in ("gc0", "gc1", "gc2")}, "gc_n": dict(counts)}
+                   "gc_ms": {f"gc{g}": round(spans.gc_seconds.get(g, 0.0) * 1e3, 2) for g in range(3)},
+                   "gc_n": {f"gc{g}": spans.gc_counts.get(g, 0) for g in range(3)}}
             rows.append(row)
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     later = rows[2:] or rows

@@ -17,12 +17,13 @@ Each step's line also gives the time Python's garbage collector ran inside it, b
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import time
 import warnings
 
 import torch
+
+from host_timing import Spans
 
 
 def gmm(rows: int = 8192, h: int = 1024, f: int = 3584, experts: int = 16) -> None:
@@ -107,48 +108,28 @@ def main() -> None:
     run = build(cfg)
     state = TrainState()
     from meshlm.training import trainer
-    spans = {"fb": 0.0, "opt": 0.0, "item": 0.0}
-
-    def timed(key, fn):
-        def wrapper(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                spans[key] += time.perf_counter() - t0
-        return wrapper
-    trainer.forward_backward = timed("fb", trainer.forward_backward)
-    run.opt.step = timed("opt", run.opt.step)
-    torch.Tensor.item = timed("item", torch.Tensor.item)
-    collections = {}  # generation → [count, seconds] within the current step
-    started = {}
-
-    def on_gc(phase, info):
-        if phase == "start":
-            started["t"] = time.perf_counter()
-        else:
-            c = collections.setdefault(info["generation"], [0, 0.0])
-            c[0], c[1] = c[0] + 1, c[1] + time.perf_counter() - started.pop("t", time.perf_counter())
-    gc.callbacks.append(on_gc)
+    spans = Spans("fb", "opt", "item")
+    trainer.forward_backward = spans.wrap("fb", trainer.forward_backward)
+    run.opt.step = spans.wrap("opt", run.opt.step)
+    torch.Tensor.item = spans.wrap("item", torch.Tensor.item)
     from meshlm.training.manual_gc import ManualGC
     t = cfg.training
     collector = ManualGC(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval)
     with collector.running():
-        steps(args, run, state, cfg, spans, collections, collector)
+        steps(args, run, state, cfg, spans, collector)
     profiled(run, state, train_step, "late")
     from profile_step import syncs  # bench/profile_step.py: one step's host syncs, by Python line
     syncs(run, state)
 
 
-def steps(args, run, state, cfg, spans, collections, collector) -> None:
+def steps(args, run, state, cfg, spans, collector) -> None:
     import os
     from torch._dynamo.utils import counters
     from meshlm.model.moe import routing_stats, routing_summary
     from meshlm.training.trainer import train_step
     for i in range(args.steps):
-        for k in spans:
-            spans[k] = 0.0
-        collections.clear()
+        spans.reset()
+        sec = spans.seconds
         c0, p0 = time.thread_time(), time.process_time()
         if i == 3:
             profiled(run, state, train_step, "early")
@@ -162,9 +143,10 @@ def steps(args, run, state, cfg, spans, collections, collector) -> None:
         print(f"step {i + 1}: wall {wall * 1e3:8.1f} ms host {host * 1e3:8.1f} ms imbalance "
               f"{s['moe_tokens_per_expert']['imbalance']:.2f} graphs {counters['stats'].get('unique_graphs')} "
               f"recompiles {len(counters.get('recompiles', {}))} | main-thread CPU {(time.thread_time() - c0) * 1e3:.1f} ms "
-              f"process CPU {(time.process_time() - p0) * 1e3:.1f} ms; fwd-bwd {spans['fb'] * 1e3:.1f}, optimizer "
-              f"{spans['opt'] * 1e3:.1f} of which item() {spans['item'] * 1e3:.1f} ms; load {os.getloadavg()[0]:.1f}"
-              f"; gc " + (", ".join(f"gen{g} {n}× {sec * 1e3:.1f} ms" for g, (n, sec) in sorted(collections.items()))
+              f"process CPU {(time.process_time() - p0) * 1e3:.1f} ms; fwd-bwd {sec['fb'] * 1e3:.1f}, optimizer "
+              f"{sec['opt'] * 1e3:.1f} of which item() {sec['item'] * 1e3:.1f} ms; load {os.getloadavg()[0]:.1f}"
+              f"; gc " + (", ".join(f"gen{g} {n}× {s * 1e3:.1f} ms" for g, (n, s) in sorted(
+                  (g, (spans.gc_counts[g], spans.gc_seconds[g])) for g in spans.gc_counts))
                          or "none"), flush=True)
         collector.after_step(i + 1)
 
