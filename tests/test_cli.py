@@ -125,6 +125,27 @@ def test_a_bad_flag_value_names_its_kind_in_words_on_one_line(capsys):
         "meshlm: error: argument --lr: 'fast' is not a number; see `meshlm pretrain --help`"]
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["pretrain", "--split", "-1,2,3", "--dry-run"], "--split '-1,2,3' has a negative or non-finite weight"),
+    (["pretrain", "--lr", "-1e-3", "--dry-run"], "--lr -0.001 is out of range"),
+    (["plan", "--init-method-std", "-.02"], "--init-method-std -0.02 is out of range"),
+    (["sweep", "--sweep-dir", "s", "--lr", "-1e-3,1e-2"], "--lr -1e-3,1e-2: '-1e-3' is not a finite positive value"),
+])
+def test_a_value_starting_with_a_dash_reaches_its_flags_check(argv, line, capsys):
+    """argparse takes `-1,2,3` or `-1e-3` (not its idea of a negative number) for a flag and said only
+    "argument --split: expected one argument"; the value now reaches the flag's own range check."""
+    assert main(argv) == 2
+    [err] = [x for x in capsys.readouterr().err.splitlines()]
+    assert line in err
+
+
+def test_a_dash_value_is_joined_to_its_flag_but_a_flag_is_not():
+    from meshlm.cli import attach_dash_values
+    parser = build_parser("generate")
+    assert attach_dash_values(parser, ["generate", "--prompt", "-x", "--top-k", "-h", "--", "--seed", "-1"]) == [
+        "generate", "--prompt=-x", "--top-k", "-h", "--", "--seed", "-1"]
+
+
 def test_num_query_groups_without_gqa_is_a_note_at_start(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     args = build_parser("pretrain").parse_args(

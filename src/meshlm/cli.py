@@ -350,6 +350,39 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _options(parser: argparse.ArgumentParser) -> dict:
+    """{option string: action} of ``parser`` and of every subcommand parser built under it."""
+    out = {}
+    for action in parser._actions:
+        out.update(dict.fromkeys(action.option_strings, action))
+        for sub in (action.choices or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
+            out.update(_options(sub))
+    return out
+
+
+def attach_dash_values(parser: argparse.ArgumentParser, argv: list) -> list:
+    """``argv`` with each one-value flag followed by a word starting with a single '-' that is no
+    flag (``--split -1,2,3``, ``--lr -1e-3``, ``--prompt -x``) written ``--flag=word``: argparse takes
+    those for flags and says only "expected one argument", while joined the value reaches the flag's
+    own check (a range error naming it) or is simply the value. Words after ``--`` are left as they
+    are (sweep passes them on to its trials)."""
+    options, out = _options(parser), []
+    i = 0
+    while i < len(argv):
+        word, action = argv[i], options.get(argv[i])
+        if word == "--":
+            return out + argv[i:]
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if (action is not None and action.nargs is None and nxt[:1] == "-" and nxt[:2] != "--"
+                and nxt not in options):
+            out.append(f"{word}={nxt}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
+
+
 def _stdout_reader_gone() -> bool:
     """Whether stdout is a pipe whose reader has closed it (poll says POLLERR), so that a
     BrokenPipeError came from stdout and not from some other pipe or socket."""
@@ -387,10 +420,8 @@ def _run_command(argv: list) -> int:
     """Parse ``argv`` and run its command; a MeshlmError or an interrupt as main() documents."""
     command = next((a for a in argv if not a.startswith("-")), None)
     try:
-        if command == "sweep":  # a negative swept value, which argparse would take for a flag
-            import_module(".sweep", __package__).check_argv(argv)
         parser = build_parser(command)
-        args, extra = parser.parse_known_args(argv)
+        args, extra = parser.parse_known_args(attach_dash_values(parser, argv))
         if extra:  # a Megatron flag meshlm lacks, or a typo: all of them in one line
             from .megatron_flags import refusal
             raise refusal(extra) if command in ("pretrain", "plan") else ConfigError(

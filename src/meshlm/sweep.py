@@ -80,21 +80,10 @@ def _axis_values(name: str, text: str) -> list:
     if bad:
         kind_word = "non-negative" if low == 0 else "positive"
         raise ConfigError(f"{flag} {text}: {bad[0].strip()!r} is not a finite {kind_word} value; give e.g. "
-                          f"{flag}=1e-3,3e-3 (with '=' when a value starts with '-')")
+                          f"{flag} 1e-3,3e-3")
     if len(set(vals)) < len(vals):
         raise ConfigError(f"{flag} {text}: a value is listed twice; give each once")
     return vals
-
-
-def check_argv(argv: list) -> None:
-    """Before argparse (which reads ``--lr -1e-3`` as a flag without its value): ConfigError for a
-    swept flag whose next word is a number list starting with '-', as ``_axis_values`` words it."""
-    for flag, word in zip(argv, argv[1:]):
-        if flag == "--":
-            return  # the trials' pretrain flags follow
-        name = flag[2:].replace("-", "_") if flag.startswith("--") else None
-        if name in AXES and word[:1] == "-" and (word[1:2].isdigit() or word[1:2] == "."):
-            _axis_values(name, word)
 
 
 def _check(args) -> None:
