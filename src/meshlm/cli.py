@@ -173,12 +173,26 @@ def _config_and_source(args: argparse.Namespace) -> tuple:
 
 
 def _plan_config(args: argparse.Namespace) -> tuple:
-    """(Config from the flags alone, False): a plan needs no data, and the embedded default's
-    settings (a small model at TP=2 × PP=2) are not what a planned launch script asks for. ConfigError
+    """(Config, False) for `meshlm plan`: from the flags alone (a plan needs no data, and under a
+    launch script's model flags the embedded default's batch and length are not what it asks for);
+    with no pretrain flag at all (no --model, --config or config flag: cluster flags only) the
+    embedded default's model, batch and length with its tokenizer's vocabulary, what `meshlm
+    pretrain` with no flags trains (one note says so; at --num-gpus, not its CPU layout). ConfigError
     for the numbers and shapes pretrain refuses (``validate.shape_problems``: the same rule)."""
-    from .config import config_from_args
+    from .config import config_from_args, explicit_fields
     from .validate import exclusive_lengths, shape_problems
-    cfg = config_from_args(args)
+    bare = not (explicit_fields(args) or args.model_preset or args.config)
+    cfg = config_from_args(args, base=EMBEDDED_DEFAULT if bare else None)
+    if bare:
+        from .data.corpus import DEFAULT_VOCAB
+        _fit_embedded(cfg, set())
+        cfg.model.vocab_size = DEFAULT_VOCAB
+        m, t = cfg.model, cfg.training
+        print(f"meshlm plan: note: no pretrain flags: planning what `meshlm pretrain` with no flags trains (the "
+              f"embedded default: {m.num_layers} layers, hidden {m.hidden_size}, sequence {m.seq_length}, its BPE "
+              f"tokenizer's vocabulary of {DEFAULT_VOCAB}, global batch {t.global_batch_size}, {t.train_iters} "
+              f"iterations); give your launch's flags (e.g. --model gpt2-125m) to plan that",
+              file=sys.stderr, flush=True)
     problems = shape_problems(cfg) + exclusive_lengths(cfg)
     if problems:
         raise ConfigError(problems)
