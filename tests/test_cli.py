@@ -167,6 +167,22 @@ def _embedded(*flags):
     return cfg
 
 
+@pytest.mark.parametrize("gpus, micro, batch", [(1, 4, 16), (2, 4, 16), (3, 3, 18), (8, 2, 16), (32, 1, 32)])
+def test_the_embedded_default_fits_its_batch_to_every_gpu_count(monkeypatch, gpus, micro, batch):
+    """On 8 GPUs `meshlm pretrain` with no flags was refused: "--global-batch-size 16 is not divisible
+    by --micro-batch-size 4 × DP 8" (the README: it trains as DP over every local GPU)."""
+    import torch
+    from meshlm.validate import validate
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = _embedded()
+    assert (cfg.training.micro_batch_size, cfg.training.global_batch_size) == (micro, batch)
+    validate(cfg, gpus, check_files=False, cuda=True)
+    cfg = _embedded("--global-batch-size", "16")  # a batch flag of the user's: left to the checks
+    assert (cfg.training.micro_batch_size, cfg.training.global_batch_size) == (4, 16)
+
+
 @pytest.mark.parametrize("extra, warmup", [([], 0), (["--lr-warmup-iters", "3"], 3)])
 def test_a_short_embedded_default_run_scales_its_warmup(extra, warmup):
     from meshlm.validate import validate

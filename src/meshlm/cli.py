@@ -62,13 +62,25 @@ def _new_run_dir() -> str:
 _WARMUP_FLAGS = {"lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction"}
 
 
-def _fit_embedded(cfg, explicit: set) -> None:
-    """Fit the embedded default's run length and warm-up (10 iterations) to the user's flags:
-    --train-samples replaces its --train-iters, a warm-up flag of the user's replaces its warm-up;
-    otherwise the warm-up is at most a tenth of the decay length, so ``--train-iters 5`` runs (the
-    full 10 from 100 iterations on); under --train-samples it is 10 global batches of samples."""
-    from .config import global_batch
+_BATCH_FLAGS = {"micro_batch_size", "global_batch_size", "gradient_accumulation_steps"}
+
+
+def _fit_embedded(cfg, explicit: set, world: int | None = None) -> None:
+    """Fit the embedded default's batch, run length and warm-up (10 iterations) to the job and the
+    user's flags. Batch (no batch flag given): its global batch of 16 rounded up to a multiple of
+    DP, the micro-batch the largest of at most 4 that divides a DP rank's share (8 GPUs: 16 as 2 ×
+    DP 8; 3 GPUs: 18 as 3 × 2 × DP 3), so the run starts on any GPU count (world: the job's
+    processes, default ``world_size_of``). Length: --train-samples replaces its --train-iters, a
+    warm-up flag of the user's replaces its warm-up; otherwise the warm-up is at most a tenth of the
+    decay length, so ``--train-iters 5`` runs (the full 10 from 100 iterations on); under
+    --train-samples it is 10 global batches of samples."""
+    from .config import dp_size, global_batch, world_size_of
     t, o = cfg.training, cfg.optimizer
+    dp = max(1, dp_size(cfg, world_size_of(cfg) if world is None else world))
+    if not explicit & _BATCH_FLAGS and t.global_batch_size % (t.micro_batch_size * dp):
+        share = -(-t.global_batch_size // dp)  # a DP rank's samples a step
+        t.global_batch_size = share * dp
+        t.micro_batch_size = max(m for m in range(1, t.micro_batch_size + 1) if share % m == 0)
     if "train_samples" in explicit and "train_iters" not in explicit:
         t.train_iters = None
     if explicit & _WARMUP_FLAGS:
@@ -151,11 +163,12 @@ def _set_aside(run_dir: str, log_dir: str) -> None:
         print(f"meshlm: note: {note}", flush=True)
 
 
-def _config_and_source(args: argparse.Namespace) -> tuple:
+def _config_and_source(args: argparse.Namespace, world=None) -> tuple:
     """(Config from the flags, whether it trains on the embedded default): without data flags the
     embedded default's settings apply. Raises ConfigError when a data flag is given on the command
     line without a prefix (e.g. `--data-path $DATA_PATH` with DATA_PATH unset): never the embedded
-    default instead."""
+    default instead. world: Config → the job's processes, that the embedded batch is fitted to
+    (default: ``world_size_of``)."""
     from .config import config_from_args, explicit_fields
     from .data.sources import given_sources
     cfg = config_from_args(args)
@@ -168,7 +181,7 @@ def _config_and_source(args: argparse.Namespace) -> tuple:
     if given_sources(cfg.data):
         return cfg, False
     cfg = config_from_args(args, base=embedded_default())
-    _fit_embedded(cfg, explicit_fields(args))
+    _fit_embedded(cfg, explicit_fields(args), world(cfg) if world else None)
     return cfg, True
 
 
@@ -185,7 +198,7 @@ def _plan_config(args: argparse.Namespace) -> tuple:
     cfg = config_from_args(args, base=EMBEDDED_DEFAULT if bare else None)
     if bare:
         from .data.corpus import DEFAULT_VOCAB
-        _fit_embedded(cfg, set())
+        _fit_embedded(cfg, set(), args.num_gpus or 1)
         cfg.model.vocab_size = DEFAULT_VOCAB
         m, t = cfg.model, cfg.training
         print(f"meshlm plan: note: no pretrain flags: planning what `meshlm pretrain` with no flags trains (the "
@@ -211,8 +224,10 @@ def _dry_run(args: argparse.Namespace) -> int:
     problems = job_size_problems(args.world_size, nnodes)
     if problems:
         raise ConfigError(problems)
-    cfg, embedded = _config_and_source(args)
-    world = args.world_size if args.world_size is not None else nnodes * default_nproc(cfg)
+    def job(cfg):
+        return args.world_size if args.world_size is not None else nnodes * default_nproc(cfg)
+    cfg, embedded = _config_and_source(args, job)
+    world = job(cfg)
     from .checkpoint.convert import carry_dropout
     for note in notes(cfg) + startup_lines(args, explicit_fields(args)) + carry_dropout(cfg, explicit_fields(args)):
         print(f"meshlm: note: {note}", flush=True)
