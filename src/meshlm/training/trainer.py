@@ -226,7 +226,8 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
                            log_interval=t.log_interval, global_batch=gb, seq_length=cfg.model.seq_length,
                            flops_per_iter=flops_per_iteration(cfg.model, gb, padded),
                            world_size=ps.world_size, dtype=dtype, fp16=t.fp16 and dtype == torch.float16,
-                           tensorboard_dir=cfg.logging.tensorboard_dir)
+                           tensorboard_dir=cfg.logging.tensorboard_dir,
+                           layout=dict(_layout(ps, cfg), ep=ps.ep))
     if ps.rank == 0:
         n = sum(q.numel() for c in chunks for q in c.parameters())
         ramp = f" after a ramp from {t.rampup_batch_size[0]}" if batches.ramp else ""
