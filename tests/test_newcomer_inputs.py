@@ -404,3 +404,20 @@ def test_a_report_onto_a_full_disk_keeps_the_earlier_report_whole(tmp_path, monk
         folders.write_text_file(str(path), "<html>new</html>")
     monkeypatch.undo()
     assert path.read_text() == "the earlier report" and os.listdir(tmp_path) == ["report.html"]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["convert", "--to-hf", "--load", "ck", "--output", "{bad}"], "--output"),
+    (["convert", "--to-megatron", "--load", "ck", "--output", "{bad}"], "--output"),
+    (["plan", "--model", "tiny", "--vocab-size", "256", "--calibrate", "--quick", "--gpu-profile", "{bad}/p.json"],
+     "--gpu-profile"),
+])
+@pytest.mark.parametrize("bad", ["file", "proc"])
+def test_an_output_that_cannot_be_written_is_one_line_before_any_work(tmp_path, capsys, argv, flag, bad):
+    """convert's exports raised makedirs' FileNotFoundError after reading the whole checkpoint, and
+    plan --calibrate wrote its profile only after measuring (a traceback then)."""
+    path = tmp_path / "f" if bad == "file" else "/proc/meshlm-out"
+    if bad == "file":
+        path.write_text("x")
+    err = _refused(capsys, [a.replace("{bad}", str(path)) for a in argv])
+    assert err.startswith(f"meshlm: error: {flag} {path}") and len(err.splitlines()) == 1

@@ -187,6 +187,17 @@ def import_hf(src: str, save: str) -> str:
 
 # ----------------------------------------------------------------------------- export
 
+def check_export_output(output: str) -> None:
+    """CheckpointError (one line naming --output) unless ``output`` is a new or empty folder this
+    process can create and write in; checked before anything is read, and nothing is left behind."""
+    from ..folders import output_folder_problem
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise CheckpointError(f"--output {output} exists and is not an empty folder; give a new folder")
+    problem = output_folder_problem("--output", output)
+    if problem:
+        raise CheckpointError(problem)
+
+
 def export_hf(load: str, output: str, arch=None, max_shard_bytes: int = _size("5GB")) -> list:
     """Write the meshlm checkpoint ``load`` (a --save folder or one iter_XXXXXXX, any TP/PP layout)
     as a Hugging Face folder ``output``; return the files written.
@@ -198,6 +209,7 @@ def export_hf(load: str, output: str, arch=None, max_shard_bytes: int = _size("5
     from .safe_read import reading
     from .state import full_model_state
 
+    check_export_output(output)
     folder = load if os.path.isfile(os.path.join(load, ckpt.MANIFEST)) else ckpt.checkpoint_dir(load)
     with reading(folder, load):
         saved = C.Config.from_dict(ckpt.read_config(folder))
@@ -205,8 +217,6 @@ def export_hf(load: str, output: str, arch=None, max_shard_bytes: int = _size("5
     vocab = full["embedding.word_embeddings.weight"].shape[0]
     hf_config = hf_config_from_model(saved.model, vocab, arch)
     tensors = to_hf_tensors(full, hf_config["model_type"], saved.model)
-    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-        raise CheckpointError(f"--output {output} exists and is not an empty folder; give a new folder")
     created = not os.path.exists(output)
     os.makedirs(output, exist_ok=True)
     try:  # a full disk: one line naming --output; on any error the folder is left as it was found

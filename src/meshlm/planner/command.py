@@ -148,6 +148,13 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     adjust(cfg)  # as a launch would: no SP at TP = 1
     if args.calibrate:
         from .calibrate import calibrate
+        from ..folders import output_file_problem, output_folder_problem
+        from .gpus import profile_dir
+        problem = output_file_problem("--gpu-profile", args.gpu_profile, "gpu.json") if args.gpu_profile else \
+            output_folder_problem("--calibrate's profile folder", profile_dir())
+        if problem:  # before measuring, not after
+            from ..errors import ConfigError
+            raise ConfigError(problem + ("" if args.gpu_profile else " (set XDG_CACHE_HOME, or give --gpu-profile FILE)"))
         gpu = calibrate(cfg, quick=args.quick)
         path = save_profile(gpu, args.gpu_profile)
         print(json.dumps(gpu.to_json()) if args.json else f"meshlm plan: GPU profile of {gpu.name} written to {path}; "
