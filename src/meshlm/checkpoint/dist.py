@@ -370,12 +370,15 @@ def _choose(root: str, iteration: Optional[int], checksums: bool) -> tuple:
     """(folder, notes): the checkpoint to load and what was skipped to get there (one line, or "").
 
     ``iteration`` given: that one or CheckpointError. Else the tracker's, or when it is missing or
-    damaged the newest older complete checkpoint that is intact. CheckpointError when none is.
+    damaged the newest older complete checkpoint that is intact. CheckpointError when none is, or
+    when ``root`` is a Megatron-LM save (naming the conversion).
     """
     if iteration is None:
         if not os.path.isdir(root):
             what = "a file, not a directory" if os.path.exists(root) else "no such directory"
             raise CheckpointError(f"--load {root}: {what}; point --load at a folder written by --save")
+        if is_megatron_folder(root):  # its tracker names an iter_ folder without our manifest: not damage
+            raise CheckpointError(check_loadable(root, fresh=False)[0])
         iteration = read_tracker(root)
         if iteration is None:
             problems = check_loadable(root, fresh=False)  # loading now: no fresh start to suggest
