@@ -139,6 +139,27 @@ def test_a_value_starting_with_a_dash_reaches_its_flags_check(argv, line, capsys
     assert line in err
 
 
+@pytest.mark.parametrize("argv", [
+    ["pretrain", "--mock-data", "--vocab-size", "64", "--dry-run", "--save", "", "--load="],
+    ["tokenizer", "train", "--input", "c.jsonl", "--output", ""],
+    ["preprocess", "--input", "c.jsonl", "--output-prefix", "", "--tokenizer-type", "NullTokenizer"],
+    ["plan", "--gpu-profile", ""],
+    ["report", "run", "--output="],
+])
+def test_an_empty_flag_value_is_refused_naming_the_flag(argv, capsys):
+    """`--save $CKPT` with CKPT unset trained without saving, `--load ''` started afresh, `--config ''`
+    ran the defaults, tokenizer train --output '' trained, then raised FileNotFoundError."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    flags = [a.rstrip("=") for i, a in enumerate(argv) if a.endswith("=") or (i + 1 < len(argv) and argv[i + 1] == "")]
+    assert all(f"{flag} is given an empty value" in err for flag in flags) and "Traceback" not in err
+
+
+def test_an_empty_prompt_is_still_a_prompt():
+    from meshlm.cli import empty_values
+    assert empty_values(build_parser("generate"), ["generate", "--load", "ck", "--prompt", ""]) == []
+
+
 def test_a_dash_value_is_joined_to_its_flag_but_a_flag_is_not():
     from meshlm.cli import attach_dash_values
     parser = build_parser("generate")

@@ -412,6 +412,28 @@ def attach_dash_values(parser: argparse.ArgumentParser, argv: list) -> list:
     return out
 
 
+EMPTY_ALLOWED = {"--prompt"}  # generate: an empty prompt samples from nothing
+
+
+def empty_values(parser: argparse.ArgumentParser, argv: list) -> list:
+    """One line for each flag of ``argv`` given an empty value (``--save ""``, ``--save=``), which
+    argparse takes and most commands then read as the flag left out: `--save $CKPT` with CKPT unset
+    trained without saving, `--load $CKPT` started afresh. Flags in EMPTY_ALLOWED and words after
+    ``--`` (sweep's trials check their own) are left alone."""
+    options, found = _options(parser), []
+    for i, word in enumerate(argv):
+        if word == "--":
+            break
+        flag, eq, value = word.partition("=")
+        action = options.get(flag)
+        if action is None or action.nargs == 0 or flag in EMPTY_ALLOWED:
+            continue
+        if (eq and not value) or (not eq and i + 1 < len(argv) and argv[i + 1] == ""):
+            found.append(f"{flag} is given an empty value (an unset shell variable?); give it a value, or drop "
+                         f"the flag")
+    return found
+
+
 def _stdout_reader_gone() -> bool:
     """Whether stdout is a pipe whose reader has closed it (poll says POLLERR), so that a
     BrokenPipeError came from stdout and not from some other pipe or socket."""
@@ -450,6 +472,9 @@ def _run_command(argv: list) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     try:
         parser = build_parser(command)
+        empty = empty_values(parser, argv)
+        if empty:
+            raise ConfigError(empty)
         args, extra = parser.parse_known_args(attach_dash_values(parser, argv))
         if extra:  # a Megatron flag meshlm lacks, or a typo: all of them in one line
             from .megatron_flags import refusal
