@@ -521,12 +521,9 @@ def notes(cfg: Config) -> list:
     if switches and not c.load:
         lines.append(f"{' '.join(switches)} ignored without --load (as in Megatron): the run starts from "
                      f"its initial weights; add --load CHECKPOINT_DIR to start from a checkpoint")
-    d = cfg.data
-    kind = d.tokenizer_type or ("HuggingFaceTokenizer" if d.tokenizer_model else
-                                "GPT2BPETokenizer" if d.vocab_file and d.merge_file else None)
-    if m.vocab_size and kind not in (None, "NullTokenizer", "TikTokenizer") and not d.mock_data:
-        lines.append(f"--vocab-size {m.vocab_size} ignored with {kind} (as in Megatron): the vocabulary is its "
-                     f"file's; drop --vocab-size (`meshlm plan` uses it only where the tokenizer file is absent)")
+    from .data.tokenizer import ignored_vocab_size
+    ignored = None if cfg.data.mock_data else ignored_vocab_size(cfg.data, m.vocab_size)
+    lines += [ignored] if ignored else []
     if c.verify_integrity and not c.load:
         lines.append("--verify-integrity ignored without --load: it checks the checkpoint a run loads")
     if c.async_save and not c.save:

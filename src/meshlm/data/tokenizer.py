@@ -156,6 +156,17 @@ def resolve_tokenizer_type(data_cfg, vocab_size: Optional[int] = None) -> str:
                       "--vocab-file/--merge-file, or --vocab-size for NullTokenizer")
 
 
+def ignored_vocab_size(data_cfg, vocab_size: Optional[int]) -> Optional[str]:
+    """The note for a --vocab-size that a file-based tokenizer ignores (its file gives the
+    vocabulary, as in Megatron), or None: only NullTokenizer and TikTokenizer take it."""
+    kind = data_cfg.tokenizer_type or ("HuggingFaceTokenizer" if data_cfg.tokenizer_model else
+                                       "GPT2BPETokenizer" if data_cfg.vocab_file and data_cfg.merge_file else None)
+    if not vocab_size or kind in (None, "NullTokenizer", "TikTokenizer"):
+        return None
+    return (f"--vocab-size {vocab_size} ignored with {kind} (as in Megatron): the vocabulary is its file's; drop "
+            f"--vocab-size (`meshlm plan` uses it only where the tokenizer file is absent)")
+
+
 def null_ids_problem(data_cfg, vocab_size: Optional[int]) -> Optional[str]:
     """Why --null-tokenizer-eod-id / --null-tokenizer-pad-id do not fit --vocab-size (None when they do)."""
     eod, pad = getattr(data_cfg, "null_tokenizer_eod_id", None), getattr(data_cfg, "null_tokenizer_pad_id", -1)
