@@ -339,3 +339,21 @@ def test_a_vocab_size_the_tokenizer_file_overrides_is_named(tmp_path, capsys):
     assert main(["preprocess", "--input", str(corpus), "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
                  "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "tok.json"), "--vocab-size", "10"]) == 0
     assert "meshlm: note: --vocab-size 10 ignored with HuggingFaceTokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["tokenizer", "preprocess"])
+def test_an_output_that_is_the_input_is_refused_and_the_input_kept(tmp_path, capsys, command):
+    """`tokenizer train --input corpus.jsonl --output corpus.jsonl` replaced the corpus by the tokenizer."""
+    from meshlm.cli import main
+    text = json.dumps({"text": "1 2 3"}) + "\n"
+    if command == "tokenizer":
+        corpus = tmp_path / "c.jsonl"
+        argv = ["tokenizer", "train", "--input", str(corpus), "--vocab-size", "300", "--output", str(corpus)]
+    else:
+        corpus = tmp_path / "o_text_document.idx"
+        argv = ["preprocess", "--input", str(corpus), "--output-prefix", str(tmp_path / "o"),
+                "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
+    corpus.write_text(text)
+    assert main(argv) == 2
+    assert f"is the --input {corpus}; writing it would replace the text it reads" in capsys.readouterr().err
+    assert corpus.read_text() == text

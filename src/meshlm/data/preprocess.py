@@ -128,7 +128,8 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
     tokenizer = build_tokenizer(tok_cfg, vocab_size)
     prefixes = [f"{output_prefix}_{key}_document" for key in keys]
     for prefix in prefixes:
-        check_output_file(prefix + ".bin", f"--output-prefix {output_prefix}")
+        for suffix in (".bin", ".idx"):
+            check_output_file(prefix + suffix, f"--output-prefix {output_prefix}", inputs)
     writers, folder = [], os.path.dirname(os.path.abspath(output_prefix))
     try:  # a full disk: one line naming --output-prefix; on any error the partial files are removed
         with space_errors_named(f"--output-prefix {output_prefix}", folder):
