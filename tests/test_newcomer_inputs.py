@@ -421,3 +421,14 @@ def test_an_output_that_cannot_be_written_is_one_line_before_any_work(tmp_path, 
         path.write_text("x")
     err = _refused(capsys, [a.replace("{bad}", str(path)) for a in argv])
     assert err.startswith(f"meshlm: error: {flag} {path}") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("way, flag", [("--from-hf", "--save"), ("--from-hf", "--output"),
+                                       ("--from-megatron", "--output")])
+def test_an_import_into_its_own_source_folder_is_refused(tmp_path, capsys, way, flag):
+    """convert --from-hf hf --save hf raised shutil.SameFileError copying tokenizer.json onto itself."""
+    src = tmp_path / "src"
+    src.mkdir()
+    err = _refused(capsys, ["convert", way, str(src), flag, str(src) + "/"])
+    assert err == (f"meshlm: error: {flag} {src}/ is the {way} folder itself; the meshlm checkpoint goes to a new "
+                   f"folder: give another path")

@@ -104,14 +104,19 @@ def import_folder(args: argparse.Namespace, way: str) -> str:
     --output, either one (both only when they name the same folder).
 
     Raises:
-        ConfigError: neither given, two different folders, or --load (an export's input) given."""
+        ConfigError: neither given, two different folders, the folder ``way`` reads, or --load (an
+        export's input) given."""
     if args.load:
         raise ConfigError(f"--load is what an export reads; {way} writes the folder --save (or --output)")
     if args.save and args.output and os.path.abspath(args.save) != os.path.abspath(args.output):
         raise ConfigError(f"{way}: --save {args.save} and --output {args.output} name two folders; give one of them")
     if not (args.save or args.output):
         raise ConfigError(f"{way} needs --save (or --output): the meshlm checkpoint folder to write")
-    return args.save or args.output
+    out, src = args.save or args.output, getattr(args, way[2:].replace("-", "_"))
+    if src and os.path.exists(out) and os.path.exists(src) and os.path.samefile(out, src):
+        raise ConfigError(f"{'--save' if args.save else '--output'} {out} is the {way} folder itself; the meshlm "
+                          f"checkpoint goes to a new folder: give another path")
+    return out
 
 
 def _run_megatron(args: argparse.Namespace) -> int:
