@@ -155,6 +155,15 @@ def test_an_empty_flag_value_is_refused_naming_the_flag(argv, capsys):
     assert all(f"{flag} is given an empty value" in err for flag in flags) and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, hint", [(["tokenizer", "train", "--input", "c", "--output", "t", "--foo"],
+                                        "meshlm tokenizer train --help"),
+                                       (["checkpoint", "inspect", "ck", "--foo"], "meshlm checkpoint inspect --help")])
+def test_an_unknown_flag_of_an_action_names_the_actions_help(argv, hint, capsys):
+    """It said `meshlm tokenizer --help`, which lists the actions, not the flag's neighbours."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().endswith(f"see `{hint}`")
+
+
 def test_an_empty_prompt_is_still_a_prompt():
     from meshlm.cli import empty_values
     assert empty_values(build_parser("generate"), ["generate", "--load", "ck", "--prompt", ""]) == []

@@ -478,8 +478,10 @@ def _run_command(argv: list) -> int:
         args, extra = parser.parse_known_args(attach_dash_values(parser, argv))
         if extra:  # a Megatron flag meshlm lacks, or a typo: all of them in one line
             from .megatron_flags import refusal
+            action = getattr(args, f"{command}_command", None)  # tokenizer train, checkpoint inspect, …
+            named = f"{command} {action}" if action else command
             raise refusal(extra) if command in ("pretrain", "plan") else ConfigError(
-                f"unrecognized arguments: {' '.join(extra)}; see `meshlm {command} --help`")
+                f"unrecognized arguments: {' '.join(extra)}; see `meshlm {named} --help`")
         return args._run(args) or 0
     except MeshlmError as e:
         rank = f"rank {launch.job_rank()}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""

@@ -487,8 +487,9 @@ def format_report(report: dict, title: str = "") -> str:
     """The report as plain text: step breakdown, pipeline, findings with their fixes."""
     first, last = report["iterations"]
     lines = [f"meshlm analyze {title}".rstrip() + f": iterations {first}–{last}, "
-             f"step {report['step_ms']:.1f} ms (median)"] + [f"  ({report['left_out']})"] * bool(report.get("left_out")) + \
-        ["", "where the step goes (exposed, share of the step):"]
+             f"step {report['step_ms']:.1f} ms (median)"]
+    lines += [f"  ({report['left_out']})"] if report.get("left_out") else []
+    lines += ["", "where the step goes (exposed, share of the step):"]
     b = report["breakdown"]
     for kind, share in b.items():
         mark = "  ← dominant" if kind == report["dominant"] else ""

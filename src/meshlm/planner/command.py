@@ -154,7 +154,8 @@ def run(args: argparse.Namespace, config_and_source) -> int:
             output_folder_problem("--calibrate's profile folder", profile_dir())
         if problem:  # before measuring, not after
             from ..errors import ConfigError
-            raise ConfigError(problem + ("" if args.gpu_profile else " (set XDG_CACHE_HOME, or give --gpu-profile FILE)"))
+            raise ConfigError(problem + ("" if args.gpu_profile else
+                                         " (set XDG_CACHE_HOME, or give --gpu-profile FILE)"))
         gpu = calibrate(cfg, quick=args.quick)
         path = save_profile(gpu, args.gpu_profile)
         print(json.dumps(gpu.to_json()) if args.json else f"meshlm plan: GPU profile of {gpu.name} written to {path}; "
