@@ -176,6 +176,18 @@ def test_a_dash_value_is_joined_to_its_flag_but_a_flag_is_not():
         "generate", "--prompt=-x", "--top-k", "-h", "--", "--seed", "-1"]
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["generate", "--load", "ck", "--max-new-tokens", "1e3"], "argument --max-new-tokens: '1e3' is not an integer "
+                                                             "(write 1000); see `meshlm generate --help`"),
+    (["generate", "--load", "ck", "--temperature", "hot"], "argument --temperature: 'hot' is not a number"),
+    (["plan", "--num-gpus", "8x"], "argument --num-gpus: '8x' is not an integer; see `meshlm plan --help`"),
+])
+def test_a_subcommands_own_number_flag_says_its_kind_in_words(argv, line, capsys):
+    """argparse's "invalid int value: '1e3'" there, while pretrain's flags said "(write 1000)"."""
+    assert main(argv) == 2
+    assert line in capsys.readouterr().err
+
+
 def test_num_query_groups_without_gqa_is_a_note_at_start(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     args = build_parser("pretrain").parse_args(

@@ -357,10 +357,16 @@ COMMANDS = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with a bad flag reported as a ConfigError (one line, exit 2) instead of usage text;
+    """argparse, with a bad flag reported as a ConfigError (one line, exit 2) instead of usage text,
+    a value of the wrong kind in the config flags' words ("'1e3' is not an integer (write 1000)");
     the subcommands' parsers are of this class too."""
 
     def error(self, message):
+        import re
+        typed = re.fullmatch(r"(argument \S+): invalid (int|float) value: '(.*)'", message)
+        if typed:  # a subcommand's own `type=int` flag: worded as the config flags' (values.flag_type)
+            from .values import expected
+            message = f"{typed[1]}: {typed[3]!r} is not {expected(typed[2], typed[3])}"
         raise ConfigError(f"{message}; see `{self.prog} --help`")
 
 
