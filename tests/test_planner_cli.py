@@ -40,6 +40,8 @@ def test_a_bare_plan_plans_what_a_bare_pretrain_trains(capsys):
                                             e["global_batch_size"])
     assert err.startswith("meshlm plan: note: no pretrain flags: planning what `meshlm pretrain` with no flags "
                           "trains") and len(err.splitlines()) == 1
+    assert main(["plan", "--json", "--top", "1", "--train-tokens", "1e9"]) == 0  # plan's length, not the default's
+    assert json.loads(capsys.readouterr().out)["campaign"]["tokens"] == pytest.approx(1e9, rel=1e-5)
     assert main(["plan", "--num-layers", "2", "--json", "--top", "1"]) == 0  # a flag: the flags alone, no note
     out, err = capsys.readouterr()
     assert json.loads(out)["model"]["hidden_size"] != e["hidden_size"] and "embedded default" not in err

@@ -201,11 +201,13 @@ def _plan_config(args: argparse.Namespace) -> tuple:
         _fit_embedded(cfg, set(), args.num_gpus or 1)
         cfg.model.vocab_size = DEFAULT_VOCAB
         m, t = cfg.model, cfg.training
+        if args.train_tokens is not None:  # plan's own run length replaces the embedded one's
+            t.train_iters = None
+        length = f"{t.train_iters} iterations" if t.train_iters else f"--train-tokens {args.train_tokens:g}"
         print(f"meshlm plan: note: no pretrain flags: planning what `meshlm pretrain` with no flags trains (the "
               f"embedded default: {m.num_layers} layers, hidden {m.hidden_size}, sequence {m.seq_length}, its BPE "
-              f"tokenizer's vocabulary of {DEFAULT_VOCAB}, global batch {t.global_batch_size}, {t.train_iters} "
-              f"iterations); give your launch's flags (e.g. --model gpt2-125m) to plan that",
-              file=sys.stderr, flush=True)
+              f"tokenizer's vocabulary of {DEFAULT_VOCAB}, global batch {t.global_batch_size}, {length}); give "
+              f"your launch's flags (e.g. --model gpt2-125m) to plan that", file=sys.stderr, flush=True)
     problems = shape_problems(cfg) + exclusive_lengths(cfg)
     if problems:
         raise ConfigError(problems)

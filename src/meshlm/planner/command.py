@@ -179,7 +179,7 @@ def run(args: argparse.Namespace, config_and_source) -> int:
            "cluster": {"num_gpus": world, "gpus_per_node": per_node, "gpu": gpu.to_json()},
            "warnings": warnings, "current": current.to_json() if current else {"problems": problems},
            "layouts": [f.to_json() for f in fits], "excluded": excluded,
-           "hyperparameters": recommend(cfg, world).to_json()}
+           "hyperparameters": recommend(cfg, world, args.train_tokens).to_json()}
     from .safety import SAFE_FRACTION, is_safe
     safe = [i for i, f in enumerate(fits) if is_safe(f.memory.device_bytes, gpu.memory_bytes)]
     doc["safety"] = {"fraction": SAFE_FRACTION, "safe_bytes": SAFE_FRACTION * gpu.memory_bytes,
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     m = cfg.model
     print(f"model: {m.num_layers} layers, h {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
           f"vocabulary {vocab}; global batch {cfg.training.global_batch_size}")
-    print(recommend(cfg, world).line())
+    print(recommend(cfg, world, args.train_tokens).line())
     print(f"cluster: {world} × {gpu.name} ({gpu.memory_bytes / GiB:.1f} GiB, {gpu.peak_flops / 1e12:.0f} TFLOP/s bf16), "
           f"{per_node} per node; profile: {gpu.source}")
     for w in warnings:
