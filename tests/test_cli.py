@@ -188,6 +188,21 @@ def test_a_subcommands_own_number_flag_says_its_kind_in_words(argv, line, capsys
     assert line in capsys.readouterr().err
 
 
+def test_the_embedded_defaults_own_save_folder_counts_for_the_notes(tmp_path, monkeypatch, capsys):
+    """`meshlm pretrain --async-save` (no --save) was told "--async-save ignored without --save" and
+    then saved in the background into <run dir>/checkpoints."""
+    import meshlm.data.corpus as corpus
+    monkeypatch.chdir(tmp_path)
+    assert main(["pretrain", "--async-save", "--dry-run"]) == 0
+    assert "--async-save ignored" not in capsys.readouterr().out
+
+    def stop(run_dir):
+        raise KeyboardInterrupt  # the notes are out by now; preparing the corpus takes a while
+    monkeypatch.setattr(corpus, "prepare_default_corpus", stop)
+    assert main(["pretrain", "--async-save", "--run-dir", "run"]) == 130
+    assert "--async-save ignored" not in capsys.readouterr().out
+
+
 def test_num_query_groups_without_gqa_is_a_note_at_start(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     args = build_parser("pretrain").parse_args(

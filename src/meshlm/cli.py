@@ -119,6 +119,8 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
 
     cfg, embedded = _config_and_source(args)
     run_dir = cfg.logging.run_dir = cfg.logging.run_dir or _new_run_dir()
+    if embedded:  # saved there, so the run ends with a sample (before the notes: --async-save has a --save)
+        cfg.checkpoint.save = cfg.checkpoint.save or os.path.join(run_dir, "checkpoints")
     print(f"meshlm: run directory {run_dir}", flush=True)
     from .megatron_flags import startup_lines
     from .checkpoint.convert import carry_dropout
@@ -138,7 +140,6 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
         cfg.data.data_path = list(corpus["data_path"])
         cfg.data.tokenizer_type = "HuggingFaceTokenizer"
         cfg.data.tokenizer_model = corpus["tokenizer_model"]
-        cfg.checkpoint.save = cfg.checkpoint.save or os.path.join(run_dir, "checkpoints")
         validate(cfg, world)
     save = cfg.checkpoint.save
     if save and os.path.realpath(save) != os.path.realpath(run_dir):  # one folder, one lock
@@ -229,6 +230,8 @@ def _dry_run(args: argparse.Namespace) -> int:
     def job(cfg):
         return args.world_size if args.world_size is not None else nnodes * default_nproc(cfg)
     cfg, embedded = _config_and_source(args, job)
+    if embedded:  # the checkpoint folder its launch would save to (resolve_config)
+        cfg.checkpoint.save = cfg.checkpoint.save or os.path.join(cfg.logging.run_dir or _new_run_dir(), "checkpoints")
     world = job(cfg)
     from .checkpoint.convert import carry_dropout
     for note in notes(cfg) + startup_lines(args, explicit_fields(args)) + carry_dropout(cfg, explicit_fields(args)):
