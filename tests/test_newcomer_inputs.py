@@ -89,10 +89,11 @@ def test_rotary_percent_without_rotary_positions_is_refused(capsys):
 
 def test_checkpoint_switches_without_their_folder_are_noted(capsys):
     assert main(SHAPE + ["--mock-data", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer",
-                         "--async-save", "--verify-integrity", "--dry-run"]) == 0
+                         "--async-save", "--verify-integrity", "--keep-checkpoints", "5", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "note: --verify-integrity ignored without --load" in out
     assert "note: --async-save ignored without --save" in out
+    assert "note: --keep-checkpoints 5 ignored without --save" in out  # silently before
 
 
 @pytest.mark.parametrize("action", ["inspect", "verify"])

@@ -528,5 +528,9 @@ def notes(cfg: Config) -> list:
         lines.append("--verify-integrity ignored without --load: it checks the checkpoint a run loads")
     if c.async_save and not c.save:
         lines.append("--async-save ignored without --save: this run writes no checkpoint; add --save DIR")
+    keep = next(f.default for f in dataclasses.fields(c) if f.name == "keep_checkpoints")
+    if c.keep_checkpoints != keep and not c.save:
+        lines.append(f"--keep-checkpoints {c.keep_checkpoints} ignored without --save: this run writes no "
+                     f"checkpoint; add --save DIR")
     from .training.profiling import notes as profile_notes
     return lines + profile_notes(cfg)
