@@ -203,6 +203,16 @@ def test_the_embedded_defaults_own_save_folder_counts_for_the_notes(tmp_path, mo
     assert "--async-save ignored" not in capsys.readouterr().out
 
 
+def test_the_embedded_defaults_dry_run_checks_load(tmp_path, monkeypatch, capsys):
+    """Its dry run passed a --load with no checkpoint in it (the launch refused it after preparing
+    the corpus): --load was among the data files its first check leaves out."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("x")
+    assert main(["pretrain", "--load", "run", "--dry-run"]) == 2
+    assert "--load run is not a meshlm checkpoint directory" in capsys.readouterr().err
+
+
 def test_num_query_groups_without_gqa_is_a_note_at_start(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     args = build_parser("pretrain").parse_args(
