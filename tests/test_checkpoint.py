@@ -321,6 +321,20 @@ def test_a_megatron_save_folder_outside_pretrain_is_named_with_its_conversion(tm
         f"convert --from-megatron {mg} --output CKPT_DIR, then --load CKPT_DIR")
 
 
+def test_a_run_directory_given_for_its_checkpoints_names_the_folder_that_holds_them(tmp_path, capsys):
+    """The embedded default saves into <run dir>/checkpoints; `--load <run dir>` was told only that it
+    is no checkpoint directory (pretrain, generate) or not a checkpoint (inspect)."""
+    from meshlm.cli import main
+    run = tmp_path / "run"
+    ckpt.save(str(run / "checkpoints"), 3, {"w": torch.zeros(2)})
+    (run / "config.yaml").write_text("x: 1\n")
+    inner = run / "checkpoints"
+    assert ckpt.check_loadable(str(run), None) == [
+        f"--load {run} is not a checkpoint directory, but {inner} is: give --load {inner}"]
+    assert main(["checkpoint", "inspect", str(run)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"{inner} is: give that")
+
+
 def test_a_lost_tracker_beside_complete_checkpoints_is_refused_naming_the_iteration(tmp_path):
     """A run whose tracker was lost must not restart from scratch over its own checkpoints."""
     save = tmp_path / "save"

@@ -65,7 +65,9 @@ def folder_of(path: str, latest_only: bool = False) -> str:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: {'a file, not a folder' if os.path.exists(path) else 'no such folder'}; {fix}")
     if not os.path.isfile(os.path.join(path, ckpt.TRACKER)):
-        raise CheckpointError(f"{path}: not a checkpoint (neither {ckpt.TRACKER} nor {ckpt.MANIFEST}); {fix}")
+        inner = ckpt.save_folder_in(path)
+        raise CheckpointError(f"{path}: not a checkpoint (neither {ckpt.TRACKER} nor {ckpt.MANIFEST}); "
+                              + (f"{inner} is: give that" if inner else fix))
     if latest_only and os.path.isdir(path) and ckpt.read_tracker(path) is not None:
         return ckpt.checkpoint_dir(path, ckpt.read_tracker(path))
     return ckpt.checkpoint_dir(path)

@@ -474,6 +474,9 @@ def check_loadable(load: Optional[str], save: Optional[str] = None, fresh: bool 
                     f"use another --save directory"]
         if save and os.path.abspath(load) == os.path.abspath(save):
             return []
+        inner = save_folder_in(load)
+        if inner:
+            return [f"--load {load} is not a checkpoint directory, but {inner} is: give --load {inner}"]
         empty = not [name for name in os.listdir(load) if name != LOCK_FILE]
         what = "is empty" if empty else "is not a meshlm checkpoint directory"
         if is_hf_folder(load) and not fresh:
@@ -486,6 +489,13 @@ def check_loadable(load: Optional[str], save: Optional[str] = None, fresh: bool 
     except CheckpointError as e:
         return [str(e)]
     return []
+
+
+def save_folder_in(folder: str) -> Optional[str]:
+    """The first subfolder of ``folder`` holding a tracker (a --save folder), or None: a run
+    directory given for its checkpoints (the embedded default saves into its checkpoints/)."""
+    return next((os.path.join(folder, n) for n in sorted(os.listdir(folder))
+                 if os.path.isfile(os.path.join(folder, n, TRACKER))), None)
 
 
 def read_manifest(path: str) -> dict:
