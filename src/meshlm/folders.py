@@ -66,6 +66,14 @@ def output_folder_problem(flag: str, path: str):
     return None
 
 
+def new_folder_problem(flag: str, path: str):
+    """None when ``path`` is a new or empty folder this process can create and write in (an
+    export's output); else one line naming ``flag``. Leaves the file system as it was found."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        return f"{flag} {path} exists and is not an empty folder; give a new folder"
+    return output_folder_problem(flag, path)
+
+
 def output_file_problem(flag: str, path: str, example: str = "report.html"):
     """None when ``path`` can be written as a file (its missing folders are created when it is
     written); else one line naming ``flag``, the path and the fix. Writes nothing."""

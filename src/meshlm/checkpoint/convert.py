@@ -37,7 +37,7 @@ import shutil
 
 from .. import config as C
 from ..errors import CheckpointError, ConfigError
-from ..folders import space_errors_named
+from ..folders import new_folder_problem, space_errors_named
 from . import dist as ckpt
 from .hf import HFWeights, full_shapes, load_into_chunks, to_hf_tensors, write_hf_folder
 from .hf_config import ARCHITECTURES, flag_problems, hf_config_from_model, is_hf_folder, model_from_hf, read_hf_config
@@ -192,17 +192,6 @@ def import_hf(src: str, save: str) -> str:
 
 # ----------------------------------------------------------------------------- export
 
-def check_export_output(output: str) -> None:
-    """CheckpointError (one line naming --output) unless ``output`` is a new or empty folder this
-    process can create and write in; checked before anything is read, and nothing is left behind."""
-    from ..folders import output_folder_problem
-    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-        raise CheckpointError(f"--output {output} exists and is not an empty folder; give a new folder")
-    problem = output_folder_problem("--output", output)
-    if problem:
-        raise CheckpointError(problem)
-
-
 def export_hf(load: str, output: str, arch=None, max_shard_bytes: int = _size("5GB")) -> list:
     """Write the meshlm checkpoint ``load`` (a --save folder or one iter_XXXXXXX, any TP/PP layout)
     as a Hugging Face folder ``output``; return the files written.
@@ -214,7 +203,9 @@ def export_hf(load: str, output: str, arch=None, max_shard_bytes: int = _size("5
     from .safe_read import reading
     from .state import full_model_state
 
-    check_export_output(output)
+    problem = new_folder_problem("--output", output)  # before anything is read
+    if problem:
+        raise CheckpointError(problem)
     folder = load if os.path.isfile(os.path.join(load, ckpt.MANIFEST)) else ckpt.checkpoint_dir(load)
     with reading(folder, load):
         saved = C.Config.from_dict(ckpt.read_config(folder))

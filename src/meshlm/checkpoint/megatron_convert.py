@@ -214,11 +214,13 @@ def export_megatron(load: str, out: str) -> str:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from . import dist as ckpt
-    from .convert import check_export_output
+    from ..folders import new_folder_problem
     from .safe_read import reading
     from .state import full_model_state
 
-    check_export_output(out)
+    problem = new_folder_problem("--output", out)  # before anything is read
+    if problem:
+        raise CheckpointError(problem)
     folder = load if os.path.isfile(os.path.join(load, ckpt.MANIFEST)) else ckpt.checkpoint_dir(load)
     with reading(folder, load):
         saved = C.Config.from_dict(ckpt.read_config(folder))
