@@ -155,11 +155,13 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def overwrite_problem(flag: str, path: str, runs: list, kind: str, example: str) -> Optional[str]:
-    """None unless ``path`` is an existing file meshlm report must not replace: a file of one of
-    ``runs`` (anything in its run directory or its metrics.jsonl's folder: metrics.jsonl,
-    config.yaml, worker logs, checkpoints, …) or a GPU profile the report reads, other than an
-    earlier output of the report's own ``kind`` ("report" or "trace", see OWN_OUTPUT); else one
-    line naming ``flag``, the file and the fix (``example``: a file name to suggest)."""
+    """None unless ``path`` is an existing file meshlm report must not replace: any file but an
+    empty one or an earlier output of the report's own ``kind`` ("report" or "trace", see
+    OWN_OUTPUT), named as a file of one of ``runs`` (anything in its run directory or its
+    metrics.jsonl's folder: metrics.jsonl, config.yaml, worker logs, checkpoints, …), a GPU profile
+    the report reads, or any other file (another run's metrics.jsonl, a checkpoint's tracker, a
+    corpus: each was replaced); else one line naming ``flag``, the file and the fix (``example``: a
+    file name to suggest)."""
     if not os.path.isfile(path) or _starts_with(path, OWN_OUTPUT[kind]):
         return None
     from ..planner.gpus import profile_dir
@@ -173,4 +175,7 @@ def overwrite_problem(flag: str, path: str, runs: list, kind: str, example: str)
     if _inside(path, profile_dir()):
         return (f"{flag} {path} is a GPU profile the report reads: refusing to overwrite it; "
                 f"give another file (e.g. {example})")
+    if os.path.getsize(path):  # another run's metrics, a tracker, a corpus: nothing a report may replace
+        return (f"{flag} {path} exists and is not an earlier meshlm {kind}: refusing to overwrite it; "
+                f"give another file (e.g. {example}), or remove it first")
     return None
