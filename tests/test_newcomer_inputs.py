@@ -433,3 +433,24 @@ def test_an_import_into_its_own_source_folder_is_refused(tmp_path, capsys, way, 
     err = _refused(capsys, ["convert", way, str(src), flag, str(src) + "/"])
     assert err == (f"meshlm: error: {flag} {src}/ is the {way} folder itself; the meshlm checkpoint goes to a new "
                    f"folder: give another path")
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["tokenizer", "train", "--input", "{corpus}", "--vocab-size", "300", "--output", "{other}"], "tokenizer.json"),
+    (["plan", "--model", "tiny", "--vocab-size", "256", "--calibrate", "--quick", "--gpu-profile", "{other}"],
+     "GPU profile"),
+])
+def test_an_output_file_that_holds_something_else_is_not_replaced(tmp_path, capsys, argv, what):
+    """tokenizer train --output and plan --calibrate --gpu-profile replaced any file given (a corpus,
+    a config); an earlier tokenizer.json or profile is still replaced."""
+    corpus, other = tmp_path / "c.jsonl", tmp_path / "other.json"
+    corpus.write_text('{"text": "a b c d"}\n')
+    other.write_text('{"text": "keep me"}\n')
+    argv = [a.replace("{corpus}", str(corpus)).replace("{other}", str(other)) for a in argv]
+    err = _refused(capsys, argv)
+    assert err == (f"meshlm: error: --{argv[-2][2:]} {other} exists and is not an earlier {what}: refusing to "
+                   f"overwrite it; give another file, or remove it first")
+    assert other.read_text() == '{"text": "keep me"}\n'
+    if what == "tokenizer.json":
+        other.unlink()
+        assert main(argv) == 0 and main(argv) == 0  # written, then its own earlier output replaced

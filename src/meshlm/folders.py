@@ -88,6 +88,24 @@ def output_file_problem(flag: str, path: str, example: str = "report.html"):
     return None
 
 
+def foreign_file_problem(flag: str, path: str, what: str, keys: tuple):
+    """None unless ``path`` is a non-empty file other than an earlier output of the command: a JSON
+    object holding ``keys`` (``what`` names that output, e.g. "tokenizer.json"); else one line naming
+    ``flag``, saying it is refused (an output flag given a corpus, a dataset or a config replaced it)."""
+    import json
+    if not os.path.isfile(path) or not os.path.getsize(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        if isinstance(data, dict) and set(keys) <= set(data):
+            return None
+    except (OSError, ValueError):
+        pass
+    return (f"{flag} {path} exists and is not an earlier {what}: refusing to overwrite it; give another file, "
+            f"or remove it first")
+
+
 def write_text_file(path: str, text: str, flag: str = "--output") -> None:
     """Write ``text`` to ``path``, creating its missing folders (checked by output_file_problem),
     through a temporary file: an earlier file at ``path`` stays whole until the new one is. A full

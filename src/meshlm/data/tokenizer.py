@@ -303,6 +303,10 @@ def run_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--vocab-size {args.vocab_size} is below the 256 byte tokens + {EOD}; use ≥ 257")
     keys = check_json_keys(args.json_keys)
     check_output_file(args.output, f"--output {args.output}", args.input)
+    from ..folders import foreign_file_problem
+    problem = foreign_file_problem("--output", args.output, "tokenizer.json", ("model", "added_tokens"))
+    if problem:
+        raise ConfigError(problem)
     bad = BadRecords()
     with space_errors_named(f"--output {args.output}", os.path.dirname(os.path.abspath(args.output))):
         tok = train_bpe(list(args.input), args.vocab_size, args.output, keys, bad)  # no file left on error

@@ -148,9 +148,10 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     adjust(cfg)  # as a launch would: no SP at TP = 1
     if args.calibrate:
         from .calibrate import calibrate
-        from ..folders import output_file_problem, output_folder_problem
+        from ..folders import foreign_file_problem, output_file_problem, output_folder_problem
         from .gpus import profile_dir
-        problem = output_file_problem("--gpu-profile", args.gpu_profile, "gpu.json") if args.gpu_profile else \
+        problem = (output_file_problem("--gpu-profile", args.gpu_profile, "gpu.json") or foreign_file_problem(
+            "--gpu-profile", args.gpu_profile, "GPU profile", ("name", "peak_flops"))) if args.gpu_profile else \
             output_folder_problem("--calibrate's profile folder", profile_dir())
         if problem:  # before measuring, not after
             from ..errors import ConfigError
