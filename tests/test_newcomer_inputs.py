@@ -454,3 +454,18 @@ def test_an_output_file_that_holds_something_else_is_not_replaced(tmp_path, caps
     if what == "tokenizer.json":
         other.unlink()
         assert main(argv) == 0 and main(argv) == 0  # written, then its own earlier output replaced
+
+
+DRY = ["pretrain", "--mock-data", "--vocab-size", "64", "--num-layers", "8", "--hidden-size", "64",
+       "--num-attention-heads", "8", "--seq-length", "16", "--micro-batch-size", "1", "--sequence-parallel", "--dry-run"]
+
+
+def test_a_dry_runs_nodes_size_its_node(capsys):
+    """--world-size 16 --nnodes 4: the lint took a node to be this machine's process count (here the
+    layout's 8), so TP 8 across 4-GPU nodes passed without a word; 15 processes on 2 nodes and a
+    --world-size that is not --nnodes × --nproc-per-node passed too."""
+    assert main(DRY + ["--world-size", "16", "--nnodes", "4", "--tensor-model-parallel-size", "8"]) == 0
+    assert "warning: TP group of 8 spans nodes (4 GPUs per node)" in capsys.readouterr().out
+    assert "not whole nodes of --nnodes 2" in _refused(capsys, DRY + ["--world-size", "15", "--nnodes", "2"])
+    err = _refused(capsys, DRY + ["--world-size", "16", "--nnodes", "2", "--nproc-per-node", "4"])
+    assert "--world-size 16 is not --nnodes 2 × --nproc-per-node 4 = 8" in err

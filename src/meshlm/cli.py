@@ -233,6 +233,13 @@ def _dry_run(args: argparse.Namespace) -> int:
     if embedded:  # the checkpoint folder its launch would save to (resolve_config)
         cfg.checkpoint.save = cfg.checkpoint.save or os.path.join(cfg.logging.run_dir or _new_run_dir(), "checkpoints")
     world = job(cfg)
+    if args.nnodes is not None and world % nnodes:
+        raise ConfigError(f"--world-size {world} is not whole nodes of --nnodes {nnodes}; give a multiple of {nnodes}")
+    nproc = cfg.parallel.nproc_per_node
+    if args.world_size is not None and args.nnodes is not None and nproc and nproc * nnodes != world:
+        raise ConfigError(f"--world-size {world} is not --nnodes {nnodes} × --nproc-per-node {nproc} = "
+                          f"{nnodes * nproc}; give two of the three")
+    per_node = world // nnodes if args.nnodes is not None else min(world, default_nproc(cfg))
     from .checkpoint.convert import carry_dropout
     for note in notes(cfg) + startup_lines(args, explicit_fields(args)) + carry_dropout(cfg, explicit_fields(args)):
         print(f"meshlm: note: {note}", flush=True)
@@ -242,7 +249,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     from .data.tokenizer import vocab_of
     from .planner.gpus import PRESETS
     from .planner.lint import lint
-    for warning in lint(cfg, world, min(world, default_nproc(cfg)), PRESETS["H100-80GB"], vocab_of(cfg)[0]):
+    for warning in lint(cfg, world, per_node, PRESETS["H100-80GB"], vocab_of(cfg)[0]):
         print(f"meshlm: dry run: warning: {warning}", flush=True)
     print("meshlm: dry run: all checks passed; no worker started", flush=True)
     return 0
