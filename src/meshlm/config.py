@@ -544,9 +544,17 @@ def _help(f) -> str:
     return text.replace("%", "%%")
 
 
+# The data sources (exclusive, as in Megatron): one given by a flag replaces the --config YAML's
+DATA_SOURCES = ("mock_data", "data_path", "data_args_path", "train_data_path", "valid_data_path",
+                "test_data_path", "per_split_data_args_path")
+PER_SPLIT_SOURCES = ("train_data_path", "valid_data_path", "test_data_path", "per_split_data_args_path")
+
+
 def config_from_args(args: argparse.Namespace, base: Optional[dict] = None) -> Config:
     """Build a Config: defaults, then ``base`` (a mapping of config keys, e.g. the embedded-default
-    run settings), then the --model preset, then the --config YAML, then the flags given."""
+    run settings), then the --model preset, then the --config YAML, then the flags given. A data
+    source given by a flag (--mock-data, --data-path, …) replaces the YAML's sources (and, for a
+    per-split one, its --split), as flags win: with both, the exclusive sources were refused."""
     cfg = Config()
     if base:
         apply_mapping(cfg, base, source="defaults")
@@ -561,6 +569,10 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict] = None) -> C
         apply_preset(cfg, preset)
     if yaml_map:
         apply_mapping(cfg, yaml_map, source=args.config)
+    given = set(vars(args))
+    if given & {f"data.{name}" for name in DATA_SOURCES}:  # a flag's source replaces the YAML's, not joins it
+        for name in DATA_SOURCES + ("split",) * bool(given & {f"data.{n}" for n in PER_SPLIT_SOURCES}):
+            setattr(cfg.data, name, getattr(DataConfig(), name))
     for dest, value in vars(args).items():
         if "." in dest:
             sec, name = dest.split(".", 1)
