@@ -544,17 +544,37 @@ def _help(f) -> str:
     return text.replace("%", "%%")
 
 
-# The data sources (exclusive, as in Megatron): one given by a flag replaces the --config YAML's
-DATA_SOURCES = ("mock_data", "data_path", "data_args_path", "train_data_path", "valid_data_path",
-                "test_data_path", "per_split_data_args_path")
-PER_SPLIT_SOURCES = ("train_data_path", "valid_data_path", "test_data_path", "per_split_data_args_path")
+# Exclusive ways to give one setting (as in Megatron), each a tuple of fields that go together: one
+# given by a flag replaces the other ways that the --config YAML, a preset or a base mapping gave (flags
+# win; before, both were refused as exclusive).
+PER_SPLIT_SOURCES = ("train_data_path", "valid_data_path", "test_data_path")
+ALTERNATIVES = ((("mock_data",), ("data_path",), ("data_args_path",), PER_SPLIT_SOURCES,
+                 ("per_split_data_args_path",)),
+                (("train_iters",), ("train_samples",)),
+                (("lr_warmup_iters",), ("lr_warmup_samples",), ("lr_warmup_fraction",)),
+                (("lr_decay_iters",), ("lr_decay_samples",)),
+                (("lr_wsd_decay_iters",), ("lr_wsd_decay_samples",)))
+
+
+def _replace_alternatives(cfg: "Config", flags: set) -> None:
+    """Reset to their defaults the ways of each ALTERNATIVES group other than the one ``flags``
+    (field names given on the command line) use; and the YAML's --split when they give per-split
+    data (its own blend for each split) without --split."""
+    fields = {f.name: sec for sec, f in config_fields()}
+    defaults = Config()
+    for group in ALTERNATIVES:
+        used = [way for way in group if flags & set(way)]
+        for name in [name for way in group if way not in used for name in way] if used else []:
+            setattr(getattr(cfg, fields[name]), name, getattr(getattr(defaults, fields[name]), name))
+    if flags & set(PER_SPLIT_SOURCES + ("per_split_data_args_path",)) and "split" not in flags:
+        cfg.data.split = defaults.data.split
 
 
 def config_from_args(args: argparse.Namespace, base: Optional[dict] = None) -> Config:
     """Build a Config: defaults, then ``base`` (a mapping of config keys, e.g. the embedded-default
-    run settings), then the --model preset, then the --config YAML, then the flags given. A data
-    source given by a flag (--mock-data, --data-path, …) replaces the YAML's sources (and, for a
-    per-split one, its --split), as flags win: with both, the exclusive sources were refused."""
+    run settings), then the --model preset, then the --config YAML, then the flags given. A flag of
+    an ALTERNATIVES group (a data source, --train-samples, a warm-up or decay length) replaces the
+    other ways of that group given below it, as flags win."""
     cfg = Config()
     if base:
         apply_mapping(cfg, base, source="defaults")
@@ -569,10 +589,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict] = None) -> C
         apply_preset(cfg, preset)
     if yaml_map:
         apply_mapping(cfg, yaml_map, source=args.config)
-    given = set(vars(args))
-    if given & {f"data.{name}" for name in DATA_SOURCES}:  # a flag's source replaces the YAML's, not joins it
-        for name in DATA_SOURCES + ("split",) * bool(given & {f"data.{n}" for n in PER_SPLIT_SOURCES}):
-            setattr(cfg.data, name, getattr(DataConfig(), name))
+    _replace_alternatives(cfg, {dest.split(".", 1)[1] for dest in vars(args) if "." in dest})
     for dest, value in vars(args).items():
         if "." in dest:
             sec, name = dest.split(".", 1)
