@@ -178,3 +178,7 @@ def test_a_checkpoint_whose_tokenizer_file_is_gone_names_it_without_a_flag_gener
         f"meshlm: error: --load {tmp_path / 'ck'}: the tokenizer the run trained with does not load "
         f"(--tokenizer-model {tmp_path / 'gone.json'}: no such file); the checkpoint names it by the run's path: "
         f"put the file back there")
+    assert main(["checkpoint", "verify", str(tmp_path / "ck")]) == 2  # its trainer load: the same words
+    assert capsys.readouterr().err.strip().endswith(
+        f"not loaded through the trainer: the tokenizer the run trained with does not load (--tokenizer-model "
+        f"{tmp_path / 'gone.json'}: no such file); the checkpoint names it by the run's path: put the file back there")

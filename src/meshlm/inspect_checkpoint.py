@@ -222,8 +222,12 @@ def _trainer_load(folder: str) -> list:
             fh.write(f"{iteration}\n")
         cfg.checkpoint.load, cfg.checkpoint.save, cfg.checkpoint.verify_integrity = root, None, False
         try:
-            ps = ParallelState.build(1, 1, 1)
             tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
+        except MeshlmError as e:  # outside the checkpoint: its config names the run's file
+            return [f"{folder} not loaded through the trainer: the tokenizer the run trained with does not load "
+                    f"({e}); the checkpoint names it by the run's path: put the file back there"]
+        try:
+            ps = ParallelState.build(1, 1, 1)
             chunks = build_model_chunks(cfg, ps, tokenizer.vocab_size, torch.float32)
             ddp = DistributedDataParallel(chunks, ps, cfg)
             run = trainer.Run(cfg, ps, tokenizer, None, None, chunks, ddp, build_optimizer(cfg, ps, chunks, ddp),
