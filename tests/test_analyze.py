@@ -286,3 +286,22 @@ def test_a_run_resumed_at_another_layout_is_analyzed_at_its_last_layout_only(tmp
     log = MetricsLogger(enabled=True, log_dir=str(tmp_path), train_iters=1, log_interval=1, global_batch=2,
                         seq_length=4, flops_per_iter=1.0, world_size=2, dtype=torch.float32, layout=pp2)
     assert log.train_step(1, 2, lm_loss=1.0, lr=0.1, grad_norm=1.0, iter_s=1.0)["layout"] == pp2
+
+
+@pytest.mark.parametrize("command", ["analyze", "report"])
+@pytest.mark.parametrize("record, config, words", [
+    ({"iter_ms": "fast"}, None, "iter_ms is 'fast', not a number"),
+    ({"comm_share": {"dp": "a"}}, None, "comm_share is {'dp': 'a'}, not a map of numbers"),
+    ({}, "parallel: 5\n", "section 'parallel' is 5, not a mapping of its settings"),
+    ({}, "model:\n", "section 'model' is None, not a mapping of its settings"),
+])
+def test_a_value_of_the_wrong_kind_in_a_runs_files_is_one_line(tmp_path, capsys, command, record, config, words):
+    """analyze: a TypeError ('>=' between str and float) or AttributeError ('int' has no 'get') traceback."""
+    (tmp_path / "logs").mkdir()
+    rec = dict({"iteration": 1, "consumed_samples": 4, "iter_ms": 5.0, "lm_loss": 3.0}, **record)
+    (tmp_path / "logs" / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
+    if config:
+        (tmp_path / "config.yaml").write_text(config)
+    assert cli.main([command, str(tmp_path), "--no-predict"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1

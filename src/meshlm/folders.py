@@ -175,9 +175,10 @@ def read_jsonl(path: str, error, what: str) -> list:
     return records
 
 
-def read_yaml_mapping(path: str, error) -> dict:
-    """The mapping in a YAML file ({} for an empty file); ``error`` naming the file and line when it
-    is not YAML or not a mapping."""
+def read_yaml_mapping(path: str, error, sections=()) -> dict:
+    """The mapping in a run's config.yaml ({} for an empty file); ``error`` naming the file and line
+    when it is not YAML or not a mapping, or naming the key when one of ``sections`` (config.SECTIONS:
+    model, training, parallel, …) is not a mapping (read as one, it was an AttributeError traceback)."""
     import yaml
     try:
         with open(path, encoding="utf-8") as fh:
@@ -193,4 +194,8 @@ def read_yaml_mapping(path: str, error) -> dict:
         return {}
     if not isinstance(loaded, dict):
         raise error(f"{path}: not a YAML mapping of meshlm settings; fix or delete the file")
+    bad = next((k for k in sections if k in loaded and not isinstance(loaded[k], dict)), None)
+    if bad:
+        raise error(f"{path}: section {bad!r} is {loaded[bad]!r}, not a mapping of its settings; fix or delete the "
+                    f"file (it is the config.yaml `meshlm pretrain` wrote)")
     return loaded

@@ -42,7 +42,7 @@ import os
 import statistics
 from typing import Callable, Optional
 
-from ..config import SHARDING
+from ..config import SECTIONS, SHARDING
 from ..errors import ConfigError
 from ..straggler_rule import CONSECUTIVE as STRAGGLER_INTERVALS, FACTOR as STRAGGLER_RATIO, MIN_EXCESS_S
 
@@ -113,6 +113,11 @@ def load_run(run_dir: str) -> tuple:
     if bad:  # analyze() orders and names iterations by it: a KeyError traceback before
         raise ConfigError(f"{path}: training record {bad} has no integer \"iteration\"; give the metrics.jsonl "
                           f"`meshlm pretrain` wrote")
+    from ..metrics_json import record_problem
+    wrong = next(((n, p) for n, rec in enumerate(records, 1) if (p := record_problem(rec))), None)
+    if wrong:
+        raise ConfigError(f"{path}: training record {wrong[0]}: {wrong[1]}; give the metrics.jsonl `meshlm pretrain` "
+                          f"wrote")
     folder = run_dir if os.path.isdir(run_dir) else os.path.dirname(os.path.dirname(os.path.abspath(path)))
     return records, _config_of(folder)
 
@@ -121,7 +126,7 @@ def _config_of(folder: str) -> Optional[dict]:
     yaml_path = os.path.join(folder, "config.yaml")
     if os.path.isfile(yaml_path):
         from ..folders import read_yaml_mapping
-        return read_yaml_mapping(yaml_path, ConfigError)
+        return read_yaml_mapping(yaml_path, ConfigError, SECTIONS)
     saved = sorted(glob.glob(os.path.join(folder, "*", "iter_*", "config.json")) +
                    glob.glob(os.path.join(folder, "iter_*", "config.json")))
     if saved:

@@ -93,8 +93,9 @@ def _read_config(run_dir: str) -> dict:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         return {}
+    from ..config import SECTIONS
     from ..folders import read_yaml_mapping
-    return read_yaml_mapping(path, DataError)
+    return read_yaml_mapping(path, DataError, SECTIONS)
 
 
 def load_run(path: str, name: Optional[str] = None) -> RunData:
@@ -109,15 +110,20 @@ def load_run(path: str, name: Optional[str] = None) -> RunData:
     run = RunData(name=name or os.path.basename(os.path.normpath(os.path.abspath(run_dir))),
                   path=run_dir, config=_read_config(run_dir), metrics=metrics)
     from ..folders import read_jsonl
-    from ..metrics_json import decode
+    from ..metrics_json import decode, record_problem
     records = [decode(r) for r in read_jsonl(metrics, DataError, "a metrics.jsonl that `meshlm pretrain` wrote")]
     for n, rec in enumerate(records, 1):
         if not isinstance(rec, dict) or not ("val_loss" in rec or "iter_ms" in rec):
             continue
         missing = [key for key in ("iteration", "consumed_samples") if not isinstance(rec.get(key), int)]
+        kind = "validation" if "val_loss" in rec else "training"
         if missing:  # the charts' x axes: a KeyError traceback before
-            raise DataError(f"{metrics}: record {n} (a {'validation' if 'val_loss' in rec else 'training'} record) "
-                            f"has no integer {' or '.join(missing)}; give the metrics.jsonl `meshlm pretrain` wrote")
+            raise DataError(f"{metrics}: record {n} (a {kind} record) has no integer {' or '.join(missing)}; give "
+                            f"the metrics.jsonl `meshlm pretrain` wrote")
+        wrong = record_problem(rec)
+        if wrong:
+            raise DataError(f"{metrics}: record {n} (a {kind} record): {wrong}; give the metrics.jsonl `meshlm "
+                            f"pretrain` wrote")
         (run.evals if "val_loss" in rec else run.train).append(rec)
     if records and not any(isinstance(rec, dict) and "iteration" in rec for rec in records):
         raise DataError(f"{metrics}: not a meshlm metrics file (none of its records has an "
