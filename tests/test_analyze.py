@@ -294,6 +294,8 @@ def test_a_run_resumed_at_another_layout_is_analyzed_at_its_last_layout_only(tmp
     ({"comm_share": {"dp": "a"}}, None, "comm_share is {'dp': 'a'}, not a map of numbers"),
     ({}, "parallel: 5\n", "section 'parallel' is 5, not a mapping of its settings"),
     ({}, "model:\n", "section 'model' is None, not a mapping of its settings"),
+    ({}, "parallel: {ddp_bucket_size: big}\n", "ddp-bucket-size='big' is not an integer"),
+    ({}, "training: {micro_batch_size: x, global_batch_size: 8}\n", "micro-batch-size='x' is not an integer"),
 ])
 def test_a_value_of_the_wrong_kind_in_a_runs_files_is_one_line(tmp_path, capsys, command, record, config, words):
     """analyze: a TypeError ('>=' between str and float) or AttributeError ('int' has no 'get') traceback."""

@@ -454,6 +454,20 @@ def _coerce(f, value, where: str):
         raise ConfigError(f"{where}: {flag_of(f)[2:]}={value!r} is not {expected(kind, value)}") from None
 
 
+def value_problem(mapping: dict) -> Optional[str]:
+    """The first value of a saved run's config (config.yaml or a checkpoint's config.json, nested
+    by section) that is not of its field's kind, as ``_coerce`` words it, or None. Keys this meshlm
+    does not know are passed over (a run of another version), unlike ``apply_mapping``."""
+    idx = _index()
+    for key, value in _flatten(mapping):
+        if key in idx and key != "model_preset":
+            try:
+                _coerce(idx[key][1], value, "")
+            except ConfigError as e:
+                return str(e).removeprefix(": ")
+    return None
+
+
 def _flatten(mapping: dict) -> list:
     """(key, value) pairs of a flat or section-nested mapping; a ``model: NAME`` string names a preset."""
     pairs = []

@@ -175,10 +175,11 @@ def read_jsonl(path: str, error, what: str) -> list:
     return records
 
 
-def read_yaml_mapping(path: str, error, sections=()) -> dict:
+def read_yaml_mapping(path: str, error, sections=(), value_problem=None) -> dict:
     """The mapping in a run's config.yaml ({} for an empty file); ``error`` naming the file and line
     when it is not YAML or not a mapping, or naming the key when one of ``sections`` (config.SECTIONS:
-    model, training, parallel, …) is not a mapping (read as one, it was an AttributeError traceback)."""
+    model, training, parallel, …) is not a mapping or ``value_problem`` (config.value_problem) finds
+    a value of the wrong kind (read as they are, each was a TypeError/AttributeError traceback)."""
     import yaml
     try:
         with open(path, encoding="utf-8") as fh:
@@ -198,4 +199,7 @@ def read_yaml_mapping(path: str, error, sections=()) -> dict:
     if bad:
         raise error(f"{path}: section {bad!r} is {loaded[bad]!r}, not a mapping of its settings; fix or delete the "
                     f"file (it is the config.yaml `meshlm pretrain` wrote)")
+    wrong = value_problem(loaded) if value_problem else None
+    if wrong:
+        raise error(f"{path}: {wrong}; fix or delete the file (it is the config.yaml `meshlm pretrain` wrote)")
     return loaded

@@ -42,7 +42,7 @@ import os
 import statistics
 from typing import Callable, Optional
 
-from ..config import SECTIONS, SHARDING
+from ..config import SECTIONS, SHARDING, value_problem
 from ..errors import ConfigError
 from ..straggler_rule import CONSECUTIVE as STRAGGLER_INTERVALS, FACTOR as STRAGGLER_RATIO, MIN_EXCESS_S
 
@@ -126,7 +126,7 @@ def _config_of(folder: str) -> Optional[dict]:
     yaml_path = os.path.join(folder, "config.yaml")
     if os.path.isfile(yaml_path):
         from ..folders import read_yaml_mapping
-        return read_yaml_mapping(yaml_path, ConfigError, SECTIONS)
+        return read_yaml_mapping(yaml_path, ConfigError, SECTIONS, value_problem)
     saved = sorted(glob.glob(os.path.join(folder, "*", "iter_*", "config.json")) +
                    glob.glob(os.path.join(folder, "iter_*", "config.json")))
     if saved:

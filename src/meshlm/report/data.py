@@ -93,9 +93,9 @@ def _read_config(run_dir: str) -> dict:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         return {}
-    from ..config import SECTIONS
+    from ..config import SECTIONS, value_problem
     from ..folders import read_yaml_mapping
-    return read_yaml_mapping(path, DataError, SECTIONS)
+    return read_yaml_mapping(path, DataError, SECTIONS, value_problem)
 
 
 def load_run(path: str, name: Optional[str] = None) -> RunData:
