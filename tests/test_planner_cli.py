@@ -47,6 +47,12 @@ def test_a_bare_plan_plans_what_a_bare_pretrain_trains(capsys):
     assert json.loads(out)["model"]["hidden_size"] != e["hidden_size"] and "embedded default" not in err
 
 
+def test_quick_without_calibrate_is_named_as_ignored(capsys):
+    """It was silently ignored (the plan measures nothing)."""
+    assert main(["plan", *GPT, "--num-gpus", "8", "--top", "1", "--quick"]) == 0
+    assert "meshlm plan: note: --quick ignored without --calibrate" in capsys.readouterr().err
+
+
 def test_plan_tables_and_lint_warnings(capsys):
     assert main(["plan", *GPT, "--num-gpus", "8", "--pipeline-model-parallel-size", "8", "--top", "3"]) == 0
     out = capsys.readouterr().out

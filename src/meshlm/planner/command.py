@@ -146,6 +146,9 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     cfg, _ = config_and_source(args)
     from ..parallel.layout_rules import adjust
     adjust(cfg)  # as a launch would: no SP at TP = 1
+    if args.quick and not args.calibrate:
+        print("meshlm plan: note: --quick ignored without --calibrate: it shortens the measurement, and this plan "
+              "measures nothing; add --calibrate to measure this machine", file=sys.stderr, flush=True)
     if args.calibrate:
         from .calibrate import calibrate
         from ..folders import foreign_file_problem, output_file_problem, output_folder_problem
