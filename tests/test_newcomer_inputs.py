@@ -469,3 +469,11 @@ def test_a_dry_runs_nodes_size_its_node(capsys):
     assert "not whole nodes of --nnodes 2" in _refused(capsys, DRY + ["--world-size", "15", "--nnodes", "2"])
     err = _refused(capsys, DRY + ["--world-size", "16", "--nnodes", "2", "--nproc-per-node", "4"])
     assert "--world-size 16 is not --nnodes 2 × --nproc-per-node 4 = 8" in err
+
+
+@pytest.mark.parametrize("argv", [["--to-megatron", "--load", "ck", "--output", "out", "--max-shard-size", "1KB"],
+                                  ["--from-hf", "hf", "--save", "out", "--hf-architecture", "mistral"]])
+def test_a_to_hf_flag_with_another_direction_is_refused(capsys, argv):
+    """--max-shard-size / --hf-architecture were silently ignored by the other directions."""
+    err = _refused(capsys, ["convert", *argv])
+    assert f"{argv[-2]} shapes the Hugging Face folder --to-hf writes; {argv[0]} writes none: drop {argv[-2]}" in err

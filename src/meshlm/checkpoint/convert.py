@@ -76,13 +76,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", help="the folder to write: export: new or empty; import: the meshlm checkpoint "
                         "folder (as --save)")
     parser.add_argument("--hf-architecture", choices=ARCHITECTURES, default=None,
-                        help="export: the Hugging Face model type [default: llama for RoPE models, else gpt2]")
-    parser.add_argument("--max-shard-size", type=_size, default=_size("5GB"),
-                        help="export: largest safetensors file; beyond it the weights are sharded [default: 5GB]")
+                        help="--to-hf: the Hugging Face model type [default: llama for RoPE models, else gpt2]")
+    parser.add_argument("--max-shard-size", type=_size, default=None,
+                        help="--to-hf: largest safetensors file; beyond it the weights are sharded [default: 5GB]")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `meshlm convert`; return the exit status 0 (errors are MeshlmErrors, one line)."""
+    """Run `meshlm convert`; return the exit status 0 (errors are MeshlmErrors, one line). ConfigError
+    for --hf-architecture or --max-shard-size with another direction than --to-hf (ignored before)."""
+    hf_only = [flag for flag, value in (("--hf-architecture", args.hf_architecture),
+                                        ("--max-shard-size", args.max_shard_size)) if value is not None]
+    if hf_only and not args.to_hf:
+        way = next(f for f, on in (("--from-hf", args.from_hf), ("--from-megatron", args.from_megatron),
+                                   ("--to-megatron", args.to_megatron)) if on)
+        named = " and ".join(hf_only)
+        raise ConfigError(f"{named} {'shape' if len(hf_only) > 1 else 'shapes'} the Hugging Face folder --to-hf "
+                          f"writes; {way} writes none: drop {named}")
     if args.from_megatron or args.to_megatron:
         return _run_megatron(args)
     if args.from_hf:
@@ -94,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.load or not args.output or args.save:
         raise ConfigError("--save belongs to --from-hf; --to-hf reads --load and writes --output" if args.save
                           else "--to-hf needs --load (a meshlm checkpoint) and --output (the folder to write)")
-    files = export_hf(args.load, args.output, args.hf_architecture, args.max_shard_size)
+    files = export_hf(args.load, args.output, args.hf_architecture, args.max_shard_size or _size("5GB"))
     print(f"meshlm: wrote {args.output}: {', '.join(files)}")
     return 0
 
