@@ -321,8 +321,9 @@ def test_workers_beyond_the_inputs_chunks_or_the_cores_are_not_started(tmp_path,
 
 
 @pytest.mark.parametrize("prefix", ["{tmp}/", "{tmp}/.", "."])
-def test_an_output_prefix_naming_a_folder_is_refused_naming_the_files_it_would_make(tmp_path, prefix):
+def test_an_output_prefix_naming_a_folder_is_refused_naming_the_files_it_would_make(tmp_path, monkeypatch, prefix):
     """`--output-prefix data/` wrote data/_text_document.bin/.idx, named by no prefix a user would give."""
+    monkeypatch.chdir(tmp_path)  # "." names it
     prefix = prefix.replace("{tmp}", str(tmp_path))
     with pytest.raises(ConfigError, match=f"--output-prefix {prefix} names a folder: the files would be named "
                                           f"{prefix}_text_document.bin"):
