@@ -269,3 +269,41 @@ def test_a_fix_meshlm_would_refuse_for_the_run_is_not_offered():
     dp = [rec(i, comm_share={"dp": 0.5}, world_size=8) for i in range(1, 5)]
     assert "--micro-batch-size" not in fix_flags(by_kind(analyze(dp, config(global_batch_size=8)), "dp")[0])
     assert "--micro-batch-size" in fix_flags(by_kind(analyze(dp, config(global_batch_size=16)), "dp")[0])
+
+
+def test_a_run_resumed_at_another_layout_is_analyzed_at_its_last_layout_only(tmp_path):
+    """A TP=2 run resumed at PP=2 (same world size, one metrics.jsonl, config.yaml the resume's): the
+    analysis mixed both and told the PP run that 65% of its step was TP collectives."""
+    tp2, pp2 = {"tp": 2, "cp": 1, "pp": 1, "dp": 1}, {"tp": 1, "cp": 1, "pp": 2, "dp": 1}
+    records = [rec(i, world_size=2, layout=tp2, comm_share={"tp": 0.65}) for i in (2, 4, 6)] + \
+        [rec(i, world_size=2, layout=pp2, comm_share={"pp": 0.3}) for i in (8, 10, 12)]
+    report = analyze(records, config(pipeline_model_parallel_size=2))
+    assert report["iterations"] == [8, 12] and "tp" not in report["breakdown"] and "pp" in report["breakdown"]
+    assert report["left_out"] == ("3 earlier record(s), iterations 2–6 at TP=2 CP=1 PP=1 DP=1, left out: the run "
+                                  "was resumed at TP=1 CP=1 PP=2 DP=1")
+    assert f"  ({report['left_out']})" in format_report(report).splitlines()
+    assert analyze(records[3:], config())["left_out"] is None  # one layout: nothing left out
+    log = MetricsLogger(enabled=True, log_dir=str(tmp_path), train_iters=1, log_interval=1, global_batch=2,
+                        seq_length=4, flops_per_iter=1.0, world_size=2, dtype=torch.float32, layout=pp2)
+    assert log.train_step(1, 2, lm_loss=1.0, lr=0.1, grad_norm=1.0, iter_s=1.0)["layout"] == pp2
+
+
+@pytest.mark.parametrize("command", ["analyze", "report"])
+@pytest.mark.parametrize("record, config, words", [
+    ({"iter_ms": "fast"}, None, "iter_ms is 'fast', not a number"),
+    ({"comm_share": {"dp": "a"}}, None, "comm_share is {'dp': 'a'}, not a map of numbers"),
+    ({}, "parallel: 5\n", "section 'parallel' is 5, not a mapping of its settings"),
+    ({}, "model:\n", "section 'model' is None, not a mapping of its settings"),
+    ({}, "parallel: {ddp_bucket_size: big}\n", "ddp-bucket-size='big' is not an integer"),
+    ({}, "training: {micro_batch_size: x, global_batch_size: 8}\n", "micro-batch-size='x' is not an integer"),
+])
+def test_a_value_of_the_wrong_kind_in_a_runs_files_is_one_line(tmp_path, capsys, command, record, config, words):
+    """analyze: a TypeError ('>=' between str and float) or AttributeError ('int' has no 'get') traceback."""
+    (tmp_path / "logs").mkdir()
+    rec = dict({"iteration": 1, "consumed_samples": 4, "iter_ms": 5.0, "lm_loss": 3.0}, **record)
+    (tmp_path / "logs" / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
+    if config:
+        (tmp_path / "config.yaml").write_text(config)
+    assert cli.main([command, str(tmp_path), "--no-predict"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1

@@ -302,6 +302,39 @@ def test_check_loadable_names_what_is_wrong_with_load(tmp_path):
     assert ckpt.check_loadable(str(tmp_path / "missing"), None) == []  # left to meshlm.validate
 
 
+@pytest.mark.parametrize("command", [["checkpoint", "inspect", "{mg}"], ["generate", "--load", "{mg}"],
+                                     ["convert", "--to-hf", "--load", "{mg}", "--output", "{out}"],
+                                     ["convert", "--to-megatron", "--load", "{mg}", "--output", "{out}"]])
+def test_a_megatron_save_folder_outside_pretrain_is_named_with_its_conversion(tmp_path, capsys, command):
+    """Its tracker names an iter_ folder without meshlm's manifest: generate, inspect and the exports
+    called it "damaged or incomplete (checkpoint.json is missing)" (pretrain named the conversion)."""
+    from meshlm.cli import main
+    mg = tmp_path / "mg"
+    (mg / "iter_0000008").mkdir(parents=True)
+    (mg / "iter_0000008" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (mg / "iter_0000008" / "common.pt").write_bytes(b"")
+    (mg / "latest_checkpointed_iteration.txt").write_text("8")
+    argv = [a.replace("{mg}", str(mg)).replace("{out}", str(tmp_path / "out")) for a in command]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"meshlm: error: --load {mg} is a Megatron-LM checkpoint, not a meshlm one; convert it first: meshlm "
+        f"convert --from-megatron {mg} --output CKPT_DIR, then --load CKPT_DIR")
+
+
+def test_a_run_directory_given_for_its_checkpoints_names_the_folder_that_holds_them(tmp_path, capsys):
+    """The embedded default saves into <run dir>/checkpoints; `--load <run dir>` was told only that it
+    is no checkpoint directory (pretrain, generate) or not a checkpoint (inspect)."""
+    from meshlm.cli import main
+    run = tmp_path / "run"
+    ckpt.save(str(run / "checkpoints"), 3, {"w": torch.zeros(2)})
+    (run / "config.yaml").write_text("x: 1\n")
+    inner = run / "checkpoints"
+    assert ckpt.check_loadable(str(run), None) == [
+        f"--load {run} is not a checkpoint directory, but {inner} is: give --load {inner}"]
+    assert main(["checkpoint", "inspect", str(run)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"{inner} is: give that")
+
+
 def test_a_lost_tracker_beside_complete_checkpoints_is_refused_naming_the_iteration(tmp_path):
     """A run whose tracker was lost must not restart from scratch over its own checkpoints."""
     save = tmp_path / "save"

@@ -2,6 +2,7 @@
 intact checkpoint, --keep-checkpoints, `meshlm checkpoint inspect/verify`, planted pickle payloads."""
 
 import builtins
+import contextlib
 import hashlib
 import io
 import json
@@ -174,6 +175,55 @@ def test_verify_checks_checksums_tensors_and_the_trainers_load(trained, tmp_path
     assert rc == 2 and err.splitlines() == [
         f"meshlm: error: {bad}/iter_0000002: {name} does not match its SHA-256 in checkpoint.json"
         for name in ("__0_0.distcp", "rank_00000.json")]
+
+
+def _resume(root, **checkpoint):
+    """trainer.load_checkpoint of --load ``root`` at TP=PP=DP=1 in this process: (iteration, stdout)."""
+    from meshlm.data.tokenizer import build_tokenizer
+    from meshlm.inspect_checkpoint import _config_at, _world_of_one
+    from meshlm.model.chunks import build_model_chunks
+    from meshlm.optim.distributed import build_optimizer
+    from meshlm.optim.schedule import scheduler_for
+    from meshlm.parallel.data import DistributedDataParallel
+    from meshlm.parallel.mesh import ParallelState
+    from meshlm.training import trainer
+    cfg = _config_at(str(root / "iter_0000001"), (1, 1, 1))
+    cfg.checkpoint.load, cfg.checkpoint.save = str(root), None
+    for key, value in checkpoint.items():
+        setattr(cfg.checkpoint, key, value)
+    out = io.StringIO()
+    with _world_of_one(), contextlib.redirect_stdout(out):
+        ps = ParallelState.build(1, 1, 1)
+        chunks = build_model_chunks(cfg, ps, build_tokenizer(cfg.data, cfg.model.vocab_size).vocab_size, torch.float32)
+        ddp = DistributedDataParallel(chunks, ps, cfg)
+        run = trainer.Run(cfg, ps, build_tokenizer(cfg.data, cfg.model.vocab_size), None, None, chunks, ddp,
+                          build_optimizer(cfg, ps, chunks, ddp), scheduler_for(cfg, 1), None, None, None, None, None)
+        state = trainer.load_checkpoint(run)
+    return state.iteration, out.getvalue()
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_distcp_file_damaged_at_its_size_falls_back_on_resume_with_or_without_verify_integrity(
+        trained, tmp_path, verify):
+    """Bytes flipped in a .distcp file's header keep its size: the size check passed, the read failed
+    and the resume stopped ("load an earlier iteration or re-save", with no flag for that) although
+    --verify-integrity fell back to the older checkpoint; now the failed read falls back too."""
+    bad = tmp_path / "bad"
+    shutil.copytree(trained, bad)
+    data = bad / "iter_0000002" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    for i in range(0, len(raw), 997):  # every zip record's header of the file
+        raw[i] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    iteration, out = _resume(bad, verify_integrity=verify)
+    assert iteration == 1
+    notes = [line for line in out.splitlines() if line.startswith("note:")]
+    fallback = (f"note: --load {bad}: the latest checkpoint iter_0000002 is damaged or incomplete (__0_0.distcp does "
+                f"not match its SHA-256 in checkpoint.json); loading iter_0000001 instead")
+    assert notes[-1] == fallback and len(notes) == (1 if verify else 2)
+    if not verify:
+        assert notes[0].startswith(f"note: --load {bad}: checkpoint iter_0000002 is damaged or incomplete (a .distcp "
+                                   f"file is unreadable") and "(as --verify-integrity)" in notes[0]
 
 
 # ----------------------------------------------------------------------------- planted pickle payloads

@@ -125,6 +125,94 @@ def test_a_bad_flag_value_names_its_kind_in_words_on_one_line(capsys):
         "meshlm: error: argument --lr: 'fast' is not a number; see `meshlm pretrain --help`"]
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["pretrain", "--split", "-1,2,3", "--dry-run"], "--split '-1,2,3' has a negative or non-finite weight"),
+    (["pretrain", "--lr", "-1e-3", "--dry-run"], "--lr -0.001 is out of range"),
+    (["plan", "--init-method-std", "-.02"], "--init-method-std -0.02 is out of range"),
+    (["sweep", "--sweep-dir", "s", "--lr", "-1e-3,1e-2"], "--lr -1e-3,1e-2: '-1e-3' is not a finite positive value"),
+])
+def test_a_value_starting_with_a_dash_reaches_its_flags_check(argv, line, capsys):
+    """argparse takes `-1,2,3` or `-1e-3` (not its idea of a negative number) for a flag and said only
+    "argument --split: expected one argument"; the value now reaches the flag's own range check."""
+    assert main(argv) == 2
+    [err] = [x for x in capsys.readouterr().err.splitlines()]
+    assert line in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["pretrain", "--mock-data", "--vocab-size", "64", "--dry-run", "--save", "", "--load="],
+    ["tokenizer", "train", "--input", "c.jsonl", "--output", ""],
+    ["preprocess", "--input", "c.jsonl", "--output-prefix", "", "--tokenizer-type", "NullTokenizer"],
+    ["plan", "--gpu-profile", ""],
+    ["report", "run", "--output="],
+])
+def test_an_empty_flag_value_is_refused_naming_the_flag(argv, capsys):
+    """`--save $CKPT` with CKPT unset trained without saving, `--load ''` started afresh, `--config ''`
+    ran the defaults, tokenizer train --output '' trained, then raised FileNotFoundError."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    flags = [a.rstrip("=") for i, a in enumerate(argv) if a.endswith("=") or (i + 1 < len(argv) and argv[i + 1] == "")]
+    assert all(f"{flag} is given an empty value" in err for flag in flags) and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, hint", [(["tokenizer", "train", "--input", "c", "--output", "t", "--foo"],
+                                        "meshlm tokenizer train --help"),
+                                       (["checkpoint", "inspect", "ck", "--foo"], "meshlm checkpoint inspect --help")])
+def test_an_unknown_flag_of_an_action_names_the_actions_help(argv, hint, capsys):
+    """It said `meshlm tokenizer --help`, which lists the actions, not the flag's neighbours."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().endswith(f"see `{hint}`")
+
+
+def test_an_empty_prompt_is_still_a_prompt():
+    from meshlm.cli import empty_values
+    assert empty_values(build_parser("generate"), ["generate", "--load", "ck", "--prompt", ""]) == []
+
+
+def test_a_dash_value_is_joined_to_its_flag_but_a_flag_is_not():
+    from meshlm.cli import attach_dash_values
+    parser = build_parser("generate")
+    assert attach_dash_values(parser, ["generate", "--prompt", "-x", "--top-k", "-h", "--", "--seed", "-1"]) == [
+        "generate", "--prompt=-x", "--top-k", "-h", "--", "--seed", "-1"]
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["generate", "--load", "ck", "--max-new-tokens", "1e3"], "argument --max-new-tokens: '1e3' is not an integer "
+                                                             "(write 1000); see `meshlm generate --help`"),
+    (["generate", "--load", "ck", "--temperature", "hot"], "argument --temperature: 'hot' is not a number"),
+    (["plan", "--num-gpus", "8x"], "argument --num-gpus: '8x' is not an integer; see `meshlm plan --help`"),
+])
+def test_a_subcommands_own_number_flag_says_its_kind_in_words(argv, line, capsys):
+    """argparse's "invalid int value: '1e3'" there, while pretrain's flags said "(write 1000)"."""
+    assert main(argv) == 2
+    assert line in capsys.readouterr().err
+
+
+def test_the_embedded_defaults_own_save_folder_counts_for_the_notes(tmp_path, monkeypatch, capsys):
+    """`meshlm pretrain --async-save` (no --save) was told "--async-save ignored without --save" and
+    then saved in the background into <run dir>/checkpoints."""
+    import meshlm.data.corpus as corpus
+    monkeypatch.chdir(tmp_path)
+    assert main(["pretrain", "--async-save", "--dry-run"]) == 0
+    assert "--async-save ignored" not in capsys.readouterr().out
+
+    def stop(run_dir):
+        raise KeyboardInterrupt  # the notes are out by now; preparing the corpus takes a while
+    monkeypatch.setattr(corpus, "prepare_default_corpus", stop)
+    assert main(["pretrain", "--async-save", "--run-dir", "run"]) == 130
+    assert "--async-save ignored" not in capsys.readouterr().out
+
+
+def test_the_embedded_defaults_dry_run_checks_load(tmp_path, monkeypatch, capsys):
+    """Its dry run passed a --load with no checkpoint in it (the launch refused it after preparing
+    the corpus): --load was among the data files its first check leaves out."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("x")
+    assert main(["pretrain", "--load", "run", "--dry-run"]) == 2
+    assert "--load run is not a meshlm checkpoint directory" in capsys.readouterr().err
+
+
 def test_num_query_groups_without_gqa_is_a_note_at_start(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     args = build_parser("pretrain").parse_args(
@@ -144,6 +232,22 @@ def _embedded(*flags):
     cfg = config_from_args(args, base=embedded_default())
     _fit_embedded(cfg, explicit_fields(args))
     return cfg
+
+
+@pytest.mark.parametrize("gpus, micro, batch", [(1, 4, 16), (2, 4, 16), (3, 3, 18), (8, 2, 16), (32, 1, 32)])
+def test_the_embedded_default_fits_its_batch_to_every_gpu_count(monkeypatch, gpus, micro, batch):
+    """On 8 GPUs `meshlm pretrain` with no flags was refused: "--global-batch-size 16 is not divisible
+    by --micro-batch-size 4 × DP 8" (the README: it trains as DP over every local GPU)."""
+    import torch
+    from meshlm.validate import validate
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = _embedded()
+    assert (cfg.training.micro_batch_size, cfg.training.global_batch_size) == (micro, batch)
+    validate(cfg, gpus, check_files=False, cuda=True)
+    cfg = _embedded("--global-batch-size", "16")  # a batch flag of the user's: left to the checks
+    assert (cfg.training.micro_batch_size, cfg.training.global_batch_size) == (4, 16)
 
 
 @pytest.mark.parametrize("extra, warmup", [([], 0), (["--lr-warmup-iters", "3"], 3)])

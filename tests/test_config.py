@@ -505,6 +505,27 @@ def test_precedence_preset_then_yaml_then_flags(tmp_path):
     assert cfg.model.hidden_size == 256                                   # flag over YAML
 
 
+@pytest.mark.parametrize("flags, source", [(["--mock-data"], "--mock-data"), (["--data-path", "B"], "--data-path"),
+                                           (["--train-data-path", "B"], "--train-data-path")])
+def test_a_data_source_flag_replaces_the_yamls_source(tmp_path, flags, source):
+    """Flags win, says the README; a YAML with data_path and --mock-data on the command line was
+    refused ("--mock-data and --data-path are exclusive"), and a per-split flag met the YAML's --split."""
+    from meshlm.data.sources import given_sources, source_problems
+    cfg = parse(["--config", write(tmp_path, "data_path: [A]\nsplit: 98,2,0\n"), *flags])
+    assert given_sources(cfg.data)[0].startswith(source) and source_problems(cfg.data) == []
+    assert cfg.data.data_path == (["B"] if source == "--data-path" else [])
+
+
+def test_a_run_length_flag_replaces_the_yamls_and_a_per_split_flag_keeps_the_other_splits(tmp_path):
+    yaml = write(tmp_path, "train_iters: 100\nlr_warmup_iters: 10\nlr_decay_iters: 100\n"
+                           "train_data_path: [A]\nvalid_data_path: [V]\n")
+    cfg = parse(["--config", yaml, "--train-samples", "400", "--lr-warmup-samples", "20", "--train-data-path", "B"])
+    t, o = cfg.training, cfg.optimizer
+    assert (t.train_iters, t.train_samples, o.lr_warmup_iters, o.lr_warmup_samples) == (None, 400, 0, 20)
+    assert o.lr_decay_iters == 100  # no decay flag given: the YAML's stays (and is refused with samples)
+    assert (cfg.data.train_data_path, cfg.data.valid_data_path) == (["B"], ["V"])
+
+
 def test_model_flag_preset_is_overridden_by_flags():
     cfg = parse(["--model", "llama3-8b", "--num-layers", "2"])
     assert cfg.model.num_layers == 2 and cfg.model.swiglu and cfg.model.num_query_groups == 8

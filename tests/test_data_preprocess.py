@@ -318,3 +318,43 @@ def test_workers_beyond_the_inputs_chunks_or_the_cores_are_not_started(tmp_path,
     stats = preprocess_files([str(path)], str(tmp_path / "out"), null_cfg(), VOCAB, workers=100000)
     assert stats.documents == 1
     assert "preprocess: note: --workers 100000: using 1 tokenizer process(es)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prefix", ["{tmp}/", "{tmp}/.", "."])
+def test_an_output_prefix_naming_a_folder_is_refused_naming_the_files_it_would_make(tmp_path, monkeypatch, prefix):
+    """`--output-prefix data/` wrote data/_text_document.bin/.idx, named by no prefix a user would give."""
+    monkeypatch.chdir(tmp_path)  # "." names it
+    prefix = prefix.replace("{tmp}", str(tmp_path))
+    with pytest.raises(ConfigError, match=f"--output-prefix {prefix} names a folder: the files would be named "
+                                          f"{prefix}_text_document.bin"):
+        preprocess_files([str(_corpus(tmp_path))], prefix, null_cfg(), VOCAB, quiet=True)
+
+
+def test_a_vocab_size_the_tokenizer_file_overrides_is_named(tmp_path, capsys):
+    """Silently ignored by preprocess (pretrain names it at start)."""
+    from meshlm.cli import main
+    from meshlm.data.tokenizer import train_bpe
+    train_bpe(["a b c d e f"] * 5, 270, str(tmp_path / "tok.json"))
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"text": "a b c"}) + "\n")
+    assert main(["preprocess", "--input", str(corpus), "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
+                 "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "tok.json"), "--vocab-size", "10"]) == 0
+    assert "meshlm: note: --vocab-size 10 ignored with HuggingFaceTokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["tokenizer", "preprocess"])
+def test_an_output_that_is_the_input_is_refused_and_the_input_kept(tmp_path, capsys, command):
+    """`tokenizer train --input corpus.jsonl --output corpus.jsonl` replaced the corpus by the tokenizer."""
+    from meshlm.cli import main
+    text = json.dumps({"text": "1 2 3"}) + "\n"
+    if command == "tokenizer":
+        corpus = tmp_path / "c.jsonl"
+        argv = ["tokenizer", "train", "--input", str(corpus), "--vocab-size", "300", "--output", str(corpus)]
+    else:
+        corpus = tmp_path / "o_text_document.idx"
+        argv = ["preprocess", "--input", str(corpus), "--output-prefix", str(tmp_path / "o"),
+                "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
+    corpus.write_text(text)
+    assert main(argv) == 2
+    assert f"is the --input {corpus}; writing it would replace the text it reads" in capsys.readouterr().err
+    assert corpus.read_text() == text

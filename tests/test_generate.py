@@ -163,3 +163,22 @@ def test_a_prompt_that_is_not_unicode_is_refused_for_any_tokenizer():
     with pytest.raises(ConfigError, match="--prompt 'a\\\\udcff' is not valid UTF-8 text"):
         generate.check_prompt(NullTokenizer(100), "a\udcff")  # an undecodable byte of argv
     generate.check_prompt(NullTokenizer(100), "0 99")
+
+
+def test_a_checkpoint_whose_tokenizer_file_is_gone_names_it_without_a_flag_generate_lacks(tmp_path, capsys):
+    """It said "--tokenizer-model /abs/tok.json: no such file", a flag generate does not take."""
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.cli import main
+    from meshlm.config import Config
+    cfg = Config()
+    cfg.data.tokenizer_type, cfg.data.tokenizer_model = "HuggingFaceTokenizer", str(tmp_path / "gone.json")
+    ckpt.save(str(tmp_path / "ck"), 1, {"w": torch.zeros(2)}, config=cfg.to_dict())
+    assert main(["generate", "--load", str(tmp_path / "ck")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"meshlm: error: --load {tmp_path / 'ck'}: the tokenizer the run trained with does not load "
+        f"(--tokenizer-model {tmp_path / 'gone.json'}: no such file); the checkpoint names it by the run's path: "
+        f"put the file back there")
+    assert main(["checkpoint", "verify", str(tmp_path / "ck")]) == 2  # its trainer load: the same words
+    assert capsys.readouterr().err.strip().endswith(
+        f"not loaded through the trainer: the tokenizer the run trained with does not load (--tokenizer-model "
+        f"{tmp_path / 'gone.json'}: no such file); the checkpoint names it by the run's path: put the file back there")

@@ -89,10 +89,11 @@ def test_rotary_percent_without_rotary_positions_is_refused(capsys):
 
 def test_checkpoint_switches_without_their_folder_are_noted(capsys):
     assert main(SHAPE + ["--mock-data", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer",
-                         "--async-save", "--verify-integrity", "--dry-run"]) == 0
+                         "--async-save", "--verify-integrity", "--keep-checkpoints", "5", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "note: --verify-integrity ignored without --load" in out
     assert "note: --async-save ignored without --save" in out
+    assert "note: --keep-checkpoints 5 ignored without --save" in out  # silently before
 
 
 @pytest.mark.parametrize("action", ["inspect", "verify"])
@@ -404,3 +405,75 @@ def test_a_report_onto_a_full_disk_keeps_the_earlier_report_whole(tmp_path, monk
         folders.write_text_file(str(path), "<html>new</html>")
     monkeypatch.undo()
     assert path.read_text() == "the earlier report" and os.listdir(tmp_path) == ["report.html"]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["convert", "--to-hf", "--load", "ck", "--output", "{bad}"], "--output"),
+    (["convert", "--to-megatron", "--load", "ck", "--output", "{bad}"], "--output"),
+    (["plan", "--model", "tiny", "--vocab-size", "256", "--calibrate", "--quick", "--gpu-profile", "{bad}/p.json"],
+     "--gpu-profile"),
+])
+@pytest.mark.parametrize("bad", ["file", "proc"])
+def test_an_output_that_cannot_be_written_is_one_line_before_any_work(tmp_path, capsys, argv, flag, bad):
+    """convert's exports raised makedirs' FileNotFoundError after reading the whole checkpoint, and
+    plan --calibrate wrote its profile only after measuring (a traceback then)."""
+    path = tmp_path / "f" if bad == "file" else "/proc/meshlm-out"
+    if bad == "file":
+        path.write_text("x")
+    err = _refused(capsys, [a.replace("{bad}", str(path)) for a in argv])
+    assert err.startswith(f"meshlm: error: {flag} {path}") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("way, flag", [("--from-hf", "--save"), ("--from-hf", "--output"),
+                                       ("--from-megatron", "--output")])
+def test_an_import_into_its_own_source_folder_is_refused(tmp_path, capsys, way, flag):
+    """convert --from-hf hf --save hf raised shutil.SameFileError copying tokenizer.json onto itself."""
+    src = tmp_path / "src"
+    src.mkdir()
+    err = _refused(capsys, ["convert", way, str(src), flag, str(src) + "/"])
+    assert err == (f"meshlm: error: {flag} {src}/ is the {way} folder itself; the meshlm checkpoint goes to a new "
+                   f"folder: give another path")
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["tokenizer", "train", "--input", "{corpus}", "--vocab-size", "300", "--output", "{other}"], "tokenizer.json"),
+    (["plan", "--model", "tiny", "--vocab-size", "256", "--calibrate", "--quick", "--gpu-profile", "{other}"],
+     "GPU profile"),
+])
+def test_an_output_file_that_holds_something_else_is_not_replaced(tmp_path, capsys, argv, what):
+    """tokenizer train --output and plan --calibrate --gpu-profile replaced any file given (a corpus,
+    a config); an earlier tokenizer.json or profile is still replaced."""
+    corpus, other = tmp_path / "c.jsonl", tmp_path / "other.json"
+    corpus.write_text('{"text": "a b c d"}\n')
+    other.write_text('{"text": "keep me"}\n')
+    argv = [a.replace("{corpus}", str(corpus)).replace("{other}", str(other)) for a in argv]
+    err = _refused(capsys, argv)
+    assert err == (f"meshlm: error: --{argv[-2][2:]} {other} exists and is not an earlier {what}: refusing to "
+                   f"overwrite it; give another file, or remove it first")
+    assert other.read_text() == '{"text": "keep me"}\n'
+    if what == "tokenizer.json":
+        other.unlink()
+        assert main(argv) == 0 and main(argv) == 0  # written, then its own earlier output replaced
+
+
+DRY = ["pretrain", "--mock-data", "--vocab-size", "64", "--num-layers", "8", "--hidden-size", "64",
+       "--num-attention-heads", "8", "--seq-length", "16", "--micro-batch-size", "1", "--sequence-parallel", "--dry-run"]
+
+
+def test_a_dry_runs_nodes_size_its_node(capsys):
+    """--world-size 16 --nnodes 4: the lint took a node to be this machine's process count (here the
+    layout's 8), so TP 8 across 4-GPU nodes passed without a word; 15 processes on 2 nodes and a
+    --world-size that is not --nnodes × --nproc-per-node passed too."""
+    assert main(DRY + ["--world-size", "16", "--nnodes", "4", "--tensor-model-parallel-size", "8"]) == 0
+    assert "warning: TP group of 8 spans nodes (4 GPUs per node)" in capsys.readouterr().out
+    assert "not whole nodes of --nnodes 2" in _refused(capsys, DRY + ["--world-size", "15", "--nnodes", "2"])
+    err = _refused(capsys, DRY + ["--world-size", "16", "--nnodes", "2", "--nproc-per-node", "4"])
+    assert "--world-size 16 is not --nnodes 2 × --nproc-per-node 4 = 8" in err
+
+
+@pytest.mark.parametrize("argv", [["--to-megatron", "--load", "ck", "--output", "out", "--max-shard-size", "1KB"],
+                                  ["--from-hf", "hf", "--save", "out", "--hf-architecture", "mistral"]])
+def test_a_to_hf_flag_with_another_direction_is_refused(capsys, argv):
+    """--max-shard-size / --hf-architecture were silently ignored by the other directions."""
+    err = _refused(capsys, ["convert", *argv])
+    assert f"{argv[-2]} shapes the Hugging Face folder --to-hf writes; {argv[0]} writes none: drop {argv[-2]}" in err

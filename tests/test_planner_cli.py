@@ -26,6 +26,33 @@ def test_plan_json_document(capsys):
     assert doc["current"]["memory"]["weights"] > 0  # the flags' own layout (DP 8)
 
 
+def test_a_bare_plan_plans_what_a_bare_pretrain_trains(capsys):
+    """`meshlm plan` with no pretrain flag planned Config's defaults (h 256, seq 256, vocabulary 32000
+    assumed, global batch 4), not the embedded default `meshlm pretrain` with no flags trains."""
+    from meshlm.cli import EMBEDDED_DEFAULT
+    from meshlm.data.corpus import DEFAULT_VOCAB
+    assert main(["plan", "--json", "--top", "1"]) == 0
+    out, err = capsys.readouterr()
+    model = json.loads(out)["model"]
+    e = EMBEDDED_DEFAULT
+    assert (model["num_layers"], model["hidden_size"], model["seq_length"], model["vocab_size"],
+            model["global_batch_size"]) == (e["num_layers"], e["hidden_size"], e["seq_length"], DEFAULT_VOCAB,
+                                            e["global_batch_size"])
+    assert err.startswith("meshlm plan: note: no pretrain flags: planning what `meshlm pretrain` with no flags "
+                          "trains") and len(err.splitlines()) == 1
+    assert main(["plan", "--json", "--top", "1", "--train-tokens", "1e9"]) == 0  # plan's length, not the default's
+    assert json.loads(capsys.readouterr().out)["campaign"]["tokens"] == pytest.approx(1e9, rel=1e-5)
+    assert main(["plan", "--num-layers", "2", "--json", "--top", "1"]) == 0  # a flag: the flags alone, no note
+    out, err = capsys.readouterr()
+    assert json.loads(out)["model"]["hidden_size"] != e["hidden_size"] and "embedded default" not in err
+
+
+def test_quick_without_calibrate_is_named_as_ignored(capsys):
+    """It was silently ignored (the plan measures nothing)."""
+    assert main(["plan", *GPT, "--num-gpus", "8", "--top", "1", "--quick"]) == 0
+    assert "meshlm plan: note: --quick ignored without --calibrate" in capsys.readouterr().err
+
+
 def test_plan_tables_and_lint_warnings(capsys):
     assert main(["plan", *GPT, "--num-gpus", "8", "--pipeline-model-parallel-size", "8", "--top", "3"]) == 0
     out = capsys.readouterr().out

@@ -56,3 +56,13 @@ def test_recommended_global_batch_is_a_multiple_of_micro_batch_times_dp():
     big = recommend(cfg, 8)  # ≈ 3,524 sequences: the nearest multiple of 32
     assert big.global_batch % 32 == 0 and abs(big.global_batch - big.batch_tokens / 64) <= 16
     assert big.to_json()["global_batch_multiple_of"] == 32
+
+
+def test_plans_train_tokens_is_the_budget_of_the_recommendation(capsys):
+    """--train-tokens set the campaign's length but not C: 1e9 and 1e11 tokens got the same LR and batch."""
+    flags = ["plan", "--model", "gpt2-125m", "--vocab-size", "50257", "--num-gpus", "8", "--top", "1", "--json"]
+    budgets = {}
+    for tokens in ("1e9", "1e11"):
+        assert main(flags + ["--train-tokens", tokens]) == 0
+        budgets[tokens] = json.loads(capsys.readouterr().out)["hyperparameters"]["compute_flops"]
+    assert budgets["1e11"] == pytest.approx(100 * budgets["1e9"])

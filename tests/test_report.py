@@ -215,6 +215,28 @@ def test_report_refuses_to_overwrite_a_file_of_the_run_and_replaces_its_own_earl
     assert "--trace" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--output", "--trace"])
+def test_report_refuses_to_overwrite_any_other_file_but_an_empty_one(tmp_path, capsys, flag):
+    """Only the reported runs' files were protected: --output another_run/logs/metrics.jsonl, a
+    checkpoint's tracker or a corpus was replaced by the report."""
+    from meshlm import cli
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records(2)))
+    tracker = tmp_path / "ckpt" / "latest_checkpointed_iteration.txt"
+    tracker.parent.mkdir()
+    tracker.write_text("8\n")
+    assert cli.main(["report", str(run), "--no-predict", flag, str(tracker)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"meshlm: error: {flag} {tracker} exists and is not an earlier meshlm {flag[2:].replace('output', 'report')}: "
+        f"refusing to overwrite it; give another file (e.g. {'report.html' if flag == '--output' else 'timeline.json'}), "
+        f"or remove it first")
+    assert tracker.read_text() == "8\n"
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    assert cli.main(["report", str(run), "--no-predict", flag, str(empty)]) == 0
+
+
 @pytest.mark.parametrize("form", ["strings", "bare tokens"])
 def test_a_run_whose_validation_loss_is_nan_is_reported_and_analyzed(tmp_path, capsys, form):
     """Its report crashed with a ValueError (nice_ticks of NaN); old files hold bare NaN, new ones "NaN"."""

@@ -79,3 +79,39 @@ def test_bad_sweep_input_is_one_line_before_any_trial(tmp_path, capsys, bad, wor
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "sw" / "trials.jsonl").exists()
+
+
+@pytest.mark.parametrize("where", ["file", "proc"])
+def test_a_sweep_dir_that_cannot_be_a_folder_is_one_line(tmp_path, capsys, where):
+    """os.makedirs' FileExistsError / FileNotFoundError traceback before."""
+    folder = tmp_path / "f" if where == "file" else "/proc/meshlm-sweep"
+    if where == "file":
+        folder.write_text("x")
+    assert main(["sweep", "--lr", "1e-3", "--sweep-dir", str(folder), "--"]) == 2
+    [err] = capsys.readouterr().err.splitlines()
+    assert err.startswith(f"meshlm: error: --sweep-dir {folder} ")
+
+
+def test_a_trials_line_cut_by_a_kill_is_dropped_and_the_sweep_resumes(tmp_path, monkeypatch, capsys):
+    """The kill the resume is for can cut trials.jsonl's last line: its JSONDecodeError was a traceback,
+    and a line appended after it would have been glued to it."""
+    from meshlm import sweep
+    ok = {"values": {"lr": 1e-3}, "iters": 2, "status": "ok", "loss": 1.0, "note": ""}
+    (tmp_path / "trials.jsonl").write_text(json.dumps(ok) + '\n{"values": {"lr": 2e-3}, "it')
+
+    def fake_trials(todo, args, base, done):
+        with open(tmp_path / "trials.jsonl", "a") as fh:
+            for values, iters in todo:
+                if sweep._key(values, iters) not in done:
+                    rec = {"values": values, "iters": iters, "status": "ok", "loss": 2.0, "note": ""}
+                    done[sweep._key(values, iters)] = rec
+                    fh.write(json.dumps(rec) + "\n")
+    monkeypatch.setattr(sweep, "_run_trials", fake_trials)
+    monkeypatch.setattr(sweep, "_dry_run", lambda *a: None)
+    assert main(["sweep", "--lr", "1e-3,2e-3", "--train-iters", "2", "--sweep-dir", str(tmp_path), "--"]) == 0
+    captured = capsys.readouterr()
+    assert "resuming, 1 trial(s) already" in captured.out and "line 2 is cut off" in captured.err
+    assert [json.loads(line)["values"]["lr"] for line in open(tmp_path / "trials.jsonl")] == [1e-3, 2e-3]
+    (tmp_path / "trials.jsonl").write_text("[1, 2]\n")
+    assert main(["sweep", "--lr", "1e-3", "--sweep-dir", str(tmp_path), "--"]) == 2
+    assert "is not a trial record" in capsys.readouterr().err

@@ -62,13 +62,25 @@ def _new_run_dir() -> str:
 _WARMUP_FLAGS = {"lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction"}
 
 
-def _fit_embedded(cfg, explicit: set) -> None:
-    """Fit the embedded default's run length and warm-up (10 iterations) to the user's flags:
-    --train-samples replaces its --train-iters, a warm-up flag of the user's replaces its warm-up;
-    otherwise the warm-up is at most a tenth of the decay length, so ``--train-iters 5`` runs (the
-    full 10 from 100 iterations on); under --train-samples it is 10 global batches of samples."""
-    from .config import global_batch
+_BATCH_FLAGS = {"micro_batch_size", "global_batch_size", "gradient_accumulation_steps"}
+
+
+def _fit_embedded(cfg, explicit: set, world: int | None = None) -> None:
+    """Fit the embedded default's batch, run length and warm-up (10 iterations) to the job and the
+    user's flags. Batch (no batch flag given): its global batch of 16 rounded up to a multiple of
+    DP, the micro-batch the largest of at most 4 that divides a DP rank's share (8 GPUs: 16 as 2 ×
+    DP 8; 3 GPUs: 18 as 3 × 2 × DP 3), so the run starts on any GPU count (world: the job's
+    processes, default ``world_size_of``). Length: --train-samples replaces its --train-iters, a
+    warm-up flag of the user's replaces its warm-up; otherwise the warm-up is at most a tenth of the
+    decay length, so ``--train-iters 5`` runs (the full 10 from 100 iterations on); under
+    --train-samples it is 10 global batches of samples."""
+    from .config import dp_size, global_batch, world_size_of
     t, o = cfg.training, cfg.optimizer
+    dp = max(1, dp_size(cfg, world_size_of(cfg) if world is None else world))
+    if not explicit & _BATCH_FLAGS and t.global_batch_size % (t.micro_batch_size * dp):
+        share = -(-t.global_batch_size // dp)  # a DP rank's samples a step
+        t.global_batch_size = share * dp
+        t.micro_batch_size = max(m for m in range(1, t.micro_batch_size + 1) if share % m == 0)
     if "train_samples" in explicit and "train_iters" not in explicit:
         t.train_iters = None
     if explicit & _WARMUP_FLAGS:
@@ -107,6 +119,8 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
 
     cfg, embedded = _config_and_source(args)
     run_dir = cfg.logging.run_dir = cfg.logging.run_dir or _new_run_dir()
+    if embedded:  # saved there, so the run ends with a sample (before the notes: --async-save has a --save)
+        cfg.checkpoint.save = cfg.checkpoint.save or os.path.join(run_dir, "checkpoints")
     print(f"meshlm: run directory {run_dir}", flush=True)
     from .megatron_flags import startup_lines
     from .checkpoint.convert import carry_dropout
@@ -126,7 +140,6 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
         cfg.data.data_path = list(corpus["data_path"])
         cfg.data.tokenizer_type = "HuggingFaceTokenizer"
         cfg.data.tokenizer_model = corpus["tokenizer_model"]
-        cfg.checkpoint.save = cfg.checkpoint.save or os.path.join(run_dir, "checkpoints")
         validate(cfg, world)
     save = cfg.checkpoint.save
     if save and os.path.realpath(save) != os.path.realpath(run_dir):  # one folder, one lock
@@ -151,11 +164,12 @@ def _set_aside(run_dir: str, log_dir: str) -> None:
         print(f"meshlm: note: {note}", flush=True)
 
 
-def _config_and_source(args: argparse.Namespace) -> tuple:
+def _config_and_source(args: argparse.Namespace, world=None) -> tuple:
     """(Config from the flags, whether it trains on the embedded default): without data flags the
     embedded default's settings apply. Raises ConfigError when a data flag is given on the command
     line without a prefix (e.g. `--data-path $DATA_PATH` with DATA_PATH unset): never the embedded
-    default instead."""
+    default instead. world: Config → the job's processes, that the embedded batch is fitted to
+    (default: ``world_size_of``)."""
     from .config import config_from_args, explicit_fields
     from .data.sources import given_sources
     cfg = config_from_args(args)
@@ -168,17 +182,33 @@ def _config_and_source(args: argparse.Namespace) -> tuple:
     if given_sources(cfg.data):
         return cfg, False
     cfg = config_from_args(args, base=embedded_default())
-    _fit_embedded(cfg, explicit_fields(args))
+    _fit_embedded(cfg, explicit_fields(args), world(cfg) if world else None)
     return cfg, True
 
 
 def _plan_config(args: argparse.Namespace) -> tuple:
-    """(Config from the flags alone, False): a plan needs no data, and the embedded default's
-    settings (a small model at TP=2 × PP=2) are not what a planned launch script asks for. ConfigError
+    """(Config, False) for `meshlm plan`: from the flags alone (a plan needs no data, and under a
+    launch script's model flags the embedded default's batch and length are not what it asks for);
+    with no pretrain flag at all (no --model, --config or config flag: cluster flags only) the
+    embedded default's model, batch and length with its tokenizer's vocabulary, what `meshlm
+    pretrain` with no flags trains (one note says so; at --num-gpus, not its CPU layout). ConfigError
     for the numbers and shapes pretrain refuses (``validate.shape_problems``: the same rule)."""
-    from .config import config_from_args
+    from .config import config_from_args, explicit_fields
     from .validate import exclusive_lengths, shape_problems
-    cfg = config_from_args(args)
+    bare = not (explicit_fields(args) or args.model_preset or args.config)
+    cfg = config_from_args(args, base=EMBEDDED_DEFAULT if bare else None)
+    if bare:
+        from .data.corpus import DEFAULT_VOCAB
+        _fit_embedded(cfg, set(), args.num_gpus or 1)
+        cfg.model.vocab_size = DEFAULT_VOCAB
+        m, t = cfg.model, cfg.training
+        if args.train_tokens is not None:  # plan's own run length replaces the embedded one's
+            t.train_iters = None
+        length = f"{t.train_iters} iterations" if t.train_iters else f"--train-tokens {args.train_tokens:g}"
+        print(f"meshlm plan: note: no pretrain flags: planning what `meshlm pretrain` with no flags trains (the "
+              f"embedded default: {m.num_layers} layers, hidden {m.hidden_size}, sequence {m.seq_length}, its BPE "
+              f"tokenizer's vocabulary of {DEFAULT_VOCAB}, global batch {t.global_batch_size}, {length}); give "
+              f"your launch's flags (e.g. --model gpt2-125m) to plan that", file=sys.stderr, flush=True)
     problems = shape_problems(cfg) + exclusive_lengths(cfg)
     if problems:
         raise ConfigError(problems)
@@ -197,8 +227,19 @@ def _dry_run(args: argparse.Namespace) -> int:
     problems = job_size_problems(args.world_size, nnodes)
     if problems:
         raise ConfigError(problems)
-    cfg, embedded = _config_and_source(args)
-    world = args.world_size if args.world_size is not None else nnodes * default_nproc(cfg)
+    def job(cfg):
+        return args.world_size if args.world_size is not None else nnodes * default_nproc(cfg)
+    cfg, embedded = _config_and_source(args, job)
+    if embedded:  # the checkpoint folder its launch would save to (resolve_config)
+        cfg.checkpoint.save = cfg.checkpoint.save or os.path.join(cfg.logging.run_dir or _new_run_dir(), "checkpoints")
+    world = job(cfg)
+    if args.nnodes is not None and world % nnodes:
+        raise ConfigError(f"--world-size {world} is not whole nodes of --nnodes {nnodes}; give a multiple of {nnodes}")
+    nproc = cfg.parallel.nproc_per_node
+    if args.world_size is not None and args.nnodes is not None and nproc and nproc * nnodes != world:
+        raise ConfigError(f"--world-size {world} is not --nnodes {nnodes} × --nproc-per-node {nproc} = "
+                          f"{nnodes * nproc}; give two of the three")
+    per_node = world // nnodes if args.nnodes is not None else min(world, default_nproc(cfg))
     from .checkpoint.convert import carry_dropout
     for note in notes(cfg) + startup_lines(args, explicit_fields(args)) + carry_dropout(cfg, explicit_fields(args)):
         print(f"meshlm: note: {note}", flush=True)
@@ -208,7 +249,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     from .data.tokenizer import vocab_of
     from .planner.gpus import PRESETS
     from .planner.lint import lint
-    for warning in lint(cfg, world, min(world, default_nproc(cfg)), PRESETS["H100-80GB"], vocab_of(cfg)[0]):
+    for warning in lint(cfg, world, per_node, PRESETS["H100-80GB"], vocab_of(cfg)[0]):
         print(f"meshlm: dry run: warning: {warning}", flush=True)
     print("meshlm: dry run: all checks passed; no worker started", flush=True)
     return 0
@@ -328,10 +369,16 @@ COMMANDS = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with a bad flag reported as a ConfigError (one line, exit 2) instead of usage text;
+    """argparse, with a bad flag reported as a ConfigError (one line, exit 2) instead of usage text,
+    a value of the wrong kind in the config flags' words ("'1e3' is not an integer (write 1000)");
     the subcommands' parsers are of this class too."""
 
     def error(self, message):
+        import re
+        typed = re.fullmatch(r"(argument \S+): invalid (int|float) value: '(.*)'", message)
+        if typed:  # a subcommand's own `type=int` flag: worded as the config flags' (values.flag_type)
+            from .values import expected
+            message = f"{typed[1]}: {typed[3]!r} is not {expected(typed[2], typed[3])}"
         raise ConfigError(f"{message}; see `{self.prog} --help`")
 
 
@@ -348,6 +395,61 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name == command:
             add_arguments(p)
     return parser
+
+
+def _options(parser: argparse.ArgumentParser) -> dict:
+    """{option string: action} of ``parser`` and of every subcommand parser built under it."""
+    out = {}
+    for action in parser._actions:
+        out.update(dict.fromkeys(action.option_strings, action))
+        for sub in (action.choices or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
+            out.update(_options(sub))
+    return out
+
+
+def attach_dash_values(parser: argparse.ArgumentParser, argv: list) -> list:
+    """``argv`` with each one-value flag followed by a word starting with a single '-' that is no
+    flag (``--split -1,2,3``, ``--lr -1e-3``, ``--prompt -x``) written ``--flag=word``: argparse takes
+    those for flags and says only "expected one argument", while joined the value reaches the flag's
+    own check (a range error naming it) or is simply the value. Words after ``--`` are left as they
+    are (sweep passes them on to its trials)."""
+    options, out = _options(parser), []
+    i = 0
+    while i < len(argv):
+        word, action = argv[i], options.get(argv[i])
+        if word == "--":
+            return out + argv[i:]
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if (action is not None and action.nargs is None and nxt[:1] == "-" and nxt[:2] != "--"
+                and nxt not in options):
+            out.append(f"{word}={nxt}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
+
+
+EMPTY_ALLOWED = {"--prompt"}  # generate: an empty prompt samples from nothing
+
+
+def empty_values(parser: argparse.ArgumentParser, argv: list) -> list:
+    """One line for each flag of ``argv`` given an empty value (``--save ""``, ``--save=``), which
+    argparse takes and most commands then read as the flag left out: `--save $CKPT` with CKPT unset
+    trained without saving, `--load $CKPT` started afresh. Flags in EMPTY_ALLOWED and words after
+    ``--`` (sweep's trials check their own) are left alone."""
+    options, found = _options(parser), []
+    for i, word in enumerate(argv):
+        if word == "--":
+            break
+        flag, eq, value = word.partition("=")
+        action = options.get(flag)
+        if action is None or action.nargs == 0 or flag in EMPTY_ALLOWED:
+            continue
+        if (eq and not value) or (not eq and i + 1 < len(argv) and argv[i + 1] == ""):
+            found.append(f"{flag} is given an empty value (an unset shell variable?); give it a value, or drop "
+                         f"the flag")
+    return found
 
 
 def _stdout_reader_gone() -> bool:
@@ -387,14 +489,17 @@ def _run_command(argv: list) -> int:
     """Parse ``argv`` and run its command; a MeshlmError or an interrupt as main() documents."""
     command = next((a for a in argv if not a.startswith("-")), None)
     try:
-        if command == "sweep":  # a negative swept value, which argparse would take for a flag
-            import_module(".sweep", __package__).check_argv(argv)
         parser = build_parser(command)
-        args, extra = parser.parse_known_args(argv)
+        empty = empty_values(parser, argv)
+        if empty:
+            raise ConfigError(empty)
+        args, extra = parser.parse_known_args(attach_dash_values(parser, argv))
         if extra:  # a Megatron flag meshlm lacks, or a typo: all of them in one line
             from .megatron_flags import refusal
+            action = getattr(args, f"{command}_command", None)  # tokenizer train, checkpoint inspect, …
+            named = f"{command} {action}" if action else command
             raise refusal(extra) if command in ("pretrain", "plan") else ConfigError(
-                f"unrecognized arguments: {' '.join(extra)}; see `meshlm {command} --help`")
+                f"unrecognized arguments: {' '.join(extra)}; see `meshlm {named} --help`")
         return args._run(args) or 0
     except MeshlmError as e:
         rank = f"rank {launch.job_rank()}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""

@@ -459,6 +459,20 @@ def _coerce(f, value, where: str):
         raise ConfigError(f"{where}: {flag_of(f)[2:]}={value!r} is not {expected(kind, value)}") from None
 
 
+def value_problem(mapping: dict) -> Optional[str]:
+    """The first value of a saved run's config (config.yaml or a checkpoint's config.json, nested
+    by section) that is not of its field's kind, as ``_coerce`` words it, or None. Keys this meshlm
+    does not know are passed over (a run of another version), unlike ``apply_mapping``."""
+    idx = _index()
+    for key, value in _flatten(mapping):
+        if key in idx and key != "model_preset":
+            try:
+                _coerce(idx[key][1], value, "")
+            except ConfigError as e:
+                return str(e).removeprefix(": ")
+    return None
+
+
 def _flatten(mapping: dict) -> list:
     """(key, value) pairs of a flat or section-nested mapping; a ``model: NAME`` string names a preset."""
     pairs = []
@@ -549,9 +563,37 @@ def _help(f) -> str:
     return text.replace("%", "%%")
 
 
+# Exclusive ways to give one setting (as in Megatron), each a tuple of fields that go together: one
+# given by a flag replaces the other ways that the --config YAML, a preset or a base mapping gave (flags
+# win; before, both were refused as exclusive).
+PER_SPLIT_SOURCES = ("train_data_path", "valid_data_path", "test_data_path")
+ALTERNATIVES = ((("mock_data",), ("data_path",), ("data_args_path",), PER_SPLIT_SOURCES,
+                 ("per_split_data_args_path",)),
+                (("train_iters",), ("train_samples",)),
+                (("lr_warmup_iters",), ("lr_warmup_samples",), ("lr_warmup_fraction",)),
+                (("lr_decay_iters",), ("lr_decay_samples",)),
+                (("lr_wsd_decay_iters",), ("lr_wsd_decay_samples",)))
+
+
+def _replace_alternatives(cfg: "Config", flags: set) -> None:
+    """Reset to their defaults the ways of each ALTERNATIVES group other than the one ``flags``
+    (field names given on the command line) use; and the YAML's --split when they give per-split
+    data (its own blend for each split) without --split."""
+    fields = {f.name: sec for sec, f in config_fields()}
+    defaults = Config()
+    for group in ALTERNATIVES:
+        used = [way for way in group if flags & set(way)]
+        for name in [name for way in group if way not in used for name in way] if used else []:
+            setattr(getattr(cfg, fields[name]), name, getattr(getattr(defaults, fields[name]), name))
+    if flags & set(PER_SPLIT_SOURCES + ("per_split_data_args_path",)) and "split" not in flags:
+        cfg.data.split = defaults.data.split
+
+
 def config_from_args(args: argparse.Namespace, base: Optional[dict] = None) -> Config:
     """Build a Config: defaults, then ``base`` (a mapping of config keys, e.g. the embedded-default
-    run settings), then the --model preset, then the --config YAML, then the flags given."""
+    run settings), then the --model preset, then the --config YAML, then the flags given. A flag of
+    an ALTERNATIVES group (a data source, --train-samples, a warm-up or decay length) replaces the
+    other ways of that group given below it, as flags win."""
     cfg = Config()
     if base:
         apply_mapping(cfg, base, source="defaults")
@@ -566,6 +608,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict] = None) -> C
         apply_preset(cfg, preset)
     if yaml_map:
         apply_mapping(cfg, yaml_map, source=args.config)
+    _replace_alternatives(cfg, {dest.split(".", 1)[1] for dest in vars(args) if "." in dest})
     for dest, value in vars(args).items():
         if "." in dest:
             sec, name = dest.split(".", 1)

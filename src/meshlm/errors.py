@@ -28,6 +28,16 @@ class CheckpointError(MeshlmError):
     """A checkpoint directory is missing, incomplete or incompatible with the run."""
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint folder whose files could not be read (missing, truncated, unparsable bytes);
+    ``damage``: what is wrong, without the fix (e.g. "checkpoint iter_0000004 is damaged or
+    incomplete (…)")."""
+
+    def __init__(self, message: str, damage: str):
+        super().__init__(message)
+        self.damage = damage
+
+
 class TrainingError(MeshlmError):
     """The run cannot go on (NaN/inf loss, exhausted loss scale); the message names the iteration."""
 

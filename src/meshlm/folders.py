@@ -66,6 +66,14 @@ def output_folder_problem(flag: str, path: str):
     return None
 
 
+def new_folder_problem(flag: str, path: str):
+    """None when ``path`` is a new or empty folder this process can create and write in (an
+    export's output); else one line naming ``flag``. Leaves the file system as it was found."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        return f"{flag} {path} exists and is not an empty folder; give a new folder"
+    return output_folder_problem(flag, path)
+
+
 def output_file_problem(flag: str, path: str, example: str = "report.html"):
     """None when ``path`` can be written as a file (its missing folders are created when it is
     written); else one line naming ``flag``, the path and the fix. Writes nothing."""
@@ -78,6 +86,24 @@ def output_file_problem(flag: str, path: str, example: str = "report.html"):
     if os.path.exists(path) and not os.access(path, os.W_OK):
         return f"{flag} {path} is not writable; give a file you can write to"
     return None
+
+
+def foreign_file_problem(flag: str, path: str, what: str, keys: tuple):
+    """None unless ``path`` is a non-empty file other than an earlier output of the command: a JSON
+    object holding ``keys`` (``what`` names that output, e.g. "tokenizer.json"); else one line naming
+    ``flag``, saying it is refused (an output flag given a corpus, a dataset or a config replaced it)."""
+    import json
+    if not os.path.isfile(path) or not os.path.getsize(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        if isinstance(data, dict) and set(keys) <= set(data):
+            return None
+    except (OSError, ValueError):
+        pass
+    return (f"{flag} {path} exists and is not an earlier {what}: refusing to overwrite it; give another file, "
+            f"or remove it first")
 
 
 def write_text_file(path: str, text: str, flag: str = "--output") -> None:
@@ -149,9 +175,11 @@ def read_jsonl(path: str, error, what: str) -> list:
     return records
 
 
-def read_yaml_mapping(path: str, error) -> dict:
-    """The mapping in a YAML file ({} for an empty file); ``error`` naming the file and line when it
-    is not YAML or not a mapping."""
+def read_yaml_mapping(path: str, error, sections=(), value_problem=None) -> dict:
+    """The mapping in a run's config.yaml ({} for an empty file); ``error`` naming the file and line
+    when it is not YAML or not a mapping, or naming the key when one of ``sections`` (config.SECTIONS:
+    model, training, parallel, …) is not a mapping or ``value_problem`` (config.value_problem) finds
+    a value of the wrong kind (read as they are, each was a TypeError/AttributeError traceback)."""
     import yaml
     try:
         with open(path, encoding="utf-8") as fh:
@@ -167,4 +195,11 @@ def read_yaml_mapping(path: str, error) -> dict:
         return {}
     if not isinstance(loaded, dict):
         raise error(f"{path}: not a YAML mapping of meshlm settings; fix or delete the file")
+    bad = next((k for k in sections if k in loaded and not isinstance(loaded[k], dict)), None)
+    if bad:
+        raise error(f"{path}: section {bad!r} is {loaded[bad]!r}, not a mapping of its settings; fix or delete the "
+                    f"file (it is the config.yaml `meshlm pretrain` wrote)")
+    wrong = value_problem(loaded) if value_problem else None
+    if wrong:
+        raise error(f"{path}: {wrong}; fix or delete the file (it is the config.yaml `meshlm pretrain` wrote)")
     return loaded

@@ -65,7 +65,9 @@ def folder_of(path: str, latest_only: bool = False) -> str:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: {'a file, not a folder' if os.path.exists(path) else 'no such folder'}; {fix}")
     if not os.path.isfile(os.path.join(path, ckpt.TRACKER)):
-        raise CheckpointError(f"{path}: not a checkpoint (neither {ckpt.TRACKER} nor {ckpt.MANIFEST}); {fix}")
+        inner = ckpt.save_folder_in(path)
+        raise CheckpointError(f"{path}: not a checkpoint (neither {ckpt.TRACKER} nor {ckpt.MANIFEST}); "
+                              + (f"{inner} is: give that" if inner else fix))
     if latest_only and os.path.isdir(path) and ckpt.read_tracker(path) is not None:
         return ckpt.checkpoint_dir(path, ckpt.read_tracker(path))
     return ckpt.checkpoint_dir(path)
@@ -220,8 +222,12 @@ def _trainer_load(folder: str) -> list:
             fh.write(f"{iteration}\n")
         cfg.checkpoint.load, cfg.checkpoint.save, cfg.checkpoint.verify_integrity = root, None, False
         try:
-            ps = ParallelState.build(1, 1, 1)
             tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
+        except MeshlmError as e:  # outside the checkpoint: its config names the run's file
+            return [f"{folder} not loaded through the trainer: the tokenizer the run trained with does not load "
+                    f"({e}); the checkpoint names it by the run's path: put the file back there"]
+        try:
+            ps = ParallelState.build(1, 1, 1)
             chunks = build_model_chunks(cfg, ps, tokenizer.vocab_size, torch.float32)
             ddp = DistributedDataParallel(chunks, ps, cfg)
             run = trainer.Run(cfg, ps, tokenizer, None, None, chunks, ddp, build_optimizer(cfg, ps, chunks, ddp),

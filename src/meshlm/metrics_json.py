@@ -47,3 +47,31 @@ def dumps(value, **kwargs) -> str:
 def loads(text: str):
     """One record (a line of metrics.jsonl), new form or old bare tokens; JSONDecodeError if not JSON."""
     return decode(json.loads(text))
+
+
+# Keys of a record read as numbers (or null), as {kind: number} maps, or as lists of numbers.
+NUMBERS = ("iter_ms", "lm_loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "mfu", "mem_allocated_gb",
+           "mem_max_allocated_gb", "mem_total_gb", "val_loss", "val_ppl", "bubble_fraction", "exposed_comm_share",
+           "loss_scale", "skipped_iters", "nan_iters", "global_batch_size", "world_size")
+NUMBER_MAPS = ("comm_s", "comm_share")
+NUMBER_LISTS = ("rank_iter_s",)
+
+
+def record_problem(rec: dict):
+    """The first key of a decoded record whose value is not of its kind (a number or null; a map or
+    list of numbers), as "key 'x'" words, or None: analyze and report compute with them (a string
+    there was a TypeError traceback)."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    for key in NUMBERS:
+        if rec.get(key) is not None and not number(rec[key]):
+            return f"{key} is {rec[key]!r}, not a number"
+    for key in NUMBER_MAPS:
+        v = rec.get(key)
+        if v is not None and not (isinstance(v, dict) and all(number(x) for x in v.values())):
+            return f"{key} is {v!r}, not a map of numbers"
+    for key in NUMBER_LISTS:
+        v = rec.get(key)
+        if v is not None and not (isinstance(v, list) and all(number(x) for x in v)):
+            return f"{key} is {v!r}, not a list of numbers"
+    return None

@@ -80,21 +80,10 @@ def _axis_values(name: str, text: str) -> list:
     if bad:
         kind_word = "non-negative" if low == 0 else "positive"
         raise ConfigError(f"{flag} {text}: {bad[0].strip()!r} is not a finite {kind_word} value; give e.g. "
-                          f"{flag}=1e-3,3e-3 (with '=' when a value starts with '-')")
+                          f"{flag} 1e-3,3e-3")
     if len(set(vals)) < len(vals):
         raise ConfigError(f"{flag} {text}: a value is listed twice; give each once")
     return vals
-
-
-def check_argv(argv: list) -> None:
-    """Before argparse (which reads ``--lr -1e-3`` as a flag without its value): ConfigError for a
-    swept flag whose next word is a number list starting with '-', as ``_axis_values`` words it."""
-    for flag, word in zip(argv, argv[1:]):
-        if flag == "--":
-            return  # the trials' pretrain flags follow
-        name = flag[2:].replace("-", "_") if flag.startswith("--") else None
-        if name in AXES and word[:1] == "-" and (word[1:2].isdigit() or word[1:2] == "."):
-            _axis_values(name, word)
 
 
 def _check(args) -> None:
@@ -106,6 +95,31 @@ def _check(args) -> None:
             raise ConfigError(f"{flag} {value} is out of range: give {least} or more")
     if not (math.isfinite(args.spike_factor) and args.spike_factor > 1):
         raise ConfigError(f"--spike-factor {args.spike_factor} is out of range: give a number above 1, e.g. 1.5")
+    from .folders import output_folder_problem
+    problem = output_folder_problem("--sweep-dir", args.sweep_dir)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _finished(path: str) -> dict:
+    """{_key: record} of trials.jsonl's ok and diverged trials (a failed one runs again). A last line
+    cut off by a kill is dropped from the file too (read_jsonl says so), so the next trial's line is
+    not appended to it; a line that is no trial record is a ConfigError naming the file."""
+    from .folders import read_jsonl
+    if not os.path.isfile(path):
+        return {}
+    records = [metrics_json.decode(r) for r in read_jsonl(path, ConfigError, "the trials.jsonl `meshlm sweep` wrote")]
+    bad = next((r for r in records if not (isinstance(r, dict) and {"values", "iters", "status"} <= set(r))), None)
+    if bad is not None:
+        raise ConfigError(f"{path}: {str(bad)[:80]!r} is not a trial record; delete the file (its trials run again) "
+                          f"or give another --sweep-dir")
+    with open(path, "rb") as fh:
+        cut = fh.read().rstrip(b" \t")[-1:] not in (b"", b"\n")
+    if cut:
+        with open(path + ".tmp", "w") as fh:
+            fh.writelines(metrics_json.dumps(r) + "\n" for r in records)
+        os.replace(path + ".tmp", path)
+    return {_key(r["values"], r["iters"]): r for r in records if r["status"] != "failed"}
 
 
 def _check_trial_flags(args, base: list) -> None:
@@ -158,7 +172,9 @@ def _key(values: dict, iters: int) -> str:
 def _outcome(run_dir: str, rc: int, log: str, spike: float) -> dict:
     """{status, loss, note} of a finished trial from its metrics.jsonl and exit status."""
     path = os.path.join(run_dir, "logs", "metrics.jsonl")
-    recs = [metrics_json.loads(line) for line in open(path)] if os.path.isfile(path) else []
+    from .folders import read_jsonl
+    recs = [metrics_json.decode(r) for r in read_jsonl(path, ConfigError, "a meshlm metrics.jsonl")
+            if isinstance(r, dict)] if os.path.isfile(path) else []
     losses = [r["lm_loss"] for r in recs if "iter_ms" in r and r.get("lm_loss") is not None]
     evals = [r["val_loss"] for r in recs if r.get("val_loss") is not None]
     bad = [x for x in losses + evals if not math.isfinite(x)]
@@ -241,13 +257,8 @@ def run(args: argparse.Namespace) -> int:
         base += ["--mup-base-hidden-size", str(min(widths))]
     os.makedirs(args.sweep_dir, exist_ok=True)
     path = os.path.join(args.sweep_dir, RESULTS)
-    done = {}
+    done = _finished(path)
     if os.path.isfile(path):
-        for line in open(path):
-            if line.strip():
-                rec = metrics_json.loads(line)
-                if rec["status"] != "failed":  # a failed trial (a crash, a kill) runs again
-                    done[_key(rec["values"], rec["iters"])] = rec
         print(f"meshlm sweep: resuming, {len(done)} trial(s) already in {path}")
     grid = [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
     settings = {w: [({"hidden_size": w} if w else {}) | g for g in grid] for w in widths}

@@ -30,8 +30,8 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     """Check the whole config; raise one ConfigError listing every problem.
 
     world: job size (default from the environment / --nproc-per-node). check_files: also check
-    that the run has data and that data, tokenizer and checkpoint paths exist (off for checks of
-    shapes alone, and before the embedded default corpus is prepared). The folders the run writes
+    that the run has data and that data and tokenizer paths exist (off for checks of shapes alone,
+    and before the embedded default corpus is prepared); --load is checked either way. The folders the run writes
     (--save, --run-dir, --log-dir, …) are always checked: each must be, or be creatable as, a
     writable directory.
 
@@ -58,6 +58,7 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     problems += _profile_problems(cfg, world)
     if check_files:
         problems += _file_problems(cfg)
+    problems += _load_problems(cfg)
     if not problems:  # the estimate needs a valid layout and shape
         problems += offload_host_problems(cfg, world)
     if problems:  # a problem two checks find (e.g. building the tokenizer repeats a flag check) once
@@ -408,7 +409,7 @@ def _missing_data_fix(prefix: str) -> str:
 
 
 def _file_problems(cfg: Config) -> list:
-    """No data at all, or missing data / tokenizer / checkpoint paths, each naming its flag."""
+    """No data at all, or missing data / tokenizer paths, each naming its flag."""
     problems = []
     d = cfg.data
     from .data.sources import blends, given_sources, prefixes
@@ -435,6 +436,14 @@ def _file_problems(cfg: Config) -> list:
     problems += missing
     if d.tokenizer_type in EXTRA_TYPES and d.tokenizer_model and not missing:
         problems += _tokenizer_problems(cfg)
+    return problems
+
+
+def _load_problems(cfg: Config) -> list:
+    """What is wrong with --load (missing, a file, no checkpoint in it, a HF folder the model flags
+    do not describe), each naming the flag; checked with or without the data files (the embedded
+    default's dry run, and its launch before the corpus is prepared, skipped it)."""
+    problems = []
     load = cfg.checkpoint.load
     if load and not os.path.isdir(load) and load != cfg.checkpoint.save:
         what = "a file, not a directory" if os.path.exists(load) else "no such directory"
@@ -521,15 +530,16 @@ def notes(cfg: Config) -> list:
     if switches and not c.load:
         lines.append(f"{' '.join(switches)} ignored without --load (as in Megatron): the run starts from "
                      f"its initial weights; add --load CHECKPOINT_DIR to start from a checkpoint")
-    d = cfg.data
-    kind = d.tokenizer_type or ("HuggingFaceTokenizer" if d.tokenizer_model else
-                                "GPT2BPETokenizer" if d.vocab_file and d.merge_file else None)
-    if m.vocab_size and kind not in (None, "NullTokenizer", "TikTokenizer") and not d.mock_data:
-        lines.append(f"--vocab-size {m.vocab_size} ignored with {kind} (as in Megatron): the vocabulary is its "
-                     f"file's; drop --vocab-size (`meshlm plan` uses it only where the tokenizer file is absent)")
+    from .data.tokenizer import ignored_vocab_size
+    ignored = None if cfg.data.mock_data else ignored_vocab_size(cfg.data, m.vocab_size)
+    lines += [ignored] if ignored else []
     if c.verify_integrity and not c.load:
         lines.append("--verify-integrity ignored without --load: it checks the checkpoint a run loads")
     if c.async_save and not c.save:
         lines.append("--async-save ignored without --save: this run writes no checkpoint; add --save DIR")
+    keep = next(f.default for f in dataclasses.fields(c) if f.name == "keep_checkpoints")
+    if c.keep_checkpoints != keep and not c.save:
+        lines.append(f"--keep-checkpoints {c.keep_checkpoints} ignored without --save: this run writes no "
+                     f"checkpoint; add --save DIR")
     from .training.profiling import notes as profile_notes
     return lines + profile_notes(cfg)

@@ -37,7 +37,7 @@ import shutil
 
 from .. import config as C
 from ..errors import CheckpointError, ConfigError
-from ..folders import space_errors_named
+from ..folders import new_folder_problem, space_errors_named
 from . import dist as ckpt
 from .hf import HFWeights, full_shapes, load_into_chunks, to_hf_tensors, write_hf_folder
 from .hf_config import ARCHITECTURES, flag_problems, hf_config_from_model, is_hf_folder, model_from_hf, read_hf_config
@@ -76,13 +76,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", help="the folder to write: export: new or empty; import: the meshlm checkpoint "
                         "folder (as --save)")
     parser.add_argument("--hf-architecture", choices=ARCHITECTURES, default=None,
-                        help="export: the Hugging Face model type [default: llama for RoPE models, else gpt2]")
-    parser.add_argument("--max-shard-size", type=_size, default=_size("5GB"),
-                        help="export: largest safetensors file; beyond it the weights are sharded [default: 5GB]")
+                        help="--to-hf: the Hugging Face model type [default: llama for RoPE models, else gpt2]")
+    parser.add_argument("--max-shard-size", type=_size, default=None,
+                        help="--to-hf: largest safetensors file; beyond it the weights are sharded [default: 5GB]")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `meshlm convert`; return the exit status 0 (errors are MeshlmErrors, one line)."""
+    """Run `meshlm convert`; return the exit status 0 (errors are MeshlmErrors, one line). ConfigError
+    for --hf-architecture or --max-shard-size with another direction than --to-hf (ignored before)."""
+    hf_only = [flag for flag, value in (("--hf-architecture", args.hf_architecture),
+                                        ("--max-shard-size", args.max_shard_size)) if value is not None]
+    if hf_only and not args.to_hf:
+        way = next(f for f, on in (("--from-hf", args.from_hf), ("--from-megatron", args.from_megatron),
+                                   ("--to-megatron", args.to_megatron)) if on)
+        named = " and ".join(hf_only)
+        raise ConfigError(f"{named} {'shape' if len(hf_only) > 1 else 'shapes'} the Hugging Face folder --to-hf "
+                          f"writes; {way} writes none: drop {named}")
     if args.from_megatron or args.to_megatron:
         return _run_megatron(args)
     if args.from_hf:
@@ -94,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.load or not args.output or args.save:
         raise ConfigError("--save belongs to --from-hf; --to-hf reads --load and writes --output" if args.save
                           else "--to-hf needs --load (a meshlm checkpoint) and --output (the folder to write)")
-    files = export_hf(args.load, args.output, args.hf_architecture, args.max_shard_size)
+    files = export_hf(args.load, args.output, args.hf_architecture, args.max_shard_size or _size("5GB"))
     print(f"meshlm: wrote {args.output}: {', '.join(files)}")
     return 0
 
@@ -104,14 +113,19 @@ def import_folder(args: argparse.Namespace, way: str) -> str:
     --output, either one (both only when they name the same folder).
 
     Raises:
-        ConfigError: neither given, two different folders, or --load (an export's input) given."""
+        ConfigError: neither given, two different folders, the folder ``way`` reads, or --load (an
+        export's input) given."""
     if args.load:
         raise ConfigError(f"--load is what an export reads; {way} writes the folder --save (or --output)")
     if args.save and args.output and os.path.abspath(args.save) != os.path.abspath(args.output):
         raise ConfigError(f"{way}: --save {args.save} and --output {args.output} name two folders; give one of them")
     if not (args.save or args.output):
         raise ConfigError(f"{way} needs --save (or --output): the meshlm checkpoint folder to write")
-    return args.save or args.output
+    out, src = args.save or args.output, getattr(args, way[2:].replace("-", "_"))
+    if src and os.path.exists(out) and os.path.exists(src) and os.path.samefile(out, src):
+        raise ConfigError(f"{'--save' if args.save else '--output'} {out} is the {way} folder itself; the meshlm "
+                          f"checkpoint goes to a new folder: give another path")
+    return out
 
 
 def _run_megatron(args: argparse.Namespace) -> int:
@@ -198,6 +212,9 @@ def export_hf(load: str, output: str, arch=None, max_shard_bytes: int = _size("5
     from .safe_read import reading
     from .state import full_model_state
 
+    problem = new_folder_problem("--output", output)  # before anything is read
+    if problem:
+        raise CheckpointError(problem)
     folder = load if os.path.isfile(os.path.join(load, ckpt.MANIFEST)) else ckpt.checkpoint_dir(load)
     with reading(folder, load):
         saved = C.Config.from_dict(ckpt.read_config(folder))
@@ -205,8 +222,6 @@ def export_hf(load: str, output: str, arch=None, max_shard_bytes: int = _size("5
     vocab = full["embedding.word_embeddings.weight"].shape[0]
     hf_config = hf_config_from_model(saved.model, vocab, arch)
     tensors = to_hf_tensors(full, hf_config["model_type"], saved.model)
-    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-        raise CheckpointError(f"--output {output} exists and is not an empty folder; give a new folder")
     created = not os.path.exists(output)
     os.makedirs(output, exist_ok=True)
     try:  # a full disk: one line naming --output; on any error the folder is left as it was found

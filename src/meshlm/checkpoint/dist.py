@@ -370,12 +370,15 @@ def _choose(root: str, iteration: Optional[int], checksums: bool) -> tuple:
     """(folder, notes): the checkpoint to load and what was skipped to get there (one line, or "").
 
     ``iteration`` given: that one or CheckpointError. Else the tracker's, or when it is missing or
-    damaged the newest older complete checkpoint that is intact. CheckpointError when none is.
+    damaged the newest older complete checkpoint that is intact. CheckpointError when none is, or
+    when ``root`` is a Megatron-LM save (naming the conversion).
     """
     if iteration is None:
         if not os.path.isdir(root):
             what = "a file, not a directory" if os.path.exists(root) else "no such directory"
             raise CheckpointError(f"--load {root}: {what}; point --load at a folder written by --save")
+        if is_megatron_folder(root):  # its tracker names an iter_ folder without our manifest: not damage
+            raise CheckpointError(check_loadable(root, fresh=False)[0])
         iteration = read_tracker(root)
         if iteration is None:
             problems = check_loadable(root, fresh=False)  # loading now: no fresh start to suggest
@@ -471,6 +474,9 @@ def check_loadable(load: Optional[str], save: Optional[str] = None, fresh: bool 
                     f"use another --save directory"]
         if save and os.path.abspath(load) == os.path.abspath(save):
             return []
+        inner = save_folder_in(load)
+        if inner:
+            return [f"--load {load} is not a checkpoint directory, but {inner} is: give --load {inner}"]
         empty = not [name for name in os.listdir(load) if name != LOCK_FILE]
         what = "is empty" if empty else "is not a meshlm checkpoint directory"
         if is_hf_folder(load) and not fresh:
@@ -483,6 +489,13 @@ def check_loadable(load: Optional[str], save: Optional[str] = None, fresh: bool 
     except CheckpointError as e:
         return [str(e)]
     return []
+
+
+def save_folder_in(folder: str) -> Optional[str]:
+    """The first subfolder of ``folder`` holding a tracker (a --save folder), or None: a run
+    directory given for its checkpoints (the embedded default saves into its checkpoints/)."""
+    return next((os.path.join(folder, n) for n in sorted(os.listdir(folder))
+                 if os.path.isfile(os.path.join(folder, n, TRACKER))), None)
 
 
 def read_manifest(path: str) -> dict:

@@ -214,17 +214,19 @@ def export_megatron(load: str, out: str) -> str:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from . import dist as ckpt
+    from ..folders import new_folder_problem
     from .safe_read import reading
     from .state import full_model_state
 
+    problem = new_folder_problem("--output", out)  # before anything is read
+    if problem:
+        raise CheckpointError(problem)
     folder = load if os.path.isfile(os.path.join(load, ckpt.MANIFEST)) else ckpt.checkpoint_dir(load)
     with reading(folder, load):
         saved = C.Config.from_dict(ckpt.read_config(folder))
         iteration = ckpt.read_manifest(folder)["iteration"]
     full = full_model_state(folder, load)
     vocab = full["embedding.word_embeddings.weight"].shape[0]
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise CheckpointError(f"--output {out} exists and is not an empty folder; give a new folder")
     padded = _padded(vocab, saved.model)
     tensors = mg.to_megatron(full, saved.model, padded)
     tensors.update(mg.extra_states(tensors))

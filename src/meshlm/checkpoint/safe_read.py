@@ -27,7 +27,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ..errors import CheckpointError, clipped
+from ..errors import CheckpointError, DamagedCheckpoint, clipped
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
@@ -139,14 +139,15 @@ def _reason(e: BaseException) -> str:
     return text if isinstance(e, _Corrupt) else f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def damaged(folder: str, e: BaseException, load: Optional[str] = None) -> CheckpointError:
-    """The one-line CheckpointError for a checkpoint folder whose files could not be read.
+def damaged(folder: str, e: BaseException, load: Optional[str] = None) -> DamagedCheckpoint:
+    """The one-line DamagedCheckpoint (a CheckpointError) for a checkpoint folder whose files could not be read.
 
     load: the --load argument to name (default: the folder's parent, the --save directory).
     """
     load = load or os.path.dirname(os.path.normpath(folder))
-    return CheckpointError(f"--load {load}: checkpoint {os.path.basename(os.path.normpath(folder))} is damaged "
-                           f"or incomplete ({_reason(e)}); load an earlier iteration or re-save")
+    damage = f"--load {load}: checkpoint {os.path.basename(os.path.normpath(folder))} is damaged or incomplete " \
+             f"({_reason(e)})"
+    return DamagedCheckpoint(f"{damage}; load an earlier iteration or re-save", damage)
 
 
 @contextlib.contextmanager

@@ -15,15 +15,21 @@ from ..errors import ConfigError
 TMP_SUFFIX = ".tmp"
 
 
-def check_output_file(path: str, what: str) -> None:
-    """Make sure ``path`` can be written as a file (missing folders are created).
+def check_output_file(path: str, what: str, inputs=()) -> None:
+    """Make sure ``path`` can be written as a file (missing folders are created) that is none of
+    the files ``inputs`` (the --input files the command reads).
 
     what: the flag and the value the user gave (e.g. ``"--output tok.json"``), which every message
-    starts with. Raises ConfigError when path is a directory, a part of its folder is a file, or a
-    file cannot be created there.
+    starts with. Raises ConfigError when path is a directory, one of the inputs (writing it would
+    replace the text being read: `tokenizer train --output corpus.jsonl` did), a part of its folder
+    is a file, or a file cannot be created there.
     """
     if os.path.isdir(path):
         raise ConfigError(f"{what}: {path} is a directory; give the path of a file")
+    same = [i for i in inputs if os.path.exists(path) and os.path.exists(i) and os.path.samefile(path, i)]
+    if same:
+        raise ConfigError(f"{what}: {path} is the --input {same[0]}; writing it would replace the text it reads: "
+                          f"give another path")
     folder = os.path.dirname(os.path.abspath(path))
     existing = folder
     while not os.path.exists(existing):

@@ -116,6 +116,10 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
     """
     check_inputs(inputs)
     keys = check_json_keys(json_keys)
+    if output_prefix.endswith(("/", os.sep)) or os.path.basename(output_prefix) in ("", ".", ".."):
+        raise ConfigError(f"--output-prefix {output_prefix} names a folder: the files would be named "
+                          f"{output_prefix}_{keys[0]}_document.bin/.idx; give a file prefix in it, e.g. "
+                          f"--output-prefix {os.path.join(output_prefix, 'web')}")
     if workers < 1:
         raise ConfigError(f"--workers {workers}: use 1 or more tokenizer processes")
     if log_interval is not None and log_interval < 1:
@@ -124,7 +128,8 @@ def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_
     tokenizer = build_tokenizer(tok_cfg, vocab_size)
     prefixes = [f"{output_prefix}_{key}_document" for key in keys]
     for prefix in prefixes:
-        check_output_file(prefix + ".bin", f"--output-prefix {output_prefix}")
+        for suffix in (".bin", ".idx"):
+            check_output_file(prefix + suffix, f"--output-prefix {output_prefix}", inputs)
     writers, folder = [], os.path.dirname(os.path.abspath(output_prefix))
     try:  # a full disk: one line naming --output-prefix; on any error the partial files are removed
         with space_errors_named(f"--output-prefix {output_prefix}", folder):
@@ -261,6 +266,10 @@ def run(args: argparse.Namespace) -> int:
     if args.split_sentences:
         raise ConfigError("--split-sentences: meshlm does not split documents into sentences; drop it to "
                           "tokenize each document whole (split the text into sentences first if you need them)")
+    from .tokenizer import ignored_vocab_size
+    ignored = ignored_vocab_size(args, args.vocab_size)
+    if ignored:
+        print(f"meshlm: note: {ignored}", file=sys.stderr, flush=True)
     stats = preprocess_files(args.input, args.output_prefix, args, args.vocab_size, args.json_keys,
                              args.append_eod, args.workers, log_interval=args.log_interval)
     report(stats)

@@ -156,6 +156,17 @@ def resolve_tokenizer_type(data_cfg, vocab_size: Optional[int] = None) -> str:
                       "--vocab-file/--merge-file, or --vocab-size for NullTokenizer")
 
 
+def ignored_vocab_size(data_cfg, vocab_size: Optional[int]) -> Optional[str]:
+    """The note for a --vocab-size that a file-based tokenizer ignores (its file gives the
+    vocabulary, as in Megatron), or None: only NullTokenizer and TikTokenizer take it."""
+    kind = data_cfg.tokenizer_type or ("HuggingFaceTokenizer" if data_cfg.tokenizer_model else
+                                       "GPT2BPETokenizer" if data_cfg.vocab_file and data_cfg.merge_file else None)
+    if not vocab_size or kind in (None, "NullTokenizer", "TikTokenizer"):
+        return None
+    return (f"--vocab-size {vocab_size} ignored with {kind} (as in Megatron): the vocabulary is its file's; drop "
+            f"--vocab-size (`meshlm plan` uses it only where the tokenizer file is absent)")
+
+
 def null_ids_problem(data_cfg, vocab_size: Optional[int]) -> Optional[str]:
     """Why --null-tokenizer-eod-id / --null-tokenizer-pad-id do not fit --vocab-size (None when they do)."""
     eod, pad = getattr(data_cfg, "null_tokenizer_eod_id", None), getattr(data_cfg, "null_tokenizer_pad_id", -1)
@@ -291,7 +302,11 @@ def run_train(args: argparse.Namespace) -> int:
     if args.vocab_size < 257:
         raise ConfigError(f"--vocab-size {args.vocab_size} is below the 256 byte tokens + {EOD}; use ≥ 257")
     keys = check_json_keys(args.json_keys)
-    check_output_file(args.output, f"--output {args.output}")
+    check_output_file(args.output, f"--output {args.output}", args.input)
+    from ..folders import foreign_file_problem
+    problem = foreign_file_problem("--output", args.output, "tokenizer.json", ("model", "added_tokens"))
+    if problem:
+        raise ConfigError(problem)
     bad = BadRecords()
     with space_errors_named(f"--output {args.output}", os.path.dirname(os.path.abspath(args.output))):
         tok = train_bpe(list(args.input), args.vocab_size, args.output, keys, bad)  # no file left on error

@@ -42,7 +42,7 @@ import os
 import statistics
 from typing import Callable, Optional
 
-from ..config import SHARDING
+from ..config import SECTIONS, SHARDING, value_problem
 from ..errors import ConfigError
 from ..straggler_rule import CONSECUTIVE as STRAGGLER_INTERVALS, FACTOR as STRAGGLER_RATIO, MIN_EXCESS_S
 
@@ -113,6 +113,11 @@ def load_run(run_dir: str) -> tuple:
     if bad:  # analyze() orders and names iterations by it: a KeyError traceback before
         raise ConfigError(f"{path}: training record {bad} has no integer \"iteration\"; give the metrics.jsonl "
                           f"`meshlm pretrain` wrote")
+    from ..metrics_json import record_problem
+    wrong = next(((n, p) for n, rec in enumerate(records, 1) if (p := record_problem(rec))), None)
+    if wrong:
+        raise ConfigError(f"{path}: training record {wrong[0]}: {wrong[1]}; give the metrics.jsonl `meshlm pretrain` "
+                          f"wrote")
     folder = run_dir if os.path.isdir(run_dir) else os.path.dirname(os.path.dirname(os.path.abspath(path)))
     return records, _config_of(folder)
 
@@ -121,7 +126,7 @@ def _config_of(folder: str) -> Optional[dict]:
     yaml_path = os.path.join(folder, "config.yaml")
     if os.path.isfile(yaml_path):
         from ..folders import read_yaml_mapping
-        return read_yaml_mapping(yaml_path, ConfigError)
+        return read_yaml_mapping(yaml_path, ConfigError, SECTIONS, value_problem)
     saved = sorted(glob.glob(os.path.join(folder, "*", "iter_*", "config.json")) +
                    glob.glob(os.path.join(folder, "iter_*", "config.json")))
     if saved:
@@ -178,13 +183,15 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
     (sections model, training, parallel, …) or None. predictor: see the module doc. A fix whose
     flags meshlm would refuse for this run (``predict.refusal_check``: e.g. twice the pipeline
     stages of a model with too few layers) is left out, with or without a predictor.
-    Returns {"iterations": [first, last], "step_ms", "breakdown": {kind: share}, "dominant": kind
-    or "compute", "pipeline": {...} or None, "findings": [Finding as dict]}; ConfigError if there
-    is no training record.
+    Only the records at the last layout are analyzed (``last_layout``; the loss findings read them
+    all). Returns {"iterations": [first, last], "left_out": note or None, "step_ms", "breakdown":
+    {kind: share}, "dominant": kind or "compute", "pipeline": {...} or None, "findings": [Finding as
+    dict]}; ConfigError if there is no training record.
     """
     if not records:
         raise ConfigError("metrics.jsonl has no training record yet; analyze a run after its first "
                           "--log-interval iterations")
+    everything, (records, left_out) = records, last_layout(records)
     steady = records[1:] if len(records) >= 3 else records
     flags = _Flags(config)
     breakdown = {}
@@ -201,7 +208,7 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
     findings = [_comm(kind, share, flags) for kind, share in costs.items() if kind != "bubble"]
     if pipeline:
         findings += _pipeline_findings(pipeline, breakdown.get("pp"), flags)
-    findings += [_memory(records, flags), _throughput(steady), *_loss(records), _stragglers(steady)]
+    findings += [_memory(records, flags), _throughput(steady), *_loss(everything), _stragglers(steady)]
     findings = [f for f in findings if f is not None]
     findings.sort(key=lambda f: ({"warn": 0, "info": 1, "ok": 2}[f.severity], -(f.share or 0)))
     from .predict import refusal_check
@@ -213,10 +220,33 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
                 fix.predicted_gain = predictor(config, dict(fix.flags))
         if f.kind in SPEED_KINDS:  # a speed fix the planner predicts slower is no fix (memory ones trade speed)
             f.fixes = [fix for fix in f.fixes if fix.predicted_gain is None or fix.predicted_gain >= 0]
-    return {"iterations": [records[0]["iteration"], records[-1]["iteration"]],
+    return {"iterations": [records[0]["iteration"], records[-1]["iteration"]], "left_out": left_out,
             "step_ms": statistics.median(r["iter_ms"] for r in steady),
             "breakdown": breakdown, "dominant": dominant, "pipeline": pipeline,
             "findings": [dataclasses.asdict(f) for f in findings]}
+
+
+def _layout_text(rec: dict) -> str:
+    layout = rec.get("layout") or {}
+    parts = [f"{k.upper()}={layout[k]}" for k in ("tp", "cp", "pp", "dp", "ep") if k in layout]
+    return " ".join(parts + [f"world size {rec.get('world_size')}"] * (not parts))
+
+
+def last_layout(records: list) -> tuple:
+    """(the trailing records at the last record's layout and world size, a note on the ones left out
+    or None): a run resumed at another layout appends to the earlier attempt's metrics.jsonl, and the
+    config read with it is the last attempt's, so the two are not mixed (records written before the
+    "layout" field compare by world size alone)."""
+    def key(r):
+        return r.get("layout"), r.get("world_size")
+    start = len(records)
+    while start > 0 and key(records[start - 1]) == key(records[-1]):
+        start -= 1
+    if start == 0:
+        return records, None
+    return records[start:], (f"{start} earlier record(s), iterations {records[0]['iteration']}–"
+                             f"{records[start - 1]['iteration']} at {_layout_text(records[start - 1])}, left out: the "
+                             f"run was resumed at {_layout_text(records[-1])}")
 
 
 class _Flags:
@@ -462,7 +492,9 @@ def format_report(report: dict, title: str = "") -> str:
     """The report as plain text: step breakdown, pipeline, findings with their fixes."""
     first, last = report["iterations"]
     lines = [f"meshlm analyze {title}".rstrip() + f": iterations {first}–{last}, "
-             f"step {report['step_ms']:.1f} ms (median)", "", "where the step goes (exposed, share of the step):"]
+             f"step {report['step_ms']:.1f} ms (median)"]
+    lines += [f"  ({report['left_out']})"] if report.get("left_out") else []
+    lines += ["", "where the step goes (exposed, share of the step):"]
     b = report["breakdown"]
     for kind, share in b.items():
         mark = "  ← dominant" if kind == report["dominant"] else ""

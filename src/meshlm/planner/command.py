@@ -146,8 +146,20 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     cfg, _ = config_and_source(args)
     from ..parallel.layout_rules import adjust
     adjust(cfg)  # as a launch would: no SP at TP = 1
+    if args.quick and not args.calibrate:
+        print("meshlm plan: note: --quick ignored without --calibrate: it shortens the measurement, and this plan "
+              "measures nothing; add --calibrate to measure this machine", file=sys.stderr, flush=True)
     if args.calibrate:
         from .calibrate import calibrate
+        from ..folders import foreign_file_problem, output_file_problem, output_folder_problem
+        from .gpus import profile_dir
+        problem = (output_file_problem("--gpu-profile", args.gpu_profile, "gpu.json") or foreign_file_problem(
+            "--gpu-profile", args.gpu_profile, "GPU profile", ("name", "peak_flops"))) if args.gpu_profile else \
+            output_folder_problem("--calibrate's profile folder", profile_dir())
+        if problem:  # before measuring, not after
+            from ..errors import ConfigError
+            raise ConfigError(problem + ("" if args.gpu_profile else
+                                         " (set XDG_CACHE_HOME, or give --gpu-profile FILE)"))
         gpu = calibrate(cfg, quick=args.quick)
         path = save_profile(gpu, args.gpu_profile)
         print(json.dumps(gpu.to_json()) if args.json else f"meshlm plan: GPU profile of {gpu.name} written to {path}; "
@@ -171,7 +183,7 @@ def run(args: argparse.Namespace, config_and_source) -> int:
            "cluster": {"num_gpus": world, "gpus_per_node": per_node, "gpu": gpu.to_json()},
            "warnings": warnings, "current": current.to_json() if current else {"problems": problems},
            "layouts": [f.to_json() for f in fits], "excluded": excluded,
-           "hyperparameters": recommend(cfg, world).to_json()}
+           "hyperparameters": recommend(cfg, world, args.train_tokens).to_json()}
     from .safety import SAFE_FRACTION, is_safe
     safe = [i for i, f in enumerate(fits) if is_safe(f.memory.device_bytes, gpu.memory_bytes)]
     doc["safety"] = {"fraction": SAFE_FRACTION, "safe_bytes": SAFE_FRACTION * gpu.memory_bytes,
@@ -190,7 +202,7 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     m = cfg.model
     print(f"model: {m.num_layers} layers, h {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
           f"vocabulary {vocab}; global batch {cfg.training.global_batch_size}")
-    print(recommend(cfg, world).line())
+    print(recommend(cfg, world, args.train_tokens).line())
     print(f"cluster: {world} × {gpu.name} ({gpu.memory_bytes / GiB:.1f} GiB, {gpu.peak_flops / 1e12:.0f} TFLOP/s bf16), "
           f"{per_node} per node; profile: {gpu.source}")
     for w in warnings:

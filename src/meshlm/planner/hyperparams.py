@@ -19,6 +19,7 @@ micro-batch × DP of the flags' layout (at least one such multiple), so the reco
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ..config import dp_size, ffn_hidden, head_dim, moe_ffn, query_groups, run_samples
 
@@ -63,10 +64,11 @@ def flops_per_token(m) -> float:
     return m.num_layers * (6 * (attention + mlp) + 6 * h * m.seq_length)
 
 
-def recommend(cfg, world: int) -> Recommendation:
-    """The recommendation for the run's model and token budget (--train-iters or --train-samples
-    × --seq-length) on ``world`` GPUs; its global batch a multiple of the flags' micro-batch × DP."""
-    tokens = run_samples(cfg, world) * cfg.model.seq_length
+def recommend(cfg, world: int, tokens: Optional[float] = None) -> Recommendation:
+    """The recommendation for the run's model and token budget (``tokens``: plan's --train-tokens,
+    else --train-iters or --train-samples × --seq-length) on ``world`` GPUs; its global batch a
+    multiple of the flags' micro-batch × DP."""
+    tokens = tokens if tokens is not None else run_samples(cfg, world) * cfg.model.seq_length
     c = flops_per_token(cfg.model) * tokens
     batch = 0.2920 * c ** 0.3271
     step = cfg.training.micro_batch_size * max(1, dp_size(cfg, world))

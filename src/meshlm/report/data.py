@@ -93,8 +93,9 @@ def _read_config(run_dir: str) -> dict:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         return {}
+    from ..config import SECTIONS, value_problem
     from ..folders import read_yaml_mapping
-    return read_yaml_mapping(path, DataError)
+    return read_yaml_mapping(path, DataError, SECTIONS, value_problem)
 
 
 def load_run(path: str, name: Optional[str] = None) -> RunData:
@@ -109,15 +110,20 @@ def load_run(path: str, name: Optional[str] = None) -> RunData:
     run = RunData(name=name or os.path.basename(os.path.normpath(os.path.abspath(run_dir))),
                   path=run_dir, config=_read_config(run_dir), metrics=metrics)
     from ..folders import read_jsonl
-    from ..metrics_json import decode
+    from ..metrics_json import decode, record_problem
     records = [decode(r) for r in read_jsonl(metrics, DataError, "a metrics.jsonl that `meshlm pretrain` wrote")]
     for n, rec in enumerate(records, 1):
         if not isinstance(rec, dict) or not ("val_loss" in rec or "iter_ms" in rec):
             continue
         missing = [key for key in ("iteration", "consumed_samples") if not isinstance(rec.get(key), int)]
+        kind = "validation" if "val_loss" in rec else "training"
         if missing:  # the charts' x axes: a KeyError traceback before
-            raise DataError(f"{metrics}: record {n} (a {'validation' if 'val_loss' in rec else 'training'} record) "
-                            f"has no integer {' or '.join(missing)}; give the metrics.jsonl `meshlm pretrain` wrote")
+            raise DataError(f"{metrics}: record {n} (a {kind} record) has no integer {' or '.join(missing)}; give "
+                            f"the metrics.jsonl `meshlm pretrain` wrote")
+        wrong = record_problem(rec)
+        if wrong:
+            raise DataError(f"{metrics}: record {n} (a {kind} record): {wrong}; give the metrics.jsonl `meshlm "
+                            f"pretrain` wrote")
         (run.evals if "val_loss" in rec else run.train).append(rec)
     if records and not any(isinstance(rec, dict) and "iteration" in rec for rec in records):
         raise DataError(f"{metrics}: not a meshlm metrics file (none of its records has an "
@@ -155,11 +161,13 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def overwrite_problem(flag: str, path: str, runs: list, kind: str, example: str) -> Optional[str]:
-    """None unless ``path`` is an existing file meshlm report must not replace: a file of one of
-    ``runs`` (anything in its run directory or its metrics.jsonl's folder: metrics.jsonl,
-    config.yaml, worker logs, checkpoints, …) or a GPU profile the report reads, other than an
-    earlier output of the report's own ``kind`` ("report" or "trace", see OWN_OUTPUT); else one
-    line naming ``flag``, the file and the fix (``example``: a file name to suggest)."""
+    """None unless ``path`` is an existing file meshlm report must not replace: any file but an
+    empty one or an earlier output of the report's own ``kind`` ("report" or "trace", see
+    OWN_OUTPUT), named as a file of one of ``runs`` (anything in its run directory or its
+    metrics.jsonl's folder: metrics.jsonl, config.yaml, worker logs, checkpoints, …), a GPU profile
+    the report reads, or any other file (another run's metrics.jsonl, a checkpoint's tracker, a
+    corpus: each was replaced); else one line naming ``flag``, the file and the fix (``example``: a
+    file name to suggest)."""
     if not os.path.isfile(path) or _starts_with(path, OWN_OUTPUT[kind]):
         return None
     from ..planner.gpus import profile_dir
@@ -173,4 +181,7 @@ def overwrite_problem(flag: str, path: str, runs: list, kind: str, example: str)
     if _inside(path, profile_dir()):
         return (f"{flag} {path} is a GPU profile the report reads: refusing to overwrite it; "
                 f"give another file (e.g. {example})")
+    if os.path.getsize(path):  # another run's metrics, a tracker, a corpus: nothing a report may replace
+        return (f"{flag} {path} exists and is not an earlier meshlm {kind}: refusing to overwrite it; "
+                f"give another file (e.g. {example}), or remove it first")
     return None

@@ -23,7 +23,7 @@ from ..checkpoint.safe_read import reading
 from ..checkpoint.state import full_model_state
 from ..config import Config, max_positions
 from ..data.tokenizer import NullTokenizer, build_tokenizer
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, DataError
 from ..parallel.mesh import ParallelState
 from ..parallel.tensor import load_full_state_dict
 
@@ -97,8 +97,8 @@ def load_model(path: str, device: Optional[torch.device] = None) -> tuple:
     """(GPTModel at TP=1/PP=1 in eval mode, fp32 on ``device``; its tokenizer) from a checkpoint.
 
     path: a --save directory (the tracker's iteration is used) or one iter_XXXXXXX folder.
-    Raises CheckpointError when the folder, its config.json or a weight is missing, and one line
-    (checkpoint.safe_read.damaged) when any of its files cannot be read.
+    Raises CheckpointError when the folder, its config.json, the tokenizer file it names or a weight
+    is missing, and one line (checkpoint.safe_read.damaged) when any of its files cannot be read.
     """
     from ..model.transformer import GPTModel
 
@@ -106,7 +106,11 @@ def load_model(path: str, device: Optional[torch.device] = None) -> tuple:
     with reading(folder, load=path):
         saved = ckpt.read_config(folder)
     cfg = Config.from_dict(saved)
-    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
+    try:
+        tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
+    except (ConfigError, DataError) as e:  # its flags are the run's, not generate's (which has none)
+        raise CheckpointError(f"--load {path}: the tokenizer the run trained with does not load ({e}); the "
+                              f"checkpoint names it by the run's path: put the file back there") from None
     device = device or torch.device("cpu")
     model = GPTModel(cfg.model, ParallelState.single(device), tokenizer.vocab_size, seed=cfg.training.seed)
     full = full_model_state(folder, load=path)

@@ -90,7 +90,9 @@ class MetricsLogger:
     iterations that were not skipped), as in Megatron. ``mem_allocated_gb`` is the logging
     rank's memory in use after the step, ``mem_max_allocated_gb`` its peak, ``mem_total_gb`` the
     device's size (GiB); ``device`` the CUDA device's name ("cpu" without one) and ``world_size``
-    the job's ranks (the planner's predictions for the run start from both). ``comm_s`` holds
+    the job's ranks (the planner's predictions for the run start from both); ``layout`` the
+    constructor's (the checkpoint's layout dict and "ep"), which tells a run resumed at another
+    layout apart from its earlier records. ``comm_s`` holds
     exposed communication seconds per iteration by kind ("dp": averaged over the interval; "tp",
     "pp", …: timed on the log iteration, see parallel/comm.py) and ``comm_share`` each as a share
     of the iteration time they were measured in. Every rank may call the methods; only ``enabled`` ones print and write.
@@ -100,8 +102,10 @@ class MetricsLogger:
 
     def __init__(self, *, enabled: bool, log_dir: Optional[str], train_iters: int, log_interval: int,
                  global_batch: int, seq_length: int, flops_per_iter: float, world_size: int,
-                 dtype: torch.dtype, fp16: bool = False, tensorboard_dir: Optional[str] = None):
+                 dtype: torch.dtype, fp16: bool = False, tensorboard_dir: Optional[str] = None,
+                 layout: Optional[dict] = None):
         self.enabled, self.train_iters, self.log_interval = enabled, train_iters, log_interval
+        self.layout = layout
         self.global_batch, self.seq_length = global_batch, seq_length
         self.flops_per_iter, self.world_size, self.fp16 = flops_per_iter, world_size, fp16
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
@@ -210,6 +214,8 @@ class MetricsLogger:
             "skipped_iters": self.skipped_total, "nan_iters": self.nan_total,
             "device": self.device, "world_size": self.world_size,
         }
+        if self.layout:
+            rec["layout"] = self.layout
         if self.fp16:
             rec["loss_scale"] = loss_scale
         if has_comm and t > 0:

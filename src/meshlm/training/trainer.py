@@ -35,7 +35,7 @@ from ..data.indexed import check_token_ids
 from ..data.loader import rank_loader
 from ..data.sources import blends, prefixes as data_prefixes
 from ..data.tokenizer import NullTokenizer, build_tokenizer, resolve_tokenizer_type
-from ..errors import CheckpointError, DataError, TrainingError
+from ..errors import CheckpointError, DamagedCheckpoint, DataError, TrainingError
 from ..flops import flops_per_iteration
 from ..model.chunks import build_model_chunks
 from ..model.moe import start_routing_stats
@@ -227,7 +227,8 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
                            log_interval=t.log_interval, global_batch=gb, seq_length=cfg.model.seq_length,
                            flops_per_iter=flops_per_iteration(cfg.model, gb, padded),
                            world_size=ps.world_size, dtype=dtype, fp16=t.fp16 and dtype == torch.float16,
-                           tensorboard_dir=cfg.logging.tensorboard_dir)
+                           tensorboard_dir=cfg.logging.tensorboard_dir,
+                           layout=dict(_layout(ps, cfg), ep=ps.ep))
     if ps.rank == 0:
         n = sum(q.numel() for c in chunks for q in c.parameters())
         ramp = f" after a ramp from {t.rampup_batch_size[0]}" if batches.ramp else ""
@@ -605,14 +606,14 @@ def load_checkpoint(run: Run) -> TrainState:
     root = c.load
     if convert.is_weights_only(root):  # a Hugging Face folder, or `meshlm convert`'s output
         return _load_weights_only(run)
-    loaded, problem = None, None
-    try:
-        loaded = _read_checkpoint(run)
-    except CheckpointError as e:
-        problem = str(e)
-    problem = first_problem(problem)
+    loaded, problem = _agreed_read(run, c.verify_integrity)
+    if problem and problem[1] and not c.verify_integrity:  # damage that kept every file's size
+        if ps.rank == 0:
+            print(f"note: {problem[1]}: comparing every file's SHA-256 with its manifest (as --verify-integrity) "
+                  f"to load the newest intact checkpoint", flush=True)
+        loaded, problem = _agreed_read(run, True)
     if problem:
-        raise CheckpointError(problem)
+        raise CheckpointError(problem[0])
     if loaded is None:
         if ps.rank == 0:
             print(f"--load {c.load}: no checkpoint yet, starting from scratch", flush=True)
@@ -663,12 +664,24 @@ def _load_weights_only(run: Run) -> TrainState:
     return TrainState()
 
 
-def _read_checkpoint(run: Run) -> Optional[tuple]:
+def _agreed_read(run: Run, checksums: bool) -> tuple:
+    """(``_read_checkpoint``'s result or None, the lowest rank's problem as (its line, what was
+    damaged or None) or None), the problem the same on every rank (one all_gather)."""
+    loaded, problem = None, None
+    try:
+        loaded = _read_checkpoint(run, checksums)
+    except CheckpointError as e:
+        problem = (str(e), e.damage if isinstance(e, DamagedCheckpoint) else None)
+    return loaded, first_problem(problem)
+
+
+def _read_checkpoint(run: Run, checksums: bool) -> Optional[tuple]:
     """This rank's part of load_checkpoint: check --load, compare the saved model config (not under
     --finetune), read the model tensors (and, unless a switch says otherwise, the optimizer's) into
-    place and the saved values. None for a fresh start. Its one collective is --verify-integrity's
-    (the ranks share the hashing out); every rank reaches it alike, since the checks before it read
-    the same shared --load folder."""
+    place and the saved values. None for a fresh start. checksums: compare every file's SHA-256 too
+    (--verify-integrity, or the retry after a damaged read), the load's one collective (the ranks
+    share the hashing out); every rank reaches it alike, since the checks before it read the same
+    shared --load folder."""
     from ..checkpoint import dist as ckpt
     from ..checkpoint.model_space import ModelSpace
     from ..checkpoint.state import check_model_config, model_state, optimizer_state
@@ -679,7 +692,7 @@ def _read_checkpoint(run: Run) -> Optional[tuple]:
         raise CheckpointError(problems[0])
     if ckpt.read_tracker(c.load) is None and os.path.abspath(c.load) == os.path.abspath(c.save or ""):
         return None
-    path = ckpt.checkpoint_dir(c.load, checksums=c.verify_integrity)  # may fall back, saying so
+    path = ckpt.checkpoint_dir(c.load, checksums=checksums)  # may fall back, saying so
     if not c.finetune:
         check_model_config(path, cfg.model, load=c.load, vocab_size=run.tokenizer.vocab_size)
     run.opt.finish_param_sync()
