@@ -20,9 +20,10 @@ def test_loss_reduction_and_routing_statistics_make_no_host_sync(per_token):
     m = Config().model
     m.num_layers, m.num_experts, m.moe_aux_loss_coeff = 2, 4, 1e-2
     losses = [{"lm_loss": torch.tensor(v, device=dev), "num_tokens": torch.tensor(4, device=dev)} for v in (2.0, 4.0)]
-    state = MoEState()
-    state.record(1, tokens=torch.tensor([1.0, 2.0, 3.0, 2.0], dtype=torch.float64, device=dev),
-                 routes=torch.tensor(8.0, dtype=torch.float64, device=dev), aux=torch.tensor(0.5, device=dev), calls=1)
+    state = MoEState(dev)
+    state.add_layer(1, 4, torch.float32)
+    state.record(1, torch.tensor([1, 2, 3, 2], device=dev), torch.tensor([2, 2, 2, 2], device=dev),
+                 aux=torch.tensor(0.5, device=dev))
     chunk = torch.nn.Module()
     chunk.moe_state = state
     torch.cuda.synchronize()

@@ -35,6 +35,7 @@ ranks saw different tokens: their grads are summed over TP).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -55,40 +56,91 @@ from .swiglu import swiglu
 
 
 class MoEState:
-    """What the MoE layers of one model chunk share: ``scale`` of the aux-loss gradients (set by
-    the pipeline per step) and this step's routing statistics per layer (``stats``: layer →
-    {"tokens": [E] routes per expert (after dropping), "routes": routes before dropping,
-    "aux", "z": summed loss values (unscaled by their coefficients' gradient), "calls"})."""
+    """What the MoE layers of one model chunk share, all of it read by compiled layers without a
+    graph break (module doc, "Compiled").
 
-    def __init__(self):
-        self.scale = 1.0
-        self.stats: dict = {}
+    ``scale``: the aux-loss gradients' factor, set by the pipeline per step: a float, or a 0-dim
+    tensor under --calculate-per-token-loss (``per_token``); setting it copies its value in place
+    into ``scale_tensor`` (float64 0-dim on ``device``), the tensor backward reads.
+    Routing statistics per layer since the last ``start_routing_stats`` (``add_layer``; device
+    tensors updated in place by ``record``, read and zeroed by ``start_routing_stats``):
+    ``counts[layer]`` float64 [E + 2]: routes per expert after dropping, routes before dropping,
+    calls; ``losses[layer]`` [2] (the layer's loss dtype): summed aux and z-loss values over their
+    coefficients (0 when off). ``recording`` (float64 0-dim, 1 or 0): the factor of every update
+    (0 while full recompute re-runs the forward: ``forward_pass``)."""
 
-    def record(self, layer: int, **values) -> None:
-        s = self.stats.setdefault(layer, {})
-        for k, v in values.items():
-            v = v.detach() if isinstance(v, torch.Tensor) else v
-            s[k] = s[k] + v if k in s else v
+    def __init__(self, device=None):
+        self.device = torch.device("cpu" if device is None else device)
+        self.scale_tensor = torch.ones((), dtype=torch.float64, device=self.device)
+        self.per_token, self._scale = False, 1.0
+        self.recording = torch.ones((), dtype=torch.float64, device=self.device)
+        self.counts: dict = {}
+        self.losses: dict = {}
+
+    @property
+    def scale(self):
+        return self._scale
+
+    @scale.setter
+    def scale(self, value) -> None:
+        self._scale, self.per_token = value, isinstance(value, torch.Tensor)
+        with torch.no_grad():  # a device-side copy or fill: no host sync
+            if self.per_token:
+                self.scale_tensor.copy_(value)
+            else:
+                self.scale_tensor.fill_(value)
+
+    def add_layer(self, layer: int, experts: int, loss_dtype: torch.dtype) -> None:
+        self.counts[layer] = torch.zeros(experts + 2, dtype=torch.float64, device=self.device)
+        self.losses[layer] = torch.zeros(2, dtype=loss_dtype, device=self.device)
+
+    def record(self, layer: int, kept: torch.Tensor, routes: torch.Tensor, aux=None, z=None) -> None:
+        """Add one call's statistics, times ``recording``, in place (no host read; traced by
+        dynamo): kept, routes [E] int routes per expert after and before dropping; aux, z: 0-dim
+        loss values over their coefficients, or None (off)."""
+        self.counts[layer] += torch.cat((kept, routes.sum().view(1), torch.ones_like(kept[:1]))) * self.recording
+        losses = self.losses[layer]
+        if aux is not None:
+            losses[0] += aux.detach() * self.recording.to(losses.dtype)
+        if z is not None:
+            losses[1] += z.detach() * self.recording.to(losses.dtype)
 
 
 class AttachLoss(torch.autograd.Function):
-    """y = x; backward also gives ``loss`` the gradient ``state.scale`` (see module doc)."""
+    """y = x; backward also gives ``loss`` (0-dim) the gradient ``scale`` (a 0-dim tensor read at
+    backward: ``MoEState.scale_tensor``, in the loss's dtype; see module doc)."""
 
     @staticmethod
-    def forward(ctx, x, loss, state):
-        ctx.state = state
-        ctx.save_for_backward(loss)
+    def forward(ctx, x, loss, scale):
+        ctx.save_for_backward(loss, scale)
         return x
 
     @staticmethod
     def backward(ctx, dy):
-        (loss,) = ctx.saved_tensors
-        return dy, torch.ones_like(loss) * ctx.state.scale, None
+        loss, scale = ctx.saved_tensors
+        return dy, torch.ones_like(loss) * scale.to(loss.dtype), None
 
 
 def _in_backward() -> bool:
     """True while autograd runs a backward (full recompute re-running a forward)."""
     return torch._C._current_graph_task_id() != -1
+
+
+@contextlib.contextmanager
+def forward_pass(state: MoEState):
+    """Run the MoE layers of ``state`` within (model/transformer.py's _run_layers): if autograd is
+    running a backward — full recompute re-running the forward, whose statistics must not count
+    twice — ``state.recording`` is 0 inside. Read here, eagerly; the layers multiply their
+    statistics by the tensor, so the recompute runs the same compiled graph (one that skipped
+    the update would save other tensors for backward, which checkpoint refuses)."""
+    replay = bool(state.counts) and _in_backward()
+    if replay:
+        state.recording.fill_(0.0)
+    try:
+        yield
+    finally:
+        if replay:
+            state.recording.fill_(1.0)
 
 
 def route(logits: torch.Tensor, k: int, score_function: str = "softmax", pre_softmax: bool = False,
@@ -299,6 +351,7 @@ class MoELayer(nn.Module):
         self.split = group_size(self.token_group)
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
         self.router = Router(cfg, ps, init, **kw)
+        state.add_layer(layer, cfg.num_experts, wide(params_dtype))
         self.experts = Experts(cfg, ps, init, scaled_init, **kw)
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
@@ -327,39 +380,33 @@ class MoELayer(nn.Module):
             aux, _ = aux_loss(logits, cfg.moe_router_topk, cfg.moe_router_score_function, aux_coeff(cfg),
                               self.token_group)
         if training:
-            gates = _attach_and_record(self, gates, z, aux, routes, routing_map.sum(0), tokens.shape[0])
+            gates = self._attach_and_record(gates, z, aux, routes, routing_map.sum(0), tokens.shape[0])
         shared = None if self.shared_experts is None else lambda: self.shared_experts(x).reshape(-1, shape[-1])
         y, s = dispatch_combine(tokens, gates, routing_map, self.experts, self.ps.ep_group, chosen,
                                 cfg.moe_router_topk, shared)  # the shared expert overlaps EP's all-to-all
         return (y if s is None else y + s).reshape(shape)
 
-
-@eager
-def _attach_and_record(layer: MoELayer, gates: torch.Tensor, z, aux, routes: torch.Tensor, kept: torch.Tensor,
-                       tokens: int) -> torch.Tensor:
-    """gates with the z-loss and load-balancing loss (None: off) attached (``AttachLoss``: both on the
-    gates, which every route's gradient passes, so the z-loss reaches the logits as if attached
-    there), and this call's statistics recorded unless a backward re-runs the forward (full
-    recompute). routes, kept: [E] routes per expert before and after dropping. The one eager
-    step of a compiled MoE layer (its Python state)."""
-    cfg, state = layer.cfg, layer.state
-    record = not _in_backward()
-    # 1, or under --calculate-per-token-loss the micro-batch's tokens on this DP rank (this rank's
-    # T times the token group's size; Megatron's num_local_tokens · tp_cp size)
-    weight = float(tokens * layer.split) if isinstance(state.scale, torch.Tensor) else 1.0
-    if z is not None:
-        if record:
-            state.record(layer.layer, z=z * layer.split / cfg.moe_z_loss_coeff)
-        gates = AttachLoss.apply(gates, z * weight, state)
-    if aux is not None:
-        if record:
-            state.record(layer.layer, aux=aux / aux_coeff(cfg))
-        gates = AttachLoss.apply(gates, aux * weight, state)
-    if record:
-        state.record(layer.layer, tokens=kept.to(torch.float64), routes=routes.sum().to(torch.float64), calls=1)
-        if layer.router.use_bias:
-            layer.router.tokens_per_expert += kept
-    return gates
+    def _attach_and_record(self, gates: torch.Tensor, z, aux, routes: torch.Tensor, kept: torch.Tensor,
+                           tokens: int) -> torch.Tensor:
+        """gates with the z-loss and load-balancing loss (None: off) attached (``AttachLoss``: both
+        on the gates, which every route's gradient passes, so the z-loss reaches the logits as if
+        attached there), and this call's statistics recorded unless a backward re-runs the forward
+        (full recompute: ``forward_pass``). routes, kept: [E] routes per expert before and after
+        dropping. Traced whole under torch.compile: the scale is a tensor input, the statistics
+        in-place updates of device tensors (``MoEState.record``)."""
+        cfg, state = self.cfg, self.state
+        # 1, or under --calculate-per-token-loss the micro-batch's tokens on this DP rank (this rank's
+        # T times the token group's size; Megatron's num_local_tokens · tp_cp size)
+        weight = float(tokens * self.split) if state.per_token else 1.0
+        if z is not None:
+            gates = AttachLoss.apply(gates, z * weight, state.scale_tensor)
+        if aux is not None:
+            gates = AttachLoss.apply(gates, aux * weight, state.scale_tensor)
+        state.record(self.layer, kept, routes, aux=None if aux is None else aux / aux_coeff(cfg),
+                     z=None if z is None else z * self.split / cfg.moe_z_loss_coeff)
+        if self.router.use_bias:
+            self.router.tokens_per_expert += kept * state.recording
+        return gates
 
 
 def routing_stats(chunks, ps, cfg) -> dict:
@@ -382,29 +429,16 @@ def start_routing_stats(chunks, ps, cfg):
     and the optimizer step, the host's read waits for no later work (the trainer's log
     iterations: a read after the step would drain the GPU before the next step is launched)."""
     E, L = cfg.num_experts, cfg.num_layers
-    # the host's numbers (the call counts, absent losses) go to the device in one copy from pinned
-    # memory: a tensor made on the device from a Python number is a blocking copy, which would
-    # drain the GPU here, before the optimizer step is launched
-    numbers = torch.zeros(L, E + 4, dtype=torch.float64)
-    device_parts = []
+    # [L, E + 4]: routes per expert, routes before dropping, calls, aux, z (MoEState's tensors,
+    # all on the device: made and filled there, no host number copied over)
+    table = torch.zeros(L, E + 4, dtype=torch.float64, device=ps.device)
     for chunk in chunks:
         state = getattr(chunk, "moe_state", None)
-        for layer, s in (state.stats.items() if state is not None else ()):
-            device_parts.append((layer, slice(0, E), s["tokens"]))
-            for j, k in enumerate(("routes", "aux", "z", "calls")):
-                v = s.get(k, 0.0)
-                if isinstance(v, torch.Tensor):
-                    device_parts.append((layer, E + j, v))
-                else:
-                    numbers[layer, E + j] += v
-        if state is not None:
-            state.stats.clear()
-    if ps.device.type == "cuda":
-        table = numbers.pin_memory().to(ps.device, non_blocking=True)
-    else:
-        table = numbers.to(ps.device)
-    for layer, where, v in device_parts:
-        table[layer, where] += v
+        for layer, counts in (state.counts.items() if state is not None else ()):
+            table[layer, :E + 2] += counts
+            table[layer, E + 2:] += state.losses[layer]
+            counts.zero_()
+            state.losses[layer].zero_()
     if ps.world_size > 1:
         watchdog.call("all_reduce of the MoE routing statistics", None, dist.all_reduce, table)
     shares = ps.tp * ps.cp  # MoE at TP > 1 runs under SP: each TP × CP rank records its rows' share
@@ -418,7 +452,7 @@ def start_routing_stats(chunks, ps, cfg):
             copied.synchronize()
         rows, out = host.tolist(), {}
         for layer in range(L):
-            routes, aux, z, calls = rows[layer][E:]
+            routes, calls, aux, z = rows[layer][E:]
             if calls:
                 out[layer] = {"tokens": rows[layer][:E], "routes": routes,
                               "aux": aux * shares / calls if aux_coeff(cfg) else None,  # shares add up
