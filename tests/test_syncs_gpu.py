@@ -1,6 +1,6 @@
 """The step's device work between the backward and the grad norm makes no host sync (a blocking
-copy there drains the GPU before the optimizer step is launched): the loss reduction and the MoE
-routing statistics, under torch.cuda.set_sync_debug_mode("error")."""
+copy there drains the GPU before the optimizer step is launched): the loss reduction, the MoE
+aux losses' scale set and the routing statistics, under torch.cuda.set_sync_debug_mode("error")."""
 
 import pytest
 import torch
@@ -26,9 +26,11 @@ def test_loss_reduction_and_routing_statistics_make_no_host_sync(per_token):
                  aux=torch.tensor(0.5, device=dev))
     chunk = torch.nn.Module()
     chunk.moe_state = state
+    scale = torch.tensor(0.25, dtype=torch.float64, device=dev) if per_token else 0.25
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
+        state.scale = scale  # the pipeline's per-step set: a copy or fill on the device
         loss = reduce_losses(losses, ps, per_token)
         finish = start_routing_stats([chunk], ps, m)
     finally:
