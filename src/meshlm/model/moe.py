@@ -5,7 +5,7 @@ needs at TP > 1; [s/cp, b, h] under context parallelism; each rank routes its ow
 ranks that split one micro-batch's tokens — TP under SP, times CP — are the *token group*,
 ``ParallelState.tp_cp_group``):
   logits = x W_rᵀ [T, E] (fp32 at least), router z-loss (attached to the gates,
-  ``_attach_and_record``; this rank's mean over the token group's size: the shares add up to the
+  ``MoELayer._attach_and_record``; this rank's mean over the token group's size: the shares add up to the
   micro-batch's mean);
   scores and top-k (``route``; Megatron's topk_routing_with_score_function): softmax over the k
   chosen logits, or over all E first with --moe-router-pre-softmax (not renormalised); sigmoid,
@@ -19,12 +19,21 @@ ranks that split one micro-batch's tokens — TP under SP, times CP — are the 
   plus the shared expert's output (a TP-split MLP on every token).
 
 Auxiliary losses enter backward through ``AttachLoss``: the forward value is unchanged, backward
-feeds the loss a gradient of ``MoEState.scale``, which the pipeline sets to what it multiplies
+feeds the loss a gradient of ``MoEState.scale`` (read at backward), which the pipeline sets to what it multiplies
 the LM loss by (loss_scale · CP / micro-batches; under --calculate-per-token-loss
 loss_scale · DP · CP / N, the loss then weighted by the micro-batch's tokens, T times the token
 group's size), so aux and LM gradients are averaged alike (Megatron's MoEAuxLossAutoScaler):
 each rank's aux and z-loss are its shares of the micro-batch's, whose gradients sum over TP
 (``sequence_parallel`` params) and are averaged over DP × CP, which the factor CP undoes.
+
+Compiled (the fast path), a layer is one graph at EP = 1: the scale reaches ``AttachLoss`` as a
+tensor (``MoEState.scale_tensor``, the value set copied in place), the routing statistics are
+in-place updates of the chunk's per-layer device tensors (``MoEState.record``; summed, read and
+zeroed by ``start_routing_stats``, never read by the host in the step), and full recompute
+(re-running the forward inside backward) multiplies them by 0 (``forward_pass``) rather than
+skipping them, so forward and recompute run the same graph and save the same tensors. What still
+breaks it: the token group's all-reduce of the aux loss's counts (TP under SP, or CP > 1:
+``_summed``) and, at EP > 1, the all-to-all's host read of the counts (parallel/experts.py).
 
 Experts are meshlm MLPs at TP = 1 (expert TP 1), named by their **global** index
 (``mlp.experts.local_experts.<e>.linear_fc1.weight``), so checkpoints are layout-free; each EP
