@@ -78,11 +78,11 @@ def _cfg(**moe_flags):
     return cfg.model
 
 
-def _layer(m, dtype=torch.float64):
+def _layer(m, dtype=torch.float64, index=0, state=None):
     from meshlm.parallel.tensor import ShardedInit
     ps = ParallelState.single()
-    init = lambda name: ShardedInit((1, 0, name), 0.2)  # noqa: E731
-    return moe.MoELayer(m, ps, 0, init, init, moe.MoEState(), sequence_parallel=False, params_dtype=dtype)
+    init = lambda name: ShardedInit((1, index, name), 0.2)  # noqa: E731
+    return moe.MoELayer(m, ps, index, init, init, state or moe.MoEState(), sequence_parallel=False, params_dtype=dtype)
 
 
 @pytest.mark.parametrize("swiglu,shared", [(False, None), (True, 8)])
@@ -301,7 +301,7 @@ def test_compiled_moe_layer_is_one_graph_and_equals_eager_in_float64(per_token):
     bias, z-loss, aux loss, capacity dropping; AOT autograd without Inductor's codegen, which
     tests/test_moe_parallel.py's compiled parity runs), under full recompute: one graph with
     ``fullgraph=True`` (the losses' attachment and the statistics traced: no graph break), which
-    the recompute runs again; output, gradients (the aux losses' scale a float, or a tensor under
+    the recompute and another layer run again (no recompile); output, gradients (the aux losses' scale a float, or a tensor under
     --calculate-per-token-loss), routing statistics and the expert bias's counts equal eager's, each
     recorded once per call (not again by the recompute)."""
     from torch.utils.checkpoint import checkpoint
@@ -311,6 +311,7 @@ def test_compiled_moe_layer_is_one_graph_and_equals_eager_in_float64(per_token):
              moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     layer = _layer(m)
     layer.state.scale = torch.tensor(0.25, dtype=torch.float64) if per_token else 0.5
+    other = _layer(m, index=1, state=layer.state)
     x = torch.randn(8, 2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5), requires_grad=True)
     runs = []
     for compiled in (False, True):
@@ -327,11 +328,14 @@ def test_compiled_moe_layer_is_one_graph_and_equals_eager_in_float64(per_token):
                 return layer(x)
         y = checkpoint(unit, x, use_reentrant=False)
         y.square().sum().backward()
-        stats = (layer.state.counts[0].clone(), layer.state.losses[0].clone(), layer.router.tokens_per_expert.clone())
-        for t in (layer.state.counts[0], layer.state.losses[0], layer.router.tokens_per_expert):
+        stats = (layer.routing_counts.clone(), layer.routing_losses.clone(), layer.router.tokens_per_expert.clone())
+        for t in (layer.routing_counts, layer.routing_losses, layer.router.tokens_per_expert):
             t.zero_()
         runs.append((y.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in layer.named_parameters()}, stats))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    other.compile(backend="aot_eager", fullgraph=True)
+    other(x).sum().backward()
+    assert other.routing_counts[-1] == 1 and layer.routing_counts[-1] == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # for both layers, and the recompute
     assert not torch._dynamo.utils.counters["graph_break"]
     (y0, gx0, g0, s0), (y1, gx1, g1, s1) = runs
     torch.testing.assert_close(y1, y0, rtol=1e-12, atol=1e-14)
@@ -344,21 +348,23 @@ def test_compiled_moe_layer_is_one_graph_and_equals_eager_in_float64(per_token):
     assert (s0[1] > 0).all()
 
 
-def test_routing_stats_sum_the_layers_device_tensors_and_reset_them():
-    """routing_stats sums each layer's recorded tensors (on the device) into one table, excludes a
-    layer that recorded no call, means the losses over the calls, and zeroes the tensors."""
+def _recorded(layer: int, counts: list, losses: list) -> torch.nn.Module:
+    """A module as start_routing_stats finds an MoELayer: its index and statistics buffers."""
+    m = torch.nn.Module()
+    m.layer = layer
+    m.register_buffer("routing_counts", torch.tensor(counts, dtype=torch.float64), persistent=False)
+    m.register_buffer("routing_losses", torch.tensor(losses), persistent=False)
+    return m
+
+
+def test_routing_stats_sum_the_layers_buffers_and_reset_them():
+    """routing_stats sums each MoE layer's buffers (on the device) into one table, leaves out a
+    layer that recorded no call, means the losses over the calls, and zeroes the buffers."""
     m = _cfg(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=0.0)
-    state = moe.MoEState()
-    for layer in (0, 1):
-        state.add_layer(layer, 4, torch.float32)
-    for call in range(2):
-        state.record(0, torch.tensor([3, 1, 0, 4 - call]), torch.tensor([4, 2, 1, 1 + call]),
-                     aux=torch.tensor(0.5 * (call + 1)))
-    chunk = torch.nn.Module()
-    chunk.moe_state = state
+    chunk = torch.nn.ModuleList([_recorded(0, [6, 2, 0, 7, 17, 2], [1.5, 0.0]), _recorded(1, [0] * 6, [0.0, 0.0])])
     got = moe.routing_stats([chunk], ParallelState.single(), m)
     assert got == {0: {"tokens": [6.0, 2.0, 0.0, 7.0], "routes": 17.0, "aux": 0.75, "z": None}}
-    assert not any(t.any() for t in (*state.counts.values(), *state.losses.values()))
+    assert not any(b.any() for b in chunk.buffers())
     assert moe.routing_stats([chunk], ParallelState.single(), m) == {}
 
 

@@ -21,11 +21,11 @@ def test_loss_reduction_and_routing_statistics_make_no_host_sync(per_token):
     m.num_layers, m.num_experts, m.moe_aux_loss_coeff = 2, 4, 1e-2
     losses = [{"lm_loss": torch.tensor(v, device=dev), "num_tokens": torch.tensor(4, device=dev)} for v in (2.0, 4.0)]
     state = MoEState(dev)
-    state.add_layer(1, 4, torch.float32)
-    state.record(1, torch.tensor([1, 2, 3, 2], device=dev), torch.tensor([2, 2, 2, 2], device=dev),
-                 aux=torch.tensor(0.5, device=dev))
-    chunk = torch.nn.Module()
-    chunk.moe_state = state
+    layer = torch.nn.Module()  # as start_routing_stats finds an MoELayer
+    layer.layer = 1
+    layer.register_buffer("routing_counts", torch.tensor([1.0, 2.0, 3.0, 2.0, 8.0, 1.0], dtype=torch.float64, device=dev))
+    layer.register_buffer("routing_losses", torch.tensor([0.5, 0.0], device=dev))
+    chunk = torch.nn.ModuleList([layer])
     scale = torch.tensor(0.25, dtype=torch.float64, device=dev) if per_token else 0.25
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

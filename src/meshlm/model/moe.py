@@ -28,8 +28,8 @@ each rank's aux and z-loss are its shares of the micro-batch's, whose gradients 
 
 Compiled (the fast path), a layer is one graph at EP = 1: the scale reaches ``AttachLoss`` as a
 tensor (``MoEState.scale_tensor``, the value set copied in place), the routing statistics are
-in-place updates of the chunk's per-layer device tensors (``MoEState.record``; summed, read and
-zeroed by ``start_routing_stats``, never read by the host in the step), and full recompute
+in-place updates of each layer's device buffers (``MoELayer._record``; summed, read and zeroed by
+``start_routing_stats``, never read by the host in the step), and full recompute
 (re-running the forward inside backward) multiplies them by 0 (``forward_pass``) rather than
 skipping them, so forward and recompute run the same graph and save the same tensors. What still
 breaks it: the token group's all-reduce of the aux loss's counts (TP under SP, or CP > 1:
@@ -65,26 +65,18 @@ from .swiglu import swiglu
 
 
 class MoEState:
-    """What the MoE layers of one model chunk share, all of it read by compiled layers without a
-    graph break (module doc, "Compiled").
-
-    ``scale``: the aux-loss gradients' factor, set by the pipeline per step: a float, or a 0-dim
-    tensor under --calculate-per-token-loss (``per_token``); setting it copies its value in place
-    into ``scale_tensor`` (float64 0-dim on ``device``), the tensor backward reads.
-    Routing statistics per layer since the last ``start_routing_stats`` (``add_layer``; device
-    tensors updated in place by ``record``, read and zeroed by ``start_routing_stats``):
-    ``counts[layer]`` float64 [E + 2]: routes per expert after dropping, routes before dropping,
-    calls; ``losses[layer]`` [2] (the layer's loss dtype): summed aux and z-loss values over their
-    coefficients (0 when off). ``recording`` (float64 0-dim, 1 or 0): the factor of every update
-    (0 while full recompute re-runs the forward: ``forward_pass``)."""
+    """What the MoE layers of one model chunk share, read by compiled layers without a graph break
+    (module doc, "Compiled"): ``scale``, the aux-loss gradients' factor, set by the pipeline per
+    step: a float, or a 0-dim tensor under --calculate-per-token-loss (``per_token``); setting it
+    copies its value in place into ``scale_tensor`` (float64 0-dim on ``device``), the tensor
+    backward reads. ``recording`` (float64 0-dim, 1 or 0): the factor of the layers' statistics
+    updates (0 while full recompute re-runs the forward: ``forward_pass``)."""
 
     def __init__(self, device=None):
         self.device = torch.device("cpu" if device is None else device)
         self.scale_tensor = torch.ones((), dtype=torch.float64, device=self.device)
-        self.per_token, self._scale = False, 1.0
         self.recording = torch.ones((), dtype=torch.float64, device=self.device)
-        self.counts: dict = {}
-        self.losses: dict = {}
+        self.per_token, self._scale = False, 1.0
 
     @property
     def scale(self):
@@ -98,21 +90,6 @@ class MoEState:
                 self.scale_tensor.copy_(value)
             else:
                 self.scale_tensor.fill_(value)
-
-    def add_layer(self, layer: int, experts: int, loss_dtype: torch.dtype) -> None:
-        self.counts[layer] = torch.zeros(experts + 2, dtype=torch.float64, device=self.device)
-        self.losses[layer] = torch.zeros(2, dtype=loss_dtype, device=self.device)
-
-    def record(self, layer: int, kept: torch.Tensor, routes: torch.Tensor, aux=None, z=None) -> None:
-        """Add one call's statistics, times ``recording``, in place (no host read; traced by
-        dynamo): kept, routes [E] int routes per expert after and before dropping; aux, z: 0-dim
-        loss values over their coefficients, or None (off)."""
-        self.counts[layer] += torch.cat((kept, routes.sum().view(1), torch.ones_like(kept[:1]))) * self.recording
-        losses = self.losses[layer]
-        if aux is not None:
-            losses[0] += aux.detach() * self.recording.to(losses.dtype)
-        if z is not None:
-            losses[1] += z.detach() * self.recording.to(losses.dtype)
 
 
 class AttachLoss(torch.autograd.Function):
@@ -142,7 +119,7 @@ def forward_pass(state: MoEState):
     twice — ``state.recording`` is 0 inside. Read here, eagerly; the layers multiply their
     statistics by the tensor, so the recompute runs the same compiled graph (one that skipped
     the update would save other tensors for backward, which checkpoint refuses)."""
-    replay = bool(state.counts) and _in_backward()
+    replay = _in_backward()
     if replay:
         state.recording.fill_(0.0)
     try:
@@ -349,7 +326,11 @@ def token_group(ps, sequence_parallel: bool):
 class MoELayer(nn.Module):
     """The MLP of an MoE layer: x [s, b, h] ([s/tp, b, h] under SP) → same shape (module doc).
 
-    state: the chunk's MoEState; layer: the global layer index (for statistics).
+    state: the chunk's MoEState; layer: the global layer index (for statistics). Its routing
+    statistics since the last ``start_routing_stats`` (non-persistent buffers, updated in place
+    by ``_record``, read and zeroed by ``start_routing_stats``): ``routing_counts`` float64
+    [E + 2]: routes per expert after dropping, routes before dropping, calls; ``routing_losses``
+    [2] (the logits' dtype): summed aux and z-loss values over their coefficients (0 when off).
     """
 
     def __init__(self, cfg, ps, layer: int, init, scaled_init, state: MoEState, *, sequence_parallel: bool,
@@ -360,7 +341,10 @@ class MoELayer(nn.Module):
         self.split = group_size(self.token_group)
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
         self.router = Router(cfg, ps, init, **kw)
-        state.add_layer(layer, cfg.num_experts, wide(params_dtype))
+        self.register_buffer("routing_counts", torch.zeros(cfg.num_experts + 2, dtype=torch.float64,
+                                                           device=ps.device), persistent=False)
+        self.register_buffer("routing_losses", torch.zeros(2, dtype=wide(params_dtype), device=ps.device),
+                             persistent=False)
         self.experts = Experts(cfg, ps, init, scaled_init, **kw)
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
@@ -402,7 +386,7 @@ class MoELayer(nn.Module):
         attached there), and this call's statistics recorded unless a backward re-runs the forward
         (full recompute: ``forward_pass``). routes, kept: [E] routes per expert before and after
         dropping. Traced whole under torch.compile: the scale is a tensor input, the statistics
-        in-place updates of device tensors (``MoEState.record``)."""
+        in-place updates of device tensors (``_record``)."""
         cfg, state = self.cfg, self.state
         # 1, or under --calculate-per-token-loss the micro-batch's tokens on this DP rank (this rank's
         # T times the token group's size; Megatron's num_local_tokens · tp_cp size)
@@ -411,11 +395,23 @@ class MoELayer(nn.Module):
             gates = AttachLoss.apply(gates, z * weight, state.scale_tensor)
         if aux is not None:
             gates = AttachLoss.apply(gates, aux * weight, state.scale_tensor)
-        state.record(self.layer, kept, routes, aux=None if aux is None else aux / aux_coeff(cfg),
+        self._record(kept, routes, aux=None if aux is None else aux / aux_coeff(cfg),
                      z=None if z is None else z * self.split / cfg.moe_z_loss_coeff)
-        if self.router.use_bias:
-            self.router.tokens_per_expert += kept * state.recording
         return gates
+
+    def _record(self, kept: torch.Tensor, routes: torch.Tensor, aux=None, z=None) -> None:
+        """Add one call's statistics, times ``MoEState.recording``, in place (no host read; traced
+        by dynamo; the buffers, not the layer index, so every layer runs the same graph): kept,
+        routes [E] int routes per expert after and before dropping; aux, z: 0-dim loss values
+        over their coefficients, or None (off). Also the expert bias's counts."""
+        on = self.state.recording
+        self.routing_counts += torch.cat((kept, routes.sum().view(1), torch.ones_like(kept[:1]))) * on
+        if aux is not None:
+            self.routing_losses[0] += aux.detach() * on.to(aux.dtype)
+        if z is not None:
+            self.routing_losses[1] += z.detach() * on.to(z.dtype)
+        if self.router.use_bias:
+            self.router.tokens_per_expert += kept * on
 
 
 def routing_stats(chunks, ps, cfg) -> dict:
@@ -438,16 +434,16 @@ def start_routing_stats(chunks, ps, cfg):
     and the optimizer step, the host's read waits for no later work (the trainer's log
     iterations: a read after the step would drain the GPU before the next step is launched)."""
     E, L = cfg.num_experts, cfg.num_layers
-    # [L, E + 4]: routes per expert, routes before dropping, calls, aux, z (MoEState's tensors,
+    # [L, E + 4]: routes per expert, routes before dropping, calls, aux, z (the layers' buffers,
     # all on the device: made and filled there, no host number copied over)
     table = torch.zeros(L, E + 4, dtype=torch.float64, device=ps.device)
     for chunk in chunks:
-        state = getattr(chunk, "moe_state", None)
-        for layer, counts in (state.counts.items() if state is not None else ()):
-            table[layer, :E + 2] += counts
-            table[layer, E + 2:] += state.losses[layer]
-            counts.zero_()
-            state.losses[layer].zero_()
+        for m in chunk.modules():
+            if hasattr(m, "routing_counts"):  # an MoELayer
+                table[m.layer, :E + 2] += m.routing_counts
+                table[m.layer, E + 2:] += m.routing_losses
+                m.routing_counts.zero_()
+                m.routing_losses.zero_()
     if ps.world_size > 1:
         watchdog.call("all_reduce of the MoE routing statistics", None, dist.all_reduce, table)
     shares = ps.tp * ps.cp  # MoE at TP > 1 runs under SP: each TP × CP rank records its rows' share
