@@ -348,23 +348,16 @@ def test_compiled_moe_layer_is_one_graph_and_equals_eager_in_float64(per_token):
     assert (s0[1] > 0).all()
 
 
-def _recorded(layer: int, counts: list, losses: list) -> torch.nn.Module:
-    """A module as start_routing_stats finds an MoELayer: its index and statistics buffers."""
-    m = torch.nn.Module()
-    m.layer = layer
-    m.register_buffer("routing_counts", torch.tensor(counts, dtype=torch.float64), persistent=False)
-    m.register_buffer("routing_losses", torch.tensor(losses), persistent=False)
-    return m
-
-
 def test_routing_stats_sum_the_layers_buffers_and_reset_them():
     """routing_stats sums each MoE layer's buffers (on the device) into one table, leaves out a
     layer that recorded no call, means the losses over the calls, and zeroes the buffers."""
     m = _cfg(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=0.0)
-    chunk = torch.nn.ModuleList([_recorded(0, [6, 2, 0, 7, 17, 2], [1.5, 0.0]), _recorded(1, [0] * 6, [0.0, 0.0])])
+    chunk = torch.nn.ModuleList([_layer(m, index=i) for i in (0, 1)])
+    chunk[0].routing_counts.copy_(torch.tensor([6, 2, 0, 7, 17, 2]))
+    chunk[0].routing_losses.copy_(torch.tensor([1.5, 0.0]))
     got = moe.routing_stats([chunk], ParallelState.single(), m)
     assert got == {0: {"tokens": [6.0, 2.0, 0.0, 7.0], "routes": 17.0, "aux": 0.75, "z": None}}
-    assert not any(b.any() for b in chunk.buffers())
+    assert not any(layer.routing_counts.any() or layer.routing_losses.any() for layer in chunk)
     assert moe.routing_stats([chunk], ParallelState.single(), m) == {}
 
 

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from meshlm.config import Config
-from meshlm.model.moe import MoEState, start_routing_stats
+from meshlm.model.moe import MoELayer, MoEState, start_routing_stats
 from meshlm.parallel.mesh import ParallelState
 from meshlm.parallel.pipeline import reduce_losses
+from meshlm.parallel.tensor import ShardedInit
 
 pytestmark = pytest.mark.gpu
 
@@ -21,10 +22,10 @@ def test_loss_reduction_and_routing_statistics_make_no_host_sync(per_token):
     m.num_layers, m.num_experts, m.moe_aux_loss_coeff = 2, 4, 1e-2
     losses = [{"lm_loss": torch.tensor(v, device=dev), "num_tokens": torch.tensor(4, device=dev)} for v in (2.0, 4.0)]
     state = MoEState(dev)
-    layer = torch.nn.Module()  # as start_routing_stats finds an MoELayer
-    layer.layer = 1
-    layer.register_buffer("routing_counts", torch.tensor([1.0, 2.0, 3.0, 2.0, 8.0, 1.0], dtype=torch.float64, device=dev))
-    layer.register_buffer("routing_losses", torch.tensor([0.5, 0.0], device=dev))
+    init = lambda name: ShardedInit((1, 1, name), 0.2)  # noqa: E731
+    layer = MoELayer(m, ps, 1, init, init, state, sequence_parallel=False, params_dtype=torch.float32)
+    layer.routing_counts.copy_(torch.tensor([1.0, 2.0, 3.0, 2.0, 8.0, 1.0]))  # one call's statistics
+    layer.routing_losses.copy_(torch.tensor([0.5, 0.0]))
     chunk = torch.nn.ModuleList([layer])
     scale = torch.tensor(0.25, dtype=torch.float64, device=dev) if per_token else 0.25
     torch.cuda.synchronize()

@@ -439,7 +439,7 @@ def start_routing_stats(chunks, ps, cfg):
     table = torch.zeros(L, E + 4, dtype=torch.float64, device=ps.device)
     for chunk in chunks:
         for m in chunk.modules():
-            if hasattr(m, "routing_counts"):  # an MoELayer
+            if isinstance(m, MoELayer):
                 table[m.layer, :E + 2] += m.routing_counts
                 table[m.layer, E + 2:] += m.routing_losses
                 m.routing_counts.zero_()
