@@ -78,11 +78,11 @@ def _cfg(**moe_flags):
     return cfg.model
 
 
-def _layer(m, dtype=torch.float64):
+def _layer(m, dtype=torch.float64, index=0, state=None):
     from meshlm.parallel.tensor import ShardedInit
     ps = ParallelState.single()
-    init = lambda name: ShardedInit((1, 0, name), 0.2)  # noqa: E731
-    return moe.MoELayer(m, ps, 0, init, init, moe.MoEState(), sequence_parallel=False, params_dtype=dtype)
+    init = lambda name: ShardedInit((1, index, name), 0.2)  # noqa: E731
+    return moe.MoELayer(m, ps, index, init, init, state or moe.MoEState(), sequence_parallel=False, params_dtype=dtype)
 
 
 @pytest.mark.parametrize("swiglu,shared", [(False, None), (True, 8)])
@@ -295,14 +295,23 @@ def test_fixed_slot_dispatch_is_nonzero_order_and_equals_index_add_with_dropping
 
 
 @pytest.mark.slow
-def test_compiled_moe_layer_has_one_eager_step_and_equals_eager_in_float64():
-    """The MoE layer as dynamo captures it on the fast path (float64, z-loss, aux loss, capacity
-    dropping; AOT autograd without Inductor's codegen, which tests/test_moe_parallel.py's compiled
-    parity runs): one graph break, at the losses' attachment and statistics (no host sync in the
-    dispatch), output and gradients equal to eager, statistics recorded once per call."""
+@pytest.mark.parametrize("per_token", [False, True])
+def test_compiled_moe_layer_is_one_graph_and_equals_eager_in_float64(per_token):
+    """The MoE layer as dynamo captures it on the fast path (float64, sigmoid scores with the expert
+    bias, z-loss, aux loss, capacity dropping; AOT autograd without Inductor's codegen, which
+    tests/test_moe_parallel.py's compiled parity runs), under full recompute: one graph with
+    ``fullgraph=True`` (the losses' attachment and the statistics traced: no graph break), which
+    the recompute and another layer run again (no recompile); output, gradients (the aux losses' scale a float, or a tensor under
+    --calculate-per-token-loss), routing statistics and the expert bias's counts equal eager's, each
+    recorded once per call (not again by the recompute)."""
+    from torch.utils.checkpoint import checkpoint
+
     from meshlm import fast
-    m = _cfg(swiglu=True, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_expert_capacity_factor=1.0)
+    m = _cfg(swiglu=True, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_expert_capacity_factor=1.0,
+             moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     layer = _layer(m)
+    layer.state.scale = torch.tensor(0.25, dtype=torch.float64) if per_token else 0.5
+    other = _layer(m, index=1, state=layer.state)
     x = torch.randn(8, 2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5), requires_grad=True)
     runs = []
     for compiled in (False, True):
@@ -310,39 +319,46 @@ def test_compiled_moe_layer_has_one_eager_step_and_equals_eager_in_float64():
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             fast._before_compile()
-            layer.compile(backend="aot_eager")
+            layer.compile(backend="aot_eager", fullgraph=True)
         layer.zero_grad()
         x.grad = None
-        y = layer(x)
+
+        def unit(x):  # as model/transformer.py's _run_layers
+            with moe.forward_pass(layer.state):
+                return layer(x)
+        y = checkpoint(unit, x, use_reentrant=False)
         y.square().sum().backward()
-        runs.append((y.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in layer.named_parameters()}))
-    breaks = torch._dynamo.utils.counters["graph_break"]
-    assert len(breaks) == 1 and "_attach_and_record" in next(iter(breaks)), dict(breaks)
-    (y0, gx0, g0), (y1, gx1, g1) = runs
+        stats = (layer.routing_counts.clone(), layer.routing_losses.clone(), layer.router.tokens_per_expert.clone())
+        for t in (layer.routing_counts, layer.routing_losses, layer.router.tokens_per_expert):
+            t.zero_()
+        runs.append((y.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in layer.named_parameters()}, stats))
+    other.compile(backend="aot_eager", fullgraph=True)
+    other(x).sum().backward()
+    assert other.routing_counts[-1] == 1 and layer.routing_counts[-1] == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # for both layers, and the recompute
+    assert not torch._dynamo.utils.counters["graph_break"]
+    (y0, gx0, g0, s0), (y1, gx1, g1, s1) = runs
     torch.testing.assert_close(y1, y0, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(gx1, gx0, rtol=1e-12, atol=1e-14)
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-12, atol=1e-14, msg=n)
-    assert layer.state.stats[0]["calls"] == 2
+    assert s0[0][-1] == 1 and s0[0][4] == 16 * 2 > s0[0][:4].sum()  # one call (not the recompute's); some dropped
+    assert torch.equal(s1[0], s0[0]) and torch.equal(s1[2], s0[0][:4].float())
+    torch.testing.assert_close(s1[1], s0[1], rtol=1e-12, atol=0)
+    assert (s0[1] > 0).all()
 
 
-def test_routing_stats_sum_device_tensors_and_host_numbers():
-    """routing_stats adds each layer's recorded tensors (on the device) and host numbers (call
-    counts, an absent z-loss) into one table; the host's go over in one copy (no blocking copy
-    of a Python number to the device: moe.start_routing_stats)."""
+def test_routing_stats_sum_the_layers_buffers_and_reset_them():
+    """routing_stats sums each MoE layer's buffers (on the device) into one table, leaves out a
+    layer that recorded no call, means the losses over the calls, and zeroes the buffers."""
     m = _cfg(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=0.0)
-    state = moe.MoEState()
-    for call in range(2):
-        state.record(0, tokens=torch.tensor([3.0, 1.0, 0.0, 4.0], dtype=torch.float64),
-                     routes=torch.tensor(8.0 + call, dtype=torch.float64), aux=torch.tensor(0.5 * (call + 1)), calls=1)
-    state.record(1, tokens=torch.tensor([2.0, 2.0, 2.0, 2.0], dtype=torch.float64),
-                 routes=torch.tensor(8.0, dtype=torch.float64), aux=torch.tensor(1.0), calls=1)
-    chunk = torch.nn.Module()
-    chunk.moe_state = state
+    chunk = torch.nn.ModuleList([_layer(m, index=i) for i in (0, 1)])
+    chunk[0].routing_counts.copy_(torch.tensor([6, 2, 0, 7, 17, 2]))
+    chunk[0].routing_losses.copy_(torch.tensor([1.5, 0.0]))
     got = moe.routing_stats([chunk], ParallelState.single(), m)
-    assert got == {0: {"tokens": [6.0, 2.0, 0.0, 8.0], "routes": 17.0, "aux": 0.75, "z": None},
-                   1: {"tokens": [2.0, 2.0, 2.0, 2.0], "routes": 8.0, "aux": 1.0, "z": None}}
-    assert state.stats == {} and moe.routing_stats([chunk], ParallelState.single(), m) == {}
+    assert got == {0: {"tokens": [6.0, 2.0, 0.0, 7.0], "routes": 17.0, "aux": 0.75, "z": None}}
+    assert not any(layer.routing_counts.any() or layer.routing_losses.any() for layer in chunk)
+    assert moe.routing_stats([chunk], ParallelState.single(), m) == {}
 
 
 def test_swiglu_one_pass_backward_is_autograds_in_float64():

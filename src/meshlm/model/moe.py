@@ -5,7 +5,7 @@ needs at TP > 1; [s/cp, b, h] under context parallelism; each rank routes its ow
 ranks that split one micro-batch's tokens — TP under SP, times CP — are the *token group*,
 ``ParallelState.tp_cp_group``):
   logits = x W_rᵀ [T, E] (fp32 at least), router z-loss (attached to the gates,
-  ``_attach_and_record``; this rank's mean over the token group's size: the shares add up to the
+  ``MoELayer._attach_and_record``; this rank's mean over the token group's size: the shares add up to the
   micro-batch's mean);
   scores and top-k (``route``; Megatron's topk_routing_with_score_function): softmax over the k
   chosen logits, or over all E first with --moe-router-pre-softmax (not renormalised); sigmoid,
@@ -19,12 +19,21 @@ ranks that split one micro-batch's tokens — TP under SP, times CP — are the 
   plus the shared expert's output (a TP-split MLP on every token).
 
 Auxiliary losses enter backward through ``AttachLoss``: the forward value is unchanged, backward
-feeds the loss a gradient of ``MoEState.scale``, which the pipeline sets to what it multiplies
+feeds the loss a gradient of ``MoEState.scale`` (read at backward), which the pipeline sets to what it multiplies
 the LM loss by (loss_scale · CP / micro-batches; under --calculate-per-token-loss
 loss_scale · DP · CP / N, the loss then weighted by the micro-batch's tokens, T times the token
 group's size), so aux and LM gradients are averaged alike (Megatron's MoEAuxLossAutoScaler):
 each rank's aux and z-loss are its shares of the micro-batch's, whose gradients sum over TP
 (``sequence_parallel`` params) and are averaged over DP × CP, which the factor CP undoes.
+
+Compiled (the fast path), a layer is one graph at EP = 1: the scale reaches ``AttachLoss`` as a
+tensor (``MoEState.scale_tensor``, the value set copied in place), the routing statistics are
+in-place updates of each layer's device buffers (``MoELayer._record``; summed, read and zeroed by
+``start_routing_stats``, never read by the host in the step), and full recompute
+(re-running the forward inside backward) multiplies them by 0 (``forward_pass``) rather than
+skipping them, so forward and recompute run the same graph and save the same tensors. What still
+breaks it: the token group's all-reduce of the aux loss's counts (TP under SP, or CP > 1:
+``_summed``) and, at EP > 1, the all-to-all's host read of the counts (parallel/experts.py).
 
 Experts are meshlm MLPs at TP = 1 (expert TP 1), named by their **global** index
 (``mlp.experts.local_experts.<e>.linear_fc1.weight``), so checkpoints are layout-free; each EP
@@ -35,6 +44,7 @@ ranks saw different tokens: their grads are summed over TP).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -55,40 +65,68 @@ from .swiglu import swiglu
 
 
 class MoEState:
-    """What the MoE layers of one model chunk share: ``scale`` of the aux-loss gradients (set by
-    the pipeline per step) and this step's routing statistics per layer (``stats``: layer →
-    {"tokens": [E] routes per expert (after dropping), "routes": routes before dropping,
-    "aux", "z": summed loss values (unscaled by their coefficients' gradient), "calls"})."""
+    """What the MoE layers of one model chunk share, read by compiled layers without a graph break
+    (module doc, "Compiled"): ``scale``, the aux-loss gradients' factor, set by the pipeline per
+    step: a float, or a 0-dim tensor under --calculate-per-token-loss (``per_token``); setting it
+    copies its value in place into ``scale_tensor`` (float64 0-dim on ``device``), the tensor
+    backward reads. ``recording`` (float64 0-dim, 1 or 0): the factor of the layers' statistics
+    updates (0 while full recompute re-runs the forward: ``forward_pass``)."""
 
-    def __init__(self):
-        self.scale = 1.0
-        self.stats: dict = {}
+    def __init__(self, device=None):
+        self.device = torch.device("cpu" if device is None else device)
+        self.scale_tensor = torch.ones((), dtype=torch.float64, device=self.device)
+        self.recording = torch.ones((), dtype=torch.float64, device=self.device)
+        self.per_token, self._scale = False, 1.0
 
-    def record(self, layer: int, **values) -> None:
-        s = self.stats.setdefault(layer, {})
-        for k, v in values.items():
-            v = v.detach() if isinstance(v, torch.Tensor) else v
-            s[k] = s[k] + v if k in s else v
+    @property
+    def scale(self):
+        return self._scale
+
+    @scale.setter
+    def scale(self, value) -> None:
+        self._scale, self.per_token = value, isinstance(value, torch.Tensor)
+        with torch.no_grad():  # a device-side copy or fill: no host sync
+            if self.per_token:
+                self.scale_tensor.copy_(value)
+            else:
+                self.scale_tensor.fill_(value)
 
 
 class AttachLoss(torch.autograd.Function):
-    """y = x; backward also gives ``loss`` the gradient ``state.scale`` (see module doc)."""
+    """y = x; backward also gives ``loss`` (0-dim) the gradient ``scale`` (a 0-dim tensor read at
+    backward: ``MoEState.scale_tensor``, in the loss's dtype; see module doc)."""
 
     @staticmethod
-    def forward(ctx, x, loss, state):
-        ctx.state = state
-        ctx.save_for_backward(loss)
+    def forward(ctx, x, loss, scale):
+        ctx.save_for_backward(loss, scale)
         return x
 
     @staticmethod
     def backward(ctx, dy):
-        (loss,) = ctx.saved_tensors
-        return dy, torch.ones_like(loss) * ctx.state.scale, None
+        loss, scale = ctx.saved_tensors
+        return dy, torch.ones_like(loss) * scale.to(loss.dtype), None
 
 
 def _in_backward() -> bool:
     """True while autograd runs a backward (full recompute re-running a forward)."""
     return torch._C._current_graph_task_id() != -1
+
+
+@contextlib.contextmanager
+def forward_pass(state: MoEState):
+    """Run the MoE layers of ``state`` within (model/transformer.py's _run_layers): if autograd is
+    running a backward — full recompute re-running the forward, whose statistics must not count
+    twice — ``state.recording`` is 0 inside. Read here, eagerly; the layers multiply their
+    statistics by the tensor, so the recompute runs the same compiled graph (one that skipped
+    the update would save other tensors for backward, which checkpoint refuses)."""
+    replay = _in_backward()
+    if replay:
+        state.recording.fill_(0.0)
+    try:
+        yield
+    finally:
+        if replay:
+            state.recording.fill_(1.0)
 
 
 def route(logits: torch.Tensor, k: int, score_function: str = "softmax", pre_softmax: bool = False,
@@ -288,7 +326,11 @@ def token_group(ps, sequence_parallel: bool):
 class MoELayer(nn.Module):
     """The MLP of an MoE layer: x [s, b, h] ([s/tp, b, h] under SP) → same shape (module doc).
 
-    state: the chunk's MoEState; layer: the global layer index (for statistics).
+    state: the chunk's MoEState; layer: the global layer index (for statistics). Its routing
+    statistics since the last ``start_routing_stats`` (non-persistent buffers, updated in place
+    by ``_record``, read and zeroed by ``start_routing_stats``): ``routing_counts`` float64
+    [E + 2]: routes per expert after dropping, routes before dropping, calls; ``routing_losses``
+    [2] (the logits' dtype): summed aux and z-loss values over their coefficients (0 when off).
     """
 
     def __init__(self, cfg, ps, layer: int, init, scaled_init, state: MoEState, *, sequence_parallel: bool,
@@ -299,6 +341,10 @@ class MoELayer(nn.Module):
         self.split = group_size(self.token_group)
         kw = dict(sequence_parallel=sequence_parallel, params_dtype=params_dtype)
         self.router = Router(cfg, ps, init, **kw)
+        self.register_buffer("routing_counts", torch.zeros(cfg.num_experts + 2, dtype=torch.float64,
+                                                           device=ps.device), persistent=False)
+        self.register_buffer("routing_losses", torch.zeros(2, dtype=wide(params_dtype), device=ps.device),
+                             persistent=False)
         self.experts = Experts(cfg, ps, init, scaled_init, **kw)
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
@@ -327,39 +373,45 @@ class MoELayer(nn.Module):
             aux, _ = aux_loss(logits, cfg.moe_router_topk, cfg.moe_router_score_function, aux_coeff(cfg),
                               self.token_group)
         if training:
-            gates = _attach_and_record(self, gates, z, aux, routes, routing_map.sum(0), tokens.shape[0])
+            gates = self._attach_and_record(gates, z, aux, routes, routing_map.sum(0), tokens.shape[0])
         shared = None if self.shared_experts is None else lambda: self.shared_experts(x).reshape(-1, shape[-1])
         y, s = dispatch_combine(tokens, gates, routing_map, self.experts, self.ps.ep_group, chosen,
                                 cfg.moe_router_topk, shared)  # the shared expert overlaps EP's all-to-all
         return (y if s is None else y + s).reshape(shape)
 
+    def _attach_and_record(self, gates: torch.Tensor, z, aux, routes: torch.Tensor, kept: torch.Tensor,
+                           tokens: int) -> torch.Tensor:
+        """gates with the z-loss and load-balancing loss (None: off) attached (``AttachLoss``: both
+        on the gates, which every route's gradient passes, so the z-loss reaches the logits as if
+        attached there), and this call's statistics recorded unless a backward re-runs the forward
+        (full recompute: ``forward_pass``). routes, kept: [E] routes per expert before and after
+        dropping. Traced whole under torch.compile: the scale is a tensor input, the statistics
+        in-place updates of device tensors (``_record``)."""
+        cfg, state = self.cfg, self.state
+        # 1, or under --calculate-per-token-loss the micro-batch's tokens on this DP rank (this rank's
+        # T times the token group's size; Megatron's num_local_tokens · tp_cp size)
+        weight = float(tokens * self.split) if state.per_token else 1.0
+        if z is not None:
+            gates = AttachLoss.apply(gates, z * weight, state.scale_tensor)
+        if aux is not None:
+            gates = AttachLoss.apply(gates, aux * weight, state.scale_tensor)
+        self._record(kept, routes, aux=None if aux is None else aux / aux_coeff(cfg),
+                     z=None if z is None else z * self.split / cfg.moe_z_loss_coeff)
+        return gates
 
-@eager
-def _attach_and_record(layer: MoELayer, gates: torch.Tensor, z, aux, routes: torch.Tensor, kept: torch.Tensor,
-                       tokens: int) -> torch.Tensor:
-    """gates with the z-loss and load-balancing loss (None: off) attached (``AttachLoss``: both on the
-    gates, which every route's gradient passes, so the z-loss reaches the logits as if attached
-    there), and this call's statistics recorded unless a backward re-runs the forward (full
-    recompute). routes, kept: [E] routes per expert before and after dropping. The one eager
-    step of a compiled MoE layer (its Python state)."""
-    cfg, state = layer.cfg, layer.state
-    record = not _in_backward()
-    # 1, or under --calculate-per-token-loss the micro-batch's tokens on this DP rank (this rank's
-    # T times the token group's size; Megatron's num_local_tokens · tp_cp size)
-    weight = float(tokens * layer.split) if isinstance(state.scale, torch.Tensor) else 1.0
-    if z is not None:
-        if record:
-            state.record(layer.layer, z=z * layer.split / cfg.moe_z_loss_coeff)
-        gates = AttachLoss.apply(gates, z * weight, state)
-    if aux is not None:
-        if record:
-            state.record(layer.layer, aux=aux / aux_coeff(cfg))
-        gates = AttachLoss.apply(gates, aux * weight, state)
-    if record:
-        state.record(layer.layer, tokens=kept.to(torch.float64), routes=routes.sum().to(torch.float64), calls=1)
-        if layer.router.use_bias:
-            layer.router.tokens_per_expert += kept
-    return gates
+    def _record(self, kept: torch.Tensor, routes: torch.Tensor, aux=None, z=None) -> None:
+        """Add one call's statistics, times ``MoEState.recording``, in place (no host read; traced
+        by dynamo; the buffers, not the layer index, so every layer runs the same graph): kept,
+        routes [E] int routes per expert after and before dropping; aux, z: 0-dim loss values
+        over their coefficients, or None (off). Also the expert bias's counts."""
+        on = self.state.recording
+        self.routing_counts += torch.cat((kept, routes.sum().view(1), torch.ones_like(kept[:1]))) * on
+        if aux is not None:
+            self.routing_losses[0] += aux.detach() * on.to(aux.dtype)
+        if z is not None:
+            self.routing_losses[1] += z.detach() * on.to(z.dtype)
+        if self.router.use_bias:
+            self.router.tokens_per_expert += kept * on
 
 
 def routing_stats(chunks, ps, cfg) -> dict:
@@ -382,29 +434,16 @@ def start_routing_stats(chunks, ps, cfg):
     and the optimizer step, the host's read waits for no later work (the trainer's log
     iterations: a read after the step would drain the GPU before the next step is launched)."""
     E, L = cfg.num_experts, cfg.num_layers
-    # the host's numbers (the call counts, absent losses) go to the device in one copy from pinned
-    # memory: a tensor made on the device from a Python number is a blocking copy, which would
-    # drain the GPU here, before the optimizer step is launched
-    numbers = torch.zeros(L, E + 4, dtype=torch.float64)
-    device_parts = []
+    # [L, E + 4]: routes per expert, routes before dropping, calls, aux, z (the layers' buffers,
+    # all on the device: made and filled there, no host number copied over)
+    table = torch.zeros(L, E + 4, dtype=torch.float64, device=ps.device)
     for chunk in chunks:
-        state = getattr(chunk, "moe_state", None)
-        for layer, s in (state.stats.items() if state is not None else ()):
-            device_parts.append((layer, slice(0, E), s["tokens"]))
-            for j, k in enumerate(("routes", "aux", "z", "calls")):
-                v = s.get(k, 0.0)
-                if isinstance(v, torch.Tensor):
-                    device_parts.append((layer, E + j, v))
-                else:
-                    numbers[layer, E + j] += v
-        if state is not None:
-            state.stats.clear()
-    if ps.device.type == "cuda":
-        table = numbers.pin_memory().to(ps.device, non_blocking=True)
-    else:
-        table = numbers.to(ps.device)
-    for layer, where, v in device_parts:
-        table[layer, where] += v
+        for m in chunk.modules():
+            if isinstance(m, MoELayer):
+                table[m.layer, :E + 2] += m.routing_counts
+                table[m.layer, E + 2:] += m.routing_losses
+                m.routing_counts.zero_()
+                m.routing_losses.zero_()
     if ps.world_size > 1:
         watchdog.call("all_reduce of the MoE routing statistics", None, dist.all_reduce, table)
     shares = ps.tp * ps.cp  # MoE at TP > 1 runs under SP: each TP × CP rank records its rows' share
@@ -418,7 +457,7 @@ def start_routing_stats(chunks, ps, cfg):
             copied.synchronize()
         rows, out = host.tolist(), {}
         for layer in range(L):
-            routes, aux, z, calls = rows[layer][E:]
+            routes, calls, aux, z = rows[layer][E:]
             if calls:
                 out[layer] = {"tokens": rows[layer][:E], "routes": routes,
                               "aux": aux * shares / calls if aux_coeff(cfg) else None,  # shares add up

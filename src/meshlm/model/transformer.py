@@ -22,6 +22,7 @@ the fast path (meshlm/fast.py), which draws one per-TP-rank stream as Megatron d
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -38,7 +39,7 @@ from ..parallel.random import RNGTracker
 from ..parallel.tensor import ShardedInit, VocabParallelEmbedding, contiguous_index, mark_partitioned
 from .attention import SelfAttention, attention_mask
 from .mlp import MLP
-from .moe import MoELayer, MoEState
+from .moe import MoELayer, MoEState, forward_pass
 from .recompute import Recompute
 
 EMBEDDING_KEY = (-1, "embedding.word_embeddings.weight")  # (layer, name) of the word embedding
@@ -90,8 +91,8 @@ class TransformerLayer(nn.Module):
     so its masks must agree across TP ranks: the keyed streams stay.
 
     moe_state: the chunk's MoEState when this layer's MLP is a mixture of experts (model/moe.py;
-    compiled too: at EP = 1 its only eager step is the losses' attachment and statistics; at
-    EP > 1 the all-to-all's host read of the counts splits the graph as well).
+    compiled too: at EP = 1 one graph, the losses' attachment and statistics traced; at EP > 1
+    the all-to-all's host read of the counts splits it).
     """
 
     def __init__(self, cfg, ps, layer: int, init, scaled_init, rng, seq: SequenceSlice, *,
@@ -126,10 +127,13 @@ class TransformerLayer(nn.Module):
         return self.rng.dropout(h, self.p, (self.layer, site, call), full, offset)
 
 
-def _run_layers(layers: list, x: torch.Tensor, call: int, positions=None, mask=None) -> torch.Tensor:
-    """x through consecutive layers (one unit of full recompute)."""
-    for layer in layers:
-        x = layer(x, call, positions, mask)
+def _run_layers(layers: list, x: torch.Tensor, call: int, positions=None, mask=None,
+                moe_state: MoEState | None = None) -> torch.Tensor:
+    """x through consecutive layers (one unit of full recompute; ``moe.forward_pass`` tells the MoE
+    layers of moe_state whether it is the recompute, which records no routing statistics)."""
+    with forward_pass(moe_state) if moe_state is not None else contextlib.nullcontext():
+        for layer in layers:
+            x = layer(x, call, positions, mask)
     return x
 
 
@@ -237,7 +241,7 @@ class GPTModel(nn.Module):
         if pre_process:
             self.embedding = Embedding(cfg, ps, vocab_size, self.padded_vocab, init, self.rng, seq, fast=fast, **kw)
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
-        self.moe_state, moe = MoEState(), moe_layer_pattern(cfg)
+        self.moe_state, moe = MoEState(ps.device), moe_layer_pattern(cfg)
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(cfg, ps, i, lambda name, i=i: init(i, name, hidden_std),
                                      lambda name, i=i: init(i, name, scaled_std), self.rng, seq, fast=fast,
@@ -284,7 +288,8 @@ class GPTModel(nn.Module):
         layers = list(self.layers.values())
         for start, end, checkpointed in self.recompute.segments(len(layers)):
             if checkpointed and self.training:
-                x = checkpoint(_run_layers, layers[start:end], x, call, position_ids, mask, use_reentrant=False)
+                x = checkpoint(_run_layers, layers[start:end], x, call, position_ids, mask, self.moe_state,
+                               use_reentrant=False)
             else:
                 x = _run_layers(layers[start:end], x, call, position_ids, mask)
         if not self.post_process:

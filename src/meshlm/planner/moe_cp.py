@@ -28,9 +28,9 @@ which MoE needs at TP > 1); R = k·T their routes; E experts of width f_e, EP ra
   ``fast`` (the GPU default: a compiled layer, one grouped GEMM a projection): the dispatched rows
   act·R·h, the experts' fc1 and activation outputs act·R·f_e·(2 | 1) + act·R·f_e (as the dense
   terms count SwiGLU), the experts' output act·R·h (the combine's fp32 cast is fused), the routing
-  tensors 40·R + 8·T·E + 8·E + 4 bytes (the fixed slots' experts and order, their inverse, the gathered
-  gates; the router's fp32 scores and probabilities for the top-k and the aux loss; 8·E of counts
-  and offsets; one fp32 scalar the graph keeps across its break at the losses' attachment), the router's
+  tensors 40·R + 8·T·E + 4·E bytes (the fixed slots' experts and order, their inverse, the gathered
+  gates; the router's fp32 scores and probabilities for the top-k and the aux loss; 4·E of offsets:
+  the layer is one graph, so the aux loss's counts are recomputed in backward), the router's
   fp32 copies of its input and weight 4·(T + E)·h (bf16/fp16 only), the grouped GEMM's stacked
   weights act·(E/EP)·(2 | 1 + 1)·h·f_e while ``STACKED_COPY`` (model/moe.py ``Experts`` stacks
   the per-expert weights each call, a new tensor the GEMM keeps for backward), and a shared
@@ -103,7 +103,7 @@ def moe_mlp_terms(m: ModelConfig, b: int, layout, *, act_bytes: int = 2, fast: b
     h, gates, E = m.hidden_size, 2 if m.swiglu else 1, m.num_experts
     wide_copies = 4 * (T + E) * h if act_bytes < 4 else 0  # the router's fp32 input and weight
     stacked = stacked_weight_bytes(m, layout, act_bytes=act_bytes) if fast else 0.0
-    return {"router": (40 * R + 8 * T * E + 8 * E + 4 if fast else 56 * R) + wide_copies, "dispatched": act_bytes * R * h,
+    return {"router": (40 * R + 8 * T * E + 4 * E if fast else 56 * R) + wide_copies, "dispatched": act_bytes * R * h,
             "expert_fc1": act_bytes * R * f_e * gates, "expert_activation": act_bytes * R * f_e,
             "combine": (act_bytes if fast else 4) * R * h, "stacked_weights": stacked,
             "shared_fc1": act_bytes * b * m.seq_length * f_s * gates / t,
