@@ -255,13 +255,14 @@ def test_a_full_disk_while_writing_documents_is_one_line_naming_the_prefix(tmp_p
 
 # ----------------------------------------------------------------------------- flags checked up front
 
-def test_duplicate_json_keys_and_zero_workers_are_one_line_errors(tmp_path, capsys):
+def test_duplicate_json_keys_zero_workers_and_zero_partitions_are_one_line_errors(tmp_path, capsys):
     from meshlm.cli import main
     path = _corpus(tmp_path, 2)
     base = ["preprocess", "--input", str(path), "--output-prefix", str(tmp_path / "out"),
             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
     for extra, message in [(["--json-keys", "text", "text"], "--json-keys text text: 'text' is named twice"),
-                           (["--workers", "0"], "--workers 0: use 1 or more")]:
+                           (["--workers", "0"], "--workers 0: use 1 or more"),
+                           (["--partitions", "0"], "--partitions 0: use 1 or more")]:
         assert main(base + extra) == 2
         err = capsys.readouterr().err
         assert err.startswith("meshlm: error: ") and message in err and err.count("\n") == 1

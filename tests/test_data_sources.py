@@ -144,6 +144,10 @@ def test_bad_args_files_are_one_line_each(tmp_path):
         f"\"valid\", \"test\""]
     assert "weights and prefixes must alternate" in problems(config(data_args_path=str(tmp_path / "bad.txt")),
                                                               True)[0]
+    assert problems(config(data_args_path=str(tmp_path / "no_test.json")), True) == [  # one line, not one a word
+        f"--data-args-path {tmp_path / 'no_test.json'}: the file is JSON; --data-args-path takes the --data-path "
+        f"tokens as plain text (0.7 data/a_text_document 0.3 data/b_text_document), and a JSON file of "
+        f"train/valid/test blends is --per-split-data-args-path"]
     missing = problems(config(data_args_path=str(tmp_path / "none.txt")), True)
     assert missing[0].startswith(f"--data-args-path {tmp_path / 'none.txt'}: cannot read it")
     assert problems(config(train_data_path=[a + "x"]), True) == [

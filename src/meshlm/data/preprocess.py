@@ -262,10 +262,14 @@ def report(stats: PreprocessStats) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``meshlm preprocess``: returns 0 when a dataset was written (DataError otherwise).
-    Raises ConfigError for --split-sentences (Megatron's sentence splitting, which meshlm lacks)."""
+    Raises ConfigError for --split-sentences (Megatron's sentence splitting, which meshlm lacks) and a
+    --partitions below 1."""
     if args.split_sentences:
         raise ConfigError("--split-sentences: meshlm does not split documents into sentences; drop it to "
                           "tokenize each document whole (split the text into sentences first if you need them)")
+    if args.partitions < 1:  # Megatron's own domain; the value changes nothing here beyond that
+        raise ConfigError(f"--partitions {args.partitions}: use 1 or more (meshlm reads the inputs once "
+                          f"whatever the value; drop the flag)")
     from .tokenizer import ignored_vocab_size
     ignored = ignored_vocab_size(args, args.vocab_size)
     if ignored:

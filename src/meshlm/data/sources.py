@@ -117,7 +117,12 @@ def blends(d) -> list:
         return [("--data-path", parse_data_path(d.data_path))]
     if d.data_args_path is not None:
         flag = f"--data-args-path {d.data_args_path}"
-        tokens = _read(d.data_args_path, "--data-args-path").split()
+        text = _read(d.data_args_path, "--data-args-path")
+        tokens = text.split()
+        if text.lstrip()[:1] in ("{", "["):  # each JSON word would be named as a bad prefix
+            raise ConfigError(f"{flag}: the file is JSON; --data-args-path takes the --data-path tokens as "
+                              f"plain text (0.7 data/a_text_document 0.3 data/b_text_document), and a JSON "
+                              f"file of train/valid/test blends is --per-split-data-args-path")
         if not tokens:
             raise ConfigError(f"{flag}: the file holds no dataset prefix; write the --data-path tokens into it "
                               f"(e.g. 0.7 data/a_text_document 0.3 data/b_text_document)")
