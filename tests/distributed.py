@@ -1,7 +1,7 @@
 """Run a function in N CPU processes over gloo: the harness of every multi-process test.
 
-``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises gloo (or NCCL) on
-a free port, calls ``fn(rank, world_size, *args)`` in each and returns the list of their return
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises gloo (or NCCL)
+through a TCPStore the caller serves, calls ``fn(rank, world_size, *args)`` in each and returns the list of their return
 values (rank order). An exception in any worker fails the caller with that worker's traceback.
 Return values must be picklable (move tensors to CPU; prefer plain floats/lists/tensors).
 
@@ -10,10 +10,15 @@ meshlm (``PRELOAD``): a worker starts in milliseconds instead of paying the ~2 s
 interpreter costs, and each test still gets processes of its own (nothing leaks between tests: the
 server itself never runs a torch op, initialises a process group or touches CUDA). NCCL workers
 are spawned, so that CUDA starts in a clean process.
+
+The store is bound by the caller on a port the OS picks (port 0) before any worker starts and every
+rank is its client: a port chosen free and bound later by rank 0 could be taken in between by another
+test of the parallel suite (EADDRINUSE), and ranks then reached another test's store.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import tempfile
@@ -39,6 +44,7 @@ def _context(backend: str):
 
 
 def _free_port() -> int:
+    """A port free now, for a launcher or cluster the test starts (it may be taken before they bind it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -52,7 +58,8 @@ def _worker(rank, world_size, port, fn, args, outdir, backend):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
         torch.save({"ok": out}, result_path)
     except BaseException:
@@ -67,8 +74,9 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo"):
     """Spawn world_size processes running fn(rank, world_size, *args); return their results.
 
     backend "nccl": rank r uses GPU r (the GPU tests)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     with tempfile.TemporaryDirectory() as outdir:
-        port = _free_port()
         ctx = _context(backend)
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, outdir, backend))
                  for r in range(world_size)]
