@@ -161,7 +161,7 @@ def row(name: str, model: str, gpus: int, layout: list, m: dict, base: dict | No
             "scaling_efficiency": None if scaling is None else round(scaling / gpus, 3),
             "target_scaling": TARGETS.get(name), "mfu": r4(m["mfu"]), "tflops_per_gpu": r4(m["tflops_per_gpu"]),
             "peak_mem_gib": r4(m["peak_gib"]), "predicted_peak_gib": r4(pred["peak_gib"]),
-            "peak_error": _rel(pred["peak_gib"], m["peak_gib"]), "measured_step_ms": round(m["iter_ms"], 1),
+            "peak_error": _rel(pred["peak_gib"], m["peak_gib"]), "measured_step_ms": round(m["iter_ms"], 3),
             "predicted_step_ms": round(pred["step_ms"], 3), "step_error": _rel(pred["step_ms"], m["iter_ms"]),
             "exposed_comm_share": {k: r4(v) for k, v in m["comm_share"].items()}, "bubble_fraction": r4(m["bubble"]),
             "predicted_share": {k: r4(v) for k, v in m["predicted_share"].items()},
