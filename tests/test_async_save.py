@@ -232,6 +232,9 @@ def _failing_writers(rank, world, tmp):
             return copy(self, state)
         return copied
 
+    import shutil
+    real_usage = shutil.disk_usage  # each rank reads its own free space: the message must still be one line
+    shutil.disk_usage = lambda path: real_usage(path)._replace(free=10 ** 9 + rank)
     messages = []
     for name, iters, owner, attr, failing in (("write", 4, FileSystemWriter, "write_data", disk_full),
                                               ("finalize", 2, ckpt, "finalize", refused),
@@ -258,6 +261,7 @@ def test_a_failing_writer_stops_every_rank_with_one_line_at_the_next_save_or_the
     for message in (write0, final0, copy0):
         assert message and "\n" not in message and message.startswith("--async-save: the ")
     assert "iteration 2 " in write0 and "rank 1: OSError" in write0 and "No space left on device" in write0
+    assert "; 1,000,000,000 bytes free there" in write0  # rank 0's reading on both ranks
     assert "iteration 2 " in final0 and "rank 0: PermissionError" in final0
     assert "host memory (rank 1: RuntimeError: CUDA error: out of memory" in copy0
     for name in ("write", "finalize", "copy"):

@@ -145,8 +145,9 @@ class AsyncSaver:
         (root, iteration), self._thread, self._saving = self._saving, None, None
         problem = self._agree(self._outcome)
         if problem:
+            free = self._agree(ckpt.free_space(root)) or ""  # the lowest rank's reading: one line everywhere
             raise CheckpointError(f"--async-save: the checkpoint of iteration {iteration} in {root} was not "
-                                  f"saved ({problem}{ckpt.free_space(root)}); {ckpt.TRACKER} still names the previous one, "
+                                  f"saved ({problem}{free}); {ckpt.TRACKER} still names the previous one, "
                                   f"which a resume loads")
         return ckpt.iteration_dir(root, iteration)
 

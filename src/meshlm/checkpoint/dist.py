@@ -183,8 +183,9 @@ def save(root: str, iteration: int, state: dict, *, layout: Optional[dict] = Non
     if problem is not None:
         if rank == 0:  # a full disk gets its space back; the tracker still names the previous save
             shutil.rmtree(tmp, ignore_errors=True)
+        free = agree(free_space(root)) or ""  # rank 0's reading: the same line on every rank
         raise CheckpointError(f"--save {root}: the checkpoint of iteration {iteration} was not saved "
-                              f"({problem}{free_space(root)}); {TRACKER} still names the previous one (if any); "
+                              f"({problem}{free}); {TRACKER} still names the previous one (if any); "
                               f"free space or give a --save folder you can write to")
     return iteration_dir(root, iteration)
 
