@@ -120,6 +120,59 @@ def test_grouped_gemm_equals_the_expert_loop(factor):
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_stacked_experts_are_views_of_the_ddp_buffer_with_stacks_gradients(compiled):
+    """Under the DDP each stack of a layer's experts (fc1/fc2 weights and biases, one of each local
+    expert) lies back to back, ascending, in the param buffer, and ``Experts.stacked`` is a view of
+    it (no copy) whose gradients equal ``torch.stack``'s exactly, eager and compiled with
+    ``fullgraph=True`` (float64); the grouped GEMM path (fp32) gives what it gave with copies."""
+    from meshlm.config import Config
+    from meshlm.parallel.data import DistributedDataParallel
+    m = _cfg(swiglu=True, add_bias_linear=True)
+    layer = _layer(m)
+    copies = _layer(m)
+    DistributedDataParallel([layer], ParallelState.single(), Config())
+    experts = layer.experts
+    stacks = experts.stacks()
+    assert sorted(experts.views) == sorted(stacks) == ["linear_fc1.bias", "linear_fc1.weight",
+                                                      "linear_fc2.bias", "linear_fc2.weight"]
+    for stack in stacks.values():
+        n = stack[0].numel() * stack[0].element_size()
+        assert [q.data_ptr() - stack[0].data_ptr() for q in stack] == [i * n for i in range(4)]
+    x = torch.randn(6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+    def loss(ex):  # every stack, as the grouped GEMMs and the row biases take them
+        w1, b1 = ex.stacked("linear_fc1", "weight"), ex.stacked("linear_fc1", "bias")
+        w2, b2 = ex.stacked("linear_fc2", "weight"), ex.stacked("linear_fc2", "bias")
+        y = torch.einsum("nh,efh->enf", x, w1) + b1.unsqueeze(1)
+        y = torch.einsum("enf,ehf->enh", moe.swiglu(y), w2) + b2.unsqueeze(1)
+        return y.square().sum(), w1
+    run = torch.compile(loss, backend="aot_eager", fullgraph=True) if compiled else loss
+    torch._dynamo.reset()
+    got, w1 = run(experts)
+    got.backward()
+    if not compiled:
+        assert w1.data_ptr() == stacks["linear_fc1.weight"][0].data_ptr()
+    want, _ = loss(copies.experts)
+    want.backward()
+    assert torch.equal(got, want)
+    for (name, p), q in zip(layer.experts.named_parameters(), copies.experts.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    if compiled or not hasattr(torch, "_grouped_mm"):
+        return
+    layer, copies = _layer(m, torch.float32), _layer(m, torch.float32)
+    DistributedDataParallel([layer], ParallelState.single(), Config())
+    x = torch.randn(8, 2, 16)
+    ys = []
+    for one in (layer, copies):
+        one.experts.grouped = True
+        ys.append(one(x))
+        ys[-1].square().sum().backward()
+    assert layer.experts.views and torch.equal(ys[0], ys[1])
+    for (name, p), q in zip(layer.named_parameters(), copies.parameters()):
+        assert torch.equal(p.main_grad, q.grad), name
+
+
 def test_unused_expert_gets_a_zero_gradient_and_one_expert_for_all_trains():
     m = _cfg(moe_router_topk=1)
     layer = _layer(m)

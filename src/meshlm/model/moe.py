@@ -40,6 +40,14 @@ Experts are meshlm MLPs at TP = 1 (expert TP 1), named by their **global** index
 rank holds experts [r·E/EP, (r+1)·E/EP). Their params carry ``expert = True`` (reduced over the
 expert-data-parallel group: parallel/data.py) and, under SP, ``sequence_parallel = True`` (TP
 ranks saw different tokens: their grads are summed over TP).
+
+The grouped GEMMs take each projection's weights stacked, [E_local, out, in]. parallel/data.py
+puts every *stack* (``Experts.stacks``: one param of each local expert, ascending) back to back in
+its param buffer and names those stacks in ``Experts.views``; those are then a view of the buffer
+(``StackedView``: no copy, nothing saved for backward but the params' own storage), the others
+(ZeRO-3's per-bucket storage, --fp8-param-gather's FP8 buffers, a layer outside any DDP) a
+``torch.stack`` copy each call. Both give the params the same gradients (the stacked gradient's
+slices).
 """
 
 from __future__ import annotations
@@ -105,6 +113,24 @@ class AttachLoss(torch.autograd.Function):
     def backward(ctx, dy):
         loss, scale = ctx.saved_tensors
         return dy, torch.ones_like(loss) * scale.to(loss.dtype), None
+
+
+class StackedView(torch.autograd.Function):
+    """[n, *shape] view of n params of one shape stored back to back, ascending, in one storage
+    (contiguous, the i-th at the first's storage offset + i · numel; the caller guarantees it:
+    ``Experts.views``): what ``torch.stack(params)`` computes, without the copy. Backward gives
+    each param its slice of the stacked gradient, as stack's backward does (``unbind``).
+    The view starts at the first param's own storage offset, so one compiled graph serves every
+    layer (Inductor reinterprets the first param's storage: no kernel)."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        p = params[0]
+        return p.as_strided((len(params), *p.shape), (p.numel(), *p.stride()))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.unbind(0)
 
 
 def _in_backward() -> bool:
@@ -240,7 +266,7 @@ class Experts(nn.Module):
     slots the capacity dropped, expert_idx E_local) are not computed: their outputs are undefined
     (zero on the loop path), the caller masks them.
     One grouped GEMM per projection (``torch._grouped_mm`` over the counts' cumulative offsets,
-    weights stacked) where torch has it and ``grouped`` (CUDA, fp32/bf16/fp16); else a loop over
+    weights stacked: ``stacked``) where torch has it and ``grouped`` (CUDA, fp32/bf16/fp16); else a loop over
     the experts' row blocks (one host read of the counts), or under torch.compile, with
     expert_idx, each expert on every row, its rows kept (``torch.where``: the same products per
     row, fixed shapes, no host read; E× the FLOPs: the CPU tests' compiled path). Every expert runs, on zero rows if it got none, so each gets a gradient,
@@ -249,6 +275,8 @@ class Experts(nn.Module):
     rowwise scaled, the weight gradient per source micro-batch block (parallel/fp8_experts.py;
     ``blocks``: the expert-major (local expert, source EP rank) row counts at EP > 1, host ints);
     the router stays out of FP8.
+    ``views``: the ``stacks`` whose params lie back to back in one storage (set by parallel/data.py;
+    empty: every stack a copy; module doc).
     """
 
     def __init__(self, cfg, ps, init, scaled_init, *, sequence_parallel: bool, params_dtype):
@@ -271,6 +299,21 @@ class Experts(nn.Module):
         self.grouped = (hasattr(torch, "_grouped_mm") and ps.device.type == "cuda"
                         and params_dtype in (torch.float32, torch.bfloat16, torch.float16))
         self.fp8, self.token_group = None, token_group(ps, sequence_parallel)
+        self.views = frozenset()
+
+    def stacks(self) -> dict:
+        """{role: [the role's param of each local expert, ascending]} for every param an expert has
+        (role: its name inside the expert, e.g. ``linear_fc1.weight``): what ``stacked`` stacks."""
+        experts = list(self.local_experts.values())
+        return {role: [e.get_parameter(role) for e in experts] for role, _ in experts[0].named_parameters()}
+
+    def stacked(self, linear: str, name: str) -> torch.Tensor:
+        """[E_local, *shape] the local experts' ``<linear>.<name>`` params stacked: a view of their
+        storage if ``views`` names the stack, else a copy (module doc)."""
+        params = [getattr(getattr(e, linear), name) for e in self.local_experts.values()]
+        if f"{linear}.{name}" in self.views:
+            return StackedView.apply(*params)
+        return torch.stack(params)
 
     def _act(self, y: torch.Tensor) -> torch.Tensor:
         if self.swiglu:  # both halves' gradients in one pass (model/swiglu.py)
@@ -292,30 +335,27 @@ class Experts(nn.Module):
                 y = torch.where((expert_idx == j).unsqueeze(1), e(x), y)
             return y
         offs = counts.cumsum(0).to(torch.int32)
-        fc1 = [e.linear_fc1 for e in experts]
-        fc2 = [e.linear_fc2 for e in experts]
-        y = torch._grouped_mm(x, torch.stack([m.weight for m in fc1]).transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(x, self.stacked("linear_fc1", "weight").transpose(1, 2), offs=offs)
         row_bias = None
-        if fc1[0].bias is not None:  # rows past the offsets get none (their undefined gradients reach no bias)
+        if experts[0].linear_fc1.bias is not None:  # rows past the offsets get none (their undefined gradients reach no bias)
             row = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
             row_expert = torch.searchsorted(offs, row, right=True).clamp(max=len(experts) - 1)
             live = (row < offs[-1]).unsqueeze(1)
 
-            def row_bias(ms):  # [N, out] each row's expert's bias, 0 past the offsets
-                return torch.where(live, torch.stack([m.bias for m in ms])[row_expert], 0)
-            y = y + row_bias(fc1)
-        y = torch._grouped_mm(self._act(y), torch.stack([m.weight for m in fc2]).transpose(1, 2), offs=offs)
-        return y if row_bias is None else y + row_bias(fc2)
-
+            def row_bias(linear):  # [N, out] each row's expert's bias, 0 past the offsets
+                return torch.where(live, self.stacked(linear, "bias")[row_expert], 0)
+            y = y + row_bias("linear_fc1")
+        y = torch._grouped_mm(self._act(y), self.stacked("linear_fc2", "weight").transpose(1, 2), offs=offs)
+        return y if row_bias is None else y + row_bias("linear_fc2")
 
     def _fp8_forward(self, experts, x, counts, blocks) -> torch.Tensor:
         """forward with both projections' GEMMs in FP8 (parallel/fp8_experts.py); biases by row."""
-        def linear(t, mods):
-            y = fp8_expert_linear(t, torch.stack([m.weight for m in mods]), counts, blocks, self.fp8, self.token_group)
-            if mods[0].bias is None:
+        def linear(t, name):
+            y = fp8_expert_linear(t, self.stacked(name, "weight"), counts, blocks, self.fp8, self.token_group)
+            if getattr(experts[0], name).bias is None:
                 return y
-            return y + torch.stack([m.bias for m in mods]).repeat_interleave(counts, dim=0, output_size=x.shape[0])
-        return linear(self._act(linear(x, [e.linear_fc1 for e in experts])), [e.linear_fc2 for e in experts])
+            return y + self.stacked(name, "bias").repeat_interleave(counts, dim=0, output_size=x.shape[0])
+        return linear(self._act(linear(x, "linear_fc1")), "linear_fc2")
 
 
 def token_group(ps, sequence_parallel: bool):

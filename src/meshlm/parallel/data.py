@@ -18,7 +18,12 @@ buckets are bf16: a bf16 gradient widens to fp32 exactly, so they hold what fp32
 the fold, the grad norm and the update each move 2 bytes a parameter less; the optimizer widens
 them as it reads. A second backward into them in one step is refused (``_fold``).
 Params enter the buffers in reverse order of creation, so buckets fill in the order backward
-produces gradients.
+produces gradients, except that each *stack* of the MoE experts (model/moe.py ``Experts.stacks``:
+one param of each local expert, ascending) enters whole where its first member would: the grouped
+GEMMs produce a stack's gradients together, and a stack whose params lie back to back in a
+buffer's one param storage (not ZeRO-3's per-bucket storage, not an FP8 buffer) is named in the
+module's ``views`` (``_bind_views``), which the grouped GEMMs then take as a view of the buffer
+instead of a copy of the weights each call.
 
 Gradient memory lives only from a bucket's first gradient to the next ``zero_grad``: zero_grad
 frees every bucket's grad, and the first gradient of the next backward allocates its bucket
@@ -325,6 +330,27 @@ def restore_storage(t: torch.Tensor) -> None:
         storage.resize_(t.numel() * t.element_size())
 
 
+def stacks_together(chunk: torch.nn.Module, params: list) -> list:
+    """params (buffer order) with each stack of chunk's experts modules (model/moe.py
+    ``Experts.stacks``) whole, ascending, where its first member was (module doc); a stack with a
+    member not in params stays as it was."""
+    stack_of = {}
+    for m in chunk.modules():
+        if hasattr(m, "stacks"):
+            for stack in m.stacks().values():
+                stack_of.update((q, stack) for q in stack)
+    present = set(params)
+    out, placed = [], set()
+    for q in params:
+        stack = stack_of.get(q)
+        if stack is None or not all(s in present for s in stack):
+            out.append(q)
+        elif id(stack[0]) not in placed:
+            placed.add(id(stack[0]))
+            out += stack
+    return out
+
+
 @dataclass
 class GradSyncStats:
     """Communication of the last ``finish_grad_sync``.
@@ -401,7 +427,7 @@ class DistributedDataParallel:
             def unit(q, block_of=block_of):
                 return (block_of.get(q), shared and getattr(q, "shared_embedding", False) and id(q))
 
-            params = [q for q in chunk.parameters() if q.requires_grad][::-1]
+            params = stacks_together(chunk, [q for q in chunk.parameters() if q.requires_grad][::-1])
 
             def kind(q):  # one buffer per (dtype, expert or not, FP8 weight under --fp8-param-gather or not)
                 return q.dtype, getattr(q, "expert", False), hasattr(q, "fp8_gather")
@@ -425,6 +451,7 @@ class DistributedDataParallel:
                 for b in buf.buckets:
                     for q in b.params:
                         self._where[q] = (buf, b)
+        self._bind_views()
         if self.overlap:
             for q in self._where:
                 q.register_post_accumulate_grad_hook(self._on_grad)
@@ -434,6 +461,23 @@ class DistributedDataParallel:
         self._sync = True
         self._bytes = 0  # payload of the reductions of the step in flight
         self.stats = GradSyncStats()
+
+    def _bind_views(self) -> None:
+        """Name in each experts module's ``views`` its stacks whose params lie back to back,
+        ascending, in one buffer's param storage (module doc)."""
+        for chunk in self.chunks:
+            for m in chunk.modules():
+                if hasattr(m, "stacks"):
+                    m.views = frozenset(role for role, stack in m.stacks().items() if self._back_to_back(stack))
+
+    def _back_to_back(self, stack: list) -> bool:
+        """Whether the params of ``stack`` are consecutive elements of one buffer's ``param_data``."""
+        buf = self._where[stack[0]][0] if stack[0] in self._where else None
+        if buf is None or buf.param_data is None or buf.fp8:
+            return False
+        start, n = buf.index[stack[0]][0], stack[0].numel()
+        return all(q in self._where and self._where[q][0] is buf and buf.index[q][0] == start + i * n
+                   and q.shape == stack[0].shape and q.is_contiguous() for i, q in enumerate(stack))
 
     def bucket_of(self, p: torch.Tensor) -> tuple:
         """(ParamAndGradBuffer, Bucket) holding param p."""
