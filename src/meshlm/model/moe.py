@@ -54,13 +54,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import gelu_tanh, moe_ffn
-from ..dtypes import wide
+from ..dtypes import HALF, wide
 from ..fast import eager
 from ..parallel import watchdog
 from ..parallel.comm import group_size
 from ..parallel.experts import dispatch_combine
 from ..parallel.fp8_experts import fp8_expert_linear
 from .mlp import MLP
+from .router_gemm import router_logits
 from .swiglu import swiglu
 
 
@@ -226,7 +227,9 @@ class Router(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(E, device=ps.device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, h] → logits [T, E] in at least fp32."""
+        """x [T, h] → logits [T, E] in at least fp32 (half inputs on CUDA: model/router_gemm.py)."""
+        if x.is_cuda and x.dtype in HALF and self.weight.dtype == x.dtype:
+            return router_logits(x, self.weight)
         dtype = wide(x.dtype)
         return F.linear(x.to(dtype), self.weight.to(dtype))
 
