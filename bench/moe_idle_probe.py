@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from host_timing import Spans
+from host_timing import Rusage, Spans, canary
 
 
 def gmm(rows: int = 8192, h: int = 1024, f: int = 3584, experts: int = 16) -> None:
@@ -127,8 +127,10 @@ def steps(args, run, state, cfg, spans, collector) -> None:
     from torch._dynamo.utils import counters
     from meshlm.model.moe import routing_stats, routing_summary
     from meshlm.training.trainer import train_step
+    usage = Rusage()
     for i in range(args.steps):
         spans.reset()
+        usage.delta()
         sec = spans.seconds
         c0, p0 = time.thread_time(), time.process_time()
         if i == 3:
@@ -139,6 +141,8 @@ def steps(args, run, state, cfg, spans, collector) -> None:
         host = time.perf_counter() - t0
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+        used = usage.delta()
+        probe = canary(torch.device("cuda"))
         s = routing_summary(routing_stats(run.chunks, run.ps, cfg.model), 1)
         print(f"step {i + 1}: wall {wall * 1e3:8.1f} ms host {host * 1e3:8.1f} ms imbalance "
               f"{s['moe_tokens_per_expert']['imbalance']:.2f} graphs {counters['stats'].get('unique_graphs')} "
@@ -147,7 +151,8 @@ def steps(args, run, state, cfg, spans, collector) -> None:
               f"{sec['opt'] * 1e3:.1f} of which item() {sec['item'] * 1e3:.1f} ms; load {os.getloadavg()[0]:.1f}"
               f"; gc " + (", ".join(f"gen{g} {n}× {s * 1e3:.1f} ms" for g, (n, s) in sorted(
                   (g, (spans.gc_counts[g], spans.gc_seconds[g])) for g in spans.gc_counts))
-                         or "none"), flush=True)
+                         or "none") + f"; {used}; canary " + ", ".join(f"{k} {v:.2f}" for k, v in probe.items())
+              + " ms", flush=True)
         collector.after_step(i + 1)
 
 

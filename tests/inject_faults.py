@@ -17,16 +17,16 @@ from meshlm.cli import main
 from meshlm.parallel.data import DistributedDataParallel
 from meshlm.training import trainer
 
-_iteration = [0]  # the iteration in flight (set by the wrapped train_step)
+_iteration = [0]  # the iteration in flight (set by the wrapped launch_step)
 
 
 def _count_iterations():
-    step = trainer.train_step
+    launch = trainer.launch_step
 
-    def train_step(run, state):
+    def launch_step(run, state):
         _iteration[0] = state.iteration + 1
-        return step(run, state)
-    trainer.train_step = train_step
+        return launch(run, state)
+    trainer.launch_step = launch_step
 
 
 def _hang(rank: int, iteration: int):

@@ -39,10 +39,10 @@ def _die(marker):
 
 
 def _arm(rank, iteration, where, marker):
-    step, write = trainer.train_step, ckpt.write
+    step, write = trainer.launch_step, ckpt.write
     at = {}
 
-    def train_step(run, state):
+    def launch_step(run, state):
         loss = step(run, state)
         at["rank"], at["iteration"] = run.ps.rank, state.iteration
         if where == "step" and (run.ps.rank, state.iteration) == (rank, iteration):
@@ -54,7 +54,7 @@ def _arm(rank, iteration, where, marker):
         if where == "save" and (at.get("rank"), at.get("iteration")) == (rank, iteration):
             _die(marker)
         return files
-    trainer.train_step, ckpt.write = train_step, write_then_die
+    trainer.launch_step, ckpt.write = launch_step, write_then_die
 
 
 if __name__ == "__main__":

@@ -227,9 +227,9 @@ def train_layout(case: Case, poison: bool = True) -> dict:
         poison_pending_gathers(run.opt)
     norms, step = [], run.opt.step
 
-    def recording_step(*args):
-        result = step(*args)
-        norms.append(result.grad_norm)
+    def recording_step(*args, **kw):
+        result = step(*args, **kw)
+        norms.append(result.resolve().grad_norm)
         return result
 
     run.opt.step = recording_step

@@ -15,14 +15,14 @@ WAIT_S = 60.0
 
 
 def _wait_for_the_signal_at(stop_at: int):
-    step, handle = trainer.train_step, stop_signal.SignalFlag._handle
+    step, handle = trainer.launch_step, stop_signal.SignalFlag._handle
     came = []
 
     def record(self, signum, frame):
         came.append(signum)
         handle(self, signum, frame)
 
-    def train_step(run, state):
+    def launch_step(run, state):
         loss = step(run, state)
         if state.iteration == stop_at:
             if run.ps.rank == 0:
@@ -33,7 +33,7 @@ def _wait_for_the_signal_at(stop_at: int):
         return loss
 
     stop_signal.SignalFlag._handle = record
-    trainer.train_step = train_step
+    trainer.launch_step = launch_step
 
 
 if __name__ == "__main__":

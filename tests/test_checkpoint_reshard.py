@@ -48,7 +48,7 @@ def _train(rank, world, case, root, load, steps, save):
     run.train_ds = Data()
     state = trainer.load_checkpoint(run) if load else trainer.TrainState()
     norms, step = [], run.opt.step
-    run.opt.step = lambda *a: (lambda r: (norms.append(r.grad_norm), r)[1])(step(*a))
+    run.opt.step = lambda *a, **k: (lambda r: (norms.append(r.resolve().grad_norm), r)[1])(step(*a, **k))
     losses = []
     for _ in range(steps):
         losses.append(trainer.train_step(run, state))

@@ -57,8 +57,8 @@ def test_early_exit_stops_every_rank_after_the_same_iteration_and_saves(tmp_path
 
 
 def _signal_rank1_after(iteration: int):
-    """train_step that sends rank 1 its own SIGTERM right after ``iteration`` (rank 0 gets none)."""
-    real = trainer.train_step
+    """launch_step that sends rank 1 its own SIGTERM right after ``iteration`` (rank 0 gets none)."""
+    real = trainer.launch_step
 
     def step(run, state):
         loss = real(run, state)
@@ -71,7 +71,7 @@ def _signal_rank1_after(iteration: int):
 def _losses(rank, world, tmp, flags, signal_at=None, load=False):
     import torch
     if signal_at is not None:
-        trainer.train_step = _signal_rank1_after(signal_at)
+        trainer.launch_step = _signal_rank1_after(signal_at)
     cfg = _config(tmp, **flags)  # dropout on (the default): the RNG state must resume too
     if load:
         cfg.checkpoint.load = cfg.checkpoint.save

@@ -65,16 +65,16 @@ def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout_naming_it(t
 def _nan_run(rank, world, tmp, skip):
     inject("nan:1:3")
     seen = {}
-    step = trainer.train_step
+    step = trainer.launch_step
 
-    def train_step(run, state):  # the weights before and after iteration 3
+    def launch_step(run, state):  # the weights before and after iteration 3
         if state.iteration == 2:
             seen["before"] = weights(run)
         loss = step(run, state)
         if state.iteration == 3:
             seen["after"] = weights(run)
         return loss
-    trainer.train_step = train_step
+    trainer.launch_step = launch_step
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):

@@ -105,7 +105,7 @@ def train(flags: list, world: int, tamper=None) -> dict:
     if tamper:
         tamper(run)
     norms, step = [], run.opt.step
-    run.opt.step = lambda *a: (lambda r: (norms.append(r.grad_norm), r)[1])(step(*a))
+    run.opt.step = lambda *a, **k: (lambda r: (norms.append(r.resolve().grad_norm), r)[1])(step(*a, **k))
     state = trainer.TrainState()
     losses = [trainer.train_step(run, state) for _ in range(STEPS)]
     run.opt.finish_param_sync()

@@ -14,7 +14,7 @@ from test_trainer import tiny_config
 
 def _watched_run(rank, world, tmp, manual):
     seen, collected = [], []
-    real_step, real_collect = trainer.train_step, gc.collect
+    real_step, real_collect = trainer.launch_step, gc.collect
 
     def step(run, state):
         seen.append(gc.isenabled())
@@ -24,13 +24,13 @@ def _watched_run(rank, world, tmp, manual):
         collected.append(len(seen))  # the steps taken when it ran
         return real_collect(*a)
 
-    trainer.train_step, manual_gc.gc.collect = step, collect
+    trainer.launch_step, manual_gc.gc.collect = step, collect
     try:
         cfg = tiny_config(tmp, iters=4, manual_gc=manual, manual_gc_interval=2)
         cfg.training.eval_interval = 3
         trainer.pretrain(cfg)
     finally:
-        trainer.train_step, manual_gc.gc.collect = real_step, real_collect
+        trainer.launch_step, manual_gc.gc.collect = real_step, real_collect
     return seen, collected, gc.isenabled(), gc.get_freeze_count()
 
 

@@ -44,7 +44,7 @@ def _train(rank, world, case, root, load, steps, save, zero_bias=False):
         for r in routers:
             r.expert_bias.zero_()
     norms, step = [], run.opt.step
-    run.opt.step = lambda *a: (lambda r: (norms.append(r.grad_norm), r)[1])(step(*a))
+    run.opt.step = lambda *a, **k: (lambda r: (norms.append(r.resolve().grad_norm), r)[1])(step(*a, **k))
     losses, biases = [], []
     for _ in range(steps):
         losses.append(trainer.train_step(run, state))

@@ -299,7 +299,7 @@ def _train(rank, world, case, root, load, steps, save):
         parity.poison_pending_gathers(run.opt)
     state = trainer.load_checkpoint(run) if load else trainer.TrainState()
     norms, step = [], run.opt.step
-    run.opt.step = lambda *a: (lambda r: (norms.append(r.grad_norm), r)[1])(step(*a))
+    run.opt.step = lambda *a, **k: (lambda r: (norms.append(r.resolve().grad_norm), r)[1])(step(*a, **k))
     losses = [trainer.train_step(run, state) for _ in range(steps)]
     if save:
         trainer.save_checkpoint(run, state)
@@ -384,7 +384,7 @@ def _memory(rank, world, stages):
             for block in blocks(run.chunks[0]):
                 block.register_forward_pre_hook(look)
         held, step, records, log = {}, run.opt.step, [], run.logger.train_step
-        run.opt.step = lambda *a: (held.update(_held(run)), step(*a))[1]
+        run.opt.step = lambda *a, **k: (held.update(_held(run)), step(*a, **k))[1]
         run.logger.train_step = lambda *a, **k: (lambda rec: (records.append(rec), rec)[1])(log(*a, **k))
         state = trainer.TrainState()
         trainer.train_step(run, state)  # the first step allocates everything lazily allocated

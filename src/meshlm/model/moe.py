@@ -62,13 +62,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import gelu_tanh, moe_ffn
-from ..dtypes import wide
+from ..dtypes import HALF, wide
 from ..fast import eager
 from ..parallel import watchdog
 from ..parallel.comm import group_size
 from ..parallel.experts import dispatch_combine
 from ..parallel.fp8_experts import fp8_expert_linear
 from .mlp import MLP
+from .router_gemm import router_logits
 from .swiglu import swiglu
 
 
@@ -202,20 +203,26 @@ def aux_coeff(cfg) -> float:
     return cfg.moe_aux_loss_coeff if cfg.moe_router_load_balancing_type == "aux_loss" else 0.0
 
 
-def aux_loss(logits: torch.Tensor, k: int, score_function: str, coeff: float, group=None) -> tuple:
+def aux_loss(logits: torch.Tensor, k: int, score_function: str, coeff: float, group=None,
+             counts: torch.Tensor | None = None) -> tuple:
     """(loss, tokens per expert [E]) of Switch/GShard balancing: coeff · E/(k·T²) · Σ_i P_i · f_i, with
     P_i the summed scores of this rank's rows and f_i the routes of the top-k of those scores
     counted over every rank of ``group`` (the token group: TP under SP × CP, which split the
     micro-batch's T tokens evenly; one all-reduce, run eagerly under torch.compile), so summing the ranks' losses gives the loss of
     the whole micro-batch (Megatron's switch_load_balancing_loss_func on
-    compute_routing_scores_for_aux_loss, counts reduced over its tp_cp group). logits [T_local, E]."""
+    compute_routing_scores_for_aux_loss, counts reduced over its tp_cp group). logits [T_local, E].
+    counts: [E] this rank's routes per expert by the same top-k when the caller has them (the
+    router's routing map summed: the top-k of the logits picks the top-k of their softmax, and of
+    their normalised sigmoid when no expert bias moves it), else None to take the top-k here."""
     if score_function == "softmax":
         scores = torch.softmax(logits, dim=-1)
     else:
         scores = torch.sigmoid(logits)
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    idx = torch.topk(scores, k, dim=1).indices
-    counts = torch.zeros_like(scores).scatter(1, idx, 1.0).sum(0)
+    if counts is None:
+        counts = torch.zeros_like(scores).scatter(1, torch.topk(scores, k, dim=1).indices, 1.0).sum(0)
+    else:
+        counts = counts.to(scores.dtype)
     tokens = logits.shape[0]
     if group is not None:
         counts = _summed(counts, group)
@@ -252,7 +259,9 @@ class Router(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(E, device=ps.device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, h] → logits [T, E] in at least fp32."""
+        """x [T, h] → logits [T, E] in at least fp32 (half inputs on CUDA: model/router_gemm.py)."""
+        if x.is_cuda and x.dtype in HALF and self.weight.dtype == x.dtype:
+            return router_logits(x, self.weight)
         dtype = wide(x.dtype)
         return F.linear(x.to(dtype), self.weight.to(dtype))
 
@@ -410,8 +419,9 @@ class MoELayer(nn.Module):
             gates, routing_map = drop(gates, routing_map, cap, cfg.moe_token_drop_policy)
         aux = None
         if training and aux_coeff(cfg):
+            same_top_k = bias is None or cfg.moe_router_score_function == "softmax"  # aux_loss's counts
             aux, _ = aux_loss(logits, cfg.moe_router_topk, cfg.moe_router_score_function, aux_coeff(cfg),
-                              self.token_group)
+                              self.token_group, routes if same_top_k else None)
         if training:
             gates = self._attach_and_record(gates, z, aux, routes, routing_map.sum(0), tokens.shape[0])
         shared = None if self.shared_experts is None else lambda: self.shared_experts(x).reshape(-1, shape[-1])

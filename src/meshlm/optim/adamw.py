@@ -47,7 +47,8 @@ class Group:
 def adamw_(groups: list, *, step: int, lr: float, betas: tuple, eps: float, weight_decay: float,
            fused: bool, grad_scale: float = 1.0) -> None:
     """Update every group in place. grad_scale: the grads are used divided by it (gradient
-    clipping folded into the update on the fused path; the foreach path expects it to be 1)."""
+    clipping folded into the update on the fused path; the foreach path expects it to be 1); a
+    float, or a 0-dim fp32 device tensor (the optimizer's deferred step: no host read)."""
     b1, b2 = betas
     for g in groups:
         if not g.params:
@@ -56,12 +57,13 @@ def adamw_(groups: list, *, step: int, lr: float, betas: tuple, eps: float, weig
         if fused:
             device = g.params[0].device
             steps = [torch.full((), float(step), device=device)] * len(g.params)
-            scale = None if grad_scale == 1.0 else torch.full((), grad_scale, device=device)
+            scale = grad_scale if isinstance(grad_scale, torch.Tensor) else \
+                None if grad_scale == 1.0 else torch.full((), grad_scale, device=device)
             torch._fused_adamw_(g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, [], steps, lr=lr_g, beta1=b1,
                                 beta2=b2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
                                 grad_scale=scale)
             continue
-        if grad_scale != 1.0:
+        if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
             raise ValueError("the foreach AdamW takes grads already scaled (grad_scale must be 1)")
         if wd:
             torch._foreach_mul_(g.params, 1 - lr_g * wd)
@@ -92,7 +94,8 @@ class Run:
 def flat_step(p, g, m, v, out, lr_wd: float, b1: float, b2: float, step_size: float, bc2_sqrt: float,
               eps: float, grad_scale: float) -> None:
     """One AdamW update of flat tensors p, m, v in place (and out ← p when out is not None); the
-    fused kernel's arithmetic (module doc). All [n]; scalars as Python floats."""
+    fused kernel's arithmetic (module doc). All [n]; scalars as Python floats, grad_scale a float
+    or a 0-dim fp32 tensor."""
     g = g.to(p.dtype) / grad_scale
     p_new = p - lr_wd * p
     m_new = b1 * m + (1 - b1) * g

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from .. import fast
 from ..dtypes import HALF, wide
+from ..host_read import start_read
 from ..parallel import watchdog
 from .adamw import Group, Run, adamw_, flat_adamw_, flat_step
 from .offload import Staging, host_update
@@ -57,6 +58,23 @@ from .schedule import scheduler_for
 
 
 FLAT_MIN = 1 << 20  # elements: smaller runs go to the multi-tensor kernel (``_flat_update``)
+
+
+class DeferredStep:
+    """An optimizer step launched without its host sync (``step(defer=True)``); ``resolve()``
+    reads its grad norm (waiting only for the norm's copy, not the update) → StepResult."""
+
+    def __init__(self, read_norm):
+        self._read_norm, self._result = read_norm, None
+
+    def resolve(self) -> "StepResult":
+        """The StepResult (read once; later calls return it again)."""
+        if self._result is None:
+            norm = self._read_norm()
+            self._result = StepResult(ok=True, grad_norm=norm, loss_scale=1.0, skipped=False) \
+                if math.isfinite(norm) else StepResult(ok=False, grad_norm=0.0, loss_scale=1.0, skipped=True,
+                                                       found_inf=True)
+        return self._result
 
 
 @dataclass
@@ -76,6 +94,10 @@ class StepResult:
     loss_scale: float
     skipped: bool
     found_inf: bool = False
+
+    def resolve(self) -> "StepResult":
+        """Itself (a DeferredStep's ``resolve`` gives one)."""
+        return self
 
 
 def param_names(chunks) -> dict:
@@ -200,18 +222,35 @@ class MixedPrecisionOptimizer:
     def set_lr(self, lr: float) -> None:
         self.lr = float(lr)
 
-    def step(self, loss: Optional[torch.Tensor] = None) -> StepResult:
+    @property
+    def can_defer(self) -> bool:
+        """Whether ``step(defer=True)`` is allowed: no loss scale (bf16/fp32: a non-finite step
+        stops the run, so nothing on the host waits for the verdict) and no host shards."""
+        return not self.scaler.dynamic and self.scaler.scale == 1.0 and not any(s.host for s in self.shards)
+
+    def step(self, loss: Optional[torch.Tensor] = None, defer: bool = False):
         """Unscale, check inf/NaN, clip, AdamW, publish the new params. Collective over all ranks.
 
         Call after ``ddp.finish_grad_sync()``. loss: the step's loss, already the same on every rank
         (a tensor on the device); a NaN/inf loss skips the step like NaN/inf gradients, decided in
         the grad norm's host sync, so checking it costs no sync of its own.
+
+        Returns a StepResult, or with ``defer`` (only where ``can_defer``) a DeferredStep at once:
+        the clip coefficient is computed on the device and the update launched without the host
+        reading the norm, whose ``resolve()`` gives the StepResult later (the trainer's next step),
+        so the host goes on queuing work while the GPU runs this step's backward and update. A
+        non-finite deferred step is applied (NaN params) and resolves not ``ok``: the run stops.
+        Raises ValueError for ``defer`` where not ``can_defer``.
         """
+        if defer and not self.can_defer:
+            raise ValueError("a deferred optimizer step needs no loss scale and no host shards")
         self._before_step()
         # views when dtypes match; the flat update widens bf16 grads (ddp.half_grads) as it reads them
         grads = [s.grad if self.flat else s.grad.to(s.master.dtype) for s in self.shards]
         if self.flat:
             self._flat_prepare(grads)
+        if defer:
+            return self._deferred_step(grads, loss)
         scale = self.scaler.scale
         found_inf = scale != 1.0 and self._unscale_and_check(grads, 1.0 / scale)
         norm = 0.0 if found_inf else self.grad_norm(grads, loss)
@@ -233,6 +272,24 @@ class MixedPrecisionOptimizer:
         self._publish()
         self.scaler.update(False)
         return StepResult(ok=True, grad_norm=norm, loss_scale=scale, skipped=False)
+
+    def _deferred_step(self, grads: list, loss: Optional[torch.Tensor]) -> "DeferredStep":
+        """``step`` with the norm left on the device: the clip coefficient min(1, clip / (norm +
+        1e-6)) as a 0-dim tensor (1 where the norm is not finite, so a failed step's grads stay as
+        they were for the NaN origin's check), folded into the fused kernels' grad scale or
+        multiplied into the grads, as ``step`` does with the float."""
+        norm = self._norm_tensor(grads, loss)
+        pending = DeferredStep(start_read(norm))  # copied before the update: its read waits for none of it
+        grad_scale = 1.0
+        if self.clip_grad > 0:
+            coeff = torch.where(torch.isfinite(norm), (self.clip_grad / (norm + 1e-6)).clamp_max(1.0), 1.0)
+            if self.fused and all(s.master.dtype == torch.float32 for s in self.shards):
+                grad_scale = (1.0 / coeff).to(torch.float32)
+            else:
+                torch._foreach_mul_(grads, coeff)
+        self._adamw(grads, grad_scale)
+        self._publish()
+        return pending
 
     def finish_param_sync(self) -> None:
         """Wait for parameter all-gathers still in flight (ZeRO-1 with --overlap-param-gather)."""
@@ -258,7 +315,11 @@ class MixedPrecisionOptimizer:
 
     def grad_norm(self, grads: list, loss: Optional[torch.Tensor] = None) -> float:
         """Global L2 norm of the gradients (see counts_in_norm), reduced over ``norm_groups``;
-        NaN when ``loss`` (a tensor, optional) is NaN or inf (0 · loss enters the sum)."""
+        NaN when ``loss`` (a tensor, optional) is NaN or inf (0 · loss enters the sum). A host sync."""
+        return float(self._norm_tensor(grads, loss).item())
+
+    def _norm_tensor(self, grads: list, loss: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``grad_norm`` as a 0-dim float64 device tensor (no host sync)."""
         def squares(expert: bool) -> torch.Tensor:
             views = [v for s, g in zip(self.shards, grads) if s.buf.expert == expert
                      for v in ([g] if s.whole_norm else [g[f.lo:f.hi] for f in s.fragments if f.counted])]
@@ -274,7 +335,7 @@ class MixedPrecisionOptimizer:
         if loss is not None:
             sq += 0.0 * loss.to(sq.device, torch.float64).reshape(-1)[:1]
         self._all_reduce(sq, self.norm_groups, dist.ReduceOp.SUM, "squared grad norm")
-        return float(sq.sqrt().item())
+        return sq.sqrt().reshape(())
 
     def _adamw(self, grads: list, grad_scale: float) -> None:
         """One AdamW update of every shard's fragments (optim/adamw.py); grads used ÷ grad_scale.

@@ -37,6 +37,7 @@ from ..data.sources import blends, prefixes as data_prefixes
 from ..data.tokenizer import NullTokenizer, build_tokenizer, resolve_tokenizer_type
 from ..errors import CheckpointError, DamagedCheckpoint, DataError, TrainingError
 from ..flops import flops_per_iteration
+from ..host_read import start_read
 from ..model.chunks import build_model_chunks
 from ..model.moe import start_routing_stats
 from ..optim.distributed import build_optimizer
@@ -316,25 +317,41 @@ def _train(run: Run, state: TrainState, collector: ManualGC) -> dict:
     microbatches = run.batches.microbatches_at(state.consumed_samples)
     prof = profiling.for_run(cfg, run.ps)
     bar = progress.for_run(run.ps.is_logging_rank, run.train_iters, state.iteration)
+    launched = None  # the step launched last and not yet finished (finish_step)
+
+    def finish() -> None:
+        nonlocal launched
+        if launched is not None:
+            step, launched = launched, None
+            loss = finish_step(run, step)
+            losses.append(loss)
+            bar.update(step.iteration, loss)
+
     while state.iteration < run.train_iters:
+        finish()  # the last step's checks, before this one's zero_grad; the GPU still runs its update
         previous, microbatches = microbatches, run.batches.microbatches_at(state.consumed_samples)
         if microbatches != previous and cfg.checkpoint.save and saved_at != state.iteration:
             save_checkpoint(run, state)
             saved_at = state.iteration
         with prof.step(state.iteration):
-            loss = train_step(run, state)
-        losses.append(loss)
-        bar.update(state.iteration, loss)
+            launched = launch_step(run, state)
+            if not launched.deferred:
+                finish()
         it = state.iteration
         collector.after_step(it)
-        if t.eval_interval and it % t.eval_interval == 0 and run.valid_ds is not None:
+        evaluate_now = t.eval_interval and it % t.eval_interval == 0 and run.valid_ds is not None
+        save_now = cfg.checkpoint.save and save_every and it % save_every == 0
+        if evaluate_now or save_now or _may_exit(run, it):
+            finish()  # nothing is evaluated, saved or left behind before its step is checked
+        if evaluate_now:
             val_losses.append((it, validation(it // t.eval_interval - 1)))
-        if cfg.checkpoint.save and save_every and it % save_every == 0:
+        if save_now:
             save_checkpoint(run, state)
             saved_at = it
         exited = _agreed_stop(run, start, it) or _at_exit_interval(run, it)
         if exited:
             break
+    finish()
     prof.close()
     bar.close()
     run.opt.finish_param_sync()  # no all-gather may still be in flight when the process ends
@@ -390,6 +407,15 @@ def _agreed_stop(run: Run, start: Optional[float], iteration: int) -> bool:
     return out_of_time or got_signal
 
 
+def _may_exit(run: Run, iteration: int) -> bool:
+    """Whether the loop may stop after this iteration: the last, an --exit-interval multiple, or
+    any iteration under --exit-duration-in-mins or --exit-signal-handler (whose agreement is a host
+    sync each iteration anyway)."""
+    t = run.cfg.training
+    return (iteration >= run.train_iters or bool(t.exit_interval and iteration % t.exit_interval == 0)
+            or bool(t.exit_duration_in_mins) or run.stop_signal is not None)
+
+
 def _at_exit_interval(run: Run, iteration: int) -> bool:
     """--exit-interval: True after an iteration divisible by it (the same on every rank)."""
     every = run.cfg.training.exit_interval
@@ -401,7 +427,44 @@ def _at_exit_interval(run: Run, iteration: int) -> bool:
 
 
 def train_step(run: Run, state: TrainState) -> Optional[float]:
-    """One optimizer step on one global batch; return its loss (None when the step was skipped)."""
+    """One optimizer step on one global batch, waited for; return its loss (None when the step
+    was skipped). The training loop instead launches each step and finishes it during the next
+    (``launch_step``, ``finish_step``)."""
+    return finish_step(run, launch_step(run, state))
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued and whose host checks are not yet done (``finish_step``).
+
+    result: the optimizer's StepResult, or its DeferredStep when ``deferred`` (the norm not yet
+    read; the LR schedule already stepped). The rest is what ``finish_step`` logs: the iteration, its start (perf_counter
+    s), the schedule's end, the watchdog's wait before it, the LR and batch it used, the samples
+    consumed after it, the forward_backward outputs (the NaN origin's losses), the loss's and the
+    MoE statistics' reads, the PP timeline's events on log iterations."""
+
+    iteration: int
+    result: object
+    deferred: bool
+    start: float
+    schedule_end: float
+    waited: float
+    lr: float
+    batch: int
+    consumed_samples: int
+    outputs: list
+    read_loss: object
+    read_moe: object
+    log_now: bool
+    timeline: Optional[list]
+
+
+def launch_step(run: Run, state: TrainState) -> LaunchedStep:
+    """Queue one step: forward-backward, gradient sync, loss reduction, the optimizer step; and
+    advance ``state``. Where the optimizer ``can_defer`` (bf16/fp32 without --skip-nan-steps: a
+    non-finite step stops the run, so no host decision waits for it) the step makes no host sync:
+    the clip is computed on the device and the LR schedule steps at once. ``finish_step`` reads
+    the loss and grad norm, stops on a NaN/inf and logs."""
     cfg, ps, t = run.cfg, run.ps, run.cfg.training
     it = state.iteration + 1
     log_now = it % t.log_interval == 0 or it == run.train_iters
@@ -422,54 +485,57 @@ def train_step(run: Run, state: TrainState) -> Optional[float]:
         fp8_delayed.end_step(run.fp8_states, (ps.tp_group, ps.dp_cp_group))
     lr = run.sched.lr
     loss_t = reduce_losses(outputs, ps, t.calculate_per_token_loss)
-    read_loss = _start_read(loss_t)  # copied before the step's sync: reading it waits for no update
+    read_loss = start_read(loss_t)  # copied before the optimizer: reading it waits for no update
     read_moe = start_routing_stats(run.chunks, ps, cfg.model) if log_now and cfg.model.num_experts else None
     watchdog.at(it, "optimizer step")
+    defer = run.opt.can_defer and not t.skip_nan_steps
     with annotate("optimizer step"):
-        result = run.opt.step(loss_t)  # its grad norm is the step's one host sync; a NaN loss skips it too
-    loss = read_loss()
+        result = run.opt.step(loss_t, defer=defer)  # a NaN loss makes the norm NaN: one check for both
+    if defer:  # a deferred step is applied, or it stops the run: the schedule moves on now
+        run.sched.step(run.opt, batch)
+    state.iteration = it
+    state.consumed_samples += batch
+    return LaunchedStep(it, result, defer, start, schedule_end, waited, lr, batch, state.consumed_samples,
+                        outputs, read_loss, read_moe, log_now, timeline)
+
+
+def finish_step(run: Run, step: LaunchedStep) -> Optional[float]:
+    """The host's half of a launched step: read its loss and grad norm (the step's one wait:
+    for the norm, not for the update after it), stop on a NaN/inf (TrainingError, unless
+    --skip-nan-steps), step the LR schedule (if not done at launch), log. Returns the loss, None
+    when the step was skipped. Call before the next step's ``zero_grad``: the NaN origin reads
+    this step's gradients."""
+    ps, it, t = run.ps, step.iteration, run.cfg.training
+    result = step.result.resolve()
+    loss = step.read_loss()
     nan = not math.isfinite(loss)
     if nan and not run.logger.fp16:  # fp16: the loss scaler backs off and the run goes on
-        _stop_unless_skipping(run, it, f"lm loss is {loss}", outputs)
+        _stop_unless_skipping(run, it, f"lm loss is {loss}", step.outputs)
     elif not result.ok:  # inf/NaN gradients under bf16/fp32, or fp16 at --min-loss-scale
-        _stop_unless_skipping(run, it, "gradients are inf/NaN", outputs)
+        _stop_unless_skipping(run, it, "gradients are inf/NaN", step.outputs)
     grad_norm, skipped = (None if nan else result.grad_norm), result.skipped or not result.ok
     spike_mean = None if skipped or nan else run.spikes.check(loss)
     spike_line = None if skipped or nan else run.spikes.report(it, loss, spike_mean)
     if spike_line and ps.is_logging_rank:
         print(spike_line, flush=True)
-    if not skipped:
-        run.sched.step(run.opt, batch)
-    state.iteration = it
-    state.consumed_samples += batch
-    bubble = None
+    if not skipped and not step.deferred:
+        run.sched.step(run.opt, step.batch)
+    timeline, bubble = step.timeline, None
     if timeline is not None:
-        timeline, bubble = _pipeline_timeline(ps, timeline, (start, schedule_end))
-    iter_s = time.perf_counter() - start
-    run.stragglers.add(iter_s, watchdog.waited_s() - waited)
-    timed = comm.stop_timing() if log_now else None  # after the step's host sync: events have fired
-    run.logger.train_step(it, state.consumed_samples, lm_loss=None if nan else loss, lr=lr,
+        timeline, bubble = _pipeline_timeline(ps, timeline, (step.start, step.schedule_end))
+    iter_s = time.perf_counter() - step.start
+    run.stragglers.add(iter_s, watchdog.waited_s() - step.waited)
+    timed = comm.stop_timing() if step.log_now else None  # after the norm's wait: events have fired
+    run.logger.train_step(it, step.consumed_samples, lm_loss=None if nan else loss, lr=step.lr,
                           grad_norm=grad_norm, iter_s=iter_s,
                           loss_scale=run.opt.loss_scale, skipped=skipped and not nan, nan=nan,
                           comm_s=run.ddp.stats.exposed_s if ps.dp * ps.cp > 1 else None,
-                          bubble=bubble, timeline=timeline, global_batch=batch, timed_comm_s=timed,
-                          rank_iter_s=run.stragglers.gather() if log_now else None,
+                          bubble=bubble, timeline=timeline, global_batch=step.batch, timed_comm_s=timed,
+                          rank_iter_s=run.stragglers.gather() if step.log_now else None,
                           loss_spike=spike_mean is not None,
-                          moe=read_moe() if read_moe is not None else None)
+                          moe=step.read_moe() if step.read_moe is not None else None)
     watchdog.at(it, "between steps", step_ended=True)
     return None if skipped or nan else loss
-
-
-def _start_read(t: torch.Tensor):
-    """Start copying the one-element device tensor t to the host; return a function giving its
-    float value. On CUDA it waits on an event recorded right after the copy, so work queued later
-    (the optimizer update) keeps the GPU busy while the host reads the value and goes on."""
-    if t.device.type != "cuda":
-        return lambda: float(t.item())
-    host = t.to("cpu", non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    return lambda: (copied.synchronize(), float(host.item()))[1]
 
 
 def _pipeline_timeline(ps: ParallelState, timeline: list, window: tuple) -> tuple:
