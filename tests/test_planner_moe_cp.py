@@ -117,10 +117,12 @@ def test_moe_layer_saves_the_planned_bytes_for_backward(dtype, act):
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
 def test_compiled_grouped_moe_layer_saves_the_planned_bytes_for_backward():
     """The GPU's fast path on CPU: the layer compiled, the experts' grouped GEMM forced on (bf16):
-    its saved tensors are moe_mlp_terms(fast=True), the stacked expert weights included (what
-    torch.compile's partitioner keeps; it differs from eager: the combine's fp32 copy is fused away).
-    Compiled as Inductor splits forward from backward (its decompositions, its min-cut partition),
-    without generating the kernels (seconds instead of a minute; the same saved tensors)."""
+    its saved tensors are moe_mlp_terms(fast=True): under the DDP (the stacked expert weights a view
+    of its buffer: no bytes of their own), and alone, as under ZeRO-3's per-bucket storage (the
+    stacked weights a copy each call; what torch.compile's partitioner keeps; it differs from eager:
+    the combine's fp32 copy is fused away). Compiled as Inductor splits forward from backward (its
+    decompositions, its min-cut partition), without generating the kernels (seconds instead of a
+    minute; the same saved tensors)."""
     import functools
     from functorch.compile import nop
     from torch._dynamo.backends.common import aot_autograd
@@ -128,34 +130,40 @@ def test_compiled_grouped_moe_layer_saves_the_planned_bytes_for_backward():
     from torch._inductor.decomposition import select_decomp_table
     from test_moe import _cfg, _layer
     from meshlm import fast
-    # as the fast path compiles (fast.compile_module): the eager step (the losses' attachment) disabled
-    # first, so the layer breaks there whichever test ran before in this process
-    torch._dynamo.reset()
-    fast._before_compile()
+    from meshlm.config import Config
+    from meshlm.parallel.data import DistributedDataParallel
+    from meshlm.parallel.mesh import ParallelState
     split_as_inductor = aot_autograd(fw_compiler=nop, bw_compiler=nop, decompositions=select_decomp_table(),
                                      partition_fn=functools.partial(min_cut_rematerialization_partition,
                                                                     compiler="inductor"))
     m = _cfg(swiglu=True, add_bias_linear=False, hidden_size=32, num_attention_heads=4, seq_length=32,
              moe_aux_loss_coeff=0.01)
     m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size = 8, 2, 48
-    layer = _layer(m, torch.bfloat16)
-    layer.experts.grouped = True
-    keep = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    x = torch.randn(m.seq_length, 2, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    keep.add(x.untyped_storage().data_ptr())
-    saved, shapes = {}, []
+    for ddp, lay in ((True, Layout(micro_batch=2)), (False, Layout(dp=2, zero=3, micro_batch=2))):
+        # as the fast path compiles (fast.compile_module): the eager step (the losses' attachment)
+        # disabled first, so the layer breaks there whichever test ran before in this process
+        torch._dynamo.reset()
+        fast._before_compile()
+        layer = _layer(m, torch.bfloat16)
+        if ddp:
+            DistributedDataParallel([layer], ParallelState.single(), Config())
+        layer.experts.grouped = True
+        keep = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        x = torch.randn(m.seq_length, 2, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        keep.add(x.untyped_storage().data_ptr())
+        saved, shapes = {}, []
 
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in keep:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            shapes.append((tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        torch.compile(layer, backend=split_as_inductor)(x)
-    terms = moe_mlp_terms(m, 2, Layout(micro_batch=2), act_bytes=2)
-    assert terms["stacked_weights"] == 2 * 8 * 3 * 32 * 48
-    assert sum(saved.values()) == sum(terms.values()), \
-        f"the compiled MoE layer's saved bytes changed: update moe_cp.moe_mlp_terms (STACKED_COPY: weights stacked a call): {shapes}"
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in keep:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                shapes.append((tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.compile(layer, backend=split_as_inductor)(x)
+        terms = moe_mlp_terms(m, 2, lay, act_bytes=2)
+        assert terms["stacked_weights"] == (0 if ddp else 2 * 8 * 3 * 32 * 48)
+        assert sum(saved.values()) == sum(terms.values()), \
+            f"the compiled MoE layer's saved bytes changed (DDP {ddp}): update moe_cp.moe_mlp_terms: {shapes}"
 
 
 def test_only_the_moe_layers_pay_the_expert_flops():
@@ -174,10 +182,11 @@ def test_only_the_moe_layers_pay_the_expert_flops():
 
 def test_expert_gemms_run_at_the_grouped_gemm_efficiency_and_the_stack_is_a_copy():
     """Halving GPU.grouped_gemm_efficiency adds exactly the routed experts' GEMM time once more
-    (their waves' tile FLOPs at the grouped efficiency); the stacked weights cost one read and one
-    write a micro-batch, not the element-wise passes of an activation."""
+    (their waves' tile FLOPs at the grouped efficiency); the stacked weights cost nothing as a view of
+    the DDP's buffer, and where copied (ZeRO-3) one read and one write a micro-batch, not the
+    element-wise passes of an activation."""
     from meshlm.planner.cost import grouped_gemm_terms, step_time
-    from meshlm.planner.moe_cp import stacked_weight_bytes
+    from meshlm.planner.moe_cp import stacked_copy, stacked_weight_bytes
     cfg = cfg_of("--model", "mixtral-small", "--vocab-size", "32000", "--micro-batch-size", "2",
                  "--global-batch-size", "2", "--bf16")
     m, lay = cfg.model, Layout(micro_batch=2)
@@ -188,15 +197,16 @@ def test_expert_gemms_run_at_the_grouped_gemm_efficiency_and_the_stack_is_a_copy
     rows = 2 * 2 * m.seq_length / 8  # k·T/E a local expert
     full, _ = grouped_gemm_terms(H100, 8, rows, m.hidden_size, moe_ffn(m), 2)
     assert b - a == pytest.approx(m.num_layers * full / H100.grouped_gemm_efficiency, rel=1e-9)
-    stacked = stacked_weight_bytes(m, lay)
-    assert stacked == 2 * 8 * 3 * m.hidden_size * moe_ffn(m)
-    with_copy = step_time(cfg, lay, H100, 32000, **kw).compute
+    assert stacked_weight_bytes(m, lay) == 0  # a view of the DDP's buffer
     import meshlm.planner.moe_cp as moe_cp
+    without = step_time(cfg, lay, H100, 32000, **kw).compute
     try:
-        moe_cp.STACKED_COPY = False  # experts stored stacked: no copy
-        without = step_time(cfg, lay, H100, 32000, **kw).compute
+        moe_cp.stacked_copy = lambda layout: True  # as under ZeRO-3: a copy each call
+        stacked = stacked_weight_bytes(m, lay)
+        with_copy = step_time(cfg, lay, H100, 32000, **kw).compute
     finally:
-        moe_cp.STACKED_COPY = True
+        moe_cp.stacked_copy = stacked_copy
+    assert stacked == 2 * 8 * 3 * m.hidden_size * moe_ffn(m)
     assert with_copy - without == pytest.approx(m.num_layers * 2 * stacked / H100.hbm_bytes_per_s, rel=1e-9)
 
 

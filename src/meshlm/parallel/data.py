@@ -471,9 +471,10 @@ class DistributedDataParallel:
                     m.views = frozenset(role for role, stack in m.stacks().items() if self._back_to_back(stack))
 
     def _back_to_back(self, stack: list) -> bool:
-        """Whether the params of ``stack`` are consecutive elements of one buffer's ``param_data``."""
+        """Whether the params of ``stack`` are consecutive elements of one buffer's ``param_data``,
+        the first 16-byte aligned (as a fresh copy is: the grouped GEMM's operands must be)."""
         buf = self._where[stack[0]][0] if stack[0] in self._where else None
-        if buf is None or buf.param_data is None or buf.fp8:
+        if buf is None or buf.param_data is None or buf.fp8 or stack[0].data_ptr() % 16:
             return False
         start, n = buf.index[stack[0]][0], stack[0].numel()
         return all(q in self._where and self._where[q][0] is buf and buf.index[q][0] == start + i * n

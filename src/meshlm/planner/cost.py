@@ -19,7 +19,7 @@ the logits):
   (``memory.layer_terms``), and of the logits, at the GPU's HBM bandwidth; an MoE layer's stored
   bytes (``moe_cp.moe_mlp_terms``: the dispatched rows, the experts' outputs, the routing tensors)
   carry its permute, unpermute and router passes the same way, and the grouped GEMM's stacked copy
-  of the expert weights (``moe_cp.stacked_weight_bytes``) one read and one write a micro-batch.
+  of the expert weights (``moe_cp.stacked_weight_bytes``: ZeRO-3 only) one read and one write a micro-batch.
 - TP (Megatron's f/g, Shoeybi et al. 2019 §3): without SP, 2 all-reduces of the [s, b, h] activation
   in forward and 2 in backward, each 2(t−1)/t · bytes / NVLink bandwidth; with SP, 4 all-gathers or
   reduce-scatters in forward and 6 in backward (meshlm all-gathers the s/t QKV and FC1 inputs again),

@@ -54,7 +54,7 @@ linears, whole under ZeRO-1/2 (beside the bf16 params), a 1/(DP × CP) shard und
 gathered working set then holds those weights in FP8 (one byte, not two).
 
 MoE layers keep ``moe_cp.moe_mlp_terms`` (the dispatched routes, the experts' outputs, routing
-indices, the grouped GEMM's stacked copy of the expert weights) instead of the dense MLP's fc1 and
+indices, the grouped GEMM's stacked copy of the expert weights under ZeRO-3) instead of the dense MLP's fc1 and
 activation outputs: the compiled grouped-GEMM layer's saved tensors (the GPU's fast path).
 
 Micro-batches in flight: under 1F1B the first stage holds min(m, p) micro-batches of its layers, the

@@ -32,8 +32,9 @@ which MoE needs at TP > 1); R = k·T their routes; E experts of width f_e, EP ra
   gates; the router's fp32 scores and probabilities for the top-k and the aux loss; 4·E of offsets:
   the layer is one graph, so the aux loss's counts are recomputed in backward), the router's
   fp32 copies of its input and weight 4·(T + E)·h (bf16/fp16 only), the grouped GEMM's stacked
-  weights act·(E/EP)·(2 | 1 + 1)·h·f_e while ``STACKED_COPY`` (model/moe.py ``Experts`` stacks
-  the per-expert weights each call, a new tensor the GEMM keeps for backward), and a shared
+  weights act·(E/EP)·(2 | 1 + 1)·h·f_e under ZeRO-3 only (``stacked_copy``: there model/moe.py
+  ``Experts`` stacks the per-expert weights each call, a new tensor the GEMM keeps for backward;
+  elsewhere the stack is a view of the DDP's param buffer, no bytes of its own), and a shared
   expert's fc1 and activation outputs as a dense MLP of width f_s. Eager (``fast=False``, the
   CPU's loop over the experts): the combine keeps an fp32 copy, 4·R·h, and the routing 56·R, no
   stacked copy. The per-layer transient of the exchange buffers is left out (freed before the
@@ -71,7 +72,12 @@ from __future__ import annotations
 from ..config import Config, ModelConfig, head_dim, moe_ffn, query_groups
 from .gpus import COLLECTIVE_LATENCY_S as LATENCY_S, GPU
 
-STACKED_COPY = True  # model/moe.py Experts.forward stacks the experts' weights each call (torch.stack)
+def stacked_copy(layout) -> bool:
+    """Whether the grouped GEMMs stack the experts' weights by a copy each call: under ZeRO-3 with
+    more than one expert-DP rank (DP × CP / EP; each bucket then has its own param storage);
+    otherwise the DDP lays each stack out back to back and the GEMMs take a view (model/moe.py
+    ``StackedView``, parallel/data.py)."""
+    return layout.stage == 3 and layout.dp * layout.cp > layout.ep
 
 
 def tokens_per_rank(m: ModelConfig, b: int, layout) -> float:
@@ -81,8 +87,8 @@ def tokens_per_rank(m: ModelConfig, b: int, layout) -> float:
 
 def stacked_weight_bytes(m: ModelConfig, layout, *, act_bytes: int = 2) -> float:
     """Bytes of the grouped GEMM's per-call stack of one layer's local expert weights: act·(E/EP)·(2 | 1
-    + 1)·h·f_e while ``STACKED_COPY``, else 0 (and for a dense model)."""
-    if not STACKED_COPY or not m.num_experts:
+    + 1)·h·f_e where ``stacked_copy``, else 0 (and for a dense model)."""
+    if not stacked_copy(layout) or not m.num_experts:
         return 0.0
     return act_bytes * m.num_experts / layout.ep * ((2 if m.swiglu else 1) + 1) * m.hidden_size * moe_ffn(m)
 
