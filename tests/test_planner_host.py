@@ -78,6 +78,23 @@ def test_deferred_follows_the_trainer():
     assert not host.deferred(cfg_of(*base, "--bf16", "--optimizer-cpu-offload"))
 
 
+def test_recomputed_layer_runs_its_own_forward_again():
+    """Full recompute adds, in the backward only, the layer's own forward host time and the
+    checkpoint's wrapper: a Llama layer the probe's RECOMPUTE_LAYER_S, an MoE layer its MoE terms too."""
+    llama = cfg_of("--model", "llama-1b", "--vocab-size", "32000", "--seq-length", "256",
+                   "--max-position-embeddings", "256")
+    f0, b0 = host.microbatch_seconds(llama, [False] * 3, [False] * 3, 0, 0)
+    f1, b1 = host.microbatch_seconds(llama, [False] * 3, [False] * 3, 0, 2)
+    assert f1 == f0 and b1 - b0 == pytest.approx(2 * host.RECOMPUTE_LAYER_S, rel=1e-12)
+    moe = cfg_of(*MOE_ARGS)
+    f0, b0 = host.microbatch_seconds(moe, [True], [False], 16, 0)
+    f1, b1 = host.microbatch_seconds(moe, [True], [False], 16, 1)
+    layer = host.LAYER_S + host.LAYER_PARAM_S * host.layer_tensors(moe, True, 0) + host.MOE_LAYER_S \
+        + host.MOE_EXPERT_S * 16
+    assert f1 == f0 and b1 - b0 == pytest.approx(host.FORWARD_SHARE * layer + host.RECOMPUTE_WRAPPER_S, rel=1e-12)
+    assert b1 - b0 > host.RECOMPUTE_LAYER_S + 1e-3
+
+
 MOE_ARGS = ("--model", "mixtral-small", "--vocab-size", "32000", "--seq-length", "256", "--max-position-embeddings",
             "256", "--micro-batch-size", "1", "--global-batch-size", "2", "--bf16", "--num-experts", "16",
             "--moe-router-topk", "1")

@@ -17,8 +17,11 @@ presets; ``plan --calibrate`` measures it, ``launch_seconds``):
   AccumulateGrad and dynamo's guards grow with them: 6 in a Llama layer, 12 with biases and
   LayerNorm); an MoE layer adds ``MOE_LAYER_S`` + ``MOE_EXPERT_S`` per local expert (the routing's
   kernels, the per-expert parameters and their grads); an FP8 layer ``FP8_LINEAR_S`` per linear (its
-  amaxes, casts and ``_scaled_mm``); full recompute ``RECOMPUTE_LAYER_S`` per recomputed layer (the
-  forward again and the checkpoint's wrapper). Of each, ``FORWARD_SHARE`` is the forward's;
+  amaxes, casts and ``_scaled_mm``). Of each, ``FORWARD_SHARE`` is the forward's. A fully recomputed
+  layer runs its forward again in the backward: its own forward host time (an MoE or FP8 layer's
+  with its MoE and FP8 terms) plus the checkpoint's wrapper, ``RECOMPUTE_WRAPPER_S`` = the probe's
+  Llama-layer recompute ``RECOMPUTE_LAYER_S`` less that layer's forward (until session 14 every
+  layer cost ``RECOMPUTE_LAYER_S``: an MoE layer's recompute was under-predicted, bench/RESULTS.md);
 - each step: the optimizer, ``RUN_S`` per flat-AdamW run (optim/optimizer.py: a compiled kernel call
   for each run of consecutive fragments of one weight decay within a bucket: 2 a Llama layer, 4 with
   biases, 1 an MoE layer in the dense buffer, one per embedding table, plus one per bucket boundary)
@@ -67,6 +70,7 @@ MOE_EXPERT_S = 0.043e-3
 FP8_LINEAR_S = 0.28e-3
 RECOMPUTE_LAYER_S = 1.4e-3
 FORWARD_SHARE = 0.45
+RECOMPUTE_WRAPPER_S = RECOMPUTE_LAYER_S - FORWARD_SHARE * (LAYER_S + 6 * LAYER_PARAM_S)
 RUN_S = 0.22e-3
 OPT_PARAM_S = 0.0055e-3
 STEP_S = 2.3e-3
@@ -92,15 +96,19 @@ def layer_tensors(cfg: Config, moe: bool, local_experts: float) -> int:
 
 def microbatch_seconds(cfg: Config, moe: list, fp8: list, local_experts: float, recomputed: int) -> tuple:
     """(forward, backward) host seconds of one micro-batch on a rank holding layers whose MoE and FP8
-    flags are ``moe`` and ``fp8``, ``recomputed`` of them fully recomputed (module doc)."""
-    total = MICROBATCH_S + RECOMPUTE_LAYER_S * recomputed
-    for is_moe, is_fp8 in zip(moe, fp8):
-        total += LAYER_S + LAYER_PARAM_S * layer_tensors(cfg, is_moe, 0)
+    flags are ``moe`` and ``fp8``, the first ``recomputed`` of them fully recomputed (module doc: a
+    recomputed layer's forward again and ``RECOMPUTE_WRAPPER_S``, in the backward)."""
+    total, again = MICROBATCH_S, 0.0
+    for n, (is_moe, is_fp8) in enumerate(zip(moe, fp8)):
+        layer = LAYER_S + LAYER_PARAM_S * layer_tensors(cfg, is_moe, 0)
         if is_moe:
-            total += MOE_LAYER_S + MOE_EXPERT_S * local_experts
+            layer += MOE_LAYER_S + MOE_EXPERT_S * local_experts
         if is_fp8:
-            total += FP8_LINEAR_S * 4
-    return FORWARD_SHARE * total, (1 - FORWARD_SHARE) * total
+            layer += FP8_LINEAR_S * 4
+        total += layer
+        if n < recomputed:
+            again += FORWARD_SHARE * layer + RECOMPUTE_WRAPPER_S
+    return FORWARD_SHARE * total, (1 - FORWARD_SHARE) * total + again
 
 
 def flat_runs(cfg: Config, moe: list, dense_params: float, expert_params: float, bucket: float,
