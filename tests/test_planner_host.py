@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 
 import pytest
 
@@ -34,13 +35,76 @@ def test_overlapped_by_hand():
     assert host.overlapped([(1.0, 6.0), (4.0, 1.0)]) == 7.0
 
 
+def _simulated(phases):
+    """The GPU's end, phase by phase: phase k's kernels start once the GPU has run phase k − 1 and the
+    host has begun launching k, and end no sooner than the host has launched all of k."""
+    host_at, gpu_at = 0.0, 0.0
+    for h, g in phases:
+        gpu_at = max(gpu_at, host_at) + g
+        host_at += h
+        gpu_at = max(gpu_at, host_at)
+    return gpu_at
+
+
+def test_overlapped_is_the_phase_by_phase_simulation():
+    """The closed form max(max_k (Σ_{i<k} H + Σ_{i≥k} G), Σ H) equals stepping through the phases."""
+    rng = random.Random(7)
+    for _ in range(200):
+        phases = [(rng.uniform(0, 3), rng.uniform(0, 3)) for _ in range(rng.randint(1, 8))]
+        assert host.overlapped(phases) == pytest.approx(_simulated(phases), rel=1e-12)
+
+
+def test_step_phases_deferred_and_synchronous_by_hand():
+    """The deferred loop: the previous update (U 4) runs under the bookkeeping (3); host-bound, the
+    step is the host's 3 + 2 + 2 + 2 = 9 (the norm, GPU 1, ran while the update was launched). The
+    synchronous loop: the update is launched first (2), the norm is read after the host's 9: 10."""
+    mbs = [(2.0, 1.0), (2.0, 1.0)]
+    d = host.step_phases(True, 3.0, 2.0, 4.0, mbs, 1.0)
+    assert d == [(3.0, 4.0), (2.0, 1.0), (2.0, 1.0), (2.0, 1.0)]
+    assert host.overlapped(d) == 9.0
+    s = host.step_phases(False, 3.0, 2.0, 4.0, mbs, 1.0)
+    assert s == [(2.0, 4.0), (3.0, 0.0), (2.0, 1.0), (2.0, 1.0), (0.0, 1.0)]
+    assert host.overlapped(s) == 10.0
+    # GPU-bound: the deferred step is the GPU's U + Σ G + T whatever the host's order
+    assert host.overlapped(host.step_phases(True, 1.0, 0.5, 6.0, [(1.0, 3.0)], 2.0)) == 11.0
+
+
+def test_deferred_follows_the_trainer():
+    """bf16 defers; fp16's loss scaler, --skip-nan-steps and offloaded optimizer shards do not."""
+    base = ("--model", "llama-1b", "--vocab-size", "32000", "--seq-length", "256", "--max-position-embeddings", "256")
+    assert host.deferred(cfg_of(*base, "--bf16"))
+    assert not host.deferred(cfg_of(*base, "--fp16"))
+    assert not host.deferred(cfg_of(*base, "--bf16", "--skip-nan-steps"))
+    assert not host.deferred(cfg_of(*base, "--bf16", "--optimizer-cpu-offload"))
+
+
+def test_recomputed_layer_runs_its_own_forward_again():
+    """Full recompute adds, in the backward only, the layer's own forward host time and the
+    checkpoint's wrapper: a Llama layer the probe's RECOMPUTE_LAYER_S, an MoE layer its MoE terms too."""
+    llama = cfg_of("--model", "llama-1b", "--vocab-size", "32000", "--seq-length", "256",
+                   "--max-position-embeddings", "256")
+    f0, b0 = host.microbatch_seconds(llama, [False] * 3, [False] * 3, 0, 0)
+    f1, b1 = host.microbatch_seconds(llama, [False] * 3, [False] * 3, 0, 2)
+    assert f1 == f0 and b1 - b0 == pytest.approx(2 * host.RECOMPUTE_LAYER_S, rel=1e-12)
+    moe = cfg_of(*MOE_ARGS)
+    f0, b0 = host.microbatch_seconds(moe, [True], [False], 16, 0)
+    f1, b1 = host.microbatch_seconds(moe, [True], [False], 16, 1)
+    layer = host.LAYER_S + host.LAYER_PARAM_S * host.layer_tensors(moe, True, 0) + host.MOE_LAYER_S \
+        + host.MOE_EXPERT_S * 16
+    assert f1 == f0 and b1 - b0 == pytest.approx(host.FORWARD_SHARE * layer + host.RECOMPUTE_WRAPPER_S, rel=1e-12)
+    assert b1 - b0 > host.RECOMPUTE_LAYER_S + 1e-3
+
+
+MOE_ARGS = ("--model", "mixtral-small", "--vocab-size", "32000", "--seq-length", "256", "--max-position-embeddings",
+            "256", "--micro-batch-size", "1", "--global-batch-size", "2", "--bf16", "--num-experts", "16",
+            "--moe-router-topk", "1")
+
+
 def test_host_term_in_step_time():
     """A few-token MoE step is host-bound (total = the host's seconds, more than the GPU's); a large
     dense step is GPU-bound (no idle); the host's seconds follow host.py's constants; host_scale
     scales them."""
-    moe = cfg_of("--model", "mixtral-small", "--vocab-size", "32000", "--seq-length", "256",
-                 "--max-position-embeddings", "256", "--micro-batch-size", "1", "--global-batch-size", "2",
-                 "--bf16", "--num-experts", "16", "--moe-router-topk", "1")
+    moe = cfg_of(*MOE_ARGS)
     lay = Layout(micro_batch=1)
     t = step_time(moe, lay, H200, 32000, gpus_per_node=1, params_per_rank=10 ** 9)
     assert t.host_idle > 0 and t.total == pytest.approx(t.host, rel=1e-9)
@@ -57,6 +121,12 @@ def test_host_term_in_step_time():
     slow = step_time(moe, lay, dataclasses.replace(H200, host_scale=2.0), 32000, gpus_per_node=1,
                      params_per_rank=10 ** 9)
     assert slow.host == pytest.approx(2 * t.host, rel=1e-9)
+    # the synchronous loop reads the norm after the host's last launch: host-bound, it ends the norm's
+    # GPU seconds (4 bytes a parameter: two micro-batches, so no bf16 buckets) after the host
+    sync = step_time(cfg_of(*MOE_ARGS, "--skip-nan-steps"), lay, H200, 32000, gpus_per_node=1,
+                     params_per_rank=10 ** 9)
+    assert sync.host == pytest.approx(t.host, rel=1e-12)
+    assert sync.total - sync.host == pytest.approx(4 * 10 ** 9 / H200.hbm_bytes_per_s, rel=1e-9)
     dense = cfg_of("--model", "llama-1b", "--vocab-size", "32000", "--seq-length", "4096",
                    "--max-position-embeddings", "4096", "--micro-batch-size", "4", "--global-batch-size", "4",
                    "--bf16")

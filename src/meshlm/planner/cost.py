@@ -44,9 +44,12 @@ the logits):
   is not separated by one token count.
 - the step's host (CPU) time (planner/host.py): kernel launches, compiled frames' guards, autograd's
   per-parameter work and the optimizer's runs; the step is the GPU's time or, where the host
-  launches a phase (the optimizer, a micro-batch's forward or backward) more slowly than the GPU
-  runs it, the GPU waits (``host.overlapped``: the step = max over phases k of the host's time
-  before k plus the GPU's from k).
+  launches a phase (a micro-batch's forward or backward, the norm and update) more slowly than the GPU
+  runs it, the GPU waits (``host.step_phases``, ``host.overlapped``: the step = max over phases k of
+  the host's time before k plus the GPU's from k). Under the deferred loop the GPU starts the step
+  with the previous step's update (``OPTIMIZER_BYTES_PER_PARAM`` less the norm's
+  ``NORM_BYTES_PER_PARAM``) queued while the host does its bookkeeping; each backward's GPU time
+  carries its main_grad fold; the step ends with the grad norm.
 - the main_grad fold after each backward (bf16 grad added into the fp32 buffer, 10 bytes a parameter;
   where ``config.half_grads`` keeps the buckets bf16, a bf16 copy of 4, and the optimizer reads 2 + 2
   bytes less: ``HALF_GRADS_SAVED_BYTES``).
@@ -95,8 +98,9 @@ ATTENTION_HALF_HEAD_DIM = 48  # a head dim of d reaches d / (d + this) of the la
 ATTENTION_REFERENCE = (2048, 128)  # (seq, head dim) at which GPU.attention_efficiency is given
 ELEMENTWISE_PASSES = 4  # HBM bytes moved by element-wise kernels per byte stored for backward
 OPTIMIZER_BYTES_PER_PARAM = 34
+NORM_BYTES_PER_PARAM = 4  # of the 34: the grad norm's fp32 grad read (2 under half_grads), the rest the update
 FOLD_BYTES_PER_PARAM = 10
-HALF_GRADS_SAVED_BYTES = (6, 4)  # config.half_grads: (fold: a bf16 copy of 4, not 10; optimizer: grad read 2, norm 2)
+HALF_GRADS_SAVED_BYTES = (6, 2, 2)  # config.half_grads: (fold: a bf16 copy of 4, not 10; update: grad read 2; norm 2)
 FP8_CAST_BYTES = 44  # an FP8 weight a micro-batch, its casts' HBM bytes: fit to a per-kernel profile (cost.py doc)
 FP8_ACTIVATION_CAST_BYTES = 7  # an FP8 linear's input and output-gradient element: amax, cast, transposed copy
 STEP_OVERHEAD_S = 0.0
@@ -383,7 +387,7 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     w = ranks[slowest]
     gemm_s, attn_s, elem_s, recompute_s, tp_s, ep_s, cp_s = (w[k] for k in keys)
     link_tp = stages[-1]["link_tp"]
-    saved_fold, saved_opt = HALF_GRADS_SAVED_BYTES if half and half_grads(c, layout.world) else (0, 0)
+    saved_fold, saved_update, saved_norm = HALF_GRADS_SAVED_BYTES if half and half_grads(c, layout.world) else (0, 0, 0)
     fold_s = (FOLD_BYTES_PER_PARAM - saved_fold) * params_per_rank / gpu.hbm_bytes_per_s
     per_mb = gemm_s + attn_s + elem_s + recompute_s + tp_s + ep_s + cp_s
     compute = nmb * (gemm_s + attn_s + elem_s + recompute_s)
@@ -415,13 +419,15 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     else:
         dp_exposed = dp_s
     sharded = dense / n + experts / edp if layout.stage >= 1 else params_per_rank
-    opt_s = (OPTIMIZER_BYTES_PER_PARAM - saved_opt) * sharded / gpu.hbm_bytes_per_s + nmb * fold_s
+    norm_s = (NORM_BYTES_PER_PARAM - saved_norm) * sharded / gpu.hbm_bytes_per_s
+    update_s = (OPTIMIZER_BYTES_PER_PARAM - NORM_BYTES_PER_PARAM - saved_update) * sharded / gpu.hbm_bytes_per_s
+    opt_s = update_s + norm_s + nmb * fold_s
     gpu_s = nmb * per_mb + bubble + p2p + dp_exposed + opt_s + STEP_OVERHEAD_S
     host_opt, host_book = (gpu.host_scale * x for x in _host_step(c, layout, slowest, dense, experts, bucket))
     forward = (gemm_s + attn_s + elem_s) / 3 + sum(w[k + "_forward"] for k in ("tp", "ep", "cp"))
-    phases = [(host_book, opt_s)] + [(w["host_f"], forward), (w["host_b"], per_mb - forward)] * nmb \
-        + [(host_opt, bubble + p2p + dp_exposed + STEP_OVERHEAD_S)]
-    total = host.overlapped(phases)
+    microbatches = [(w["host_f"], forward), (w["host_b"], per_mb - forward + fold_s)] * nmb
+    total = host.overlapped(host.step_phases(host.deferred(c), host_book, host_opt, update_s, microbatches,
+                                             bubble + p2p + dp_exposed + norm_s + STEP_OVERHEAD_S))
     host_s = host_opt + host_book + nmb * (w["host_f"] + w["host_b"])
     gb = global_batch(c, layout.world)
     model_flops = flops_per_iteration(m, gb, padded)

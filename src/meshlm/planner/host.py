@@ -17,8 +17,11 @@ presets; ``plan --calibrate`` measures it, ``launch_seconds``):
   AccumulateGrad and dynamo's guards grow with them: 6 in a Llama layer, 12 with biases and
   LayerNorm); an MoE layer adds ``MOE_LAYER_S`` + ``MOE_EXPERT_S`` per local expert (the routing's
   kernels, the per-expert parameters and their grads); an FP8 layer ``FP8_LINEAR_S`` per linear (its
-  amaxes, casts and ``_scaled_mm``); full recompute ``RECOMPUTE_LAYER_S`` per recomputed layer (the
-  forward again and the checkpoint's wrapper). Of each, ``FORWARD_SHARE`` is the forward's;
+  amaxes, casts and ``_scaled_mm``). Of each, ``FORWARD_SHARE`` is the forward's. A fully recomputed
+  layer runs its forward again in the backward: its own forward host time (an MoE or FP8 layer's
+  with its MoE and FP8 terms) plus the checkpoint's wrapper, ``RECOMPUTE_WRAPPER_S`` = the probe's
+  Llama-layer recompute ``RECOMPUTE_LAYER_S`` less that layer's forward (until session 14 every
+  layer cost ``RECOMPUTE_LAYER_S``: an MoE layer's recompute was under-predicted, bench/RESULTS.md);
 - each step: the optimizer, ``RUN_S`` per flat-AdamW run (optim/optimizer.py: a compiled kernel call
   for each run of consecutive fragments of one weight decay within a bucket: 2 a Llama layer, 4 with
   biases, 1 an MoE layer in the dense buffer, one per embedding table, plus one per bucket boundary)
@@ -26,11 +29,30 @@ presets; ``plan --calibrate`` measures it, ``launch_seconds``):
   read, the log line) and per MoE layer ``MOE_STATS_S`` + ``MOE_STATS_EXPERT_S`` · E (the routing
   statistics logged each step at --log-interval 1).
 
-The step (``overlapped``): after the grad norm's sync the GPU is empty; the host launches the
-optimizer and then each micro-batch's forward and backward, the GPU running each phase's kernels
-once launched. With phases i = (host H_i, GPU G_i) in launch order, the GPU ends at
-max_k (Σ_{i<k} H_i + Σ_{i≥k} G_i): the host's time up to the phase it last waited on, then the GPU's
-from there (k = 0: GPU-bound throughout; the last k: host-bound throughout).
+The step (``step_phases``, ``overlapped``), as training/trainer.py runs it. The deferred loop
+(``deferred``: bf16/fp32, no --skip-nan-steps, no offloaded optimizer shards) launches a step with no
+host sync and finishes it (reads its loss and grad norm) at the next step's start, before that step's
+zero_grad; the norm is copied to the host before the update is queued, so its read waits for the norm
+only. At t = 0 the host has just read the previous step's norm and the GPU still holds that step's
+update (U, the optimizer's update GPU seconds). The host then does the step's bookkeeping (B: the
+previous step's log, zero_grad, the data), launches each micro-batch's forward and backward
+(F_j, B_j host; their GPU seconds with the backward's main_grad fold), then the grad norm and the
+update (O, host); the step ends when the GPU has run this step's norm (T: the pipeline bubble, p2p, the
+exposed DP reduction and the norm) and the host has launched the update, whose GPU time U carries into
+the next step. Phases i = (host H_i, GPU G_i) in launch order:
+
+    [(B, U), (F_1, f_1), (B_1, b_1), …, (F_m, f_m), (B_m, b_m), (O, T)]
+
+The GPU runs a phase's kernels as they are launched, after the phase before it, so the step is
+
+    max( max_k (Σ_{i<k} H_i + Σ_{i≥k} G_i), Σ_i H_i )
+
+(k = 0: GPU-bound throughout, U + Σ f + Σ b + T; the last term: host-bound throughout, the host's
+B + Σ (F + B) + O; between: the host's time up to the phase the GPU last waited on, then the GPU's from
+there). The host runs ahead of the GPU across the step boundary by at most U: the update is the only
+work queued when it reads the norm. The synchronous loop (fp16's loss scaler, --skip-nan-steps,
+offloaded shards) reads the norm before it launches the update, so the GPU is empty at t = 0:
+[(O, U), (B, 0), (F_1, f_1), …, (B_m, b_m), (0, T)] (the norm's own launch is counted in O).
 """
 
 from __future__ import annotations
@@ -48,6 +70,7 @@ MOE_EXPERT_S = 0.043e-3
 FP8_LINEAR_S = 0.28e-3
 RECOMPUTE_LAYER_S = 1.4e-3
 FORWARD_SHARE = 0.45
+RECOMPUTE_WRAPPER_S = RECOMPUTE_LAYER_S - FORWARD_SHARE * (LAYER_S + 6 * LAYER_PARAM_S)
 RUN_S = 0.22e-3
 OPT_PARAM_S = 0.0055e-3
 STEP_S = 2.3e-3
@@ -73,15 +96,19 @@ def layer_tensors(cfg: Config, moe: bool, local_experts: float) -> int:
 
 def microbatch_seconds(cfg: Config, moe: list, fp8: list, local_experts: float, recomputed: int) -> tuple:
     """(forward, backward) host seconds of one micro-batch on a rank holding layers whose MoE and FP8
-    flags are ``moe`` and ``fp8``, ``recomputed`` of them fully recomputed (module doc)."""
-    total = MICROBATCH_S + RECOMPUTE_LAYER_S * recomputed
-    for is_moe, is_fp8 in zip(moe, fp8):
-        total += LAYER_S + LAYER_PARAM_S * layer_tensors(cfg, is_moe, 0)
+    flags are ``moe`` and ``fp8``, the first ``recomputed`` of them fully recomputed (module doc: a
+    recomputed layer's forward again and ``RECOMPUTE_WRAPPER_S``, in the backward)."""
+    total, again = MICROBATCH_S, 0.0
+    for n, (is_moe, is_fp8) in enumerate(zip(moe, fp8)):
+        layer = LAYER_S + LAYER_PARAM_S * layer_tensors(cfg, is_moe, 0)
         if is_moe:
-            total += MOE_LAYER_S + MOE_EXPERT_S * local_experts
+            layer += MOE_LAYER_S + MOE_EXPERT_S * local_experts
         if is_fp8:
-            total += FP8_LINEAR_S * 4
-    return FORWARD_SHARE * total, (1 - FORWARD_SHARE) * total
+            layer += FP8_LINEAR_S * 4
+        total += layer
+        if n < recomputed:
+            again += FORWARD_SHARE * layer + RECOMPUTE_WRAPPER_S
+    return FORWARD_SHARE * total, (1 - FORWARD_SHARE) * total + again
 
 
 def flat_runs(cfg: Config, moe: list, dense_params: float, expert_params: float, bucket: float,
@@ -121,8 +148,29 @@ def launch_seconds(device, launches: int = 2000, repeats: int = 5) -> float:
     return best / launches
 
 
+def deferred(cfg: Config) -> bool:
+    """Whether the training loop defers the optimizer step (module doc; trainer.launch_step: the
+    optimizer ``can_defer`` and no --skip-nan-steps): no fp16 loss scaler, no --skip-nan-steps, no
+    --optimizer-cpu-offload shards."""
+    o = cfg.optimizer
+    return not (cfg.training.fp16 or cfg.training.skip_nan_steps
+                or (o.optimizer_cpu_offload and o.optimizer_offload_fraction > 0))
+
+
+def step_phases(is_deferred: bool, book: float, launch_opt: float, update: float, microbatches: list,
+                tail: float) -> list:
+    """[(host s, GPU s)] of one step in launch order (module doc): ``book`` B and ``launch_opt`` O host
+    seconds, ``update`` U GPU seconds, ``microbatches`` [(F_j, f_j), (B_j, b_j), …], ``tail`` T GPU
+    seconds up to the end of the grad norm; the deferred loop's or, ``is_deferred`` False, the
+    synchronous loop's."""
+    if is_deferred:
+        return [(book, update)] + list(microbatches) + [(launch_opt, tail)]
+    return [(launch_opt, update), (book, 0.0)] + list(microbatches) + [(0.0, tail)]
+
+
 def overlapped(phases: list) -> float:
-    """Seconds until the GPU has run every phase [(host s, GPU s)], launched in order (module doc)."""
+    """Seconds until the GPU has run every phase [(host s, GPU s)], launched in order, and the host
+    has launched them: max(max_k (Σ_{i<k} H_i + Σ_{i≥k} G_i), Σ H_i) (module doc)."""
     gpu_left, host_before, end = sum(g for _, g in phases), 0.0, 0.0
     for h, g in phases:
         end = max(end, host_before + gpu_left)
