@@ -502,8 +502,7 @@ def _run_command(argv: list) -> int:
                 f"unrecognized arguments: {' '.join(extra)}; see `meshlm {named} --help`")
         return args._run(args) or 0
     except MeshlmError as e:
-        rank = f"rank {launch.job_rank()}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"{launch.ERROR_PREFIX}{rank}{e}", file=sys.stderr)
+        print(f"{launch.ERROR_PREFIX}{launch.error_rank()}{e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("meshlm: interrupted", file=sys.stderr)
