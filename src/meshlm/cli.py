@@ -243,7 +243,9 @@ def _dry_run(args: argparse.Namespace) -> int:
     from .checkpoint.convert import carry_dropout
     for note in notes(cfg) + startup_lines(args, explicit_fields(args)) + carry_dropout(cfg, explicit_fields(args)):
         print(f"meshlm: note: {note}", flush=True)
-    validate(cfg, world, check_files=not embedded, cuda=True)
+    sized_by = "--world-size" if args.world_size is not None else \
+        "--nproc-per-node (× --nnodes)" if args.nnodes is not None else "--nproc-per-node"
+    validate(cfg, world, check_files=not embedded, cuda=True, world_flag=sized_by)
     for line in report(cfg, world):
         print(f"meshlm: dry run: {line}", flush=True)
     from .data.tokenizer import vocab_of

@@ -26,10 +26,11 @@ from .values import kind_of
 
 
 def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
-             cuda: Optional[bool] = None) -> None:
+             cuda: Optional[bool] = None, world_flag: str = "--nproc-per-node") -> None:
     """Check the whole config; raise one ConfigError listing every problem.
 
-    world: job size (default from the environment / --nproc-per-node). check_files: also check
+    world: job size (default from the environment / --nproc-per-node), world_flag the flag that set
+    it (named in a fix). check_files: also check
     that the run has data and that data and tokenizer paths exist (off for checks of shapes alone,
     and before the embedded default corpus is prepared); --load is checked either way. The folders the run writes
     (--save, --run-dir, --log-dir, …) are always checked: each must be, or be creatable as, a
@@ -46,7 +47,7 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
         raise ConfigError(sizes + problems)
     layout_rules.adjust(cfg)
     world = world_size_of(cfg) if world is None else world
-    problems += layout_rules.layout_problems(cfg, world)
+    problems += layout_rules.layout_problems(cfg, world, world_flag)
     problems += _model_problems(cfg.model)
     problems += layout_rules.moe_problems(cfg, world)
     problems += _training_problems(cfg, cuda)
