@@ -379,7 +379,7 @@ def _data_problems(cfg: Config) -> list:
     problems += source_problems(d)
     if d.mock_data and not vocab:
         problems.append("--mock-data needs --vocab-size (the range of the random token ids)")
-    from .data.tokenizer import MODEL_FILE, special_tokens_problem
+    from .data.tokenizer import MODEL_FILE, implied_tokenizer_type, special_tokens_problem
     if d.tokenizer_type in MODEL_FILE and not d.tokenizer_model:
         problems.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model "
                         f"({MODEL_FILE[d.tokenizer_type]})")
@@ -391,7 +391,7 @@ def _data_problems(cfg: Config) -> list:
     from .data.tokenizer import null_ids_problem
     problems += [p for p in [null_ids_problem(d, vocab)] if p]
     files = [f for f in given_sources(d) if f != "--mock-data"]
-    if files and not d.tokenizer_type and not vocab:
+    if files and not implied_tokenizer_type(d, vocab):  # the type the workers' build_tokenizer takes
         problems.append(f"{files[0]} needs --tokenizer-type (or --vocab-size with NullTokenizer)")
     if cfg.model_preset:
         from .presets import PRESETS
@@ -429,13 +429,14 @@ def _file_problems(cfg: Config) -> list:
         problems.extend(e.problems)
     # only the files the chosen tokenizer reads: a YAML's GPT-2 files do not block a switch to
     # --tokenizer-type HuggingFaceTokenizer on the command line
-    from .data.tokenizer import EXTRA_TYPES, MODEL_FILE
+    from .data.tokenizer import EXTRA_TYPES, MODEL_FILE, implied_tokenizer_type
     used = {"GPT2BPETokenizer": [("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)]}
     used.update({kind: [("--tokenizer-model", d.tokenizer_model)] for kind in MODEL_FILE})
-    missing = [f"{flag} {path}: no such file" for flag, path in used.get(d.tokenizer_type, [])
+    kind = implied_tokenizer_type(d)  # given, or implied by the files (data/tokenizer.py)
+    missing = [f"{flag} {path}: no such file" for flag, path in used.get(kind, [])
                if path and not os.path.exists(path)]
     problems += missing
-    if d.tokenizer_type in EXTRA_TYPES and d.tokenizer_model and not missing:
+    if kind in EXTRA_TYPES and d.tokenizer_model and not missing:
         problems += _tokenizer_problems(cfg)
     return problems
 
