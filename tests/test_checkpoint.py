@@ -406,3 +406,16 @@ def test_targets_the_checkpoint_lacks_or_holds_at_another_shape_are_refused_befo
     assert not a.any()  # nothing copied by a refused load
     ckpt.read_into(path, {"model/a": a})
     assert torch.equal(a, torch.ones(2, 3))
+
+
+def test_load_of_an_older_checkpoints_folder_says_its_parent_resumes_from_the_latest(tmp_path):
+    """--load save/iter_0000003 was told to point at save, which resumes from iter_0000005 instead
+    (Megatron's --ckpt-step, which picks one, is not supported): the hint says so and how to load 3."""
+    save = tmp_path / "save"
+    ckpt.save(str(save), 3, {"w": torch.zeros(2)})
+    [latest] = ckpt.check_loadable(str(save / "iter_0000003"), None)
+    assert "resumes from" not in latest  # the parent's latest is this one
+    ckpt.save(str(save), 5, {"w": torch.ones(2)})
+    [older] = ckpt.check_loadable(str(save / "iter_0000003"), None)
+    assert "which resumes from its latest, iter_0000005, not this one" in older and "--ckpt-step" in older
+    assert "write its iteration into latest_checkpointed_iteration.txt" in older and "\n" not in older
