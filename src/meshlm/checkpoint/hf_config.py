@@ -237,7 +237,9 @@ def _export_arch(m: C.ModelConfig, arch: Optional[str]) -> str:
     if arch in ("mistral", "mixtral"):
         wanted.append(("--disable-bias-linear", not m.add_bias_linear, True))
     if arch == "mixtral":
-        wanted += [("--moe-layer-freq (MoE layers)", sum(C.moe_layer_pattern(m)), m.num_layers),
+        moe = sum(C.moe_layer_pattern(m)) if m.num_experts else 0
+        wanted += [("MoE layers (--num-experts, --moe-layer-freq)", f"{moe} of {m.num_layers}",
+                    f"{m.num_layers} of {m.num_layers}"),
                    ("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size, None),
                    ("--moe-router-score-function", m.moe_router_score_function, "softmax"),
                    ("--moe-router-pre-softmax", m.moe_router_pre_softmax, False)]
