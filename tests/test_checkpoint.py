@@ -419,3 +419,16 @@ def test_load_of_an_older_checkpoints_folder_says_its_parent_resumes_from_the_la
     [older] = ckpt.check_loadable(str(save / "iter_0000003"), None)
     assert "which resumes from its latest, iter_0000005, not this one" in older and "--ckpt-step" in older
     assert "write its iteration into latest_checkpointed_iteration.txt" in older and "\n" not in older
+
+
+def test_a_swiglu_difference_is_named_once_not_as_a_gelu_form_of_none(tmp_path):
+    """--swiglu against a GeLU checkpoint also printed 'GeLU saved=tanh now=None'."""
+    from meshlm.config import Config
+    cfg = Config()
+    cfg.model = _model()
+    ckpt.save(str(tmp_path), 10, {"w": torch.zeros(2)}, config=cfg.to_dict())
+    with pytest.raises(CheckpointError) as err:
+        check_model_config(str(tmp_path / "iter_0000010"), _model(swiglu=True))
+    assert "--swiglu saved=False now=True" in str(err.value) and "GeLU" not in str(err.value)
+    with pytest.raises(CheckpointError, match=r"GeLU saved=tanh now=exact"):  # a GeLU form against another stays
+        check_model_config(str(tmp_path / "iter_0000010"), _model(bias_gelu_fusion=False))

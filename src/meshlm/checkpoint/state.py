@@ -14,7 +14,7 @@ import torch
 from .. import config as C
 from ..dtypes import at_least_fp32
 from ..errors import CheckpointError, ConfigError
-from .architecture import architecture, difference
+from .architecture import architecture, difference, differs
 from .dist import CONFIG, _check_format, _unflatten, rank_trees, read_config, read_manifest, read_tensors
 from .model_space import ModelSpace
 from .safe_read import SafeReader, reading
@@ -44,7 +44,7 @@ def check_model_config(path: str, model: C.ModelConfig, load: Optional[str] = No
     if saved["vocab_size"] is None or now["vocab_size"] is None:
         del saved["vocab_size"]
     diffs = [difference(name, saved[name], now[name], ("saved", "now"))  # position fields: with the position type
-             for name in now if name in saved and saved[name] != now[name]]
+             for name in now if name in saved and differs(name, saved[name], now[name])]
     if diffs:
         raise CheckpointError(f"--load {load or os.path.dirname(os.path.normpath(path))}: checkpoint "
                               f"{os.path.basename(os.path.normpath(path))} is of another model: {', '.join(diffs)}; "
