@@ -432,3 +432,20 @@ def test_a_swiglu_difference_is_named_once_not_as_a_gelu_form_of_none(tmp_path):
     assert "--swiglu saved=False now=True" in str(err.value) and "GeLU" not in str(err.value)
     with pytest.raises(CheckpointError, match=r"GeLU saved=tanh now=exact"):  # a GeLU form against another stays
         check_model_config(str(tmp_path / "iter_0000010"), _model(bias_gelu_fusion=False))
+
+
+def test_a_vocabulary_the_saved_config_left_to_its_tokenizer_is_compared_by_its_embedding(tmp_path):
+    """A run whose config left the vocabulary to its tokenizer (vocab_size None), loaded by a run
+    with another vocabulary, failed at the tensor read with 'has another shape (saved vs now) 4: …
+    was it saved with another model config?', naming no flag."""
+    from meshlm.config import Config
+    cfg = Config()
+    cfg.model = _model(vocab_size=None)
+    ckpt.save(str(tmp_path), 10, {"model": {"embedding.word_embeddings.weight": torch.zeros(300, 32)}},
+              config=cfg.to_dict())
+    path = str(tmp_path / "iter_0000010")
+    check_model_config(path, _model(vocab_size=None), vocab_size=300)
+    with pytest.raises(CheckpointError, match="--vocab-size saved=300 now=400"):
+        check_model_config(path, _model(vocab_size=None), vocab_size=400)
+    with pytest.raises(CheckpointError, match="--vocab-size saved=300 now=400"):
+        check_model_config(path, _model(vocab_size=400))
