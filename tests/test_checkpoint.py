@@ -406,3 +406,46 @@ def test_targets_the_checkpoint_lacks_or_holds_at_another_shape_are_refused_befo
     assert not a.any()  # nothing copied by a refused load
     ckpt.read_into(path, {"model/a": a})
     assert torch.equal(a, torch.ones(2, 3))
+
+
+def test_load_of_an_older_checkpoints_folder_says_its_parent_resumes_from_the_latest(tmp_path):
+    """--load save/iter_0000003 was told to point at save, which resumes from iter_0000005 instead
+    (Megatron's --ckpt-step, which picks one, is not supported): the hint says so and how to load 3."""
+    save = tmp_path / "save"
+    ckpt.save(str(save), 3, {"w": torch.zeros(2)})
+    [latest] = ckpt.check_loadable(str(save / "iter_0000003"), None)
+    assert "resumes from" not in latest  # the parent's latest is this one
+    ckpt.save(str(save), 5, {"w": torch.ones(2)})
+    [older] = ckpt.check_loadable(str(save / "iter_0000003"), None)
+    assert "which resumes from its latest, iter_0000005, not this one" in older and "--ckpt-step" in older
+    assert "write its iteration into latest_checkpointed_iteration.txt" in older and "\n" not in older
+
+
+def test_a_swiglu_difference_is_named_once_not_as_a_gelu_form_of_none(tmp_path):
+    """--swiglu against a GeLU checkpoint also printed 'GeLU saved=tanh now=None'."""
+    from meshlm.config import Config
+    cfg = Config()
+    cfg.model = _model()
+    ckpt.save(str(tmp_path), 10, {"w": torch.zeros(2)}, config=cfg.to_dict())
+    with pytest.raises(CheckpointError) as err:
+        check_model_config(str(tmp_path / "iter_0000010"), _model(swiglu=True))
+    assert "--swiglu saved=False now=True" in str(err.value) and "GeLU" not in str(err.value)
+    with pytest.raises(CheckpointError, match=r"GeLU saved=tanh now=exact"):  # a GeLU form against another stays
+        check_model_config(str(tmp_path / "iter_0000010"), _model(bias_gelu_fusion=False))
+
+
+def test_a_vocabulary_the_saved_config_left_to_its_tokenizer_is_compared_by_its_embedding(tmp_path):
+    """A run whose config left the vocabulary to its tokenizer (vocab_size None), loaded by a run
+    with another vocabulary, failed at the tensor read with 'has another shape (saved vs now) 4: …
+    was it saved with another model config?', naming no flag."""
+    from meshlm.config import Config
+    cfg = Config()
+    cfg.model = _model(vocab_size=None)
+    ckpt.save(str(tmp_path), 10, {"model": {"embedding.word_embeddings.weight": torch.zeros(300, 32)}},
+              config=cfg.to_dict())
+    path = str(tmp_path / "iter_0000010")
+    check_model_config(path, _model(vocab_size=None), vocab_size=300)
+    with pytest.raises(CheckpointError, match="--vocab-size saved=300 now=400"):
+        check_model_config(path, _model(vocab_size=None), vocab_size=400)
+    with pytest.raises(CheckpointError, match="--vocab-size saved=300 now=400"):
+        check_model_config(path, _model(vocab_size=400))

@@ -359,3 +359,17 @@ def test_an_output_that_is_the_input_is_refused_and_the_input_kept(tmp_path, cap
     assert main(argv) == 2
     assert f"is the --input {corpus}; writing it would replace the text it reads" in capsys.readouterr().err
     assert corpus.read_text() == text
+
+
+def test_a_files_utf8_byte_order_mark_is_not_part_of_its_first_record(tmp_path):
+    """Windows editors start a file with a BOM: the first JSON line was a bad record (dropped) and a
+    text file's first token carried U+FEFF; preprocess and tokenizer train read through iter_records."""
+    from meshlm.data.records import iter_texts
+    jsonl, txt = tmp_path / "bom.jsonl", tmp_path / "bom.txt"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "1 2"}).encode() + b"\r\n"
+                      + json.dumps({"text": "3"}).encode() + b"\r\n")
+    txt.write_bytes(b"\xef\xbb\xbf4 5\n")
+    stats = preprocess_files([str(jsonl), str(txt)], str(tmp_path / "out"), null_cfg(), VOCAB, quiet=True)
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert stats.bad.count == 0 and [ds[i].tolist() for i in range(len(ds))] == [[1, 2], [3], [4, 5]]
+    assert list(iter_texts([str(jsonl), str(txt)])) == ["1 2", "3", "4 5\n"]

@@ -3,6 +3,7 @@ from a transformers config, no downloads) imported at EP=1 and EP=2 gives transf
 (fp32, 1e-5); meshlm's export loads back into transformers with the same logits; what meshlm's
 MoE cannot express is a one-line error naming the field or flag."""
 
+import copy
 import os
 
 import pytest
@@ -111,3 +112,20 @@ def test_what_meshlm_cannot_express_is_one_line(mixtral):
         hf_config_from_model(sigmoid, VOCAB)
     with pytest.raises(CheckpointError, match="--num-experts 4; a Hugging Face llama model needs None"):
         hf_config_from_model(m.model_config(), VOCAB, "llama")
+
+
+def test_a_dense_or_partly_moe_model_asked_for_mixtral_names_its_moe_layers(mixtral):
+    """A dense model exported with --hf-architecture mixtral was told '--moe-layer-freq (MoE layers) 0;
+    … needs 2' (the layer count, read as a frequency)."""
+    _, model, _ = mixtral
+    m = model_from_hf(model.config.to_dict(), "x/config.json").model_config()
+    layers = m.num_layers
+    dense = copy.deepcopy(m)
+    dense.num_experts = None
+    with pytest.raises(CheckpointError, match=rf"MoE layers \(--num-experts, --moe-layer-freq\) 0 of {layers}; "
+                                              rf"a Hugging Face mixtral model needs {layers} of {layers}"):
+        hf_config_from_model(dense, VOCAB, "mixtral")
+    half = copy.deepcopy(m)
+    half.num_layers, half.moe_layer_freq = 2, 2
+    with pytest.raises(CheckpointError, match=r"MoE layers \(--num-experts, --moe-layer-freq\) 1 of 2;"):
+        hf_config_from_model(half, VOCAB, "mixtral")

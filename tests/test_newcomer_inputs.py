@@ -477,3 +477,40 @@ def test_a_to_hf_flag_with_another_direction_is_refused(capsys, argv):
     """--max-shard-size / --hf-architecture were silently ignored by the other directions."""
     err = _refused(capsys, ["convert", *argv])
     assert f"{argv[-2]} shapes the Hugging Face folder --to-hf writes; {argv[0]} writes none: drop {argv[-2]}" in err
+
+
+def _gpt2_files(tmp_path):
+    """A byte-level GPT-2 vocab.json (256 bytes + <|endoftext|>: 257 ids), merges.txt, and a data prefix."""
+    import json
+
+    import numpy as np
+
+    from meshlm.data.indexed import IndexedDatasetWriter
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = printable + [256 + n for n in range(256 - len(printable))]
+    vocab = {chr(c): i for i, c in enumerate(chars)}
+    vocab["<|endoftext|>"] = len(vocab)
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    prefix = str(tmp_path / "d_text_document")
+    w = IndexedDatasetWriter(prefix, np.uint16)
+    w.add_document([1, 2, 256])
+    w.finalize()
+    return str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"), prefix
+
+
+def test_tokenizer_files_without_a_type_are_checked_as_the_type_they_imply(tmp_path, capsys):
+    """Megatron's GPT-3 example passes --vocab-file/--merge-file without --tokenizer-type. The workers
+    build the type the files imply (GPT2BPETokenizer, HuggingFaceTokenizer for --tokenizer-model),
+    but the checks before them read --tokenizer-type alone: refused ('needs --tokenizer-type')
+    unless a --vocab-size was added, which then skipped the files' existence check and planned the
+    memory for an assumed 32000-token vocabulary."""
+    vocab, merges, prefix = _gpt2_files(tmp_path)
+    dry = SHAPE + ["--data-path", prefix, "--dry-run", "--world-size", "1"]
+    assert main(dry + ["--vocab-file", vocab, "--merge-file", merges]) == 0
+    assert "(vocabulary 257, " in capsys.readouterr().out
+    missing = str(tmp_path / "gone.txt")
+    err = _refused(capsys, dry + ["--vocab-file", vocab, "--merge-file", missing, "--vocab-size", "300"])
+    assert err.endswith(f"--merge-file {missing}: no such file")
+    err = _refused(capsys, dry + ["--tokenizer-model", missing, "--vocab-size", "300"])
+    assert err.endswith(f"--tokenizer-model {missing}: no such file")

@@ -136,3 +136,26 @@ def test_plan_a_cluster_script_whose_files_are_not_here(tmp_path, monkeypatch, c
     captured = capsys.readouterr()
     assert json.loads(captured.out)["model"]["vocab_size"] == 128256
     assert "vocabulary 128256 (--vocab-size)" in captured.err
+
+
+@pytest.mark.parametrize("gpus", [4, 16])
+def test_plan_names_a_gpu_count_the_flags_tp_does_not_divide(capsys, gpus):
+    """--num-gpus 16 with TP 3 was planned as DP 5 (15 GPUs: 'micro 2 × DP 5'), --num-gpus 4 as a TP
+    group crossing a node; the problem is the count, named with plan's own flag."""
+    argv = ["plan", "--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "48",
+            "--num-attention-heads", "3", "--seq-length", "32", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--tensor-model-parallel-size", "3", "--num-gpus", str(gpus),
+            "--gpus-per-node", str(gpus), "--json"]
+    main(argv)
+    problems = json.loads(capsys.readouterr().out)["current"]["problems"]
+    assert problems[0] == f"world size {gpus} is not divisible by TP×CP×PP = 3×1×1; set --num-gpus to a multiple of 3"
+    assert not any("DP 5" in p or "crosses a node" in p for p in problems)
+
+
+def test_dry_run_names_the_flag_that_sized_its_world(capsys):
+    argv = ["pretrain", "--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "48",
+            "--num-attention-heads", "3", "--seq-length", "32", "--micro-batch-size", "1",
+            "--tensor-model-parallel-size", "3", "--dry-run", "--world-size", "8"]
+    assert main(argv) == 2
+    assert "world size 8 is not divisible by TP×CP×PP = 3×1×1; set --world-size to a multiple of 3" in \
+        capsys.readouterr().err

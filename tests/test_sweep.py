@@ -63,7 +63,8 @@ def test_successive_halving_keeps_the_best_half_and_runs_them_longer(tmp_path, m
     (["--lr", "-1e-3,1e-2"], "--lr -1e-3,1e-2: '-1e-3' is not a finite positive value"),  # no '=': was argparse's
     (["--lr", "1e-3", "--init-method-std", "-.02"], "'-.02' is not a finite positive value"),
     (["--lr", "1e-3,1e-3"], "a value is listed twice"),
-    (["--lr", "1e-3", "--hidden-size", "0,-8"], "'0' is not a finite positive value"),
+    (["--lr", "1e-3", "--hidden-size", "0,-8"], "'0' is not a finite positive value; give e.g. --hidden-size 256,512"),
+    (["--lr", "1e-3", "--global-batch-size", "3.5"], "give comma-separated ints, e.g. --global-batch-size 32,64"),
     (["--lr", "1e-3", "--", "--bogus-flag"], "the trials' pretrain flags are refused"),
     (["--lr", "1e-3", "--", "--mock-data", "--num-attention-heads", "3"], "the trials' pretrain flags are refused"),
     # the sweep's own per-trial flags, given after `--` too: the trial's were silently replaced (50 iterations run)

@@ -243,7 +243,9 @@ def _dry_run(args: argparse.Namespace) -> int:
     from .checkpoint.convert import carry_dropout
     for note in notes(cfg) + startup_lines(args, explicit_fields(args)) + carry_dropout(cfg, explicit_fields(args)):
         print(f"meshlm: note: {note}", flush=True)
-    validate(cfg, world, check_files=not embedded, cuda=True)
+    sized_by = "--world-size" if args.world_size is not None else \
+        "--nproc-per-node (× --nnodes)" if args.nnodes is not None else "--nproc-per-node"
+    validate(cfg, world, check_files=not embedded, cuda=True, world_flag=sized_by)
     for line in report(cfg, world):
         print(f"meshlm: dry run: {line}", flush=True)
     from .data.tokenizer import vocab_of
@@ -502,8 +504,7 @@ def _run_command(argv: list) -> int:
                 f"unrecognized arguments: {' '.join(extra)}; see `meshlm {named} --help`")
         return args._run(args) or 0
     except MeshlmError as e:
-        rank = f"rank {launch.job_rank()}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"{launch.ERROR_PREFIX}{rank}{e}", file=sys.stderr)
+        print(f"{launch.ERROR_PREFIX}{launch.error_rank()}{e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("meshlm: interrupted", file=sys.stderr)

@@ -644,9 +644,11 @@ def explicit_fields(args: argparse.Namespace) -> set:
 # ----------------------------------------------------------------------------- derived values
 
 def world_size_of(cfg: Config) -> int:
-    """Processes in the job: WORLD_SIZE under torchrun/Slurm, else the local worker count."""
-    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
-        if os.environ.get(var):
+    """Processes in the job: WORLD_SIZE under torchrun (RANK set), SLURM_NTASKS under srun
+    (SLURM_PROCID set), else the local worker count (a WORLD_SIZE left in a shell that launches
+    its own workers does not size them)."""
+    for rank, var in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if rank in os.environ and os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return default_nproc(cfg)
 

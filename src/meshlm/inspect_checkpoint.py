@@ -190,7 +190,7 @@ def _world_of_one():
     from .parallel.mesh import init_distributed
     env, ours = dict(os.environ), not dist.is_initialized()
     if ours:  # not a job's worker: a world of one on a free port
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
             os.environ.pop(name, None)
     try:
         init_distributed()

@@ -64,6 +64,18 @@ def job_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
+def error_rank() -> str:
+    """The ``rank R: `` that starts an error line in a launched job of more than one process, else
+    '' (also where the launcher's variables are not numbers: that is then the error itself)."""
+    if not in_launched_job():
+        return ""
+    from .parallel.mesh import job_env_problem
+    if job_env_problem(os.environ):
+        return ""
+    world = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
+    return f"rank {job_rank()}: " if int(world) > 1 else ""
+
+
 def worker_threads(nproc: int) -> int:
     """CPU threads per worker: this machine's usable cores shared evenly, at least 1."""
     from .parallel.mesh import usable_cores

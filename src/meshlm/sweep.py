@@ -40,6 +40,8 @@ from . import metrics_json
 from .errors import ConfigError
 
 AXES = {"lr": float, "hidden_size": int, "global_batch_size": int, "lr_warmup_iters": int, "init_method_std": float}
+EXAMPLES = {"lr": "1e-3,3e-3", "hidden_size": "256,512", "global_batch_size": "32,64", "lr_warmup_iters": "0,100",
+            "init_method_std": "0.01,0.02"}  # each axis's own example in a fix
 RESULTS = "trials.jsonl"
 
 
@@ -74,13 +76,13 @@ def _axis_values(name: str, text: str) -> list:
     try:
         vals = [kind(v) for v in parts]
     except ValueError:
-        raise ConfigError(f"{flag} {text}: give comma-separated {kind.__name__}s") from None
+        raise ConfigError(f"{flag} {text}: give comma-separated {kind.__name__}s, e.g. {flag} {EXAMPLES[name]}") from None
     low = 0 if name == "lr_warmup_iters" else None  # warm-up may be 0; everything else is positive
     bad = [p for p, v in zip(parts, vals) if not math.isfinite(v) or (v < low if low == 0 else v <= 0)]
     if bad:
         kind_word = "non-negative" if low == 0 else "positive"
         raise ConfigError(f"{flag} {text}: {bad[0].strip()!r} is not a finite {kind_word} value; give e.g. "
-                          f"{flag} 1e-3,3e-3")
+                          f"{flag} {EXAMPLES[name]}")
     if len(set(vals)) < len(vals):
         raise ConfigError(f"{flag} {text}: a value is listed twice; give each once")
     return vals

@@ -26,10 +26,11 @@ from .values import kind_of
 
 
 def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
-             cuda: Optional[bool] = None) -> None:
+             cuda: Optional[bool] = None, world_flag: str = "--nproc-per-node") -> None:
     """Check the whole config; raise one ConfigError listing every problem.
 
-    world: job size (default from the environment / --nproc-per-node). check_files: also check
+    world: job size (default from the environment / --nproc-per-node), world_flag the flag that set
+    it (named in a fix). check_files: also check
     that the run has data and that data and tokenizer paths exist (off for checks of shapes alone,
     and before the embedded default corpus is prepared); --load is checked either way. The folders the run writes
     (--save, --run-dir, --log-dir, …) are always checked: each must be, or be creatable as, a
@@ -46,7 +47,7 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
         raise ConfigError(sizes + problems)
     layout_rules.adjust(cfg)
     world = world_size_of(cfg) if world is None else world
-    problems += layout_rules.layout_problems(cfg, world)
+    problems += layout_rules.layout_problems(cfg, world, world_flag)
     problems += _model_problems(cfg.model)
     problems += layout_rules.moe_problems(cfg, world)
     problems += _training_problems(cfg, cuda)
@@ -378,7 +379,7 @@ def _data_problems(cfg: Config) -> list:
     problems += source_problems(d)
     if d.mock_data and not vocab:
         problems.append("--mock-data needs --vocab-size (the range of the random token ids)")
-    from .data.tokenizer import MODEL_FILE, special_tokens_problem
+    from .data.tokenizer import MODEL_FILE, implied_tokenizer_type, special_tokens_problem
     if d.tokenizer_type in MODEL_FILE and not d.tokenizer_model:
         problems.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model "
                         f"({MODEL_FILE[d.tokenizer_type]})")
@@ -390,7 +391,7 @@ def _data_problems(cfg: Config) -> list:
     from .data.tokenizer import null_ids_problem
     problems += [p for p in [null_ids_problem(d, vocab)] if p]
     files = [f for f in given_sources(d) if f != "--mock-data"]
-    if files and not d.tokenizer_type and not vocab:
+    if files and not implied_tokenizer_type(d, vocab):  # the type the workers' build_tokenizer takes
         problems.append(f"{files[0]} needs --tokenizer-type (or --vocab-size with NullTokenizer)")
     if cfg.model_preset:
         from .presets import PRESETS
@@ -428,13 +429,14 @@ def _file_problems(cfg: Config) -> list:
         problems.extend(e.problems)
     # only the files the chosen tokenizer reads: a YAML's GPT-2 files do not block a switch to
     # --tokenizer-type HuggingFaceTokenizer on the command line
-    from .data.tokenizer import EXTRA_TYPES, MODEL_FILE
+    from .data.tokenizer import EXTRA_TYPES, MODEL_FILE, implied_tokenizer_type
     used = {"GPT2BPETokenizer": [("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)]}
     used.update({kind: [("--tokenizer-model", d.tokenizer_model)] for kind in MODEL_FILE})
-    missing = [f"{flag} {path}: no such file" for flag, path in used.get(d.tokenizer_type, [])
+    kind = implied_tokenizer_type(d)  # given, or implied by the files (data/tokenizer.py)
+    missing = [f"{flag} {path}: no such file" for flag, path in used.get(kind, [])
                if path and not os.path.exists(path)]
     problems += missing
-    if d.tokenizer_type in EXTRA_TYPES and d.tokenizer_model and not missing:
+    if kind in EXTRA_TYPES and d.tokenizer_model and not missing:
         problems += _tokenizer_problems(cfg)
     return problems
 

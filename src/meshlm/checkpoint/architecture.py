@@ -14,6 +14,12 @@ from .. import mup
 GELU = "gelu"  # architecture()'s key for the GeLU's form ("tanh" / "exact"), which two flags decide
 
 
+def differs(name: str, a, b) -> bool:
+    """Whether entry ``name`` differs between two architectures in a way worth a line: a GeLU form
+    against a SwiGLU model's None is not one (the --swiglu entry already differs)."""
+    return a != b and not (name == GELU and None in (a, b))
+
+
 def difference(name: str, a, b, sides: tuple) -> str:
     """One differing architecture entry as ``--flag <sides[0]>=a <sides[1]>=b`` (an inverted switch
     such as --disable-bias-linear in its own sense); the GeLU's form names the flags that give each."""

@@ -431,6 +431,20 @@ def checkpoint_dir(root: str, iteration: Optional[int] = None, *, checksums: boo
     return path
 
 
+def _other_latest(parent: str, folder: str) -> str:
+    """For the hint of a --load naming one checkpoint's folder: what its parent resumes from
+    instead, when that is another checkpoint ('' when it is this one or unknown)."""
+    try:
+        latest = read_tracker(parent)
+    except (CheckpointError, OSError):
+        return ""
+    if latest is None or os.path.basename(os.path.normpath(folder)) == os.path.basename(iteration_dir(parent, latest)):
+        return ""
+    return (f", which resumes from its latest, {os.path.basename(iteration_dir(parent, latest))}, not this one "
+            f"(Megatron's --ckpt-step is not supported: to resume from {os.path.basename(os.path.normpath(folder))}, "
+            f"copy it into a new folder and write its iteration into {TRACKER} there)")
+
+
 def complete_iterations(root: str) -> list:
     """Iterations of the complete checkpoints (``iter_XXXXXXX`` folders with a manifest, i.e.
     saves that reached the rename) in root, ascending; [] when root is not a directory."""
@@ -465,8 +479,9 @@ def check_loadable(load: Optional[str], save: Optional[str] = None, fresh: bool 
         return [str(e) if isinstance(e, CheckpointError) else f"--load {load}: {TRACKER} unreadable ({e})"]
     if iteration is None:
         if os.path.isfile(os.path.join(load, MANIFEST)):
-            return [f"--load {load} is one checkpoint's folder; point --load at its parent "
-                    f"{os.path.dirname(os.path.normpath(load))} (the run's --save directory)"]
+            parent = os.path.dirname(os.path.normpath(load)) or "."
+            return [f"--load {load} is one checkpoint's folder; point --load at its parent {parent} (the run's "
+                    f"--save directory){_other_latest(parent, load)}"]
         saved = complete_iterations(load)
         if saved:
             last = saved[-1]

@@ -35,7 +35,7 @@ from typing import Optional
 
 from .. import config as C
 from ..errors import CheckpointError
-from .architecture import architecture, difference
+from .architecture import architecture, difference, differs
 
 ARCHITECTURES = ("llama", "mistral", "mixtral", "gpt2")
 CONFIG = "config.json"
@@ -185,7 +185,7 @@ def flag_problems(hf_model: HFModel, m: C.ModelConfig, load: str) -> list:
     --seq-length beyond Mistral's sliding window. [] when the run's model is the HF one."""
     want, now = architecture(hf_model.model_config()), architecture(m)
     diffs = [difference(name, want[name], now.get(name), ("hf", "now")) for name in want
-             if name not in _NOT_COMPARED and want[name] != now.get(name)]
+             if name not in _NOT_COMPARED and differs(name, want[name], now.get(name))]
     problems = []
     if diffs:
         problems.append(f"--load {load} is a Hugging Face {hf_model.arch} model of another shape than the "
@@ -237,7 +237,9 @@ def _export_arch(m: C.ModelConfig, arch: Optional[str]) -> str:
     if arch in ("mistral", "mixtral"):
         wanted.append(("--disable-bias-linear", not m.add_bias_linear, True))
     if arch == "mixtral":
-        wanted += [("--moe-layer-freq (MoE layers)", sum(C.moe_layer_pattern(m)), m.num_layers),
+        moe = sum(C.moe_layer_pattern(m)) if m.num_experts else 0
+        wanted += [("MoE layers (--num-experts, --moe-layer-freq)", f"{moe} of {m.num_layers}",
+                    f"{m.num_layers} of {m.num_layers}"),
                    ("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size, None),
                    ("--moe-router-score-function", m.moe_router_score_function, "softmax"),
                    ("--moe-router-pre-softmax", m.moe_router_pre_softmax, False)]

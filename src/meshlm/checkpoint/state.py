@@ -14,19 +14,21 @@ import torch
 from .. import config as C
 from ..dtypes import at_least_fp32
 from ..errors import CheckpointError, ConfigError
-from .architecture import architecture, difference
+from .architecture import architecture, difference, differs
 from .dist import CONFIG, _check_format, _unflatten, rank_trees, read_config, read_manifest, read_tensors
 from .model_space import ModelSpace
 from .safe_read import SafeReader, reading
 
 # ----------------------------------------------------------------------------- model config
 
+WORD_EMBEDDING = "model/embedding.word_embeddings.weight"  # its DCP key: [vocabulary, hidden]
+
 def check_model_config(path: str, model: C.ModelConfig, load: Optional[str] = None,
                        vocab_size: Optional[int] = None) -> None:
     """Compare ``model`` with the model section of the checkpoint folder's config.json.
 
-    vocab_size: this run's vocabulary (its tokenizer's), compared where --vocab-size is unset on
-    either side; a config that leaves it to the tokenizer is checked by the embedding's shape at load.
+    vocab_size: this run's vocabulary (its tokenizer's), compared where --vocab-size is unset; a
+    saved config that left it to the tokenizer is compared by its word embedding's rows.
 
     Raises CheckpointError, one line listing every differing architecture field as
     ``--flag saved=X now=Y`` (``--disable-bias-linear`` shown as the flag's own sense), or
@@ -41,14 +43,26 @@ def check_model_config(path: str, model: C.ModelConfig, load: Optional[str] = No
             raise ValueError(f"{CONFIG}: {e}") from None
     saved, now = architecture(saved_model), architecture(model)
     now["vocab_size"] = now["vocab_size"] or vocab_size
+    saved["vocab_size"] = saved["vocab_size"] or _saved_vocab(path)
     if saved["vocab_size"] is None or now["vocab_size"] is None:
         del saved["vocab_size"]
     diffs = [difference(name, saved[name], now[name], ("saved", "now"))  # position fields: with the position type
-             for name in now if name in saved and saved[name] != now[name]]
+             for name in now if name in saved and differs(name, saved[name], now[name])]
     if diffs:
         raise CheckpointError(f"--load {load or os.path.dirname(os.path.normpath(path))}: checkpoint "
                               f"{os.path.basename(os.path.normpath(path))} is of another model: {', '.join(diffs)}; "
                               f"pass the saved values or start without --load")
+
+
+def _saved_vocab(path: str) -> Optional[int]:
+    """The rows of the checkpoint's word embedding (its unpadded vocabulary, as model space saves
+    it), read from the DCP metadata; None where that cannot be read (the load reports the damage)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    try:
+        meta = SafeReader(path).read_metadata().state_dict_metadata.get(WORD_EMBEDDING)
+    except Exception:  # noqa: BLE001 - any damage here is the load's to report, in its own words
+        return None
+    return int(meta.size[0]) if isinstance(meta, TensorStorageMetadata) else None
 
 
 # ----------------------------------------------------------------------------- RNG states

@@ -1,7 +1,8 @@
 """The records of corpus files, as ``meshlm preprocess`` and ``meshlm tokenizer train`` read them.
 
 ``*.jsonl`` / ``*.json`` files hold one JSON object per line (blank lines are ignored), each key
-of ``--json-keys`` a string; any other file is plain text and is ONE record (the whole file).
+of ``--json-keys`` a string; any other file is plain text and is ONE record (the whole file). A
+file's leading UTF-8 byte order mark is dropped.
 A record that cannot be used (bytes that are not UTF-8, invalid JSON, not an object, a missing
 key, a non-string value, a lone surrogate such as ``"\\ud800"``) raises :class:`BadRecord`; the
 commands skip it, count it in :class:`BadRecords` and report it as ``file:line: reason``.
@@ -19,6 +20,7 @@ from ..errors import ConfigError, DataError
 
 SHOW_BAD = 10  # bad records printed one by one; the rest are only counted
 JSON_EXTS = (".jsonl", ".json")
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark
 
 
 class BadRecord(ValueError):
@@ -65,11 +67,14 @@ def check_json_keys(keys) -> tuple:
 def iter_records(paths):
     """Yield (path, line number, raw bytes, is_json) for every record of the inputs, in order.
 
-    Raises DataError naming the file when one cannot be read.
+    A UTF-8 byte order mark at the start of a file (Windows editors write one) is not part of its
+    first record. Raises DataError naming the file when one cannot be read.
     """
     for path in paths:
         try:
             with open(path, "rb") as f:
+                if f.read(len(BOM)) != BOM:
+                    f.seek(0)
                 if not path.endswith(JSON_EXTS):
                     yield path, 1, f.read(), False
                     continue

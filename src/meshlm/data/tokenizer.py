@@ -141,26 +141,31 @@ def special_tokens_problem(kind: str, special: Optional[list]) -> Optional[str]:
             + (f" for {kind}" if kind else ""))
 
 
-def resolve_tokenizer_type(data_cfg, vocab_size: Optional[int] = None) -> str:
+def implied_tokenizer_type(data_cfg, vocab_size: Optional[int] = None) -> Optional[str]:
     """--tokenizer-type, or the one implied by the given files: tokenizer.json → HuggingFace,
-    vocab+merges → GPT2BPE, only --vocab-size → Null. ConfigError if nothing is given."""
+    vocab+merges → GPT2BPE, only --vocab-size → Null; None if nothing is given."""
     if data_cfg.tokenizer_type:
         return data_cfg.tokenizer_type
     if data_cfg.tokenizer_model:
         return "HuggingFaceTokenizer"
     if data_cfg.vocab_file and data_cfg.merge_file:
         return "GPT2BPETokenizer"
-    if vocab_size:
-        return "NullTokenizer"
-    raise ConfigError("no tokenizer: set --tokenizer-type with --tokenizer-model (tokenizer.json), "
-                      "--vocab-file/--merge-file, or --vocab-size for NullTokenizer")
+    return "NullTokenizer" if vocab_size else None
+
+
+def resolve_tokenizer_type(data_cfg, vocab_size: Optional[int] = None) -> str:
+    """:func:`implied_tokenizer_type`; ConfigError if nothing is given."""
+    kind = implied_tokenizer_type(data_cfg, vocab_size)
+    if kind is None:
+        raise ConfigError("no tokenizer: set --tokenizer-type with --tokenizer-model (tokenizer.json), "
+                          "--vocab-file/--merge-file, or --vocab-size for NullTokenizer")
+    return kind
 
 
 def ignored_vocab_size(data_cfg, vocab_size: Optional[int]) -> Optional[str]:
     """The note for a --vocab-size that a file-based tokenizer ignores (its file gives the
     vocabulary, as in Megatron), or None: only NullTokenizer and TikTokenizer take it."""
-    kind = data_cfg.tokenizer_type or ("HuggingFaceTokenizer" if data_cfg.tokenizer_model else
-                                       "GPT2BPETokenizer" if data_cfg.vocab_file and data_cfg.merge_file else None)
+    kind = implied_tokenizer_type(data_cfg)
     if not vocab_size or kind in (None, "NullTokenizer", "TikTokenizer"):
         return None
     return (f"--vocab-size {vocab_size} ignored with {kind} (as in Megatron): the vocabulary is its file's; drop "
@@ -234,13 +239,14 @@ def vocab_of(cfg: Config) -> tuple:
     --vocab-size, or an assumption (GPT-2's 50257 for GPT2BPETokenizer without its files).
     Raises DataError (one line) for a tokenizer file that does not read."""
     d = cfg.data
-    if d.tokenizer_type in (*EXTRA_TYPES, "HuggingFaceTokenizer") and d.tokenizer_model:  # one-line errors
+    kind = implied_tokenizer_type(d)  # the type build_tokenizer takes, --tokenizer-type or the files'
+    if kind in (*EXTRA_TYPES, "HuggingFaceTokenizer") and d.tokenizer_model:  # one-line errors
         return build_tokenizer(d, cfg.model.vocab_size).vocab_size, d.tokenizer_model
-    if d.tokenizer_type == "GPT2BPETokenizer" and all(p and os.path.isfile(p) for p in (d.vocab_file, d.merge_file)):
+    if kind == "GPT2BPETokenizer" and all(p and os.path.isfile(p) for p in (d.vocab_file, d.merge_file)):
         return build_tokenizer(d).vocab_size, d.vocab_file
     if cfg.model.vocab_size:
         return cfg.model.vocab_size, "--vocab-size"
-    if d.tokenizer_type == "GPT2BPETokenizer":
+    if kind == "GPT2BPETokenizer":
         return _GPT2_VOCAB, "GPT-2"
     return 32000, "assumed: the tokenizer is not known yet"
 

@@ -20,14 +20,16 @@ def _nearest_multiples(value: int, step: int) -> str:
     return f"{lo} or {hi}" if lo > 0 else f"{hi}"
 
 
-def layout_problems(cfg: Config, world: int) -> list:
-    """World, batch, the divisibility rules of TP/CP and (from parallel.pipeline) of PP."""
+def layout_problems(cfg: Config, world: int, world_flag: str = "--nproc-per-node") -> list:
+    """World, batch, the divisibility rules of TP/CP and (from parallel.pipeline) of PP.
+    world_flag: the flag that sized ``world``, named in the fix of a world TP×CP×PP does not divide
+    (--nproc-per-node for a launch, --world-size for a dry run, --num-gpus for meshlm plan)."""
     problems = []
     m, p, t = cfg.model, cfg.parallel, cfg.training
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     if world % (tp * cp * pp):
         problems.append(f"world size {world} is not divisible by TP×CP×PP = {tp}×{cp}×{pp}; "
-                        f"set --nproc-per-node to a multiple of {tp * cp * pp}")
+                        f"set {world_flag} to a multiple of {tp * cp * pp}")
         dp = 1
     else:
         dp = world // (tp * cp * pp)

@@ -34,11 +34,55 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def _int(env, name: str):
+    """``env[name]`` as an int, or None where it is not one."""
+    try:
+        return int(env[name])
+    except ValueError:
+        return None
+
+
+def job_env_problem(env=os.environ) -> Optional[str]:
+    """What keeps the environment from describing one rank of a launched job, as one line, or None.
+
+    A torchrun rank (RANK set) needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, integers where
+    they are numbers, with 0 <= RANK < WORLD_SIZE (a RANK at or beyond WORLD_SIZE waits for a job
+    that never forms); an srun task without torchrun (SLURM_PROCID set, no RANK) needs SLURM_NTASKS
+    above SLURM_PROCID and MASTER_ADDR. No launcher variable at all is a world of one (None)."""
+    if "RANK" in env:
+        names, fix = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"), (
+            "start the job with torchrun (it sets all of them), or unset RANK to let `meshlm pretrain` start "
+            "its own workers")
+        rank, world = "RANK", "WORLD_SIZE"
+    elif "SLURM_PROCID" in env:
+        names, fix = ("SLURM_PROCID", "SLURM_NTASKS", "MASTER_ADDR"), (
+            "start each task with srun (it sets SLURM_PROCID and SLURM_NTASKS) and export MASTER_ADDR (the first "
+            "node's hostname), or run torchrun inside the allocation")
+        rank, world = "SLURM_PROCID", "SLURM_NTASKS"
+    else:
+        return None
+    problems = [f"{name} is not set" for name in names if name not in env]
+    numbers = (rank, world, "LOCAL_RANK", "SLURM_LOCALID", "MASTER_PORT")
+    problems += [f"{name}={env[name]!r} is not an integer" for name in numbers if name in env and _int(env, name) is None]
+    r, w = (_int(env, rank) if rank in env else None), (_int(env, world) if world in env else None)
+    if w is not None and w < 1:
+        problems.append(f"{world}={w} is below 1")
+    elif r is not None and w is not None and not 0 <= r < w:
+        problems.append(f"{rank}={r} is outside 0..{world}-1 = 0..{w - 1}")
+    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else None
+    if port is not None and not 0 < port < 65536:
+        problems.append(f"MASTER_PORT={port} is not a port (1..65535)")
+    if not problems:
+        return None
+    return f"the environment does not describe one rank of a launched job: {', '.join(problems)}; {fix}"
+
+
 def init_distributed(timeout_minutes: int = 10) -> None:
     """Join the job from the environment (torchrun's RANK/WORLD_SIZE/MASTER_ADDR, or Slurm's).
 
     NCCL when CUDA is available, else gloo. Sets the CUDA device to LOCAL_RANK.
     A process started outside any launcher becomes a world of one (gloo on a free local port).
+    An incomplete launcher environment (:func:`job_env_problem`) raises ConfigError before joining.
 
     A collective that outlasts ``timeout_minutes`` ends the job: on NCCL through NCCL's own
     watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=1, set unless given: abort the communicators and the
@@ -48,13 +92,14 @@ def init_distributed(timeout_minutes: int = 10) -> None:
     if dist.is_initialized():
         return
     env = os.environ
+    problem = job_env_problem(env)
+    if problem:
+        raise ConfigError(problem)
     if "RANK" not in env and "SLURM_PROCID" in env:  # Slurm's srun without torchrun
         env["RANK"] = env["SLURM_PROCID"]
         env["WORLD_SIZE"] = env["SLURM_NTASKS"]
         env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
         env.setdefault("MASTER_PORT", "29500")
-        if "MASTER_ADDR" not in env:
-            raise ConfigError("under Slurm without torchrun, export MASTER_ADDR (the first node's hostname)")
     if "RANK" not in env:
         import socket
         with socket.socket() as s:

@@ -174,6 +174,9 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     mine = Layout.of(cfg, world)
     warnings = lint(cfg, world, per_node, gpu, vocab)
     problems = layout_problems(cfg, mine, per_node)
+    if mine.world != world:  # Layout.of floors DP: the flags' TP×CP×PP does not divide --num-gpus
+        from ..parallel import layout_rules
+        problems = layout_rules.layout_problems(cfg, world, "--num-gpus") + layout_rules.moe_problems(cfg, world)
     current = None if problems else evaluate(cfg, mine, gpu, vocab, per_node, half)
     fits, excluded = search(cfg, world, gpu, vocab, gpus_per_node=per_node, half=half)
     doc = {"model": {"num_layers": cfg.model.num_layers, "hidden_size": cfg.model.hidden_size,

@@ -1,0 +1,89 @@
+"""The launcher's environment variables (torchrun's RANK/WORLD_SIZE/MASTER_*, Slurm's SLURM_*):
+one that cannot describe a job is one line naming each variable before any rendezvous (no
+traceback, no wait for ranks that never come), and a WORLD_SIZE left in a shell that is no job
+does not size the workers `meshlm pretrain` starts itself."""
+
+import pytest
+
+from meshlm import launch
+from meshlm.cli import main
+from meshlm.config import Config, world_size_of
+from meshlm.parallel.mesh import job_env_problem
+
+JOB = dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+TINY = ["pretrain", "--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16",
+        "--num-attention-heads", "2", "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "1"]
+LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
+            "SLURM_LOCALID", launch.WORKER_ENV)
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """Set the given launcher variables, every other one unset."""
+    def set_env(**values):
+        for name in LAUNCHER:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in values.items():
+            monkeypatch.setenv(name, value)
+    return set_env
+
+
+@pytest.mark.parametrize("values,named", [
+    (dict(RANK="0"), ["WORLD_SIZE is not set", "MASTER_ADDR is not set", "MASTER_PORT is not set"]),
+    ({**JOB, "WORLD_SIZE": "x"}, ["WORLD_SIZE='x' is not an integer"]),
+    ({**JOB, "RANK": "2"}, ["RANK=2 is outside 0..WORLD_SIZE-1 = 0..1"]),
+    ({**JOB, "RANK": "-1"}, ["RANK=-1 is outside"]),
+    ({**JOB, "WORLD_SIZE": "0"}, ["WORLD_SIZE=0 is below 1"]),
+    ({**JOB, "MASTER_PORT": "abc"}, ["MASTER_PORT='abc' is not an integer"]),
+    ({**JOB, "MASTER_PORT": "70000"}, ["MASTER_PORT=70000 is not a port"]),
+    ({**JOB, "LOCAL_RANK": "a"}, ["LOCAL_RANK='a' is not an integer"]),
+    (dict(SLURM_PROCID="0"), ["SLURM_NTASKS is not set", "MASTER_ADDR is not set"]),
+    (dict(SLURM_PROCID="3", SLURM_NTASKS="2", MASTER_ADDR="n0"), ["SLURM_PROCID=3 is outside"]),
+])
+def test_a_launcher_environment_that_is_no_job_is_named_variable_by_variable(values, named):
+    problem = job_env_problem(values)
+    assert problem and "\n" not in problem
+    for text in named:
+        assert text in problem
+    assert ("torchrun" in problem) and ("unset RANK" in problem or "srun" in problem)
+
+
+def test_no_launcher_and_a_whole_job_are_no_problem():
+    assert job_env_problem({}) is None and job_env_problem({"WORLD_SIZE": "4"}) is None
+    assert job_env_problem(JOB) is None
+    assert job_env_problem(dict(SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="1", MASTER_ADDR="n0")) is None
+
+
+@pytest.mark.parametrize("values", [dict(RANK="0"), {**JOB, "RANK": "3", "WORLD_SIZE": "1"},
+                                    {**JOB, "WORLD_SIZE": "x"}, dict(SLURM_PROCID="0")])
+def test_pretrain_refuses_it_in_one_line_before_joining(env, values, tmp_path, capsys):
+    env(**values)
+    assert main([*TINY, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshlm: error: the environment does not describe") and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_stray_world_size_does_not_size_a_self_launched_run(env):
+    env(WORLD_SIZE="3")
+    cfg = Config()
+    cfg.parallel.nproc_per_node = 1
+    assert world_size_of(cfg) == 1
+    env(WORLD_SIZE="3", RANK="0")
+    assert world_size_of(cfg) == 3
+    env(SLURM_NTASKS="2", SLURM_PROCID="0")
+    assert world_size_of(cfg) == 2
+
+
+def test_checkpoint_verify_inside_an_srun_step_loads_in_a_world_of_one(env):
+    """An interactive `srun --pty bash` shell has SLURM_PROCID set: verify's one-process load took
+    the srun path (and asked for the MASTER_ADDR it had just removed)."""
+    import os
+
+    import torch.distributed as dist
+
+    from meshlm.inspect_checkpoint import _world_of_one
+    env(SLURM_PROCID="0", SLURM_NTASKS="2", MASTER_ADDR="127.0.0.1")
+    with _world_of_one():
+        assert dist.get_world_size() == 1
+    assert not dist.is_initialized() and os.environ["SLURM_PROCID"] == "0"
