@@ -228,6 +228,13 @@ class MixedPrecisionOptimizer:
         stops the run, so nothing on the host waits for the verdict) and no host shards."""
         return not self.scaler.dynamic and self.scaler.scale == 1.0 and not any(s.host for s in self.shards)
 
+    @property
+    def _clip_in_kernel(self) -> bool:
+        """Whether the clip enters the fused kernels as their grad scale: they take it in fp32 only, so
+        for fp32 masters, where that rounding is the masters' own; float64 masters get an exact
+        float64 multiply of the grads instead."""
+        return self.fused and all(s.master.dtype == torch.float32 for s in self.shards)
+
     def step(self, loss: Optional[torch.Tensor] = None, defer: bool = False):
         """Unscale, check inf/NaN, clip, AdamW, publish the new params. Collective over all ranks.
 
@@ -262,9 +269,7 @@ class MixedPrecisionOptimizer:
         coeff = self.clip_grad / (norm + 1e-6) if self.clip_grad > 0 else 1.0
         grad_scale = 1.0
         if coeff < 1.0:
-            # the fused kernel takes its grad scale in fp32 only: folded in for fp32 masters, where
-            # that rounding is the masters' own; float64 masters get an exact float64 multiply
-            if self.fused and all(s.master.dtype == torch.float32 for s in self.shards):
+            if self._clip_in_kernel:
                 grad_scale = 1.0 / coeff
             else:
                 torch._foreach_mul_(grads, coeff)
@@ -283,7 +288,7 @@ class MixedPrecisionOptimizer:
         grad_scale = 1.0
         if self.clip_grad > 0:
             coeff = torch.where(torch.isfinite(norm), (self.clip_grad / (norm + 1e-6)).clamp_max(1.0), 1.0)
-            if self.fused and all(s.master.dtype == torch.float32 for s in self.shards):
+            if self._clip_in_kernel:
                 grad_scale = (1.0 / coeff).to(torch.float32)
             else:
                 torch._foreach_mul_(grads, coeff)
