@@ -84,7 +84,10 @@ def run_meshlm(preset: str, flags: list, micro: int, out: str, iters: int, warmu
             "losses": [r["lm_loss"] for r in rows],
             "imbalance": (rows[-1].get("moe_tokens_per_expert") or {}).get("imbalance"),
             "dropped": rows[-1].get("moe_dropped_fraction"),
-            "aux_loss": rows[-1].get("moe_aux_loss"), "wall_s": round(time.time() - t0, 1)}
+            "aux_loss": rows[-1].get("moe_aux_loss"), "wall_s": round(time.time() - t0, 1),
+            "iter_ms_all": [round(r["iter_ms"], 2) for r in rows],
+            "imbalance_all": [round(x, 3) if (x := (r.get("moe_tokens_per_expert") or {}).get("imbalance")) else None
+                              for r in rows]}
 
 
 def main() -> None:
@@ -94,6 +97,7 @@ def main() -> None:
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results.jsonl"))
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--micro-batch", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=None, help="iterations a case (default: the shape's)")
     ap.add_argument("--flags", default="", help="extra meshlm flags for every case, one string (e.g. --manual-gc)")
     ap.add_argument("--cases", default="baseline,learned,balanced,capacity,dense",
                     help="comma-separated, from: baseline, learned, balanced, capacity, dense (module doc)")
@@ -104,6 +108,7 @@ def main() -> None:
     from meshlm.flops import peak_tflops
     preset, flags, shape, micro, iters, warmup = SHAPES["tiny" if args.tiny else "full"]
     micro = args.micro_batch or micro
+    iters = args.iters or iters
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     peak = peak_tflops(gpu, torch.bfloat16)
@@ -147,7 +152,8 @@ def main() -> None:
            "cases": {n: {"tokens_per_sec": r.get("tokens_per_sec"), "iter_ms": r.get("iter_ms"),
                          "flops_per_token": r["flops_per_token"], "mfu": mfu(r), "error": r.get("error"),
                          "peak_mem_gb": r.get("peak_mem_gb"), "imbalance": r.get("imbalance"),
-                         "dropped": r.get("dropped"), "first_losses": [round(x, 4) for x in r.get("losses", [])[:5]]}
+                         "dropped": r.get("dropped"), "first_losses": [round(x, 4) for x in r.get("losses", [])[:5]],
+                         "iter_ms_all": r.get("iter_ms_all"), "imbalance_all": r.get("imbalance_all")}
                      for n, r in cases.items()}}
     dense = cases.get("dense")
     if dense and "error" not in dense:

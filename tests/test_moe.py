@@ -173,6 +173,49 @@ def test_stacked_experts_are_views_of_the_ddp_buffer_with_stacks_gradients(compi
         assert torch.equal(p.main_grad, q.grad), name
 
 
+def test_half_grads_stack_buckets_take_the_stacks_gradient_uncopied(monkeypatch):
+    """Under config.half_grads (forced here: it needs CUDA and bf16) each stack of experts is a DDP
+    bucket of its own, and the fold makes the stacked gradient (one [E, out, in] tensor whose slices
+    autograd hands the params) the bucket's grad without a copy; gradients that are not one run of
+    memory (each param used alone) are copied as before. float64, against a DDP-free copy."""
+    from meshlm.config import Config
+    from meshlm.parallel import data
+    monkeypatch.setattr(data, "half_grads", lambda *a, **k: True)
+    m = _cfg(swiglu=True, add_bias_linear=True)
+    layer, ref = _layer(m), _layer(m)
+    ddp = data.DistributedDataParallel([layer], ParallelState.single(), Config())
+    stacks = layer.experts.stacks()
+    for stack in stacks.values():
+        assert ddp.bucket_of(stack[0])[1].params == stack
+    x = torch.randn(6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    copied = []
+    real_copy = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: (copied.extend(dst), real_copy(dst, src)))
+
+    def loss(ex):  # batched GEMMs whose weight gradients come out [E, out, in] contiguous, as the grouped GEMM's
+        w1, b1 = ex.stacked("linear_fc1", "weight"), ex.stacked("linear_fc1", "bias")
+        w2, b2 = ex.stacked("linear_fc2", "weight"), ex.stacked("linear_fc2", "bias")
+        a = moe.swiglu((w1 @ x.t() + b1.unsqueeze(2)).transpose(1, 2))
+        return (w2 @ a.transpose(1, 2) + b2.unsqueeze(2)).square().sum()
+    ddp.zero_grad()  # as each step begins: the buckets' grads freed
+    loss(layer.experts).backward()
+    grads_at = {role: stack[0].grad.data_ptr() for role, stack in stacks.items()}
+    ddp._fold(layer)
+    loss(ref.experts).backward()
+    for (name, p), q in zip(layer.experts.named_parameters(), ref.experts.parameters()):
+        assert torch.equal(p.main_grad, q.grad), name
+    for role, stack in stacks.items():
+        assert ddp.bucket_of(stack[0])[1].grad.data_ptr() == grads_at[role], role
+    assert not any(t is q.main_grad for t in copied for s in stacks.values() for q in s)
+    ddp.zero_grad()
+    sum(q.square().sum() for s in stacks.values() for q in s).backward()  # one gradient tensor a param
+    copied.clear()
+    ddp._fold(layer)
+    for s in stacks.values():
+        for q in s:
+            assert torch.equal(q.main_grad, 2 * q.detach()) and any(t is q.main_grad for t in copied)
+
+
 def test_unused_expert_gets_a_zero_gradient_and_one_expert_for_all_trains():
     m = _cfg(moe_router_topk=1)
     layer = _layer(m)

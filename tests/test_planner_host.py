@@ -138,3 +138,21 @@ def test_launch_seconds_is_a_positive_time_per_launch():
     """The calibration's unit: seconds of one small op's launch, on the CPU here."""
     small = host.launch_seconds("cpu", 50, 2)
     assert 0 < small < 1e-2
+
+
+def test_one_backward_steps_fold_no_expert_gradient_and_run_the_optimizer_per_stack():
+    """Under config.half_grads (one micro-batch, bf16, one GPU) the routed experts' buckets take the
+    grouped GEMMs' weight gradients uncopied (parallel/data.py ``_adopt``): the optimizer's GPU
+    seconds lose the experts' fold, 4 bytes a parameter, and each stack of experts is a flat run of
+    its own (2 an MoE layer). With two micro-batches (fp32 buckets) the experts fold as before."""
+    one = cfg_of(*MOE_ARGS, "--global-batch-size", "1", "--bf16")
+    lay, n, e = Layout(micro_batch=1), 10 ** 9, 6 * 10 ** 8
+    with_experts = step_time(one, lay, H200, 32000, gpus_per_node=1, params_per_rank=n, expert_params_per_rank=e)
+    none = step_time(one, lay, H200, 32000, gpus_per_node=1, params_per_rank=n)
+    assert none.optimizer - with_experts.optimizer == pytest.approx(4 * e / H200.hbm_bytes_per_s, rel=1e-9)
+    flags = [True] * one.model.num_layers
+    assert host.flat_runs(one, flags, n - e, e, ONE_RANK_BUCKET, 2, stack_buckets=True) \
+        == host.flat_runs(one, flags, n - e, e, ONE_RANK_BUCKET, 2) - 1 + 2 * len(flags)
+    two = cfg_of(*MOE_ARGS, "--bf16")
+    assert step_time(two, lay, H200, 32000, gpus_per_node=1, params_per_rank=n, expert_params_per_rank=e).optimizer \
+        == pytest.approx(step_time(two, lay, H200, 32000, gpus_per_node=1, params_per_rank=n).optimizer, rel=1e-12)

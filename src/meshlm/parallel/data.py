@@ -23,7 +23,10 @@ one param of each local expert, ascending) enters whole where its first member w
 GEMMs produce a stack's gradients together, and a stack whose params lie back to back in a
 buffer's one param storage (not ZeRO-3's per-bucket storage, not an FP8 buffer) is named in the
 module's ``views`` (``_bind_views``), which the grouped GEMMs then take as a view of the buffer
-instead of a copy of the weights each call.
+instead of a copy of the weights each call. Under ``config.half_grads`` each stack is a bucket of its
+own, and the stack's gradient, which the grouped GEMM writes as one [E, out, in] tensor whose slices
+autograd hands the params, becomes that bucket's grad as it is (``_adopt``): the fold copies nothing
+for the experts (4 bytes a parameter: most of an MoE model's).
 
 Gradient memory lives only from a bucket's first gradient to the next ``zero_grad``: zero_grad
 frees every bucket's grad, and the first gradient of the next backward allocates its bucket
@@ -330,6 +333,35 @@ def restore_storage(t: torch.Tensor) -> None:
         storage.resize_(t.numel() * t.element_size())
 
 
+def _stack_ids(chunk: torch.nn.Module) -> dict:
+    """{param: id of its stack} for every param of a stack of chunk's experts modules."""
+    return {q: id(stack[0]) for m in chunk.modules() if hasattr(m, "stacks")
+            for stack in m.stacks().values() for q in stack}
+
+
+def _adopt(buf: "ParamAndGradBuffer", bucket: Bucket) -> bool:
+    """Make the params' gradients the bucket's grad, uncopied, where they are consecutive views of
+    one storage in the bucket's order, of its grad dtype, filling it (no padding): a stack of
+    experts' gradient as the grouped GEMM wrote it (model/moe.py ``StackedView``). The params'
+    ``main_grad`` become those views; False (nothing changed) otherwise."""
+    first = bucket.params[0].grad
+    n, size = bucket.end - bucket.start, first.element_size()
+    if first.dtype != buf.grad_dtype or (first.storage_offset() + n) * size > first.untyped_storage().nbytes():
+        return False
+    base = first.untyped_storage().data_ptr()
+    for q in bucket.params:
+        g, (s, e) = q.grad, buf.index[q]
+        if (g.dtype != first.dtype or not g.is_contiguous() or g.untyped_storage().data_ptr() != base
+                or g.data_ptr() != first.data_ptr() + (s - bucket.start) * size):
+            return False
+    if buf.index[bucket.params[-1]][1] != bucket.end:
+        return False
+    bucket.grad = first.as_strided((n,), (1,))
+    for q in bucket.params:
+        q.main_grad = q.grad
+    return True
+
+
 def stacks_together(chunk: torch.nn.Module, params: list) -> list:
     """params (buffer order) with each stack of chunk's experts modules (model/moe.py
     ``Experts.stacks``) whole, ascending, where its first member was (module doc); a stack with a
@@ -424,8 +456,12 @@ class DistributedDataParallel:
             block_of = {q: i for i, blk in enumerate(blocks(chunk)) for q in blk.parameters()} \
                 if self.stage == 3 else {}
 
-            def unit(q, block_of=block_of):
-                return (block_of.get(q), shared and getattr(q, "shared_embedding", False) and id(q))
+            # under half_grads each stack of experts is a bucket of its own, which can take the stack's
+            # gradient as it comes from the grouped GEMM, uncopied (``_adopt``)
+            stack_of = _stack_ids(chunk) if self.half_grads else {}
+
+            def unit(q, block_of=block_of, stack_of=stack_of):
+                return (block_of.get(q), shared and getattr(q, "shared_embedding", False) and id(q), stack_of.get(q))
 
             params = stacks_together(chunk, [q for q in chunk.parameters() if q.requires_grad][::-1])
 
@@ -531,22 +567,26 @@ class DistributedDataParallel:
     def _fold(self, chunk) -> None:
         """Add every ``p.grad`` of the chunk into ``p.main_grad`` and free it. A bucket that gets
         its first gradients of the step here, one for each of its params, is allocated uninitialised
-        and the gradients are copied in (only its padding zeroed): no zero fill, no read of zeros."""
+        and the gradients are copied in (only its padding zeroed): no zero fill, no read of zeros;
+        under half_grads one whose gradients are already one run of memory takes it (``_adopt``)."""
         params = [q for q in chunk.parameters() if q.grad is not None and q in self._where]
         fresh = {}  # id(bucket) → (buffer, bucket, its params with a gradient here)
         for q in params:
             buf, bucket = self._where[q]
             if bucket.grad is None:
                 fresh.setdefault(id(bucket), (buf, bucket, []))[2].append(q)
-        copied = []
+        copied, adopted = [], []
         for buf, bucket, got in fresh.values():
             whole = len(got) == len(bucket.params)
+            if whole and self.half_grads and _adopt(buf, bucket):
+                adopted += got
+                continue
             buf.allocate_grad(bucket, zero=not whole)
             if whole:
                 used = sum(q.numel() for q in bucket.params)
                 bucket.grad[used:].zero_()  # ZeRO-1 padding
                 copied += got
-        skip = set(copied)
+        skip = set(copied) | set(adopted)
         add = [q for q in params if q not in skip]
         if self.half_grads and any(id(self._where[q][1]) not in fresh and self._where[q][0].grad_dtype in HALF
                                    for q in add):

@@ -52,7 +52,8 @@ the logits):
   carries its main_grad fold; the step ends with the grad norm.
 - the main_grad fold after each backward (bf16 grad added into the fp32 buffer, 10 bytes a parameter;
   where ``config.half_grads`` keeps the buckets bf16, a bf16 copy of 4, and the optimizer reads 2 + 2
-  bytes less: ``HALF_GRADS_SAVED_BYTES``).
+  bytes less: ``HALF_GRADS_SAVED_BYTES``; there the routed experts' buckets take the grouped GEMMs'
+  weight gradients uncopied, so their fold moves nothing).
 
 Per step: (m + (p − 1)/v) micro-batch times (the bubble is the (p − 1)/v part: Narayanan et al. 2021
 §2.2, ``schedules.analytic_bubble_fraction`` of the wall time), PP p2p sends of the [s, b, h/t]
@@ -322,7 +323,7 @@ def _host_step(c: Config, layout: Layout, rank: int, dense: float, experts: floa
     local = (m.num_experts or 0) / layout.ep
     embeddings = (rank == 0) * (1 + (m.position_embedding_type == "learned_absolute")) \
         + (rank == pp - 1) * (m.untie_embeddings_and_output_weights or pp > 1)
-    runs = host.flat_runs(c, moe, dense, experts, bucket, embeddings)
+    runs = host.flat_runs(c, moe, dense, experts, bucket, embeddings, stack_buckets=half_grads(c, layout.world))
     tensors = sum(host.layer_tensors(c, x, local) for x in moe) + embeddings + (rank == pp - 1)
     return host.step_seconds(c, moe, runs, tensors)
 
@@ -387,8 +388,13 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     w = ranks[slowest]
     gemm_s, attn_s, elem_s, recompute_s, tp_s, ep_s, cp_s = (w[k] for k in keys)
     link_tp = stages[-1]["link_tp"]
-    saved_fold, saved_update, saved_norm = HALF_GRADS_SAVED_BYTES if half and half_grads(c, layout.world) else (0, 0, 0)
-    fold_s = (FOLD_BYTES_PER_PARAM - saved_fold) * params_per_rank / gpu.hbm_bytes_per_s
+    halved = half and half_grads(c, layout.world)
+    saved_fold, saved_update, saved_norm = HALF_GRADS_SAVED_BYTES if halved else (0, 0, 0)
+    # under half_grads a stack of experts' bucket is its grouped GEMM's weight gradient, uncopied
+    # (parallel/data.py ``_adopt``; not counted for FP8 experts)
+    folded = params_per_rank - (expert_params_per_rank if halved and not any(fp8_layers(c.training, m.num_layers))
+                                else 0)
+    fold_s = (FOLD_BYTES_PER_PARAM - saved_fold) * folded / gpu.hbm_bytes_per_s
     per_mb = gemm_s + attn_s + elem_s + recompute_s + tp_s + ep_s + cp_s
     compute = nmb * (gemm_s + attn_s + elem_s + recompute_s)
     bubble = (pp - 1) / vp * per_mb

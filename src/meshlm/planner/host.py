@@ -112,13 +112,15 @@ def microbatch_seconds(cfg: Config, moe: list, fp8: list, local_experts: float, 
 
 
 def flat_runs(cfg: Config, moe: list, dense_params: float, expert_params: float, bucket: float,
-              embeddings: int) -> int:
+              embeddings: int, stack_buckets: bool = False) -> int:
     """Flat-AdamW runs a step on a rank (module doc): per layer 2 (4 with biases; 1 an MoE layer), one
-    per embedding table held, one per bucket boundary of the dense and the expert buffers."""
+    per embedding table held, one per bucket boundary of the dense and the expert buffers; with
+    ``stack_buckets`` (config.half_grads: each stack of experts a bucket, parallel/data.py) the expert
+    buffer's are its weight stacks, 2 an MoE layer, instead of its bucket boundaries."""
     per_dense = 4 if cfg.model.add_bias_linear else 2
     layers = sum(1 if x else per_dense for x in moe)
-    return layers + embeddings + math.ceil(dense_params / bucket) + (math.ceil(expert_params / bucket)
-                                                                    if expert_params else 0)
+    experts = 0 if not expert_params else 2 * sum(moe) if stack_buckets else math.ceil(expert_params / bucket)
+    return layers + embeddings + math.ceil(dense_params / bucket) + experts
 
 
 def step_seconds(cfg: Config, moe: list, runs: int, tensors: int) -> tuple:
