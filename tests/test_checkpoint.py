@@ -103,6 +103,16 @@ def test_boxes_saved_by_some_ranks_load_into_any_other_boxes(tmp_path):
     assert torch.equal(ckpt.read_tensors(ckpt.iteration_dir(str(tmp_path), 1), ["t"])["t"], FULL)
 
 
+def test_a_tensor_loads_into_a_target_of_another_dtype(tmp_path):
+    """Adam moments saved in fp32 resume into bf16 ones (--exp-avg-dtype bf16, rounded to nearest)
+    and bf16 into fp32 (exactly)."""
+    x = torch.randn(10, generator=torch.Generator().manual_seed(0))
+    ckpt.save(str(tmp_path), 1, {"a": x, "b": x.bfloat16()}, layout={}, config={})
+    a, b = torch.zeros(10, dtype=torch.bfloat16), torch.zeros(10)
+    ckpt.load(str(tmp_path), {"a": a, "b": b})
+    assert torch.equal(a, x.bfloat16()) and torch.equal(b, x.bfloat16().float())
+
+
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4)])
 def test_flat_boxes_cover_a_flat_range_exactly_in_order(shape):
     n = int(np.prod(shape))

@@ -11,10 +11,12 @@ from meshlm.parallel.mesh import ParallelState
 from test_ddp import Toy, batch, make_cfg
 
 
-def setup(dtype=torch.float64, clip=0.0, wd=0.1, lr=1e-2, **training):
+def setup(dtype=torch.float64, clip=0.0, wd=0.1, lr=1e-2, moments=("fp32", "fp32"), **training):
     cfg = make_cfg(ddp_bucket_size=300)
     o = cfg.optimizer
     o.clip_grad, o.weight_decay, o.lr, o.lr_warmup_iters = clip, wd, lr, 0
+    o.use_precision_aware_optimizer = moments != ("fp32", "fp32")
+    o.exp_avg_dtype, o.exp_avg_sq_dtype = moments
     o.lr_decay_style = "constant"
     for k, v in training.items():
         setattr(cfg.training, k, v)
@@ -310,3 +312,57 @@ def test_one_rank_takes_one_bucket_and_the_norm_of_whole_shards():
     for s in opt.shards:
         s.whole_norm = False
     assert whole == pytest.approx(opt.grad_norm(grads), rel=1e-13) and whole > 0
+
+
+@pytest.mark.parametrize("path", ["foreach", "flat"])
+def test_bf16_moments_are_adamw_with_its_moments_rounded_each_step(monkeypatch, path):
+    """--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16: float64 masters,
+    the moments stored in bf16; each step is AdamW in float64 on the widened moments (the new
+    params from the unrounded ones), the moments then rounded to nearest, by hand; clipping on.
+    Both the foreach update and the flat runs (large and small). It differs from fp32 moments."""
+    model, ddp, opt = setup(wd=0.1, clip=0.05, moments=("bf16", "bf16"))
+    full, ddp_f, opt_f = setup(wd=0.1, clip=0.05)
+    if path == "flat":
+        _flat(opt, monkeypatch, 100)
+        assert {r.master.numel() >= 100 for r, *_ in opt._runs} == {True, False}
+    assert {s.exp_avg.dtype for s in opt.shards} == {s.exp_avg_sq.dtype for s in opt.shards} == {torch.bfloat16}
+    ref = Toy(dtype=torch.float64)
+    state = {q: (torch.zeros_like(q, dtype=torch.bfloat16), torch.zeros_like(q, dtype=torch.bfloat16))
+             for q in ref.parameters()}
+    b1, b2 = opt.betas
+    for step in range(1, 4):
+        _, res = train_step(model, ddp, opt, seed=step)
+        train_step(full, ddp_f, opt_f, seed=step)
+        ref.zero_grad()
+        ref(*batch(4, step)).backward()
+        norm = torch.sqrt(sum(q.grad.square().sum() for q in ref.parameters()))
+        assert norm > 0.05 and float(norm) == pytest.approx(res.grad_norm, rel=1e-12)
+        with torch.no_grad():
+            for q in ref.parameters():
+                g = q.grad * min(1.0, 0.05 / (float(norm) + 1e-6))
+                if not getattr(q, "no_weight_decay", False):
+                    q.mul_(1 - 1e-2 * 0.1)
+                m, v = state[q]
+                m_new = b1 * m.double() + (1 - b1) * g
+                v_new = b2 * v.double() + (1 - b2) * g * g
+                q.sub_(1e-2 / (1 - b1 ** step) * m_new / (v_new.sqrt() / (1 - b2 ** step) ** 0.5 + opt.eps))
+                m.copy_(m_new), v.copy_(v_new)
+    for (n, p), q, f in zip(model.named_parameters(), ref.parameters(), full.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-13, msg=n)
+    assert max(float((p - f).detach().abs().max()) for p, f in zip(model.parameters(), full.parameters())) > 1e-7
+
+
+def test_moment_dtypes_are_validated_as_megatron_does():
+    """Non-fp32 moments need --use-precision-aware-optimizer; fp16/fp8 and offloaded shards are
+    refused in one line naming the flag."""
+    from meshlm.validate import _moment_dtype_problems
+    o = make_cfg().optimizer
+    o.exp_avg_dtype = "bf16"
+    assert _moment_dtype_problems(o) == ["--exp-avg-dtype bf16 needs --use-precision-aware-optimizer (as in "
+                                         "Megatron-LM); add it or drop --exp-avg-dtype"]
+    o.use_precision_aware_optimizer = True
+    assert _moment_dtype_problems(o) == []
+    o.exp_avg_sq_dtype = "fp16"
+    assert ["--exp-avg-sq-dtype fp16" in line and "bf16" in line for line in _moment_dtype_problems(o)] == [True]
+    o.exp_avg_sq_dtype, o.optimizer_cpu_offload = "fp32", True
+    assert ["--optimizer-cpu-offload" in line for line in _moment_dtype_problems(o)] == [True]

@@ -110,3 +110,20 @@ def test_planned_state_matches_a_built_cpu_run():
     cfg = cfg_of(*argv)
     mem = estimate(cfg, Layout.of(cfg, 1), 256, half=False)  # CPU trains in fp32: 4 + 4 + 8 bytes
     assert {"weights": mem.weights, "grads": mem.grads, "optimizer": mem.optimizer} == built
+
+
+def test_bf16_moments_hold_and_move_four_bytes_a_parameter_less():
+    """--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16: the optimizer's
+    state is 4 + 2 + 2 bytes a parameter (not 12), and the update moves 2 × 4 bytes less (cost.py)."""
+    from meshlm.planner.cost import step_time
+    from meshlm.planner.gpus import PRESETS as GPUS
+    base = ("--model", "llama-1b", "--vocab-size", "32000", "--seq-length", "1024", "--max-position-embeddings",
+            "1024", "--micro-batch-size", "2", "--global-batch-size", "4", "--bf16")
+    full = cfg_of(*base)
+    narrow = cfg_of(*base, "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16")
+    lay = Layout.of(full, 1)
+    a, b = estimate(full, lay, 32000), estimate(narrow, lay, 32000)
+    assert b.optimizer == pytest.approx(a.optimizer * 8 / 12, rel=1e-12) and a.params == b.params
+    ta, tb = (step_time(c, lay, GPUS["H200-141GB"], 32000, gpus_per_node=1, params_per_rank=a.params)
+              for c in (full, narrow))
+    assert ta.optimizer - tb.optimizer == pytest.approx(8 * a.params / GPUS["H200-141GB"].hbm_bytes_per_s, rel=1e-9)

@@ -285,6 +285,13 @@ class OptimizerConfig:
                                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
     lr_wsd_decay_iters: Optional[int] = opt(None, "WSD: iterations of the final anneal (ends at the decay end)")
     lr_wsd_decay_samples: Optional[int] = opt(None, "WSD: samples of the final anneal (with --train-samples)")
+    use_precision_aware_optimizer: bool = opt(False, "keep the Adam moments in --exp-avg-dtype and "
+                                              "--exp-avg-sq-dtype (updated in fp32, stored rounded)",
+                                              action="store_true")
+    exp_avg_dtype: str = opt("fp32", "dtype of Adam's first moment (non-fp32 with --use-precision-aware-optimizer)",
+                             choices=["fp32", "bf16", "fp16", "fp8"])
+    exp_avg_sq_dtype: str = opt("fp32", "dtype of Adam's second moment (non-fp32 with "
+                                "--use-precision-aware-optimizer)", choices=["fp32", "bf16", "fp16", "fp8"])
     optimizer_cpu_offload: bool = opt(False, "keep fp32 masters and Adam moments of a fraction of the optimizer "
                                       "shards in host memory and update them there", action="store_true")
     optimizer_offload_fraction: float = opt(1.0, "with --optimizer-cpu-offload: the share of the optimizer state "

@@ -185,6 +185,7 @@ def _training_problems(cfg: Config, cuda: Optional[bool]) -> list:
     if 0 <= o.lr < o.min_lr:
         problems.append(f"--min-lr {o.min_lr} is above --lr {o.lr}; lower --min-lr or raise --lr")
     problems += _recompute_problems(t, cfg.model.num_layers)
+    problems += _moment_dtype_problems(o)
     if not 0.0 <= o.optimizer_offload_fraction <= 1.0:
         problems.append(f"--optimizer-offload-fraction {o.optimizer_offload_fraction} is not a share: give 0 to 1")
     elif o.optimizer_offload_fraction != 1.0 and not o.optimizer_cpu_offload:
@@ -197,6 +198,23 @@ def _training_problems(cfg: Config, cuda: Optional[bool]) -> list:
     if c.keep_checkpoints == 1:  # below 1 is the numeric rule's
         problems.append("--keep-checkpoints 1 is too few: give at least 2 (a crash may damage the latest, "
                         "and loading then falls back to the one before)")
+    return problems
+
+
+def _moment_dtype_problems(o) -> list:
+    """--exp-avg-dtype / --exp-avg-sq-dtype: fp32 or bf16, non-fp32 only with
+    --use-precision-aware-optimizer (Megatron's rule) and not with offloaded shards."""
+    problems = []
+    for flag, value in (("--exp-avg-dtype", o.exp_avg_dtype), ("--exp-avg-sq-dtype", o.exp_avg_sq_dtype)):
+        if value in ("fp16", "fp8"):
+            problems.append(f"{flag} {value}: meshlm keeps Adam moments in fp32 or bf16 ({value} needs per-tensor "
+                            f"scaling it does not do); give {flag} bf16")
+        elif value != "fp32" and not o.use_precision_aware_optimizer:
+            problems.append(f"{flag} {value} needs --use-precision-aware-optimizer (as in Megatron-LM); add it or "
+                            f"drop {flag}")
+        elif value != "fp32" and o.optimizer_cpu_offload:
+            problems.append(f"{flag} {value}: --optimizer-cpu-offload keeps its host shards' moments in fp32; "
+                            f"drop one of the two")
     return problems
 
 

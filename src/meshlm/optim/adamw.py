@@ -20,6 +20,12 @@ writes the new master into the bf16/fp16 params too (the publish of ``optimizer.
 arithmetic is the fused kernel's (torch's fused_adam_utils.cuh, ADAMW mode): p ← p − lr·wd·p;
 m ← β1 m + (1 − β1) g; v ← β2 v + (1 − β2) g²; p ← p − lr / (1 − β1^t) · m / (√v / √(1 − β2^t) + ε),
 with g the grad ÷ grad_scale (the grad itself left as it is).
+
+Under --use-precision-aware-optimizer the moments may be stored in bf16 (--exp-avg-dtype,
+--exp-avg-sq-dtype; Megatron-LM's precision-aware optimizer, as DeepSeek-V3 trains, §3.3.3): every
+implementation reads them widened to the masters' dtype, updates in that dtype (the new params use
+the unrounded moments), and stores them rounded to nearest: 4 + 4 bytes an element less to hold and
+to move each step.
 """
 
 from __future__ import annotations
@@ -53,6 +59,10 @@ def adamw_(groups: list, *, step: int, lr: float, betas: tuple, eps: float, weig
     for g in groups:
         if not g.params:
             continue
+        if g.exp_avgs[0].dtype != g.params[0].dtype or g.exp_avg_sqs[0].dtype != g.params[0].dtype:
+            _narrow_moments(g, step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused,
+                            grad_scale=grad_scale)
+            continue
         wd, lr_g = (weight_decay if g.decay else 0.0), lr * g.lr_mult
         if fused:
             device = g.params[0].device
@@ -76,6 +86,17 @@ def adamw_(groups: list, *, step: int, lr: float, betas: tuple, eps: float, weig
         torch._foreach_addcdiv_(g.params, g.exp_avgs, denom, value=-lr_g / (1 - b1 ** step))
 
 
+def _narrow_moments(g: Group, **kw) -> None:
+    """``adamw_`` of a group whose moments are stored narrower than its params (bf16 under
+    --use-precision-aware-optimizer): updated on copies in the params' dtype, stored back rounded
+    to nearest, as the flat kernel does."""
+    wide = Group(g.params, g.grads, [m.to(g.params[0].dtype) for m in g.exp_avgs],
+                 [v.to(g.params[0].dtype) for v in g.exp_avg_sqs], g.decay, g.lr_mult)
+    adamw_([wide], **kw)
+    torch._foreach_copy_(g.exp_avgs, wide.exp_avgs)
+    torch._foreach_copy_(g.exp_avg_sqs, wide.exp_avg_sqs)
+
+
 @dataclass
 class Run:
     """One contiguous range of a shard: master [n] fp32 (updated), grad [n], exp_avg and exp_avg_sq
@@ -94,12 +115,13 @@ class Run:
 def flat_step(p, g, m, v, out, lr_wd: float, b1: float, b2: float, step_size: float, bc2_sqrt: float,
               eps: float, grad_scale: float) -> None:
     """One AdamW update of flat tensors p, m, v in place (and out ← p when out is not None); the
-    fused kernel's arithmetic (module doc). All [n]; scalars as Python floats, grad_scale a float
-    or a 0-dim fp32 tensor."""
+    fused kernel's arithmetic (module doc). All [n]; m and v may be narrower than p (bf16: read
+    widened, the update computed in p's dtype, stored rounded to nearest); scalars as Python
+    floats, grad_scale a float or a 0-dim fp32 tensor."""
     g = g.to(p.dtype) / grad_scale
     p_new = p - lr_wd * p
-    m_new = b1 * m + (1 - b1) * g
-    v_new = b2 * v + (1 - b2) * g * g
+    m_new = b1 * m.to(p.dtype) + (1 - b1) * g  # bf16 moments (--use-precision-aware-optimizer) widened
+    v_new = b2 * v.to(p.dtype) + (1 - b2) * g * g
     p_new = p_new - step_size * m_new / (v_new.sqrt() / bc2_sqrt + eps)
     p.copy_(p_new)
     m.copy_(m_new)

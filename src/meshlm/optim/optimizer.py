@@ -4,7 +4,9 @@ The optimizer works on *shards*: contiguous ranges of the DDP buffers (``paralle
 Under plain DP a shard is a whole bucket; under ZeRO-1 (``optim/distributed.py``) it is this
 rank's 1/DP of the bucket. Each shard holds fp32 ``master`` weights (the params themselves in
 fp32 training, else an fp32 copy of the bf16/fp16 params) and the Adam moments ``exp_avg`` and
-``exp_avg_sq``, all flat [n] fp32 tensors, so the update runs a few large kernels per bucket.
+``exp_avg_sq``, all flat [n] fp32 tensors (the moments bf16 under --use-precision-aware-optimizer with
+--exp-avg-dtype / --exp-avg-sq-dtype bf16: optim/adamw.py), so the update runs a few large kernels per
+bucket.
 
 One ``step()`` (Megatron's order):
   1. fp16 only (loss scale ≠ 1): unscale the main_grads by 1/loss_scale and look for inf/NaN,
@@ -57,6 +59,7 @@ from .scaler import build_scaler
 from .schedule import scheduler_for
 
 
+MOMENT_DTYPES = {"bf16": torch.bfloat16}  # --exp-avg(-sq)-dtype's narrow choices; fp32: the master's dtype
 FLAT_MIN = 1 << 20  # elements: smaller runs go to the multi-tensor kernel (``_flat_update``)
 
 
@@ -135,8 +138,11 @@ class Shard:
     """This rank's range [start, end) of one bucket with its fp32 master and Adam moments, [n]; on
     the host (``host``: --optimizer-cpu-offload) or beside the params."""
 
-    def __init__(self, buf, bucket, start: int, end: int, names: dict, ps, staging: Optional[Staging] = None):
-        """staging: the optimizer's host staging when this shard lives on the host, else None."""
+    def __init__(self, buf, bucket, start: int, end: int, names: dict, ps, staging: Optional[Staging] = None,
+                 moments: tuple = ("fp32", "fp32")):
+        """staging: the optimizer's host staging when this shard lives on the host, else None;
+        moments: (--exp-avg-dtype, --exp-avg-sq-dtype): "fp32" keeps a moment in the master's dtype,
+        "bf16" in bf16 (optim/adamw.py)."""
         self.buf, self.bucket, self.start, self.end, self.host = buf, bucket, start, end, staging is not None
         self.param = buf.param_of(bucket, start, end)
         self.separate_master = self.param.dtype in HALF or self.host
@@ -146,8 +152,8 @@ class Shard:
             staging.to_host(self.master, self.param)
         else:
             self.master = self.param.to(dtype) if self.separate_master else self.param
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.exp_avg, self.exp_avg_sq = (torch.zeros_like(self.master, dtype=MOMENT_DTYPES.get(name, dtype))
+                                         for name in moments)
         self.fragments = []
         # the grad norm takes the shard's grad whole when every fragment counts (the rest of it is zero padding)
         self.whole_norm = all(counts_in_norm(p, ps) for p in bucket.params)
@@ -196,7 +202,8 @@ class MixedPrecisionOptimizer:
             on_host.append(e - s <= room)
             room -= (e - s) if on_host[-1] else room
         self.staging = Staging(ps.device, sum(e - s for (_, _, s, e), h in zip(ranges, on_host) if h))
-        self.shards = [Shard(buf, b, s, e, self.names, ps, self.staging if host else None)
+        moments = (o.exp_avg_dtype, o.exp_avg_sq_dtype)
+        self.shards = [Shard(buf, b, s, e, self.names, ps, self.staging if host else None, moments)
                        for (buf, b, s, e), host in zip(ranges, on_host)]
         self.expert_norm_groups = [ps.ep_group] if any(buf.expert for buf in ddp.buffers) else []  # see grad_norm
         self.fused = fast.enabled(cfg.training.fast_path, ps.device)

@@ -88,6 +88,7 @@ from ..flops import flops_per_iteration, mlp_flops_per_token
 from ..fp8_rules import fp8_layers
 from ..parallel.schedules import analytic_bubble_fraction
 from .gpus import COLLECTIVE_LATENCY_S, GPU
+from .memory import narrowed_moment_bytes
 from .layout import NONE, Layout
 from .memory import layer_bytes
 from . import host
@@ -426,6 +427,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
         dp_exposed = dp_s
     sharded = dense / n + experts / edp if layout.stage >= 1 else params_per_rank
     norm_s = (NORM_BYTES_PER_PARAM - saved_norm) * sharded / gpu.hbm_bytes_per_s
+    # a bf16 moment (--use-precision-aware-optimizer) is read and written in 2 bytes, not 4
+    saved_update += 2 * narrowed_moment_bytes(c)
     update_s = (OPTIMIZER_BYTES_PER_PARAM - NORM_BYTES_PER_PARAM - saved_update) * sharded / gpu.hbm_bytes_per_s
     opt_s = update_s + norm_s + nmb * fold_s
     gpu_s = nmb * per_mb + bubble + p2p + dp_exposed + opt_s + STEP_OVERHEAD_S

@@ -5,7 +5,7 @@ Model state (bytes per parameter of the rank's stage, from ``planner/params.py``
 - ``"meshlm"`` accounting, what meshlm allocates (optim/optimizer.py, parallel/data.py): bf16/fp16
   params 2, fp32 ``main_grad`` 4 (2 where ``config.half_grads`` keeps the buckets bf16: one backward a
   step on the CUDA fast path, nothing summing them), fp32 master 4 + Adam moments
-  4 + 4 = 12, or under --use-distributed-optimizer (ZeRO-1, Rajbhandari et al. 2020 §5.1) 12/(DP × CP)
+  4 + 4 = 12 (each bf16 moment 2 less: --use-precision-aware-optimizer), or under --use-distributed-optimizer (ZeRO-1, Rajbhandari et al. 2020 §5.1) 12/(DP × CP)
   — the distributed optimizer shards over the DP × CP group — and, for the routed experts (E/EP of
   them a MoE layer), 12/(DP × CP / EP), the expert-data-parallel group they are reduced and sharded
   over (``moe_cp``); fp32 training: 4 + 4 + 8 (no separate master). Under ZeRO-1 each buffer
@@ -96,6 +96,13 @@ STATE_BYTES = {  # bytes per parameter: (weights, grads, optimizer before ZeRO-1
     ("meshlm", True): (2, 4, 12), ("meshlm", False): (4, 4, 8),
     ("classic", True): (2, 2, 12), ("classic", False): (4, 4, 8),
 }
+
+
+def narrowed_moment_bytes(cfg: Config) -> int:
+    """Bytes an element the Adam moments save under --use-precision-aware-optimizer: 2 for each of
+    --exp-avg-dtype and --exp-avg-sq-dtype that is bf16 (optim/optimizer.py ``MOMENT_DTYPES``)."""
+    o = cfg.optimizer
+    return 2 * sum(d == "bf16" for d in (o.exp_avg_dtype, o.exp_avg_sq_dtype))
 
 
 def state_bytes(params: float, *, half: bool = True, dp: int = 1, distributed_optimizer: bool = False,
@@ -290,6 +297,8 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
         st = {k: dense[k] + routed[k] for k in dense}
         if half and accounting == "meshlm" and half_grads(c, layout.world):
             st["grads"] /= 2  # bf16 buckets (parallel/data.py): one backward a step, nothing summing them
+        o = STATE_BYTES[(accounting, half)][2]
+        st["optimizer"] *= (o - narrowed_moment_bytes(c)) / o
         st["weights"] += gathered_bytes(c, layout, params[rank], vocab, half=half)
         st["weights"] += fp8_copy_bytes(c, layout, sum(fp8[n] for chunk in chunks_of_rank for n in chunk),
                                          half=half)
