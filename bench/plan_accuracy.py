@@ -19,7 +19,12 @@ Cases left when fewer than ``CASE_RESERVE_S`` seconds of --deadline-s remain are
 One JSON row per measured case goes to $OUT/results.jsonl as it is measured.
 
 Predicted: ``runs.predict`` (``memory.estimate(...).peak_bytes``, ``cost.step_time(...).total``, the
-H200-141GB preset), the same constants for every case. ``margin`` reads every ``plan_check`` /
+H200-141GB preset), the same constants for every case. Since session 15 the committed prediction also
+holds the step's phases (``phases_ms``: [host ms, GPU ms] in launch order, ``StepTime.phases`` at
+host_scale 1), so that the step is a committed function of the host's speed: ``run`` first times this
+host as ``plan --calibrate`` does (``host.launch_seconds``; host_scale = it over
+``host.REFERENCE_LAUNCH_S``) and compares each run with ``host.rescaled(phases, host_scale)``, as a user
+who calibrated would have been told; the preset's figure (host_scale 1) stays in each row beside it. ``margin`` reads every ``plan_check`` /
 ``plan_accuracy`` row of a results file: the largest measured / predicted peak, i.e. how far below HBM a
 prediction must stay to be safe on every recorded run.
 """
@@ -37,6 +42,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from runs import COMMON, predict, records  # noqa: E402
+
+from meshlm.planner import host  # noqa: E402
 
 WARM_GIB = 125.0   # the warm phase's concurrent runs: predicted device GiB together at most
 WARM_FLAGS = ["--num-layers", "1"]  # every layer compiles to the same graph: one layer fills the caches
@@ -150,7 +157,8 @@ def predictions(date: str) -> dict:
             continue
         p = predict(flags + COMMON, 1)
         out[name] = {"flags": " ".join(flags), "peak_gib": round(p["peak_gib"], 3), "step_ms": round(p["step_ms"], 2),
-                     "device_gib": round(p["device_bytes"] / GiB, 3), "predicted": date}
+                     "device_gib": round(p["device_bytes"] / GiB, 3), "predicted": date,
+                     "phases_ms": [[round(1e3 * h, 4), round(1e3 * g, 4)] for h, g in p["time"]["phases"]]}
     return out
 
 
@@ -168,9 +176,26 @@ def _pretrain(name: str, flags: list, out: str, iters: int, port: int = 29500) -
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), run_dir
 
 
+def calibrated_ms(p: dict, scale: float) -> float:
+    """A committed prediction's step ms on a host ``scale`` times the reference's launch time: from its
+    ``phases_ms`` (``host.rescaled``), or its ``step_ms`` where it has none (committed before session 15)."""
+    if "phases_ms" not in p:
+        return p["step_ms"]
+    return host.rescaled([(h, g) for h, g in p["phases_ms"]], scale)
+
+
+def _launch_us() -> float:
+    """This host's launch time, µs (``plan --calibrate``'s: ``host.launch_seconds`` on the GPU)."""
+    import torch
+    return 1e6 * host.launch_seconds("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def run(args) -> None:
     start = time.time()
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    launch = _launch_us()
+    scale = launch * 1e-6 / host.REFERENCE_LAUNCH_S
+    print(f"host: a launch {launch:.2f} µs, host_scale {scale:.3f}", flush=True)
     with open(PREDICTIONS) as fh:
         pred = json.load(fh)
     names = args.cases or list(CASES)
@@ -193,6 +218,7 @@ def run(args) -> None:
                 print(f"{name}: skipped, {left:.0f} s of the deadline left", flush=True)
                 continue
             t0 = time.time()
+            launch_case = _launch_us()
             proc, run_dir = _pretrain(name, CASES[name], args.out, args.iters)
             try:
                 code = proc.wait(timeout=left)
@@ -206,16 +232,21 @@ def run(args) -> None:
                 continue
             p = pred[name]
             step, peak = statistics.median(r["iter_ms"] for r in rows), max(peaks) if peaks else None  # None on CPU
+            predicted = calibrated_ms(p, scale)
             rec = {"date": args.date, "bench": "plan_accuracy", "gpu": "1x H200", "case": name, "flags": p["flags"],
                    "predicted_peak_gib": p["peak_gib"], "measured_peak_gib": peak,
-                   "peak_error": round(p["peak_gib"] / peak - 1, 4) if peak else None, "predicted_step_ms": p["step_ms"],
-                   "measured_step_ms": round(step, 2), "step_error": round(p["step_ms"] / step - 1, 4),
+                   "peak_error": round(p["peak_gib"] / peak - 1, 4) if peak else None,
+                   "predicted_step_ms": round(predicted, 2), "measured_step_ms": round(step, 2),
+                   "step_error": round(predicted / step - 1, 4), "host_scale": round(scale, 4),
+                   "launch_us": round(launch, 3), "launch_us_case": round(launch_case, 3),
+                   "predicted_step_ms_preset": p["step_ms"], "step_error_preset": round(p["step_ms"] / step - 1, 4),
                    "iters": args.iters, "warmup": args.warmup, "wall_s": round(time.time() - t0, 1),
-                   "tokens_per_s": rows[-1].get("tokens_per_sec"), "mfu": rows[-1].get("mfu")}
+                   "tokens_per_s": rows[-1].get("tokens_per_sec"), "mfu": rows[-1].get("mfu"),
+                   "iter_ms_all": [r["iter_ms"] for r in records(run_dir)]}
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
             print(json.dumps(rec), flush=True)
-    print(f"done at {time.time() - start:.0f} s", flush=True)
+    print(f"done at {time.time() - start:.0f} s; host: a launch {_launch_us():.2f} µs at the end", flush=True)
 
 
 def table(rows: list) -> str:
@@ -234,14 +265,16 @@ def table(rows: list) -> str:
 
 
 def repredicted(rows: list) -> list:
-    """The rows with the current planner's predictions in place of the committed ones: after a model
-    change these are in-sample figures, never a substitute for predictions committed before a run."""
+    """The rows with the current planner's predictions in place of the committed ones (at the row's
+    ``host_scale`` where it has one, else the preset's): after a model change these are in-sample
+    figures, never a substitute for predictions committed before a run."""
     out = []
     for r in rows:
         p = predict(r["flags"].split() + COMMON, 1)
-        out.append(dict(r, predicted_peak_gib=p["peak_gib"], predicted_step_ms=p["step_ms"],
+        step = 1e3 * host.rescaled(p["time"]["phases"], r.get("host_scale", 1.0))
+        out.append(dict(r, predicted_peak_gib=p["peak_gib"], predicted_step_ms=step,
                         peak_error=p["peak_gib"] / r["measured_peak_gib"] - 1,
-                        step_error=p["step_ms"] / r["measured_step_ms"] - 1))
+                        step_error=step / r["measured_step_ms"] - 1))
     return out
 
 

@@ -103,7 +103,7 @@ MOE_ARGS = ("--model", "mixtral-small", "--vocab-size", "32000", "--seq-length",
 def test_host_term_in_step_time():
     """A few-token MoE step is host-bound (total = the host's seconds, more than the GPU's); a large
     dense step is GPU-bound (no idle); the host's seconds follow host.py's constants; host_scale
-    scales them."""
+    scales them, and so does ``host.rescaled`` of the step's phases."""
     moe = cfg_of(*MOE_ARGS)
     lay = Layout(micro_batch=1)
     t = step_time(moe, lay, H200, 32000, gpus_per_node=1, params_per_rank=10 ** 9)
@@ -121,6 +121,9 @@ def test_host_term_in_step_time():
     slow = step_time(moe, lay, dataclasses.replace(H200, host_scale=2.0), 32000, gpus_per_node=1,
                      params_per_rank=10 ** 9)
     assert slow.host == pytest.approx(2 * t.host, rel=1e-9)
+    assert host.rescaled(t.phases, 1.0) == pytest.approx(t.total, rel=1e-12)
+    assert host.rescaled(t.phases, 2.0) == pytest.approx(slow.total, rel=1e-12)
+    assert host.rescaled(t.phases, 1e-6) < t.total  # a fast host: the GPU's time, not the host's
     # the synchronous loop reads the norm after the host's last launch: host-bound, it ends the norm's
     # GPU seconds (4 bytes a parameter: two micro-batches, so no bf16 buckets) after the host
     sync = step_time(cfg_of(*MOE_ARGS, "--skip-nan-steps"), lay, H200, 32000, gpus_per_node=1,

@@ -194,7 +194,9 @@ class StepTime:
     fill and drain; pp_p2p: activation sends between stages; dp_comm: the whole DP reduction (dense
     gradients over DP × CP, experts' over DP × CP / EP); dp_exposed: the part of it not hidden behind
     backward; optimizer: the update and the main_grad folds; host: the host's (CPU's) seconds of the
-    step (``host``); host_idle: the GPU's wait for them, in total; total; tokens_per_s of the job; mfu
+    step (``host``); host_idle: the GPU's wait for them, in total; phases: the step's [host s, GPU s]
+    pairs in launch order (``host.step_phases``; the host's at ``gpu.host_scale``), from which
+    ``host.rescaled`` gives the step on a host of another speed; total; tokens_per_s of the job; mfu
     (model FLOPs, no recompute, over world × peak); bottleneck: the largest cost besides useful
     compute, named with its cause.
     """
@@ -211,6 +213,7 @@ class StepTime:
     optimizer: float
     host: float
     host_idle: float
+    phases: list
     total: float
     tokens_per_s: float
     mfu: float
@@ -426,8 +429,9 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     host_opt, host_book = (gpu.host_scale * x for x in _host_step(c, layout, slowest, dense, experts, bucket))
     forward = (gemm_s + attn_s + elem_s) / 3 + sum(w[k + "_forward"] for k in ("tp", "ep", "cp"))
     microbatches = [(w["host_f"], forward), (w["host_b"], per_mb - forward + fold_s)] * nmb
-    total = host.overlapped(host.step_phases(host.deferred(c), host_book, host_opt, update_s, microbatches,
-                                             bubble + p2p + dp_exposed + norm_s + STEP_OVERHEAD_S))
+    phases = host.step_phases(host.deferred(c), host_book, host_opt, update_s, microbatches,
+                              bubble + p2p + dp_exposed + norm_s + STEP_OVERHEAD_S)
+    total = host.overlapped(phases)
     host_s = host_opt + host_book + nmb * (w["host_f"] + w["host_b"])
     gb = global_batch(c, layout.world)
     model_flops = flops_per_iteration(m, gb, padded)
@@ -451,7 +455,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     name, worst = max(costs.items(), key=lambda kv: kv[1])
     return StepTime(compute=compute, recompute=nmb * recompute_s, tp_comm=nmb * tp_s, ep_comm=nmb * ep_s,
                     cp_comm=nmb * cp_s, bubble=bubble, pp_p2p=p2p, dp_comm=dp_s, dp_exposed=dp_exposed,
-                    optimizer=opt_s, host=host_s, host_idle=max(0.0, total - gpu_s), total=total, tokens_per_s=gb * s / total,
+                    optimizer=opt_s, host=host_s, host_idle=max(0.0, total - gpu_s),
+                    phases=[list(x) for x in phases], total=total, tokens_per_s=gb * s / total,
                     mfu=model_flops / (layout.world * total * gpu.peak_flops),
                     bubble_fraction=analytic_bubble_fraction(pp, nmb, vp) if pp > 1 else 0.0,
                     bottleneck=f"{name}: {100 * worst / total:.0f}% of the step")

@@ -177,3 +177,10 @@ def overlapped(phases: list) -> float:
         host_before += h
         gpu_left -= g
     return max(end, host_before)
+
+
+def rescaled(phases: list, scale: float) -> float:
+    """Seconds of the step whose phases [(host s, GPU s)] (``StepTime.phases``) were modelled for one
+    host, on a host ``scale`` times as slow (``launch_seconds`` over the first host's): ``overlapped``
+    with every host time × ``scale``; the same as the planner with ``GPU.host_scale`` × ``scale``."""
+    return overlapped([(scale * h, g) for h, g in phases])
