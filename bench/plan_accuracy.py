@@ -22,9 +22,10 @@ Predicted: ``runs.predict`` (``memory.estimate(...).peak_bytes``, ``cost.step_ti
 H200-141GB preset), the same constants for every case. Since session 15 the committed prediction also
 holds the step's phases (``phases_ms``: [host ms, GPU ms] in launch order, ``StepTime.phases`` at
 host_scale 1), so that the step is a committed function of the host's speed: ``run`` first times this
-host as ``plan --calibrate`` does (``host.launch_seconds``; host_scale = it over
-``host.REFERENCE_LAUNCH_S``) and compares each run with ``host.rescaled(phases, host_scale)``, as a user
-who calibrated would have been told; the preset's figure (host_scale 1) stays in each row beside it. ``margin`` reads every ``plan_check`` /
+host as ``plan --calibrate`` does (``host.launch_seconds``, the median of ``LAUNCH_READINGS``;
+host_scale = it over ``host.REFERENCE_LAUNCH_S``) and compares each run with
+``host.rescaled(phases, host_scale)``, as a user who calibrated would have been told; the preset's
+figure (host_scale 1) stays in each row beside it. ``margin`` reads every ``plan_check`` /
 ``plan_accuracy`` row of a results file: the largest measured / predicted peak, i.e. how far below HBM a
 prediction must stay to be safe on every recorded run.
 """
@@ -48,6 +49,7 @@ from meshlm.planner import host  # noqa: E402
 WARM_GIB = 125.0   # the warm phase's concurrent runs: predicted device GiB together at most
 WARM_FLAGS = ["--num-layers", "1"]  # every layer compiles to the same graph: one layer fills the caches
 CASE_RESERVE_S = 25.0
+LAUNCH_READINGS = 5  # the call's host_scale: the median of this many host.launch_seconds at its start
 PREDICTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plan_accuracy_predictions.json")
 
 
@@ -140,6 +142,21 @@ CASES = {  # name: flags, in the order they are measured; none of these shapes o
     "llama1b-s4k-m2-acc2-fp8": _llama("llama-1b", 4096) + _mb(2, 2) + FP8,
     "gpt760m-s1k-m16-zero": _gpt("gpt2-760m", 1024) + ["--hidden-dropout", "0"] + _mb(16) + ZERO,
     "llama3b-s16k-m1-full": _llama("llama-3b", 16384) + _mb(1) + FULL,
+    # the eighth set (2026-12-04, session 15): the MoE host terms re-measured (planner/host.py), attention at a
+    # head dim between 64-tiles run as the next tile (cost.attention_efficiency); committed with their phases,
+    # compared at the call's host_scale; measured in this order
+    "moe-e8-top2-f1536-s2k-m4": _moe(2048, 8, 2, 1536) + _mb(4),
+    "gpt2.7b-s2k-m2-full": _gpt("gpt3-2.7b", 2048) + ["--hidden-dropout", "0"] + _mb(2) + FULL,
+    "moe-e16-top2-f1024-s4k-m1-full": _moe(4096, 16, 2, 1024) + _mb(1) + FULL,
+    "llama8b-w-L6-s4k-m1-zero": _llama("llama3-8b", 4096) + ["--num-layers", "6"] + _mb(1) + ZERO,
+    "gpt760m-s8k-m2-sel": _gpt("gpt2-760m", 8192) + ["--hidden-dropout", "0"] + _mb(2) + SEL,
+    "llama1b-s8k-m2-fp8": _llama("llama-1b", 8192) + _mb(2) + FP8,
+    "gpt350m-s2k-m16": _gpt("gpt2-350m", 2048) + ["--hidden-dropout", "0"] + _mb(16),
+    "moe-e4-top1-f3584-s1k-m16-sel": _moe(1024, 4, 1, 3584) + _mb(16) + SEL,
+    "llama8b-w-L4-s16k-m1-sel": _llama("llama3-8b", 16384) + ["--num-layers", "4"] + _mb(1) + SEL,
+    "llama3b-s2k-m4-zero": _llama("llama-3b", 2048) + _mb(4) + ZERO,
+    "gpt1.3b-s16k-m1-full": _gpt("gpt2-1.3b", 16384) + ["--hidden-dropout", "0"] + _mb(1) + FULL,
+    "gpt2.7b-s1k-m8-fp8": _gpt("gpt3-2.7b", 1024) + ["--hidden-dropout", "0"] + _mb(8) + FP8,
 }
 
 
@@ -184,16 +201,18 @@ def calibrated_ms(p: dict, scale: float) -> float:
     return host.rescaled([(h, g) for h, g in p["phases_ms"]], scale)
 
 
-def _launch_us() -> float:
-    """This host's launch time, µs (``plan --calibrate``'s: ``host.launch_seconds`` on the GPU)."""
+def _launch_us(readings: int = 1) -> float:
+    """This host's launch time, µs (``plan --calibrate``'s: ``host.launch_seconds`` on the GPU), the
+    median of ``readings`` (one host read 7.6–10.7 µs within minutes: bench/RESULTS.md session 15)."""
     import torch
-    return 1e6 * host.launch_seconds("cuda" if torch.cuda.is_available() else "cpu")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    return 1e6 * statistics.median(host.launch_seconds(dev) for _ in range(readings))
 
 
 def run(args) -> None:
     start = time.time()
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
-    launch = _launch_us()
+    launch = _launch_us(LAUNCH_READINGS)
     scale = launch * 1e-6 / host.REFERENCE_LAUNCH_S
     print(f"host: a launch {launch:.2f} µs, host_scale {scale:.3f}", flush=True)
     with open(PREDICTIONS) as fh:

@@ -79,8 +79,10 @@ def test_deferred_follows_the_trainer():
 
 
 def test_recomputed_layer_runs_its_own_forward_again():
-    """Full recompute adds, in the backward only, the layer's own forward host time and the
-    checkpoint's wrapper: a Llama layer the probe's RECOMPUTE_LAYER_S, an MoE layer its MoE terms too."""
+    """Full recompute adds the layer's own forward host time and the checkpoint's wrapper in the
+    backward: a Llama layer the probe's RECOMPUTE_LAYER_S (its forward unchanged), an MoE layer its MoE
+    terms too and the probe's extra MoE costs, RECOMPUTE_MOE_FORWARD_S in the forward and
+    RECOMPUTE_MOE_BACKWARD_S in the backward."""
     llama = cfg_of("--model", "llama-1b", "--vocab-size", "32000", "--seq-length", "256",
                    "--max-position-embeddings", "256")
     f0, b0 = host.microbatch_seconds(llama, [False] * 3, [False] * 3, 0, 0)
@@ -91,7 +93,9 @@ def test_recomputed_layer_runs_its_own_forward_again():
     f1, b1 = host.microbatch_seconds(moe, [True], [False], 16, 1)
     layer = host.LAYER_S + host.LAYER_PARAM_S * host.layer_tensors(moe, True, 0) + host.MOE_LAYER_S \
         + host.MOE_EXPERT_S * 16
-    assert f1 == f0 and b1 - b0 == pytest.approx(host.FORWARD_SHARE * layer + host.RECOMPUTE_WRAPPER_S, rel=1e-12)
+    assert f1 - f0 == pytest.approx(host.RECOMPUTE_MOE_FORWARD_S, rel=1e-12)
+    assert b1 - b0 == pytest.approx(host.FORWARD_SHARE * layer + host.RECOMPUTE_WRAPPER_S
+                                    + host.RECOMPUTE_MOE_BACKWARD_S, rel=1e-12)
     assert b1 - b0 > host.RECOMPUTE_LAYER_S + 1e-3
 
 

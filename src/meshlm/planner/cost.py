@@ -95,6 +95,7 @@ from .moe_cp import cp_link, cp_seconds, ep_seconds, expert_rows, stacked_weight
 GEMM_HALF_DIM = 64  # a GEMM dimension of x reaches x / (x + 64) of the large-GEMM efficiency
 ATTENTION_HALF_SEQ = 1360  # attention's per-row cost, in tokens of its quadratic work (fit: attention_efficiency)
 ATTENTION_HALF_HEAD_DIM = 48  # a head dim of d reaches d / (d + this) of the large-head efficiency
+ATTENTION_HEAD_TILE = 64  # attention kernels' head-dim tile: a head dim of 80 or 96 runs as 128 (attention_efficiency)
 ATTENTION_REFERENCE = (2048, 128)  # (seq, head dim) at which GPU.attention_efficiency is given
 ELEMENTWISE_PASSES = 4  # HBM bytes moved by element-wise kernels per byte stored for backward
 OPTIMIZER_BYTES_PER_PARAM = 34
@@ -177,11 +178,17 @@ def attention_efficiency(gpu: GPU, seq: float, dim: float) -> float:
     bench/results.jsonl, head dim 128, bf16, causal, fwd + bwd: 0.61 at s 2,048 (llama-1b profile,
     2026-12-01), 0.946 at 16k and 0.964 at 32k (cp-attention rows, SDPA on cuDNN, 2026-12-02); the
     curve is within 1.1% of all three. The head-dim curve is fit to llama-1b at 16k (head dim 64,
-    plan_accuracy 2026-12-03): 0.79 of head dim 128's efficiency (fewer FLOPs a loaded K/V tile)."""
+    plan_accuracy 2026-12-03): 0.79 of head dim 128's efficiency (fewer FLOPs a loaded K/V tile).
+    A head dim that is no multiple of ``ATTENTION_HEAD_TILE`` runs as the next multiple (the fused
+    kernels' head-dim tiles; the padding's FLOPs are wasted): the curve at the padded dim × dim /
+    padded. Fit (bench/RESULTS.md, 2026-12-04 session 15) to the three GPT-2.7B runs (head dim 80,
+    under-predicted by 4–11%, the more the larger attention's share: 1.36× attention time needed,
+    1.38× given)."""
     s0, d0 = ATTENTION_HALF_SEQ, ATTENTION_HALF_HEAD_DIM
     ref_s, ref_d = ATTENTION_REFERENCE
+    padded = math.ceil(dim / ATTENTION_HEAD_TILE) * ATTENTION_HEAD_TILE
     return gpu.attention_efficiency * (seq / (seq + s0)) / (ref_s / (ref_s + s0)) \
-        * (dim / (dim + d0)) / (ref_d / (ref_d + d0))
+        * (padded / (padded + d0)) / (ref_d / (ref_d + d0)) * dim / padded
 
 
 @dataclass
