@@ -23,9 +23,12 @@ H200-141GB preset), the same constants for every case. Since session 15 the comm
 holds the step's phases (``phases_ms``: [host ms, GPU ms] in launch order, ``StepTime.phases`` at
 host_scale 1), so that the step is a committed function of the host's speed: ``run`` first times this
 host as ``plan --calibrate`` does (``host.launch_seconds``, the median of ``LAUNCH_READINGS``;
-host_scale = it over ``host.REFERENCE_LAUNCH_S``) and compares each run with
-``host.rescaled(phases, host_scale)``, as a user who calibrated would have been told; the preset's
-figure (host_scale 1) stays in each row beside it. ``margin`` reads every ``plan_check`` /
+host_scale = it over ``host.REFERENCE_LAUNCH_S``) and records each run's prediction at it
+(``host.rescaled(phases, host_scale)``, what a user who calibrated would have been told) and at the
+preset's host_scale 1. The row's ``predicted_step_ms`` (the one compared, ``host_scale`` in the row) is
+the preset's, or with --calibrate-host the measured scale's: session 15 compared at the measured scale
+and found the launch timing too noisy to help (bench/RESULTS.md: 7.7–11.3 µs on one host within four
+minutes; 2 of 3 host-influenced runs further off than at the preset), so the preset is the default. ``margin`` reads every ``plan_check`` /
 ``plan_accuracy`` row of a results file: the largest measured / predicted peak, i.e. how far below HBM a
 prediction must stay to be safe on every recorded run.
 """
@@ -251,12 +254,15 @@ def run(args) -> None:
                 continue
             p = pred[name]
             step, peak = statistics.median(r["iter_ms"] for r in rows), max(peaks) if peaks else None  # None on CPU
-            predicted = calibrated_ms(p, scale)
+            used = scale if args.calibrate_host else 1.0
+            predicted = calibrated_ms(p, used)
             rec = {"date": args.date, "bench": "plan_accuracy", "gpu": "1x H200", "case": name, "flags": p["flags"],
                    "predicted_peak_gib": p["peak_gib"], "measured_peak_gib": peak,
                    "peak_error": round(p["peak_gib"] / peak - 1, 4) if peak else None,
                    "predicted_step_ms": round(predicted, 2), "measured_step_ms": round(step, 2),
-                   "step_error": round(predicted / step - 1, 4), "host_scale": round(scale, 4),
+                   "step_error": round(predicted / step - 1, 4), "host_scale": round(used, 4),
+                   "host_scale_measured": round(scale, 4),
+                   "predicted_step_ms_calibrated": round(calibrated_ms(p, scale), 2),
                    "launch_us": round(launch, 3), "launch_us_case": round(launch_case, 3),
                    "predicted_step_ms_preset": p["step_ms"], "step_error_preset": round(p["step_ms"] / step - 1, 4),
                    "iters": args.iters, "warmup": args.warmup, "wall_s": round(time.time() - t0, 1),
@@ -322,6 +328,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--deadline-s", type=float, default=300.0)
     ap.add_argument("--warm-budget-s", type=float, default=150.0)
+    ap.add_argument("--calibrate-host", action="store_true",
+                    help="compare each run at the host_scale measured at the call's start, not the preset's 1")
     args = ap.parse_args()
     if args.action == "predict":
         found = predictions(args.date)

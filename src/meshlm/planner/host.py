@@ -87,7 +87,9 @@ STEP_S = 2.3e-3
 MOE_STATS_S = 0.14e-3
 MOE_STATS_EXPERT_S = 0.009e-3
 # launch_seconds of a host on which these constants hold: the session-13 second call's H200 host measured
-# 6.57 µs and ran that call's host-bound steps at 0.80× the constants' time (bench/RESULTS.md, in-sample)
+# 6.57 µs and ran that call's host-bound steps at 0.80× the constants' time (bench/RESULTS.md, in-sample).
+# A rough unit only: one lent host read 7.6–11.3 µs within minutes (session 15), and a scale from it moved two
+# of three host-influenced runs further from the measured step than host_scale 1 did
 REFERENCE_LAUNCH_S = 8.2e-6
 
 
