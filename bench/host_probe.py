@@ -12,7 +12,11 @@ honoured) step by step with a sync after each, and times on the host, each step:
 - wall: the step with the sync after it; gc: ms in Python's collector (gc.callbacks), by generation.
 Run with few tokens (e.g. --seq-length 256 --micro-batch-size 1) the GPU is never the bottleneck,
 so these are the host's costs of the step's launches, whatever the widths. One JSON line a step,
-then a summary line {"label", "median": {...}} (median over the steps after the second).
+then a summary line {"label", "median": {...}} (median over the steps after the second), with
+``launch_us`` (``host.launch_seconds`` in this process before the first step: this host's speed)
+and ``model_ms``: the planner's host terms for the same flags on the H200 preset (host_scale 1,
+``StepTime.phases`` of the deferred loop: fwd = Σ F_j, bwd = Σ B_j, opt = O, rest = B), so that a
+term's refit is measured / model × ``host.REFERENCE_LAUNCH_S`` / launch.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from host_timing import Spans
 
 def main() -> None:
     from meshlm.config import add_config_args, config_from_args
+    from meshlm.planner.host import launch_seconds
     from meshlm.parallel import pipeline
     from meshlm.training import trainer
     from meshlm.training.manual_gc import ManualGC
@@ -48,6 +53,7 @@ def main() -> None:
     run.opt.step = spans.wrap("opt", run.opt.step)
     torch.Tensor.item = spans.wrap("item", torch.Tensor.item)
     t = cfg.training
+    launch = launch_seconds("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     rows = []
     with ManualGC(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval).running() as collector:
@@ -79,8 +85,32 @@ def main() -> None:
                "min": {k: round(min(r[k] for r in later), 2) for k in keys},
                "gc_ms_mean": round(statistics.mean(sum(r["gc_ms"].values()) for r in later), 2),
                "params": sum(1 for c in run.chunks for _ in c.parameters()),
+               "launch_us": round(launch * 1e6, 3), "model_ms": model_ms(_pretrain_flags(sys.argv[1:])),
                "flags": " ".join(sys.argv[1:])}
     print("SUMMARY " + json.dumps(summary), flush=True)
+
+
+def _pretrain_flags(argv: list) -> list:
+    """argv without this script's own --label and --steps (each with its value)."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a in ("--label", "--steps"):
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
+def model_ms(flags: list) -> dict:
+    """The planner's host ms of a step of ``meshlm pretrain FLAGS`` on one H200 (module doc): fwd,
+    bwd, opt, rest (the deferred loop's phases: [(B, U), (F_1, f_1), (B_1, b_1), …, (O, T)])."""
+    from runs import predict
+    phases = predict(flags, 1)["time"]["phases"]
+    mbs = phases[1:-1]
+    return {"fwd": round(1e3 * sum(h for h, _ in mbs[0::2]), 2), "bwd": round(1e3 * sum(h for h, _ in mbs[1::2]), 2),
+            "opt": round(1e3 * phases[-1][0], 2), "rest": round(1e3 * phases[0][0], 2)}
 
 
 if __name__ == "__main__":

@@ -19,7 +19,16 @@ Cases left when fewer than ``CASE_RESERVE_S`` seconds of --deadline-s remain are
 One JSON row per measured case goes to $OUT/results.jsonl as it is measured.
 
 Predicted: ``runs.predict`` (``memory.estimate(...).peak_bytes``, ``cost.step_time(...).total``, the
-H200-141GB preset), the same constants for every case. ``margin`` reads every ``plan_check`` /
+H200-141GB preset), the same constants for every case. Since session 15 the committed prediction also
+holds the step's phases (``phases_ms``: [host ms, GPU ms] in launch order, ``StepTime.phases`` at
+host_scale 1), so that the step is a committed function of the host's speed: ``run`` first times this
+host as ``plan --calibrate`` does (``host.launch_seconds``, the median of ``LAUNCH_READINGS``;
+host_scale = it over ``host.REFERENCE_LAUNCH_S``) and records each run's prediction at it
+(``host.rescaled(phases, host_scale)``, what a user who calibrated would have been told) and at the
+preset's host_scale 1. The row's ``predicted_step_ms`` (the one compared, ``host_scale`` in the row) is
+the preset's, or with --calibrate-host the measured scale's: session 15 compared at the measured scale
+and found the launch timing too noisy to help (bench/RESULTS.md: 7.7–11.3 µs on one host within four
+minutes; 2 of 3 host-influenced runs further off than at the preset), so the preset is the default. ``margin`` reads every ``plan_check`` /
 ``plan_accuracy`` row of a results file: the largest measured / predicted peak, i.e. how far below HBM a
 prediction must stay to be safe on every recorded run.
 """
@@ -38,9 +47,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from runs import COMMON, predict, records  # noqa: E402
 
+from meshlm.planner import host  # noqa: E402
+
 WARM_GIB = 125.0   # the warm phase's concurrent runs: predicted device GiB together at most
 WARM_FLAGS = ["--num-layers", "1"]  # every layer compiles to the same graph: one layer fills the caches
 CASE_RESERVE_S = 25.0
+LAUNCH_READINGS = 5  # the call's host_scale: the median of this many host.launch_seconds at its start
 PREDICTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plan_accuracy_predictions.json")
 
 
@@ -133,6 +145,21 @@ CASES = {  # name: flags, in the order they are measured; none of these shapes o
     "llama1b-s4k-m2-acc2-fp8": _llama("llama-1b", 4096) + _mb(2, 2) + FP8,
     "gpt760m-s1k-m16-zero": _gpt("gpt2-760m", 1024) + ["--hidden-dropout", "0"] + _mb(16) + ZERO,
     "llama3b-s16k-m1-full": _llama("llama-3b", 16384) + _mb(1) + FULL,
+    # the eighth set (2026-12-04, session 15): the MoE host terms re-measured (planner/host.py), attention at a
+    # head dim between 64-tiles run as the next tile (cost.attention_efficiency); committed with their phases,
+    # compared at the call's host_scale; measured in this order
+    "moe-e8-top2-f1536-s2k-m4": _moe(2048, 8, 2, 1536) + _mb(4),
+    "gpt2.7b-s2k-m2-full": _gpt("gpt3-2.7b", 2048) + ["--hidden-dropout", "0"] + _mb(2) + FULL,
+    "moe-e16-top2-f1024-s4k-m1-full": _moe(4096, 16, 2, 1024) + _mb(1) + FULL,
+    "llama8b-w-L6-s4k-m1-zero": _llama("llama3-8b", 4096) + ["--num-layers", "6"] + _mb(1) + ZERO,
+    "gpt760m-s8k-m2-sel": _gpt("gpt2-760m", 8192) + ["--hidden-dropout", "0"] + _mb(2) + SEL,
+    "llama1b-s8k-m2-fp8": _llama("llama-1b", 8192) + _mb(2) + FP8,
+    "gpt350m-s2k-m16": _gpt("gpt2-350m", 2048) + ["--hidden-dropout", "0"] + _mb(16),
+    "moe-e4-top1-f3584-s1k-m16-sel": _moe(1024, 4, 1, 3584) + _mb(16) + SEL,
+    "llama8b-w-L4-s16k-m1-sel": _llama("llama3-8b", 16384) + ["--num-layers", "4"] + _mb(1) + SEL,
+    "llama3b-s2k-m4-zero": _llama("llama-3b", 2048) + _mb(4) + ZERO,
+    "gpt1.3b-s16k-m1-full": _gpt("gpt2-1.3b", 16384) + ["--hidden-dropout", "0"] + _mb(1) + FULL,
+    "gpt2.7b-s1k-m8-fp8": _gpt("gpt3-2.7b", 1024) + ["--hidden-dropout", "0"] + _mb(8) + FP8,
 }
 
 
@@ -150,7 +177,8 @@ def predictions(date: str) -> dict:
             continue
         p = predict(flags + COMMON, 1)
         out[name] = {"flags": " ".join(flags), "peak_gib": round(p["peak_gib"], 3), "step_ms": round(p["step_ms"], 2),
-                     "device_gib": round(p["device_bytes"] / GiB, 3), "predicted": date}
+                     "device_gib": round(p["device_bytes"] / GiB, 3), "predicted": date,
+                     "phases_ms": [[round(1e3 * h, 4), round(1e3 * g, 4)] for h, g in p["time"]["phases"]]}
     return out
 
 
@@ -168,9 +196,28 @@ def _pretrain(name: str, flags: list, out: str, iters: int, port: int = 29500) -
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), run_dir
 
 
+def calibrated_ms(p: dict, scale: float) -> float:
+    """A committed prediction's step ms on a host ``scale`` times the reference's launch time: from its
+    ``phases_ms`` (``host.rescaled``), or its ``step_ms`` where it has none (committed before session 15)."""
+    if "phases_ms" not in p:
+        return p["step_ms"]
+    return host.rescaled([(h, g) for h, g in p["phases_ms"]], scale)
+
+
+def _launch_us(readings: int = 1) -> float:
+    """This host's launch time, µs (``plan --calibrate``'s: ``host.launch_seconds`` on the GPU), the
+    median of ``readings`` (one host read 7.6–10.7 µs within minutes: bench/RESULTS.md session 15)."""
+    import torch
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    return 1e6 * statistics.median(host.launch_seconds(dev) for _ in range(readings))
+
+
 def run(args) -> None:
     start = time.time()
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    launch = _launch_us(LAUNCH_READINGS)
+    scale = launch * 1e-6 / host.REFERENCE_LAUNCH_S
+    print(f"host: a launch {launch:.2f} µs, host_scale {scale:.3f}", flush=True)
     with open(PREDICTIONS) as fh:
         pred = json.load(fh)
     names = args.cases or list(CASES)
@@ -193,6 +240,7 @@ def run(args) -> None:
                 print(f"{name}: skipped, {left:.0f} s of the deadline left", flush=True)
                 continue
             t0 = time.time()
+            launch_case = _launch_us()
             proc, run_dir = _pretrain(name, CASES[name], args.out, args.iters)
             try:
                 code = proc.wait(timeout=left)
@@ -206,16 +254,24 @@ def run(args) -> None:
                 continue
             p = pred[name]
             step, peak = statistics.median(r["iter_ms"] for r in rows), max(peaks) if peaks else None  # None on CPU
+            used = scale if args.calibrate_host else 1.0
+            predicted = calibrated_ms(p, used)
             rec = {"date": args.date, "bench": "plan_accuracy", "gpu": "1x H200", "case": name, "flags": p["flags"],
                    "predicted_peak_gib": p["peak_gib"], "measured_peak_gib": peak,
-                   "peak_error": round(p["peak_gib"] / peak - 1, 4) if peak else None, "predicted_step_ms": p["step_ms"],
-                   "measured_step_ms": round(step, 2), "step_error": round(p["step_ms"] / step - 1, 4),
+                   "peak_error": round(p["peak_gib"] / peak - 1, 4) if peak else None,
+                   "predicted_step_ms": round(predicted, 2), "measured_step_ms": round(step, 2),
+                   "step_error": round(predicted / step - 1, 4), "host_scale": round(used, 4),
+                   "host_scale_measured": round(scale, 4),
+                   "predicted_step_ms_calibrated": round(calibrated_ms(p, scale), 2),
+                   "launch_us": round(launch, 3), "launch_us_case": round(launch_case, 3),
+                   "predicted_step_ms_preset": p["step_ms"], "step_error_preset": round(p["step_ms"] / step - 1, 4),
                    "iters": args.iters, "warmup": args.warmup, "wall_s": round(time.time() - t0, 1),
-                   "tokens_per_s": rows[-1].get("tokens_per_sec"), "mfu": rows[-1].get("mfu")}
+                   "tokens_per_s": rows[-1].get("tokens_per_sec"), "mfu": rows[-1].get("mfu"),
+                   "iter_ms_all": [r["iter_ms"] for r in records(run_dir)]}
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
             print(json.dumps(rec), flush=True)
-    print(f"done at {time.time() - start:.0f} s", flush=True)
+    print(f"done at {time.time() - start:.0f} s; host: a launch {_launch_us():.2f} µs at the end", flush=True)
 
 
 def table(rows: list) -> str:
@@ -234,14 +290,16 @@ def table(rows: list) -> str:
 
 
 def repredicted(rows: list) -> list:
-    """The rows with the current planner's predictions in place of the committed ones: after a model
-    change these are in-sample figures, never a substitute for predictions committed before a run."""
+    """The rows with the current planner's predictions in place of the committed ones (at the row's
+    ``host_scale`` where it has one, else the preset's): after a model change these are in-sample
+    figures, never a substitute for predictions committed before a run."""
     out = []
     for r in rows:
         p = predict(r["flags"].split() + COMMON, 1)
-        out.append(dict(r, predicted_peak_gib=p["peak_gib"], predicted_step_ms=p["step_ms"],
+        step = 1e3 * host.rescaled(p["time"]["phases"], r.get("host_scale", 1.0))
+        out.append(dict(r, predicted_peak_gib=p["peak_gib"], predicted_step_ms=step,
                         peak_error=p["peak_gib"] / r["measured_peak_gib"] - 1,
-                        step_error=p["step_ms"] / r["measured_step_ms"] - 1))
+                        step_error=step / r["measured_step_ms"] - 1))
     return out
 
 
@@ -270,6 +328,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--deadline-s", type=float, default=300.0)
     ap.add_argument("--warm-budget-s", type=float, default=150.0)
+    ap.add_argument("--calibrate-host", action="store_true",
+                    help="compare each run at the host_scale measured at the call's start, not the preset's 1")
     args = ap.parse_args()
     if args.action == "predict":
         found = predictions(args.date)

@@ -79,8 +79,10 @@ def test_deferred_follows_the_trainer():
 
 
 def test_recomputed_layer_runs_its_own_forward_again():
-    """Full recompute adds, in the backward only, the layer's own forward host time and the
-    checkpoint's wrapper: a Llama layer the probe's RECOMPUTE_LAYER_S, an MoE layer its MoE terms too."""
+    """Full recompute adds the layer's own forward host time and the checkpoint's wrapper in the
+    backward: a Llama layer the probe's RECOMPUTE_LAYER_S (its forward unchanged), an MoE layer its MoE
+    terms too and the probe's extra MoE costs, RECOMPUTE_MOE_FORWARD_S in the forward and
+    RECOMPUTE_MOE_BACKWARD_S in the backward."""
     llama = cfg_of("--model", "llama-1b", "--vocab-size", "32000", "--seq-length", "256",
                    "--max-position-embeddings", "256")
     f0, b0 = host.microbatch_seconds(llama, [False] * 3, [False] * 3, 0, 0)
@@ -91,7 +93,9 @@ def test_recomputed_layer_runs_its_own_forward_again():
     f1, b1 = host.microbatch_seconds(moe, [True], [False], 16, 1)
     layer = host.LAYER_S + host.LAYER_PARAM_S * host.layer_tensors(moe, True, 0) + host.MOE_LAYER_S \
         + host.MOE_EXPERT_S * 16
-    assert f1 == f0 and b1 - b0 == pytest.approx(host.FORWARD_SHARE * layer + host.RECOMPUTE_WRAPPER_S, rel=1e-12)
+    assert f1 - f0 == pytest.approx(host.RECOMPUTE_MOE_FORWARD_S, rel=1e-12)
+    assert b1 - b0 == pytest.approx(host.FORWARD_SHARE * layer + host.RECOMPUTE_WRAPPER_S
+                                    + host.RECOMPUTE_MOE_BACKWARD_S, rel=1e-12)
     assert b1 - b0 > host.RECOMPUTE_LAYER_S + 1e-3
 
 
@@ -103,7 +107,7 @@ MOE_ARGS = ("--model", "mixtral-small", "--vocab-size", "32000", "--seq-length",
 def test_host_term_in_step_time():
     """A few-token MoE step is host-bound (total = the host's seconds, more than the GPU's); a large
     dense step is GPU-bound (no idle); the host's seconds follow host.py's constants; host_scale
-    scales them."""
+    scales them, and so does ``host.rescaled`` of the step's phases."""
     moe = cfg_of(*MOE_ARGS)
     lay = Layout(micro_batch=1)
     t = step_time(moe, lay, H200, 32000, gpus_per_node=1, params_per_rank=10 ** 9)
@@ -121,6 +125,9 @@ def test_host_term_in_step_time():
     slow = step_time(moe, lay, dataclasses.replace(H200, host_scale=2.0), 32000, gpus_per_node=1,
                      params_per_rank=10 ** 9)
     assert slow.host == pytest.approx(2 * t.host, rel=1e-9)
+    assert host.rescaled(t.phases, 1.0) == pytest.approx(t.total, rel=1e-12)
+    assert host.rescaled(t.phases, 2.0) == pytest.approx(slow.total, rel=1e-12)
+    assert host.rescaled(t.phases, 1e-6) < t.total  # a fast host: the GPU's time, not the host's
     # the synchronous loop reads the norm after the host's last launch: host-bound, it ends the norm's
     # GPU seconds (4 bytes a parameter: two micro-batches, so no bf16 buckets) after the host
     sync = step_time(cfg_of(*MOE_ARGS, "--skip-nan-steps"), lay, H200, 32000, gpus_per_node=1,

@@ -88,3 +88,7 @@ def test_attention_efficiency_follows_the_measured_h200_kernels():
     assert curve == sorted(curve) and curve[-1] < 1.02  # rises with the sequence, saturates
     assert attention_efficiency(h200, 16384, 64) == pytest.approx(0.786 * attention_efficiency(h200, 16384, 128),
                                                                   rel=1e-3)
+    # a head dim between tiles (GPT-2.7B's 80, GPT-760M's 96) runs as 128: its FLOPs at 128's rate × d / 128
+    for d in (80, 96):
+        assert attention_efficiency(h200, 8192, d) == pytest.approx(d / 128 * attention_efficiency(h200, 8192, 128),
+                                                                    rel=1e-12)

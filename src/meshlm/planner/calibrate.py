@@ -19,7 +19,8 @@ Measured, each as the best of a few timed repeats after a warm-up:
 - device-memory bandwidth: a copy of a large buffer (read + write bytes / time);
 - the host: one small kernel launch's host time (``host.launch_seconds``) over the H200 host's
   (``host.REFERENCE_LAUNCH_S``) as ``host_scale``, which scales the planner's host-time model
-  (on a CPU, kept from the base profile);
+  (on a CPU, kept from the base profile); a coarse measure: on one H200 host it read 7.6–11.3 µs
+  within minutes (bench/RESULTS.md, session 15), so it tells a much slower host from the H200's, not 10%;
 - with more than one CUDA device, the device-to-device copy bandwidth between GPUs 0 and 1 as the
   intra-node link (an estimate of NCCL's bus bandwidth; inter-node is kept from the base profile).
 The peak is the data-sheet figure (``flops.peak_tflops``) where the device is known,

@@ -97,6 +97,7 @@ from .moe_cp import cp_link, cp_seconds, ep_seconds, expert_rows, stacked_weight
 GEMM_HALF_DIM = 64  # a GEMM dimension of x reaches x / (x + 64) of the large-GEMM efficiency
 ATTENTION_HALF_SEQ = 1360  # attention's per-row cost, in tokens of its quadratic work (fit: attention_efficiency)
 ATTENTION_HALF_HEAD_DIM = 48  # a head dim of d reaches d / (d + this) of the large-head efficiency
+ATTENTION_HEAD_TILE = 64  # attention kernels' head-dim tile: a head dim of 80 or 96 runs as 128 (attention_efficiency)
 ATTENTION_REFERENCE = (2048, 128)  # (seq, head dim) at which GPU.attention_efficiency is given
 ELEMENTWISE_PASSES = 4  # HBM bytes moved by element-wise kernels per byte stored for backward
 OPTIMIZER_BYTES_PER_PARAM = 34
@@ -179,11 +180,17 @@ def attention_efficiency(gpu: GPU, seq: float, dim: float) -> float:
     bench/results.jsonl, head dim 128, bf16, causal, fwd + bwd: 0.61 at s 2,048 (llama-1b profile,
     2026-12-01), 0.946 at 16k and 0.964 at 32k (cp-attention rows, SDPA on cuDNN, 2026-12-02); the
     curve is within 1.1% of all three. The head-dim curve is fit to llama-1b at 16k (head dim 64,
-    plan_accuracy 2026-12-03): 0.79 of head dim 128's efficiency (fewer FLOPs a loaded K/V tile)."""
+    plan_accuracy 2026-12-03): 0.79 of head dim 128's efficiency (fewer FLOPs a loaded K/V tile).
+    A head dim that is no multiple of ``ATTENTION_HEAD_TILE`` runs as the next multiple (the fused
+    kernels' head-dim tiles; the padding's FLOPs are wasted): the curve at the padded dim × dim /
+    padded. Fit (bench/RESULTS.md, 2026-12-04 session 15) to the three GPT-2.7B runs (head dim 80,
+    under-predicted by 4–11%, the more the larger attention's share: 1.36× attention time needed,
+    1.38× given)."""
     s0, d0 = ATTENTION_HALF_SEQ, ATTENTION_HALF_HEAD_DIM
     ref_s, ref_d = ATTENTION_REFERENCE
+    padded = math.ceil(dim / ATTENTION_HEAD_TILE) * ATTENTION_HEAD_TILE
     return gpu.attention_efficiency * (seq / (seq + s0)) / (ref_s / (ref_s + s0)) \
-        * (dim / (dim + d0)) / (ref_d / (ref_d + d0))
+        * (padded / (padded + d0)) / (ref_d / (ref_d + d0)) * dim / padded
 
 
 @dataclass
@@ -196,7 +203,9 @@ class StepTime:
     fill and drain; pp_p2p: activation sends between stages; dp_comm: the whole DP reduction (dense
     gradients over DP × CP, experts' over DP × CP / EP); dp_exposed: the part of it not hidden behind
     backward; optimizer: the update and the main_grad folds; host: the host's (CPU's) seconds of the
-    step (``host``); host_idle: the GPU's wait for them, in total; total; tokens_per_s of the job; mfu
+    step (``host``); host_idle: the GPU's wait for them, in total; phases: the step's [host s, GPU s]
+    pairs in launch order (``host.step_phases``; the host's at ``gpu.host_scale``), from which
+    ``host.rescaled`` gives the step on a host of another speed; total; tokens_per_s of the job; mfu
     (model FLOPs, no recompute, over world × peak); bottleneck: the largest cost besides useful
     compute, named with its cause.
     """
@@ -213,6 +222,7 @@ class StepTime:
     optimizer: float
     host: float
     host_idle: float
+    phases: list
     total: float
     tokens_per_s: float
     mfu: float
@@ -435,8 +445,9 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     host_opt, host_book = (gpu.host_scale * x for x in _host_step(c, layout, slowest, dense, experts, bucket))
     forward = (gemm_s + attn_s + elem_s) / 3 + sum(w[k + "_forward"] for k in ("tp", "ep", "cp"))
     microbatches = [(w["host_f"], forward), (w["host_b"], per_mb - forward + fold_s)] * nmb
-    total = host.overlapped(host.step_phases(host.deferred(c), host_book, host_opt, update_s, microbatches,
-                                             bubble + p2p + dp_exposed + norm_s + STEP_OVERHEAD_S))
+    phases = host.step_phases(host.deferred(c), host_book, host_opt, update_s, microbatches,
+                              bubble + p2p + dp_exposed + norm_s + STEP_OVERHEAD_S)
+    total = host.overlapped(phases)
     host_s = host_opt + host_book + nmb * (w["host_f"] + w["host_b"])
     gb = global_batch(c, layout.world)
     model_flops = flops_per_iteration(m, gb, padded)
@@ -460,7 +471,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     name, worst = max(costs.items(), key=lambda kv: kv[1])
     return StepTime(compute=compute, recompute=nmb * recompute_s, tp_comm=nmb * tp_s, ep_comm=nmb * ep_s,
                     cp_comm=nmb * cp_s, bubble=bubble, pp_p2p=p2p, dp_comm=dp_s, dp_exposed=dp_exposed,
-                    optimizer=opt_s, host=host_s, host_idle=max(0.0, total - gpu_s), total=total, tokens_per_s=gb * s / total,
+                    optimizer=opt_s, host=host_s, host_idle=max(0.0, total - gpu_s),
+                    phases=[list(x) for x in phases], total=total, tokens_per_s=gb * s / total,
                     mfu=model_flops / (layout.world * total * gpu.peak_flops),
                     bubble_fraction=analytic_bubble_fraction(pp, nmb, vp) if pp > 1 else 0.0,
                     bottleneck=f"{name}: {100 * worst / total:.0f}% of the step")

@@ -22,6 +22,8 @@ presets; ``plan --calibrate`` measures it, ``launch_seconds``):
   with its MoE and FP8 terms) plus the checkpoint's wrapper, ``RECOMPUTE_WRAPPER_S`` = the probe's
   Llama-layer recompute ``RECOMPUTE_LAYER_S`` less that layer's forward (until session 14 every
   layer cost ``RECOMPUTE_LAYER_S``: an MoE layer's recompute was under-predicted, bench/RESULTS.md);
+  a recomputed MoE layer's checkpointed forward costs ``RECOMPUTE_MOE_FORWARD_S`` more and its
+  backward ``RECOMPUTE_MOE_BACKWARD_S`` more (session 15's probe);
 - each step: the optimizer, ``RUN_S`` per flat-AdamW run (optim/optimizer.py: a compiled kernel call
   for each run of consecutive fragments of one weight decay within a bucket: 2 a Llama layer, 4 with
   biases, 1 an MoE layer in the dense buffer, one per embedding table, plus one per bucket boundary)
@@ -64,20 +66,30 @@ from ..config import Config
 MICROBATCH_S = 1.5e-3
 LAYER_S = 1.2e-3
 LAYER_PARAM_S = 0.07e-3
-MOE_LAYER_S = 2.75e-3  # measured while the compiled MoE layer broke at its losses' attachment (one
-# graph since): high until bench/host_probe.py re-measures it on the H200
+# the MoE layer as one compiled graph: bench/host_probe.py alone on the H200, 2026-12-04 session 15 (E 8 top-2,
+# 8 layers, 256 tokens: forward + backward 35.05 ms on a host 1.18× the reference's, by the dense d16 probe of
+# the same call (44.52 ms against these constants' 37.74) → 29.71 ms here; was 2.75 ms, measured while the
+# layer broke at its losses' attachment)
+MOE_LAYER_S = 1.63e-3
 MOE_EXPERT_S = 0.043e-3
 FP8_LINEAR_S = 0.28e-3
 RECOMPUTE_LAYER_S = 1.4e-3
 FORWARD_SHARE = 0.45
 RECOMPUTE_WRAPPER_S = RECOMPUTE_LAYER_S - FORWARD_SHARE * (LAYER_S + 6 * LAYER_PARAM_S)
+# a fully recomputed MoE layer beyond that rule (the same probe, E 8 top-2 with and without full recompute, at
+# the reference): forward +1.05 ms a layer (the checkpointed forward, run without grad, is a second compiled
+# graph), backward +0.42 ms over its forward again and the wrapper; a dense layer's forward is not slower
+RECOMPUTE_MOE_FORWARD_S = 1.05e-3
+RECOMPUTE_MOE_BACKWARD_S = 0.42e-3
 RUN_S = 0.22e-3
 OPT_PARAM_S = 0.0055e-3
 STEP_S = 2.3e-3
 MOE_STATS_S = 0.14e-3
 MOE_STATS_EXPERT_S = 0.009e-3
 # launch_seconds of a host on which these constants hold: the session-13 second call's H200 host measured
-# 6.57 µs and ran that call's host-bound steps at 0.80× the constants' time (bench/RESULTS.md, in-sample)
+# 6.57 µs and ran that call's host-bound steps at 0.80× the constants' time (bench/RESULTS.md, in-sample).
+# A rough unit only: one lent host read 7.6–11.3 µs within minutes (session 15), and a scale from it moved two
+# of three host-influenced runs further from the measured step than host_scale 1 did
 REFERENCE_LAUNCH_S = 8.2e-6
 
 
@@ -97,8 +109,9 @@ def layer_tensors(cfg: Config, moe: bool, local_experts: float) -> int:
 def microbatch_seconds(cfg: Config, moe: list, fp8: list, local_experts: float, recomputed: int) -> tuple:
     """(forward, backward) host seconds of one micro-batch on a rank holding layers whose MoE and FP8
     flags are ``moe`` and ``fp8``, the first ``recomputed`` of them fully recomputed (module doc: a
-    recomputed layer's forward again and ``RECOMPUTE_WRAPPER_S``, in the backward)."""
-    total, again = MICROBATCH_S, 0.0
+    recomputed layer's forward again and ``RECOMPUTE_WRAPPER_S``, in the backward; a recomputed MoE
+    layer also ``RECOMPUTE_MOE_FORWARD_S`` in the forward and ``RECOMPUTE_MOE_BACKWARD_S`` in the backward)."""
+    total, again, first = MICROBATCH_S, 0.0, 0.0
     for n, (is_moe, is_fp8) in enumerate(zip(moe, fp8)):
         layer = LAYER_S + LAYER_PARAM_S * layer_tensors(cfg, is_moe, 0)
         if is_moe:
@@ -107,8 +120,9 @@ def microbatch_seconds(cfg: Config, moe: list, fp8: list, local_experts: float, 
             layer += FP8_LINEAR_S * 4
         total += layer
         if n < recomputed:
-            again += FORWARD_SHARE * layer + RECOMPUTE_WRAPPER_S
-    return FORWARD_SHARE * total, (1 - FORWARD_SHARE) * total + again
+            again += FORWARD_SHARE * layer + RECOMPUTE_WRAPPER_S + (RECOMPUTE_MOE_BACKWARD_S if is_moe else 0.0)
+            first += RECOMPUTE_MOE_FORWARD_S if is_moe else 0.0
+    return FORWARD_SHARE * total + first, (1 - FORWARD_SHARE) * total + again
 
 
 def flat_runs(cfg: Config, moe: list, dense_params: float, expert_params: float, bucket: float,
@@ -179,3 +193,10 @@ def overlapped(phases: list) -> float:
         host_before += h
         gpu_left -= g
     return max(end, host_before)
+
+
+def rescaled(phases: list, scale: float) -> float:
+    """Seconds of the step whose phases [(host s, GPU s)] (``StepTime.phases``) were modelled for one
+    host, on a host ``scale`` times as slow (``launch_seconds`` over the first host's): ``overlapped``
+    with every host time × ``scale``; the same as the planner with ``GPU.host_scale`` × ``scale``."""
+    return overlapped([(scale * h, g) for h, g in phases])
