@@ -2,10 +2,7 @@
 # The host-time probe's device call (issue 29, 2026-12-04): bench/host_probe.py on few-token configs of every
 # layer kind (warm in parallel, one of each compiled graph, then measured in two streams), one MoE case at its real shape with and without
 # --manual-gc, and a per-kernel profile of an FP8 step at 4,096 tokens. Output under $OUT.
-C="--mock-data --bf16 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 2 --log-interval 1 --eval-interval 100000 --eval-iters 0"
-T="--seq-length 256 --max-position-embeddings 256 --micro-batch-size 1"
-D="--model llama-1b --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 4096 --vocab-size 8192 $T"
-M="--model mixtral-small --vocab-size 8192 --num-layers 8 --moe-ffn-hidden-size 896 $T"
+source "$(dirname "$0")/host_probe_shapes.sh"  # C, T, D, M
 R="--model mixtral-small --num-layers 8 --vocab-size 32000 --seq-length 4096 --max-position-embeddings 4096 --num-experts 16 --moe-router-topk 1 --moe-ffn-hidden-size 3584 --micro-batch-size 2 --global-batch-size 2"
 F="--model gpt3-2.7b --num-layers 8 --vocab-size 50304 --seq-length 4096 --max-position-embeddings 4096 --attention-dropout 0 --hidden-dropout 0 --micro-batch-size 1 --global-batch-size 1 --fp8-format hybrid --fp8-recipe tensorwise"
 declare -A P=(

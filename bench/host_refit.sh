@@ -4,10 +4,7 @@
 # E 8 top-2, with full and with selective recompute — and the dense reference d16;
 # meanwhile nothing else runs. Then the committed cases not yet measured (plan_accuracy.py run, warmed
 # with the probes), and a per-kernel profile of the 2,048-wide FP8 step. Output under $OUT.
-C="--mock-data --bf16 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 2 --log-interval 1 --eval-interval 100000 --eval-iters 0"
-T="--seq-length 256 --max-position-embeddings 256 --micro-batch-size 1"
-D="--model llama-1b --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 4096 --vocab-size 8192 $T"
-M="--model mixtral-small --vocab-size 8192 --num-layers 8 --moe-ffn-hidden-size 896 $T"
+source "$(dirname "$0")/host_probe_shapes.sh"  # C, T, D, M
 FULL="--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 declare -A P=(
  [d16]="$D --global-batch-size 1"
