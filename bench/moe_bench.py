@@ -20,7 +20,8 @@ attention, logits; ×3 for backward) for both sides, so TFLOP/s and MFU compare 
 MFU against the dense bf16 peak of ``flops.PEAK_TFLOPS`` (n/a on CPU). meshlm's row also keeps
 the routing figures of its last logged iteration (tokens per expert imbalance, aux loss).
 One JSON row goes to --results ("bench": "moe", the learned case's figures at top level, every
-case under "cases"); the markdown table to stdout and <out>/moe_bench.md.
+case under "cases", with each case's iteration times, routing imbalance and the GPU's SM clock and
+power while it ran: bench/gpu_clocks.py); the markdown table to stdout and <out>/moe_bench.md.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import sys
 import time
 
 from bench import COMMON, run_baseline
+from gpu_clocks import Sampler
 
 SHAPES = {  # preset, flags, baseline shape (the preset's numbers), micro-batch, iterations, warm-up
     "full": ("mixtral-small", ["--vocab-size", "32000", "--seq-length", "2048", "--max-position-embeddings", "2048"],
@@ -69,7 +71,8 @@ def run_meshlm(preset: str, flags: list, micro: int, out: str, iters: int, warmu
            "--micro-batch-size", str(micro), "--global-batch-size", str(micro), "--train-iters", str(iters),
            "--nproc-per-node", "1", "--run-dir", run_dir]
     t0 = time.time()
-    proc = subprocess.run(cmd, env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"), capture_output=True, text=True)
+    with Sampler() as clocks:
+        proc = subprocess.run(cmd, env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"), capture_output=True, text=True)
     with open(os.path.join(out, f"meshlm-{name}.log"), "w") as fh:
         fh.write(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
     if proc.returncode != 0:
@@ -85,6 +88,7 @@ def run_meshlm(preset: str, flags: list, micro: int, out: str, iters: int, warmu
             "imbalance": (rows[-1].get("moe_tokens_per_expert") or {}).get("imbalance"),
             "dropped": rows[-1].get("moe_dropped_fraction"),
             "aux_loss": rows[-1].get("moe_aux_loss"), "wall_s": round(time.time() - t0, 1),
+            "clocks": clocks.summary(),
             "iter_ms_all": [round(r["iter_ms"], 2) for r in rows],
             "imbalance_all": [round(x, 3) if (x := (r.get("moe_tokens_per_expert") or {}).get("imbalance")) else None
                               for r in rows]}
@@ -153,7 +157,8 @@ def main() -> None:
                          "flops_per_token": r["flops_per_token"], "mfu": mfu(r), "error": r.get("error"),
                          "peak_mem_gb": r.get("peak_mem_gb"), "imbalance": r.get("imbalance"),
                          "dropped": r.get("dropped"), "first_losses": [round(x, 4) for x in r.get("losses", [])[:5]],
-                         "iter_ms_all": r.get("iter_ms_all"), "imbalance_all": r.get("imbalance_all")}
+                         "iter_ms_all": r.get("iter_ms_all"), "imbalance_all": r.get("imbalance_all"),
+                         "clocks": r.get("clocks")}
                      for n, r in cases.items()}}
     dense = cases.get("dense")
     if dense and "error" not in dense:
