@@ -207,8 +207,9 @@ def _moment_dtype_problems(o) -> list:
     problems = []
     for flag, value in (("--exp-avg-dtype", o.exp_avg_dtype), ("--exp-avg-sq-dtype", o.exp_avg_sq_dtype)):
         if value in ("fp16", "fp8"):
+            with_flag = "" if o.use_precision_aware_optimizer else " with --use-precision-aware-optimizer"
             problems.append(f"{flag} {value}: meshlm keeps Adam moments in fp32 or bf16 ({value} needs per-tensor "
-                            f"scaling it does not do); give {flag} bf16")
+                            f"scaling it does not do); give {flag} bf16{with_flag}")
         elif value != "fp32" and not o.use_precision_aware_optimizer:
             problems.append(f"{flag} {value} needs --use-precision-aware-optimizer (as in Megatron-LM); add it or "
                             f"drop {flag}")
