@@ -16,7 +16,8 @@ Usage (from the repository root):
    step = median ``iter_ms`` after --warmup, peak = the largest ``mem_max_allocated_gb`` (torch
    max_memory_allocated).
 Cases left when fewer than ``CASE_RESERVE_S`` seconds of --deadline-s remain are skipped and said so.
-One JSON row per measured case goes to $OUT/results.jsonl as it is measured.
+One JSON row per measured case goes to $OUT/results.jsonl as it is measured, with the GPU's SM clock and
+power-cap share while it ran (bench/gpu_clocks.py: at the H200's 700 W cap a GPU-bound step runs slower).
 
 Predicted: ``runs.predict`` (``memory.estimate(...).peak_bytes``, ``cost.step_time(...).total``, the
 H200-141GB preset), the same constants for every case. Since session 15 the committed prediction also
@@ -45,6 +46,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from gpu_clocks import Sampler  # noqa: E402
 from runs import COMMON, predict, records  # noqa: E402
 
 from meshlm.planner import host  # noqa: E402
@@ -241,12 +243,13 @@ def run(args) -> None:
                 continue
             t0 = time.time()
             launch_case = _launch_us()
-            proc, run_dir = _pretrain(name, CASES[name], args.out, args.iters)
-            try:
-                code = proc.wait(timeout=left)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = "timeout"
+            with Sampler(period_ms=500) as clocks:  # the SM clock and power cap while it runs
+                proc, run_dir = _pretrain(name, CASES[name], args.out, args.iters)
+                try:
+                    code = proc.wait(timeout=left)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    code = "timeout"
             rows = records(run_dir)[args.warmup:]
             peaks = [r["mem_max_allocated_gb"] for r in rows if r.get("mem_max_allocated_gb") is not None]
             if code != 0 or not rows:
@@ -266,7 +269,7 @@ def run(args) -> None:
                    "launch_us": round(launch, 3), "launch_us_case": round(launch_case, 3),
                    "predicted_step_ms_preset": p["step_ms"], "step_error_preset": round(p["step_ms"] / step - 1, 4),
                    "iters": args.iters, "warmup": args.warmup, "wall_s": round(time.time() - t0, 1),
-                   "tokens_per_s": rows[-1].get("tokens_per_sec"), "mfu": rows[-1].get("mfu"),
+                   "tokens_per_s": rows[-1].get("tokens_per_sec"), "mfu": rows[-1].get("mfu"), "clocks": clocks.summary(),
                    "iter_ms_all": [r["iter_ms"] for r in records(run_dir)]}
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
