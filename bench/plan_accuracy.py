@@ -81,6 +81,7 @@ SEL = ["--recompute-activations"]
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 ZERO = ["--use-distributed-optimizer"]
 FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+PAO = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
 CASES = {  # name: flags, in the order they are measured; none of these shapes or sizes is in plan_check.py's tuned set
     "llama8b-w-L16-s4k-m2-full-zero": _llama("llama3-8b", 4096) + ["--num-layers", "16"] + _mb(2) + FULL + ZERO,
     "mixtral-small-s2k-m4": _llama("mixtral-small", 2048, 32000) + _mb(4),
@@ -162,6 +163,19 @@ CASES = {  # name: flags, in the order they are measured; none of these shapes o
     "llama3b-s2k-m4-zero": _llama("llama-3b", 2048) + _mb(4) + ZERO,
     "gpt1.3b-s16k-m1-full": _gpt("gpt2-1.3b", 16384) + ["--hidden-dropout", "0"] + _mb(1) + FULL,
     "gpt2.7b-s1k-m8-fp8": _gpt("gpt3-2.7b", 1024) + ["--hidden-dropout", "0"] + _mb(8) + FP8,
+    # the ninth set (2026-12-04, session 15, integrator): after the flat runs became one compiled call a step
+    # (planner/host.py FLAT_CALL_S + RUN_S a run), the experts' gradients uncopied under half_grads and bf16
+    # Adam moments (PAO); committed before any of them runs
+    "llama1b-s2k-m8-pao": _llama("llama-1b", 2048) + _mb(8) + PAO,
+    "gpt350m-s4k-m4-sel": _gpt("gpt2-350m", 4096) + ["--hidden-dropout", "0"] + _mb(4) + SEL,
+    "moe-e8-top2-f3584-s2k-m6": _moe(2048, 8, 2, 3584) + _mb(6),
+    "moe-e16-top2-f1792-s1k-m8-pao": _moe(1024, 16, 2, 1792) + _mb(8) + PAO,
+    "llama3b-s4k-m2-acc2-zero": _llama("llama-3b", 4096) + _mb(2, 2) + ZERO,
+    "gpt1.3b-s2k-m8-full": _gpt("gpt2-1.3b", 2048) + ["--hidden-dropout", "0"] + _mb(8) + FULL,
+    "llama8b-w-L4-s8k-m1-fp8": _llama("llama3-8b", 8192) + ["--num-layers", "4"] + _mb(1) + FP8,
+    "gpt760m-s4k-m4": _gpt("gpt2-760m", 4096) + ["--hidden-dropout", "0"] + _mb(4),
+    "moe-e4-top2-f2048-s8k-m1-sel": _moe(8192, 4, 2, 2048) + _mb(1) + SEL,
+    "gpt2.7b-s4k-m1-pao-zero": _gpt("gpt3-2.7b", 4096) + ["--hidden-dropout", "0"] + _mb(1) + PAO + ZERO,
 }
 
 
