@@ -88,9 +88,8 @@ from ..flops import flops_per_iteration, mlp_flops_per_token
 from ..fp8_rules import fp8_layers
 from ..parallel.schedules import analytic_bubble_fraction
 from .gpus import COLLECTIVE_LATENCY_S, GPU
-from .memory import narrowed_moment_bytes
 from .layout import NONE, Layout
-from .memory import layer_bytes
+from .memory import layer_bytes, narrowed_moment_bytes
 from . import host
 from .moe_cp import cp_link, cp_seconds, ep_seconds, expert_rows, stacked_weight_bytes
 
