@@ -115,7 +115,7 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
     """
     from .config import dump_yaml, explicit_fields, world_size_of
     from .folders import space_errors_named
-    from .validate import notes, validate
+    from .validate import host_model_problems, notes, validate
 
     cfg, embedded = _config_and_source(args)
     run_dir = cfg.logging.run_dir = cfg.logging.run_dir or _new_run_dir()
@@ -128,6 +128,9 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
         print(f"meshlm: note: {note}", flush=True)
     world = world_size_of(cfg)
     validate(cfg, world, check_files=not embedded)
+    host = host_model_problems(cfg, world, cuda=None)  # the workers start on this host
+    if host:
+        raise ConfigError(host)
     _lock(held, run_dir, "--run-dir", run_dir)
     if not cfg.checkpoint.load and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         _set_aside(run_dir, os.path.dirname(launch.worker_log_path(cfg, 0)))

@@ -236,6 +236,42 @@ def offload_host_problems(cfg: Config, world: int, available: Optional[float] = 
             f"element, and the staging buffers) but {available / GiB:.1f} GiB is available on this host: {fix}"]
 
 
+def host_model_problems(cfg: Config, world: int, cuda: Optional[bool], available: Optional[float] = None) -> list:
+    """A CPU run (cuda False; None: this machine has no CUDA) whose model state does not fit the host:
+    the largest rank's fp32 weights, grads and optimizer state (planner/memory.py ``estimate``, 16
+    bytes a parameter with Adam) × this node's ranks against ``available`` bytes (default: this
+    host's). One line naming the size and the flags that shrink or split it; [] when it fits, on
+    GPU workers, or when the available memory cannot be read. Checked by `meshlm pretrain` before
+    its workers start (not by ``validate``, whose verdict does not depend on this host). Without it,
+    --hidden-size 10**9 failed in the model's constructor with a traceback and --num-layers 10**8
+    built layers for minutes."""
+    if cuda or (cuda is None and __import__("torch").cuda.is_available()):
+        return []
+    from .host_memory import available_bytes
+    available = available_bytes() if available is None else available
+    if available is None:
+        return []
+    import copy
+
+    from .config import default_nproc
+    from .data.tokenizer import vocab_of
+    from .planner.layout import Layout
+    from .planner.memory import GiB, estimate
+    c = copy.deepcopy(cfg)
+    c.training.global_batch_size = global_batch(cfg, world)
+    layout = Layout.of(c, world)
+    mem = estimate(c, layout, vocab_of(c)[0], half=False)
+    state = mem.weights + mem.grads + mem.optimizer
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or min(world, default_nproc(cfg)))
+    if local * state <= available:
+        return []
+    return [f"the model does not fit this host's memory: a rank at {layout.describe()} holds {mem.params:,} parameters, "
+            f"{state / GiB:.1f} GiB of fp32 weights, grads and optimizer state, × {local} local rank(s) = "
+            f"{local * state / GiB:.1f} GiB, but {available / GiB:.1f} GiB is available; shrink the model "
+            f"(--num-layers, --hidden-size, --ffn-hidden-size, --vocab-size) or split it over more ranks "
+            f"(--tensor-model-parallel-size, --pipeline-model-parallel-size)"]
+
+
 def _fp8_problems(cfg: Config, cuda: Optional[bool]) -> list:
     """--fp8-* (meshlm/fp8_rules.py); on GPU workers (here, or cuda=True) every GEMM size a multiple of 16."""
     if not cfg.training.fp8_format and not any(
