@@ -102,7 +102,8 @@ def check_length(model, prompt_tokens: int, max_new_tokens: int) -> None:
         raise ConfigError(f"--prompt is {prompt_tokens} tokens, more than this model's context of {context} "
                           f"({flag}); give a prompt of at most {context} tokens")
     if prompt_tokens + max_new_tokens > context:
-        raise ConfigError(f"--max-new-tokens {max_new_tokens} and the prompt's {prompt_tokens} tokens exceed this "
+        raise ConfigError(f"--max-new-tokens {max_new_tokens} and the prompt's {prompt_tokens} "
+                          f"token{'s' if prompt_tokens != 1 else ''} exceed this "
                           f"model's context of {context} ({flag}); use --max-new-tokens "
                           f"{context - prompt_tokens} or less")
 
