@@ -533,3 +533,21 @@ def test_a_cpu_model_larger_than_the_host_is_one_line_before_any_worker(tmp_path
     assert host_model_problems(cfg, 1, cuda=False, available=1e6) == []
     assert host_model_problems(cfg, 1, cuda=False, available=1e5)[0].startswith("the model does not fit")
     assert host_model_problems(cfg, 1, cuda=True, available=1e5) == []  # a GPU run's state is on the GPU
+
+
+@pytest.mark.parametrize("action", ["inspect", "verify"])
+def test_checkpoint_commands_name_dir_not_load_for_a_bad_tracker_or_a_damaged_latest(tmp_path, capsys, action):
+    """The loading code's messages named '--load DIR' and told to 'load an earlier iteration'."""
+    import torch
+    from meshlm.checkpoint import dist as ckpt
+    root = str(tmp_path / "save")
+    ckpt.save(root, 1, {"model": {"w": torch.zeros(2)}})
+    os.remove(os.path.join(root, "iter_0000001", "__0_0.distcp"))
+    err = _refused(capsys, ["checkpoint", action, root])
+    assert err == (f"meshlm: error: {root}: checkpoint iter_0000001 is damaged or incomplete (__0_0.distcp is missing); "
+                   f"give one of its earlier iter_XXXXXXX folders, or re-save")
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("9\n")
+    err = _refused(capsys, ["checkpoint", action, root])
+    assert err.startswith(f"meshlm: error: {root}: latest_checkpointed_iteration.txt names iteration 9") and \
+        "--load" not in err

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import io
 import os
 import sys
@@ -70,9 +71,33 @@ def folder_of(path: str, latest_only: bool = False) -> str:
         inner = ckpt.save_folder_in(path)
         raise CheckpointError(f"{path}: not a checkpoint (neither {ckpt.TRACKER} nor {ckpt.MANIFEST}); "
                               + (f"{inner} is: give that" if inner else fix))
-    if latest_only and os.path.isdir(path) and ckpt.read_tracker(path) is not None:
-        return ckpt.checkpoint_dir(path, ckpt.read_tracker(path))
-    return ckpt.checkpoint_dir(path)
+    note = io.StringIO()  # its fallback note names --load: said here of DIR
+    with contextlib.redirect_stdout(note):
+        if latest_only and os.path.isdir(path) and ckpt.read_tracker(path) is not None:
+            found = ckpt.checkpoint_dir(path, ckpt.read_tracker(path))
+        else:
+            found = ckpt.checkpoint_dir(path)
+    print(as_dir_argument(note.getvalue(), path), end="", flush=True)
+    return found
+
+
+def as_dir_argument(text: str, path: str) -> str:
+    """A message of the loading code (which names --load and its fixes) said of the DIR argument
+    ``path`` of `meshlm checkpoint inspect/verify`, which have no --load."""
+    return (text.replace(f"--load {path}", path)
+            .replace("; load an earlier iteration or re-save", "; give one of its earlier iter_XXXXXXX folders, or re-save")
+            .replace("point --load at", "give"))
+
+
+def _naming_dir(run):
+    """run_inspect/run_verify with the loading code's CheckpointErrors said of DIR (as_dir_argument)."""
+    @functools.wraps(run)
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except CheckpointError as e:
+            raise CheckpointError(as_dir_argument(str(e), args.dir)) from None
+    return wrapped
 
 
 def _fail(problems: list) -> int:
@@ -93,6 +118,7 @@ def tensor_table(folder: str) -> list:
     return rows
 
 
+@_naming_dir
 def run_inspect(args: argparse.Namespace) -> int:
     """Print what the checkpoint DIR holds; exit 0, or 2 with its problems (sizes against the manifest)."""
     folder = folder_of(args.dir)
@@ -112,6 +138,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     return _fail([f"{folder}: {p}" for p in problems]) if problems else 0
 
 
+@_naming_dir
 def run_verify(args: argparse.Namespace) -> int:
     """Check DIR's checksums, tensors, and loading at --layout; exit 0, or 2 with one line per problem."""
     folder = folder_of(args.dir, latest_only=True)
