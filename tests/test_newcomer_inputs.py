@@ -533,6 +533,13 @@ def test_a_cpu_model_larger_than_the_host_is_one_line_before_any_worker(tmp_path
     assert host_model_problems(cfg, 1, cuda=False, available=1e6) == []
     assert host_model_problems(cfg, 1, cuda=False, available=1e5)[0].startswith("the model does not fit")
     assert host_model_problems(cfg, 1, cuda=True, available=1e5) == []  # a GPU run's state is on the GPU
+    # --micro-batch-size 10**9 on mock data collated samples for minutes: the logits alone bound it
+    cfg.training.micro_batch_size = cfg.training.global_batch_size = 1000  # 1000 × 16 × 112 × 4 B = 7.2 MB
+    assert host_model_problems(cfg, 1, cuda=False, available=1e7) == []
+    (line,) = host_model_problems(cfg, 1, cuda=False, available=7e6)
+    assert line.startswith("a micro-batch does not fit this host's memory: its fp32 logits alone, --micro-batch-size "
+                           "1000 × --seq-length 16 × 112 vocabulary rows × 4 bytes = 0.0 GiB") and \
+        line.endswith("lower --micro-batch-size or --seq-length")
 
 
 @pytest.mark.parametrize("action", ["inspect", "verify"])
