@@ -164,7 +164,7 @@ def test_verify_checks_checksums_tensors_and_the_trainers_load(trained, tmp_path
     rc, out, _ = _cli(capsys, "verify", str(trained), "--layout", "2,1,2")
     assert rc == 0 and "not loaded: that layout needs 4 processes" in out
     rc, _, err = _cli(capsys, "verify", str(trained), "--layout", "3,1,1")
-    assert rc == 2 and "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in err
+    assert rc == 2 and "--num-attention-heads 4 is not divisible by TP 3" in err
     bad = tmp_path / "bad"
     shutil.copytree(trained, bad)
     for name in ("__0_0.distcp", "rank_00000.json"):
@@ -175,6 +175,31 @@ def test_verify_checks_checksums_tensors_and_the_trainers_load(trained, tmp_path
     assert rc == 2 and err.splitlines() == [
         f"meshlm: error: {bad}/iter_0000002: {name} does not match its SHA-256 in checkpoint.json"
         for name in ("__0_0.distcp", "rank_00000.json")]
+
+
+def test_verify_at_a_layout_the_model_does_not_fit_names_the_layouts_it_fits(trained, capsys):
+    """The fix is another --layout: validate's own fix (e.g. 'set --ffn-hidden-size to 126 or 129')
+    would change the saved model, which verify cannot."""
+    rc, _, err = _cli(capsys, "verify", str(trained), "--layout", "3,3,1")
+    where = f"meshlm: error: {trained}/iter_0000002 at TP=3 PP=3 DP=1: "
+    assert rc == 2 and err.splitlines() == [
+        where + "--num-attention-heads 4 is not divisible by TP 3",
+        where + "--ffn-hidden-size 128 (the default MLP width from --hidden-size) is not divisible by TP 3",
+        where + "--num-layers 2 is not divisible by PP 3",
+        where + "verify keeps the flags the checkpoint was saved with, so give another --layout TP,PP,DP: it fits "
+                "TP 1, 2 or 4 (with PP=1 DP=1); PP 1 or 2 (with TP=1 DP=1); DP 1 or 2 (with TP=1 PP=1)"]
+    rc, _, err = _cli(capsys, "verify", str(trained), "--layout", "1,1,3")
+    assert rc == 2 and err.splitlines()[-1].endswith("it fits DP 1 or 2 (with TP=1 PP=1)")
+
+
+def test_verify_leaves_ep_and_moe_sequence_parallelism_to_the_resumed_run(tmp_path):
+    """--layout has no EP: an MoE model saved at EP 2 fits TP=PP=DP=1 (it said '--expert-model-parallel-size 2
+    must divide DP × CP = 1'), and at TP 2 MoE's sequence parallelism is the resumed run's to turn on."""
+    from meshlm.inspect_checkpoint import _rule_problems
+    cfg = tiny_config(str(tmp_path))
+    cfg.model.num_experts, cfg.parallel.expert_model_parallel_size = 4, 2
+    assert _rule_problems(cfg, (1, 1, 1)) == [] and _rule_problems(cfg, (2, 1, 1)) == []
+    assert cfg.parallel.expert_model_parallel_size == 2  # the saved config is left as it was
 
 
 def _resume(root, **checkpoint):

@@ -250,6 +250,24 @@ def test_the_embedded_default_fits_its_batch_to_every_gpu_count(monkeypatch, gpu
     assert (cfg.training.micro_batch_size, cfg.training.global_batch_size) == (4, 16)
 
 
+@pytest.mark.parametrize("flags, tp, pp", [([], 2, 2), (["--nproc-per-node", "1"], 1, 1),
+                                           (["--nproc-per-node", "2"], 2, 1), (["--nproc-per-node", "6"], 2, 1),
+                                           (["--nproc-per-node", "8"], 2, 2), (["--num-layers", "1"], 2, 1),
+                                           (["--num-attention-heads", "1", "--hidden-size", "64"], 1, 2)])
+def test_the_embedded_cpu_layout_gives_way_to_the_users_flags(monkeypatch, flags, tp, pp):
+    """`meshlm pretrain --nproc-per-node 1` on CPU was refused: 'world size 1 is not divisible by
+    TP×CP×PP = 2×1×2; set --nproc-per-node to a multiple of 4' (a layout the user never gave)."""
+    import torch
+    from meshlm.validate import validate
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = _embedded(*flags)
+    assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size) == (tp, pp)
+    validate(cfg, check_files=False, cuda=False)
+    cfg = _embedded("--nproc-per-node", "1", "--pipeline-model-parallel-size", "1")  # a layout flag: the user's
+    assert cfg.parallel.tensor_model_parallel_size == 2
+
+
 @pytest.mark.parametrize("extra, warmup", [([], 0), (["--lr-warmup-iters", "3"], 3)])
 def test_a_short_embedded_default_run_scales_its_warmup(extra, warmup):
     from meshlm.validate import validate

@@ -117,6 +117,29 @@ def test_train_cli_says_when_the_input_cannot_give_the_vocabulary_asked(tmp_path
     assert "note:" not in capsys.readouterr().out
 
 
+def test_the_bpe_trainer_is_asked_for_no_more_ids_than_the_text_can_give(tmp_path, monkeypatch):
+    """--vocab-size 1000000000 made the tokenizers library allocate 70 GB for its tables and abort
+    the process (a Rust OOM backtrace); the text bounds the vocabulary: 257 + one merge per byte."""
+    import tokenizers.trainers
+    asked, real = [], tokenizers.trainers.BpeTrainer
+
+    def recording(**kw):
+        asked.append(kw["vocab_size"])
+        assert kw["vocab_size"] < 10**6, "the trainer would allocate its tables for this many ids"
+        return real(**kw)
+    monkeypatch.setattr(tokenizers.trainers, "BpeTrainer", recording)
+    txt = tmp_path / "b.txt"
+    txt.write_text("plain text file, one document\n")
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    out = str(tmp_path / "tokenizer.json")
+    assert run_train(parser.parse_args(["--input", str(txt), "--vocab-size", str(10**9), "--output", out])) == 0
+    train_bpe(["ab", "abc"], 10**9, str(tmp_path / "t.json"))
+    assert asked == [257 + txt.stat().st_size, 257 + 5]
+    assert run_train(parser.parse_args(["--input", str(txt), "--vocab-size", "270", "--output", out])) == 0
+    assert asked[-1] == 270
+
+
 @pytest.mark.parametrize("content", ["", json.dumps({"text": ""}) + "\n" + json.dumps({"text": ""}) + "\n",
                                      "{broken\n" + json.dumps({"body": "text under another key"}) + "\n"])
 def test_train_cli_without_any_text_is_a_data_error_and_writes_nothing(tmp_path, content):

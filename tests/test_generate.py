@@ -75,17 +75,26 @@ def test_greedy_generation_is_the_argmax_continuation(trained, capsys):
     assert printed == [str(i) for i in ids]
 
 
-def test_a_prompt_longer_than_the_context_is_noted_not_cropped_silently(trained, capsys):
+def test_a_prompt_and_new_tokens_beyond_the_context_are_refused_naming_the_flag(trained, capsys):
+    """Megatron's rule: prompt + tokens to generate ≤ the model's positions. --max-new-tokens had no
+    upper bound (10**9 re-ran the model a billion times over a cropped window: a hang)."""
+    from meshlm.cli import main
     tmp, _ = trained
     load = os.path.join(tmp, "tp2", "ckpt")
     context = generate.load_model(load)[0].max_context
-    args = _args(load, temperature=0, max_new_tokens=2)
-    args.prompt = " ".join(["5"] * context)
-    assert generate.run(args) == 0
+    argv = ["generate", "--load", load, "--temperature", "0", "--prompt", "5 17 3"]
+    assert main(argv + ["--max-new-tokens", str(10**9)]) == 2
     err = capsys.readouterr().err
-    assert f"the prompt's {context} tokens and --max-new-tokens 2 exceed this model's context of {context}" in err
-    assert generate.run(_args(load, temperature=0, max_new_tokens=2)) == 0
-    assert "exceed" not in capsys.readouterr().err
+    assert err == (f"meshlm: error: --max-new-tokens {10**9} and the prompt's 3 tokens exceed this model's context "
+                   f"of {context} (its --seq-length, which sized its positions); use --max-new-tokens {context - 3} "
+                   f"or less\n")
+    assert main(argv + ["--max-new-tokens", str(context - 3)]) == 0  # the bound itself runs
+    assert len(capsys.readouterr().out.split()) <= context
+    long = ["generate", "--load", load, "--max-new-tokens", "0", "--prompt", " ".join(["5"] * (context + 1))]
+    assert main(long) == 2
+    assert capsys.readouterr().err == (f"meshlm: error: --prompt is {context + 1} tokens, more than this model's "
+                                       f"context of {context} (its --seq-length, which sized its positions); give "
+                                       f"a prompt of at most {context} tokens\n")
 
 
 def test_top_k_1_and_tiny_top_p_sample_the_greedy_token(trained):

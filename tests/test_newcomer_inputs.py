@@ -514,3 +514,47 @@ def test_tokenizer_files_without_a_type_are_checked_as_the_type_they_imply(tmp_p
     assert err.endswith(f"--merge-file {missing}: no such file")
     err = _refused(capsys, dry + ["--tokenizer-model", missing, "--vocab-size", "300"])
     assert err.endswith(f"--tokenizer-model {missing}: no such file")
+
+
+def test_a_cpu_model_larger_than_the_host_is_one_line_before_any_worker(tmp_path, capsys, monkeypatch):
+    """--hidden-size 10**9 on CPU failed in the model's constructor with a 'DefaultCPUAllocator: can't
+    allocate memory' traceback (and --num-layers 10**8 built layers for minutes)."""
+    from meshlm.validate import host_model_problems
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    argv = ["pretrain", "--mock-data", "--num-layers", "1", "--hidden-size", "1000000000", "--num-attention-heads", "2",
+            "--seq-length", "16", "--vocab-size", "50", "--train-iters", "2", "--run-dir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("meshlm: error: the model does not fit this host's memory: a rank "
+                                                   "at TP 1 × PP 1 × DP 1 holds 12,000,000,"), err
+    assert "shrink the model (--num-layers, --hidden-size, --ffn-hidden-size, --vocab-size)" in err
+    from test_trainer import tiny_config
+    cfg = tiny_config(str(tmp_path))  # 16 bytes a parameter with Adam: ~27k parameters, 0.4 MB
+    assert host_model_problems(cfg, 1, cuda=False, available=1e6) == []
+    assert host_model_problems(cfg, 1, cuda=False, available=1e5)[0].startswith("the model does not fit")
+    assert host_model_problems(cfg, 1, cuda=True, available=1e5) == []  # a GPU run's state is on the GPU
+    # --micro-batch-size 10**9 on mock data collated samples for minutes: the logits alone bound it
+    cfg.training.micro_batch_size = cfg.training.global_batch_size = 1000  # 1000 × 16 × 112 × 4 B = 7.2 MB
+    assert host_model_problems(cfg, 1, cuda=False, available=1e7) == []
+    (line,) = host_model_problems(cfg, 1, cuda=False, available=7e6)
+    assert line.startswith("a micro-batch does not fit this host's memory: its fp32 logits alone, --micro-batch-size "
+                           "1000 × --seq-length 16 × 112 vocabulary rows × 4 bytes = 0.0 GiB") and \
+        line.endswith("lower --micro-batch-size or --seq-length")
+
+
+@pytest.mark.parametrize("action", ["inspect", "verify"])
+def test_checkpoint_commands_name_dir_not_load_for_a_bad_tracker_or_a_damaged_latest(tmp_path, capsys, action):
+    """The loading code's messages named '--load DIR' and told to 'load an earlier iteration'."""
+    import torch
+    from meshlm.checkpoint import dist as ckpt
+    root = str(tmp_path / "save")
+    ckpt.save(root, 1, {"model": {"w": torch.zeros(2)}})
+    os.remove(os.path.join(root, "iter_0000001", "__0_0.distcp"))
+    err = _refused(capsys, ["checkpoint", action, root])
+    assert err == (f"meshlm: error: {root}: checkpoint iter_0000001 is damaged or incomplete (__0_0.distcp is missing); "
+                   f"give one of its earlier iter_XXXXXXX folders, or re-save")
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("9\n")
+    err = _refused(capsys, ["checkpoint", action, root])
+    assert err.startswith(f"meshlm: error: {root}: latest_checkpointed_iteration.txt names iteration 9") and \
+        "--load" not in err

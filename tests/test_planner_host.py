@@ -54,6 +54,23 @@ def test_overlapped_is_the_phase_by_phase_simulation():
         assert host.overlapped(phases) == pytest.approx(_simulated(phases), rel=1e-12)
 
 
+def test_repeated_micro_batches_give_the_overlap_of_every_copy():
+    """host.repeated folds the copies between the first and the last into one phase: the overlap of
+    n copies (with the step's other phases around them), in O(1) copies; a plan at
+    --global-batch-size 10**15 listed 2·10**15 phases (MemoryError)."""
+    rng = random.Random(11)
+    for _ in range(200):
+        block = [(rng.uniform(0, 3), rng.uniform(0, 3)) for _ in range(2)]
+        n = rng.randint(1, 9)
+        head, tail = [(rng.uniform(0, 3), rng.uniform(0, 3))], [(rng.uniform(0, 3), rng.uniform(0, 3))]
+        assert host.overlapped(head + host.repeated(block, n) + tail) == \
+            pytest.approx(_simulated(head + block * n + tail), rel=1e-12)
+    assert len(host.repeated(block, 10**15)) == 5
+    cfg = cfg_of("--model", "gpt2-125m", "--vocab-size", "50257", "--global-batch-size", str(10**15))
+    from meshlm.planner.search import evaluate
+    assert evaluate(cfg, Layout(dp=8, micro_batch=8), H200, 50257, 8).time.total > 0
+
+
 def test_step_phases_deferred_and_synchronous_by_hand():
     """The deferred loop: the previous update (U 4) runs under the bookkeeping (3); host-bound, the
     step is the host's 3 + 2 + 2 + 2 = 9 (the norm, GPU 1, ran while the update was launched). The

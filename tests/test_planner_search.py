@@ -1,6 +1,7 @@
 """Planner search and step-time model: GPT-3 175B on 64 H100s, 1.3B on one node, scaling 1 → 8 → 64."""
 
 import argparse
+import signal
 
 import pytest
 
@@ -92,3 +93,35 @@ def test_attention_efficiency_follows_the_measured_h200_kernels():
     for d in (80, 96):
         assert attention_efficiency(h200, 8192, d) == pytest.approx(d / 128 * attention_efficiency(h200, 8192, 128),
                                                                     rel=1e-12)
+
+
+def test_every_searched_layout_uses_exactly_the_gpus_given():
+    """bases took every power of 2 up to the world as TP: 12 GPUs listed TP 8 × DP 1 (8 GPUs),
+    excluded as a TP group crossing a node of 12 with the fix 'keep TP ≤ 12'."""
+    from meshlm.planner.search import bases, layout_problems
+    cfg = cfg_of("--model", "gpt2-125m", "--vocab-size", "50257")
+    for world in (12, 24, 64):
+        assert {lay.tp * lay.cp * lay.pp * lay.dp for lay in bases(cfg, world)} == {world}
+    assert layout_problems(cfg, Layout(tp=8, dp=3), 12)[0].endswith("keep TP a divisor of 12")
+
+
+def _too_long(*_):
+    raise TimeoutError("still searching after 10 s")
+
+
+def test_a_huge_gpu_count_is_planned_in_divisor_steps():
+    """--num-gpus 10**12 hung: PP candidates were scanned 1 … world, and a refused PP of 10**12
+    built a list of 10**12 layer counts."""
+    from meshlm.parallel.pipeline import validate_pipeline
+    from meshlm.planner.search import _divisors, bases
+    assert _divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36] and _divisors(1) == [1] and _divisors(7) == [1, 7]
+    cfg = cfg_of("--model", "gpt2-125m", "--vocab-size", "50257")
+    signal.signal(signal.SIGALRM, _too_long)
+    signal.alarm(10)  # a hang fails here
+    try:
+        assert {lay.tp * lay.pp * lay.dp for lay in bases(cfg, 10**12)} == {10**12}
+    finally:
+        signal.alarm(0)
+    cfg.parallel.pipeline_model_parallel_size = 10**12
+    assert validate_pipeline(cfg, 10**12)[0].startswith(f"--num-layers 12 is not divisible by "
+                                                       f"--pipeline-model-parallel-size {10**12}")

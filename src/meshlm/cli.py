@@ -76,6 +76,7 @@ def _fit_embedded(cfg, explicit: set, world: int | None = None) -> None:
     --train-samples it is 10 global batches of samples."""
     from .config import dp_size, global_batch, world_size_of
     t, o = cfg.training, cfg.optimizer
+    _fit_embedded_layout(cfg, explicit, world_size_of(cfg) if world is None else world)
     dp = max(1, dp_size(cfg, world_size_of(cfg) if world is None else world))
     if not explicit & _BATCH_FLAGS and t.global_batch_size % (t.micro_batch_size * dp):
         share = -(-t.global_batch_size // dp)  # a DP rank's samples a step
@@ -91,6 +92,26 @@ def _fit_embedded(cfg, explicit: set, world: int | None = None) -> None:
         o.lr_warmup_iters = 0
     else:
         o.lr_warmup_iters = max(0, min(o.lr_warmup_iters, (o.lr_decay_iters or t.train_iters) // 10))
+
+
+_LAYOUT_FLAGS = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"}
+
+
+def _fit_embedded_layout(cfg, explicit: set, world: int) -> None:
+    """The embedded CPU layout (TP=2 × PP=2) where the user's flags allow it, else PP, TP or both
+    dropped to 1, in that order (no layout flag given): --nproc-per-node 1 or 2, or --num-layers 1, were refused
+    ('world size 1 is not divisible by TP×CP×PP = 2×1×2; set --nproc-per-node to a multiple of 4'),
+    a layout the user never asked for."""
+    from .config import ffn_hidden
+    p, m = cfg.parallel, cfg.model
+    if explicit & _LAYOUT_FLAGS:
+        return
+    tp0, pp0 = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    for tp, pp in ((tp0, pp0), (tp0, 1), (1, pp0), (1, 1)):
+        if world % (tp * pp * p.context_parallel_size) == 0 and m.num_layers % pp == 0 and \
+                m.num_attention_heads % tp == 0 and ffn_hidden(m) % tp == 0:
+            p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
+            return
 
 
 def _lock(held: contextlib.ExitStack | None, folder: str, flag: str, run_dir: str) -> None:
@@ -115,7 +136,7 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
     """
     from .config import dump_yaml, explicit_fields, world_size_of
     from .folders import space_errors_named
-    from .validate import notes, validate
+    from .validate import host_model_problems, notes, validate
 
     cfg, embedded = _config_and_source(args)
     run_dir = cfg.logging.run_dir = cfg.logging.run_dir or _new_run_dir()
@@ -128,6 +149,9 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
         print(f"meshlm: note: {note}", flush=True)
     world = world_size_of(cfg)
     validate(cfg, world, check_files=not embedded)
+    host = host_model_problems(cfg, world, cuda=None)  # the workers start on this host
+    if host:
+        raise ConfigError(host)
     _lock(held, run_dir, "--run-dir", run_dir)
     if not cfg.checkpoint.load and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         _set_aside(run_dir, os.path.dirname(launch.worker_log_path(cfg, 0)))

@@ -7,7 +7,8 @@ classes. Exit status 0 when all is well; 2 with one line per problem otherwise.
 
 inspect: iteration, layout, world size, every tensor with its global shape, dtype and bytes; the
 files against the manifest's sizes. verify: every file against the manifest's SHA-256, every
-tensor read back, the layout's rules (meshlm.validate with the saved config at that layout), and
+tensor read back, the layout's rules (meshlm.validate with the saved config at that layout; one
+that breaks them is answered with the TP, PP and DP values that fit, not validate's fix), and
 — for a layout of one process — the trainer's own load (``trainer.load_checkpoint``: model,
 optimizer, scheduler, RNG) on CPU. A layout of several processes cannot be loaded in this one; the
 command says which checks it left out.
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import functools
 import io
 import os
 import sys
@@ -68,9 +71,33 @@ def folder_of(path: str, latest_only: bool = False) -> str:
         inner = ckpt.save_folder_in(path)
         raise CheckpointError(f"{path}: not a checkpoint (neither {ckpt.TRACKER} nor {ckpt.MANIFEST}); "
                               + (f"{inner} is: give that" if inner else fix))
-    if latest_only and os.path.isdir(path) and ckpt.read_tracker(path) is not None:
-        return ckpt.checkpoint_dir(path, ckpt.read_tracker(path))
-    return ckpt.checkpoint_dir(path)
+    note = io.StringIO()  # its fallback note names --load: said here of DIR
+    with contextlib.redirect_stdout(note):
+        if latest_only and os.path.isdir(path) and ckpt.read_tracker(path) is not None:
+            found = ckpt.checkpoint_dir(path, ckpt.read_tracker(path))
+        else:
+            found = ckpt.checkpoint_dir(path)
+    print(as_dir_argument(note.getvalue(), path), end="", flush=True)
+    return found
+
+
+def as_dir_argument(text: str, path: str) -> str:
+    """A message of the loading code (which names --load and its fixes) said of the DIR argument
+    ``path`` of `meshlm checkpoint inspect/verify`, which have no --load."""
+    return (text.replace(f"--load {path}", path)
+            .replace("; load an earlier iteration or re-save", "; give one of its earlier iter_XXXXXXX folders, or re-save")
+            .replace("point --load at", "give"))
+
+
+def _naming_dir(run):
+    """run_inspect/run_verify with the loading code's CheckpointErrors said of DIR (as_dir_argument)."""
+    @functools.wraps(run)
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except CheckpointError as e:
+            raise CheckpointError(as_dir_argument(str(e), args.dir)) from None
+    return wrapped
 
 
 def _fail(problems: list) -> int:
@@ -91,6 +118,7 @@ def tensor_table(folder: str) -> list:
     return rows
 
 
+@_naming_dir
 def run_inspect(args: argparse.Namespace) -> int:
     """Print what the checkpoint DIR holds; exit 0, or 2 with its problems (sizes against the manifest)."""
     folder = folder_of(args.dir)
@@ -110,6 +138,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     return _fail([f"{folder}: {p}" for p in problems]) if problems else 0
 
 
+@_naming_dir
 def run_verify(args: argparse.Namespace) -> int:
     """Check DIR's checksums, tensors, and loading at --layout; exit 0, or 2 with one line per problem."""
     folder = folder_of(args.dir, latest_only=True)
@@ -152,34 +181,91 @@ def _read_everything(folder: str, load: str) -> list:
 
 def _config_at(folder: str, layout: tuple):
     """The checkpoint's saved Config with the parallel layout set to ``layout`` (TP, PP, DP)."""
-    from .config import Config, zero_stage
-    cfg = Config.from_dict(ckpt.read_config(folder))
+    from .config import Config
+    return _at(Config.from_dict(ckpt.read_config(folder)), layout)
+
+
+def _at(saved, layout: tuple):
+    """A copy of the Config ``saved`` at ``layout`` (TP, PP, DP). What a run resumed there chooses
+    itself is set as it may: CP 1, EP 1 (--layout has no EP; experts reshard to any EP), sequence
+    parallelism where TP > 1 and it was on or MoE needs it, no hybrid optimizer instances."""
+    from .config import zero_stage
+    cfg = copy.deepcopy(saved)
     p = cfg.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = layout[0], layout[1]
-    p.context_parallel_size = 1
+    p.context_parallel_size = p.expert_model_parallel_size = 1
     if layout[1] == 1:
         p.virtual_pipeline_model_parallel_size = p.num_layers_per_virtual_pipeline_stage = None
         p.decoder_first_pipeline_num_layers = p.decoder_last_pipeline_num_layers = None
-    p.sequence_parallel = p.sequence_parallel and layout[0] > 1
+    p.sequence_parallel = (p.sequence_parallel or bool(cfg.model.num_experts)) and layout[0] > 1
     p.overlap_param_gather = p.overlap_param_gather and zero_stage(p) >= 1
     p.num_distributed_optimizer_instances, p.outer_dp_sharding_strategy = 1, "no_shard"  # any DP
     return cfg
 
 
+_NAMES = {"--tensor-model-parallel-size": "TP", "--pipeline-model-parallel-size": "PP"}
+
+
 def _layout_problems(folder: str, layout: tuple) -> list:
-    """The layout's rules (meshlm.validate, shapes only) for the saved config at ``layout``."""
-    from .validate import validate
+    """The layout's rules (meshlm.validate, shapes only) for the saved config at ``layout``: one line
+    per rule it breaks (the rule alone: validate's fix would change the saved model, which is
+    fixed here), then one line naming the --layout values that fit (``_layout_fix``)."""
+    from .config import Config
     try:
         with reading(folder):
-            cfg = _config_at(folder, layout)
-        cfg.checkpoint.save = cfg.checkpoint.load = cfg.checkpoint.save_interval = None
-        cfg.logging.run_dir = cfg.logging.log_dir = cfg.logging.tensorboard_dir = None
-        validate(cfg, world=layout[0] * layout[1] * layout[2], check_files=False, cuda=False)
-    except ConfigError as e:
-        return [f"{folder} at TP={layout[0]} PP={layout[1]} DP={layout[2]}: {p}" for p in e.problems]
+            saved = Config.from_dict(ckpt.read_config(folder))
+        broken = _rule_problems(saved, layout)
     except CheckpointError as e:
         return [str(e)]
+    if not broken:
+        return []
+    where = f"{folder} at TP={layout[0]} PP={layout[1]} DP={layout[2]}"
+    lines = []
+    for problem in broken:
+        rule = problem.split("; ")[0]
+        for flag, name in _NAMES.items():
+            rule = rule.replace(flag, name)
+        lines.append(f"{where}: {rule}")
+    return lines + [f"{where}: {_layout_fix(saved, layout)}"]
+
+
+def _rule_problems(saved, layout: tuple) -> list:
+    """validate's problems (shapes only, no files) for the Config ``saved`` at ``layout``."""
+    from .validate import validate
+    cfg = _at(saved, layout)
+    cfg.checkpoint.save = cfg.checkpoint.load = cfg.checkpoint.save_interval = None
+    cfg.logging.run_dir = cfg.logging.log_dir = cfg.logging.tensorboard_dir = None
+    try:
+        validate(cfg, world=layout[0] * layout[1] * layout[2], check_files=False, cuda=False)
+    except ConfigError as e:
+        return e.problems
     return []
+
+
+def _layout_fix(saved, layout: tuple, most: int = 64) -> str:
+    """The fix of a --layout the saved model does not fit: for each of TP, PP, DP, the values up to
+    ``most`` that fit with the other two as given; where none does (another one is at fault), those
+    that fit with the other two at 1."""
+    def fitting(i: int, others: tuple) -> list:
+        return [v for v in range(1, most + 1) if not _rule_problems(saved, others[:i] + (v,) + others[i + 1:])]
+
+    parts = []
+    for base in (layout, (1, 1, 1)):
+        for i, name in enumerate(("TP", "PP", "DP")):
+            values = fitting(i, base) if base[i] != 1 or base == (1, 1, 1) else []
+            if values and values != [base[i]]:
+                rest = " ".join(f"{n}={base[k]}" for k, n in enumerate(("TP", "PP", "DP")) if k != i)
+                parts.append(f"{name} {_listed(values)} (with {rest})")
+        if parts:
+            break
+    fits = "; ".join(parts) if parts else "no layout up to 64 per dimension"
+    return f"verify keeps the flags the checkpoint was saved with, so give another --layout TP,PP,DP: it fits {fits}"
+
+
+def _listed(values: list) -> str:
+    """'1, 2 or 4'."""
+    text = [str(v) for v in values]
+    return text[0] if len(text) == 1 else f"{', '.join(text[:-1])} or {text[-1]}"
 
 
 @contextlib.contextmanager

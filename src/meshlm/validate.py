@@ -255,6 +255,62 @@ def offload_host_problems(cfg: Config, world: int, available: Optional[float] = 
             f"element, and the staging buffers) but {available / GiB:.1f} GiB is available on this host: {fix}"]
 
 
+def host_model_problems(cfg: Config, world: int, cuda: Optional[bool], available: Optional[float] = None) -> list:
+    """A CPU run (cuda False; None: this machine has no CUDA) whose model state does not fit the host:
+    the largest rank's fp32 weights, grads and optimizer state (planner/memory.py ``estimate``, 16
+    bytes a parameter with Adam) × this node's ranks against ``available`` bytes (default: this
+    host's). One line naming the size and the flags that shrink or split it; [] when it fits, on
+    GPU workers, or when the available memory cannot be read. Checked by `meshlm pretrain` before
+    its workers start (not by ``validate``, whose verdict does not depend on this host). Without it,
+    --hidden-size 10**9 failed in the model's constructor with a traceback and --num-layers 10**8
+    built layers for minutes."""
+    if cuda or (cuda is None and __import__("torch").cuda.is_available()):
+        return []
+    from .host_memory import available_bytes
+    available = available_bytes() if available is None else available
+    if available is None:
+        return []
+    import copy
+
+    from .config import default_nproc
+    from .data.tokenizer import vocab_of
+    from .planner.layout import Layout
+    from .planner.memory import GiB, estimate
+    c = copy.deepcopy(cfg)
+    c.training.global_batch_size = global_batch(cfg, world)
+    layout = Layout.of(c, world)
+    mem = estimate(c, layout, vocab_of(c)[0], half=False)
+    state = mem.weights + mem.grads + mem.optimizer
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or min(world, default_nproc(cfg)))
+    if local * state <= available:
+        return _logits_problems(c, layout, vocab_of(c)[0], local, available)
+    return [f"the model does not fit this host's memory: a rank at {layout.describe()} holds {mem.params:,} parameters, "
+            f"{state / GiB:.1f} GiB of fp32 weights, grads and optimizer state, × {local} local rank(s) = "
+            f"{local * state / GiB:.1f} GiB, but {available / GiB:.1f} GiB is available; shrink the model "
+            f"(--num-layers, --hidden-size, --ffn-hidden-size, --vocab-size) or split it over more ranks "
+            f"(--tensor-model-parallel-size, --pipeline-model-parallel-size)"]
+
+
+def _logits_problems(cfg: Config, layout, vocab: int, local: int, available: float) -> list:
+    """host_model_problems' second part: the last stage's model state and one micro-batch's fp32
+    logits, [micro, seq / CP, padded vocab / TP] × 4 bytes, which the CPU loss materializes whatever
+    else a step keeps; both are less than the step needs. --micro-batch-size 10**9 on mock data
+    collated samples for minutes before failing."""
+    from .config import padded_vocab_size
+    from .planner.memory import GiB, estimate
+    mem = estimate(cfg, layout, vocab, half=False, stage=layout.pp - 1)
+    m = cfg.model
+    rows = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, layout.tp) // layout.tp
+    logits = layout.micro_batch * (m.seq_length // layout.cp) * rows * 4
+    need = local * (mem.weights + mem.grads + mem.optimizer + logits)
+    if need <= available:
+        return []
+    return [f"a micro-batch does not fit this host's memory: its fp32 logits alone, --micro-batch-size "
+            f"{layout.micro_batch} × --seq-length {m.seq_length} × {rows:,} vocabulary rows × 4 bytes = "
+            f"{logits / GiB:.1f} GiB, with the last stage's model state, × {local} local rank(s) = {need / GiB:.1f} "
+            f"GiB, but {available / GiB:.1f} GiB is available; lower --micro-batch-size or --seq-length"]
+
+
 def _fp8_problems(cfg: Config, cuda: Optional[bool]) -> list:
     """--fp8-* (meshlm/fp8_rules.py); on GPU workers (here, or cuda=True) every GEMM size a multiple of 16."""
     if not cfg.training.fp8_format and not any(

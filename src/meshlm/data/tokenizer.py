@@ -258,8 +258,9 @@ def train_bpe(source, vocab_size: int, output_path: str, json_keys=("text",),
 
     source: an iterable of texts, or a list of files (jsonl read through json_keys, other files as
     one text each; bad records are skipped and counted in ``bad``). Returns the trained tokenizer
-    as a HuggingFaceTokenizer. Raises DataError, and writes nothing, when the source holds no
-    non-empty text.
+    as a HuggingFaceTokenizer, of at most vocab_size ids (fewer when the text has no more merges;
+    the trainer is asked for no more than the text can give, ``_learnable``). Raises DataError, and
+    writes nothing, when the source holds no non-empty text.
     """
     from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
 
@@ -268,9 +269,11 @@ def train_bpe(source, vocab_size: int, output_path: str, json_keys=("text",),
         bad = BadRecords() if bad is None else bad
         where = (" ".join(str(p) for p in source) + " (every record empty, unusable or without "
                  f"--json-keys {' '.join(json_keys)})")
+        most = _learnable(sum(os.path.getsize(p) for p in source))
         source = iter_texts([str(p) for p in source], json_keys, bad)
     else:
         where = "the given texts"
+        most = _learnable(sum(len(t.encode("utf-8")) for t in source)) if isinstance(source, (list, tuple)) else None
     seen = [0]  # non-empty texts the trainer consumed
 
     def counted(texts):
@@ -281,7 +284,7 @@ def train_bpe(source, vocab_size: int, output_path: str, json_keys=("text",),
     tok = HFTok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, most or vocab_size), special_tokens=[EOD], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(counted(source), trainer=trainer)
     if not seen[0]:
@@ -291,6 +294,14 @@ def train_bpe(source, vocab_size: int, output_path: str, json_keys=("text",),
     with replacing(output_path) as tmp:
         tok.save(tmp)
     return HFTokenizer(tok, tok.token_to_id(EOD), f"HF:{os.path.basename(output_path)}:{file_digest(output_path)}")
+
+
+def _learnable(nbytes: int) -> int:
+    """The most ids BPE can learn from ``nbytes`` bytes of text (a file's size bounds its text's
+    UTF-8 bytes): the 256 byte tokens, <|endoftext|> and one merge per adjacent pair of bytes at
+    most. The trainer sizes its tables by the vocabulary asked, so asking more only costs memory
+    (--vocab-size 10**9 asked the tokenizers library for 70 GB and aborted the process)."""
+    return 257 + nbytes
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:

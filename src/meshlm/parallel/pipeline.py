@@ -49,7 +49,8 @@ def virtual_size(cfg: Config) -> int:
 
 
 def _rank_layer_counts(cfg: Config) -> tuple[list, list]:
-    """(layers per PP rank, problems)."""
+    """(layers per PP rank, problems); no counts where there are problems (a list of PP entries
+    for a refused PP of 10**12 filled the host's memory)."""
     p, num_layers = cfg.parallel, cfg.model.num_layers
     pp = p.pipeline_model_parallel_size
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
@@ -58,7 +59,7 @@ def _rank_layer_counts(cfg: Config) -> tuple[list, list]:
         if num_layers % pp:
             problems.append(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
                             f"{pp}; use a multiple of {pp} or set --decoder-first/last-pipeline-num-layers")
-        return [num_layers // pp] * pp, problems
+        return ([] if problems else [num_layers // pp] * pp), problems
     if pp == 1:
         problems.append("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
         return [num_layers], problems
@@ -69,7 +70,7 @@ def _rank_layer_counts(cfg: Config) -> tuple[list, list]:
         problems.append(f"--num-layers {num_layers} minus --decoder-first/last-pipeline-num-layers "
                         f"({first}, {last}) leaves {rest} layers for {middle} middle stage(s); "
                         f"they must split evenly")
-        return [num_layers // pp] * pp, problems
+        return [], problems
     each = rest // middle if middle else 0
     return [fixed.get(r, each) for r in range(pp)], problems
 

@@ -443,7 +443,7 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     gpu_s = nmb * per_mb + bubble + p2p + dp_exposed + opt_s + STEP_OVERHEAD_S
     host_opt, host_book = (gpu.host_scale * x for x in _host_step(c, layout, slowest, dense, experts, bucket))
     forward = (gemm_s + attn_s + elem_s) / 3 + sum(w[k + "_forward"] for k in ("tp", "ep", "cp"))
-    microbatches = [(w["host_f"], forward), (w["host_b"], per_mb - forward + fold_s)] * nmb
+    microbatches = host.repeated([(w["host_f"], forward), (w["host_b"], per_mb - forward + fold_s)], nmb)
     phases = host.step_phases(host.deferred(c), host_book, host_opt, update_s, microbatches,
                               bubble + p2p + dp_exposed + norm_s + STEP_OVERHEAD_S)
     total = host.overlapped(phases)

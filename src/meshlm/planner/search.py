@@ -1,6 +1,6 @@
 """Enumerate the layouts of a model on a cluster, keep those that fit, rank them by step time.
 
-Searched: TP ∈ powers of two, CP ∈ powers of two for a long sequence (≥ ``LONG_SEQUENCE`` tokens,
+Searched: TP ∈ powers of two dividing the world, CP ∈ powers of two dividing the rest for a long sequence (≥ ``LONG_SEQUENCE`` tokens,
 dense models: meshlm refuses MoE with CP; else 1), PP ∈ divisors of the world / (TP × CP), v ∈
 {1, 2, 4} (PP > 1), DP the rest, EP ∈ powers of two dividing both the experts and DP × CP for an MoE
 model (else 1), micro-batch ∈ powers of two dividing the global batch / DP, recompute none /
@@ -17,6 +17,7 @@ collectives over the inter-node link), or when no variant of it fits in the GPU'
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ..config import Config, moe_layer_pattern
@@ -55,13 +56,19 @@ def _powers(limit: int) -> list:
     return out
 
 
+def _divisors(n: int) -> list:
+    """Every divisor of n ≥ 1, ascending, in O(√n) steps (a scan to n hung at --num-gpus 10**12)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
 def layout_problems(cfg: Config, layout: Layout, gpus_per_node: int) -> list:
     """Why meshlm would refuse ``layout`` for cfg (validate's one-line messages), plus a TP group
     that crosses a node; empty when it can run."""
     problems = []
     if layout.tp > gpus_per_node or gpus_per_node % layout.tp:
         problems.append(f"TP group of {layout.tp} crosses a node ({gpus_per_node} GPUs per node): TP's blocking "
-                        f"per-layer collectives would run over the inter-node link; keep TP ≤ {gpus_per_node}")
+                        f"per-layer collectives would run over the inter-node link; keep TP a divisor of {gpus_per_node}")
     try:
         applied = layout.apply(cfg)
         problems += layout_rules.layout_problems(applied, layout.world)
@@ -80,16 +87,17 @@ def evaluate(cfg: Config, layout: Layout, gpu: GPU, vocab: int, gpus_per_node: i
 
 
 def bases(cfg: Config, world: int) -> list:
-    """The (TP, CP, PP, v, EP) layouts searched (module doc), DP the rest, SP on whenever TP > 1."""
+    """The (TP, CP, PP, v, EP) layouts searched (module doc), DP the rest, SP on whenever TP > 1;
+    each of exactly ``world`` GPUs (a TP that does not divide it used fewer: TP 8 × DP 1 of 12)."""
     m = cfg.model
     moe = any(moe_layer_pattern(m))
-    out = []
-    for tp in _powers(world):
-        cps = [cp for cp in _powers(world // tp) if m.seq_length % (2 * cp) == 0] \
+    out, divisors = [], _divisors(world)
+    for tp in [t for t in _powers(world) if world % t == 0]:
+        cps = [cp for cp in _powers(world // tp) if (world // tp) % cp == 0 and m.seq_length % (2 * cp) == 0] \
             if m.seq_length >= LONG_SEQUENCE and not moe else [1]
         for cp in cps:
             rest = world // (tp * cp)
-            for pp in [d for d in range(1, rest + 1) if rest % d == 0]:
+            for pp in [d for d in divisors if d <= rest and rest % d == 0]:
                 dp = rest // pp
                 eps = [e for e in _powers(dp * cp) if (dp * cp) % e == 0 and m.num_experts % e == 0] if moe else [1]
                 for vp in ([1, 2, 4] if pp > 1 else [1]):

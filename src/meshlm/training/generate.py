@@ -4,7 +4,7 @@ The model is rebuilt from the run's ``config.json`` saved beside the checkpoint,
 and its weights are assembled from every rank of the checkpoint (``checkpoint.state.
 full_model_state``): checkpoints written at any TP/PP layout load, because each TP shard was
 saved with the rows/columns of the full weight it holds and pipeline stages hold disjoint
-global layer names. Decoding re-runs the model on the whole (truncated) context for each new
+global layer names. Decoding re-runs the model on the whole context for each new
 token — no KV cache: a tool for looking at a small model's output, not a serving engine.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from typing import Optional
 
 import torch
@@ -82,15 +81,31 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model, tokenizer = load_model(args.load, device=device)
     check_prompt(tokenizer, args.prompt)
-    n = len(tokenizer.encode(args.prompt))
-    if n + args.max_new_tokens > model.max_context:
-        print(f"note: the prompt's {n} tokens and --max-new-tokens {args.max_new_tokens} exceed this model's "
-              f"context of {model.max_context} tokens; it sees only the last {model.max_context}",
-              file=sys.stderr)
     text = sample_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     print(args.prompt + text)
     return 0
+
+
+def prompt_ids(tokenizer, prompt: str) -> list:
+    """The token ids decoding starts from: the prompt's, or end-of-document alone for an empty prompt."""
+    return tokenizer.encode(prompt) or [tokenizer.eod]
+
+
+def check_length(model, prompt_tokens: int, max_new_tokens: int) -> None:
+    """ConfigError when the prompt and --max-new-tokens do not fit the model's context
+    (``model.max_context``, set by load_model), as Megatron's text generation refuses prompt +
+    tokens to generate > --max-position-embeddings: a learned-position model has no position
+    beyond it, a RoPE model was never trained past its --seq-length."""
+    context, flag = model.max_context, model.max_context_flag
+    if prompt_tokens > context:
+        raise ConfigError(f"--prompt is {prompt_tokens} tokens, more than this model's context of {context} "
+                          f"({flag}); give a prompt of at most {context} tokens")
+    if prompt_tokens + max_new_tokens > context:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens} and the prompt's {prompt_tokens} "
+                          f"token{'s' if prompt_tokens != 1 else ''} exceed this "
+                          f"model's context of {context} ({flag}); use --max-new-tokens "
+                          f"{context - prompt_tokens} or less")
 
 
 def load_model(path: str, device: Optional[torch.device] = None) -> tuple:
@@ -119,8 +134,10 @@ def load_model(path: str, device: Optional[torch.device] = None) -> tuple:
     except KeyError as e:
         raise CheckpointError(f"checkpoint {folder} has no weight {e}: was it saved from this model?") from None
     model.eval()
-    model.max_context = max_positions(cfg.model) if cfg.model.position_embedding_type != "rope" \
-        else cfg.model.seq_length
+    m = cfg.model
+    model.max_context = max_positions(m) if m.position_embedding_type != "rope" else m.seq_length
+    model.max_context_flag = "its --seq-length, under RoPE" if m.position_embedding_type == "rope" else \
+        "its --max-position-embeddings" if m.max_position_embeddings else "its --seq-length, which sized its positions"
     return model, tokenizer
 
 
@@ -129,24 +146,25 @@ def sample_text(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, temp
                 top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None) -> str:
     """Continue ``prompt`` with up to max_new_tokens tokens (stops at end-of-document); return the
     continuation only (the text that follows the decoded prompt, so ``prompt + result`` reads on). temperature 0 is greedy; top_k / top_p filter before sampling (Holtzman
-    et al. 2020 for nucleus sampling). The context is truncated to the model's training length.
+    et al. 2020 for nucleus sampling). The prompt and the new tokens must fit ``model.max_context``
+    (check_length; ConfigError otherwise).
     """
     device = next(model.parameters()).device
-    ids = tokenizer.encode(prompt) or [tokenizer.eod]
-    context = getattr(model, "max_context", len(ids) + max_new_tokens)
+    ids = prompt_ids(tokenizer, prompt)
+    check_length(model, len(ids), max_new_tokens)
     gen = torch.Generator(device=device)
     if seed is not None:
         gen.manual_seed(seed)
     new = []
     for _ in range(max_new_tokens):
-        x = torch.tensor([(ids + new)[-context:]], dtype=torch.long, device=device)
+        x = torch.tensor([ids + new], dtype=torch.long, device=device)
         logits = model(x)[0, -1, :tokenizer.vocab_size].float()  # [V], padding dropped
         nxt = int(logits.argmax()) if temperature == 0 else _sample(logits / temperature, top_k, top_p, gen)
         if nxt == tokenizer.eod:
             break
         new.append(nxt)
-    prompt_ids = tokenizer.encode(prompt)
-    return tokenizer.decode(prompt_ids + new)[len(tokenizer.decode(prompt_ids)):]
+    given = tokenizer.encode(prompt)
+    return tokenizer.decode(given + new)[len(tokenizer.decode(given)):]
 
 
 def _sample(logits: torch.Tensor, top_k: int, top_p: float, gen: torch.Generator) -> int:
