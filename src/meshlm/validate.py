@@ -219,6 +219,27 @@ def _moment_dtype_problems(o) -> list:
     return problems
 
 
+def _on_this_host(cfg: Config, world: int, available: Optional[float], half: bool):
+    """(config with its global batch, Layout, planner memory.Memory of the largest rank, this node's
+    ranks: LOCAL_WORLD_SIZE under torchrun else the workers meshlm starts, available host bytes:
+    ``available`` or this host's), or None when the available memory cannot be read."""
+    from .host_memory import available_bytes
+    available = available_bytes() if available is None else available
+    if available is None:
+        return None
+    import copy
+
+    from .config import default_nproc
+    from .data.tokenizer import vocab_of
+    from .planner.layout import Layout
+    from .planner.memory import estimate
+    c = copy.deepcopy(cfg)
+    c.training.global_batch_size = global_batch(cfg, world)
+    layout = Layout.of(c, world)
+    mem = estimate(c, layout, vocab_of(c)[0], half=half)
+    return c, layout, mem, int(os.environ.get("LOCAL_WORLD_SIZE") or min(world, default_nproc(cfg))), available
+
+
 def offload_host_problems(cfg: Config, world: int, available: Optional[float] = None) -> list:
     """--optimizer-cpu-offload: the host bytes of this node's ranks (planner/memory.py ``host_bytes``:
     the fraction's fp32 masters and moments, 12 bytes an element, plus the staging; × the local
@@ -229,21 +250,12 @@ def offload_host_problems(cfg: Config, world: int, available: Optional[float] = 
     o = cfg.optimizer
     if not o.optimizer_cpu_offload or o.optimizer_offload_fraction == 0:
         return []
-    from .host_memory import available_bytes
-    available = available_bytes() if available is None else available
-    if available is None:
+    half = bool(cfg.training.bf16 or cfg.training.fp16)
+    here = _on_this_host(cfg, world, available, half)
+    if here is None:
         return []
-    import copy
-
-    from .config import default_nproc
-    from .data.tokenizer import vocab_of
-    from .planner.layout import Layout
-    from .planner.memory import GiB, estimate, largest_offload_fraction
-    c = copy.deepcopy(cfg)
-    c.training.global_batch_size = global_batch(cfg, world)
-    half = bool(c.training.bf16 or c.training.fp16)
-    mem = estimate(c, Layout.of(c, world), vocab_of(c)[0], half=half)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or min(world, default_nproc(cfg)))
+    from .planner.memory import GiB, largest_offload_fraction
+    _, _, mem, local, available = here
     need = local * mem.host_bytes
     if need <= available:
         return []
@@ -266,22 +278,13 @@ def host_model_problems(cfg: Config, world: int, cuda: Optional[bool], available
     built layers for minutes."""
     if cuda or (cuda is None and __import__("torch").cuda.is_available()):
         return []
-    from .host_memory import available_bytes
-    available = available_bytes() if available is None else available
-    if available is None:
+    here = _on_this_host(cfg, world, available, half=False)
+    if here is None:
         return []
-    import copy
-
-    from .config import default_nproc
     from .data.tokenizer import vocab_of
-    from .planner.layout import Layout
-    from .planner.memory import GiB, estimate
-    c = copy.deepcopy(cfg)
-    c.training.global_batch_size = global_batch(cfg, world)
-    layout = Layout.of(c, world)
-    mem = estimate(c, layout, vocab_of(c)[0], half=False)
+    from .planner.memory import GiB
+    c, layout, mem, local, available = here
     state = mem.weights + mem.grads + mem.optimizer
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or min(world, default_nproc(cfg)))
     if local * state <= available:
         return _logits_problems(c, layout, vocab_of(c)[0], local, available)
     return [f"the model does not fit this host's memory: a rank at {layout.describe()} holds {mem.params:,} parameters, "
