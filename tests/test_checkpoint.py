@@ -326,8 +326,9 @@ def test_a_megatron_save_folder_outside_pretrain_is_named_with_its_conversion(tm
     (mg / "latest_checkpointed_iteration.txt").write_text("8")
     argv = [a.replace("{mg}", str(mg)).replace("{out}", str(tmp_path / "out")) for a in command]
     assert main(argv) == 2
+    named = f"--load {mg}" if "--load" in command else str(mg)  # `checkpoint inspect DIR` has no --load
     assert capsys.readouterr().err.strip() == (
-        f"meshlm: error: --load {mg} is a Megatron-LM checkpoint, not a meshlm one; convert it first: meshlm "
+        f"meshlm: error: {named} is a Megatron-LM checkpoint, not a meshlm one; convert it first: meshlm "
         f"convert --from-megatron {mg} --output CKPT_DIR, then --load CKPT_DIR")
 
 
