@@ -163,9 +163,9 @@ CASES = {  # name: flags, in the order they are measured; none of these shapes o
     "llama3b-s2k-m4-zero": _llama("llama-3b", 2048) + _mb(4) + ZERO,
     "gpt1.3b-s16k-m1-full": _gpt("gpt2-1.3b", 16384) + ["--hidden-dropout", "0"] + _mb(1) + FULL,
     "gpt2.7b-s1k-m8-fp8": _gpt("gpt3-2.7b", 1024) + ["--hidden-dropout", "0"] + _mb(8) + FP8,
-    # the ninth set (2026-12-04, session 15, integrator): after the flat runs became one compiled call a step
-    # (planner/host.py FLAT_CALL_S + RUN_S a run), the experts' gradients uncopied under half_grads and bf16
-    # Adam moments (PAO); committed before any of them runs
+    # the ninth set (2026-12-04, session 15, integrator): after the experts' gradients went uncopied under
+    # half_grads (a flat run per expert stack) and bf16 Adam moments (PAO); committed before any of them runs
+    # (first predicted on a one-call flat update that left main unmeasured, then again without it, still unrun)
     "llama1b-s2k-m8-pao": _llama("llama-1b", 2048) + _mb(8) + PAO,
     "gpt350m-s4k-m4-sel": _gpt("gpt2-350m", 4096) + ["--hidden-dropout", "0"] + _mb(4) + SEL,
     "moe-e8-top2-f3584-s2k-m6": _moe(2048, 8, 2, 3584) + _mb(6),
