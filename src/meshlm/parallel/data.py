@@ -333,10 +333,10 @@ def restore_storage(t: torch.Tensor) -> None:
         storage.resize_(t.numel() * t.element_size())
 
 
-def _stack_ids(chunk: torch.nn.Module) -> dict:
-    """{param: id of its stack} for every param of a stack of chunk's experts modules."""
-    return {q: id(stack[0]) for m in chunk.modules() if hasattr(m, "stacks")
-            for stack in m.stacks().values() for q in stack}
+def _stacks_of(chunk: torch.nn.Module) -> dict:
+    """{param: its stack} for every param of a stack of chunk's experts modules (model/moe.py
+    ``Experts.stacks``)."""
+    return {q: stack for m in chunk.modules() if hasattr(m, "stacks") for stack in m.stacks().values() for q in stack}
 
 
 def _adopt(buf: "ParamAndGradBuffer", bucket: Bucket) -> bool:
@@ -366,11 +366,7 @@ def stacks_together(chunk: torch.nn.Module, params: list) -> list:
     """params (buffer order) with each stack of chunk's experts modules (model/moe.py
     ``Experts.stacks``) whole, ascending, where its first member was (module doc); a stack with a
     member not in params stays as it was."""
-    stack_of = {}
-    for m in chunk.modules():
-        if hasattr(m, "stacks"):
-            for stack in m.stacks().values():
-                stack_of.update((q, stack) for q in stack)
+    stack_of = _stacks_of(chunk)
     present = set(params)
     out, placed = [], set()
     for q in params:
@@ -458,10 +454,11 @@ class DistributedDataParallel:
 
             # under half_grads each stack of experts is a bucket of its own, which can take the stack's
             # gradient as it comes from the grouped GEMM, uncopied (``_adopt``)
-            stack_of = _stack_ids(chunk) if self.half_grads else {}
+            stack_of = _stacks_of(chunk) if self.half_grads else {}
 
             def unit(q, block_of=block_of, stack_of=stack_of):
-                return (block_of.get(q), shared and getattr(q, "shared_embedding", False) and id(q), stack_of.get(q))
+                return (block_of.get(q), shared and getattr(q, "shared_embedding", False) and id(q),
+                        id(stack_of[q][0]) if q in stack_of else None)
 
             params = stacks_together(chunk, [q for q in chunk.parameters() if q.requires_grad][::-1])
 
