@@ -2,6 +2,7 @@
 a non-zero exit with advice when nothing fits, and GPU names matched by their words."""
 
 import json
+import signal
 
 import pytest
 import torch
@@ -31,6 +32,22 @@ def test_plan_refuses_a_nonsense_size_with_pretrains_own_words(capsys, bad):
     dry = _err_of(capsys, ["pretrain", "--mock-data", *SHAPE, *bad, "--dry-run", "--world-size", "1"])
     assert plan[0] == dry[0] == 2
     assert plan[1] == dry[1] and bad[0] in plan[1] and len(plan[1].splitlines()) == 1
+
+
+def test_plan_refuses_more_layers_than_it_can_search_in_one_line(capsys):
+    """--num-layers 10**8 searched for days: every layout's memory walks every layer."""
+    from meshlm.planner.command import MAX_LAYERS
+
+    def hung(*_):
+        raise TimeoutError("still planning 10**8 layers after 20 s")
+    signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        code, err = _err_of(capsys, ["plan", *SHAPE, "--num-layers", str(10**8), "--num-gpus", "8"])
+    finally:
+        signal.alarm(0)
+    assert code == 2 and "--num-layers 100,000,000" in err and f"{MAX_LAYERS:,} or fewer" in err
+    assert len(err.splitlines()) == 1
 
 
 def test_plan_exits_non_zero_when_no_layout_fits_and_says_what_would(capsys):

@@ -165,14 +165,14 @@ def test_skip_nan_steps_skips_the_update_and_counts_it(tmp_path):
 
 # ----------------------------------------------------------------------------- out of memory
 
-def _oom_in_the_first_step(rank, world, tmp, host=False):
+def _oom_in_the_first_step(rank, world, tmp, host=False, where="forward_backward"):
     def out_of_memory(*args, **kwargs):
         if host:  # torch's CPU allocator, word for word
             raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
                                "memory: you tried to allocate 40000000000 bytes. Error code 12 (Cannot allocate memory)")
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    trainer.forward_backward = out_of_memory  # this spawned process only
+    setattr(trainer, where, out_of_memory)  # this spawned process only: a step's, or the model's build
     try:
         trainer.pretrain(tiny_config(tmp, iters=2))
     except Exception as e:
@@ -192,6 +192,17 @@ def test_an_out_of_memory_step_is_one_training_error_with_the_planners_predictio
     assert "allocated when it failed: n/a (no CUDA device)" in facts
     fits = next(line for line in facts if line.startswith("layouts that fit (planner): "))
     assert "--micro-batch-size" in fits and " GiB)" in fits
+
+
+def test_out_of_memory_while_building_the_model_is_the_same_one_training_error(tmp_path):
+    """A model too large for the GPU ran out of memory in build_model_chunks, before the step's handler:
+    a worker traceback."""
+    kind, message, cause = run_distributed(_oom_in_the_first_step, 1, str(tmp_path), False, "build_model_chunks")[0]
+    assert (kind, cause) == ("TrainingError", "OutOfMemoryError")
+    first, *facts = message.splitlines()
+    assert first.startswith("out of memory on a ") and "Tried to allocate 2.00 GiB" in first
+    assert any(line.startswith("planner's prediction per GPU: ") for line in facts)
+    assert any(line.startswith("layouts that fit (planner): ") for line in facts)
 
 
 def test_a_cpu_run_out_of_host_memory_is_one_training_error_not_a_traceback(tmp_path):

@@ -26,6 +26,10 @@ from .layout import Layout
 
 _CATEGORIES = ("weights", "grads", "optimizer", "activations", "loss")
 NO_FIT = 3  # exit status when no layout fits (the plan and its "no_fit" advice are still printed)
+# The search walks every layer of every layout it weighs (~1 ms a layer on one core, 12 s at 10,000): a
+# deeper model is refused rather than searched for hours. The deepest published LLMs have 126 layers
+# (Llama 3.1 405B, arXiv:2407.21783, Table 3).
+MAX_LAYERS = 10_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -144,6 +148,10 @@ def run(args: argparse.Namespace, config_and_source) -> int:
         from ..errors import ConfigError
         raise ConfigError(cluster)
     cfg, _ = config_and_source(args)
+    if cfg.model.num_layers > MAX_LAYERS:
+        from ..errors import ConfigError
+        raise ConfigError(f"--num-layers {cfg.model.num_layers:,}: the planner plans at most {MAX_LAYERS:,} layers "
+                          f"(it weighs every layer of every layout); give {MAX_LAYERS:,} or fewer")
     from ..parallel.layout_rules import adjust
     adjust(cfg)  # as a launch would: no SP at TP = 1
     if args.quick and not args.calibrate:

@@ -123,36 +123,54 @@ def pretrain(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> dict:
     dtype: the params' dtype, None to pick it from the flags (see ``build``).
     Raises TrainingError on a NaN/inf loss or gradients (naming the iteration, the rank(s) where
     it arose and the last good checkpoint) unless --skip-nan-steps, CheckpointError for a bad
-    --load, ConfigError/DataError from builders.
+    --load, ConfigError/DataError from builders; TrainingError (``_out_of_memory``) when the GPU or
+    the host runs out of memory, building the model or in a step.
     Under --exit-signal-handler, --exit-signal only sets a flag (stop_signal.py) from here to the end.
     From ``build`` on, this rank's hang watchdog and heartbeat run (parallel/watchdog.py).
     """
     t = cfg.training
     with SignalFlag(t.exit_signal) if t.exit_signal_handler else contextlib.nullcontext() as stop:
-        run = build(cfg, dtype)
-        run.stop_signal = stop
-        dog = watchdog.start(run.ps, cfg.parallel.distributed_timeout_minutes, cfg.logging.heartbeat_interval,
-                             _heartbeat_log(cfg, run.ps.rank))
+        run = dog = None
         try:
+            run = build(cfg, dtype)
+            run.stop_signal = stop
+            dog = watchdog.start(run.ps, cfg.parallel.distributed_timeout_minutes, cfg.logging.heartbeat_interval,
+                                 _heartbeat_log(cfg, run.ps.rank))
             state = TrainState()
             if cfg.checkpoint.load:
                 state = load_checkpoint(run)
             _note_start(run, state)
             run.logger.begin(state.iteration)
             return train(run, state)
-        except torch.OutOfMemoryError as e:  # one message: predicted, allocated, layouts that fit
-            from ..planner.oom import explain_oom
-            raise TrainingError(explain_oom(cfg, e, world=run.ps.world_size, vocab=run.tokenizer.vocab_size)) from e
-        except RuntimeError as e:  # a CPU run out of host memory: one message too, not a traceback
-            from ..planner.oom import explain_host_oom, is_host_oom
-            if not is_host_oom(e):
+        except RuntimeError as e:  # out of memory, building the model or in a step: one message, not a traceback
+            error = _out_of_memory(cfg, e, run)
+            if error is None:
                 raise
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or C.default_nproc(cfg)
-            raise TrainingError(explain_host_oom(cfg, e, world=run.ps.world_size, local_ranks=local)) from e
+            raise error from e
         finally:
-            run.logger.close()
+            if run is not None:
+                run.logger.close()
             if dog is not None:
                 dog.stop()
+
+
+def _out_of_memory(cfg: C.Config, exc: RuntimeError, run: Optional[Run]) -> Optional[TrainingError]:
+    """The TrainingError for ``exc`` when it is an out-of-memory error (None otherwise): on a GPU
+    (torch.OutOfMemoryError) the planner's prediction, what was allocated and the layouts that fit; on
+    a CPU run (torch's CPU allocator) the host memory and the flags that shrink a step. ``run`` is None
+    when it came while building the model (then the world and vocabulary come from the process group
+    and the tokenizer flags)."""
+    from ..planner.oom import explain_host_oom, explain_oom, is_host_oom
+    if not isinstance(exc, torch.OutOfMemoryError) and not is_host_oom(exc):
+        return None
+    world = run.ps.world_size if run else (torch.distributed.get_world_size() if torch.distributed.is_initialized()
+                                           else 1)
+    if isinstance(exc, torch.OutOfMemoryError):
+        from ..data.tokenizer import vocab_of
+        vocab = run.tokenizer.vocab_size if run else vocab_of(cfg)[0]
+        return TrainingError(explain_oom(cfg, exc, world=world, vocab=vocab))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or C.default_nproc(cfg)
+    return TrainingError(explain_host_oom(cfg, exc, world=world, local_ranks=local))
 
 
 def _heartbeat_log(cfg: C.Config, rank: int) -> Optional[str]:
