@@ -106,6 +106,25 @@ def test_checkpoint_commands_name_their_argument_not_load(tmp_path, capsys, acti
         assert f"{path}: {what}" in err and "--load" not in err
 
 
+@pytest.mark.parametrize("action", ["inspect", "verify"])
+def test_checkpoint_commands_name_another_frameworks_folder_and_its_conversion(tmp_path, capsys, action):
+    """A Hugging Face folder or a Megatron-LM iteration folder was 'not a checkpoint', with no word of
+    what it is or of `meshlm convert`."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama"}')
+    (hf / "model.safetensors").write_bytes(b"")
+    megatron = tmp_path / "megatron"
+    (megatron / "iter_0000010").mkdir(parents=True)
+    (megatron / "latest_checkpointed_iteration.txt").write_text("10")
+    (megatron / "iter_0000010" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    for path, what, fix in ((hf, "a Hugging Face model folder", f"meshlm convert --from-hf {hf}"),
+                            (megatron / "iter_0000010", "a Megatron-LM checkpoint",
+                             f"meshlm convert --from-megatron {megatron} ")):
+        err = _refused(capsys, ["checkpoint", action, str(path)])
+        assert f"{path} is {what}" in err and fix in err and len(err.splitlines()) == 1
+
+
 def test_a_file_given_as_load_is_named_a_file(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("x")

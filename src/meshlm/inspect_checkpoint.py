@@ -24,6 +24,7 @@ import io
 import os
 import sys
 import tempfile
+from typing import Optional
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -58,6 +59,23 @@ def _layout(text: str) -> tuple:
     return tuple(int(p) for p in parts)
 
 
+def _foreign_kind(path: str) -> Optional[str]:
+    """What to do with DIR when it is another framework's model folder (a Hugging Face folder, a
+    Megatron-LM save folder or one of its iterations), or None."""
+    from .checkpoint.hf_config import is_hf_folder
+    from .checkpoint.megatron import is_megatron_folder
+    if is_hf_folder(path):
+        return (f"{path} is a Hugging Face model folder (config.json + safetensors), not a meshlm checkpoint; "
+                f"`meshlm convert --from-hf {path} --save CKPT_DIR` makes one (or give it to `meshlm pretrain "
+                f"--load` to fine-tune it)")
+    parent = os.path.dirname(os.path.normpath(path))
+    save = path if is_megatron_folder(path) else parent if is_megatron_folder(parent) else None
+    if save is None:
+        return None
+    return (f"{path} is a Megatron-LM checkpoint, not a meshlm one; `meshlm convert --from-megatron {save} "
+            f"--output CKPT_DIR` makes one")
+
+
 def folder_of(path: str, latest_only: bool = False) -> str:
     """The checkpoint folder DIR means: DIR itself when it holds a manifest, else the --save
     folder's checkpoint a load would take (``latest_only``: the tracker's, with no fallback).
@@ -67,6 +85,9 @@ def folder_of(path: str, latest_only: bool = False) -> str:
     fix = "give a run's --save folder or one of its iter_XXXXXXX folders"
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: {'a file, not a folder' if os.path.exists(path) else 'no such folder'}; {fix}")
+    foreign = _foreign_kind(path)
+    if foreign:
+        raise CheckpointError(foreign)
     if not os.path.isfile(os.path.join(path, ckpt.TRACKER)):
         inner = ckpt.save_folder_in(path)
         raise CheckpointError(f"{path}: not a checkpoint (neither {ckpt.TRACKER} nor {ckpt.MANIFEST}); "
