@@ -4,7 +4,7 @@ norm the optimizer runs now against one reduction a bucket and one compiled call
 Usage (lent H200, repository root):
     python bench/grad_norm_probe.py
 The buckets under ``config.half_grads`` (bf16): per layer the experts' two stacks, fc1 [8, 7,168, 1,024]
-and fc2 [8, 1,024, 3,584], each its own bucket (parallel/data.py ``_adopt``), and the dense 115 M
+and fc2 [8, 1,024, 3,584], each its own bucket (parallel/grad_buffer.py ``adopt``), and the dense 115 M
 parameters in buckets of 40 M: 35 tensors, 1.53 B elements, 3.06 GB. Each way sums the squares in
 fp32 and returns the norm as a device scalar (no host sync), as ``Optimizer._norm_tensor`` does;
 median of 30 CUDA-event timings after 5 warm-ups (``grouped_gemm_probe.timed``); GB/s = bytes read /

@@ -1,6 +1,6 @@
 """On the CUDA fast path with one backward a step (config.half_grads), each stack of experts' bf16
-gradient bucket is the grouped GEMM's weight gradient itself, not a copy of it (parallel/data.py
-``_adopt``), through the compiled MoE layer and the trainer's step."""
+gradient bucket is the grouped GEMM's weight gradient itself, not a copy of it (parallel/grad_buffer.py
+``adopt``), through the compiled MoE layer and the trainer's step."""
 
 import pytest
 import torch

@@ -166,7 +166,7 @@ def test_launch_seconds_is_a_positive_time_per_launch():
 
 def test_one_backward_steps_fold_no_expert_gradient_and_run_the_optimizer_per_stack():
     """Under config.half_grads (one micro-batch, bf16, one GPU) the routed experts' buckets take the
-    grouped GEMMs' weight gradients uncopied (parallel/data.py ``_adopt``): the optimizer's GPU
+    grouped GEMMs' weight gradients uncopied (parallel/grad_buffer.py ``adopt``): the optimizer's GPU
     seconds lose the experts' fold, 4 bytes a parameter, and each stack of experts is a flat run of
     its own (2 an MoE layer). With two micro-batches (fp32 buckets) the experts fold as before."""
     one = cfg_of(*MOE_ARGS, "--global-batch-size", "1", "--bf16")

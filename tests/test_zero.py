@@ -368,7 +368,7 @@ def _memory(rank, world, stages):
     """For each (stage, keep: --torch-fsdp2-no-reshard-after-forward): the bytes held when the
     optimizer step starts (after one step's backward and reduction), the most gathered during that
     step (ZeRO-3), its formula, and the most seen whole by any block's forward."""
-    from meshlm.parallel.data import blocks
+    from meshlm.parallel.grad_buffer import blocks
     from meshlm.training import trainer
     out = []
     for zero, keep in stages:

@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import watchdog
-from ..parallel.data import all_gather_flat, blocks
+from ..parallel.data import all_gather_flat
+from ..parallel.grad_buffer import blocks
 from .optimizer import MixedPrecisionOptimizer
 from .fp8_gather import Fp8Gather
 from .param_gather import ParamGather

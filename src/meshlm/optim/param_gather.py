@@ -3,7 +3,7 @@
 parameters (``Bucket.param_shard``, parallel/data.py); the whole bucket exists only while a
 *block* that reads it runs.
 
-The blocks are those of ZeRO-1's overlapped gather (``parallel.data.blocks``: the embedding,
+The blocks are those of ZeRO-1's overlapped gather (``parallel.grad_buffer.blocks``: the embedding,
 each transformer layer, the final norm, the output layer), and under ZeRO-3 no bucket spans two
 of them, so a block gathers whole buckets of its own (plus the tied word embedding for the output
 layer on one stage). Per block k of a chunk, with one pipeline stage:
@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel import comm, watchdog
-from ..parallel.data import block_params, blocks, restore_storage
+from ..parallel.grad_buffer import block_params, blocks, restore_storage
 
 FREED, PENDING, WHOLE = "freed", "pending", "whole"
 

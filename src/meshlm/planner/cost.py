@@ -401,7 +401,7 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     halved = half and half_grads(c, layout.world)
     saved_fold, saved_update, saved_norm = HALF_GRADS_SAVED_BYTES if halved else (0, 0, 0)
     # under half_grads a stack of experts' bucket is its grouped GEMM's weight gradient, uncopied
-    # (parallel/data.py ``_adopt``; not counted for FP8 experts)
+    # (parallel/grad_buffer.py ``adopt``; not counted for FP8 experts)
     folded = params_per_rank - (expert_params_per_rank if halved and not any(fp8_layers(c.training, m.num_layers))
                                 else 0)
     fold_s = (FOLD_BYTES_PER_PARAM - saved_fold) * folded / gpu.hbm_bytes_per_s
