@@ -29,7 +29,9 @@ host_scale = it over ``host.REFERENCE_LAUNCH_S``) and records each run's predict
 preset's host_scale 1. The row's ``predicted_step_ms`` (the one compared, ``host_scale`` in the row) is
 the preset's, or with --calibrate-host the measured scale's: session 15 compared at the measured scale
 and found the launch timing too noisy to help (bench/RESULTS.md: 7.7–11.3 µs on one host within four
-minutes; 2 of 3 host-influenced runs further off than at the preset), so the preset is the default. ``margin`` reads every ``plan_check`` /
+minutes; 2 of 3 host-influenced runs further off than at the preset), so the preset is the default. With --probe-host the call also times a training step's host work at its
+start (``probe_scale``: the d16 host probe against the planner's host terms for it) and records each run's
+prediction at that scale beside the compared one, so that a later session can judge it. ``margin`` reads every ``plan_check`` /
 ``plan_accuracy`` row of a results file: the largest measured / predicted peak, i.e. how far below HBM a
 prediction must stay to be safe on every recorded run.
 """
@@ -55,6 +57,15 @@ WARM_GIB = 125.0   # the warm phase's concurrent runs: predicted device GiB toge
 WARM_FLAGS = ["--num-layers", "1"]  # every layer compiles to the same graph: one layer fills the caches
 CASE_RESERVE_S = 25.0
 LAUNCH_READINGS = 5  # the call's host_scale: the median of this many host.launch_seconds at its start
+# The probe's host_scale (--probe-host): bench/host_probe.py's dense reference d16 (host_probe_shapes.sh's D:
+# llama-1b layout at h 1,024, 256 tokens, where the GPU never bounds the step) measured against the
+# planner's host terms for it: the training step's own host work (Python, dynamo's guards, autograd),
+# where a launch's time follows the driver (session 15: d16 ran 1.18x the model on a host whose
+# host-bound MoE run ran 1.20x, while the launch timing read 7.6-11.3 us within minutes).
+PROBE_FLAGS = ["--model", "llama-1b", "--hidden-size", "1024", "--num-attention-heads", "16", "--ffn-hidden-size",
+               "4096", "--vocab-size", "8192", "--seq-length", "256", "--max-position-embeddings", "256",
+               "--micro-batch-size", "1", "--global-batch-size", "1"]
+PROBE_STEPS = 10
 PREDICTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plan_accuracy_predictions.json")
 
 
@@ -228,12 +239,33 @@ def _launch_us(readings: int = 1) -> float:
     return 1e6 * statistics.median(host.launch_seconds(dev) for _ in range(readings))
 
 
+def probe_scale(out: str) -> dict:
+    """{"host_scale_probe", "probe_host_ms", "probe_model_ms"}: bench/host_probe.py's median host ms of
+    the d16 step (``PROBE_FLAGS``, its own process, ``PROBE_STEPS`` steps) over the planner's host ms for
+    it at host_scale 1; {} when the probe fails (its log in ``out``/logs/host_probe.log)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, os.path.join(here, "host_probe.py"), "--label", "d16", "--steps", str(PROBE_STEPS),
+           *PROBE_FLAGS, *COMMON, "--run-dir", os.path.join(out, "runs", "host_probe")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with open(os.path.join(out, "logs", "host_probe.log"), "w") as fh:
+        fh.write(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("SUMMARY ")), None)
+    if proc.returncode != 0 or line is None:
+        return {}
+    summary = json.loads(line[len("SUMMARY "):])
+    measured, model = summary["median"]["host_ms"], sum(summary["model_ms"].values())
+    return {"host_scale_probe": round(measured / model, 4), "probe_host_ms": measured, "probe_model_ms": round(model, 2)}
+
+
 def run(args) -> None:
     start = time.time()
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     launch = _launch_us(LAUNCH_READINGS)
     scale = launch * 1e-6 / host.REFERENCE_LAUNCH_S
     print(f"host: a launch {launch:.2f} µs, host_scale {scale:.3f}", flush=True)
+    probe = probe_scale(args.out) if args.probe_host else {}
+    if args.probe_host:
+        print(f"host: the d16 probe {probe or 'failed (logs/host_probe.log)'}", flush=True)
     with open(PREDICTIONS) as fh:
         pred = json.load(fh)
     names = args.cases or list(CASES)
@@ -280,6 +312,9 @@ def run(args) -> None:
                    "step_error": round(predicted / step - 1, 4), "host_scale": round(used, 4),
                    "host_scale_measured": round(scale, 4),
                    "predicted_step_ms_calibrated": round(calibrated_ms(p, scale), 2),
+                   **({**probe, "predicted_step_ms_probe": round(calibrated_ms(p, probe["host_scale_probe"]), 2),
+                       "step_error_probe": round(calibrated_ms(p, probe["host_scale_probe"]) / step - 1, 4)}
+                      if probe else {}),
                    "launch_us": round(launch, 3), "launch_us_case": round(launch_case, 3),
                    "predicted_step_ms_preset": p["step_ms"], "step_error_preset": round(p["step_ms"] / step - 1, 4),
                    "iters": args.iters, "warmup": args.warmup, "wall_s": round(time.time() - t0, 1),
@@ -347,6 +382,9 @@ def main() -> None:
     ap.add_argument("--warm-budget-s", type=float, default=150.0)
     ap.add_argument("--calibrate-host", action="store_true",
                     help="compare each run at the host_scale measured at the call's start, not the preset's 1")
+    ap.add_argument("--probe-host", action="store_true",
+                    help="also time the d16 host probe at the call's start and record each run's prediction at "
+                         "its host_scale (predicted_step_ms_probe; the compared figure stays the preset's)")
     args = ap.parse_args()
     if args.action == "predict":
         found = predictions(args.date)
