@@ -72,8 +72,8 @@ def _foreign_kind(path: str) -> Optional[str]:
     save = path if is_megatron_folder(path) else parent if is_megatron_folder(parent) else None
     if save is None:
         return None
-    return (f"{path} is a Megatron-LM checkpoint, not a meshlm one; `meshlm convert --from-megatron {save} "
-            f"--output CKPT_DIR` makes one")
+    return (f"{path} is a Megatron-LM checkpoint, not a meshlm one; convert it first: meshlm convert "
+            f"--from-megatron {save} --output CKPT_DIR, then --load CKPT_DIR")
 
 
 def folder_of(path: str, latest_only: bool = False) -> str:
