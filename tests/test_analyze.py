@@ -292,13 +292,25 @@ def test_a_run_resumed_at_another_layout_is_analyzed_at_its_last_layout_only(tmp
 @pytest.mark.parametrize("record, config, words", [
     ({"iter_ms": "fast"}, None, "iter_ms is 'fast', not a number"),
     ({"comm_share": {"dp": "a"}}, None, "comm_share is {'dp': 'a'}, not a map of numbers"),
+    ({"iter_ms": None}, None, "iter_ms is null, not a number"),
+    ({"device": 5}, None, "device is 5, not a device name"),
+    ({"layout": "tp2"}, None, "layout is 'tp2', not a map"),
+    ({"loss_spike": "yes"}, None, "loss_spike is 'yes', not true or false"),
+    ({"tokens_per_sec": -1}, None, "tokens_per_sec is -1: a negative count or time"),
+    ({"pipeline_timeline": "x", "bubble_fraction": 0.1}, None, "pipeline_timeline is 'x', not a list of events"),
+    ({"pipeline_timeline": [1], "bubble_fraction": 0.1}, None, "pipeline_timeline event 1 is 1, not"),
+    ({"pipeline_timeline": [{"stage": 0, "mb": 0, "chunk": 0, "kind": "X", "start": 0, "end": 1}],
+      "bubble_fraction": 0.1}, None, "pipeline_timeline event 1 is"),
+    ({"layout": {"pp": 2}, "bubble_fraction": 0.1, "pipeline_timeline": [  # a report of a million rows before
+        {"stage": 10 ** 6, "mb": 0, "chunk": 0, "kind": "F", "start": 0.0, "end": 1.0}]}, None, "(stage below pp 2)"),
     ({}, "parallel: 5\n", "section 'parallel' is 5, not a mapping of its settings"),
     ({}, "model:\n", "section 'model' is None, not a mapping of its settings"),
     ({}, "parallel: {ddp_bucket_size: big}\n", "ddp-bucket-size='big' is not an integer"),
     ({}, "training: {micro_batch_size: x, global_batch_size: 8}\n", "micro-batch-size='x' is not an integer"),
 ])
 def test_a_value_of_the_wrong_kind_in_a_runs_files_is_one_line(tmp_path, capsys, command, record, config, words):
-    """analyze: a TypeError ('>=' between str and float) or AttributeError ('int' has no 'get') traceback."""
+    """analyze: a TypeError ('>=' between str and float) or AttributeError ('int' has no 'get') traceback;
+    a device, an iter_ms null or a timeline event of the wrong form a TypeError or KeyError in both."""
     (tmp_path / "logs").mkdir()
     rec = dict({"iteration": 1, "consumed_samples": 4, "iter_ms": 5.0, "lm_loss": 3.0}, **record)
     (tmp_path / "logs" / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
