@@ -183,6 +183,17 @@ def test_a_record_without_its_iteration_or_samples_is_one_line(tmp_path, capsys,
 
 
 @pytest.mark.parametrize("command", ["analyze", "report"])
+def test_another_programs_jsonl_is_named_as_such_not_as_a_run_that_has_not_logged_yet(tmp_path, capsys, command):
+    """analyze said "no training record yet; analyze a run after its first --log-interval iterations"
+    of a file no meshlm run wrote (report named it as foreign)."""
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n')
+    err = _refused(capsys, [command, str(run)])
+    assert "metrics.jsonl: not a meshlm metrics file" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["analyze", "report"])
 @pytest.mark.parametrize("text", ["a: [1,\n b: :\n", "- just\n- a list\n"])
 def test_a_damaged_config_yaml_is_one_line_naming_the_file(tmp_path, capsys, command, text):
     run = _run_dir(tmp_path, config=text)

@@ -102,13 +102,17 @@ def load_run(run_dir: str) -> tuple:
 
     Training records are the metrics.jsonl lines with "iter_ms" (not evaluation or checkpoint
     lines). The config is RUN_DIR/config.yaml, else the newest checkpoint's config.json below it.
-    Raises ConfigError for a missing or unreadable metrics.jsonl.
+    Raises ConfigError for a missing or unreadable metrics.jsonl, or one of another program's
+    records (none has an "iteration").
     """
     path = metrics_path(run_dir)
     from ..folders import read_jsonl
     from ..metrics_json import decode
-    records = [decode(rec) for rec in read_jsonl(path, ConfigError, "a meshlm metrics.jsonl")
-               if isinstance(rec, dict) and "iter_ms" in rec]
+    lines = read_jsonl(path, ConfigError, "a meshlm metrics.jsonl")
+    if lines and not any(isinstance(rec, dict) and "iteration" in rec for rec in lines):  # not "no record yet"
+        raise ConfigError(f"{path}: not a meshlm metrics file (none of its records has an \"iteration\"); give "
+                          f"a run directory or the metrics.jsonl `meshlm pretrain` wrote")
+    records = [decode(rec) for rec in lines if isinstance(rec, dict) and "iter_ms" in rec]
     bad = next((n for n, rec in enumerate(records, 1) if not isinstance(rec.get("iteration"), int)), None)
     if bad:  # analyze() orders and names iterations by it: a KeyError traceback before
         raise ConfigError(f"{path}: training record {bad} has no integer \"iteration\"; give the metrics.jsonl "
