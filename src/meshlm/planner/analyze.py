@@ -197,7 +197,7 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
                           "--log-interval iterations")
     everything, (records, left_out) = records, last_layout(records)
     steady = records[1:] if len(records) >= 3 else records
-    flags = _Flags(config)
+    flags = _Flags(config, records)
     breakdown = {}
     for kind in ("dp", "tp", "cp", "ep", "zero", "pp"):
         values = [r["comm_share"][kind] for r in steady if kind in (r.get("comm_share") or {})]
@@ -254,9 +254,11 @@ def last_layout(records: list) -> tuple:
 
 
 class _Flags:
-    """The run's settings a fix starts from (None where the config is unknown)."""
+    """The run's settings a fix starts from (None where the config is unknown). The global batch is
+    the config's, else (a run that let meshlm derive it: micro × accumulation × DP) the one the last
+    record logged, so a fix gives its number, not "×2" advice that no flag takes."""
 
-    def __init__(self, config: Optional[dict]):
+    def __init__(self, config: Optional[dict], records: tuple = ()):
         c = config or {}
         p, t, m = c.get("parallel", {}), c.get("training", {}), c.get("model", {})
         self.tp, self.pp = p.get("tensor_model_parallel_size"), p.get("pipeline_model_parallel_size")
@@ -266,7 +268,9 @@ class _Flags:
         self.zero = max(SHARDING.get(p.get("data_parallel_sharding_strategy") or "no_shard", 0),
                         1 if p.get("use_distributed_optimizer") else 0, 3 if p.get("use_torch_fsdp2") else 0)
         self.sharding, self.param_gather = p.get("data_parallel_sharding_strategy"), p.get("overlap_param_gather")
-        self.micro, self.global_batch = t.get("micro_batch_size"), t.get("global_batch_size")
+        logged = next((r["global_batch_size"] for r in reversed(records) if r.get("global_batch_size")), None)
+        self.micro = t.get("micro_batch_size")
+        self.global_batch = t.get("global_batch_size") or (int(logged) if config and logged else None)
         self.recompute = t.get("recompute_granularity") or ("selective" if t.get("recompute_activations") else None)
         self.layers = m.get("num_layers")
 
