@@ -182,6 +182,25 @@ def test_a_record_without_its_iteration_or_samples_is_one_line(tmp_path, capsys,
     assert named in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["report", "{run}", "--output", "{out}"], "--output"),
+    (["report", "{run}", "--trace", "{out}"], "--trace"),
+    (["tokenizer", "train", "--input", "{corpus}", "--vocab-size", "300", "--output", "{out}"], "--output"),
+    (["plan", "--model", "tiny", "--calibrate", "--quick", "--gpu-profile", "{out}"], "--gpu-profile")])
+def test_an_output_that_is_a_device_or_pipe_is_refused_not_replaced_by_a_file(tmp_path, capsys, argv, flag):
+    """`meshlm report RUN --output /dev/null` replaced /dev/null with a regular file (the output is
+    written beside its path and moved over it); a pipe stands in for the device here."""
+    import os
+    out = tmp_path / "pipe"
+    os.mkfifo(out)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "hello world"}\n')
+    run = _run_dir(tmp_path)
+    err = _refused(capsys, [a.format(run=run, out=out, corpus=corpus) for a in argv])
+    assert f"{out} is not a regular file (a device, pipe or socket)" in err and flag in err
+    assert len([line for line in err.splitlines() if "error" in line]) == 1 and out.is_fifo()
+
+
 @pytest.mark.parametrize("command", ["analyze", "report"])
 def test_another_programs_jsonl_is_named_as_such_not_as_a_run_that_has_not_logged_yet(tmp_path, capsys, command):
     """analyze said "no training record yet; analyze a run after its first --log-interval iterations"
