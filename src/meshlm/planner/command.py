@@ -248,8 +248,9 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     print(f"excluded ({len(excluded)}):")
     for e in excluded:
         print(f"  {e['layout']}: {e['reason']}")
-    if any(moe_layer_pattern(cfg.model)):
-        print("  CP > 1: not searched for an MoE model (meshlm does not run MoE with CP yet)")
+    if cfg.model.seq_length >= LONG_SEQUENCE and any(moe_layer_pattern(cfg.model)) and cfg.training.fp8_format:
+        print("  CP > 1: not searched for an FP8 MoE model (meshlm refuses --fp8-format with --num-experts and "
+              "--context-parallel-size > 1)")
     elif cfg.model.seq_length < LONG_SEQUENCE:
         print(f"  CP > 1: not searched below a {LONG_SEQUENCE}-token sequence (give --context-parallel-size C "
               f"to plan your own CP layout above)")
