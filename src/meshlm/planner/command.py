@@ -87,18 +87,34 @@ def plan_vocab(cfg) -> tuple:
     return vocab, f"{source} ({', '.join(absent)} not found)"
 
 
+def _run_length_check(t) -> None:
+    """ConfigError for a run length ``meshlm pretrain`` refuses (validate's rules), before the search:
+    --train-samples below one global batch (no step: the campaign divided by zero) and a
+    --rampup-batch-size ramp with --train-iters (the ramp is sample-based)."""
+    from ..errors import ConfigError
+    if t.rampup_batch_size is not None and t.train_iters is not None:
+        raise ConfigError("--rampup-batch-size needs --train-samples or --train-tokens (the ramp is sample-based, "
+                          "as in Megatron); give the run's length in samples instead of --train-iters")
+    if t.rampup_batch_size is None and t.train_samples is not None and t.train_samples < t.global_batch_size:
+        raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch ({t.global_batch_size}): "
+                          f"the run would take no step; raise --train-samples")
+
+
 def _campaign(args, cfg, cand, vocab: int, world: int) -> dict:
     """campaign.campaign of one candidate layout as JSON, or {"note"} when the flags give no run length."""
-    from .campaign import campaign, run_steps
+    from ..batches import BatchSchedule
+    from .campaign import campaign, run_length
     from .layout import Layout
     from .params import stage_params
     t, m = cfg.training, cfg.model
-    steps = run_steps(t.train_iters, t.train_samples, args.train_tokens, t.global_batch_size, m.seq_length)
-    if steps is None:
+    schedule = BatchSchedule(t.global_batch_size, 1, tuple(t.rampup_batch_size) if t.rampup_batch_size else None)
+    length = run_length(t.train_iters, t.train_samples, args.train_tokens, schedule, m.seq_length)
+    if length is None:
         return {"note": "give --train-iters, --train-samples or --train-tokens for the campaign"}
+    steps, samples = length
     params = stage_params(Layout(micro_batch=cand.layout.micro_batch).apply(cfg), vocab)[0]  # the whole model
     return campaign(steps=steps, step_s=cand.time.total, global_batch=t.global_batch_size, seq_length=m.seq_length,
-                    num_gpus=world, params=params, gpu_mtbf_hours=args.gpu_mtbf_hours,
+                    num_gpus=world, samples=samples, params=params, gpu_mtbf_hours=args.gpu_mtbf_hours,
                     write_bytes_per_s=args.ckpt_write_gbps * 1e9, restart_s=args.restart_minutes * 60,
                     async_save=cfg.checkpoint.async_save).to_json()
 
@@ -170,6 +186,7 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     per_node = min(args.gpus_per_node, world)
     vocab, source = plan_vocab(cfg)
     cfg.training.global_batch_size = global_batch(cfg, world) or cfg.training.micro_batch_size
+    _run_length_check(cfg.training)
     half = cfg.training.bf16 or cfg.training.fp16
     mine = Layout.of(cfg, world)
     warnings = lint(cfg, world, per_node, gpu, vocab)
