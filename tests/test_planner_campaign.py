@@ -91,7 +91,7 @@ def test_plan_gives_the_campaign_in_json_and_text(capsys):
 
 @pytest.mark.parametrize("flags, named", [(["--train-tokens", "1e9", "--train-iters", "5"], "give one run length"),
                                           (["--train-samples", "63"], "--train-samples 63 is less than one global "
-                                                                      "batch (64)"),  # a ZeroDivisionError
+                                                                      "batch (64)"),  # pretrain takes no step
                                           (["--train-iters", "9", "--rampup-batch-size", "32", "32", "640"],
                                            "--rampup-batch-size needs --train-samples or --train-tokens"),
                                           (["--gpu-mtbf-hours", "0"], "--gpu-mtbf-hours 0"),
