@@ -88,6 +88,10 @@ def test_calibrate_on_cpu_writes_a_profile(tmp_path, capsys):
     assert gpu.peak_flops > 0 and gpu.hbm_bytes_per_s > 0 and 0 < gpu.gemm_efficiency <= 1
     assert main(["plan", *GPT, "--num-gpus", "1", "--gpu-profile", str(path), "--json"]) == 0
     capsys.readouterr()
+    # a CPU's GFLOP/s read "GEMM 0.00 TFLOP/s" and "0 TFLOP/s bf16"; the links it kept were not named
+    assert "GEMM 0.00 TFLOP/s" not in gpu.source and "links not measured (one device: H200-141GB's)" in gpu.source
+    assert main(["plan", *GPT, "--num-gpus", "1", "--gpu-profile", str(path)]) == 0
+    assert f"{gpu.peak_flops / 1e12:.3g} TFLOP/s bf16" in capsys.readouterr().out
 
 
 

@@ -87,6 +87,12 @@ def plan_vocab(cfg) -> tuple:
     return vocab, f"{source} ({', '.join(absent)} not found)"
 
 
+def _tflops(flops: float) -> str:
+    """TFLOP/s for a line: whole above 10, else 3 significant digits (a CPU's 0.0015 printed as 0)."""
+    tf = flops / 1e12
+    return f"{tf:.0f}" if tf >= 10 else f"{tf:.3g}"
+
+
 def _run_length_check(t) -> None:
     """ConfigError for a run length ``meshlm pretrain`` refuses (validate's rules), before the search:
     --train-samples below one global batch (no step: the campaign divided by zero) and a
@@ -223,7 +229,7 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     print(f"model: {m.num_layers} layers, h {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
           f"vocabulary {vocab}; global batch {cfg.training.global_batch_size}")
     print(recommend(cfg, world, args.train_tokens).line())
-    print(f"cluster: {world} × {gpu.name} ({gpu.memory_bytes / GiB:.1f} GiB, {gpu.peak_flops / 1e12:.0f} TFLOP/s bf16), "
+    print(f"cluster: {world} × {gpu.name} ({gpu.memory_bytes / GiB:.1f} GiB, {_tflops(gpu.peak_flops)} TFLOP/s bf16), "
           f"{per_node} per node; profile: {gpu.source}")
     for w in warnings:
         print(f"warning: {w}")
