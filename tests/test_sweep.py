@@ -73,6 +73,9 @@ def test_successive_halving_keeps_the_best_half_and_runs_them_longer(tmp_path, m
     (["--lr", "1e-3,2e-3", "--", "--lr=5"], "--lr 5 after `--`: the sweep sets each trial's value from its own --lr"),
     (["--lr", "1e-3", "--hidden-size", "32,64", "--", "--hidden-size", "48"], "--hidden-size 48 after `--`"),
     (["--lr", "1e-3", "--", "--run-dir", "x"], "--run-dir x after `--`: the sweep runs each trial in its own folder"),
+    # the full run's width: the sweep ran every trial, then printed flags of a model pretrain refuses
+    (["--lr", "1e-3", "--target-hidden-size", "65", *PRETRAIN], "--target-hidden-size 65: the full run would be "
+                                                                 "refused: --hidden-size 65 is not divisible by"),
 ])
 def test_bad_sweep_input_is_one_line_before_any_trial(tmp_path, capsys, bad, words):
     """The newcomer's cases: each crashed, was silently changed, or ran every trial before failing."""

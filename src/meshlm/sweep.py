@@ -273,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
     grid = [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
     settings = {w: [({"hidden_size": w} if w else {}) | g for g in grid] for w in widths}
     _dry_run(base, settings, args.train_iters, _trial_flags(base))
+    _check_target(base, args.target_hidden_size)
     rungs = args.rungs if args.method == "halving" else 1
     final, rows = {}, []
     for rung in range(rungs):
@@ -287,6 +288,21 @@ def run(args: argparse.Namespace) -> int:
         if all(len(g) <= 1 for g in settings.values()):
             break
     return _finish(args, final, rows, base, mup, widths)
+
+
+def _check_target(base: list, target) -> None:
+    """ConfigError, before any trial, when the full run's model (the trials' flags at
+    --target-hidden-size) has a shape pretrain refuses (``validate.shape_problems``: heads not
+    dividing the width, …): the sweep ended by printing flags of a run that cannot start."""
+    if not target:
+        return
+    from .cli import _config_and_source, build_parser
+    from .validate import shape_problems
+    cfg, _ = _config_and_source(build_parser("pretrain").parse_args(["pretrain", *base, "--hidden-size", str(target)]))
+    problems = shape_problems(cfg)
+    if problems:
+        raise ConfigError(f"--target-hidden-size {target}: the full run would be refused: "
+                          f"{problems[0].removeprefix('meshlm: error: ')}")
 
 
 def _mup_flags(base: list) -> list:
