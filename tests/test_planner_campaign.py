@@ -99,3 +99,14 @@ def test_plan_gives_the_campaign_in_json_and_text(capsys):
 def test_plan_refuses_bad_campaign_flags(capsys, flags, named):
     assert main([*GPT, *flags]) == 2
     assert named in capsys.readouterr().err
+
+
+def test_plan_json_stays_valid_json_when_the_campaign_never_ends(capsys):
+    """A restart longer than the job's MTBF makes the expected wall time infinite: --json printed the
+    bare token Infinity, which jq, JavaScript and strict JSON readers refuse."""
+    assert main([*GPT, "--train-iters", "1000", "--restart-minutes", "1e9", "--json"]) == 0
+
+    def refuse(token):
+        raise ValueError(f"bare {token} in --json")
+    doc = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert doc["campaign"]["saves"]["sync"]["wall_s"] == "Infinity" and doc["campaign"]["saves"]["sync"]["goodput"] == 0

@@ -223,7 +223,8 @@ def run(args: argparse.Namespace, config_and_source) -> int:
         from .nofit import no_fit_advice
         doc["no_fit"] = no_fit_advice(cfg, world, gpu, vocab, excluded, gpus_per_node=args.gpus_per_node, half=half)
     if args.json:
-        print(json.dumps(doc))
+        from ..metrics_json import dumps
+        print(dumps(doc))  # valid JSON: an infinite campaign (no progress between failures) as "Infinity"
         return 0 if fits else NO_FIT
     m = cfg.model
     print(f"model: {m.num_layers} layers, h {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
