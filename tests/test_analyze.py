@@ -141,6 +141,27 @@ def test_loss_spikes_from_the_trainers_flag_or_a_jump_and_nans_are_warnings():
     assert nan["severity"] == "warn" and "2 iteration(s)" in nan["message"]
 
 
+def test_the_loss_fixes_start_from_the_runs_settings():
+    """An fp32 run clipping at 1.0 was told `--clip-grad 1.0` and "bf16 instead of fp16"; a
+    --train-samples run `--lr-warmup-iters`, which it refuses; and "--lr lower" named no value."""
+    records = [rec(i) for i in range(1, 11)]
+    records[8]["loss_spike"], records[-1]["nan_iters"] = True, 1
+    cfg = config()
+    cfg["optimizer"].update(clip_grad=1.0, lr_warmup_iters=0)
+    cfg["training"].update(train_iters=500, fp16=False, bf16=False)
+    report = analyze(records, cfg)
+    [spike], [nan] = by_kind(report, "loss_spike"), by_kind(report, "nan")
+    spike_flags = {k: v for fix in spike["fixes"] for k, v in fix["flags"].items()}
+    assert spike_flags == {"--lr": "0.0005", "--lr-warmup-iters": "50"}
+    assert [fix["flags"] for fix in nan["fixes"]] == [{"--lr": "0.0005"}]
+    cfg["optimizer"].update(clip_grad=0.0, lr_warmup_samples=800)
+    cfg["training"].update(train_iters=None, train_samples=80_000, fp16=True)
+    report = analyze(records, cfg)
+    spike_flags = {k: v for fix in by_kind(report, "loss_spike")[0]["fixes"] for k, v in fix["flags"].items()}
+    assert spike_flags == {"--lr": "0.0005", "--lr-warmup-samples": "1600", "--clip-grad": "1.0"}
+    assert {"--bf16": None} in [fix["flags"] for fix in by_kind(report, "nan")[0]["fixes"]]
+
+
 def test_a_rank_slow_in_most_iterations_is_a_straggler():
     slow = [rec(i, rank_iter_s=[0.10, 0.10, 0.14, 0.10]) for i in range(1, 7)]
     [s] = by_kind(analyze(slow), "straggler")

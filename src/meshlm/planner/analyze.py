@@ -212,7 +212,7 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
     findings = [_comm(kind, share, flags) for kind, share in costs.items() if kind != "bubble"]
     if pipeline:
         findings += _pipeline_findings(pipeline, breakdown.get("pp"), flags)
-    findings += [_memory(records, flags), _throughput(steady), *_loss(everything), _stragglers(steady)]
+    findings += [_memory(records, flags), _throughput(steady), *_loss(everything, flags), _stragglers(steady)]
     findings = [f for f in findings if f is not None]
     findings.sort(key=lambda f: ({"warn": 0, "info": 1, "ok": 2}[f.severity], -(f.share or 0)))
     from .predict import refusal_check
@@ -273,6 +273,12 @@ class _Flags:
         self.global_batch = t.get("global_batch_size") or (int(logged) if config and logged else None)
         self.recompute = t.get("recompute_granularity") or ("selective" if t.get("recompute_activations") else None)
         self.layers = m.get("num_layers")
+        o = c.get("optimizer", {})
+        self.lr, self.clip = o.get("lr"), o.get("clip_grad")
+        self.fp16 = t.get("fp16") if config else None
+        self.by_samples = t.get("train_samples") is not None
+        self.warmup = o.get("lr_warmup_samples" if self.by_samples else "lr_warmup_iters")
+        self.length = t.get("train_samples" if self.by_samples else "train_iters")
 
     def times(self, value, factor, flag):
         """{flag: value × factor} when value is known, else {flag: "×factor"} (advice)."""
@@ -442,8 +448,13 @@ def _throughput(steady: list) -> Optional[Finding]:
     return Finding("throughput", "ok", msg)
 
 
-def _loss(records: list) -> list:
-    """Loss spikes (the trainer's "loss_spike", or a jump over the previous records) and NaNs."""
+def _loss(records: list, f: _Flags) -> list:
+    """Loss spikes (the trainer's "loss_spike", or a jump over the previous records) and NaNs, with
+    fixes from the run's settings: half its --lr, twice its warm-up (a tenth of the run from none) in
+    the run's unit (--lr-warmup-samples for a --train-samples run, which refuses the iterations'
+    flag), clipping only where it is off or looser than 1.0, bf16 only for an fp16 run (each was
+    offered whatever the run had: --clip-grad 1.0 to a run clipping at 1.0, "bf16 instead of fp16"
+    to an fp32 run)."""
     out, spikes = [], []
     for i, r in enumerate(records):
         loss = r.get("lm_loss")
@@ -453,21 +464,32 @@ def _loss(records: list) -> list:
         if r.get("loss_spike") or jump:
             spikes.append(r["iteration"])
     if spikes:
+        warmup = "--lr-warmup-samples" if f.by_samples else "--lr-warmup-iters"
+        longer = str(2 * f.warmup) if f.warmup else str(max(1, f.length // 10)) if f.length else "longer"
+        fixes = [Fix({"--lr": _lower_lr(f)}, "a smaller learning rate"),
+                 Fix({warmup: longer}, "a longer warm-up")]
+        if f.clip is None or f.clip == 0 or f.clip > 1.0:
+            fixes.append(Fix({"--clip-grad": "1.0"}, "clip the gradient norm" +
+                             (" (the run had it off)" if f.clip == 0 else "")))
         out.append(Finding("loss_spike", "warn", f"loss spikes at iteration(s) {', '.join(map(str, spikes))}", None,
-                           [Fix({"--lr": "lower"}, "a smaller learning rate"),
-                            Fix({"--lr-warmup-iters": "longer"}, "a longer warm-up"),
-                            Fix({"--clip-grad": "1.0"}, "clip the gradient norm (0 turns clipping off)")]))
+                           fixes))
     nans = max((r.get("nan_iters") or 0) for r in records)
     skipped = max((r.get("skipped_iters") or 0) for r in records)
     if nans:
-        out.append(Finding("nan", "warn", f"{nans} iteration(s) had a NaN/inf loss", None,
-                           [Fix({"--bf16": None}, "bf16 instead of fp16 (no overflow at the same range)"),
-                            Fix({"--lr": "lower"}, "a smaller learning rate; resume from the last checkpoint "
-                                                   "before the first NaN")]))
+        fixes = [Fix({"--bf16": None}, "bf16 instead of fp16 (no overflow at the same range)")] \
+            if f.fp16 is not False else []
+        fixes.append(Fix({"--lr": _lower_lr(f)}, "a smaller learning rate; resume from the last checkpoint "
+                                                 "before the first NaN"))
+        out.append(Finding("nan", "warn", f"{nans} iteration(s) had a NaN/inf loss", None, fixes))
     elif skipped:
         out.append(Finding("nan", "info", f"{skipped} step(s) skipped for inf/NaN gradients (fp16 loss-scale "
                            f"back-off is normal at the start)"))
     return out
+
+
+def _lower_lr(f: _Flags) -> str:
+    """Half the run's --lr as a flag value, or "lower" (advice) when the config is unknown."""
+    return f"{f.lr / 2:g}" if f.lr else "lower"
 
 
 def _stragglers(steady: list) -> Optional[Finding]:
