@@ -162,6 +162,28 @@ def test_the_loss_fixes_start_from_the_runs_settings():
     assert {"--bf16": None} in [fix["flags"] for fix in by_kind(report, "nan")[0]["fixes"]]
 
 
+def test_every_switch_a_fix_names_is_a_pretrain_switch():
+    """A fix with a flag and no value is typed as a switch: `--recompute-granularity` (drop recompute)
+    was one, and pretrain refuses it without a value."""
+    import argparse
+    from meshlm.config import add_config_args
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    switches = {o for a in parser._actions if a.nargs == 0 for o in a.option_strings}
+    cfg = config(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2,
+                 expert_model_parallel_size=2, data_parallel_sharding_strategy="optim_grads_params")
+    cfg["training"]["recompute_granularity"] = "selective"
+    shares = {"dp": 0.4, "tp": 0.4, "cp": 0.4, "ep": 0.4, "zero": 0.4, "pp": 0.4}
+    timeline = [{"stage": s, "chunk": 0, "mb": m, "kind": k, "start": 0.01 * m, "end": 0.01 * m + 0.005}
+                for s in (0, 1) for m in range(4) for k in "FB"]
+    for mem in (10.0, 79.0):
+        records = [rec(i, comm_share=shares, mem_max_allocated_gb=mem, mem_total_gb=80.0, nan_iters=1,
+                       loss_spike=i == 5, bubble_fraction=0.5, pipeline_timeline=timeline) for i in range(1, 8)]
+        named = [(flag, f["kind"]) for f in analyze(records, cfg)["findings"] for fix in f["fixes"]
+                 for flag, value in fix["flags"].items() if value is None]
+        assert named and all(flag in switches for flag, _ in named), named
+
+
 def test_a_rank_slow_in_most_iterations_is_a_straggler():
     slow = [rec(i, rank_iter_s=[0.10, 0.10, 0.14, 0.10]) for i in range(1, 7)]
     [s] = by_kind(analyze(slow), "straggler")

@@ -427,8 +427,9 @@ def _memory(records: list, f: _Flags) -> Finding:
         return Finding("memory", "warn", msg + ": close to out of memory", used, fixes)
     if used < MEMORY_SPARE:
         fixes = [Fix(f.times(f.micro, 2, "--micro-batch-size"), "use the spare memory for larger GEMMs")]
-        if f.recompute:
-            fixes.append(Fix({"--recompute-granularity": None}, "drop recompute (saves its forward again)"))
+        if f.recompute:  # no flag value turns it off: it is dropped (a bare --recompute-granularity is refused)
+            fixes.append(Fix({}, "drop --recompute-granularity / --recompute-activations: no forward run again "
+                                 "in backward"))
         return Finding("memory", "info", msg + ": room to spare", used, fixes)
     return Finding("memory", "ok", msg)
 
