@@ -184,6 +184,27 @@ def test_every_switch_a_fix_names_is_a_pretrain_switch():
         assert named and all(flag in switches for flag, _ in named), named
 
 
+def test_the_recompute_fix_of_a_run_near_out_of_memory_is_one_pretrain_accepts():
+    """A selective-recompute run near OOM was told `--recompute-granularity full --recompute-method
+    uniform`, which pretrain refuses without --recompute-num-layers; a full-recompute run was told
+    full recompute again."""
+    from meshlm.config import Config, apply_mapping
+    from meshlm.planner.predict import with_flags
+    from meshlm.validate import _recompute_problems
+    records = [rec(i, mem_max_allocated_gb=79.0, mem_total_gb=80.0) for i in range(1, 6)]
+    cfg = config()
+    cfg["training"]["recompute_granularity"] = "selective"
+    [mem] = by_kind(analyze(records, cfg), "memory")
+    [fix] = [fix for fix in mem["fixes"] if "--recompute-granularity" in fix["flags"]]
+    base = Config()
+    apply_mapping(base, cfg, "test")
+    applied = with_flags(base, fix["flags"])
+    assert applied.training.recompute_granularity == "full"
+    assert _recompute_problems(applied.training, applied.model.num_layers) == []
+    cfg["training"].update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    assert "--recompute-granularity" not in fix_flags(by_kind(analyze(records, cfg), "memory")[0])
+
+
 def test_a_rank_slow_in_most_iterations_is_a_straggler():
     slow = [rec(i, rank_iter_s=[0.10, 0.10, 0.14, 0.10]) for i in range(1, 7)]
     [s] = by_kind(analyze(slow), "straggler")

@@ -272,6 +272,7 @@ class _Flags:
         self.micro = t.get("micro_batch_size")
         self.global_batch = t.get("global_batch_size") or (int(logged) if config and logged else None)
         self.recompute = t.get("recompute_granularity") or ("selective" if t.get("recompute_activations") else None)
+        self.switch_recompute = bool(t.get("recompute_activations"))
         self.layers = m.get("num_layers")
         o = c.get("optimizer", {})
         self.lr, self.clip = o.get("lr"), o.get("clip_grad")
@@ -414,9 +415,13 @@ def _memory(records: list, f: _Flags) -> Finding:
     used = peak / total
     msg = f"peak memory {peak:.1f} GiB of {total:.1f} GiB ({100 * used:.0f}%, headroom {total - peak:.1f} GiB)"
     if used > MEMORY_TIGHT:
-        fixes = [Fix({"--recompute-granularity": "selective"} if not f.recompute else
-                     {"--recompute-granularity": "full", "--recompute-method": "uniform"},
-                     "recompute activations in backward")]
+        fixes = []  # full recompute needs its method and layer count (pretrain refused it without)
+        if f.recompute != "full":
+            fixes.append(Fix({"--recompute-granularity": "selective"} if not f.recompute else
+                             {"--recompute-granularity": "full", "--recompute-method": "uniform",
+                              "--recompute-num-layers": "1"},
+                             "recompute activations in backward" + (" (drop --recompute-activations, which means "
+                                                                     "selective)" if f.switch_recompute else "")))
         if not f.zero:
             fixes.append(Fix({"--use-distributed-optimizer": None}, "shard the optimizer states over DP (ZeRO-1)"))
         elif f.zero < 3:
