@@ -110,3 +110,13 @@ def test_plan_json_stays_valid_json_when_the_campaign_never_ends(capsys):
         raise ValueError(f"bare {token} in --json")
     doc = json.loads(capsys.readouterr().out, parse_constant=refuse)
     assert doc["campaign"]["saves"]["sync"]["wall_s"] == "Infinity" and doc["campaign"]["saves"]["sync"]["goodput"] == 0
+
+
+def test_train_tokens_replaces_a_config_files_run_length(tmp_path, capsys):
+    """`plan --config llama3-70b.yaml --train-tokens 15e12` planned the YAML's 10,000 iterations (2.1e10
+    tokens): the flag replaces the file's length, as pretrain's flags replace a YAML's exclusive ways."""
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("training:\n  train_iters: 10\n")
+    assert main([*GPT, "--config", str(yaml), "--train-tokens", "26e9", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["campaign"]["steps"] == math.ceil(26e9 / (64 * doc["model"]["seq_length"]))
