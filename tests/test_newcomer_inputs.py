@@ -202,6 +202,18 @@ def test_an_output_that_is_a_device_or_pipe_is_refused_not_replaced_by_a_file(tm
 
 
 @pytest.mark.parametrize("command", ["analyze", "report"])
+def test_a_run_with_its_logs_in_another_log_dir_is_found_from_its_run_dir(tmp_path, capsys, command):
+    """`pretrain --run-dir R --log-dir L`: report R found L/metrics.jsonl through R/config.yaml,
+    analyze R said "no metrics.jsonl there" and to give the --run-dir it was given."""
+    import shutil
+    run = _run_dir(tmp_path)
+    (run / "config.yaml").write_text(f"logging: {{log_dir: {tmp_path / 'elsewhere'}}}\n")
+    shutil.move(str(run / "logs"), str(tmp_path / "elsewhere"))
+    assert main([command, str(run), "--no-predict"]) == 0
+    assert "iterations 1–3" in capsys.readouterr().out or command == "report"
+
+
+@pytest.mark.parametrize("command", ["analyze", "report"])
 def test_another_programs_jsonl_is_named_as_such_not_as_a_run_that_has_not_logged_yet(tmp_path, capsys, command):
     """analyze said "no training record yet; analyze a run after its first --log-interval iterations"
     of a file no meshlm run wrote (report named it as foreign)."""

@@ -89,8 +89,13 @@ class Finding:
 # ----------------------------------------------------------------------------- reading a run
 
 def metrics_path(run_dir: str) -> str:
-    """metrics.jsonl of RUN_DIR (RUN_DIR/logs/, RUN_DIR itself, or the file); ConfigError if none."""
-    for path in (os.path.join(run_dir, "logs", "metrics.jsonl"), os.path.join(run_dir, "metrics.jsonl"), run_dir):
+    """metrics.jsonl of RUN_DIR (its config.yaml's --log-dir, RUN_DIR/logs/, RUN_DIR itself, or the
+    file, as meshlm report finds it); ConfigError if none."""
+    log_dir = None
+    if os.path.isfile(os.path.join(run_dir, "config.yaml")):  # a run with --log-dir elsewhere: "no metrics.jsonl"
+        log_dir = ((_config_of(run_dir) or {}).get("logging") or {}).get("log_dir")
+    for path in ([os.path.join(log_dir, "metrics.jsonl")] if log_dir else []) + [
+            os.path.join(run_dir, "logs", "metrics.jsonl"), os.path.join(run_dir, "metrics.jsonl"), run_dir]:
         if os.path.isfile(path):
             return path
     raise ConfigError(f"meshlm analyze {run_dir}: no metrics.jsonl there or in its logs/ folder; give the run "
