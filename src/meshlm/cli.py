@@ -526,7 +526,7 @@ def _run_command(argv: list) -> int:
             from .megatron_flags import refusal
             action = getattr(args, f"{command}_command", None)  # tokenizer train, checkpoint inspect, …
             named = f"{command} {action}" if action else command
-            raise refusal(extra) if command in ("pretrain", "plan") else ConfigError(
+            raise refusal(extra, command) if command in ("pretrain", "plan") else ConfigError(
                 f"unrecognized arguments: {' '.join(extra)}; see `meshlm {named} --help`")
         return args._run(args) or 0
     except MeshlmError as e:
