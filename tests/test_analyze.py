@@ -141,6 +141,70 @@ def test_loss_spikes_from_the_trainers_flag_or_a_jump_and_nans_are_warnings():
     assert nan["severity"] == "warn" and "2 iteration(s)" in nan["message"]
 
 
+def test_the_loss_fixes_start_from_the_runs_settings():
+    """An fp32 run clipping at 1.0 was told `--clip-grad 1.0` and "bf16 instead of fp16"; a
+    --train-samples run `--lr-warmup-iters`, which it refuses; and "--lr lower" named no value."""
+    records = [rec(i) for i in range(1, 11)]
+    records[8]["loss_spike"], records[-1]["nan_iters"] = True, 1
+    cfg = config()
+    cfg["optimizer"].update(clip_grad=1.0, lr_warmup_iters=0)
+    cfg["training"].update(train_iters=500, fp16=False, bf16=False)
+    report = analyze(records, cfg)
+    [spike], [nan] = by_kind(report, "loss_spike"), by_kind(report, "nan")
+    spike_flags = {k: v for fix in spike["fixes"] for k, v in fix["flags"].items()}
+    assert spike_flags == {"--lr": "0.0005", "--lr-warmup-iters": "50"}
+    assert [fix["flags"] for fix in nan["fixes"]] == [{"--lr": "0.0005"}]
+    cfg["optimizer"].update(clip_grad=0.0, lr_warmup_samples=800)
+    cfg["training"].update(train_iters=None, train_samples=80_000, fp16=True)
+    report = analyze(records, cfg)
+    spike_flags = {k: v for fix in by_kind(report, "loss_spike")[0]["fixes"] for k, v in fix["flags"].items()}
+    assert spike_flags == {"--lr": "0.0005", "--lr-warmup-samples": "1600", "--clip-grad": "1.0"}
+    assert {"--bf16": None} in [fix["flags"] for fix in by_kind(report, "nan")[0]["fixes"]]
+
+
+def test_every_switch_a_fix_names_is_a_pretrain_switch():
+    """A fix with a flag and no value is typed as a switch: `--recompute-granularity` (drop recompute)
+    was one, and pretrain refuses it without a value."""
+    import argparse
+    from meshlm.config import add_config_args
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    switches = {o for a in parser._actions if a.nargs == 0 for o in a.option_strings}
+    cfg = config(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2,
+                 expert_model_parallel_size=2, data_parallel_sharding_strategy="optim_grads_params")
+    cfg["training"]["recompute_granularity"] = "selective"
+    shares = {"dp": 0.4, "tp": 0.4, "cp": 0.4, "ep": 0.4, "zero": 0.4, "pp": 0.4}
+    timeline = [{"stage": s, "chunk": 0, "mb": m, "kind": k, "start": 0.01 * m, "end": 0.01 * m + 0.005}
+                for s in (0, 1) for m in range(4) for k in "FB"]
+    for mem in (10.0, 79.0):
+        records = [rec(i, comm_share=shares, mem_max_allocated_gb=mem, mem_total_gb=80.0, nan_iters=1,
+                       loss_spike=i == 5, bubble_fraction=0.5, pipeline_timeline=timeline) for i in range(1, 8)]
+        named = [(flag, f["kind"]) for f in analyze(records, cfg)["findings"] for fix in f["fixes"]
+                 for flag, value in fix["flags"].items() if value is None]
+        assert named and all(flag in switches for flag, _ in named), named
+
+
+def test_the_recompute_fix_of_a_run_near_out_of_memory_is_one_pretrain_accepts():
+    """A selective-recompute run near OOM was told `--recompute-granularity full --recompute-method
+    uniform`, which pretrain refuses without --recompute-num-layers; a full-recompute run was told
+    full recompute again."""
+    from meshlm.config import Config, apply_mapping
+    from meshlm.planner.predict import with_flags
+    from meshlm.validate import _recompute_problems
+    records = [rec(i, mem_max_allocated_gb=79.0, mem_total_gb=80.0) for i in range(1, 6)]
+    cfg = config()
+    cfg["training"]["recompute_granularity"] = "selective"
+    [mem] = by_kind(analyze(records, cfg), "memory")
+    [fix] = [fix for fix in mem["fixes"] if "--recompute-granularity" in fix["flags"]]
+    base = Config()
+    apply_mapping(base, cfg, "test")
+    applied = with_flags(base, fix["flags"])
+    assert applied.training.recompute_granularity == "full"
+    assert _recompute_problems(applied.training, applied.model.num_layers) == []
+    cfg["training"].update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    assert "--recompute-granularity" not in fix_flags(by_kind(analyze(records, cfg), "memory")[0])
+
+
 def test_a_rank_slow_in_most_iterations_is_a_straggler():
     slow = [rec(i, rank_iter_s=[0.10, 0.10, 0.14, 0.10]) for i in range(1, 7)]
     [s] = by_kind(analyze(slow), "straggler")
@@ -292,13 +356,25 @@ def test_a_run_resumed_at_another_layout_is_analyzed_at_its_last_layout_only(tmp
 @pytest.mark.parametrize("record, config, words", [
     ({"iter_ms": "fast"}, None, "iter_ms is 'fast', not a number"),
     ({"comm_share": {"dp": "a"}}, None, "comm_share is {'dp': 'a'}, not a map of numbers"),
+    ({"iter_ms": None}, None, "iter_ms is null, not a number"),
+    ({"device": 5}, None, "device is 5, not a device name"),
+    ({"layout": "tp2"}, None, "layout is 'tp2', not a map"),
+    ({"loss_spike": "yes"}, None, "loss_spike is 'yes', not true or false"),
+    ({"tokens_per_sec": -1}, None, "tokens_per_sec is -1: a negative count or time"),
+    ({"pipeline_timeline": "x", "bubble_fraction": 0.1}, None, "pipeline_timeline is 'x', not a list of events"),
+    ({"pipeline_timeline": [1], "bubble_fraction": 0.1}, None, "pipeline_timeline event 1 is 1, not"),
+    ({"pipeline_timeline": [{"stage": 0, "mb": 0, "chunk": 0, "kind": "X", "start": 0, "end": 1}],
+      "bubble_fraction": 0.1}, None, "pipeline_timeline event 1 is"),
+    ({"layout": {"pp": 2}, "bubble_fraction": 0.1, "pipeline_timeline": [  # a report of a million rows before
+        {"stage": 10 ** 6, "mb": 0, "chunk": 0, "kind": "F", "start": 0.0, "end": 1.0}]}, None, "(stage below pp 2)"),
     ({}, "parallel: 5\n", "section 'parallel' is 5, not a mapping of its settings"),
     ({}, "model:\n", "section 'model' is None, not a mapping of its settings"),
     ({}, "parallel: {ddp_bucket_size: big}\n", "ddp-bucket-size='big' is not an integer"),
     ({}, "training: {micro_batch_size: x, global_batch_size: 8}\n", "micro-batch-size='x' is not an integer"),
 ])
 def test_a_value_of_the_wrong_kind_in_a_runs_files_is_one_line(tmp_path, capsys, command, record, config, words):
-    """analyze: a TypeError ('>=' between str and float) or AttributeError ('int' has no 'get') traceback."""
+    """analyze: a TypeError ('>=' between str and float) or AttributeError ('int' has no 'get') traceback;
+    a device, an iter_ms null or a timeline event of the wrong form a TypeError or KeyError in both."""
     (tmp_path / "logs").mkdir()
     rec = dict({"iteration": 1, "consumed_samples": 4, "iter_ms": 5.0, "lm_loss": 3.0}, **record)
     (tmp_path / "logs" / "metrics.jsonl").write_text(json.dumps(rec) + "\n")

@@ -129,6 +129,16 @@ def test_typo_is_not_a_megatron_flag(capsys):
     assert "unknown flag(s): --hiden-size" in capsys.readouterr().err
 
 
+def test_plan_names_its_own_help_and_its_way_to_size_the_job(capsys):
+    """`meshlm plan --nnodes 2` (pretrain --dry-run's flag) and a plan typo were both called misspelt
+    with a pointer to `meshlm pretrain --help`, whose flags they were or where --num-gpus is not."""
+    assert main(["plan", "--model", "tiny", "--nnodes", "2", "--num-gpuss", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--nnodes: `meshlm pretrain --dry-run`'s, not plan's; plan sizes the job with --num-gpus N" in err
+    assert "unknown flag(s): --num-gpuss; check the spelling in `meshlm plan --help`" in err
+    assert len(err.splitlines()) == 1
+
+
 def test_sets_are_megatron_flags():
     assert set(NO_EFFECT) <= MEGATRON_FLAGS and len(MEGATRON_FLAGS) > 800
 

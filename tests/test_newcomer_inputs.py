@@ -201,6 +201,48 @@ def test_a_record_without_its_iteration_or_samples_is_one_line(tmp_path, capsys,
     assert named in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["report", "{run}", "--output", "{out}"], "--output"),
+    (["report", "{run}", "--trace", "{out}"], "--trace"),
+    (["tokenizer", "train", "--input", "{corpus}", "--vocab-size", "300", "--output", "{out}"], "--output"),
+    (["plan", "--model", "tiny", "--calibrate", "--quick", "--gpu-profile", "{out}"], "--gpu-profile")])
+def test_an_output_that_is_a_device_or_pipe_is_refused_not_replaced_by_a_file(tmp_path, capsys, argv, flag):
+    """`meshlm report RUN --output /dev/null` replaced /dev/null with a regular file (the output is
+    written beside its path and moved over it); a pipe stands in for the device here."""
+    import os
+    out = tmp_path / "pipe"
+    os.mkfifo(out)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "hello world"}\n')
+    run = _run_dir(tmp_path)
+    err = _refused(capsys, [a.format(run=run, out=out, corpus=corpus) for a in argv])
+    assert f"{out} is not a regular file (a device, pipe or socket)" in err and flag in err
+    assert len([line for line in err.splitlines() if "error" in line]) == 1 and out.is_fifo()
+
+
+@pytest.mark.parametrize("command", ["analyze", "report"])
+def test_a_run_with_its_logs_in_another_log_dir_is_found_from_its_run_dir(tmp_path, capsys, command):
+    """`pretrain --run-dir R --log-dir L`: report R found L/metrics.jsonl through R/config.yaml,
+    analyze R said "no metrics.jsonl there" and to give the --run-dir it was given."""
+    import shutil
+    run = _run_dir(tmp_path)
+    (run / "config.yaml").write_text(f"logging: {{log_dir: {tmp_path / 'elsewhere'}}}\n")
+    shutil.move(str(run / "logs"), str(tmp_path / "elsewhere"))
+    assert main([command, str(run), "--no-predict"]) == 0
+    assert "iterations 1–3" in capsys.readouterr().out or command == "report"
+
+
+@pytest.mark.parametrize("command", ["analyze", "report"])
+def test_another_programs_jsonl_is_named_as_such_not_as_a_run_that_has_not_logged_yet(tmp_path, capsys, command):
+    """analyze said "no training record yet; analyze a run after its first --log-interval iterations"
+    of a file no meshlm run wrote (report named it as foreign)."""
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n')
+    err = _refused(capsys, [command, str(run)])
+    assert "metrics.jsonl: not a meshlm metrics file" in err and len(err.splitlines()) == 1
+
+
 @pytest.mark.parametrize("command", ["analyze", "report"])
 @pytest.mark.parametrize("text", ["a: [1,\n b: :\n", "- just\n- a list\n"])
 def test_a_damaged_config_yaml_is_one_line_naming_the_file(tmp_path, capsys, command, text):

@@ -6,7 +6,8 @@ import math
 import pytest
 
 from meshlm.cli import main
-from meshlm.planner.campaign import MTBF_GPU_HOURS, campaign, daly_interval, run_steps
+from meshlm.batches import BatchSchedule
+from meshlm.planner.campaign import MTBF_GPU_HOURS, campaign, daly_interval, run_length
 
 
 def _daly_exact_wall(tau, delta, mtbf, restart=0.0, solve=1.0):
@@ -28,11 +29,22 @@ def test_daly_interval_minimises_dalys_exact_model_and_tends_to_young(ratio):
     assert daly_interval(3 * mtbf, mtbf) == mtbf
 
 
-def test_run_length_from_iters_samples_or_tokens():
-    assert run_steps(100, None, None, 8, 2048) == 100
-    assert run_steps(None, 801, None, 8, 2048) == 101
-    assert run_steps(None, None, 300e9, 1536, 2048) == math.ceil(300e9 / (1536 * 2048))
-    assert run_steps(None, None, None, 8, 2048) is None
+def test_run_length_from_iters_samples_or_tokens_as_pretrain_takes_them():
+    """--train-samples 801 at batch 8 was 101 steps (pretrain drops the partial batch: 100), and a
+    --rampup-batch-size ramp's smaller steps were not counted (100,000 samples: 196 steps, not 444)."""
+    g8 = BatchSchedule(8, 1)
+    assert run_length(100, None, None, g8, 2048) == (100, 800)
+    assert run_length(None, 801, None, g8, 2048) == (100, 800)
+    assert run_length(None, None, 300e9, BatchSchedule(1536, 1), 2048)[0] == math.ceil(300e9 / (1536 * 2048))
+    assert run_length(None, None, None, g8, 2048) is None
+    ramp = BatchSchedule(512, 1, (32, 32, 50_000))
+    steps, samples = run_length(None, 100_000, None, ramp, 2048)
+    assert steps == ramp.iterations(100_000) == 444 and samples <= 100_000
+    steps, samples = run_length(None, None, 100_000 * 2048, ramp, 2048)  # the fewest steps reaching the tokens
+    assert samples >= 100_000 and run_length(steps - 1, None, None, ramp, 2048)[1] < 100_000
+    c = campaign(steps=steps, step_s=1.0, global_batch=512, seq_length=2048, num_gpus=8, params=10 ** 9,
+                 samples=samples)
+    assert c.tokens == samples * 2048 and c.train_s == pytest.approx(samples / 512)
 
 
 def test_campaign_failures_gpu_hours_and_goodput_follow_from_the_terms():
@@ -78,8 +90,33 @@ def test_plan_gives_the_campaign_in_json_and_text(capsys):
 
 
 @pytest.mark.parametrize("flags, named", [(["--train-tokens", "1e9", "--train-iters", "5"], "give one run length"),
+                                          (["--train-samples", "63"], "--train-samples 63 is less than one global "
+                                                                      "batch (64)"),  # pretrain takes no step
+                                          (["--train-iters", "9", "--rampup-batch-size", "32", "32", "640"],
+                                           "--rampup-batch-size needs --train-samples or --train-tokens"),
                                           (["--gpu-mtbf-hours", "0"], "--gpu-mtbf-hours 0"),
                                           (["--train-tokens", "0"], "--train-tokens 0")])
 def test_plan_refuses_bad_campaign_flags(capsys, flags, named):
     assert main([*GPT, *flags]) == 2
     assert named in capsys.readouterr().err
+
+
+def test_plan_json_stays_valid_json_when_the_campaign_never_ends(capsys):
+    """A restart longer than the job's MTBF makes the expected wall time infinite: --json printed the
+    bare token Infinity, which jq, JavaScript and strict JSON readers refuse."""
+    assert main([*GPT, "--train-iters", "1000", "--restart-minutes", "1e9", "--json"]) == 0
+
+    def refuse(token):
+        raise ValueError(f"bare {token} in --json")
+    doc = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert doc["campaign"]["saves"]["sync"]["wall_s"] == "Infinity" and doc["campaign"]["saves"]["sync"]["goodput"] == 0
+
+
+def test_train_tokens_replaces_a_config_files_run_length(tmp_path, capsys):
+    """`plan --config llama3-70b.yaml --train-tokens 15e12` planned the YAML's 10,000 iterations (2.1e10
+    tokens): the flag replaces the file's length, as pretrain's flags replace a YAML's exclusive ways."""
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("training:\n  train_iters: 10\n")
+    assert main([*GPT, "--config", str(yaml), "--train-tokens", "26e9", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["campaign"]["steps"] == math.ceil(26e9 / (64 * doc["model"]["seq_length"]))

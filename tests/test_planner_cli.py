@@ -88,6 +88,10 @@ def test_calibrate_on_cpu_writes_a_profile(tmp_path, capsys):
     assert gpu.peak_flops > 0 and gpu.hbm_bytes_per_s > 0 and 0 < gpu.gemm_efficiency <= 1
     assert main(["plan", *GPT, "--num-gpus", "1", "--gpu-profile", str(path), "--json"]) == 0
     capsys.readouterr()
+    # a CPU's GFLOP/s read "GEMM 0.00 TFLOP/s" and "0 TFLOP/s bf16"; the links it kept were not named
+    assert "GEMM 0.00 TFLOP/s" not in gpu.source and "links not measured (one device: H200-141GB's)" in gpu.source
+    assert main(["plan", *GPT, "--num-gpus", "1", "--gpu-profile", str(path)]) == 0
+    assert f"{gpu.peak_flops / 1e12:.3g} TFLOP/s bf16" in capsys.readouterr().out
 
 
 
@@ -159,3 +163,20 @@ def test_dry_run_names_the_flag_that_sized_its_world(capsys):
     assert main(argv) == 2
     assert "world size 8 is not divisible by TP×CP×PP = 3×1×1; set --world-size to a multiple of 3" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("peak_flops", 0, "peak_flops is 0, not a finite number above 0"),  # ZeroDivisionError
+    ("hbm_bytes_per_s", None, "hbm_bytes_per_s is None, not a finite number above 0"),  # TypeError
+    ("peak_flops", "fast", "peak_flops is 'fast'"),  # TypeError
+    ("memory_bytes", -1, "memory_bytes is -1"),  # planned as if nothing fits, no word why
+    ("gemm_efficiency", 5, "gemm_efficiency is 5, not a finite number at most 1"),
+    ("sm_count", 0.5, "sm_count is 0.5, not an integer above 0")])
+def test_a_gpu_profile_value_of_the_wrong_kind_is_one_line(tmp_path, capsys, field, value, words):
+    """A hand-edited (or damaged) profile: a zero peak was a ZeroDivisionError traceback, a string or
+    null a TypeError, a negative number a plan of nonsense."""
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(dict(PRESETS["H100-80GB"].to_json(), **{field: value})))
+    assert main(["plan", *GPT, "--num-gpus", "1", "--gpu-profile", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--gpu-profile {path}: {words}" in err and len(err.splitlines()) == 1

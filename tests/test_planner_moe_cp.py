@@ -269,6 +269,22 @@ def test_search_tries_cp_for_a_long_sequence_only():
     assert all(f.layout.cp == 1 for f in search(short, 8, H100, 32000, gpus_per_node=8)[0])
 
 
+def test_search_tries_cp_for_a_long_sequence_moe_model_but_not_an_fp8_one(capsys):
+    """plan said "CP > 1: not searched for an MoE model (meshlm does not run MoE with CP yet)", but
+    meshlm trains MoE under CP (the parity matrix's cp2 × moe cases); only FP8 MoE with CP is refused."""
+    argv = ["--model", "mixtral-tiny", "--vocab-size", "512", "--seq-length", "8192", "--micro-batch-size", "1",
+            "--global-batch-size", "8"]
+    fits, _ = search(cfg_of(*argv), 2, PRESETS["H200-141GB"], 512, gpus_per_node=2)
+    moe_cp = [f.layout for f in fits if f.layout.cp > 1]
+    assert moe_cp and any(lay.ep > 1 for lay in moe_cp)
+    fp8 = cfg_of(*argv, "--bf16", "--fp8-format", "hybrid")
+    assert all(f.layout.cp == 1 for f in search(fp8, 2, PRESETS["H200-141GB"], 512, gpus_per_node=2)[0])
+    from meshlm import cli
+    cli.main(["plan", *argv, "--num-gpus", "2", "--gpus-per-node", "2", "--top", "1"])
+    out = capsys.readouterr().out
+    assert "does not run MoE with CP" not in out and "not searched for an MoE model" not in out
+
+
 def test_analyze_names_exposed_ep_time_with_the_ep_fixes():
     records = [{"iteration": i, "iter_ms": 100.0, "comm_share": {"ep": 0.4, "dp": 0.05}} for i in range(1, 6)]
     config = {"parallel": {"expert_model_parallel_size": 8}, "model": {}, "training": {}}

@@ -48,6 +48,21 @@ def test_the_dp_fixes_of_a_comm_bound_run_get_the_planners_positive_gain():
     assert "(planner: " in text and "% faster)" in text
 
 
+def test_a_run_that_let_meshlm_derive_its_global_batch_gets_numbers_and_gains_for_its_batch_fixes():
+    """With no --global-batch-size in config.yaml the DP fixes read `--global-batch-size ×2` (advice, no
+    gain) and `--micro-batch-size 2` got no gain: the predictor held the batch at the derived 2, where a
+    launch with that flag derives 4."""
+    cfg = small_config(ddp_bucket_size=1000, global_batch_size=None)
+    records = [dict(r, global_batch_size=2) for r in dp_bound(device="NVIDIA H200")]
+    predictor, _ = planner_predictor(cfg, records)
+    report = analyze(records, cfg, predictor)
+    [dp] = [f for f in report["findings"] if f["kind"] == "dp"]
+    flags = {k: v for fix in dp["fixes"] for k, v in fix["flags"].items()}
+    assert flags["--global-batch-size"] == "4" and flags["--micro-batch-size"] == "2"
+    g = gains(report, "dp")
+    assert g["--global-batch-size"] > 0.1 and g["--micro-batch-size"] > 0.1
+
+
 def test_with_flags_applies_values_and_switches_and_refuses_advice():
     base = cfg_of("--micro-batch-size", "1")
     c = with_flags(base, {"--micro-batch-size": "4", "--overlap-grad-reduce": None})

@@ -73,6 +73,9 @@ def test_successive_halving_keeps_the_best_half_and_runs_them_longer(tmp_path, m
     (["--lr", "1e-3,2e-3", "--", "--lr=5"], "--lr 5 after `--`: the sweep sets each trial's value from its own --lr"),
     (["--lr", "1e-3", "--hidden-size", "32,64", "--", "--hidden-size", "48"], "--hidden-size 48 after `--`"),
     (["--lr", "1e-3", "--", "--run-dir", "x"], "--run-dir x after `--`: the sweep runs each trial in its own folder"),
+    # the full run's width: the sweep ran every trial, then printed flags of a model pretrain refuses
+    (["--lr", "1e-3", "--target-hidden-size", "65", *PRETRAIN], "--target-hidden-size 65: the full run would be "
+                                                                 "refused: --hidden-size 65 is not divisible by"),
 ])
 def test_bad_sweep_input_is_one_line_before_any_trial(tmp_path, capsys, bad, words):
     """The newcomer's cases: each crashed, was silently changed, or ran every trial before failing."""
@@ -116,3 +119,15 @@ def test_a_trials_line_cut_by_a_kill_is_dropped_and_the_sweep_resumes(tmp_path, 
     (tmp_path / "trials.jsonl").write_text("[1, 2]\n")
     assert main(["sweep", "--lr", "1e-3", "--sweep-dir", str(tmp_path), "--"]) == 2
     assert "is not a trial record" in capsys.readouterr().err
+
+
+def test_a_sweep_dir_of_other_pretrain_flags_is_refused_not_reused(tmp_path, capsys):
+    """A resume with another model after `--` (here --num-layers 2) kept the first model's trials and
+    chose the full run's LR from their losses."""
+    ok = {"values": {"lr": 1e-3}, "iters": 2, "status": "ok", "loss": 1.0, "note": "", "pretrain": PRETRAIN[1:]}
+    (tmp_path / "trials.jsonl").write_text(json.dumps(ok) + "\n")
+    other = PRETRAIN[:5] + ["2"] + PRETRAIN[6:]
+    assert main(["sweep", "--lr", "1e-3", "--train-iters", "2", "--sweep-dir", str(tmp_path), *other]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--sweep-dir {tmp_path} holds trials of other pretrain flags" in err and len(err.splitlines()) == 1
+    assert "now --mock-data --vocab-size 64 --num-layers 2" in err

@@ -233,6 +233,8 @@ def _plan_config(args: argparse.Namespace) -> tuple:
               f"embedded default: {m.num_layers} layers, hidden {m.hidden_size}, sequence {m.seq_length}, its BPE "
               f"tokenizer's vocabulary of {DEFAULT_VOCAB}, global batch {t.global_batch_size}, {length}); give "
               f"your launch's flags (e.g. --model gpt2-125m) to plan that", file=sys.stderr, flush=True)
+    elif args.train_tokens is not None:  # a --config's length, as the embedded one's (the flags' own: refused with it)
+        cfg.training.train_iters = cfg.training.train_samples = None
     problems = shape_problems(cfg) + exclusive_lengths(cfg)
     if problems:
         raise ConfigError(problems)
@@ -524,7 +526,7 @@ def _run_command(argv: list) -> int:
             from .megatron_flags import refusal
             action = getattr(args, f"{command}_command", None)  # tokenizer train, checkpoint inspect, …
             named = f"{command} {action}" if action else command
-            raise refusal(extra) if command in ("pretrain", "plan") else ConfigError(
+            raise refusal(extra, command) if command in ("pretrain", "plan") else ConfigError(
                 f"unrecognized arguments: {' '.join(extra)}; see `meshlm {named} --help`")
         return args._run(args) or 0
     except MeshlmError as e:

@@ -74,11 +74,24 @@ def new_folder_problem(flag: str, path: str):
     return output_folder_problem(flag, path)
 
 
+def not_a_file_problem(flag: str, path: str):
+    """One line naming ``flag`` when ``path`` exists as something other than a file or folder (a
+    device such as /dev/null, a pipe, a socket), else None: an output is written beside it and moved
+    over it, which replaced /dev/null itself with a regular file."""
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        return (f"{flag} {path} is not a regular file (a device, pipe or socket), and writing the output would "
+                f"replace it; give a file path")
+    return None
+
+
 def output_file_problem(flag: str, path: str, example: str = "report.html"):
     """None when ``path`` can be written as a file (its missing folders are created when it is
     written); else one line naming ``flag``, the path and the fix. Writes nothing."""
     if os.path.isdir(path):
         return f"{flag} {path} is a directory; give a file path (e.g. {os.path.join(path, example)})"
+    special = not_a_file_problem(flag, path)
+    if special:
+        return special
     folder = os.path.dirname(os.path.abspath(path))
     problem = output_folder_problem(flag, folder)
     if problem:

@@ -90,20 +90,28 @@ def given(args: argparse.Namespace) -> list:
     return list(getattr(args, "_no_effect", []))
 
 
-def refusal(extra: list) -> ConfigError:
+# pretrain's own flags for sizing a --dry-run, which `meshlm plan` has as --num-gpus / --gpus-per-node
+DRY_RUN_ONLY = ("--dry-run", "--world-size", "--nnodes")
+
+
+def refusal(extra: list, command: str = "pretrain") -> ConfigError:
     """One ConfigError line for the flags argparse did not know: Megatron flags meshlm lacks, then
-    any that are not Megatron flags either (typos). ``extra`` is parse_known_args' leftover."""
+    any that are not Megatron flags either (typos), pointing at ``command``'s help. ``extra`` is
+    parse_known_args' leftover. Under ``plan``, pretrain's dry-run flags (``DRY_RUN_ONLY``) are
+    named with plan's own way to size the job (they were called misspelt, see `pretrain --help`)."""
     flags = [tok.split("=", 1)[0] for tok in extra if tok.startswith("--")]
     if not flags:
-        return ConfigError(f"unexpected argument(s) {' '.join(extra)}; see `meshlm pretrain --help`")
-    lacking = [f for f in dict.fromkeys(flags) if f in MEGATRON_FLAGS]
-    unknown = [f for f in dict.fromkeys(flags) if f not in MEGATRON_FLAGS]
-    parts = []
+        return ConfigError(f"unexpected argument(s) {' '.join(extra)}; see `meshlm {command} --help`")
+    dry = [f for f in dict.fromkeys(flags) if command == "plan" and f in DRY_RUN_ONLY]
+    lacking = [f for f in dict.fromkeys(flags) if f in MEGATRON_FLAGS and f not in dry]
+    unknown = [f for f in dict.fromkeys(flags) if f not in MEGATRON_FLAGS and f not in dry]
+    parts = [f"{' '.join(dry)}: `meshlm pretrain --dry-run`'s, not plan's; plan sizes the job with --num-gpus N "
+             f"(and --gpus-per-node)"] if dry else []
     if lacking:
         parts.append(f"Megatron-LM flag(s) not supported by meshlm: {' '.join(lacking)}; remove them "
                      f"(and their values) to run without them")
     if unknown:
-        parts.append(f"unknown flag(s): {' '.join(unknown)}; check the spelling in `meshlm pretrain --help`")
+        parts.append(f"unknown flag(s): {' '.join(unknown)}; check the spelling in `meshlm {command} --help`")
     return ConfigError("; ".join(parts))
 
 

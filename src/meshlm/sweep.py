@@ -11,7 +11,8 @@ Trials run in parallel, one per slot: a GPU each (CUDA_VISIBLE_DEVICES) when the
 its last three training losses), ``diverged`` (a NaN/inf loss, or a loss above --spike-factor × its
 first one: a spike) or ``failed`` (another error, its last log line kept); the sweep goes on either
 way. Each finished trial is one line of DIR/trials.jsonl, so a killed sweep started again with the
-same flags runs only the trials that have no ok or diverged line yet (failed ones run again).
+same flags runs only the trials that have no ok or diverged line yet (failed ones run again); its
+pretrain flags after ``--`` must be the ones the lines record (another model's losses were reused).
 
 Successive halving (Jamieson & Talwalkar 2016, "Non-stochastic Best Arm Identification and
 Hyperparameter Optimization", Alg. 1): per width, every setting runs --train-iters; the best
@@ -103,10 +104,12 @@ def _check(args) -> None:
         raise ConfigError(problem)
 
 
-def _finished(path: str) -> dict:
+def _finished(path: str, pretrain: list) -> dict:
     """{_key: record} of trials.jsonl's ok and diverged trials (a failed one runs again). A last line
     cut off by a kill is dropped from the file too (read_jsonl says so), so the next trial's line is
-    not appended to it; a line that is no trial record is a ConfigError naming the file."""
+    not appended to it; a line that is no trial record is a ConfigError naming the file, and so is a
+    trial of other pretrain flags than ``pretrain`` (each record's "pretrain"; a resume with another
+    model after ``--`` reused the first model's losses and chose from them)."""
     from .folders import read_jsonl
     if not os.path.isfile(path):
         return {}
@@ -115,6 +118,10 @@ def _finished(path: str) -> dict:
     if bad is not None:
         raise ConfigError(f"{path}: {str(bad)[:80]!r} is not a trial record; delete the file (its trials run again) "
                           f"or give another --sweep-dir")
+    other = next((r["pretrain"] for r in records if r.get("pretrain", pretrain) != pretrain), None)
+    if other is not None:
+        raise ConfigError(f"--sweep-dir {os.path.dirname(path)} holds trials of other pretrain flags ({' '.join(other)}, "
+                          f"now {' '.join(pretrain)}); give another --sweep-dir, or the flags after -- it ran with")
     with open(path, "rb") as fh:
         cut = fh.read().rstrip(b" \t")[-1:] not in (b"", b"\n")
     if cut:
@@ -201,7 +208,7 @@ def _slots(args) -> list:
 
 def _run_trials(todo: list, args, base: list, done: dict) -> None:
     """Run (values, iters) trials that have no result yet, a slot each; append each result to
-    trials.jsonl as it finishes."""
+    trials.jsonl as it finishes, with the pretrain flags every trial shares ("pretrain": base)."""
     free, running = _slots(args), []
     todo = [t for t in todo if _key(*t) not in done]
     extra = _trial_flags(base)
@@ -226,7 +233,8 @@ def _run_trials(todo: list, args, base: list, done: dict) -> None:
                 proc, values, iters, slot, run_dir, log = item
                 running.remove(item)
                 free.append(slot)
-                rec = {"values": values, "iters": iters, **_outcome(run_dir, proc.returncode, log, args.spike_factor)}
+                rec = {"values": values, "iters": iters, **_outcome(run_dir, proc.returncode, log, args.spike_factor),
+                       "pretrain": base}
                 done[_key(values, iters)] = rec
                 results.write(metrics_json.dumps(rec) + "\n")  # NaN as "NaN": valid JSON
                 results.flush()
@@ -259,12 +267,13 @@ def run(args: argparse.Namespace) -> int:
         base += ["--mup-base-hidden-size", str(min(widths))]
     os.makedirs(args.sweep_dir, exist_ok=True)
     path = os.path.join(args.sweep_dir, RESULTS)
-    done = _finished(path)
+    done = _finished(path, base)
     if os.path.isfile(path):
         print(f"meshlm sweep: resuming, {len(done)} trial(s) already in {path}")
     grid = [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
     settings = {w: [({"hidden_size": w} if w else {}) | g for g in grid] for w in widths}
     _dry_run(base, settings, args.train_iters, _trial_flags(base))
+    _check_target(base, args.target_hidden_size)
     rungs = args.rungs if args.method == "halving" else 1
     final, rows = {}, []
     for rung in range(rungs):
@@ -279,6 +288,21 @@ def run(args: argparse.Namespace) -> int:
         if all(len(g) <= 1 for g in settings.values()):
             break
     return _finish(args, final, rows, base, mup, widths)
+
+
+def _check_target(base: list, target) -> None:
+    """ConfigError, before any trial, when the full run's model (the trials' flags at
+    --target-hidden-size) has a shape pretrain refuses (``validate.shape_problems``: heads not
+    dividing the width, …): the sweep ended by printing flags of a run that cannot start."""
+    if not target:
+        return
+    from .cli import _config_and_source, build_parser
+    from .validate import shape_problems
+    cfg, _ = _config_and_source(build_parser("pretrain").parse_args(["pretrain", *base, "--hidden-size", str(target)]))
+    problems = shape_problems(cfg)
+    if problems:
+        raise ConfigError(f"--target-hidden-size {target}: the full run would be refused: "
+                          f"{problems[0].removeprefix('meshlm: error: ')}")
 
 
 def _mup_flags(base: list) -> list:

@@ -17,7 +17,7 @@ TMP_SUFFIX = ".tmp"
 
 def check_output_file(path: str, what: str, inputs=()) -> None:
     """Make sure ``path`` can be written as a file (missing folders are created) that is none of
-    the files ``inputs`` (the --input files the command reads).
+    the files ``inputs`` (the --input files the command reads) nor a device, pipe or socket.
 
     what: the flag and the value the user gave (e.g. ``"--output tok.json"``), which every message
     starts with. Raises ConfigError when path is a directory, one of the inputs (writing it would
@@ -26,6 +26,10 @@ def check_output_file(path: str, what: str, inputs=()) -> None:
     """
     if os.path.isdir(path):
         raise ConfigError(f"{what}: {path} is a directory; give the path of a file")
+    from ..folders import not_a_file_problem
+    special = not_a_file_problem(what, path)
+    if special:  # /dev/null would be replaced by the file
+        raise ConfigError(special.replace(f"{what} {path} is", f"{what}: {path} is", 1))
     same = [i for i in inputs if os.path.exists(path) and os.path.exists(i) and os.path.samefile(path, i)]
     if same:
         raise ConfigError(f"{what}: {path} is the --input {same[0]}; writing it would replace the text it reads: "

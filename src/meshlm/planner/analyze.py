@@ -89,8 +89,13 @@ class Finding:
 # ----------------------------------------------------------------------------- reading a run
 
 def metrics_path(run_dir: str) -> str:
-    """metrics.jsonl of RUN_DIR (RUN_DIR/logs/, RUN_DIR itself, or the file); ConfigError if none."""
-    for path in (os.path.join(run_dir, "logs", "metrics.jsonl"), os.path.join(run_dir, "metrics.jsonl"), run_dir):
+    """metrics.jsonl of RUN_DIR (its config.yaml's --log-dir, RUN_DIR/logs/, RUN_DIR itself, or the
+    file, as meshlm report finds it); ConfigError if none."""
+    log_dir = None
+    if os.path.isfile(os.path.join(run_dir, "config.yaml")):  # a run with --log-dir elsewhere: "no metrics.jsonl"
+        log_dir = ((_config_of(run_dir) or {}).get("logging") or {}).get("log_dir")
+    for path in ([os.path.join(log_dir, "metrics.jsonl")] if log_dir else []) + [
+            os.path.join(run_dir, "logs", "metrics.jsonl"), os.path.join(run_dir, "metrics.jsonl"), run_dir]:
         if os.path.isfile(path):
             return path
     raise ConfigError(f"meshlm analyze {run_dir}: no metrics.jsonl there or in its logs/ folder; give the run "
@@ -102,13 +107,17 @@ def load_run(run_dir: str) -> tuple:
 
     Training records are the metrics.jsonl lines with "iter_ms" (not evaluation or checkpoint
     lines). The config is RUN_DIR/config.yaml, else the newest checkpoint's config.json below it.
-    Raises ConfigError for a missing or unreadable metrics.jsonl.
+    Raises ConfigError for a missing or unreadable metrics.jsonl, or one of another program's
+    records (none has an "iteration").
     """
     path = metrics_path(run_dir)
     from ..folders import read_jsonl
     from ..metrics_json import decode
-    records = [decode(rec) for rec in read_jsonl(path, ConfigError, "a meshlm metrics.jsonl")
-               if isinstance(rec, dict) and "iter_ms" in rec]
+    lines = read_jsonl(path, ConfigError, "a meshlm metrics.jsonl")
+    if lines and not any(isinstance(rec, dict) and "iteration" in rec for rec in lines):  # not "no record yet"
+        raise ConfigError(f"{path}: not a meshlm metrics file (none of its records has an \"iteration\"); give "
+                          f"a run directory or the metrics.jsonl `meshlm pretrain` wrote")
+    records = [decode(rec) for rec in lines if isinstance(rec, dict) and "iter_ms" in rec]
     bad = next((n for n, rec in enumerate(records, 1) if not isinstance(rec.get("iteration"), int)), None)
     if bad:  # analyze() orders and names iterations by it: a KeyError traceback before
         raise ConfigError(f"{path}: training record {bad} has no integer \"iteration\"; give the metrics.jsonl "
@@ -193,7 +202,7 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
                           "--log-interval iterations")
     everything, (records, left_out) = records, last_layout(records)
     steady = records[1:] if len(records) >= 3 else records
-    flags = _Flags(config)
+    flags = _Flags(config, records)
     breakdown = {}
     for kind in ("dp", "tp", "cp", "ep", "zero", "pp"):
         values = [r["comm_share"][kind] for r in steady if kind in (r.get("comm_share") or {})]
@@ -208,7 +217,7 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
     findings = [_comm(kind, share, flags) for kind, share in costs.items() if kind != "bubble"]
     if pipeline:
         findings += _pipeline_findings(pipeline, breakdown.get("pp"), flags)
-    findings += [_memory(records, flags), _throughput(steady), *_loss(everything), _stragglers(steady)]
+    findings += [_memory(records, flags), _throughput(steady), *_loss(everything, flags), _stragglers(steady)]
     findings = [f for f in findings if f is not None]
     findings.sort(key=lambda f: ({"warn": 0, "info": 1, "ok": 2}[f.severity], -(f.share or 0)))
     from .predict import refusal_check
@@ -250,9 +259,11 @@ def last_layout(records: list) -> tuple:
 
 
 class _Flags:
-    """The run's settings a fix starts from (None where the config is unknown)."""
+    """The run's settings a fix starts from (None where the config is unknown). The global batch is
+    the config's, else (a run that let meshlm derive it: micro × accumulation × DP) the one the last
+    record logged, so a fix gives its number, not "×2" advice that no flag takes."""
 
-    def __init__(self, config: Optional[dict]):
+    def __init__(self, config: Optional[dict], records: tuple = ()):
         c = config or {}
         p, t, m = c.get("parallel", {}), c.get("training", {}), c.get("model", {})
         self.tp, self.pp = p.get("tensor_model_parallel_size"), p.get("pipeline_model_parallel_size")
@@ -262,9 +273,18 @@ class _Flags:
         self.zero = max(SHARDING.get(p.get("data_parallel_sharding_strategy") or "no_shard", 0),
                         1 if p.get("use_distributed_optimizer") else 0, 3 if p.get("use_torch_fsdp2") else 0)
         self.sharding, self.param_gather = p.get("data_parallel_sharding_strategy"), p.get("overlap_param_gather")
-        self.micro, self.global_batch = t.get("micro_batch_size"), t.get("global_batch_size")
+        logged = next((r["global_batch_size"] for r in reversed(records) if r.get("global_batch_size")), None)
+        self.micro = t.get("micro_batch_size")
+        self.global_batch = t.get("global_batch_size") or (int(logged) if config and logged else None)
         self.recompute = t.get("recompute_granularity") or ("selective" if t.get("recompute_activations") else None)
+        self.switch_recompute = bool(t.get("recompute_activations"))
         self.layers = m.get("num_layers")
+        o = c.get("optimizer", {})
+        self.lr, self.clip = o.get("lr"), o.get("clip_grad")
+        self.fp16 = t.get("fp16") if config else None
+        self.by_samples = t.get("train_samples") is not None
+        self.warmup = o.get("lr_warmup_samples" if self.by_samples else "lr_warmup_iters")
+        self.length = t.get("train_samples" if self.by_samples else "train_iters")
 
     def times(self, value, factor, flag):
         """{flag: value × factor} when value is known, else {flag: "×factor"} (advice)."""
@@ -400,9 +420,13 @@ def _memory(records: list, f: _Flags) -> Finding:
     used = peak / total
     msg = f"peak memory {peak:.1f} GiB of {total:.1f} GiB ({100 * used:.0f}%, headroom {total - peak:.1f} GiB)"
     if used > MEMORY_TIGHT:
-        fixes = [Fix({"--recompute-granularity": "selective"} if not f.recompute else
-                     {"--recompute-granularity": "full", "--recompute-method": "uniform"},
-                     "recompute activations in backward")]
+        fixes = []  # full recompute needs its method and layer count (pretrain refused it without)
+        if f.recompute != "full":
+            fixes.append(Fix({"--recompute-granularity": "selective"} if not f.recompute else
+                             {"--recompute-granularity": "full", "--recompute-method": "uniform",
+                              "--recompute-num-layers": "1"},
+                             "recompute activations in backward" + (" (drop --recompute-activations, which means "
+                                                                     "selective)" if f.switch_recompute else "")))
         if not f.zero:
             fixes.append(Fix({"--use-distributed-optimizer": None}, "shard the optimizer states over DP (ZeRO-1)"))
         elif f.zero < 3:
@@ -413,8 +437,9 @@ def _memory(records: list, f: _Flags) -> Finding:
         return Finding("memory", "warn", msg + ": close to out of memory", used, fixes)
     if used < MEMORY_SPARE:
         fixes = [Fix(f.times(f.micro, 2, "--micro-batch-size"), "use the spare memory for larger GEMMs")]
-        if f.recompute:
-            fixes.append(Fix({"--recompute-granularity": None}, "drop recompute (saves its forward again)"))
+        if f.recompute:  # no flag value turns it off: it is dropped (a bare --recompute-granularity is refused)
+            fixes.append(Fix({}, "drop --recompute-granularity / --recompute-activations: no forward run again "
+                                 "in backward"))
         return Finding("memory", "info", msg + ": room to spare", used, fixes)
     return Finding("memory", "ok", msg)
 
@@ -434,8 +459,13 @@ def _throughput(steady: list) -> Optional[Finding]:
     return Finding("throughput", "ok", msg)
 
 
-def _loss(records: list) -> list:
-    """Loss spikes (the trainer's "loss_spike", or a jump over the previous records) and NaNs."""
+def _loss(records: list, f: _Flags) -> list:
+    """Loss spikes (the trainer's "loss_spike", or a jump over the previous records) and NaNs, with
+    fixes from the run's settings: half its --lr, twice its warm-up (a tenth of the run from none) in
+    the run's unit (--lr-warmup-samples for a --train-samples run, which refuses the iterations'
+    flag), clipping only where it is off or looser than 1.0, bf16 only for an fp16 run (each was
+    offered whatever the run had: --clip-grad 1.0 to a run clipping at 1.0, "bf16 instead of fp16"
+    to an fp32 run)."""
     out, spikes = [], []
     for i, r in enumerate(records):
         loss = r.get("lm_loss")
@@ -445,21 +475,32 @@ def _loss(records: list) -> list:
         if r.get("loss_spike") or jump:
             spikes.append(r["iteration"])
     if spikes:
+        warmup = "--lr-warmup-samples" if f.by_samples else "--lr-warmup-iters"
+        longer = str(2 * f.warmup) if f.warmup else str(max(1, f.length // 10)) if f.length else "longer"
+        fixes = [Fix({"--lr": _lower_lr(f)}, "a smaller learning rate"),
+                 Fix({warmup: longer}, "a longer warm-up")]
+        if f.clip is None or f.clip == 0 or f.clip > 1.0:
+            fixes.append(Fix({"--clip-grad": "1.0"}, "clip the gradient norm" +
+                             (" (the run had it off)" if f.clip == 0 else "")))
         out.append(Finding("loss_spike", "warn", f"loss spikes at iteration(s) {', '.join(map(str, spikes))}", None,
-                           [Fix({"--lr": "lower"}, "a smaller learning rate"),
-                            Fix({"--lr-warmup-iters": "longer"}, "a longer warm-up"),
-                            Fix({"--clip-grad": "1.0"}, "clip the gradient norm (0 turns clipping off)")]))
+                           fixes))
     nans = max((r.get("nan_iters") or 0) for r in records)
     skipped = max((r.get("skipped_iters") or 0) for r in records)
     if nans:
-        out.append(Finding("nan", "warn", f"{nans} iteration(s) had a NaN/inf loss", None,
-                           [Fix({"--bf16": None}, "bf16 instead of fp16 (no overflow at the same range)"),
-                            Fix({"--lr": "lower"}, "a smaller learning rate; resume from the last checkpoint "
-                                                   "before the first NaN")]))
+        fixes = [Fix({"--bf16": None}, "bf16 instead of fp16 (no overflow at the same range)")] \
+            if f.fp16 is not False else []
+        fixes.append(Fix({"--lr": _lower_lr(f)}, "a smaller learning rate; resume from the last checkpoint "
+                                                 "before the first NaN"))
+        out.append(Finding("nan", "warn", f"{nans} iteration(s) had a NaN/inf loss", None, fixes))
     elif skipped:
         out.append(Finding("nan", "info", f"{skipped} step(s) skipped for inf/NaN gradients (fp16 loss-scale "
                            f"back-off is normal at the start)"))
     return out
+
+
+def _lower_lr(f: _Flags) -> str:
+    """Half the run's --lr as a flag value, or "lower" (advice) when the config is unknown."""
+    return f"{f.lr / 2:g}" if f.lr else "lower"
 
 
 def _stragglers(steady: list) -> Optional[Finding]:

@@ -99,8 +99,9 @@ def calibrate(cfg: Config, *, quick: bool = False, base: GPU = PRESETS["H200-141
     hbm = 2 * n / _best(lambda: dst.copy_(src), 3 if quick else 10, sync)
     props = torch.cuda.get_device_properties(0) if cuda else None
     memory = props.total_memory if cuda else base.memory_bytes
-    link = base.intra_node_bytes_per_s
+    link, link_note = base.intra_node_bytes_per_s, f"links not measured (one device: {base.name}'s)"
     if cuda and torch.cuda.device_count() > 1:
+        link_note = "GPU 0 → 1 copy as the intra-node link"
         other = torch.empty(n, dtype=torch.uint8, device="cuda:1")
         link = n / _best(lambda: other.copy_(src), 5, lambda: (torch.cuda.synchronize(0), torch.cuda.synchronize(1)))
     launch = host.launch_seconds(dev, 200 if quick else 2000)
@@ -109,8 +110,9 @@ def calibrate(cfg: Config, *, quick: bool = False, base: GPU = PRESETS["H200-141
                    intra_node_bytes_per_s=link, gemm_efficiency=min(1.0, achieved / peak / size),
                    fp8_gemm_speedup=fp8, fp8_half_dim=half_dim, grouped_gemm_efficiency=grouped_eff, grouped_wave_s=wave_s, sm_count=sms,
                    source=f"measured by meshlm plan --calibrate on {name} ({'quick' if quick else 'full'} shapes "
-                          f"{shapes}; GEMM {achieved / 1e12:.2f} TFLOP/s; {fp8_note}; {grouped_note}; "
-                          f"memory copy {hbm / 1e9:.1f} GB/s; a kernel launch {1e6 * launch:.1f} µs on the host)")
+                          f"{shapes}; GEMM {achieved / 1e12:.3g} TFLOP/s; {fp8_note}; {grouped_note}; "
+                          f"memory copy {hbm / 1e9:.1f} GB/s; a kernel launch {1e6 * launch:.1f} µs on the host; "
+                          f"{link_note})")
 
 
 def _bf16_seconds(shapes: list, repeats: int, calls: int, dev, dtype, sync) -> float:

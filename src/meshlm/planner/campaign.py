@@ -4,7 +4,8 @@ Given a layout's step time (``cost.StepTime.total``, seconds), the global batch 
 sequence length and the job's GPUs, and the run's length (``--train-iters``, ``--train-samples`` or
 ``--train-tokens``), ``campaign`` computes:
 
-- steps, tokens, the failure-free time to train T (steps × step) and GPU-hours (T × GPUs);
+- steps and tokens as ``meshlm pretrain`` takes them (``run_length``: a ramp's smaller steps counted),
+  the failure-free time to train T (samples / global batch × step) and GPU-hours (T × GPUs);
 - failures: each GPU fails independently with a mean time between failures ``--gpu-mtbf-hours``,
   default ``MTBF_GPU_HOURS`` from Meta's Llama 3 report (Dubey et al. 2024, "The Llama 3 Herd of
   Models", §3.3.4 and Table 5: 419 unexpected interruptions in a 54-day snapshot of pre-training on
@@ -39,6 +40,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from typing import Optional
+
+from ..batches import BatchSchedule
 
 MTBF_GPU_HOURS = 16384 * 54 * 24 / 419  # Llama 3 §3.3.4: 419 unexpected interruptions, 54 days, 16,384 GPUs
 WRITE_BYTES_PER_S = 273e9  # Narayanan et al. 2021 §5: checkpoint saves at 273 GB/s (Selene)
@@ -100,17 +103,36 @@ class Campaign:
         return asdict(self)
 
 
-def run_steps(train_iters: Optional[int], train_samples: Optional[int], train_tokens: Optional[float],
-              global_batch: int, seq_length: int) -> Optional[int]:
-    """Optimizer steps of the run: --train-iters, else ⌈samples / global batch⌉, else ⌈tokens /
-    (global batch × seq)⌉; None when no length is given."""
+def run_length(train_iters: Optional[int], train_samples: Optional[int], train_tokens: Optional[float],
+               schedule: BatchSchedule, seq_length: int) -> Optional[tuple]:
+    """(optimizer steps, samples they consume) of the run, as ``meshlm pretrain`` takes them, or None
+    when no length is given. ``schedule``: the run's global batch per step (batches.py, the
+    --rampup-batch-size ramp included). --train-iters: that many steps; --train-samples: the steps
+    that fit, a partial last batch dropped (``BatchSchedule.iterations``, Megatron's rule: 801
+    samples at batch 8 are 100 steps, not 101); --train-tokens: the fewest steps that reach the
+    tokens (⌈tokens / seq⌉ samples)."""
     if train_iters is not None:
-        return train_iters
-    if train_samples is not None:
-        return math.ceil(train_samples / global_batch)
-    if train_tokens is not None:
-        return math.ceil(train_tokens / (global_batch * seq_length))
-    return None
+        steps = train_iters
+    elif train_samples is not None:
+        steps = schedule.iterations(train_samples)
+    elif train_tokens is not None:
+        need = math.ceil(train_tokens / seq_length)
+        steps = schedule.iterations(need)
+        steps += _consumed(schedule, steps) < need
+    else:
+        return None
+    return steps, _consumed(schedule, steps)
+
+
+def _consumed(schedule: BatchSchedule, steps: int) -> int:
+    """Samples consumed by the first ``steps`` steps: the ramp's steps one by one, the rest at G."""
+    ramp_steps, ramp_samples = schedule.ramp_end()
+    if steps >= ramp_steps:
+        return ramp_samples + (steps - ramp_steps) * schedule.global_batch
+    consumed = 0
+    for _ in range(steps):
+        consumed += schedule.batch_at(consumed)
+    return consumed
 
 
 def _saving(mode: str, train_s: float, step_s: float, blocking: float, durable: float, mtbf: float,
@@ -130,18 +152,23 @@ def _saving(mode: str, train_s: float, step_s: float, blocking: float, durable: 
 
 
 def campaign(*, steps: int, step_s: float, global_batch: int, seq_length: int, num_gpus: int, params: int,
-             gpu_mtbf_hours: float = MTBF_GPU_HOURS, write_bytes_per_s: float = WRITE_BYTES_PER_S,
-             restart_s: float = RESTART_S, async_save: bool = False) -> Campaign:
-    """The campaign of ``steps`` optimizer steps of ``step_s`` seconds on ``num_gpus`` GPUs, for a
-    model of ``params`` parameters (module doc for every term and its source)."""
-    train_s = steps * step_s
+             samples: Optional[int] = None, gpu_mtbf_hours: float = MTBF_GPU_HOURS,
+             write_bytes_per_s: float = WRITE_BYTES_PER_S, restart_s: float = RESTART_S,
+             async_save: bool = False) -> Campaign:
+    """The campaign of ``steps`` optimizer steps on ``num_gpus`` GPUs, ``step_s`` seconds a step of
+    ``global_batch`` samples, for a model of ``params`` parameters (module doc for every term and
+    its source). samples: what the steps consume (``run_length``; default steps × global batch);
+    fewer under a --rampup-batch-size ramp, whose smaller steps are priced at the full batch's time
+    per sample."""
+    samples = steps * global_batch if samples is None else samples
+    train_s = samples / global_batch * step_s
     mtbf = gpu_mtbf_hours * HOUR / num_gpus
     ckpt = CHECKPOINT_BYTES_PER_PARAM * params
     write = ckpt / write_bytes_per_s
     saves = {"sync": _saving("sync", train_s, step_s, write, write, mtbf, restart_s, steps),
              "async": _saving("async", train_s, step_s, ckpt / num_gpus / D2H_BYTES_PER_S, write, mtbf, restart_s,
                               steps)}
-    return Campaign(steps=steps, tokens=float(steps) * global_batch * seq_length, step_s=step_s, train_s=train_s,
+    return Campaign(steps=steps, tokens=float(samples) * seq_length, step_s=step_s, train_s=train_s,
                     train_days=train_s / DAY, gpu_hours=train_s * num_gpus / HOUR, num_gpus=num_gpus,
                     gpu_mtbf_hours=gpu_mtbf_hours, job_mtbf_s=mtbf, params=params, checkpoint_bytes=ckpt,
                     write_bytes_per_s=write_bytes_per_s, restart_s=restart_s,

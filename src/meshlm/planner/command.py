@@ -91,18 +91,40 @@ def plan_vocab(cfg) -> tuple:
     return vocab, f"{source} ({', '.join(absent)} not found)"
 
 
+def _tflops(flops: float) -> str:
+    """TFLOP/s for a line: whole above 10, else 3 significant digits (a CPU's 0.0015 printed as 0)."""
+    tf = flops / 1e12
+    return f"{tf:.0f}" if tf >= 10 else f"{tf:.3g}"
+
+
+def _run_length_check(t) -> None:
+    """ConfigError for a run length ``meshlm pretrain`` refuses (validate's rules), before the search:
+    --train-samples below one global batch (no step: the campaign divided by zero) and a
+    --rampup-batch-size ramp with --train-iters (the ramp is sample-based)."""
+    from ..errors import ConfigError
+    if t.rampup_batch_size is not None and t.train_iters is not None:
+        raise ConfigError("--rampup-batch-size needs --train-samples or --train-tokens (the ramp is sample-based, "
+                          "as in Megatron); give the run's length in samples instead of --train-iters")
+    if t.rampup_batch_size is None and t.train_samples is not None and t.train_samples < t.global_batch_size:
+        raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch ({t.global_batch_size}): "
+                          f"the run would take no step; raise --train-samples")
+
+
 def _campaign(args, cfg, cand, vocab: int, world: int) -> dict:
     """campaign.campaign of one candidate layout as JSON, or {"note"} when the flags give no run length."""
-    from .campaign import campaign, run_steps
+    from ..batches import BatchSchedule
+    from .campaign import campaign, run_length
     from .layout import Layout
     from .params import stage_params
     t, m = cfg.training, cfg.model
-    steps = run_steps(t.train_iters, t.train_samples, args.train_tokens, t.global_batch_size, m.seq_length)
-    if steps is None:
+    schedule = BatchSchedule(t.global_batch_size, 1, tuple(t.rampup_batch_size) if t.rampup_batch_size else None)
+    length = run_length(t.train_iters, t.train_samples, args.train_tokens, schedule, m.seq_length)
+    if length is None:
         return {"note": "give --train-iters, --train-samples or --train-tokens for the campaign"}
+    steps, samples = length
     params = stage_params(Layout(micro_batch=cand.layout.micro_batch).apply(cfg), vocab)[0]  # the whole model
     return campaign(steps=steps, step_s=cand.time.total, global_batch=t.global_batch_size, seq_length=m.seq_length,
-                    num_gpus=world, params=params, gpu_mtbf_hours=args.gpu_mtbf_hours,
+                    num_gpus=world, samples=samples, params=params, gpu_mtbf_hours=args.gpu_mtbf_hours,
                     write_bytes_per_s=args.ckpt_write_gbps * 1e9, restart_s=args.restart_minutes * 60,
                     async_save=cfg.checkpoint.async_save).to_json()
 
@@ -178,6 +200,7 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     per_node = min(args.gpus_per_node, world)
     vocab, source = plan_vocab(cfg)
     cfg.training.global_batch_size = global_batch(cfg, world) or cfg.training.micro_batch_size
+    _run_length_check(cfg.training)
     half = cfg.training.bf16 or cfg.training.fp16
     mine = Layout.of(cfg, world)
     warnings = lint(cfg, world, per_node, gpu, vocab)
@@ -208,13 +231,14 @@ def run(args: argparse.Namespace, config_and_source) -> int:
         from .nofit import no_fit_advice
         doc["no_fit"] = no_fit_advice(cfg, world, gpu, vocab, excluded, gpus_per_node=args.gpus_per_node, half=half)
     if args.json:
-        print(json.dumps(doc))
+        from ..metrics_json import dumps
+        print(dumps(doc))  # valid JSON: an infinite campaign (no progress between failures) as "Infinity"
         return 0 if fits else NO_FIT
     m = cfg.model
     print(f"model: {m.num_layers} layers, h {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
           f"vocabulary {vocab}; global batch {cfg.training.global_batch_size}")
     print(recommend(cfg, world, args.train_tokens).line())
-    print(f"cluster: {world} × {gpu.name} ({gpu.memory_bytes / GiB:.1f} GiB, {gpu.peak_flops / 1e12:.0f} TFLOP/s bf16), "
+    print(f"cluster: {world} × {gpu.name} ({gpu.memory_bytes / GiB:.1f} GiB, {_tflops(gpu.peak_flops)} TFLOP/s bf16), "
           f"{per_node} per node; profile: {gpu.source}")
     for w in warnings:
         print(f"warning: {w}")
@@ -256,8 +280,9 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     print(f"excluded ({len(excluded)}):")
     for e in excluded:
         print(f"  {e['layout']}: {e['reason']}")
-    if any(moe_layer_pattern(cfg.model)):
-        print("  CP > 1: not searched for an MoE model (meshlm does not run MoE with CP yet)")
+    if cfg.model.seq_length >= LONG_SEQUENCE and any(moe_layer_pattern(cfg.model)) and cfg.training.fp8_format:
+        print("  CP > 1: not searched for an FP8 MoE model (meshlm refuses --fp8-format with --num-experts and "
+              "--context-parallel-size > 1)")
     elif cfg.model.seq_length < LONG_SEQUENCE:
         print(f"  CP > 1: not searched below a {LONG_SEQUENCE}-token sequence (give --context-parallel-size C "
               f"to plan your own CP layout above)")

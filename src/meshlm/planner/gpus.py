@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -141,14 +142,41 @@ def save_profile(gpu: GPU, path: Optional[str] = None) -> str:
 
 
 def load_profile(path: str) -> GPU:
-    """A profile JSON written by save_profile. ConfigError if missing or malformed."""
+    """A profile JSON written by save_profile. ConfigError if missing or malformed, or when a value
+    is not of its kind (``profile_problem``: a peak of 0 was a ZeroDivisionError, a string a
+    TypeError, a negative one a plan of negative times)."""
     try:
         with open(path) as fh:
             data = json.load(fh)
-        return GPU(**{f.name: data[f.name] for f in dataclasses.fields(GPU) if f.name in data})
+        gpu = GPU(**{f.name: data[f.name] for f in dataclasses.fields(GPU) if f.name in data})
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"--gpu-profile {path}: not a meshlm GPU profile ({e}); write one with "
                           f"`meshlm plan --calibrate`") from None
+    problem = profile_problem(gpu)
+    if problem:
+        raise ConfigError(f"--gpu-profile {path}: {problem}; fix it, or write it again with `meshlm plan --calibrate`")
+    return gpu
+
+
+def profile_problem(gpu: GPU) -> Optional[str]:
+    """The first field of a loaded profile that is not of its kind, in words, or None: the name a
+    string, every other field a finite number above 0 (``grouped_wave_s`` may be 0), ``sm_count`` an
+    integer, ``gemm_efficiency`` at most 1 (as --gpu-gemm-efficiency)."""
+    if not isinstance(gpu.name, str) or not gpu.name:
+        return f"name is {gpu.name!r}, not a device name"
+    for f in dataclasses.fields(GPU):
+        v = getattr(gpu, f.name)
+        if f.name in ("name", "source"):
+            continue
+        low = 0 if f.name == "grouped_wave_s" else None
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not number or (v < 0 if low == 0 else v <= 0) or (f.name == "sm_count" and v != int(v)) \
+                or (f.name == "gemm_efficiency" and v > 1):
+            limit = "an integer above 0" if f.name == "sm_count" else "a finite number at most 1 and above 0" \
+                if f.name == "gemm_efficiency" else "a finite number, 0 or more" if low == 0 else \
+                "a finite number above 0"
+            return f"{f.name} is {v!r}, not {limit}"
+    return None
 
 
 def resolve_gpu(name: str, profile: Optional[str] = None, overrides: Optional[dict] = None) -> GPU:

@@ -146,9 +146,11 @@ def planner_predictor(config: Optional[dict], records: list, gpu: Optional[GPU] 
         return None, f"no predicted gains: the planner cannot model this run ({e})"
     if base is None:
         return None, "no predicted gains: the planner cannot model this run's layout"
+    as_given = Config()  # its global batch unset where the run's was: a fix's flags derive it as a launch does
+    apply_mapping(as_given, config, "the run's config")
 
     def predict(_config: Optional[dict], flags: dict) -> Optional[float]:
-        cfg = with_flags(model.cfg, flags)
+        cfg = with_flags(as_given, flags)
         after = seconds_per_sample(model, cfg) if cfg is not None else None
         if after is None or abs(after - base) <= 1e-12 * base:
             return None

@@ -1,7 +1,7 @@
 """Enumerate the layouts of a model on a cluster, keep those that fit, rank them by step time.
 
 Searched: TP ∈ powers of two dividing the world, CP ∈ powers of two dividing the rest for a long sequence (≥ ``LONG_SEQUENCE`` tokens,
-dense models: meshlm refuses MoE with CP; else 1), PP ∈ divisors of the world / (TP × CP), v ∈
+but not for an FP8 MoE model, which meshlm refuses with CP; else 1), PP ∈ divisors of the world / (TP × CP), v ∈
 {1, 2, 4} (PP > 1), DP the rest, EP ∈ powers of two dividing both the experts and DP × CP for an MoE
 model (else 1), micro-batch ∈ powers of two dividing the global batch / DP, recompute none /
 selective / full (uniform, 1 layer), the distributed optimizer when DP × CP > 1; SP on whenever
@@ -94,7 +94,7 @@ def bases(cfg: Config, world: int) -> list:
     out, divisors = [], _divisors(world)
     for tp in [t for t in _powers(world) if world % t == 0]:
         cps = [cp for cp in _powers(world // tp) if (world // tp) % cp == 0 and m.seq_length % (2 * cp) == 0] \
-            if m.seq_length >= LONG_SEQUENCE and not moe else [1]
+            if m.seq_length >= LONG_SEQUENCE and not (moe and cfg.training.fp8_format) else [1]
         for cp in cps:
             rest = world // (tp * cp)
             for pp in [d for d in divisors if d <= rest and rest % d == 0]:
