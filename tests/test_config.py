@@ -350,6 +350,17 @@ def test_split_weights_must_be_finite(split):
     assert "--split" in msg and "finite" in msg
 
 
+def test_split_weights_near_the_float_maximum_are_halves_not_a_refused_training_share():
+    """`--split 1e308,1e308,0` summed to inf: every weight became 0 (a numpy overflow warning) and the
+    run was told its positive train weight was no data."""
+    import warnings
+
+    from meshlm.data.gpt_dataset import split_weights
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert split_weights("1e308,1e308,0") == [0.5, 0.5, 0.0]
+
+
 # ----------------------------------------------------------------------------- splits over TP
 
 def tp4() -> Config:

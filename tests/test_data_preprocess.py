@@ -8,7 +8,7 @@ import pytest
 
 from meshlm.data.indexed import IndexedDataset
 from meshlm.data.preprocess import add_arguments, preprocess_files, run
-from meshlm.data.records import SHOW_BAD
+from meshlm.data.records import SHOW_BAD, check_json_keys
 from meshlm.errors import ConfigError, DataError
 
 VOCAB = 100  # NullTokenizer: text is ids, eod = 99
@@ -373,3 +373,17 @@ def test_a_files_utf8_byte_order_mark_is_not_part_of_its_first_record(tmp_path):
     ds = IndexedDataset(str(tmp_path / "out_text_document"))
     assert stats.bad.count == 0 and [ds[i].tolist() for i in range(len(ds))] == [[1, 2], [3], [4, 5]]
     assert list(iter_texts([str(jsonl), str(txt)])) == ["1 2", "3", "4 5\n"]
+
+
+def test_input_and_json_keys_given_twice_add_up_not_replace():
+    """`--input a.jsonl --input b.jsonl` (preprocess, tokenizer train) read b.jsonl alone: argparse kept
+    the last list; --json-keys likewise. Without the flag --json-keys is text."""
+    from meshlm.data.tokenizer import add_train_arguments
+    for add in (add_arguments, add_train_arguments):
+        parser = argparse.ArgumentParser()
+        add(parser)
+        args, _ = parser.parse_known_args(["--input", "a", "--input", "b", "c", "--output-prefix", "o", "--output",
+                                           "t", "--json-keys", "text", "--json-keys", "title"])
+        assert args.input == ["a", "b", "c"] and args.json_keys == ["text", "title"]
+        args, _ = parser.parse_known_args(["--input", "a", "--output-prefix", "o", "--output", "t"])
+        assert check_json_keys(args.json_keys) == ("text",)

@@ -191,3 +191,27 @@ def test_a_checkpoint_whose_tokenizer_file_is_gone_names_it_without_a_flag_gener
     assert capsys.readouterr().err.strip().endswith(
         f"not loaded through the trainer: the tokenizer the run trained with does not load (--tokenizer-model "
         f"{tmp_path / 'gone.json'}: no such file); the checkpoint names it by the run's path: put the file back there")
+
+
+def test_a_tokenizer_file_replaced_since_the_run_is_named_not_used(tmp_path, capsys):
+    """A tokenizer.json retrained in place (327 ids for a model of 300: the same padded rows) was
+    used silently: generate sampled through another vocabulary, convert --to-hf exported it."""
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.checkpoint.hf_tokenizer import export_tokenizer
+    from meshlm.cli import main
+    from meshlm.config import Config
+    from meshlm.data.tokenizer import train_bpe
+    tok = train_bpe(["a b c d e f g"] * 4, 270, str(tmp_path / "tok.json"))
+    cfg = Config()
+    cfg.data.tokenizer_type, cfg.data.tokenizer_model = "HuggingFaceTokenizer", str(tmp_path / "tok.json")
+    rows = tok.vocab_size - 2
+    ckpt.save(str(tmp_path / "ck"), 1, {"model/embedding.word_embeddings.weight": torch.zeros(rows, 4)},
+              config=cfg.to_dict())
+    changed = (f"the tokenizer file {tmp_path / 'tok.json'} gives {tok.vocab_size} ids but the checkpoint's "
+               f"vocabulary has {rows}: the file was changed since the run; put the run's tokenizer back there")
+    assert main(["generate", "--load", str(tmp_path / "ck")]) == 2
+    assert capsys.readouterr().err.strip() == f"meshlm: error: --load {tmp_path / 'ck'}: {changed}"
+    (tmp_path / "hf").mkdir()
+    assert export_tokenizer(cfg.data, str(tmp_path / "hf"), rows)[:2] == ([], [f"no tokenizer exported: {changed}"])
+    assert export_tokenizer(cfg.data, str(tmp_path / "hf"), tok.vocab_size)[0] == ["tokenizer.json",
+                                                                                    "tokenizer_config.json"]

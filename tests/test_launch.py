@@ -53,9 +53,12 @@ def test_pretrain_on_two_cpu_workers_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_a_data_error_inside_a_worker_is_one_line_naming_the_rank(tmp_path):
-    # files that exist (so validation passes) but are not an indexed dataset
-    (tmp_path / "bad.bin").write_bytes(b"")
-    (tmp_path / "bad.idx").write_bytes(b"not an index")
+    # a valid indexed dataset (so validation passes) holding an id beyond --vocab-size 128, which
+    # the workers check against the tokenizer before the first step
+    from meshlm.data.indexed import IndexedDatasetWriter
+    writer = IndexedDatasetWriter(str(tmp_path / "bad"))
+    writer.add_document(list(range(120, 140)) * 4)
+    writer.finalize()
     out = meshlm("pretrain", *[a for a in TINY if a != "--mock-data"], "--data-path", str(tmp_path / "bad"),
                  "--tokenizer-type", "NullTokenizer", "--train-iters", "2", "--nproc-per-node", "2",
                  "--run-dir", "run", cwd=tmp_path)

@@ -13,10 +13,17 @@ from meshlm.megatron_flags import MEGATRON_FLAGS, NO_EFFECT
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_llama3_8b_distributed.sh"
 
 
+def _dataset(prefix):
+    """A valid indexed dataset of one document (ids 0, 1) at ``prefix``: a launch opens its .idx."""
+    from meshlm.data.indexed import IndexedDatasetWriter
+    writer = IndexedDatasetWriter(str(prefix))
+    writer.add_document([0, 1])
+    writer.finalize()
+
+
 def _gpt3(tmp_path):
     """Megatron's examples/gpt3/train_gpt3_175b_distributed.sh flags, paths replaced."""
-    for name in ("d_text_document.bin", "d_text_document.idx"):
-        (tmp_path / name).write_text("x")
+    _dataset(tmp_path / "d_text_document")
     (tmp_path / "vocab.json").write_text('{"<|endoftext|>": 0, "a": 1, "b": 2}')  # a GPT-2 vocabulary of 3
     (tmp_path / "merges.txt").write_text("#version: 0.2\n")
     return ["pretrain", "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
@@ -176,13 +183,12 @@ def test_data_flags_have_megatron_meaning_and_default():
 # ----------------------------------------------------------------------------- examples/*.sh
 
 def _example_args(tmp_path, valid: bool) -> list:
-    """The script's five arguments, with a real tokenizer.json and stand-in .bin/.idx files."""
+    """The script's five arguments, with a real tokenizer.json and one-document .bin/.idx files."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     Tokenizer(WordLevel({"<unk>": 0, "a": 1, "<|endoftext|>": 2}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
     for name in ("train_text_document", "valid_text_document"):
-        for ext in (".bin", ".idx"):
-            (tmp_path / (name + ext)).write_text("x")
+        _dataset(tmp_path / name)
     args = [tmp_path / "ckpt", tmp_path / "tb", tmp_path / "tokenizer.json", tmp_path / "train_text_document"]
     return [str(a) for a in args + ([tmp_path / "valid_text_document"] if valid else [])]
 

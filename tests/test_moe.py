@@ -261,6 +261,15 @@ def test_moe_layer_freq_and_validation():
     assert "must divide DP × CP = 2" in text and "needs --sequence-parallel" in text
 
 
+@pytest.mark.parametrize("pattern", ["[1]+5", "[1]*[1]", "[1]*100000000000",
+                                     "+".join(["[1]"] * 5000)])
+def test_moe_layer_freq_of_mixed_kinds_or_huge_repeats_is_one_config_error(pattern):
+    """`[1]+5`, `[1]*[1]` were TypeError tracebacks, `[1]*100000000000` a MemoryError and a long sum a
+    RecursionError: each is now the flag's one-line error."""
+    with pytest.raises(ConfigError, match="--moe-layer-freq"):
+        _cfg(num_layers=2, moe_layer_freq=pattern)
+
+
 def test_moe_with_context_parallelism_validates_and_ep_stays_inside_dp_cp():
     cfg = Config()
     cfg.model.num_experts, cfg.parallel.context_parallel_size = 4, 2

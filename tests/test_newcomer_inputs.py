@@ -35,9 +35,16 @@ def test_an_empty_data_args_file_is_refused_before_any_worker(tmp_path, capsys):
     assert f"--data-args-path {args}: the file holds no dataset prefix" in err
 
 
+def _dataset(prefix):
+    """A valid indexed dataset of one document at ``prefix`` (the launch checks its .idx and .bin)."""
+    from meshlm.data.indexed import IndexedDatasetWriter
+    writer = IndexedDatasetWriter(str(prefix))
+    writer.add_document([0, 1])
+    writer.finalize()
+
+
 def test_dry_run_names_a_tokenizer_file_of_the_wrong_kind(tmp_path, capsys):
-    for name in ("d_text_document.bin", "d_text_document.idx"):
-        (tmp_path / name).write_bytes(b"x")
+    _dataset(tmp_path / "d_text_document")
     bad = tmp_path / "sp.model"
     bad.write_bytes(b"\xff\xfe not a tokenizer.json")
     err = _refused(capsys, SHAPE + ["--data-path", str(tmp_path / "d_text_document"), "--tokenizer-type",
@@ -619,3 +626,22 @@ def test_checkpoint_commands_name_dir_not_load_for_a_bad_tracker_or_a_damaged_la
     err = _refused(capsys, ["checkpoint", action, root])
     assert err.startswith(f"meshlm: error: {root}: latest_checkpointed_iteration.txt names iteration 9") and \
         "--load" not in err
+
+
+@pytest.mark.parametrize("damage", ["bin_short", "bin_long", "idx_short", "idx_magic"])
+def test_a_damaged_indexed_dataset_is_refused_before_any_worker_naming_the_flag(tmp_path, capsys, damage):
+    """A .bin cut short (a copy interrupted), a .bin of another .idx or a .idx that is no index passed the
+    dry run ("all checks passed") and the launch's checks, and stopped the workers after the run
+    directory was made."""
+    prefix = tmp_path / "d_text_document"
+    _dataset(prefix)
+    path = tmp_path / ("d_text_document.bin" if damage.startswith("bin") else "d_text_document.idx")
+    data = path.read_bytes()
+    path.write_bytes({"bin_short": data[:-2], "bin_long": data * 2, "idx_short": data[:-8],
+                      "idx_magic": b"not an index" + data}[damage])
+    data_flags = ["--data-path", "0.5", str(prefix), "0.5", str(prefix), "--vocab-size", "64",
+                  "--tokenizer-type", "NullTokenizer"]
+    for launch in (["--dry-run"], ["--run-dir", str(tmp_path / "run")]):
+        err = _refused(capsys, SHAPE + data_flags + launch)
+        assert err.startswith(f"meshlm: error: --data-path: {path}") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()

@@ -19,7 +19,7 @@ import pytest
 import meshlm
 from meshlm.cli import main
 from meshlm.config import padded_vocab_size
-from meshlm.data.indexed import IndexedDataset
+from meshlm.data.indexed import IndexedDataset, IndexedDatasetWriter
 from meshlm.data.tokenizer import TOKENIZER_FIELDS, build_tokenizer
 from meshlm.data.tokenizers_extra import TIKTOKEN_PATTERNS, TIKTOKEN_SPECIAL_TOKENS
 from meshlm.errors import ConfigError, DataError
@@ -243,8 +243,10 @@ BASE = ["pretrain", "--num-layers", "1", "--hidden-size", "32", "--num-attention
 ])
 def test_tokenizer_problems_are_found_before_any_worker_starts(models, tmp_path, monkeypatch, capsys, flags, message):
     monkeypatch.chdir(tmp_path)
-    for name in ("tokenizer.json", "d_text_document.bin", "d_text_document.idx"):  # only their names are read
-        (tmp_path / name).write_text('{"version": "1.0"}')
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0"}')  # only its name is read
+    writer = IndexedDatasetWriter(str(tmp_path / "d_text_document"))  # a launch opens the .idx
+    writer.add_document([0, 1])
+    writer.finalize()
     flags = [models[0] if f == "SP" else models[1] if f == "TIK" else f for f in flags]
     data = ["--data-path", "d_text_document"]
     assert main(BASE + data + ["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", models[0], "--dry-run"]) == 0

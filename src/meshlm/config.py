@@ -740,28 +740,46 @@ def moe_layer_pattern(m: ModelConfig) -> list:
     text = str(m.moe_layer_freq).strip()
     try:
         value = _pattern_value(ast.parse(text, mode="eval").body)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError):  # RecursionError: "[1]+[1]+…" thousands of terms
         raise ConfigError(f"--moe-layer-freq {text!r}: give an integer N or a list of 0/1 per layer such as "
                           f"\"([0]+[1]*3)*2\"") from None
     if isinstance(value, int):
         if value < 1:
             raise ConfigError(f"--moe-layer-freq {text}: give a positive integer")
         return [i % value == 0 for i in range(m.num_layers)]
-    if len(value) != m.num_layers or any(v not in (0, 1) for v in value):
+    if any(type(v) is not int or v not in (0, 1) for v in value):
+        raise ConfigError(f"--moe-layer-freq {text!r}: every entry must be 0 (dense) or 1 (MoE), one per layer, "
+                          f"such as \"([0]+[1]*3)*2\"")
+    if len(value) != m.num_layers:
         raise ConfigError(f"--moe-layer-freq {text!r} gives {len(value)} entries for --num-layers {m.num_layers}; "
                           f"give one 0 (dense) or 1 (MoE) per layer")
     return [bool(v) for v in value]
 
 
+_PATTERN_MAX = 1 << 20  # entries a --moe-layer-freq list may reach while it is built (a layer each)
+
+
 def _pattern_value(node):
-    """The value of a --moe-layer-freq expression: ints, lists of them, + and * only (no eval)."""
+    """The value of a --moe-layer-freq expression: ints, lists of them, + and * only (no eval).
+    ValueError for anything else: a list added to an int or multiplied by a list, a negative
+    repeat, or a list longer than _PATTERN_MAX entries (``[1]*10**11`` would fill the memory)."""
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value
     if isinstance(node, ast.List):
         return [_pattern_value(e) for e in node.elts]
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
         a, b = _pattern_value(node.left), _pattern_value(node.right)
-        return a + b if isinstance(node.op, ast.Add) else a * b
+        if isinstance(node.op, ast.Add):
+            if isinstance(a, list) != isinstance(b, list) or len(a if isinstance(a, list) else []) + \
+                    len(b if isinstance(b, list) else []) > _PATTERN_MAX:
+                raise ValueError(node)
+            return a + b
+        if isinstance(a, list) and isinstance(b, list):
+            raise ValueError(node)
+        items, times = (a, b) if isinstance(a, list) else (b, a)
+        if isinstance(items, list) and (times < 0 or len(items) * times > _PATTERN_MAX):
+            raise ValueError(node)
+        return a * b
     raise ValueError(node)
 
 

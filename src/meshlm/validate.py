@@ -19,7 +19,7 @@ from typing import Optional
 
 from .config import (Config, ModelConfig, config_fields, ffn_hidden, flag_of, global_batch, head_dim,
                      max_positions, moe_ffn, query_groups, rotary_dim, run_iterations, world_size_of)
-from .errors import ConfigError
+from .errors import ConfigError, DataError
 from .fp8_rules import alignment_problems, fp8_problems
 from .parallel import layout_rules
 from .values import kind_of
@@ -499,10 +499,11 @@ def _file_problems(cfg: Config) -> list:
         if d.per_split_data_args_path is not None and data[0][1] is None:
             problems.append(f"{data[0][0]}: no training data; give \"train\" a dataset")
         for flag, prefix in prefixes(data):
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(prefix + ext):
-                    problems.append(f"{flag}: {prefix + ext} does not exist ({_missing_data_fix(prefix)})")
-                    break
+            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                problems.append(f"{flag}: {prefix + missing[0]} does not exist ({_missing_data_fix(prefix)})")
+            else:  # a .idx that is no index or a .bin it does not describe stopped the workers, not this check
+                problems += _indexed_problems(flag, prefix)
     except ConfigError as e:
         problems.extend(e.problems)
     # only the files the chosen tokenizer reads: a YAML's GPT-2 files do not block a switch to
@@ -517,6 +518,17 @@ def _file_problems(cfg: Config) -> list:
     if kind in EXTRA_TYPES and d.tokenizer_model and not missing:
         problems += _tokenizer_problems(cfg)
     return problems
+
+
+def _indexed_problems(flag: str, prefix: str) -> list:
+    """The one-line reason the indexed dataset ``prefix`` (both files present) does not open —
+    the .idx's magic, version, size and document index, the .bin's size against it — or []."""
+    from .data.indexed import IndexedDataset
+    try:
+        IndexedDataset(prefix)
+    except DataError as e:
+        return [f"{flag}: {e}"]
+    return []
 
 
 def _load_problems(cfg: Config) -> list:

@@ -100,7 +100,8 @@ def export_tokenizer(data: C.DataConfig, out: str, vocab_size: int) -> tuple:
     (files written, notes, {"bos_token_id": id or None, "eos_token_id": id or None}).
 
     vocab_size: the model's (unpadded) vocabulary. A tokenizer that does not load (a file moved
-    since the run) is a note, not an error: the weights are still exported.
+    since the run) or gives another number of ids (a file replaced) is a note, not an error: the
+    weights are still exported.
     """
     from ..data.tokenizer import SENTENCEPIECE_TYPES, resolve_tokenizer_type
     no_ids = {"bos_token_id": None, "eos_token_id": None}
@@ -109,6 +110,10 @@ def export_tokenizer(data: C.DataConfig, out: str, vocab_size: int) -> tuple:
         tok = _build(data, vocab_size)
     except (ConfigError, DataError) as e:
         return [], [f"no tokenizer exported: the run's tokenizer does not load ({e})"], no_ids
+    from .state import changed_tokenizer
+    changed = changed_tokenizer(data, tok.vocab_size, vocab_size)
+    if changed:
+        return [], [f"no tokenizer exported: {changed}"], no_ids
     if kind == "NullTokenizer":
         return [], ["no tokenizer exported: the run used NullTokenizer (token ids as text)"], no_ids
     ids = {"bos_token_id": getattr(tok, "bos", None), "eos_token_id": tok.eod}

@@ -65,6 +65,19 @@ def _saved_vocab(path: str) -> Optional[int]:
     return int(meta.size[0]) if isinstance(meta, TensorStorageMetadata) else None
 
 
+def changed_tokenizer(data: C.DataConfig, ids: int, rows: int) -> Optional[str]:
+    """The one line saying the tokenizer a checkpoint's config names (by the run's path) is not the
+    one it trained with — it gives ``ids`` ids where the checkpoint's word embedding has ``rows`` —
+    or None when they agree. A replaced file would otherwise sample (generate) or export (convert
+    --to-hf) through another vocabulary: the padding rows up to --make-vocab-size-divisible-by
+    hide the difference from the weights' shapes."""
+    if ids == rows:
+        return None
+    name = data.tokenizer_model or data.vocab_file or "the run's tokenizer"
+    return (f"the tokenizer file {name} gives {ids:,} ids but the checkpoint's vocabulary has {rows:,}: the "
+            f"file was changed since the run; put the run's tokenizer back there")
+
+
 # ----------------------------------------------------------------------------- RNG states
 
 def rng_state() -> dict:

@@ -57,8 +57,8 @@ def split_weights(split: str) -> list:
     if sum(w) == 0:
         raise ConfigError(f"--split {split!r} gives every split weight 0, so the training set gets no data; "
                           f"make the first (train) weight positive, e.g. 969,30,1")
-    w = np.asarray(w + [0.0] * (3 - len(w)), dtype=np.float64)
-    return (w / w.sum()).tolist()
+    w = np.asarray(w + [0.0] * (3 - len(w)), dtype=np.float64) / max(w)  # scaled first: 1e308,1e308
+    return (w / w.sum()).tolist()                                           # summed to inf (weights 0)
 
 
 def split_ranges(split: str, num_sequences: int) -> list:

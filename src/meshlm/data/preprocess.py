@@ -215,10 +215,11 @@ def _check_written(inputs, stats: PreprocessStats, keys, text_tokens) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``meshlm preprocess`` (Megatron's tools/preprocess_data.py names)."""
-    parser.add_argument("--input", nargs="+", required=True,
+    parser.add_argument("--input", nargs="+", action="extend", required=True,
                         help="jsonl files (one JSON object per line) or plain-text files (one document each)")
     parser.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
-    parser.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl fields to tokenize")
+    parser.add_argument("--json-keys", nargs="+", action="extend", default=None,
+                        help="jsonl fields to tokenize (default: text)")
     parser.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
     parser.add_argument("--tokenizer-model", default=None,
                         help="tokenizer.json, SentencePiece .model or tiktoken vocabulary .json")

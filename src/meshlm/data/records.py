@@ -57,7 +57,9 @@ def check_inputs(paths) -> None:
 
 
 def check_json_keys(keys) -> tuple:
-    """--json-keys as a tuple; ConfigError when a key is named twice."""
+    """--json-keys as a tuple (None: the flag not given, ("text",)); ConfigError when a key is named
+    twice."""
+    keys = ("text",) if keys is None else keys
     twice = [k for k, n in Counter(keys).items() if n > 1]
     if twice:
         raise ConfigError(f"--json-keys {' '.join(keys)}: {twice[0]!r} is named twice; name each key once")

@@ -19,7 +19,7 @@ import torch
 
 from ..checkpoint import dist as ckpt
 from ..checkpoint.safe_read import reading
-from ..checkpoint.state import full_model_state
+from ..checkpoint.state import changed_tokenizer, full_model_state
 from ..config import Config, max_positions
 from ..data.tokenizer import NullTokenizer, build_tokenizer
 from ..errors import CheckpointError, ConfigError, DataError
@@ -126,9 +126,12 @@ def load_model(path: str, device: Optional[torch.device] = None) -> tuple:
     except (ConfigError, DataError) as e:  # its flags are the run's, not generate's (which has none)
         raise CheckpointError(f"--load {path}: the tokenizer the run trained with does not load ({e}); the "
                               f"checkpoint names it by the run's path: put the file back there") from None
+    full = full_model_state(folder, load=path)
+    changed = changed_tokenizer(cfg.data, tokenizer.vocab_size, full["embedding.word_embeddings.weight"].shape[0])
+    if changed:
+        raise CheckpointError(f"--load {path}: {changed}")
     device = device or torch.device("cpu")
     model = GPTModel(cfg.model, ParallelState.single(device), tokenizer.vocab_size, seed=cfg.training.seed)
-    full = full_model_state(folder, load=path)
     try:
         load_full_state_dict(model, full)
     except KeyError as e:
