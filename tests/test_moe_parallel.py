@@ -62,7 +62,8 @@ def test_compiled_moe_fast_path_equals_one_process():
 
 def _overlapped_dispatch(rank, world):
     """The EP = 2 dispatch with a side computation: the order of its exchanges, waits and the
-    side's call, and output and gradients with the side against without (float64)."""
+    side's call, forward and backward, and output and gradients with the side against without
+    (float64)."""
     import torch
     import torch.distributed as dist
     from meshlm.parallel.experts import dispatch_combine
@@ -81,6 +82,16 @@ def _overlapped_dispatch(rank, world):
         out = plain(*args, async_op=async_op, **kwargs)
         return Work(out) if async_op else out
 
+    class Logged(torch.autograd.Function):  # the side's backward, as it runs
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, dx):
+            log.append("side backward")
+            return dx
+
     dist.all_to_all_single = logged
     g = torch.Generator().manual_seed(rank)
     tokens = torch.randn(6, 4, dtype=torch.float64, generator=g, requires_grad=True)
@@ -94,21 +105,25 @@ def _overlapped_dispatch(rank, world):
 
         def side():
             log.append("side")
-            return tokens @ shared
+            return Logged.apply(tokens @ shared)
         y, s = dispatch_combine(tokens, gates, routing, lambda x, *_: 3 * x.sin(), dist.group.WORLD,
                                 routing, 1, side if overlap else None)
         s = side() if s is None else s
         forward = list(log)
+        log.clear()
         grads = torch.autograd.grad((y + s).square().sum(), (tokens, shared))
-        results.append((forward, (y + s).detach(), grads))
+        results.append((forward, list(log), (y + s).detach(), grads))
     dist.all_to_all_single = plain
     return results
 
 
 def test_shared_expert_runs_while_the_ep_exchange_is_in_flight():
-    for (plain_log, y0, g0), (log, y1, g1) in run_distributed(_overlapped_dispatch, 2):
+    for (plain_log, plain_back, y0, g0), (log, back, y1, g1) in run_distributed(_overlapped_dispatch, 2):
         assert plain_log == ["a2a async=False"] * 3 + ["side"], plain_log
         assert log == ["a2a async=False", "a2a async=True", "side", "wait", "a2a async=False"], log
+        assert plain_back == ["side backward"] + ["a2a async=False"] * 2, plain_back
+        # backward: the reverse exchange of the rows' gradients in flight over the side's backward
+        assert back == ["a2a async=False", "a2a async=True", "side backward", "wait"], back
         torch.testing.assert_close(y1, y0, rtol=0, atol=0)
         for a, b in zip(g1, g0):
             torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -23,7 +23,10 @@ At EP > 1 ``dispatch_combine`` follows Megatron's MoEAlltoAllTokenDispatcher, in
      all-to-all); the rows arrive [source rank][local expert] and are regrouped expert-major;
      with a shared expert, the exchange is started asynchronously and the shared expert's
      forward runs before it is waited for (the overlap of Megatron's
-     --moe-shared-expert-overlap, forward only: backward's exchanges block);
+     --moe-shared-expert-overlap); in backward the same: the reverse exchange of the rows'
+     gradients starts where the wait was (``_Wait.backward``) and is waited for where the exchange
+     started (``_AllToAllStart.backward``), and autograd runs the shared expert's backward between
+     the two (its nodes were made between them, and the engine runs the latest-made ready node first);
   4. the experts (``experts(x, counts)``);
   5. the inverse regrouping, the reverse all-to-all, and the gate-weighted sum of each token's k
      results in token order (index_add).
@@ -72,42 +75,58 @@ class _AllToAll(torch.autograd.Function):
         return dx, None, None, None
 
 
+def _wait(work, name: str, group, device: torch.device) -> None:
+    """Wait for an async exchange ``work`` (watched as ``name``, timed as "ep": the exposed wait)."""
+    watchdog.enter(name, group)
+    start = begin_timed(device)
+    try:
+        work.wait()
+    finally:
+        watchdog.leave()
+    end_timed("ep", start, device)
+
+
 class _AllToAllStart(torch.autograd.Function):
     """The forward exchange of ``_AllToAll`` started (async_op) and not waited for: the output's
-    rows are valid once ``_Wait`` has run; the work handle goes onto ``pending``. Backward: the
-    reverse exchange, blocking."""
+    rows are valid once ``_Wait`` has run; the work handle goes onto ``pending``, the list this node
+    shares with its ``_Wait``. Backward: waits for the reverse exchange ``_Wait.backward`` started
+    and returns its rows."""
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group, pending):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+        ctx.group, ctx.pending = group, pending
         x = x.contiguous()
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
         pending.append((dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True), x))
         return out
 
     @staticmethod
-    def backward(ctx, dy):
-        return _AllToAll.backward(ctx, dy)[:3] + (None, None)
+    def backward(ctx, _):
+        work, dx, _dy = ctx.pending.pop()
+        _wait(work, "all_to_all of the MoE token gradients", ctx.group, dx.device)
+        return dx, None, None, None, None
 
 
 class _Wait(torch.autograd.Function):
-    """y = x once ``pending``'s exchange is done (watched and timed as "ep": the exposed wait)."""
+    """y = x once ``pending``'s exchange is done. Backward: starts the reverse exchange of dy
+    (async_op; its handle, result and input onto ``pending``) and hands dy on unchanged: the rows'
+    gradients are ``_AllToAllStart.backward``'s, once it has waited."""
 
     @staticmethod
-    def forward(ctx, x, pending, group):
+    def forward(ctx, x, pending, group, out_splits, in_splits):
+        ctx.pending, ctx.group, ctx.splits = pending, group, (out_splits, in_splits)
         work, _ = pending.pop()
-        watchdog.enter("all_to_all of the MoE tokens", group)
-        start = begin_timed(x.device)
-        try:
-            work.wait()
-        finally:
-            watchdog.leave()
-        end_timed("ep", start, x.device)
+        _wait(work, "all_to_all of the MoE tokens", group, x.device)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, dy):
-        return dy, None, None
+        out_splits, in_splits = ctx.splits
+        dy = dy.contiguous()
+        dx = dy.new_empty((sum(in_splits),) + tuple(dy.shape[1:]))
+        work = dist.all_to_all_single(dx, dy, in_splits, out_splits, group=ctx.group, async_op=True)
+        ctx.pending.append((work, dx, dy))  # dy kept alive until the exchange is waited for
+        return dy, None, None, None, None
 
 
 def all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
@@ -134,7 +153,8 @@ def dispatch_combine(tokens: torch.Tensor, gates: torch.Tensor, routing_map: tor
     in x's order, expert-major, host ints) → [N, h]. chosen [T, E] bool: the k routes of each token
     before capacity dropping (EP = 1's fixed slots; routing_map ⊆ chosen). side: a callable of no
     arguments (the shared expert) or None; at EP > 1 it runs while the rows' all-to-all is in
-    flight (started async_op, waited for after it), so the exchange hides behind its compute.
+    flight (started async_op, waited for after it), so the exchange hides behind its compute, and
+    its backward while the reverse exchange of the rows' gradients is (module doc).
     Returns ([T, h] in tokens' dtype, side()'s result or None). Collective over ``group`` (the EP
     group; None at EP = 1).
     """
@@ -158,7 +178,7 @@ def dispatch_combine(tokens: torch.Tensor, gates: torch.Tensor, routing_map: tor
         pending: list = []
         x = _AllToAllStart.apply(rows, recv, send, group, pending)
         side_out = side()  # overlaps the exchange
-        x = _Wait.apply(x, pending, group)
+        x = _Wait.apply(x, pending, group, recv, send)
     x = _regroup(x, recv_list, ep, local)
     local_counts = received.view(ep, local).sum(0)
     by_expert = [recv_list[s * local + e] for e in range(local) for s in range(ep)]
