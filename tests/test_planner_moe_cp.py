@@ -227,6 +227,30 @@ def test_ep_all_to_all_is_four_exchanges_of_the_routes_leaving_the_rank():
     assert fwd16 == pytest.approx(2 * nic + COLLECTIVE_LATENCY_S, rel=1e-12) and fwd16 > 3 * fwd
 
 
+def test_a_shared_expert_hides_the_dispatch_exchange_forward_and_backward_up_to_its_time():
+    """parallel/experts.py runs the shared expert's forward and backward while the dispatch's
+    exchange and its gradient exchange are in flight: one of the two exchanges each way is hidden,
+    up to the shared expert's time."""
+    m = cfg_of("--model", "mixtral-small", "--seq-length", "2048").model
+    lay = Layout(dp=8, ep=8)
+    fwd, bwd = ep_seconds(m, 2, lay, H100, 8)
+    one = bwd / 2
+    assert ep_seconds(m, 2, lay, H100, 8, shared_forward_s=10.0) == pytest.approx((fwd - one, bwd - one), rel=1e-12)
+    small = one / 4
+    assert ep_seconds(m, 2, lay, H100, 8, shared_forward_s=small) == pytest.approx((fwd - small, bwd - 2 * small),
+                                                                                   rel=1e-12)
+    # through the step's model: a shared expert leaves less EP time exposed than its absence would
+    plain = cfg_of("--model", "mixtral-small", "--seq-length", "2048", "--micro-batch-size", "2",
+                   "--global-batch-size", "16", "--expert-model-parallel-size", "8")
+    shared = cfg_of("--model", "mixtral-small", "--seq-length", "2048", "--micro-batch-size", "2",
+                    "--global-batch-size", "16", "--expert-model-parallel-size", "8",
+                    "--moe-shared-expert-intermediate-size", "2048")
+    from meshlm.planner.cost import step_time
+    ep = [step_time(c, Layout.of(c, 8), H100, 32000, gpus_per_node=8, params_per_rank=1).ep_comm
+          for c in (plain, shared)]
+    assert 0 < ep[1] < ep[0]
+
+
 def test_cp_ring_hides_each_hop_behind_a_block_and_exposes_the_fp32_gradient_hops():
     cfg = cfg_of("--model", "llama-1b", "--seq-length", "16384", "--context-parallel-size", "4")
     lay = Layout(cp=4, dp=2, micro_batch=1)

@@ -312,7 +312,10 @@ def _work(c: Config, layout: Layout, gpu: GPU, padded: int, moe: list, logits: b
     else:
         fwd, bwd, one = 0, 0, 0.0
     halves = layers + layers - (0 if m.moe_shared_expert_intermediate_size else n_moe)
-    ep_f, ep_b = ep_seconds(m, b, layout, gpu, gpus_per_node, act_bytes=act)
+    # the shared expert (TP-split, at the dense layers' GEMM efficiency) runs while EP's exchanges do
+    shared_f = 2 * h * (m.moe_shared_expert_intermediate_size or 0) * (3 if m.swiglu else 2) * b * s / split \
+        / (gpu.peak_flops * eff)
+    ep_f, ep_b = ep_seconds(m, b, layout, gpu, gpus_per_node, act_bytes=act, shared_forward_s=shared_f)
     cp_f, cp_b = cp_seconds(c, b, layout, gpu, gpus_per_node, attn_layer_s / 3, act_bytes=act)
     host_f, host_b = host.microbatch_seconds(c, moe, fp8 or [False] * layers, (m.num_experts or 0) / layout.ep,
                                              layers if full else 0)

@@ -18,8 +18,10 @@ which MoE needs at TP > 1); R = k·T their routes; E experts of width f_e, EP ra
   Transformer, Fedus et al. 2021, arXiv 2101.03961): per MoE layer and micro-batch, dispatch and
   combine in forward and their gradients in backward, 4 all-to-alls; in each a rank sends
   R·h·bytes·(EP − 1)/EP (the R/EP routes of each other EP rank), plus one counts exchange (latency
-  only) in forward. meshlm's all-to-all blocks
-  (experts.py), so all of it is exposed; full recompute repeats the forward ones. The EP group's
+  only) in forward. meshlm's all-to-alls block (experts.py), so all of them are exposed, except
+  with a shared expert: the dispatch's exchange runs while the shared expert's forward does, and its
+  gradient exchange while the shared expert's backward does, each hidden up to that compute
+  (``ep_seconds``); full recompute repeats the forward ones. The EP group's
   ranks are TP apart inside the DP × CP ranks: min(EP, GPUs per node / TP) of them share a node and
   exchange over NVLink while the others use the NIC, at once: max(NVLink bytes / its bandwidth,
   NIC bytes / its bandwidth).
@@ -127,14 +129,18 @@ def _a2a_seconds(nbytes: float, layout, gpu: GPU, gpus_per_node: int) -> float:
                (ep - local) * per_peer / gpu.inter_node_bytes_per_s) + LATENCY_S
 
 
-def ep_seconds(m: ModelConfig, b: int, layout, gpu: GPU, gpus_per_node: int, *, act_bytes: int = 2) -> tuple:
-    """(forward, backward) seconds of one MoE layer's all-to-alls per micro-batch (module doc):
-    forward the counts exchange and 2 all-to-alls of R·h·act bytes, backward 2 more."""
+def ep_seconds(m: ModelConfig, b: int, layout, gpu: GPU, gpus_per_node: int, *, act_bytes: int = 2,
+               shared_forward_s: float = 0.0) -> tuple:
+    """(forward, backward) exposed seconds of one MoE layer's all-to-alls per micro-batch (module
+    doc): forward the counts exchange and 2 all-to-alls of R·h·act bytes, backward 2 more; with a
+    shared expert whose forward takes ``shared_forward_s`` on the rank (its backward twice that), the
+    dispatch's exchange hides behind its forward and the dispatch's gradient exchange behind its
+    backward, each up to the shared expert's time."""
     if layout.ep <= 1:
         return 0.0, 0.0
     one = _a2a_seconds(m.moe_router_topk * tokens_per_rank(m, b, layout) * m.hidden_size * act_bytes,
                        layout, gpu, gpus_per_node)
-    return 2 * one + LATENCY_S, 2 * one
+    return 2 * one + LATENCY_S - min(one, shared_forward_s), 2 * one - min(one, 2 * shared_forward_s)
 
 
 def kv_bytes(m: ModelConfig, b: int, layout, act_bytes: int = 2) -> float:
