@@ -25,7 +25,7 @@ interleaved (v 2); the planner's best layout for 2 GPUs (`meshlm plan`'s search,
 on 8 GPUs DP 8 and Llama-3-8B (seq 2048, micro-batch 1, global batch 16) at TP 2 SP × PP 2 × DP 2
 with the distributed optimizer and both overlaps, and at the planner's best layout for 8 GPUs;
 issue 31's moe-1gpu and moe-ep2: mixtral-small with a shared expert of 3584 (micro-batch 8, global
-64) at EP 1 and at EP 2 × DP 2, where the rows' all-to-all overlaps the shared expert's forward
+64) at EP 1 and at EP 2 × DP 2, where the rows' all-to-all overlaps the shared expert's forward and backward
 (their scaling is against moe-1gpu: each model's first 1-GPU case is its baseline; --tiny runs
 them on mixtral-tiny).
 Each case is one `meshlm pretrain` process (bench/runs.py), logging every ``log`` iterations; the
@@ -66,7 +66,7 @@ MODELS = {  # name: (flags, iterations, log interval)
     "llama3-8b": (["--model", "llama3-8b", "--vocab-size", "128256", "--seq-length", "2048",
                    "--max-position-embeddings", "2048", "--micro-batch-size", "1", "--global-batch-size", "16"], 8, 2),
     "tiny": (TINY + ["--num-layers", "4", "--micro-batch-size", "2", "--global-batch-size", "8"], 6, 2),
-    # issue 31: mixtral-small with a shared expert (the EP all-to-all overlaps its forward)
+    # issue 31: mixtral-small with a shared expert (the EP all-to-all overlaps its forward and backward)
     "mixtral-shared": (["--model", "mixtral-small", "--vocab-size", "32000", "--seq-length", "2048",
                         "--max-position-embeddings", "2048", "--moe-shared-expert-intermediate-size", "3584",
                         "--micro-batch-size", "8", "--global-batch-size", "64"], 12, 4),
