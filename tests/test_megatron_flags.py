@@ -267,11 +267,18 @@ def test_mixtral_example_dry_runs_unchanged_with_sp_turned_off_at_tp_1(tmp_path,
      "--moe-router-load-balancing-type sinkhorn: not supported by meshlm, which has aux_loss"),
     (["--position-embedding-type", "learned_absolute"],
      "--no-position-embedding is deprecated (as in Megatron) and allowed only with --position-embedding-type rope"),
+    (["--moe-router-dtype", "fp64"], "argument --moe-router-dtype: invalid choice: 'fp64' (choose from 'fp32')"),
 ])
 def test_mixtral_flags_refuse_what_meshlm_cannot_do_in_one_line(tmp_path, capsys, argv, expected):
     assert main(_mixtral(tmp_path) + argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err, err
+
+
+def test_mixtral_example_with_the_router_in_fp32_dry_runs(tmp_path, capsys):
+    """DeepSeek-style Megatron scripts pass --moe-router-dtype fp32, which meshlm always does: it was
+    refused as an unsupported Megatron flag."""
+    assert main(_mixtral(tmp_path) + ["--moe-router-dtype", "fp32"]) == 0, capsys.readouterr().err
 
 
 def test_load_balancing_none_applies_no_aux_loss():

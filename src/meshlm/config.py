@@ -114,6 +114,8 @@ class ModelConfig:
     moe_router_load_balancing_type: str = opt(
         "aux_loss", "router load balancing: aux_loss (the --moe-aux-loss-coeff loss) or none (no aux loss); "
         "Megatron's other kinds are refused")
+    moe_router_dtype: str = opt("fp32", "the router's logits, scores, top-k and aux losses: fp32 (the only dtype "
+                                "meshlm computes them in; model/router_gemm.py)", choices=["fp32"])
     moe_aux_loss_coeff: float = opt(0.0, "load-balancing loss coefficient α (Switch/GShard: α·E·Σ f_i·P_i)")
     moe_z_loss_coeff: Optional[float] = opt(None, "router z-loss coefficient (ST-MoE: mean logsumexp²)")
     moe_router_enable_expert_bias: bool = opt(

@@ -56,6 +56,8 @@ DIFFERENT_DEFAULTS = {
     "--eval-iters": ("100", "short runs evaluate quickly"),
     "--use-cpu-initialization": ("off", "full weights from one seed, sliced per rank: any layout starts identical"),
     "--accumulate-allreduce-grads-in-fp32": ("off", "main_grad is fp32 wherever gradients are summed"),
+    "--moe-router-dtype": ("none: the input's dtype", "the router in fp32 always: its top-k and gates are not rounded "
+                           "to bf16 (fp64, Megatron's other choice, is refused)"),
     "--fp8-recipe": ("delayed", "tensorwise scales by the current amaxes: no history to warm up, and the recipe "
                      "bench/ measured (delayed is built too: meshlm/fp8_rules.py)"),
 }
