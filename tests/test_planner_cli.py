@@ -180,3 +180,13 @@ def test_a_gpu_profile_value_of_the_wrong_kind_is_one_line(tmp_path, capsys, fie
     assert main(["plan", *GPT, "--num-gpus", "1", "--gpu-profile", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert f"--gpu-profile {path}: {words}" in err and len(err.splitlines()) == 1
+
+
+def test_nproc_per_node_is_one_node_of_that_many_gpus(capsys):
+    """`plan --nproc-per-node 16` planned the 16 workers meshlm starts on one node as two nodes of
+    --gpus-per-node's default 8 (TP 16 'crossing a node', DP over the inter-node link)."""
+    assert main(["plan", *GPT, "--nproc-per-node", "16", "--json", "--top", "1"]) == 0
+    cluster = json.loads(capsys.readouterr().out)["cluster"]
+    assert (cluster["num_gpus"], cluster["gpus_per_node"]) == (16, 16)
+    assert main(["plan", *GPT, "--nproc-per-node", "16", "--gpus-per-node", "8"]) == 2
+    assert "--nproc-per-node 16 starts 16 workers on one node of --gpus-per-node 8" in capsys.readouterr().err

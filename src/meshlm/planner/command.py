@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The cluster flags (pretrain's flags are added by the CLI)."""
     g = parser.add_argument_group("cluster (meshlm plan)")
     g.add_argument("--num-gpus", type=int, default=None, help="GPUs of the job (default: the launch's world size)")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (one NVLink domain)")
+    g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (one NVLink domain; default: "
+                   "--nproc-per-node, the workers meshlm starts on one node, else 8)")
     g.add_argument("--gpu", default="H100-80GB", help=f"GPU preset ({', '.join(PRESETS)}) or a calibrated profile's name")
     g.add_argument("--gpu-profile", default=None, help="a GPU profile JSON (written by --calibrate)")
     for key, (_, _unit) in OVERRIDES.items():
@@ -93,6 +94,23 @@ def _tflops(flops: float) -> str:
     return f"{tf:.0f}" if tf >= 10 else f"{tf:.3g}"
 
 
+def _resolve_gpus_per_node(args, nproc) -> None:
+    """Set args.gpus_per_node: as given, else --nproc-per-node (meshlm starts that many workers on
+    one node: 16 of them were planned as two nodes of 8), else 8. ConfigError for --nproc-per-node
+    above a given --gpus-per-node, or a --num-gpus that is not whole nodes."""
+    from ..errors import ConfigError
+    if args.gpus_per_node is None:
+        args.gpus_per_node = nproc or 8
+    elif nproc and nproc > args.gpus_per_node:
+        raise ConfigError(f"--nproc-per-node {nproc} starts {nproc} workers on one node of --gpus-per-node "
+                          f"{args.gpus_per_node}; give the real --gpus-per-node, or --num-gpus for a job of several "
+                          f"nodes (without --nproc-per-node)")
+    n = args.gpus_per_node
+    if args.num_gpus and args.num_gpus > n and args.num_gpus % n:
+        raise ConfigError(f"--num-gpus {args.num_gpus} is not whole nodes of --gpus-per-node {n}; give a multiple "
+                          f"of {n} (or the real --gpus-per-node)")
+
+
 def _run_length_check(t) -> None:
     """ConfigError for a run length ``meshlm pretrain`` refuses (validate's rules), before the search:
     --train-samples below one global batch (no step: the campaign divided by zero) and a
@@ -149,7 +167,7 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     finite = math.inf  # every value below is a finite number: an inf MTBF or bandwidth made a traceback
     cluster = [f"{flag} {value}: give {what}" for flag, value, ok, what in (
         ("--num-gpus", args.num_gpus, args.num_gpus is None or args.num_gpus >= 1, "the job's GPU count (1 or more)"),
-        ("--gpus-per-node", args.gpus_per_node, args.gpus_per_node >= 1, "1 or more"),
+        ("--gpus-per-node", args.gpus_per_node, args.gpus_per_node is None or args.gpus_per_node >= 1, "1 or more"),
         ("--top", args.top, args.top >= 0, "0 or more layouts to print"),
         ("--train-tokens", args.train_tokens, args.train_tokens is None or 1 <= args.train_tokens < finite,
          "a finite number of tokens, 1 or more"),
@@ -159,13 +177,11 @@ def run(args: argparse.Namespace, config_and_source) -> int:
          "minutes, 0 or more")) if not ok]
     if args.train_tokens is not None and ({"training.train_iters", "training.train_samples"} & set(vars(args))):
         cluster.append("--train-tokens with --train-iters or --train-samples: give one run length")
-    if not cluster and args.num_gpus and args.num_gpus > args.gpus_per_node and args.num_gpus % args.gpus_per_node:
-        cluster.append(f"--num-gpus {args.num_gpus} is not whole nodes of --gpus-per-node {args.gpus_per_node}; "
-                       f"give a multiple of {args.gpus_per_node} (or the real --gpus-per-node)")
     if cluster:
         from ..errors import ConfigError
         raise ConfigError(cluster)
     cfg, _ = config_and_source(args)
+    _resolve_gpus_per_node(args, cfg.parallel.nproc_per_node)
     from ..parallel.layout_rules import adjust
     adjust(cfg)  # as a launch would: no SP at TP = 1
     if args.quick and not args.calibrate:
