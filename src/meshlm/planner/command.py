@@ -140,7 +140,7 @@ def _campaign(args, cfg, cand, vocab: int, world: int) -> dict:
     return campaign(steps=steps, step_s=cand.time.total, global_batch=t.global_batch_size, seq_length=m.seq_length,
                     num_gpus=world, samples=samples, params=params, gpu_mtbf_hours=args.gpu_mtbf_hours,
                     write_bytes_per_s=args.ckpt_write_gbps * 1e9, restart_s=args.restart_minutes * 60,
-                    async_save=cfg.checkpoint.async_save).to_json()
+                    async_save=cfg.checkpoint.async_save, save_interval=cfg.checkpoint.save_interval).to_json()
 
 
 def _campaign_lines(c: dict) -> list:
@@ -151,10 +151,13 @@ def _campaign_lines(c: dict) -> list:
            f"without failures, {c['gpu_hours']:,.0f} GPU-hours; job MTBF {c['job_mtbf_s'] / 3600:.1f} h "
            f"({c['gpu_mtbf_hours']:,.0f} h a GPU / {c['num_gpus']}); checkpoint {c['checkpoint_bytes'] / 1e9:,.0f} GB"]
     for mode, s in c["saves"].items():
-        mark = " (your flags)" if mode == c["chosen"] else ""
-        out.append(f"  {mode}{mark}: save blocks {s['blocking_s']:.1f} s, durable after {s['durable_s']:.1f} s; "
-                   f"Young/Daly interval {s['interval_s'] / 60:.1f} min = {s['flags']}; {s['wall_days']:.1f} days, "
-                   f"{s['expected_failures']:.0f} failures expected, goodput {s['goodput']:.3f}")
+        mark = " (your flags)" if mode == c["chosen"] and "yours" not in c["saves"] else ""
+        name = f"your {s['flags']}" if mode == "yours" else f"{mode}{mark}"
+        interval = f"every {s['interval_s'] / 60:.1f} min" if mode == "yours" else \
+            f"Young/Daly interval {s['interval_s'] / 60:.1f} min = {s['flags']}"
+        out.append(f"  {name}: save blocks {s['blocking_s']:.1f} s, durable after {s['durable_s']:.1f} s; "
+                   f"{interval}; {s['wall_days']:.1f} days, {s['expected_failures']:.0f} failures expected, "
+                   f"goodput {s['goodput']:.3f}")
     return out
 
 
