@@ -111,6 +111,17 @@ def _resolve_gpus_per_node(args, nproc) -> None:
                           f"of {n} (or the real --gpus-per-node)")
 
 
+def _hyperparameters(cfg, world: int, train_tokens) -> dict:
+    """hyperparams.recommend as JSON for the run's compute budget, or {"note"} when the flags give
+    no run length: the recommendation was for meshlm's default of 100 iterations (an 8B model was
+    told --lr 0.0017 for 26M tokens), with nothing saying so."""
+    t = cfg.training
+    if t.train_iters is None and t.train_samples is None and train_tokens is None:
+        return {"note": "give --train-iters, --train-samples or --train-tokens for the LR and batch of the run's "
+                        "compute budget"}
+    return recommend(cfg, world, train_tokens).to_json()
+
+
 def _run_length_check(t) -> None:
     """ConfigError for a run length ``meshlm pretrain`` refuses (validate's rules), before the search:
     --train-samples below one global batch (no step: the campaign divided by zero) and a
@@ -228,7 +239,7 @@ def run(args: argparse.Namespace, config_and_source) -> int:
            "cluster": {"num_gpus": world, "gpus_per_node": per_node, "gpu": gpu.to_json()},
            "warnings": warnings, "current": current.to_json() if current else {"problems": problems},
            "layouts": [f.to_json() for f in fits], "excluded": excluded,
-           "hyperparameters": recommend(cfg, world, args.train_tokens).to_json()}
+           "hyperparameters": _hyperparameters(cfg, world, args.train_tokens)}
     from .safety import SAFE_FRACTION, is_safe
     safe = [i for i, f in enumerate(fits) if is_safe(f.memory.device_bytes, gpu.memory_bytes)]
     doc["safety"] = {"fraction": SAFE_FRACTION, "safe_bytes": SAFE_FRACTION * gpu.memory_bytes,
@@ -248,7 +259,8 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     m = cfg.model
     print(f"model: {m.num_layers} layers, h {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
           f"vocabulary {vocab}; global batch {cfg.training.global_batch_size}")
-    print(recommend(cfg, world, args.train_tokens).line())
+    hp = doc["hyperparameters"]
+    print(f"hyperparameters: {hp['note']}" if "note" in hp else recommend(cfg, world, args.train_tokens).line())
     print(f"cluster: {world} × {gpu.name} ({gpu.memory_bytes / GiB:.1f} GiB, {_tflops(gpu.peak_flops)} TFLOP/s bf16), "
           f"{per_node} per node; profile: {gpu.source}")
     for w in warnings:
