@@ -127,7 +127,11 @@ def load_run(run_dir: str) -> tuple:
     if wrong:
         raise ConfigError(f"{path}: training record {wrong[0]}: {wrong[1]}; give the metrics.jsonl `meshlm pretrain` "
                           f"wrote")
-    folder = run_dir if os.path.isdir(run_dir) else os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    folder = os.path.dirname(os.path.dirname(os.path.abspath(path)))  # the file given: RUN_DIR/logs/metrics.jsonl
+    if os.path.isdir(run_dir):  # RUN_DIR, or its logs/ folder, whose config is RUN_DIR's (it was not looked for)
+        logs = os.path.basename(os.path.abspath(run_dir)) == "logs" and not os.path.isfile(
+            os.path.join(run_dir, "config.yaml"))
+        folder = os.path.dirname(os.path.abspath(run_dir)) if logs else run_dir
     return records, _config_of(folder)
 
 
