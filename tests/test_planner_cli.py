@@ -190,3 +190,13 @@ def test_nproc_per_node_is_one_node_of_that_many_gpus(capsys):
     assert (cluster["num_gpus"], cluster["gpus_per_node"]) == (16, 16)
     assert main(["plan", *GPT, "--nproc-per-node", "16", "--gpus-per-node", "8"]) == 2
     assert "--nproc-per-node 16 starts 16 workers on one node of --gpus-per-node 8" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_a_full_calibration_of_a_large_model_on_a_cpu_is_refused_before_it_runs(tmp_path, capsys):
+    """`plan --model llama3-8b --calibrate` on a CPU timed 9e14 FLOPs of GEMMs (hours) printing nothing."""
+    path = tmp_path / "cpu.json"
+    assert main(["plan", "--model", "llama3-8b", "--calibrate", "--gpu-profile", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--calibrate on a CPU would time this model's full-size GEMMs, 9.3e+14 FLOPs" in err and "--quick" in err
+    assert len(err.splitlines()) == 1 and not path.exists()

@@ -202,7 +202,11 @@ def run(args: argparse.Namespace, config_and_source) -> int:
         print("meshlm plan: note: --quick ignored without --calibrate: it shortens the measurement, and this plan "
               "measures nothing; add --calibrate to measure this machine", file=sys.stderr, flush=True)
     if args.calibrate:
-        from .calibrate import calibrate
+        from .calibrate import calibrate, cpu_work_problem
+        too_long = cpu_work_problem(cfg, args.quick)
+        if too_long:
+            from ..errors import ConfigError
+            raise ConfigError(too_long)
         from ..folders import foreign_file_problem, output_file_problem, output_folder_problem
         from .gpus import profile_dir
         problem = (output_file_problem("--gpu-profile", args.gpu_profile, "gpu.json") or foreign_file_problem(
