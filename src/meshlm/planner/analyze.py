@@ -227,16 +227,31 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
     from .predict import refusal_check
     refused = refusal_check(config, records)
     for f in findings:
+        offered = f.fixes
+        why_not = [(fix, refused(fix.flags)) for fix in offered if fix.flags]
         f.fixes = [fix for fix in f.fixes if not fix.flags or refused(fix.flags) is None]
         for fix in f.fixes:
             if predictor is not None and fix.flags:
                 fix.predicted_gain = predictor(config, dict(fix.flags))
         if f.kind in SPEED_KINDS:  # a speed fix the planner predicts slower is no fix (memory ones trade speed)
             f.fixes = [fix for fix in f.fixes if fix.predicted_gain is None or fix.predicted_gain >= 0]
+        if offered and not f.fixes and f.severity == "warn":  # a warning with no word on what to do
+            f.fixes = [_no_fix(why_not)]
     return {"iterations": [records[0]["iteration"], records[-1]["iteration"]], "left_out": left_out,
             "step_ms": statistics.median(r["iter_ms"] for r in steady),
             "breakdown": breakdown, "dominant": dominant, "pipeline": pipeline,
             "findings": [dataclasses.asdict(f) for f in findings]}
+
+
+def _no_fix(why_not: list) -> Fix:
+    """Advice for a warning whose every flag fix was dropped: the first one meshlm refuses for this
+    run and why (e.g. an interleaved run's uneven stages), else that the planner predicts none faster."""
+    refused = [(fix, reason) for fix, reason in why_not if reason]
+    if refused:
+        fix, reason = refused[0]
+        flags = " ".join(k if v is None else f"{k} {v}" for k, v in fix.flags.items())
+        return Fix({}, f"no flag change meshlm accepts for this run: {flags} ({fix.why}) is refused: {reason}")
+    return Fix({}, "no flag change the planner predicts faster for this run; see `meshlm plan` for other layouts")
 
 
 def _layout_text(rec: dict) -> str:
