@@ -200,3 +200,13 @@ def test_a_full_calibration_of_a_large_model_on_a_cpu_is_refused_before_it_runs(
     err = capsys.readouterr().err.strip()
     assert "--calibrate on a CPU would time this model's full-size GEMMs, 9.3e+14 FLOPs" in err and "--quick" in err
     assert len(err.splitlines()) == 1 and not path.exists()
+
+
+def test_fp8_planned_for_a_gpu_without_fp8_tensor_cores_is_a_warning(capsys):
+    """`plan --fp8-format hybrid --gpu A100-80GB` ranked FP8 layouts with no word that the launch refuses
+    --fp8-format on an A100 (compute capability 8.0)."""
+    fp8 = ["plan", *GPT, "--bf16", "--fp8-format", "hybrid", "--num-gpus", "8", "--top", "1"]
+    assert main(fp8 + ["--gpu", "A100-80GB"]) == 0
+    assert "warning: --fp8-format on A100-80GB, which has no FP8 tensor cores" in capsys.readouterr().out
+    assert main(fp8 + ["--gpu", "H100-80GB"]) == 0
+    assert "no FP8 tensor cores" not in capsys.readouterr().out
