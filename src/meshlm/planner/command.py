@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpus", type=int, default=None, help="GPUs of the job (default: the launch's world size)")
     g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (one NVLink domain; default: "
                    "--nproc-per-node, the workers meshlm starts on one node, else 8)")
-    g.add_argument("--gpu", default="H100-80GB", help=f"GPU preset ({', '.join(PRESETS)}) or a calibrated profile's name")
+    g.add_argument("--gpu", default=None, help=f"GPU preset ({', '.join(PRESETS)}) or a calibrated profile's name "
+                   f"(default: H100-80GB; not with --gpu-profile)")
     g.add_argument("--gpu-profile", default=None, help="a GPU profile JSON (written by --calibrate)")
     for key, (_, _unit) in OVERRIDES.items():
         g.add_argument(f"--gpu-{key}", type=float, default=None, help=f"override the GPU's {key.replace('-', ' ')}")
@@ -221,7 +222,8 @@ def run(args: argparse.Namespace, config_and_source) -> int:
         print(json.dumps(gpu.to_json()) if args.json else f"meshlm plan: GPU profile of {gpu.name} written to {path}; "
               f"use it with --gpu-profile {path}")
         return 0
-    gpu = resolve_gpu(args.gpu, args.gpu_profile, {k: getattr(args, "gpu_" + k.replace("-", "_")) for k in OVERRIDES})
+    gpu = resolve_gpu(args.gpu or ("" if args.gpu_profile else "H100-80GB"), args.gpu_profile,
+                      {k: getattr(args, "gpu_" + k.replace("-", "_")) for k in OVERRIDES})
     world = args.num_gpus if args.num_gpus is not None else default_nproc(cfg)
     per_node = min(args.gpus_per_node, world)
     vocab, source = plan_vocab(cfg)
