@@ -74,6 +74,9 @@ def test_a_gpu_name_and_a_gpu_profile_together_are_refused(tmp_path, capsys, com
     err = capsys.readouterr().err.strip()
     assert f"--gpu A100-80GB and --gpu-profile {path} name two GPUs; give one of them" in err
     assert len(err.splitlines()) == 1
+    if command == "analyze":  # a GPU to predict for, with the predictions left out: it was ignored
+        assert main(first + ["--gpu", "A100-80GB", "--no-predict"]) == 2
+        assert "--gpu A100-80GB names the GPU to predict for, and --no-predict" in capsys.readouterr().err
 
 
 def test_plan_warns_of_a_layout_above_the_safety_margin_and_names_the_fastest_safe_one(capsys):

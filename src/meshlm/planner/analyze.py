@@ -601,7 +601,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, predictor: Optional[Predictor] = None) -> int:
     """Print the report of args.run_dir; the fixes' gains come from ``predictor``, by default the
-    planner's (planner/predict.py) unless --no-predict."""
+    planner's (planner/predict.py) unless --no-predict (with --gpu or --gpu-profile: a ConfigError,
+    the GPU named for predictions that are left out was ignored)."""
+    if args.no_predict and (args.gpu or args.gpu_profile):
+        named = f"--gpu {args.gpu}" if args.gpu else f"--gpu-profile {args.gpu_profile}"
+        raise ConfigError(f"{named} names the GPU to predict for, and --no-predict leaves the predictions out; "
+                          f"drop one of them")
     records, config = load_run(args.run_dir)
     note = None
     if predictor is None and not args.no_predict:
