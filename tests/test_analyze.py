@@ -112,6 +112,21 @@ def test_stage_imbalance_names_the_slow_stage_and_the_uneven_split_flag():
     assert "--pipeline-model-parallel-size" in fix_flags(by_kind(report, "bubble")[0])
 
 
+def test_a_warning_whose_flag_fixes_meshlm_refuses_says_why_instead_of_nothing():
+    """An interleaved PP=2 run (4 layers, v 2) with a slow last stage got a bare [warn]: its one fix,
+    --decoder-last-pipeline-num-layers 1, is refused (stages of 3 and 1 layers do not split over v 2)."""
+    tl = timeline(2, 8, [50.0, 70.0])
+    records = [rec(i, bubble_fraction=0.1, pipeline_timeline=tl, world_size=2) for i in range(1, 5)]
+    cfg = config(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1, global_batch_size=16,
+                 micro_batch_size=2)
+    cfg["model"].update(num_layers=4, hidden_size=64, num_attention_heads=4)
+    [imb] = by_kind(analyze(records, cfg), "imbalance")
+    [fix] = imb["fixes"]
+    assert fix["flags"] == {} and fix["why"].startswith("no flag change meshlm accepts for this run: "
+                                                        "--decoder-last-pipeline-num-layers 1")
+    assert "not divisible by --virtual-pipeline-model-parallel-size 2" in fix["why"]
+
+
 @pytest.mark.parametrize("peak,severity,flag", [(76.0, "warn", "--use-distributed-optimizer"),
                                                 (20.0, "info", "--micro-batch-size"), (50.0, "ok", None)])
 def test_memory_headroom_against_the_device(peak, severity, flag):

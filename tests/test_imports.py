@@ -25,7 +25,7 @@ LAYERS = (
     ("base", ("meshlm", "meshlm.errors", "meshlm.values", "meshlm.yaml_file", "meshlm.folders",
               "meshlm.dtypes", "meshlm.batches", "meshlm.megatron_flags", "meshlm.presets", "meshlm.config",
               "meshlm.fast", "meshlm.flops", "meshlm.profile_ranges", "meshlm.straggler_rule",
-              "meshlm.run_logs", "meshlm.metrics_json", "meshlm.mup", "meshlm.fp8_rules", "meshlm.host_memory",
+              "meshlm.run_logs", "meshlm.metrics_json", "meshlm.mup", "meshlm.fp8_rules", "meshlm.shape_rules", "meshlm.host_memory",
               "meshlm.host_read")),
     ("parallel", ("meshlm.parallel",)),
     ("model", ("meshlm.model",)),

@@ -239,6 +239,15 @@ def test_a_run_with_its_logs_in_another_log_dir_is_found_from_its_run_dir(tmp_pa
     assert "iterations 1–3" in capsys.readouterr().out or command == "report"
 
 
+@pytest.mark.parametrize("given", ["logs", "logs/metrics.jsonl", "."])
+def test_analyze_reads_the_runs_config_from_each_documented_form_of_the_run(tmp_path, capsys, given):
+    """`meshlm analyze RUN/logs` (the README's "its logs/ folder") looked for config.yaml in logs/:
+    no predictions, and fixes without the run's numbers."""
+    run = _run_dir(tmp_path, config="training: {micro_batch_size: 2, global_batch_size: 8}\n")
+    assert main(["analyze", str(run / given)]) == 0
+    assert "config (config.yaml) was not found" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("command", ["analyze", "report"])
 def test_another_programs_jsonl_is_named_as_such_not_as_a_run_that_has_not_logged_yet(tmp_path, capsys, command):
     """analyze said "no training record yet; analyze a run after its first --log-interval iterations"

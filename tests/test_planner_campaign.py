@@ -120,3 +120,25 @@ def test_train_tokens_replaces_a_config_files_run_length(tmp_path, capsys):
     assert main([*GPT, "--config", str(yaml), "--train-tokens", "26e9", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["campaign"]["steps"] == math.ceil(26e9 / (64 * doc["model"]["seq_length"]))
+
+
+def test_the_flags_save_interval_is_evaluated_beside_dalys():
+    """`plan --save-interval 5` marked Daly's --save-interval 240 line "(your flags)": the interval
+    the flags save at was never evaluated."""
+    c = campaign(steps=10_000, step_s=10.0, global_batch=1024, seq_length=2048, num_gpus=1024, params=10 ** 11,
+                 save_interval=5)
+    yours, sync = c.saves["yours"], c.saves["sync"]
+    assert yours["interval_steps"] == 5 and yours["flags"] == "--save-interval 5"
+    assert yours["goodput"] < sync["goodput"] and yours["blocking_s"] == sync["blocking_s"]
+    fast = campaign(steps=10_000, step_s=0.1, global_batch=1024, seq_length=2048, num_gpus=1024, params=10 ** 11,
+                    save_interval=1, async_save=True)  # a save each 0.1 s waits for the last one's write
+    assert fast.saves["yours"]["blocking_s"] == pytest.approx(fast.saves["async"]["durable_s"] - 0.1 +
+                                                              fast.saves["async"]["blocking_s"])
+    assert "yours" not in campaign(steps=10, step_s=1.0, global_batch=8, seq_length=64, num_gpus=8,
+                                   params=10 ** 6).saves
+
+
+def test_plan_prints_the_flags_save_interval(capsys):
+    assert main([*GPT, "--train-iters", "1000", "--save-interval", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "  your --save-interval 5: " in out and "(your flags)" not in out

@@ -180,3 +180,33 @@ def test_a_gpu_profile_value_of_the_wrong_kind_is_one_line(tmp_path, capsys, fie
     assert main(["plan", *GPT, "--num-gpus", "1", "--gpu-profile", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert f"--gpu-profile {path}: {words}" in err and len(err.splitlines()) == 1
+
+
+def test_nproc_per_node_is_one_node_of_that_many_gpus(capsys):
+    """`plan --nproc-per-node 16` planned the 16 workers meshlm starts on one node as two nodes of
+    --gpus-per-node's default 8 (TP 16 'crossing a node', DP over the inter-node link)."""
+    assert main(["plan", *GPT, "--nproc-per-node", "16", "--json", "--top", "1"]) == 0
+    cluster = json.loads(capsys.readouterr().out)["cluster"]
+    assert (cluster["num_gpus"], cluster["gpus_per_node"]) == (16, 16)
+    assert main(["plan", *GPT, "--nproc-per-node", "16", "--gpus-per-node", "8"]) == 2
+    assert "--nproc-per-node 16 starts 16 workers on one node of --gpus-per-node 8" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_a_full_calibration_of_a_large_model_on_a_cpu_is_refused_before_it_runs(tmp_path, capsys):
+    """`plan --model llama3-8b --calibrate` on a CPU timed 9e14 FLOPs of GEMMs (hours) printing nothing."""
+    path = tmp_path / "cpu.json"
+    assert main(["plan", "--model", "llama3-8b", "--calibrate", "--gpu-profile", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--calibrate on a CPU would time this model's full-size GEMMs, 9.3e+14 FLOPs" in err and "--quick" in err
+    assert len(err.splitlines()) == 1 and not path.exists()
+
+
+def test_fp8_planned_for_a_gpu_without_fp8_tensor_cores_is_a_warning(capsys):
+    """`plan --fp8-format hybrid --gpu A100-80GB` ranked FP8 layouts with no word that the launch refuses
+    --fp8-format on an A100 (compute capability 8.0)."""
+    fp8 = ["plan", *GPT, "--bf16", "--fp8-format", "hybrid", "--num-gpus", "8", "--top", "1"]
+    assert main(fp8 + ["--gpu", "A100-80GB"]) == 0
+    assert "warning: --fp8-format on A100-80GB, which has no FP8 tensor cores" in capsys.readouterr().out
+    assert main(fp8 + ["--gpu", "H100-80GB"]) == 0
+    assert "no FP8 tensor cores" not in capsys.readouterr().out

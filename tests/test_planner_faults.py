@@ -77,6 +77,25 @@ def test_gpu_preset_names_are_case_insensitive():
     assert resolve_gpu("h100-80gb") == PRESETS["H100-80GB"] and resolve_gpu("a100-80GB") == PRESETS["A100-80GB"]
 
 
+@pytest.mark.parametrize("command", ["plan", "analyze"])
+def test_a_gpu_name_and_a_gpu_profile_together_are_refused(tmp_path, capsys, command):
+    """`plan --gpu A100-80GB --gpu-profile h200.json` planned for the profile's GPU, silently."""
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(PRESETS["H200-141GB"].to_json()))
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "config.yaml").write_text("parallel: {}\n")
+    (run / "logs" / "metrics.jsonl").write_text(json.dumps({"iteration": 1, "iter_ms": 5.0}) + "\n")
+    first = ["plan", "--model", "tiny", "--num-gpus", "1"] if command == "plan" else ["analyze", str(run)]
+    assert main(first + ["--gpu", "A100-80GB", "--gpu-profile", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--gpu A100-80GB and --gpu-profile {path} name two GPUs; give one of them" in err
+    assert len(err.splitlines()) == 1
+    if command == "analyze":  # a GPU to predict for, with the predictions left out: it was ignored
+        assert main(first + ["--gpu", "A100-80GB", "--no-predict"]) == 2
+        assert "--gpu A100-80GB names the GPU to predict for, and --no-predict" in capsys.readouterr().err
+
+
 def test_plan_warns_of_a_layout_above_the_safety_margin_and_names_the_fastest_safe_one(capsys):
     from meshlm.planner.safety import SAFE_FRACTION
     argv = ["plan", "--model", "gpt2-1.3b", "--vocab-size", "50257", "--global-batch-size", "8", "--bf16",

@@ -66,3 +66,14 @@ def test_plans_train_tokens_is_the_budget_of_the_recommendation(capsys):
         assert main(flags + ["--train-tokens", tokens]) == 0
         budgets[tokens] = json.loads(capsys.readouterr().out)["hyperparameters"]["compute_flops"]
     assert budgets["1e11"] == pytest.approx(100 * budgets["1e9"])
+
+
+def test_no_run_length_gets_a_note_not_a_recommendation_for_the_default_100_iterations(capsys):
+    """Without --train-iters/--train-samples/--train-tokens the LR and batch were DeepSeek's for
+    meshlm's default 100 iterations (llama3-8b: --lr 0.0017 for 26M tokens), unmarked."""
+    flags = ["plan", "--model", "gpt2-125m", "--vocab-size", "50257", "--num-gpus", "8", "--top", "1"]
+    assert main(flags + ["--json"]) == 0
+    assert "give --train-iters, --train-samples or --train-tokens" in json.loads(
+        capsys.readouterr().out)["hyperparameters"]["note"]
+    assert main(flags) == 0
+    assert "hyperparameters: give --train-iters" in capsys.readouterr().out

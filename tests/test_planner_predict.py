@@ -124,3 +124,26 @@ def test_predicted_timeline_walks_the_schedule_with_the_planners_stage_times(pp,
         t = evaluate(cfg, lay, H200, 128256, 8).time
         makespan = max(e["end"] for e in events)
         assert makespan == pytest.approx(t.total - t.optimizer - t.dp_exposed, rel=0.15)
+
+
+@pytest.mark.parametrize("section, key, value, words", [
+    ("parallel", "tensor_model_parallel_size", 0, "--tensor-model-parallel-size 0 is out of range"),
+    ("model", "seq_length", 0, "--seq-length 0 is out of range"),
+    ("model", "hidden_size", -64, "--hidden-size -64 is out of range"),
+    ("parallel", "tensor_model_parallel_size", 4, "world size 2 is not divisible by TP×CP×PP = 4×1×1")])
+def test_a_config_a_launch_refuses_gets_no_prediction_and_no_traceback(tmp_path, capsys, section, key, value, words):
+    """A hand-edited config.yaml (TP 0, a sequence of 0, a negative width, a layout its world size
+    does not fit): analyze and report ended in a ZeroDivisionError traceback from the planner."""
+    cfg = small_config()
+    cfg[section][key] = value
+    predictor, note = planner_predictor(cfg, dp_bound())
+    assert predictor is None and words in note
+    import yaml
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.jsonl").write_text("".join(json.dumps(dict(r, consumed_samples=8 * r["iteration"]))
+                                                             + "\n" for r in dp_bound()))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    for command in ("analyze", "report"):
+        assert cli.main([command, str(tmp_path)]) == 0
+        out = capsys.readouterr()
+        assert "Traceback" not in out.err and (command == "report" or words in out.out)

@@ -267,3 +267,17 @@ def test_a_chart_skips_non_finite_points_and_says_how_many():
     [g] = doc.find_all("g", "series")
     assert g.attrs["data-points"] == "2" and g.attrs["data-series"] == "a (2 NaN/inf not drawn)"
     assert "nan" not in svg.line_chart("k", "t", [s], "x", "y")
+
+
+def test_a_long_series_is_thinned_to_the_charts_width_keeping_its_spikes():
+    """A 100,000-iteration run logged every step drew every point and a dot each: a 33 MB report."""
+    from meshlm.report.svg import MAX_POINTS, Series, line_chart, thin
+    points = [(float(i), 5.0 - i * 1e-5) for i in range(50_000)]
+    points[31_337] = (31_337.0, 9.0)
+    thinned = thin(Series("run", points, "#000"))
+    assert len(thinned.points) <= MAX_POINTS and (31_337.0, 9.0) in thinned.points
+    assert thinned.points[0] == points[0] and thinned.points[-1] == points[-1]
+    assert [x for x, _ in thinned.points] == sorted(x for x, _ in thinned.points)
+    svg = line_chart("loss", "loss", [Series("run", points, "#000")], "iteration", "loss")
+    assert f'data-points="{len(thinned.points)}"' in svg and len(svg) < 100_000
+    assert thin(Series("short", points[:10], "#000")).points == points[:10]

@@ -127,7 +127,11 @@ def load_run(run_dir: str) -> tuple:
     if wrong:
         raise ConfigError(f"{path}: training record {wrong[0]}: {wrong[1]}; give the metrics.jsonl `meshlm pretrain` "
                           f"wrote")
-    folder = run_dir if os.path.isdir(run_dir) else os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    folder = os.path.dirname(os.path.dirname(os.path.abspath(path)))  # the file given: RUN_DIR/logs/metrics.jsonl
+    if os.path.isdir(run_dir):  # RUN_DIR, or its logs/ folder, whose config is RUN_DIR's (it was not looked for)
+        logs = os.path.basename(os.path.abspath(run_dir)) == "logs" and not os.path.isfile(
+            os.path.join(run_dir, "config.yaml"))
+        folder = os.path.dirname(os.path.abspath(run_dir)) if logs else run_dir
     return records, _config_of(folder)
 
 
@@ -223,16 +227,31 @@ def analyze(records: list, config: Optional[dict] = None, predictor: Optional[Pr
     from .predict import refusal_check
     refused = refusal_check(config, records)
     for f in findings:
+        offered = f.fixes
+        why_not = [(fix, refused(fix.flags)) for fix in offered if fix.flags]
         f.fixes = [fix for fix in f.fixes if not fix.flags or refused(fix.flags) is None]
         for fix in f.fixes:
             if predictor is not None and fix.flags:
                 fix.predicted_gain = predictor(config, dict(fix.flags))
         if f.kind in SPEED_KINDS:  # a speed fix the planner predicts slower is no fix (memory ones trade speed)
             f.fixes = [fix for fix in f.fixes if fix.predicted_gain is None or fix.predicted_gain >= 0]
+        if offered and not f.fixes and f.severity == "warn":  # a warning with no word on what to do
+            f.fixes = [_no_fix(why_not)]
     return {"iterations": [records[0]["iteration"], records[-1]["iteration"]], "left_out": left_out,
             "step_ms": statistics.median(r["iter_ms"] for r in steady),
             "breakdown": breakdown, "dominant": dominant, "pipeline": pipeline,
             "findings": [dataclasses.asdict(f) for f in findings]}
+
+
+def _no_fix(why_not: list) -> Fix:
+    """Advice for a warning whose every flag fix was dropped: the first one meshlm refuses for this
+    run and why (e.g. an interleaved run's uneven stages), else that the planner predicts none faster."""
+    refused = [(fix, reason) for fix, reason in why_not if reason]
+    if refused:
+        fix, reason = refused[0]
+        flags = " ".join(k if v is None else f"{k} {v}" for k, v in fix.flags.items())
+        return Fix({}, f"no flag change meshlm accepts for this run: {flags} ({fix.why}) is refused: {reason}")
+    return Fix({}, "no flag change the planner predicts faster for this run; see `meshlm plan` for other layouts")
 
 
 def _layout_text(rec: dict) -> str:
@@ -582,7 +601,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, predictor: Optional[Predictor] = None) -> int:
     """Print the report of args.run_dir; the fixes' gains come from ``predictor``, by default the
-    planner's (planner/predict.py) unless --no-predict."""
+    planner's (planner/predict.py) unless --no-predict (with --gpu or --gpu-profile: a ConfigError,
+    the GPU named for predictions that are left out was ignored)."""
+    if args.no_predict and (args.gpu or args.gpu_profile):
+        named = f"--gpu {args.gpu}" if args.gpu else f"--gpu-profile {args.gpu_profile}"
+        raise ConfigError(f"{named} names the GPU to predict for, and --no-predict leaves the predictions out; "
+                          f"drop one of them")
     records, config = load_run(args.run_dir)
     note = None
     if predictor is None and not args.no_predict:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import Optional
 
 import torch
 
@@ -53,6 +54,29 @@ def _best(fn, repeats: int, sync, calls: int = 1) -> float:
         sync()
         best = min(best, (time.perf_counter() - t0) / calls)
     return best
+
+
+CPU_FLOP_BUDGET = 1e13  # a full calibration on a CPU above this: ~2 minutes or more of GEMMs at CPU_FLOPS, silent
+CPU_FLOPS = 1e11  # a CPU's fp32 GEMM rate, roughly (a loaded 2-core one measured 0.0014-0.2 TFLOP/s)
+
+
+def cpu_work_problem(cfg: Config, quick: bool) -> Optional[str]:
+    """One line when --calibrate without --quick would time the model's full-size GEMMs on a CPU
+    (no CUDA) for more than ``CPU_FLOP_BUDGET`` FLOPs (10 × 10 passes of the three GEMMs of
+    ``calibrate``: llama3-8b's are 9e14, hours at a CPU's 0.1 TFLOP/s, which looked like a hang);
+    else None. The attention projection and MoE's grouped GEMMs are left out (a lower bound)."""
+    if quick or torch.cuda.is_available():
+        return None
+    m = cfg.model
+    h, f = m.hidden_size, ffn_hidden(m)
+    qkv = (m.num_attention_heads + 2 * query_groups(m)) * head_dim(m)
+    tokens = cfg.training.micro_batch_size * m.seq_length
+    work = 100 * 2.0 * tokens * h * (qkv + 2 * f)
+    if work <= CPU_FLOP_BUDGET:
+        return None
+    return (f"--calibrate on a CPU would time this model's full-size GEMMs, {work:.1e} FLOPs (about "
+            f"{work / CPU_FLOPS / 60:,.0f} min at {CPU_FLOPS / 1e12:g} TFLOP/s, printing nothing meanwhile); add --quick "
+            f"(small shapes, seconds) or run it on the GPU you plan for")
 
 
 def calibrate(cfg: Config, *, quick: bool = False, base: GPU = PRESETS["H200-141GB"]) -> GPU:

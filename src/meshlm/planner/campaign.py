@@ -38,7 +38,7 @@ sequence length and the job's GPUs, and the run's length (``--train-iters``, ``-
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from ..batches import BatchSchedule
@@ -81,7 +81,8 @@ class Saving:
 @dataclass
 class Campaign:
     """The campaign of one layout (module doc); seconds, bytes, hours. ``saves`` holds "sync" and
-    "async"; ``chosen`` names the one the flags ask for (--async-save)."""
+    "async" at Daly's interval, and "yours" at the flags' --save-interval when given; ``chosen``
+    names the mode the flags ask for (--async-save)."""
 
     steps: int
     tokens: float
@@ -136,12 +137,16 @@ def _consumed(schedule: BatchSchedule, steps: int) -> int:
 
 
 def _saving(mode: str, train_s: float, step_s: float, blocking: float, durable: float, mtbf: float,
-            restart: float, run_steps: int) -> Saving:
+            restart: float, run_steps: int, fixed_steps: Optional[int] = None) -> Saving:
+    """One way of saving at Daly's interval, or at ``fixed_steps`` (the flags' --save-interval: an
+    async save started before the last one is written waits for it, which blocks)."""
     tau = daly_interval(blocking, mtbf)
     if mode == "async":
         tau = max(tau, durable)  # one background write at a time
-    steps = min(max(1, round(tau / step_s)), run_steps)  # past the run's end: one save, at its end
+    steps = min(max(1, round(tau / step_s)) if fixed_steps is None else fixed_steps, run_steps)  # past the end: one
     tau = steps * step_s
+    if mode == "async" and tau < durable:
+        blocking += durable - tau
     lost = (tau + blocking) / 2 if mode == "sync" else tau / 2 + durable
     busy = 1 - (restart + lost) / mtbf
     wall = train_s * (1 + blocking / tau) / busy if busy > 0 else math.inf
@@ -154,12 +159,13 @@ def _saving(mode: str, train_s: float, step_s: float, blocking: float, durable: 
 def campaign(*, steps: int, step_s: float, global_batch: int, seq_length: int, num_gpus: int, params: int,
              samples: Optional[int] = None, gpu_mtbf_hours: float = MTBF_GPU_HOURS,
              write_bytes_per_s: float = WRITE_BYTES_PER_S, restart_s: float = RESTART_S,
-             async_save: bool = False) -> Campaign:
+             async_save: bool = False, save_interval: Optional[int] = None) -> Campaign:
     """The campaign of ``steps`` optimizer steps on ``num_gpus`` GPUs, ``step_s`` seconds a step of
     ``global_batch`` samples, for a model of ``params`` parameters (module doc for every term and
     its source). samples: what the steps consume (``run_length``; default steps × global batch);
     fewer under a --rampup-batch-size ramp, whose smaller steps are priced at the full batch's time
-    per sample."""
+    per sample. save_interval: the flags' --save-interval, evaluated as ``saves["yours"]`` beside
+    Daly's (the line marked "your flags" showed Daly's interval, not the one the flags save at)."""
     samples = steps * global_batch if samples is None else samples
     train_s = samples / global_batch * step_s
     mtbf = gpu_mtbf_hours * HOUR / num_gpus
@@ -168,6 +174,11 @@ def campaign(*, steps: int, step_s: float, global_batch: int, seq_length: int, n
     saves = {"sync": _saving("sync", train_s, step_s, write, write, mtbf, restart_s, steps),
              "async": _saving("async", train_s, step_s, ckpt / num_gpus / D2H_BYTES_PER_S, write, mtbf, restart_s,
                               steps)}
+    if save_interval:
+        mode = "async" if async_save else "sync"
+        blocking = write if mode == "sync" else ckpt / num_gpus / D2H_BYTES_PER_S
+        yours = _saving(mode, train_s, step_s, blocking, write, mtbf, restart_s, steps, save_interval)
+        saves["yours"] = replace(yours, flags=f"--save-interval {save_interval}" + " --async-save" * async_save)
     return Campaign(steps=steps, tokens=float(samples) * seq_length, step_s=step_s, train_s=train_s,
                     train_days=train_s / DAY, gpu_hours=train_s * num_gpus / HOUR, num_gpus=num_gpus,
                     gpu_mtbf_hours=gpu_mtbf_hours, job_mtbf_s=mtbf, params=params, checkpoint_bytes=ckpt,

@@ -36,8 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The cluster flags (pretrain's flags are added by the CLI)."""
     g = parser.add_argument_group("cluster (meshlm plan)")
     g.add_argument("--num-gpus", type=int, default=None, help="GPUs of the job (default: the launch's world size)")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (one NVLink domain)")
-    g.add_argument("--gpu", default="H100-80GB", help=f"GPU preset ({', '.join(PRESETS)}) or a calibrated profile's name")
+    g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (one NVLink domain; default: "
+                   "--nproc-per-node, the workers meshlm starts on one node, else 8)")
+    g.add_argument("--gpu", default=None, help=f"GPU preset ({', '.join(PRESETS)}) or a calibrated profile's name "
+                   f"(default: H100-80GB; not with --gpu-profile)")
     g.add_argument("--gpu-profile", default=None, help="a GPU profile JSON (written by --calibrate)")
     for key, (_, _unit) in OVERRIDES.items():
         g.add_argument(f"--gpu-{key}", type=float, default=None, help=f"override the GPU's {key.replace('-', ' ')}")
@@ -97,6 +99,34 @@ def _tflops(flops: float) -> str:
     return f"{tf:.0f}" if tf >= 10 else f"{tf:.3g}"
 
 
+def _resolve_gpus_per_node(args, nproc) -> None:
+    """Set args.gpus_per_node: as given, else --nproc-per-node (meshlm starts that many workers on
+    one node: 16 of them were planned as two nodes of 8), else 8. ConfigError for --nproc-per-node
+    above a given --gpus-per-node, or a --num-gpus that is not whole nodes."""
+    from ..errors import ConfigError
+    if args.gpus_per_node is None:
+        args.gpus_per_node = nproc or 8
+    elif nproc and nproc > args.gpus_per_node:
+        raise ConfigError(f"--nproc-per-node {nproc} starts {nproc} workers on one node of --gpus-per-node "
+                          f"{args.gpus_per_node}; give the real --gpus-per-node, or --num-gpus for a job of several "
+                          f"nodes (without --nproc-per-node)")
+    n = args.gpus_per_node
+    if args.num_gpus and args.num_gpus > n and args.num_gpus % n:
+        raise ConfigError(f"--num-gpus {args.num_gpus} is not whole nodes of --gpus-per-node {n}; give a multiple "
+                          f"of {n} (or the real --gpus-per-node)")
+
+
+def _hyperparameters(cfg, world: int, train_tokens) -> dict:
+    """hyperparams.recommend as JSON for the run's compute budget, or {"note"} when the flags give
+    no run length: the recommendation was for meshlm's default of 100 iterations (an 8B model was
+    told --lr 0.0017 for 26M tokens), with nothing saying so."""
+    t = cfg.training
+    if t.train_iters is None and t.train_samples is None and train_tokens is None:
+        return {"note": "give --train-iters, --train-samples or --train-tokens for the LR and batch of the run's "
+                        "compute budget"}
+    return recommend(cfg, world, train_tokens).to_json()
+
+
 def _run_length_check(t) -> None:
     """ConfigError for a run length ``meshlm pretrain`` refuses (validate's rules), before the search:
     --train-samples below one global batch (no step: the campaign divided by zero) and a
@@ -126,7 +156,7 @@ def _campaign(args, cfg, cand, vocab: int, world: int) -> dict:
     return campaign(steps=steps, step_s=cand.time.total, global_batch=t.global_batch_size, seq_length=m.seq_length,
                     num_gpus=world, samples=samples, params=params, gpu_mtbf_hours=args.gpu_mtbf_hours,
                     write_bytes_per_s=args.ckpt_write_gbps * 1e9, restart_s=args.restart_minutes * 60,
-                    async_save=cfg.checkpoint.async_save).to_json()
+                    async_save=cfg.checkpoint.async_save, save_interval=cfg.checkpoint.save_interval).to_json()
 
 
 def _campaign_lines(c: dict) -> list:
@@ -137,10 +167,13 @@ def _campaign_lines(c: dict) -> list:
            f"without failures, {c['gpu_hours']:,.0f} GPU-hours; job MTBF {c['job_mtbf_s'] / 3600:.1f} h "
            f"({c['gpu_mtbf_hours']:,.0f} h a GPU / {c['num_gpus']}); checkpoint {c['checkpoint_bytes'] / 1e9:,.0f} GB"]
     for mode, s in c["saves"].items():
-        mark = " (your flags)" if mode == c["chosen"] else ""
-        out.append(f"  {mode}{mark}: save blocks {s['blocking_s']:.1f} s, durable after {s['durable_s']:.1f} s; "
-                   f"Young/Daly interval {s['interval_s'] / 60:.1f} min = {s['flags']}; {s['wall_days']:.1f} days, "
-                   f"{s['expected_failures']:.0f} failures expected, goodput {s['goodput']:.3f}")
+        mark = " (your flags)" if mode == c["chosen"] and "yours" not in c["saves"] else ""
+        name = f"your {s['flags']}" if mode == "yours" else f"{mode}{mark}"
+        interval = f"every {s['interval_s'] / 60:.1f} min" if mode == "yours" else \
+            f"Young/Daly interval {s['interval_s'] / 60:.1f} min = {s['flags']}"
+        out.append(f"  {name}: save blocks {s['blocking_s']:.1f} s, durable after {s['durable_s']:.1f} s; "
+                   f"{interval}; {s['wall_days']:.1f} days, {s['expected_failures']:.0f} failures expected, "
+                   f"goodput {s['goodput']:.3f}")
     return out
 
 
@@ -153,7 +186,7 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     finite = math.inf  # every value below is a finite number: an inf MTBF or bandwidth made a traceback
     cluster = [f"{flag} {value}: give {what}" for flag, value, ok, what in (
         ("--num-gpus", args.num_gpus, args.num_gpus is None or args.num_gpus >= 1, "the job's GPU count (1 or more)"),
-        ("--gpus-per-node", args.gpus_per_node, args.gpus_per_node >= 1, "1 or more"),
+        ("--gpus-per-node", args.gpus_per_node, args.gpus_per_node is None or args.gpus_per_node >= 1, "1 or more"),
         ("--top", args.top, args.top >= 0, "0 or more layouts to print"),
         ("--train-tokens", args.train_tokens, args.train_tokens is None or 1 <= args.train_tokens < finite,
          "a finite number of tokens, 1 or more"),
@@ -163,9 +196,6 @@ def run(args: argparse.Namespace, config_and_source) -> int:
          "minutes, 0 or more")) if not ok]
     if args.train_tokens is not None and ({"training.train_iters", "training.train_samples"} & set(vars(args))):
         cluster.append("--train-tokens with --train-iters or --train-samples: give one run length")
-    if not cluster and args.num_gpus and args.num_gpus > args.gpus_per_node and args.num_gpus % args.gpus_per_node:
-        cluster.append(f"--num-gpus {args.num_gpus} is not whole nodes of --gpus-per-node {args.gpus_per_node}; "
-                       f"give a multiple of {args.gpus_per_node} (or the real --gpus-per-node)")
     if cluster:
         from ..errors import ConfigError
         raise ConfigError(cluster)
@@ -174,13 +204,18 @@ def run(args: argparse.Namespace, config_and_source) -> int:
         from ..errors import ConfigError
         raise ConfigError(f"--num-layers {cfg.model.num_layers:,}: the planner plans at most {MAX_LAYERS:,} layers "
                           f"(it weighs every layer of every layout); give {MAX_LAYERS:,} or fewer")
+    _resolve_gpus_per_node(args, cfg.parallel.nproc_per_node)
     from ..parallel.layout_rules import adjust
     adjust(cfg)  # as a launch would: no SP at TP = 1
     if args.quick and not args.calibrate:
         print("meshlm plan: note: --quick ignored without --calibrate: it shortens the measurement, and this plan "
               "measures nothing; add --calibrate to measure this machine", file=sys.stderr, flush=True)
     if args.calibrate:
-        from .calibrate import calibrate
+        from .calibrate import calibrate, cpu_work_problem
+        too_long = cpu_work_problem(cfg, args.quick)
+        if too_long:
+            from ..errors import ConfigError
+            raise ConfigError(too_long)
         from ..folders import foreign_file_problem, output_file_problem, output_folder_problem
         from .gpus import profile_dir
         problem = (output_file_problem("--gpu-profile", args.gpu_profile, "gpu.json") or foreign_file_problem(
@@ -195,7 +230,8 @@ def run(args: argparse.Namespace, config_and_source) -> int:
         print(json.dumps(gpu.to_json()) if args.json else f"meshlm plan: GPU profile of {gpu.name} written to {path}; "
               f"use it with --gpu-profile {path}")
         return 0
-    gpu = resolve_gpu(args.gpu, args.gpu_profile, {k: getattr(args, "gpu_" + k.replace("-", "_")) for k in OVERRIDES})
+    gpu = resolve_gpu(args.gpu or ("" if args.gpu_profile else "H100-80GB"), args.gpu_profile,
+                      {k: getattr(args, "gpu_" + k.replace("-", "_")) for k in OVERRIDES})
     world = args.num_gpus if args.num_gpus is not None else default_nproc(cfg)
     per_node = min(args.gpus_per_node, world)
     vocab, source = plan_vocab(cfg)
@@ -217,7 +253,7 @@ def run(args: argparse.Namespace, config_and_source) -> int:
            "cluster": {"num_gpus": world, "gpus_per_node": per_node, "gpu": gpu.to_json()},
            "warnings": warnings, "current": current.to_json() if current else {"problems": problems},
            "layouts": [f.to_json() for f in fits], "excluded": excluded,
-           "hyperparameters": recommend(cfg, world, args.train_tokens).to_json()}
+           "hyperparameters": _hyperparameters(cfg, world, args.train_tokens)}
     from .safety import SAFE_FRACTION, is_safe
     safe = [i for i, f in enumerate(fits) if is_safe(f.memory.device_bytes, gpu.memory_bytes)]
     doc["safety"] = {"fraction": SAFE_FRACTION, "safe_bytes": SAFE_FRACTION * gpu.memory_bytes,
@@ -237,7 +273,8 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     m = cfg.model
     print(f"model: {m.num_layers} layers, h {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
           f"vocabulary {vocab}; global batch {cfg.training.global_batch_size}")
-    print(recommend(cfg, world, args.train_tokens).line())
+    hp = doc["hyperparameters"]
+    print(f"hyperparameters: {hp['note']}" if "note" in hp else recommend(cfg, world, args.train_tokens).line())
     print(f"cluster: {world} × {gpu.name} ({gpu.memory_bytes / GiB:.1f} GiB, {_tflops(gpu.peak_flops)} TFLOP/s bf16), "
           f"{per_node} per node; profile: {gpu.source}")
     for w in warnings:

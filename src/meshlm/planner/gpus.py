@@ -182,7 +182,10 @@ def profile_problem(gpu: GPU) -> Optional[str]:
 def resolve_gpu(name: str, profile: Optional[str] = None, overrides: Optional[dict] = None) -> GPU:
     """The GPU the planner uses: --gpu-profile PATH, else the preset --gpu NAME, else a calibrated
     profile of that name in profile_dir(); then each given override (OVERRIDES keys, in the flags'
-    units). ConfigError naming the presets when nothing matches."""
+    units). ConfigError naming the presets when nothing matches, or when both a name and a profile
+    are given (the profile won, and a plan for "--gpu A100-80GB" was silently another GPU's)."""
+    if profile and name:
+        raise ConfigError(f"--gpu {name} and --gpu-profile {profile} name two GPUs; give one of them")
     if profile:
         gpu = load_profile(profile)
     elif name.upper() in _PRESETS_UPPER:  # preset names match in any case: --gpu h100-80gb

@@ -6,7 +6,9 @@ Warned here, because the run would work but badly:
 - a TP group spanning nodes: TP's blocking per-layer collectives over the inter-node link;
 - PP equal to one node's GPU count for a model that fits at PP = 1 with DP: a pipeline bubble of
   (p − 1)/(v·m + p − 1) of the step for nothing;
-- --sequence-parallel off with TP > 1: the norms and dropouts hold s·b·h activations on every TP rank.
+- --sequence-parallel off with TP > 1: the norms and dropouts hold s·b·h activations on every TP rank;
+- --fp8-format planned for a GPU without FP8 tensor cores (the A100 preset, or a profile calibrated on
+  one), where the launch refuses it (``fp8_rules``: compute capability 8.9 or newer).
 """
 
 from __future__ import annotations
@@ -43,4 +45,10 @@ def lint(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, vocab: int) -> l
                        f"({estimate(cfg, flat, vocab).device_bytes / GiB:.1f} GiB per GPU): the pipeline bubble costs "
                        f"{100 * analytic_bubble_fraction(lay.pp, m, lay.vp):.0f}% of the step; drop "
                        f"--pipeline-model-parallel-size")
+    no_fp8 = (gpu.source == "preset" and gpu.fp8_gemm_speedup <= 1.0) or \
+        ("no FP8 tensor cores" in gpu.source and gpu.name != "cpu")  # a CPU emulates FP8; an A100 has none
+    if cfg.training.fp8_format and no_fp8:
+        out.append(f"--fp8-format on {gpu.name}, which has no FP8 tensor cores: meshlm refuses --fp8-format there "
+                   f"(it needs compute capability 8.9 or newer: Ada, Hopper), so this plan cannot launch; drop "
+                   f"--fp8-format or plan for another --gpu")
     return out

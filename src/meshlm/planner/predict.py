@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import Config, add_config_args, apply_mapping, config_from_args, global_batch
-from ..errors import MeshlmError
+from ..errors import ConfigError, MeshlmError
 from .gpus import GPU, gpu_of_device
 
 
@@ -55,11 +55,20 @@ def world_of(config: dict, records: list) -> int:
 
 def run_model(config: dict, records: list, gpu: Optional[GPU] = None) -> RunModel:
     """The planner's view of a run (module docstring). gpu: a profile to use instead of the
-    recorded device's. Raises ConfigError when the config does not load."""
+    recorded device's. Raises ConfigError when the config does not load, or holds numbers, a shape
+    or a layout (at the recorded world size) that a launch refuses."""
     from ..data.tokenizer import vocab_of
+    from ..parallel import layout_rules
+    from ..shape_rules import shape_problems
     cfg = Config()
     apply_mapping(cfg, config, "the run's config")
     world = world_of(config, records)
+    problems = shape_problems(cfg)  # what a launch refuses: a TP of 0 or a sequence of 0 divided by zero here
+    if not problems:
+        layout_rules.adjust(cfg)
+        problems = layout_rules.layout_problems(cfg, world) + layout_rules.moe_problems(cfg, world)
+    if problems:
+        raise ConfigError(f"its config.yaml: {problems[0]}")
     cfg.training.global_batch_size = global_batch(cfg, world)
     if gpu is None:
         device = next((r["device"] for r in reversed(records) if r.get("device")), None)
@@ -96,9 +105,13 @@ def refusal_check(config: Optional[dict], records: list):
     advice ("×2", "smaller") are not judged (None), nor is any fix of a run whose config is unknown,
     does not load, or is itself refused by these rules (a partial config: nothing to compare with)."""
     from ..parallel import layout_rules
+    from ..shape_rules import shape_problems
 
     def problems(cfg: Config, world: int) -> list:
         try:
+            shape = shape_problems(cfg)  # a size of 0 first: the layout rules divide by it
+            if shape:
+                return shape
             layout_rules.adjust(cfg)
             return layout_rules.layout_problems(cfg, world) + layout_rules.moe_problems(cfg, world)
         except MeshlmError as e:
