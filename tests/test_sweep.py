@@ -56,7 +56,7 @@ def test_successive_halving_keeps_the_best_half_and_runs_them_longer(tmp_path, m
 @pytest.mark.parametrize("bad, words", [
     (["--lr", "1e-3", "--rungs", "0", "--method", "halving"], "--rungs 0 is out of range"),
     (["--lr", "1e-3", "--slots", "0"], "--slots 0 is out of range"),
-    (["--lr", "1e-3", "--eta", "1"], "--eta 1 is out of range"),
+    (["--lr", "1e-3", "--eta", "1", "--method", "halving"], "--eta 1 is out of range"),
     (["--lr", "1e-3,,2e-3"], "give comma-separated floats"),
     (["--lr", "nan,inf"], "'nan' is not a finite positive value"),
     (["--lr=-1e-3,0"], "'-1e-3' is not a finite positive value"),
@@ -73,6 +73,9 @@ def test_successive_halving_keeps_the_best_half_and_runs_them_longer(tmp_path, m
     (["--lr", "1e-3,2e-3", "--", "--lr=5"], "--lr 5 after `--`: the sweep sets each trial's value from its own --lr"),
     (["--lr", "1e-3", "--hidden-size", "32,64", "--", "--hidden-size", "48"], "--hidden-size 48 after `--`"),
     (["--lr", "1e-3", "--", "--run-dir", "x"], "--run-dir x after `--`: the sweep runs each trial in its own folder"),
+    # halving's flags on a grid sweep were silently ignored
+    (["--lr", "1e-3", "--rungs", "4", "--eta", "3", *PRETRAIN], "--rungs 4 --eta 3: successive halving's, and this "
+                                                                 "sweep is --method grid"),
     # the full run's width: the sweep ran every trial, then printed flags of a model pretrain refuses
     (["--lr", "1e-3", "--target-hidden-size", "65", *PRETRAIN], "--target-hidden-size 65: the full run would be "
                                                                  "refused: --hidden-size 65 is not divisible by"),

@@ -44,6 +44,7 @@ AXES = {"lr": float, "hidden_size": int, "global_batch_size": int, "lr_warmup_it
 EXAMPLES = {"lr": "1e-3,3e-3", "hidden_size": "256,512", "global_batch_size": "32,64", "lr_warmup_iters": "0,100",
             "init_method_std": "0.01,0.02"}  # each axis's own example in a fix
 RESULTS = "trials.jsonl"
+HALVING = {"rungs": 3, "eta": 2}  # successive halving's defaults (--rungs, --eta)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=["grid", "halving"], default="grid", help="every setting, or "
                         "successive halving")
     parser.add_argument("--train-iters", type=int, default=50, help="iterations of a proxy run (halving: rung 0)")
-    parser.add_argument("--eta", type=int, default=2, help="halving: keep 1/eta, run eta × longer")
-    parser.add_argument("--rungs", type=int, default=3, help="halving: rungs")
+    parser.add_argument("--eta", type=int, default=None, help=f"halving: keep 1/eta, run eta × longer (default "
+                        f"{HALVING['eta']})")
+    parser.add_argument("--rungs", type=int, default=None, help=f"halving: rungs (default {HALVING['rungs']})")
     parser.add_argument("--slots", type=int, default=None, help="trials at once (default: the GPUs, or 1 on CPU)")
     parser.add_argument("--spike-factor", type=float, default=1.5, help="a loss above this × the first is a spike")
     parser.add_argument("--target-hidden-size", type=int, default=None, help="the full run's width, for the flags")
@@ -90,7 +92,14 @@ def _axis_values(name: str, text: str) -> list:
 
 
 def _check(args) -> None:
-    """ConfigError for a sweep flag outside its domain (before any trial starts)."""
+    """ConfigError for a sweep flag outside its domain, or --rungs/--eta given to a grid sweep (which
+    ignored them), before any trial starts; then the halving flags not given take ``HALVING``'s."""
+    halving = [f"--{k} {getattr(args, k)}" for k in HALVING if getattr(args, k) is not None]
+    if args.method == "grid" and halving:
+        raise ConfigError(f"{' '.join(halving)}: successive halving's, and this sweep is --method grid (every "
+                          f"setting at --train-iters); add --method halving or drop them")
+    for k, default in HALVING.items():
+        setattr(args, k, default if getattr(args, k) is None else getattr(args, k))
     rules = [("--train-iters", args.train_iters, 1), ("--rungs", args.rungs, 1), ("--eta", args.eta, 2),
              ("--slots", args.slots, 1), ("--target-hidden-size", args.target_hidden_size, 1)]
     for flag, value, least in rules:
