@@ -34,6 +34,14 @@ def test_plan_refuses_a_nonsense_size_with_pretrains_own_words(capsys, bad):
     assert plan[1] == dry[1] and bad[0] in plan[1] and len(plan[1].splitlines()) == 1
 
 
+def test_plan_refuses_more_gpus_than_it_plans_in_one_line(capsys):
+    """--num-gpus 2**40 planned for 70 s (its divisors, then every layout of them)."""
+    from meshlm.planner.command import MAX_GPUS
+    code, err = _err_of(capsys, ["plan", *SHAPE, "--num-gpus", str(2 ** 40)])
+    assert code == 2 and f"--num-gpus {2 ** 40}: give the job's GPU count (1 to {MAX_GPUS:,})" in err
+    assert len(err.splitlines()) == 1
+
+
 def test_plan_refuses_more_layers_than_it_can_search_in_one_line(capsys):
     """--num-layers 10**8 searched for days: every layout's memory walks every layer."""
     from meshlm.planner.command import MAX_LAYERS

@@ -30,6 +30,7 @@ NO_FIT = 3  # exit status when no layout fits (the plan and its "no_fit" advice 
 # deeper model is refused rather than searched for hours. The deepest published LLMs have 126 layers
 # (Llama 3.1 405B, arXiv:2407.21783, Table 3).
 MAX_LAYERS = 10_000
+MAX_GPUS = 2 ** 20  # likewise --num-gpus: its divisors are searched in O(√n) (70 s at 2^40)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,7 +186,8 @@ def run(args: argparse.Namespace, config_and_source) -> int:
     from .lint import lint
     finite = math.inf  # every value below is a finite number: an inf MTBF or bandwidth made a traceback
     cluster = [f"{flag} {value}: give {what}" for flag, value, ok, what in (
-        ("--num-gpus", args.num_gpus, args.num_gpus is None or args.num_gpus >= 1, "the job's GPU count (1 or more)"),
+        ("--num-gpus", args.num_gpus, args.num_gpus is None or 1 <= args.num_gpus <= MAX_GPUS,
+         f"the job's GPU count (1 to {MAX_GPUS:,})"),
         ("--gpus-per-node", args.gpus_per_node, args.gpus_per_node is None or args.gpus_per_node >= 1, "1 or more"),
         ("--top", args.top, args.top >= 0, "0 or more layouts to print"),
         ("--train-tokens", args.train_tokens, args.train_tokens is None or 1 <= args.train_tokens < finite,
