@@ -239,6 +239,18 @@ def test_a_run_with_its_logs_in_another_log_dir_is_found_from_its_run_dir(tmp_pa
     assert "iterations 1–3" in capsys.readouterr().out or command == "report"
 
 
+def test_config_yaml_records_a_relative_log_dir_as_absolute(tmp_path, monkeypatch):
+    """A relative --log-dir went into config.yaml as given, so analyze and report found the run's
+    metrics only from the launch's working directory."""
+    from meshlm.cli import _with_absolute_log_dir
+    from meshlm.config import Config
+    monkeypatch.chdir(tmp_path)
+    cfg = Config()
+    cfg.logging.log_dir = "logs-elsewhere"
+    written = _with_absolute_log_dir(cfg)
+    assert written.logging.log_dir == str(tmp_path / "logs-elsewhere") and cfg.logging.log_dir == "logs-elsewhere"
+
+
 @pytest.mark.parametrize("given", ["logs", "logs/metrics.jsonl", "."])
 def test_analyze_reads_the_runs_config_from_each_documented_form_of_the_run(tmp_path, capsys, given):
     """`meshlm analyze RUN/logs` (the README's "its logs/ folder") looked for config.yaml in logs/:

@@ -170,9 +170,20 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
         _lock(held, save, "--save", run_dir)
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.yaml")
-    dump_yaml(cfg, path)  # a full disk is one line (validate's probe file takes no block)
+    dump_yaml(_with_absolute_log_dir(cfg), path)  # a full disk is one line (validate's probe file takes no block)
     print(f"meshlm: config {path}", flush=True)
     return cfg
+
+
+def _with_absolute_log_dir(cfg):
+    """cfg for config.yaml: a relative --log-dir made absolute (a copy), so that `meshlm analyze` and
+    `meshlm report` find the run's metrics from any working directory, not only the launch's."""
+    if not cfg.logging.log_dir or os.path.isabs(cfg.logging.log_dir):
+        return cfg
+    import copy
+    out = copy.deepcopy(cfg)
+    out.logging.log_dir = os.path.abspath(cfg.logging.log_dir)
+    return out
 
 
 def _set_aside(run_dir: str, log_dir: str) -> None:
