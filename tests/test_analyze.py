@@ -69,6 +69,20 @@ def test_tp_communication_suggests_less_tp_more_pp_with_the_runs_sizes():
     assert flags == {"--tensor-model-parallel-size": "4", "--pipeline-model-parallel-size": "4"}
 
 
+@pytest.mark.parametrize("kind,sizes", [("tp", {"tensor_model_parallel_size": 8}),
+                                        ("cp", {"context_parallel_size": 4}),
+                                        ("ep", {"expert_model_parallel_size": 4})])
+def test_keeping_a_group_inside_a_node_is_advised_only_to_a_run_of_several_nodes(kind, sizes):
+    """A one-node run was told to keep its TP/CP/EP group inside one node: it already was."""
+    def advice(nodes):
+        layout = {} if nodes is None else {"layout": {"tp": 1, "pp": 1, "dp": 1, "nodes": nodes}}
+        found = by_kind(analyze([rec(i, comm_share={kind: 0.5}, **layout) for i in range(1, 5)], config(**sizes)),
+                        kind)[0]
+        return [x["why"] for x in found["fixes"] if "inside one node" in x["why"]]
+    assert advice(1) == []
+    assert len(advice(2)) == 1 and len(advice(None)) == 1  # several nodes, or a run that did not log them
+
+
 def timeline(p, m, busy_ms):
     """One 1F1B-like timeline: each stage's F and B of every micro-batch, busy_ms[s] in total."""
     events, t = [], 0.0

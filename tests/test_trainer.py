@@ -161,6 +161,7 @@ def test_skip_nan_steps_skips_the_update_and_counts_it(tmp_path):
     assert out["iterations"] == 3 and out["train_losses"][1] is None
     lines = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["nan_iters"] for r in lines if "lm_loss" in r] == [0, 1, 1]
+    assert {r["layout"]["nodes"] for r in lines if "lm_loss" in r} == {1}  # hosts, for analyze's node advice
 
 
 # ----------------------------------------------------------------------------- out of memory

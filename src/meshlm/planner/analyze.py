@@ -304,6 +304,16 @@ class _Flags:
         self.by_samples = t.get("train_samples") is not None
         self.warmup = o.get("lr_warmup_samples" if self.by_samples else "lr_warmup_iters")
         self.length = t.get("train_samples" if self.by_samples else "train_iters")
+        # hosts of the run (metrics.jsonl's layout, since 2026-12-04); None before: every group may cross a node
+        self.nodes = next((r["layout"].get("nodes") for r in reversed(records) if isinstance(r.get("layout"), dict)),
+                          None)
+
+    def group_fix(self, group: str, rule: str) -> list:
+        """The fix "keep each GROUP group inside one node (RULE)", unless the run had one node."""
+        if self.nodes == 1:
+            return []
+        return [Fix({}, f"keep each {group} group inside one node ({rule}): its collectives then use NVLink, "
+                        f"not the inter-node network")]
 
     def times(self, value, factor, flag):
         """{flag: value × factor} when value is known, else {flag: "×factor"} (advice)."""
@@ -339,8 +349,7 @@ def _comm(kind: str, share: float, f: _Flags) -> Optional[Finding]:
         if f.ep and f.ep > 1:
             fixes.append(Fix({"--expert-model-parallel-size": str(f.ep // 2)},
                              "fewer expert-parallel ranks: each token's routes cross to fewer other GPUs"))
-        fixes.append(Fix({}, "keep each EP group inside one node (EP × TP ≤ GPUs per node): its all-to-alls then "
-                             "use NVLink, not the inter-node network"))
+        fixes += f.group_fix("EP", "EP × TP ≤ GPUs per node")
     elif kind == "cp":
         if f.cp_comm != "all_gather":
             fixes.append(Fix({"--cp-comm-type": "all_gather"}, "gather K/V once instead of passing it round the "
@@ -348,7 +357,7 @@ def _comm(kind: str, share: float, f: _Flags) -> Optional[Finding]:
         if f.cp and f.cp > 1:
             fixes.append(Fix({"--context-parallel-size": str(f.cp // 2)},
                              "fewer CP ranks: larger blocks per ring step hide more of each K/V hop"))
-        fixes.append(Fix({}, "keep each CP group inside one node (CP × TP ≤ GPUs per node)"))
+        fixes += f.group_fix("CP", "CP × TP ≤ GPUs per node")
     elif kind == "tp" and f.tp == 1:  # no TP to cut: an older run timed CP's loss-token all-reduce as "tp"
         msg += "; the run has TP 1, so these are other inline collectives (no TP fix applies)"
     elif kind == "tp":
@@ -356,8 +365,7 @@ def _comm(kind: str, share: float, f: _Flags) -> Optional[Finding]:
         fixes.append(Fix({"--tensor-model-parallel-size": str(size // 2) if size and size > 1 else "smaller",
                           "--pipeline-model-parallel-size": str(2 * f.pp) if f.pp else "larger"},
                          "less TP, more PP: fewer collectives per layer for the same memory per GPU"))
-        fixes.append(Fix({}, "keep each TP group inside one node (TP ≤ GPUs per node, --nproc-per-node): "
-                             "its collectives then use NVLink, not the inter-node network"))
+        fixes += f.group_fix("TP", "TP ≤ GPUs per node, --nproc-per-node")
         fixes.append(Fix(f.times(f.micro, 2, "--micro-batch-size"),
                          "a larger micro-batch: fewer, larger messages where latency dominates"))
     return Finding(kind, severity, msg, share, fixes)

@@ -239,7 +239,7 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
                            flops_per_iter=flops_per_iteration(cfg.model, gb, padded),
                            world_size=ps.world_size, dtype=dtype, fp16=t.fp16 and dtype == torch.float16,
                            tensorboard_dir=cfg.logging.tensorboard_dir,
-                           layout=dict(saved_layout(ps, cfg), ep=ps.ep))
+                           layout=dict(saved_layout(ps, cfg), ep=ps.ep, nodes=_nodes(ps)))
     if ps.rank == 0:
         n = sum(q.numel() for c in chunks for q in c.parameters())
         ramp = f" after a ramp from {t.rampup_batch_size[0]}" if batches.ramp else ""
@@ -254,6 +254,12 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
     return Run(cfg, ps, tokenizer, train_ds, valid_ds, chunks, ddp, opt, sched, logger, gb, nmb, batches, iters,
                saver=saver, loaders=loaders, stragglers=StragglerWatch(ps), spikes=LossSpikes(t.loss_spike_threshold),
                fp8_states=fp8_delayed.delayed_states(chunks))
+
+
+def _nodes(ps: ParallelState) -> int:
+    """Hosts of the job: the world over the local workers (LOCAL_WORLD_SIZE, set by torchrun and by
+    meshlm's own launch; a process started alone is one host)."""
+    return max(1, ps.world_size // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or ps.world_size)))
 
 
 def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
