@@ -584,3 +584,22 @@ def test_a_damaged_indexed_dataset_is_refused_before_any_worker_naming_the_flag(
         err = _refused(capsys, SHAPE + data_flags + launch)
         assert err.startswith(f"meshlm: error: --data-path: {path}") and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("files, message", [
+    (["--vocab-file", "v.json", "--vocab-size", "64"], "meshlm: error: --vocab-file v.json without --merge-file: "
+                                                       "GPT2BPETokenizer reads both; give --merge-file too"),
+    (["--merge-file", "m.txt", "--vocab-size", "64"], "meshlm: error: --merge-file m.txt without --vocab-file"),
+    (["--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--tokenizer-model", "typo.json"],
+     "meshlm: note: --tokenizer-model typo.json ignored with NullTokenizer, which does not read it"),
+])
+def test_a_tokenizer_file_the_tokenizer_does_not_read_is_named(tmp_path, monkeypatch, capsys, files, message):
+    """`--vocab-file v.json --vocab-size N` without --merge-file trained NullTokenizer ids and dropped
+    the vocabulary without a word (GPT2BPETokenizer is implied by the two files together)."""
+    monkeypatch.chdir(tmp_path)
+    _dataset(tmp_path / "d_text_document")
+    (tmp_path / "v.json").write_text('{"<|endoftext|>": 0}')
+    (tmp_path / "m.txt").write_text("#version: 0.2\n")
+    code = main(SHAPE + ["--data-path", "d_text_document", *files, "--dry-run"])
+    out = capsys.readouterr()
+    assert code == (2 if "error" in message else 0) and message in out.err + out.out, out.err

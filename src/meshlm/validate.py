@@ -466,8 +466,8 @@ def _data_problems(cfg: Config) -> list:
         problems.append("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if d.tokenizer_type == "NullTokenizer" and not vocab:
         problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
-    from .data.tokenizer import null_ids_problem
-    problems += [p for p in [null_ids_problem(d, vocab)] if p]
+    from .data.tokenizer import half_gpt2_problem, null_ids_problem
+    problems += [p for p in [null_ids_problem(d, vocab), None if d.mock_data else half_gpt2_problem(d)] if p]
     files = [f for f in given_sources(d) if f != "--mock-data"]
     if files and not implied_tokenizer_type(d, vocab):  # the type the workers' build_tokenizer takes
         problems.append(f"{files[0]} needs --tokenizer-type (or --vocab-size with NullTokenizer)")
@@ -622,9 +622,10 @@ def notes(cfg: Config) -> list:
     if switches and not c.load:
         lines.append(f"{' '.join(switches)} ignored without --load (as in Megatron): the run starts from "
                      f"its initial weights; add --load CHECKPOINT_DIR to start from a checkpoint")
-    from .data.tokenizer import ignored_vocab_size
-    ignored = None if cfg.data.mock_data else ignored_vocab_size(cfg.data, m.vocab_size)
-    lines += [ignored] if ignored else []
+    from .data.tokenizer import ignored_tokenizer_files, ignored_vocab_size
+    if not cfg.data.mock_data:
+        lines += [line for line in (ignored_vocab_size(cfg.data, m.vocab_size),
+                                    ignored_tokenizer_files(cfg.data, m.vocab_size)) if line]
     if c.verify_integrity and not c.load:
         lines.append("--verify-integrity ignored without --load: it checks the checkpoint a run loads")
     if c.async_save and not c.save:
