@@ -603,3 +603,15 @@ def test_a_tokenizer_file_the_tokenizer_does_not_read_is_named(tmp_path, monkeyp
     code = main(SHAPE + ["--data-path", "d_text_document", *files, "--dry-run"])
     out = capsys.readouterr()
     assert code == (2 if "error" in message else 0) and message in out.err + out.out, out.err
+
+
+@pytest.mark.parametrize("size, problem", [("infGB", "give a finite size of at least 1 byte"),
+                                           ("1e400", "give a finite size of at least 1 byte"),
+                                           ("0.5B", "give a finite size of at least 1 byte")])
+def test_a_max_shard_size_that_is_no_size_is_one_line(capsys, size, problem):
+    """`--max-shard-size infGB` was an OverflowError traceback and `0.5B` 0 bytes, which wrote one
+    unsharded file; TB and TiB, refused as "not a size", are sizes."""
+    from meshlm.checkpoint.convert import _size
+    err = _refused(capsys, ["convert", "--to-hf", "--load", "ck", "--output", "out", "--max-shard-size", size])
+    assert f"--max-shard-size: {size!r}: {problem}" in err and len(err.splitlines()) == 1
+    assert (_size("2TB"), _size("1TiB")) == (2 * 10**12, 2**40)
