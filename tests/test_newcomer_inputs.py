@@ -615,3 +615,13 @@ def test_a_max_shard_size_that_is_no_size_is_one_line(capsys, size, problem):
     err = _refused(capsys, ["convert", "--to-hf", "--load", "ck", "--output", "out", "--max-shard-size", size])
     assert f"--max-shard-size: {size!r}: {problem}" in err and len(err.splitlines()) == 1
     assert (_size("2TB"), _size("1TiB")) == (2 * 10**12, 2**40)
+
+
+def test_a_model_sized_by_its_vocabulary_padding_names_the_padding_flag(tmp_path, capsys, monkeypatch):
+    """--make-vocab-size-divisible-by 10**9 padded 128 ids to 10**9 rows (64 billion parameters): the
+    error's fixes named --vocab-size, which changes nothing there."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    err = _refused(capsys, ["pretrain", "--model", "tiny", "--mock-data", "--vocab-size", "128",
+                            "--make-vocab-size-divisible-by", "1000000000", "--nproc-per-node", "1",
+                            "--run-dir", str(tmp_path / "run")])
+    assert "--make-vocab-size-divisible-by 1000000000: it pads the 128 ids to 1,000,000,000 rows" in err, err

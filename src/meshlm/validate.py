@@ -18,7 +18,7 @@ import os
 from typing import Optional
 
 from .config import (Config, ModelConfig, config_fields, ffn_hidden, flag_of, global_batch, head_dim,
-                     max_positions, moe_ffn, query_groups, rotary_dim, run_iterations, world_size_of)
+                     max_positions, moe_ffn, padded_vocab_size, query_groups, rotary_dim, run_iterations, world_size_of)
 from .errors import ConfigError, DataError
 from .fp8_rules import alignment_problems, fp8_problems
 from .parallel import layout_rules
@@ -287,10 +287,14 @@ def host_model_problems(cfg: Config, world: int, cuda: Optional[bool], available
     state = mem.weights + mem.grads + mem.optimizer
     if local * state <= available:
         return _logits_problems(c, layout, vocab_of(c)[0], local, available)
+    vocab = vocab_of(c)[0]
+    padded = padded_vocab_size(vocab, c.model.make_vocab_size_divisible_by, c.parallel.tensor_model_parallel_size)
+    padding = f", --make-vocab-size-divisible-by {c.model.make_vocab_size_divisible_by}: it pads the {vocab:,} ids " \
+              f"to {padded:,} rows" if (padded - vocab) * c.model.hidden_size * 2 > mem.params else ""  # the pad sizes it
     return [f"the model does not fit this host's memory: a rank at {layout.describe()} holds {mem.params:,} parameters, "
             f"{state / GiB:.1f} GiB of fp32 weights, grads and optimizer state, × {local} local rank(s) = "
             f"{local * state / GiB:.1f} GiB, but {available / GiB:.1f} GiB is available; shrink the model "
-            f"(--num-layers, --hidden-size, --ffn-hidden-size, --vocab-size) or split it over more ranks "
+            f"(--num-layers, --hidden-size, --ffn-hidden-size, --vocab-size{padding}) or split it over more ranks "
             f"(--tensor-model-parallel-size, --pipeline-model-parallel-size)"]
 
 
@@ -299,7 +303,6 @@ def _logits_problems(cfg: Config, layout, vocab: int, local: int, available: flo
     logits, [micro, seq / CP, padded vocab / TP] × 4 bytes, which the CPU loss materializes whatever
     else a step keeps; both are less than the step needs. --micro-batch-size 10**9 on mock data
     collated samples for minutes before failing."""
-    from .config import padded_vocab_size
     from .planner.memory import GiB, estimate
     mem = estimate(cfg, layout, vocab, half=False, stage=layout.pp - 1)
     m = cfg.model
