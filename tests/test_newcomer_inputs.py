@@ -625,3 +625,23 @@ def test_a_model_sized_by_its_vocabulary_padding_names_the_padding_flag(tmp_path
                             "--make-vocab-size-divisible-by", "1000000000", "--nproc-per-node", "1",
                             "--run-dir", str(tmp_path / "run")])
     assert "--make-vocab-size-divisible-by 1000000000: it pads the 128 ids to 1,000,000,000 rows" in err, err
+
+
+def test_a_resume_whose_checkpoint_consumed_more_a_step_than_this_global_batch_is_one_line():
+    """Saved at DP=2 (default global batch 8), resumed at DP=1 (default 4): the training data, sized
+    --train-iters × 4 from sample 0, ran out at the first step past it (a StopIteration traceback)."""
+    from types import SimpleNamespace
+
+    from meshlm.batches import BatchSchedule
+    from meshlm.errors import CheckpointError
+    from meshlm.training.trainer import TrainState, _check_data_lasts
+
+    def run(global_batch):
+        return SimpleNamespace(train_ds=[None] * 4 * global_batch, train_iters=4, cfg=SimpleNamespace(
+            checkpoint=SimpleNamespace(load="ck")), batches=BatchSchedule(global_batch, 4))
+    saved = TrainState(iteration=2, consumed_samples=16)
+    _check_data_lasts(run(8), saved)  # the checkpoint's own batch: the data lasts
+    with pytest.raises(CheckpointError) as e:
+        _check_data_lasts(run(4), saved)
+    assert str(e.value).startswith("--load ck: the checkpoint is at iteration 2 with 16 samples consumed") and \
+        "give --global-batch-size 8 or more" in str(e.value) and "\n" not in str(e.value)

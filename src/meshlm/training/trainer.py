@@ -137,6 +137,7 @@ def pretrain(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> dict:
             state = TrainState()
             if cfg.checkpoint.load:
                 state = load_checkpoint(run)
+                _check_data_lasts(run, state)
             _note_start(run, state)
             run.logger.begin(state.iteration)
             return train(run, state)
@@ -158,6 +159,36 @@ def pretrain(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> dict:
 def _heartbeat_log(cfg: C.Config, rank: int) -> Optional[str]:
     """This rank's log (run_logs.py's ``rank<R>.log``), where heartbeats go; None without a log dir."""
     return worker_log_path(cfg, rank) if cfg.logging.log_dir or cfg.logging.run_dir else None
+
+
+def _check_data_lasts(run: Run, state: TrainState) -> None:
+    """CheckpointError (the same line on every rank, before the first step) when the training data,
+    sized from sample 0 at this run's global batch (``num_samples_per_split``: --train-iters × the
+    batch, or --train-samples), ends before the steps from the loaded position do: a checkpoint that
+    consumed more samples a step than this run's global batch (saved at a larger DP, which the default
+    global batch follows). The run stopped with a StopIteration traceback at the step that ran out."""
+    if run.train_ds is None or state.iteration >= run.train_iters:
+        return
+    schedule, end = run.batches, state.consumed_samples
+    if schedule.ramp is None:
+        end += (run.train_iters - state.iteration) * schedule.global_batch
+    else:
+        for _ in range(state.iteration, run.train_iters):
+            end += schedule.batch_at(end)
+    if end <= len(run.train_ds):
+        return
+    hint = ""
+    if schedule.ramp is None:
+        unit = schedule.micro_dp
+        need = -(-(-(-state.consumed_samples // state.iteration)) // unit) * unit
+        hint = f"give --global-batch-size {need} or more (the checkpoint's steps averaged "
+        hint += f"{state.consumed_samples / state.iteration:g} samples), or "
+    raise CheckpointError(
+        f"--load {run.cfg.checkpoint.load}: the checkpoint is at iteration {state.iteration} with "
+        f"{state.consumed_samples:,} samples consumed, more than this run's global batch "
+        f"{schedule.global_batch} × {state.iteration} steps; its training data, sized from sample 0 at that "
+        f"batch, holds {len(run.train_ds):,} samples and would run out before its last step (which reads up to "
+        f"sample {end:,}): {hint}--finetune to start the data position at 0")
 
 
 def _note_start(run: Run, state: TrainState) -> None:
