@@ -645,3 +645,18 @@ def test_a_resume_whose_checkpoint_consumed_more_a_step_than_this_global_batch_i
         _check_data_lasts(run(4), saved)
     assert str(e.value).startswith("--load ck: the checkpoint is at iteration 2 with 16 samples consumed") and \
         "give --global-batch-size 8 or more" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flags, kind", [(dict(tokenizer_model="tok.json"), "HuggingFaceTokenizer"),
+                                         (dict(vocab_file="v.json", merge_file="m.txt"), "GPT2BPETokenizer")])
+def test_to_megatron_writes_the_tokenizer_type_its_files_implied(flags, kind):
+    """A run given only --tokenizer-model tok.json (HuggingFaceTokenizer implied) was exported with
+    tokenizer_type None in common.pt's args, so `convert --from-megatron` of it took NullTokenizer:
+    `generate` then wanted token ids, not text."""
+    from meshlm.checkpoint.megatron import data_from_args
+    from meshlm.checkpoint.megatron_convert import megatron_args
+    from meshlm.config import Config
+    cfg = Config()
+    for name, value in flags.items():
+        setattr(cfg.data, name, value)
+    assert data_from_args(megatron_args(cfg, 300, 384)) == dict(tokenizer_type=kind, **flags)
