@@ -169,12 +169,10 @@ def _check_data_lasts(run: Run, state: TrainState) -> None:
     global batch follows). The run stopped with a StopIteration traceback at the step that ran out."""
     if run.train_ds is None or state.iteration >= run.train_iters:
         return
-    schedule, end = run.batches, state.consumed_samples
-    if schedule.ramp is None:
-        end += (run.train_iters - state.iteration) * schedule.global_batch
-    else:
-        for _ in range(state.iteration, run.train_iters):
-            end += schedule.batch_at(end)
+    schedule, end, it = run.batches, state.consumed_samples, state.iteration
+    while it < run.train_iters and schedule.batch_at(end) != schedule.global_batch:  # the ramp's steps
+        end, it = end + schedule.batch_at(end), it + 1
+    end += (run.train_iters - it) * schedule.global_batch
     if end <= len(run.train_ds):
         return
     hint = ""
