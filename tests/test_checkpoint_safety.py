@@ -434,3 +434,17 @@ def test_a_library_message_quoted_in_a_damaged_checkpoint_line_is_cut_at_a_word(
     quoted = line.split("(RuntimeError: ", 1)[1].rsplit("); load", 1)[0]
     assert quoted.endswith(" …") and (words + " " + words).startswith(quoted[:-2]) and len(quoted) <= 122
     assert clipped("short text", 120) == "short text" and clipped("a " * 100, 9) == "a a a a …"
+
+
+def test_verify_loads_a_checkpoint_of_a_larger_dp_at_its_own_global_batch(tmp_path):
+    """A checkpoint saved at DP=2 under the default global batch (micro × DP = 8) failed verify at
+    --layout 1,1,1: rebuilt at DP=1 the batch was 4, so its LR schedule's decay samples "differed"."""
+    from meshlm.config import Config
+    from meshlm.inspect_checkpoint import _config_at
+    cfg = Config()
+    cfg.training.micro_batch_size = 4
+    ckpt.save(str(tmp_path / "ck"), 3, {"w": torch.zeros(2)}, config=cfg.to_dict())
+    manifest = tmp_path / "ck" / "iter_0000003" / ckpt.MANIFEST
+    saved = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps(dict(saved, world_size=2)))
+    assert _config_at(str(tmp_path / "ck" / "iter_0000003"), (1, 1, 1)).training.global_batch_size == 8

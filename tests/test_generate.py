@@ -215,3 +215,25 @@ def test_a_tokenizer_file_replaced_since_the_run_is_named_not_used(tmp_path, cap
     assert export_tokenizer(cfg.data, str(tmp_path / "hf"), rows)[:2] == ([], [f"no tokenizer exported: {changed}"])
     assert export_tokenizer(cfg.data, str(tmp_path / "hf"), tok.vocab_size)[0] == ["tokenizer.json",
                                                                                     "tokenizer_config.json"]
+
+
+class _FixedLogits(torch.nn.Module):
+    """A stand-in model whose next-token logits are always ``logits`` (float32, as the model's)."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = torch.nn.Parameter(torch.tensor(logits, dtype=torch.float32))
+        self.max_context, self.max_context_flag = 64, "its --seq-length"
+
+    def forward(self, x):
+        return self.logits.expand(1, x.shape[1], -1)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1e-300), dict(temperature=5e-324), dict(top_p=1e-300),
+                                      dict(temperature=1e-300, top_k=2)])
+def test_a_tiny_temperature_or_top_p_samples_the_greedy_token_not_a_nan(sampling):
+    """--temperature 1e-300 made float32 logits / T inf and nan, --top-p 1e-300 (0 in float32) dropped
+    every id: torch.multinomial's RuntimeError traceback. Both are the argmax's limit."""
+    from meshlm.data.tokenizer import NullTokenizer
+    model, tok = _FixedLogits([0.5, 3.0, 2.9, -1.0]), NullTokenizer(5)  # eod 4: never sampled
+    assert generate.sample_text(model, tok, "0", max_new_tokens=3, seed=1, **sampling) == " 1 1 1"

@@ -65,3 +65,30 @@ def test_hf_dropout_is_in_the_flags_hint_and_carried_by_a_load(tmp_path):
     cfg.checkpoint.load = str(tmp_path / "missing")
     assert convert.carry_dropout(cfg, set()) == [] and cfg.model.hidden_dropout == 0.1
     assert not os.path.exists(tmp_path / "missing")
+
+
+def _gpt2(**changes) -> dict:
+    hf = dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=100, n_positions=64)
+    hf.update(changes)
+    return hf
+
+
+@pytest.mark.parametrize("hf, field", [
+    (_gpt2(n_layer="2"), "n_layer='2' is not a positive integer"),  # a TypeError traceback
+    (_gpt2(n_layer=1.5), "n_layer=1.5 is not a positive integer"),
+    (_gpt2(n_embd=True), "n_embd=True is not a positive integer"),
+    (_gpt2(n_head=0), "n_head=0 is not a positive integer"),  # a ZeroDivisionError traceback
+    (_gpt2(n_layer=0), "n_layer=0 is not a positive integer"),  # "holds 24 tensors … no place for"
+    (_gpt2(layer_norm_epsilon=-1), "layer_norm_epsilon=-1 is not a number > 0"),  # converted silently
+    (_gpt2(resid_pdrop=2), "resid_pdrop=2 is not in [0, 1)"),
+    (_llama(rms_norm_eps="1e-6"), "rms_norm_eps='1e-6' is not a number > 0"),  # a ValueError traceback
+    (_llama(num_attention_heads=0), "num_attention_heads=0 is not a positive integer"),
+    (_llama(max_position_embeddings=-5), "max_position_embeddings=-5 is not a positive integer"),
+    (_llama(rope_theta="big"), "rope_theta='big' is not a number > 0"),
+    (_llama(rope_scaling="linear"), "rope_scaling='linear' is not supported"),  # an AttributeError traceback
+])
+def test_a_config_json_field_of_the_wrong_kind_or_range_is_one_line_naming_it(hf, field):
+    with pytest.raises(CheckpointError) as e:
+        model_from_hf(hf, "hf/config.json")
+    assert str(e.value).startswith(f"hf/config.json: {field}") and "\n" not in str(e.value)
+    assert model_from_hf(_gpt2(n_layer=2.0, n_inner=None), "x").model["num_layers"] == 2  # JSON 2.0: an integer

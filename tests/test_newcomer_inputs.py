@@ -666,3 +666,79 @@ def test_a_damaged_indexed_dataset_is_refused_before_any_worker_naming_the_flag(
         err = _refused(capsys, SHAPE + data_flags + launch)
         assert err.startswith(f"meshlm: error: --data-path: {path}") and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("files, message", [
+    (["--vocab-file", "v.json", "--vocab-size", "64"], "meshlm: error: --vocab-file v.json without --merge-file: "
+                                                       "GPT2BPETokenizer reads both; give --merge-file too"),
+    (["--merge-file", "m.txt", "--vocab-size", "64"], "meshlm: error: --merge-file m.txt without --vocab-file"),
+    (["--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--tokenizer-model", "typo.json"],
+     "meshlm: note: --tokenizer-model typo.json ignored with NullTokenizer, which does not read it"),
+])
+def test_a_tokenizer_file_the_tokenizer_does_not_read_is_named(tmp_path, monkeypatch, capsys, files, message):
+    """`--vocab-file v.json --vocab-size N` without --merge-file trained NullTokenizer ids and dropped
+    the vocabulary without a word (GPT2BPETokenizer is implied by the two files together)."""
+    monkeypatch.chdir(tmp_path)
+    _dataset(tmp_path / "d_text_document")
+    (tmp_path / "v.json").write_text('{"<|endoftext|>": 0}')
+    (tmp_path / "m.txt").write_text("#version: 0.2\n")
+    code = main(SHAPE + ["--data-path", "d_text_document", *files, "--dry-run"])
+    out = capsys.readouterr()
+    assert code == (2 if "error" in message else 0) and message in out.err + out.out, out.err
+
+
+@pytest.mark.parametrize("size, problem", [("infGB", "give a finite size of at least 1 byte"),
+                                           ("1e400", "give a finite size of at least 1 byte"),
+                                           ("0.5B", "give a finite size of at least 1 byte")])
+def test_a_max_shard_size_that_is_no_size_is_one_line(capsys, size, problem):
+    """`--max-shard-size infGB` was an OverflowError traceback and `0.5B` 0 bytes, which wrote one
+    unsharded file; TB and TiB, refused as "not a size", are sizes."""
+    from meshlm.checkpoint.convert import _size
+    err = _refused(capsys, ["convert", "--to-hf", "--load", "ck", "--output", "out", "--max-shard-size", size])
+    assert f"--max-shard-size: {size!r}: {problem}" in err and len(err.splitlines()) == 1
+    assert (_size("2TB"), _size("1TiB")) == (2 * 10**12, 2**40)
+
+
+def test_a_model_sized_by_its_vocabulary_padding_names_the_padding_flag(tmp_path, capsys, monkeypatch):
+    """--make-vocab-size-divisible-by 10**9 padded 128 ids to 10**9 rows (64 billion parameters): the
+    error's fixes named --vocab-size, which changes nothing there."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    err = _refused(capsys, ["pretrain", "--model", "tiny", "--mock-data", "--vocab-size", "128",
+                            "--make-vocab-size-divisible-by", "1000000000", "--nproc-per-node", "1",
+                            "--run-dir", str(tmp_path / "run")])
+    assert "--make-vocab-size-divisible-by 1000000000: it pads the 128 ids to 1,000,000,000 rows" in err, err
+
+
+def test_a_resume_whose_checkpoint_consumed_more_a_step_than_this_global_batch_is_one_line():
+    """Saved at DP=2 (default global batch 8), resumed at DP=1 (default 4): the training data, sized
+    --train-iters × 4 from sample 0, ran out at the first step past it (a StopIteration traceback)."""
+    from types import SimpleNamespace
+
+    from meshlm.batches import BatchSchedule
+    from meshlm.errors import CheckpointError
+    from meshlm.training.checkpointing import TrainState, check_data_lasts
+
+    def run(global_batch):
+        return SimpleNamespace(train_ds=[None] * 4 * global_batch, train_iters=4, cfg=SimpleNamespace(
+            checkpoint=SimpleNamespace(load="ck")), batches=BatchSchedule(global_batch, 4))
+    saved = TrainState(iteration=2, consumed_samples=16)
+    check_data_lasts(run(8), saved)  # the checkpoint's own batch: the data lasts
+    with pytest.raises(CheckpointError) as e:
+        check_data_lasts(run(4), saved)
+    assert str(e.value).startswith("--load ck: the checkpoint is at iteration 2 with 16 samples consumed") and \
+        "give --global-batch-size 8 or more" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flags, kind", [(dict(tokenizer_model="tok.json"), "HuggingFaceTokenizer"),
+                                         (dict(vocab_file="v.json", merge_file="m.txt"), "GPT2BPETokenizer")])
+def test_to_megatron_writes_the_tokenizer_type_its_files_implied(flags, kind):
+    """A run given only --tokenizer-model tok.json (HuggingFaceTokenizer implied) was exported with
+    tokenizer_type None in common.pt's args, so `convert --from-megatron` of it took NullTokenizer:
+    `generate` then wanted token ids, not text."""
+    from meshlm.checkpoint.megatron import data_from_args
+    from meshlm.checkpoint.megatron_convert import megatron_args
+    from meshlm.config import Config
+    cfg = Config()
+    for name, value in flags.items():
+        setattr(cfg.data, name, value)
+    assert data_from_args(megatron_args(cfg, 300, 384)) == dict(tokenizer_type=kind, **flags)

@@ -418,3 +418,5 @@ def test_a_run_says_when_it_has_nothing_to_train_or_saves_beside_an_earlier_run(
     assert "note: the checkpoint is at iteration 2 ≥ --train-iters 2: nothing to train" in again
     fresh = pretrain("--train-iters", "1", "--save", "ckpt", "--run-dir", "c")
     assert "note: --save ckpt already holds iter_0000002 from an earlier run" in fresh
+    assert "each save replaces the earlier run's checkpoint of its iteration and keeps only the newest " \
+           "--keep-checkpoints 2 below it" in fresh

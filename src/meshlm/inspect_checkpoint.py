@@ -201,9 +201,19 @@ def _read_everything(folder: str, load: str) -> list:
 
 
 def _config_at(folder: str, layout: tuple):
-    """The checkpoint's saved Config with the parallel layout set to ``layout`` (TP, PP, DP)."""
-    from .config import Config
-    return _at(Config.from_dict(ckpt.read_config(folder)), layout)
+    """The checkpoint's saved Config with the parallel layout set to ``layout`` (TP, PP, DP), and
+    the saved run's global batch kept where it was the default (micro × accumulation × DP, which
+    follows the DP): at another DP the LR schedule's decay samples differed from the saved ones,
+    so a checkpoint saved at DP=2 "did not load" at --layout 1,1,1."""
+    from .config import Config, global_batch
+    saved = Config.from_dict(ckpt.read_config(folder))
+    cfg = _at(saved, layout)
+    t = cfg.training
+    if t.global_batch_size is None:
+        batch = global_batch(saved, ckpt.read_manifest(folder).get("world_size") or 1)
+        if batch % (t.micro_batch_size * layout[2]) == 0:
+            t.global_batch_size, t.gradient_accumulation_steps = batch, None
+    return cfg
 
 
 def _at(saved, layout: tuple):

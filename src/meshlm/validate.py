@@ -16,8 +16,8 @@ import importlib.util
 import os
 from typing import Optional
 
-from .config import (Config, ffn_hidden, flag_of, global_batch, head_dim, moe_ffn, query_groups, run_iterations,
-                     world_size_of)
+from .config import (Config, ffn_hidden, flag_of, global_batch, head_dim, moe_ffn, padded_vocab_size, query_groups,
+                     run_iterations, world_size_of)
 from .errors import ConfigError, DataError
 from .fp8_rules import alignment_problems, fp8_problems
 from .shape_rules import _model_problems, _numeric_problems, shape_problems  # noqa: F401 (validate's names)
@@ -180,10 +180,14 @@ def host_model_problems(cfg: Config, world: int, cuda: Optional[bool], available
     state = mem.weights + mem.grads + mem.optimizer
     if local * state <= available:
         return _logits_problems(c, layout, vocab_of(c)[0], local, available)
+    vocab = vocab_of(c)[0]
+    padded = padded_vocab_size(vocab, c.model.make_vocab_size_divisible_by, c.parallel.tensor_model_parallel_size)
+    padding = f", --make-vocab-size-divisible-by {c.model.make_vocab_size_divisible_by}: it pads the {vocab:,} ids " \
+              f"to {padded:,} rows" if (padded - vocab) * c.model.hidden_size * 2 > mem.params else ""  # the pad sizes it
     return [f"the model does not fit this host's memory: a rank at {layout.describe()} holds {mem.params:,} parameters, "
             f"{state / GiB:.1f} GiB of fp32 weights, grads and optimizer state, × {local} local rank(s) = "
             f"{local * state / GiB:.1f} GiB, but {available / GiB:.1f} GiB is available; shrink the model "
-            f"(--num-layers, --hidden-size, --ffn-hidden-size, --vocab-size) or split it over more ranks "
+            f"(--num-layers, --hidden-size, --ffn-hidden-size, --vocab-size{padding}) or split it over more ranks "
             f"(--tensor-model-parallel-size, --pipeline-model-parallel-size)"]
 
 
@@ -192,7 +196,6 @@ def _logits_problems(cfg: Config, layout, vocab: int, local: int, available: flo
     logits, [micro, seq / CP, padded vocab / TP] × 4 bytes, which the CPU loss materializes whatever
     else a step keeps; both are less than the step needs. --micro-batch-size 10**9 on mock data
     collated samples for minutes before failing."""
-    from .config import padded_vocab_size
     from .planner.memory import GiB, estimate
     mem = estimate(cfg, layout, vocab, half=False, stage=layout.pp - 1)
     m = cfg.model
@@ -359,8 +362,8 @@ def _data_problems(cfg: Config) -> list:
         problems.append("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if d.tokenizer_type == "NullTokenizer" and not vocab:
         problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
-    from .data.tokenizer import null_ids_problem
-    problems += [p for p in [null_ids_problem(d, vocab)] if p]
+    from .data.tokenizer import half_gpt2_problem, null_ids_problem
+    problems += [p for p in [null_ids_problem(d, vocab), None if d.mock_data else half_gpt2_problem(d)] if p]
     files = [f for f in given_sources(d) if f != "--mock-data"]
     if files and not implied_tokenizer_type(d, vocab):  # the type the workers' build_tokenizer takes
         problems.append(f"{files[0]} needs --tokenizer-type (or --vocab-size with NullTokenizer)")
@@ -515,9 +518,10 @@ def notes(cfg: Config) -> list:
     if switches and not c.load:
         lines.append(f"{' '.join(switches)} ignored without --load (as in Megatron): the run starts from "
                      f"its initial weights; add --load CHECKPOINT_DIR to start from a checkpoint")
-    from .data.tokenizer import ignored_vocab_size
-    ignored = None if cfg.data.mock_data else ignored_vocab_size(cfg.data, m.vocab_size)
-    lines += [ignored] if ignored else []
+    from .data.tokenizer import ignored_tokenizer_files, ignored_vocab_size
+    if not cfg.data.mock_data:
+        lines += [line for line in (ignored_vocab_size(cfg.data, m.vocab_size),
+                                    ignored_tokenizer_files(cfg.data, m.vocab_size)) if line]
     if c.verify_integrity and not c.load:
         lines.append("--verify-integrity ignored without --load: it checks the checkpoint a run loads")
     if c.async_save and not c.save:

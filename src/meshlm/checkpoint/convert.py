@@ -32,6 +32,7 @@ checkpoint when its vocabulary is the model's.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 
@@ -43,11 +44,13 @@ from .hf import HFWeights, full_shapes, load_into_chunks, to_hf_tensors, write_h
 from .hf_config import ARCHITECTURES, flag_problems, hf_config_from_model, is_hf_folder, model_from_hf, read_hf_config
 from .hf_tokenizer import export_tokenizer, import_tokenizer, write_generation_config
 
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
 
 
 def _size(text: str) -> int:
-    """'5GB', '500MB', '2GiB' or a byte count → bytes (argparse type)."""
+    """'5GB', '500MB', '2GiB' or a byte count → bytes (argparse type): a finite size of 1 byte or more
+    ('infGB' was an OverflowError traceback, '0.5B' 0 bytes: no limit at all)."""
     t = text.strip().upper()
     unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if t.endswith(u)), "B")
     try:
@@ -56,6 +59,8 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB or 2GiB") from None
     if not n > 0:
         raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    if not math.isfinite(n) or n * _UNITS[unit] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite size of at least 1 byte, e.g. 5GB")
     return int(n * _UNITS[unit])
 
 

@@ -312,8 +312,9 @@ def load_into_chunks(chunks, full: dict, source: str) -> None:
         if name not in full:
             raise CheckpointError(f"{source}: has no weight for {name}; was it saved from this model?")
         if shapes[name] != shape:
-            hint = " (the vocabulary: check the tokenizer / --vocab-size)" if "embedding" in name or \
-                "output_layer" in name else ""
+            hint = " (the vocabulary: check the tokenizer / --vocab-size)" if "word_embeddings" in name or \
+                "output_layer" in name else " (the positions: --max-position-embeddings)" \
+                if "position_embeddings" in name else ""
             raise CheckpointError(f"{source}: {name} is {list(shapes[name])}, the model's {list(shape)}"
                                   f"{hint}; pass the model's flags")
     for chunk in chunks:

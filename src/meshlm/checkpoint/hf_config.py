@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -75,9 +76,39 @@ def read_hf_config(folder: str) -> dict:
 
 
 def _need(hf: dict, key: str, where: str):
+    """A positive integer field that has no default (a size or a count)."""
     if hf.get(key) is None:
         raise CheckpointError(f"{where}: field {key!r} is missing; is this a Hugging Face config.json?")
-    return hf[key]
+    return _int(hf, key, where)
+
+
+def _int(hf: dict, key: str, where: str, default: Optional[int] = None) -> int:
+    """The positive integer field ``key`` (``default`` when absent or null); CheckpointError naming
+    the field for any other value (text, a fraction, a bool, 0 or less: a traceback or a
+    division by zero before)."""
+    value = hf.get(key)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if type(value) is not int or value < 1:
+        raise CheckpointError(f"{where}: {key}={value!r} is not a positive integer; fix config.json (is this "
+                              f"a Hugging Face config.json?)")
+    return value
+
+
+def _float(hf: dict, key: str, where: str, default: float, low: float = 0.0, below: Optional[float] = None,
+           open_low: bool = True) -> float:
+    """The number field ``key`` (``default`` when absent or null), > ``low`` (≥ with open_low False)
+    and < ``below``; CheckpointError naming the field and the range otherwise."""
+    value = hf.get(key)
+    value = default if value is None else value
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        (value > low if open_low else value >= low) and (value < below if below is not None else value < math.inf)
+    if not ok:
+        words = f"in [{low:g}, {below:g})" if below is not None else f"a number {'>' if open_low else '≥'} {low:g}"
+        raise CheckpointError(f"{where}: {key}={value!r} is not {words}; fix config.json")
+    return float(value)
 
 
 def _refuse(where: str, key: str, value, why: str) -> CheckpointError:
@@ -88,6 +119,9 @@ def _rope_theta(hf: dict, where: str) -> float:
     """The RoPE base; refuses any scaling (``rope_parameters.rope_type`` or ``rope_scaling``)."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling")
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if value is not None and not isinstance(value, dict):
+            raise _refuse(where, key, value, "give an object of RoPE settings or null")
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind != "default":
         raise _refuse(where, "rope_parameters.rope_type", kind, "meshlm's RoPE has no scaling")
@@ -96,40 +130,40 @@ def _rope_theta(hf: dict, where: str) -> float:
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if factor not in (None, 1, 1.0):
         raise _refuse(where, "partial_rotary_factor", factor, "meshlm rotates the whole head")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return _float(params if "rope_theta" in params else hf, "rope_theta", where, 10000.0)
 
 
 def _llama(hf: dict, arch: str, where: str) -> HFModel:
     h, heads = _need(hf, "hidden_size", where), _need(hf, "num_attention_heads", where)
-    groups = hf.get("num_key_value_heads") or heads
-    d = hf.get("head_dim") or h // heads
+    groups = _int(hf, "num_key_value_heads", where, heads)
+    d = _int(hf, "head_dim", where, h // heads or 1)
     if hf.get("hidden_act", "silu") != "silu":
         raise _refuse(where, "hidden_act", hf["hidden_act"], "meshlm's SwiGLU MLP uses silu")
     attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
     if attn_bias != mlp_bias:
         raise _refuse(where, "attention_bias", attn_bias, f"with mlp_bias={mlp_bias}: meshlm's "
                       f"--disable-bias-linear takes biases off every linear layer or none")
-    positions = int(hf.get("max_position_embeddings") or 2048)
+    positions = _int(hf, "max_position_embeddings", where, 2048)
     model = dict(
         num_layers=_need(hf, "num_hidden_layers", where), hidden_size=h, num_attention_heads=heads,
         group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
         kv_channels=d if h % heads or d != h // heads else None,
         ffn_hidden_size=_need(hf, "intermediate_size", where), vocab_size=_need(hf, "vocab_size", where),
-        normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), swiglu=True, openai_gelu=False,
+        normalization="RMSNorm", norm_epsilon=_float(hf, "rms_norm_eps", where, 1e-6), swiglu=True, openai_gelu=False,
         position_embedding_type="rope", rotary_base=_rope_theta(hf, where),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         add_bias_linear=attn_bias, max_position_embeddings=positions,
-        hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
-        init_method_std=float(hf.get("initializer_range", 0.02)), num_experts=None)
+        hidden_dropout=0.0, attention_dropout=_float(hf, "attention_dropout", where, 0.0, below=1.0, open_low=False),
+        init_method_std=_float(hf, "initializer_range", where, 0.02), num_experts=None)
     if arch == "mixtral":
-        if float(hf.get("router_jitter_noise") or 0.0):
+        if _float(hf, "router_jitter_noise", where, 0.0, open_low=False):
             raise _refuse(where, "router_jitter_noise", hf["router_jitter_noise"], "meshlm's router adds no noise")
         model.update(num_experts=_need(hf, "num_local_experts", where), moe_router_topk=_need(hf, "num_experts_per_tok", where),
                      moe_ffn_hidden_size=None, moe_layer_freq="1", moe_shared_expert_intermediate_size=None,
                      moe_router_score_function="softmax", moe_router_pre_softmax=False)
     out = HFModel(arch, model, positions)
     if arch in ("mistral", "mixtral") and hf.get("sliding_window") is not None:
-        out.window = int(hf["sliding_window"])
+        out.window = _int(hf, "sliding_window", where)
         out.notes.append(f"{where}: sliding_window={out.window}: meshlm attends over the whole sequence, "
                          f"which equals Mistral's window only for sequences of at most {out.window} tokens")
     return out
@@ -148,16 +182,17 @@ def _gpt2(hf: dict, where: str) -> HFModel:
         if bool(hf.get(key, ok)) != ok:
             raise _refuse(where, key, hf[key], "meshlm scales attention by 1/sqrt(head dim) in every layer, "
                           "without cross-attention")
-    positions = int(hf.get("n_positions") or 1024)
+    positions = _int(hf, "n_positions", where, 1024)
     model = dict(
         num_layers=_need(hf, "n_layer", where), hidden_size=e, num_attention_heads=_need(hf, "n_head", where),
         group_query_attention=False, num_query_groups=None, kv_channels=None,
-        ffn_hidden_size=hf.get("n_inner") or 4 * e, vocab_size=_need(hf, "vocab_size", where),
-        normalization="LayerNorm", norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)), swiglu=False,
+        ffn_hidden_size=_int(hf, "n_inner", where, 4 * e), vocab_size=_need(hf, "vocab_size", where),
+        normalization="LayerNorm", norm_epsilon=_float(hf, "layer_norm_epsilon", where, 1e-5), swiglu=False,
         openai_gelu=_GPT2_GELU[act], bias_gelu_fusion=_GPT2_GELU[act], position_embedding_type="learned_absolute",
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True), add_bias_linear=True,
-        max_position_embeddings=positions, hidden_dropout=float(hf.get("resid_pdrop", 0.1)),
-        attention_dropout=float(hf.get("attn_pdrop", 0.1)), init_method_std=float(hf.get("initializer_range", 0.02)))
+        max_position_embeddings=positions, hidden_dropout=_float(hf, "resid_pdrop", where, 0.1, below=1.0, open_low=False),
+        attention_dropout=_float(hf, "attn_pdrop", where, 0.1, below=1.0, open_low=False),
+        init_method_std=_float(hf, "initializer_range", where, 0.02))
     return HFModel("gpt2", model, positions)
 
 

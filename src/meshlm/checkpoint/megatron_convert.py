@@ -36,6 +36,7 @@ import warnings
 import torch
 
 from .. import config as C
+from ..data.tokenizer import implied_tokenizer_type
 from ..errors import CheckpointError
 from . import megatron as mg
 from .megatron_common import read_common
@@ -190,7 +191,9 @@ def megatron_args(cfg: C.Config, vocab: int, padded: int) -> argparse.Namespace:
     fields.update(ffn_hidden_size=C.ffn_hidden(m), num_query_groups=C.query_groups(m), kv_channels=C.head_dim(m),
                   group_query_attention=C.query_groups(m) != m.num_attention_heads,
                   max_position_embeddings=C.max_positions(m), vocab_size=vocab, padded_vocab_size=padded,
-                  tokenizer_type=cfg.data.tokenizer_type, tokenizer_model=cfg.data.tokenizer_model,
+                  tokenizer_type=implied_tokenizer_type(cfg.data, vocab),  # the type the run used: a
+                  tokenizer_model=cfg.data.tokenizer_model,  # type implied by its files was None, so
+                  # --from-megatron of this folder took NullTokenizer (ids as text) for its tokenizer.json
                   vocab_file=cfg.data.vocab_file, merge_file=cfg.data.merge_file,
                   ckpt_format="torch_dist", num_experts=m.num_experts or None)
     return argparse.Namespace(**fields)

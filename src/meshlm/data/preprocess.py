@@ -271,10 +271,13 @@ def run(args: argparse.Namespace) -> int:
     if args.partitions < 1:  # Megatron's own domain; the value changes nothing here beyond that
         raise ConfigError(f"--partitions {args.partitions}: use 1 or more (meshlm reads the inputs once "
                           f"whatever the value; drop the flag)")
-    from .tokenizer import ignored_vocab_size
-    ignored = ignored_vocab_size(args, args.vocab_size)
-    if ignored:
-        print(f"meshlm: note: {ignored}", file=sys.stderr, flush=True)
+    from .tokenizer import half_gpt2_problem, ignored_tokenizer_files, ignored_vocab_size
+    half = half_gpt2_problem(args)
+    if half:
+        raise ConfigError(half)
+    for ignored in (ignored_vocab_size(args, args.vocab_size), ignored_tokenizer_files(args, args.vocab_size)):
+        if ignored:
+            print(f"meshlm: note: {ignored}", file=sys.stderr, flush=True)
     stats = preprocess_files(args.input, args.output_prefix, args, args.vocab_size, args.json_keys,
                              args.append_eod, args.workers, log_interval=args.log_interval)
     report(stats)

@@ -172,6 +172,38 @@ def ignored_vocab_size(data_cfg, vocab_size: Optional[int]) -> Optional[str]:
             f"--vocab-size (`meshlm plan` uses it only where the tokenizer file is absent)")
 
 
+_FILE_FLAGS = (("tokenizer_model", "--tokenizer-model"), ("vocab_file", "--vocab-file"), ("merge_file", "--merge-file"))
+
+
+def half_gpt2_problem(data_cfg) -> Optional[str]:
+    """The error for --vocab-file or --merge-file given alone with no --tokenizer-type and no
+    --tokenizer-model (None otherwise): GPT2BPETokenizer is implied by the two together, so the one
+    file was silently dropped and the run trained on NullTokenizer ids (with --vocab-size)."""
+    vocab, merges = getattr(data_cfg, "vocab_file", None), getattr(data_cfg, "merge_file", None)
+    if data_cfg.tokenizer_type or data_cfg.tokenizer_model or bool(vocab) == bool(merges):
+        return None
+    given, path, missing = ("--vocab-file", vocab, "--merge-file") if vocab else ("--merge-file", merges, "--vocab-file")
+    return (f"{given} {path} without {missing}: GPT2BPETokenizer reads both; give {missing} too (or "
+            f"--tokenizer-type NullTokenizer --vocab-size N to train on token ids without it)")
+
+
+def ignored_tokenizer_files(data_cfg, vocab_size: Optional[int] = None) -> Optional[str]:
+    """The note naming the tokenizer file flags the run's tokenizer type does not read
+    (``--tokenizer-type NullTokenizer --tokenizer-model x``, a tokenizer.json with --vocab-file),
+    or None. Megatron ignores them as silently; here a misspelt path is at least named."""
+    kind = implied_tokenizer_type(data_cfg, vocab_size)
+    if kind is None or half_gpt2_problem(data_cfg):
+        return None
+    reads = ("vocab_file", "merge_file") if kind == "GPT2BPETokenizer" else \
+        ("tokenizer_model",) if kind in MODEL_FILE else ()
+    unread = [f"{flag} {getattr(data_cfg, name)}" for name, flag in _FILE_FLAGS
+              if getattr(data_cfg, name, None) and name not in reads]
+    if not unread:
+        return None
+    return f"{', '.join(unread)} ignored with {kind}, which does not read {'it' if len(unread) == 1 else 'them'}; drop " \
+           f"{'it' if len(unread) == 1 else 'them'} or give the --tokenizer-type that does"
+
+
 def null_ids_problem(data_cfg, vocab_size: Optional[int]) -> Optional[str]:
     """Why --null-tokenizer-eod-id / --null-tokenizer-pad-id do not fit --vocab-size (None when they do)."""
     eod, pad = getattr(data_cfg, "null_tokenizer_eod_id", None), getattr(data_cfg, "null_tokenizer_pad_id", -1)
@@ -340,5 +372,5 @@ def run_train(args: argparse.Namespace) -> int:
 __all__ = ["Tokenizer", "HFTokenizer", "NullTokenizer", "build_tokenizer", "train_bpe",
            "add_train_arguments", "run_train", "resolve_tokenizer_type", "EOD", "EXTRA_TYPES",
            "MODEL_FILE", "SENTENCEPIECE_TYPES", "TOKENIZER_FIELDS", "file_digest", "require_path",
-           "special_tokens_problem"]
+           "special_tokens_problem", "half_gpt2_problem", "ignored_tokenizer_files"]
 

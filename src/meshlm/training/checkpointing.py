@@ -220,3 +220,31 @@ def _portable_config(cfg: C.Config) -> dict:
         if d["data"][key]:
             d["data"][key] = os.path.abspath(d["data"][key])
     return d
+
+
+def check_data_lasts(run, state: TrainState) -> None:
+    """CheckpointError (the same line on every rank, before the first step) when the training data,
+    sized from sample 0 at this run's global batch (``num_samples_per_split``: --train-iters × the
+    batch, or --train-samples), ends before the steps from the loaded position do: a checkpoint that
+    consumed more samples a step than this run's global batch (saved at a larger DP, which the default
+    global batch follows). The run stopped with a StopIteration traceback at the step that ran out."""
+    if run.train_ds is None or state.iteration >= run.train_iters:
+        return
+    schedule, end, it = run.batches, state.consumed_samples, state.iteration
+    while it < run.train_iters and schedule.batch_at(end) != schedule.global_batch:  # the ramp's steps
+        end, it = end + schedule.batch_at(end), it + 1
+    end += (run.train_iters - it) * schedule.global_batch
+    if end <= len(run.train_ds):
+        return
+    hint = ""
+    if schedule.ramp is None:
+        unit = schedule.micro_dp
+        need = -(-(-(-state.consumed_samples // state.iteration)) // unit) * unit
+        hint = f"give --global-batch-size {need} or more (the checkpoint's steps averaged "
+        hint += f"{state.consumed_samples / state.iteration:g} samples), or "
+    raise CheckpointError(
+        f"--load {run.cfg.checkpoint.load}: the checkpoint is at iteration {state.iteration} with "
+        f"{state.consumed_samples:,} samples consumed, more than this run's global batch "
+        f"{schedule.global_batch} × {state.iteration} steps; its training data, sized from sample 0 at that "
+        f"batch, holds {len(run.train_ds):,} samples and would run out before its last step (which reads up to "
+        f"sample {end:,}): {hint}--finetune to start the data position at 0")

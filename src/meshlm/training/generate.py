@@ -162,7 +162,8 @@ def sample_text(model, tokenizer, prompt: str, *, max_new_tokens: int = 64, temp
     for _ in range(max_new_tokens):
         x = torch.tensor([ids + new], dtype=torch.long, device=device)
         logits = model(x)[0, -1, :tokenizer.vocab_size].float()  # [V], padding dropped
-        nxt = int(logits.argmax()) if temperature == 0 else _sample(logits / temperature, top_k, top_p, gen)
+        nxt = int(logits.argmax()) if temperature == 0 else \
+            _sample((logits.double() - logits.max()) / temperature, top_k, top_p, gen)  # 1e-300 gave nan
         if nxt == tokenizer.eod:
             break
         new.append(nxt)
@@ -179,6 +180,7 @@ def _sample(logits: torch.Tensor, top_k: int, top_p: float, gen: torch.Generator
     if top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
         drop = sorted_p.cumsum(0) - sorted_p >= top_p  # keep the smallest prefix reaching top_p
+        drop[0] = False  # the likeliest id stays: a top_p below float32's least (1e-300) is 0 there
         probs = probs.clone()
         probs[order[drop]] = 0.0
         probs /= probs.sum()

@@ -52,7 +52,7 @@ from ..parallel.random import MODEL_PARALLEL_SEED_OFFSET
 from ..parallel.pipeline import bubble_fraction, forward_backward, reduce_losses
 from ..profile_ranges import annotate
 from ..run_logs import worker_log_path
-from .checkpointing import TrainState, load_checkpoint, save_checkpoint, saved_layout
+from .checkpointing import TrainState, check_data_lasts, load_checkpoint, save_checkpoint, saved_layout
 from .faults import LossSpikes, nan_origin
 from .manual_gc import ManualGC
 from . import profiling, progress
@@ -131,6 +131,7 @@ def pretrain(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> dict:
             state = TrainState()
             if cfg.checkpoint.load:
                 state = load_checkpoint(run)
+                check_data_lasts(run, state)
             _note_start(run, state)
             run.logger.begin(state.iteration)
             return train(run, state)
@@ -171,7 +172,9 @@ def _heartbeat_log(cfg: C.Config, rank: int) -> Optional[str]:
 
 
 def _note_start(run: Run, state: TrainState) -> None:
-    """Rank 0 says when a run will train nothing, or will save beside an earlier run's checkpoints."""
+    """Rank 0 says when a run will train nothing, or will save over an earlier run's checkpoints (a
+    save replaces the folder of its iteration and prunes the older ones, ``checkpoint.dist.prune``:
+    "saves beside it" it said before, while the earlier run's checkpoints went)."""
     cfg, save = run.cfg, run.cfg.checkpoint.save
     if run.ps.rank != 0:
         return
@@ -188,8 +191,10 @@ def _note_start(run: Run, state: TrainState) -> None:
     earlier = ckpt.complete_iterations(save)
     if earlier:
         print(f"note: --save {save} already holds {os.path.basename(ckpt.iteration_dir(save, earlier[-1]))} "
-              f"from an earlier run; this run starts from scratch (no --load) and saves beside it; "
-              f"pass --load {save} to resume instead", flush=True)
+              f"from an earlier run; this run starts from scratch (no --load) and saves into the same folder: "
+              f"each save replaces the earlier run's checkpoint of its iteration and keeps only the newest "
+              f"--keep-checkpoints {cfg.checkpoint.keep_checkpoints} below it, the earlier run's included; "
+              f"pass --load {save} to resume instead, or give another --save to keep them", flush=True)
 
 
 def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
