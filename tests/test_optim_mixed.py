@@ -1,5 +1,6 @@
 """Mixed-precision AdamW, loss scaling, clipping, NaN handling, state dicts (optim/optimizer.py)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -366,3 +367,35 @@ def test_moment_dtypes_are_validated_as_megatron_does():
     assert ["--exp-avg-sq-dtype fp16" in line and "bf16" in line for line in _moment_dtype_problems(o)] == [True]
     o.exp_avg_sq_dtype, o.optimizer_cpu_offload = "fp32", True
     assert ["--optimizer-cpu-offload" in line for line in _moment_dtype_problems(o)] == [True]
+
+
+def test_grad_reduce_in_bf16_accumulates_the_micro_batches_in_bf16():
+    """--grad-reduce-in-bf16 (Megatron's): bf16 params' buckets are bf16 and the micro-batches'
+    gradients add in bf16 (each backward's bf16 grad into the bf16 main_grad, in order); without it
+    they are fp32 and the sum is fp32's. Two micro-batches, compared with the sums by hand."""
+    def grads(reduce_in_bf16):
+        cfg = make_cfg(ddp_bucket_size=300, grad_reduce_in_bf16=reduce_in_bf16)
+        cfg.training.bf16 = True
+        model = Toy(dtype=torch.bfloat16)
+        ref = copy.deepcopy(model)  # before DDP's hooks
+        ddp = DistributedDataParallel([model], ParallelState.single(), cfg)
+        ddp.zero_grad()
+        for seed in range(2):
+            with ddp.no_sync() if seed == 0 else contextlib.nullcontext():
+                model(*batch(4, seed)).backward()
+        ddp.finish_grad_sync()
+        each = []
+        for seed in range(2):
+            ref.zero_grad()
+            ref(*batch(4, seed)).backward()
+            each.append([q.grad.clone() for q in ref.parameters()])
+        return {b.grad_dtype for b in ddp.buffers}, [p.main_grad for p in model.parameters()], each
+
+    dtypes, got, (g0, g1) = grads(True)
+    assert dtypes == {torch.bfloat16}
+    for have, a, b in zip(got, g0, g1):
+        torch.testing.assert_close(have, a + b, rtol=0, atol=0)  # bf16 + bf16, rounded to bf16
+    dtypes, got, (g0, g1) = grads(False)
+    assert dtypes == {torch.float32}
+    for have, a, b in zip(got, g0, g1):
+        torch.testing.assert_close(have, a.float() + b.float(), rtol=0, atol=0)

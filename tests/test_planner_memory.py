@@ -127,3 +127,21 @@ def test_bf16_moments_hold_and_move_four_bytes_a_parameter_less():
     ta, tb = (step_time(c, lay, GPUS["H200-141GB"], 32000, gpus_per_node=1, params_per_rank=a.params)
               for c in (full, narrow))
     assert ta.optimizer - tb.optimizer == pytest.approx(8 * a.params / GPUS["H200-141GB"].hbm_bytes_per_s, rel=1e-9)
+
+
+def test_grad_reduce_in_bf16_halves_the_gradients_and_their_dp_bytes():
+    """--grad-reduce-in-bf16: the bf16 buckets hold 2 bytes a parameter (not 4) through the step, and
+    the DP reduction moves 2 a parameter; each micro-batch's fold moves 4 bytes less and the update and
+    norm 2 each (cost.py)."""
+    from meshlm.planner.cost import step_time
+    from meshlm.planner.gpus import PRESETS as GPUS
+    base = ("--model", "llama-1b", "--vocab-size", "32000", "--seq-length", "1024", "--max-position-embeddings",
+            "1024", "--micro-batch-size", "2", "--global-batch-size", "16", "--bf16")
+    fp32, bf16 = cfg_of(*base), cfg_of(*base, "--grad-reduce-in-bf16")
+    lay = Layout.of(fp32, 4)  # DP 4, 2 micro-batches: the buckets are summed, so half_grads does not apply
+    a, b = estimate(fp32, lay, 32000), estimate(bf16, lay, 32000)
+    assert b.grads == pytest.approx(a.grads / 2, rel=1e-12) and a.params == b.params
+    h200 = GPUS["H200-141GB"]
+    ta, tb = (step_time(c, lay, h200, 32000, gpus_per_node=8, params_per_rank=a.params) for c in (fp32, bf16))
+    assert tb.dp_comm < 0.6 * ta.dp_comm
+    assert ta.optimizer - tb.optimizer == pytest.approx((4 * 2 + 2 + 2) * a.params / h200.hbm_bytes_per_s, rel=1e-9)

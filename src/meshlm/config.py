@@ -174,6 +174,9 @@ class ParallelConfig:
     ddp_bucket_size: Optional[int] = opt(None, "elements per gradient bucket (default max(40M, 1M × DP); 2^30 at DP × CP 1)")
     accumulate_allreduce_grads_in_fp32: bool = opt(True, "keep main_grad in fp32 (always on in meshlm)",
                                                    action="store_true")
+    grad_reduce_in_bf16: bool = opt(False, "bf16 params' gradients accumulated and reduced in bf16, not fp32 "
+                                    "(Megatron's): half the gradient memory and DP bytes, at bf16's rounding of "
+                                    "the micro-batches' sum and of the reduction", action="store_true")
     use_cpu_initialization: bool = opt(True, "build each full weight from the seed, keep this rank's slice "
                                        "(on by default in meshlm)", action="store_true")
     nproc_per_node: Optional[int] = opt(None, "local workers to start (default: GPUs, or as the layout needs on CPU)")
@@ -829,6 +832,12 @@ def zero_stage(p: ParallelConfig) -> int:
 
 
 ONE_RANK_BUCKET = 1 << 30  # elements: the default --ddp-bucket-size at DP × CP 1 (parallel/data.py)
+
+
+def bf16_reduce(cfg: Config) -> bool:
+    """Whether --grad-reduce-in-bf16 keeps bf16 params' gradient buckets in bf16 (parallel/data.py;
+    Megatron: it turns --accumulate-allreduce-grads-in-fp32 off under --bf16)."""
+    return cfg.training.bf16 and cfg.parallel.grad_reduce_in_bf16
 
 
 def half_grads(cfg: Config, world: Optional[int] = None, cuda: bool = True) -> bool:

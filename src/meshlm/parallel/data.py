@@ -208,7 +208,9 @@ class DistributedDataParallel:
 
             for dtype, expert, fp8 in dict.fromkeys(kind(q) for q in params):
                 group = [q for q in params if kind(q) == (dtype, expert, fp8)]
-                grad_dtype = wide(dtype) if p.accumulate_allreduce_grads_in_fp32 else dtype
+                # --grad-reduce-in-bf16: bf16 params accumulate and reduce in bf16 (Megatron's)
+                narrow = not p.accumulate_allreduce_grads_in_fp32 or (p.grad_reduce_in_bf16 and dtype == torch.bfloat16)
+                grad_dtype = dtype if narrow else wide(dtype)
                 if self.half_grads and dtype in HALF:
                     grad_dtype = dtype
                 hybrid = ps.instances > 1 and not expert

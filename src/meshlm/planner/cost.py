@@ -82,7 +82,7 @@ from dataclasses import asdict, dataclass
 
 from dataclasses import replace
 
-from ..config import (ONE_RANK_BUCKET, Config, ffn_hidden, global_batch, half_grads, head_dim, moe_ffn, moe_layer_pattern, num_microbatches,
+from ..config import (ONE_RANK_BUCKET, Config, bf16_reduce, ffn_hidden, global_batch, half_grads, head_dim, moe_ffn, moe_layer_pattern, num_microbatches,
                       padded_vocab_size, query_groups)
 from ..flops import flops_per_iteration, mlp_flops_per_token
 from ..fp8_rules import fp8_layers
@@ -103,6 +103,7 @@ OPTIMIZER_BYTES_PER_PARAM = 34
 NORM_BYTES_PER_PARAM = 4  # of the 34: the grad norm's fp32 grad read (2 under half_grads), the rest the update
 FOLD_BYTES_PER_PARAM = 10
 HALF_GRADS_SAVED_BYTES = (6, 2, 2)  # config.half_grads: (fold: a bf16 copy of 4, not 10; update: grad read 2; norm 2)
+BF16_REDUCE_SAVED_BYTES = (4, 2, 2)  # --grad-reduce-in-bf16: (fold: a bf16 add of 6, not 10; update 2; norm 2)
 FP8_CAST_BYTES = 44  # an FP8 weight a micro-batch, its casts' HBM bytes: fit to a per-kernel profile (cost.py doc)
 FP8_ACTIVATION_CAST_BYTES = 7  # an FP8 linear's input and output-gradient element: amax, cast, transposed copy
 STEP_OVERHEAD_S = 0.0
@@ -403,6 +404,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     link_tp = stages[-1]["link_tp"]
     halved = half and half_grads(c, layout.world)
     saved_fold, saved_update, saved_norm = HALF_GRADS_SAVED_BYTES if halved else (0, 0, 0)
+    if half and bf16_reduce(c) and not halved:  # bf16 buckets summed over micro-batches: the fold adds in bf16
+        saved_fold, saved_update, saved_norm = BF16_REDUCE_SAVED_BYTES
     # under half_grads a stack of experts' bucket is its grouped GEMM's weight gradient, uncopied
     # (parallel/grad_buffer.py ``adopt``; not counted for FP8 experts)
     folded = params_per_rank - (expert_params_per_rank if halved and not any(fp8_layers(c.training, m.num_layers))
@@ -419,6 +422,7 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     # parallel/data.py's default
     bucket = c.parallel.ddp_bucket_size or (max(40_000_000, 1_000_000 * dp) if n > 1 else ONE_RANK_BUCKET)
     latency = (math.ceil(params_per_rank / bucket) - 1) * COLLECTIVE_LATENCY_S if n > 1 else 0.0
+    g = 2 if half and bf16_reduce(c) else 4  # a gradient's bytes on the wire
     if layout.stage >= 1:
         # ZeRO-1/2: one param all-gather after the step; ZeRO-3: one per block use, twice per
         # micro-batch with one stage (forward, backward), once a step under PP (kept gathered).
@@ -427,10 +431,10 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
         reduces = nmb if layout.stage >= 2 else 1
         gather_s = gathers * (_ring(n, 2 * dense, link_dp, reduce=False) + _ring(edp, 2 * experts, link_dp,
                                                                                    reduce=False) + latency)
-        dp_s = reduces * (_ring(n, 4 * dense, link_dp, reduce=False) + _ring(edp, 4 * experts, link_dp, reduce=False)
+        dp_s = reduces * (_ring(n, g * dense, link_dp, reduce=False) + _ring(edp, g * experts, link_dp, reduce=False)
                           + latency) + gather_s
     else:
-        dp_s, gather_s = _ring(n, 4 * dense, link_dp) + _ring(edp, 4 * experts, link_dp) + latency, 0.0
+        dp_s, gather_s = _ring(n, g * dense, link_dp) + _ring(edp, g * experts, link_dp) + latency, 0.0
     if layout.overlap_grad_reduce and n > 1:
         reduce_s = dp_s - gather_s
         hidden = min(reduce_s * (1 - min(1.0, bucket / max(params_per_rank, 1))), 2 / 3 * per_mb)

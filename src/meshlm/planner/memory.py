@@ -83,7 +83,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ..config import Config, ModelConfig, ffn_hidden, half_grads, head_dim, moe_layer_pattern, num_microbatches, query_groups
+from ..config import Config, ModelConfig, bf16_reduce, ffn_hidden, half_grads, head_dim, moe_layer_pattern, num_microbatches, query_groups
 from ..fp8_rules import fp8_layers
 from .layout import Layout
 from .moe_cp import moe_mlp_terms, padded
@@ -295,8 +295,8 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
         routed = state_bytes(padded(experts[rank], layout.edp, zero) if experts[rank] else 0, half=half,
                              dp=layout.edp, stage=layout.stage, accounting=accounting)
         st = {k: dense[k] + routed[k] for k in dense}
-        if half and accounting == "meshlm" and half_grads(c, layout.world):
-            st["grads"] /= 2  # bf16 buckets (parallel/data.py): one backward a step, nothing summing them
+        if half and accounting == "meshlm" and (half_grads(c, layout.world) or bf16_reduce(c)):
+            st["grads"] /= 2  # bf16 buckets (parallel/data.py): one backward a step, or --grad-reduce-in-bf16
         o = STATE_BYTES[(accounting, half)][2]
         st["optimizer"] *= (o - narrowed_moment_bytes(c)) / o
         st["weights"] += gathered_bytes(c, layout, params[rank], vocab, half=half)
