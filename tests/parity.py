@@ -60,6 +60,7 @@ class Case:
     pos: str = "learned_absolute"  # --position-embedding-type: learned_absolute or rope
     rotary: float = 1.0            # --rotary-percent (with rope)
     norm: str = "LayerNorm"        # --normalization
+    one_p: bool = False            # --apply-layernorm-1p (zero-centred norm weights)
     swiglu: bool = False
     groups: Optional[int] = None   # --num-query-groups (GQA)
     recompute: str = "none"        # none, selective, full-uniform-N or full-block-N (RECOMPUTE)
@@ -89,7 +90,7 @@ class Case:
 
     def model_key(self) -> tuple:
         """What the single-process reference depends on."""
-        return (self.tied, self.pos, self.rotary, self.norm, self.swiglu, self.groups, self.micro,
+        return (self.tied, self.pos, self.rotary, self.norm, self.one_p, self.swiglu, self.groups, self.micro,
                 self.layers, self.per_token, self.packed, self.experts, self.moe, self.masked, self.batch, self.mup,
                 self.fp8, self.fp8_ends, self.fp8_gather, self.fp8_recipe, self.fp8_history, self.fp8_algo)
 
@@ -111,7 +112,7 @@ def config(case: Case, global_batch: Optional[int] = None):
     m.hidden_dropout = m.attention_dropout = 0.0
     m.untie_embeddings_and_output_weights = not case.tied
     m.normalization, m.position_embedding_type, m.swiglu = case.norm, case.pos, case.swiglu
-    m.rotary_percent = case.rotary
+    m.rotary_percent, m.apply_layernorm_1p = case.rotary, case.one_p
     if case.swiglu:
         m.ffn_hidden_size = 24
     if case.groups:
@@ -266,7 +267,7 @@ _REFERENCES: dict = {}
 
 
 def _single(case: Case) -> Case:
-    return Case(tied=case.tied, pos=case.pos, rotary=case.rotary, norm=case.norm, swiglu=case.swiglu,
+    return Case(tied=case.tied, pos=case.pos, rotary=case.rotary, norm=case.norm, one_p=case.one_p, swiglu=case.swiglu,
                 groups=case.groups, micro=case.micro, layers=case.layers, per_token=case.per_token,
                 packed=case.packed, experts=case.experts, moe=case.moe, masked=case.masked, batch=case.batch,
                 mup=case.mup, fp8=case.fp8, fp8_ends=case.fp8_ends, fp8_gather=case.fp8_gather,

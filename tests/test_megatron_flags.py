@@ -72,7 +72,7 @@ LLAMA3 = ["pretrain", "--use-mcore-models", "--num-layers", "32", "--hidden-size
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256",
             "--no-create-attention-mask-in-dataloader", "--num-workers", "1", "--log-throughput",
           "--ckpt-format", "torch_dist", "--dry-run", "--world-size", "64"]
-LLAMA3_LACKING = {"--apply-layernorm-1p": 0, "--decoupled-lr": 1}  # flag → values
+LLAMA3_LACKING = {"--decoupled-lr": 1}  # flag → values
 
 
 def test_llama3_example_refused_in_one_line(capsys):

@@ -193,3 +193,40 @@ def test_per_rank_initialisation_materialises_only_the_local_slice():
     assert a[w].shape == b[w].shape and not torch.equal(a[w], b[w])
     assert a[w].std().item() == pytest.approx(0.02, rel=0.1)
     assert a["embedding.word_embeddings.weight"][VOCAB:].eq(0).all()  # padding rows stay zero
+
+
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_apply_layernorm_1p_stores_the_weight_from_zero_and_scales_by_one_plus_it(norm):
+    """--apply-layernorm-1p (Megatron's zero-centred norm weights): the weight starts at 0 and the
+    norm is the standard one with weight 1 + w; a 1p model's HF export writes 1 + w."""
+    import torch.nn.functional as F
+    from meshlm.checkpoint.hf import to_hf_tensors
+    from meshlm.checkpoint.megatron import model_from_args
+    from meshlm.model.transformer import Norm
+    cfg = ModelConfig(hidden_size=8, normalization=norm, apply_layernorm_1p=True)
+    n = Norm(cfg, False, torch.float64, torch.device("cpu"))
+    assert torch.equal(n.weight, torch.zeros(8, dtype=torch.float64))
+    with torch.no_grad():
+        n.weight.copy_(torch.linspace(-0.5, 0.5, 8))
+    x = torch.randn(3, 8, dtype=torch.float64)
+    want = F.rms_norm(x, (8,), 1 + n.weight, cfg.norm_epsilon) if norm == "RMSNorm" else \
+        F.layer_norm(x, (8,), 1 + n.weight, n.bias, cfg.norm_epsilon)
+    torch.testing.assert_close(n(x), want, rtol=0, atol=0)
+    m = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm", swiglu=True,
+                    position_embedding_type="rope", add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                    ffn_hidden_size=16, apply_layernorm_1p=True)
+    full = {name: torch.full((rows, 8), 0.25) for name, rows in _hf_rows(m).items()}
+    full["final_layernorm.weight"] = full["layers.0.input_layernorm.weight"] = n.weight.detach()
+    out = to_hf_tensors(full, "llama", m)
+    for hf_name in ("model.norm.weight", "model.layers.0.input_layernorm.weight"):
+        torch.testing.assert_close(out[hf_name], 1 + n.weight.detach())
+    assert torch.equal(out["model.layers.0.self_attn.q_proj.weight"], torch.full((8, 8), 0.25))  # the rest as is
+    # a Megatron-LM run's args with --apply-layernorm-1p: the same model (it was refused)
+    import argparse
+    assert model_from_args(argparse.Namespace(apply_layernorm_1p=True, num_layers=2)).apply_layernorm_1p
+
+
+def _hf_rows(m):
+    """{meshlm tensor: its rows} of a llama export (a fused tensor's parts summed)."""
+    from meshlm.checkpoint.hf import rules
+    return {r.name: sum(r.sizes) if r.sizes else 8 for r in rules("llama", m)}

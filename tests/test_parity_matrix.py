@@ -64,7 +64,10 @@ def test_compiled_fast_path_matches_single_process_in_float64():
                   Case(dp=2, zero=3, overlap_grad=True, overlap_param=True, **llama))
 
 
-def test_partial_rotary_with_tp_and_packed_positions_matches_single_process_in_float64():
+def test_partial_rotary_and_zero_centred_norms_with_tp_match_single_process_in_float64():
     """--rotary-percent 0.5 (head dim 4: the first 2 dimensions rotated) under TP=2 with SP, with
-    per-document positions (--reset-position-ids): the RoPE tables' other path."""
-    assert_parity(Case(tp=2, sp=True, pos="rope", rotary=0.5, packed=True))
+    per-document positions (--reset-position-ids): the RoPE tables' other path. And
+    --apply-layernorm-1p (norm weights from 0, scaling by 1 + w) under TP=2 with SP, whose norms'
+    gradients are all-reduced over TP, for both norms."""
+    assert_parity(Case(tp=2, sp=True, pos="rope", rotary=0.5, packed=True),
+                  Case(tp=2, sp=True, one_p=True, norm="RMSNorm"), Case(tp=2, sp=True, one_p=True))

@@ -64,6 +64,9 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = opt(None, "learned position table size (default: seq length)")
     normalization: str = opt("LayerNorm", "normalization layer", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = opt(1e-5, "epsilon of LayerNorm/RMSNorm")
+    apply_layernorm_1p: bool = opt(False, "zero-centred norm weights (Megatron's; TE's zero_centered_gamma): each "
+                                   "LayerNorm/RMSNorm weight w is stored from 0 and scales by 1 + w",
+                                   action="store_true")
     swiglu: bool = opt(False, "SwiGLU MLP instead of GeLU", action="store_true")
     bias_gelu_fusion: bool = opt(True, "no fused bias-GeLU: as in Megatron-LM, a GeLU MLP with biases otherwise "
                                  "computes the fused kernel's tanh approximation of GeLU; this gives the exact "

@@ -218,7 +218,9 @@ class HFWeights(Mapping):
 
 def to_hf_tensors(full: dict, arch: str, m: C.ModelConfig) -> dict:
     """{HF name: tensor} from meshlm's full weights ({global name: tensor}): views of ``full``'s
-    tensors (split, transposed), no copy; ``write_hf_folder`` copies one shard at a time.
+    tensors (split, transposed), no copy; ``write_hf_folder`` copies one shard at a time. Under
+    --apply-layernorm-1p the norms' weights are written as 1 + w (new tensors): transformers' norms
+    scale by the weight itself.
 
     Raises CheckpointError naming a tensor the model needs and ``full`` lacks.
     """
@@ -230,8 +232,13 @@ def to_hf_tensors(full: dict, arch: str, m: C.ModelConfig) -> dict:
             raise CheckpointError(f"the checkpoint has no tensor {r.name}; was it saved from this model?")
         parts = full[r.name].split(list(r.sizes), 0) if r.sizes else [full[r.name]]
         for h, t in zip(r.hf, parts):
-            out[h] = t.t() if r.conv1d else t
+            out[h] = t.t() if r.conv1d else t + 1 if m.apply_layernorm_1p and _is_norm_weight(r.name) else t
     return out
+
+
+def _is_norm_weight(name: str) -> bool:
+    """Whether meshlm tensor ``name`` is a LayerNorm/RMSNorm weight (model/transformer.py ``Norm``)."""
+    return name.endswith(("input_layernorm.weight", "pre_mlp_layernorm.weight", "final_layernorm.weight"))
 
 
 def _new_file_mode(path: str) -> None:

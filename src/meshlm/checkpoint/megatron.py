@@ -85,7 +85,7 @@ def check_backend(folder: str) -> None:
 
 # Megatron-LM args that meshlm's model cannot compute, and the value that is fine.
 _REFUSED = {"qk_layernorm": False, "rotary_interleaved": False, "multi_latent_attention": False,
-            "squared_relu": False, "apply_layernorm_1p": False, "moe_shared_expert_gate": False,
+            "squared_relu": False, "moe_shared_expert_gate": False,
             "add_qkv_bias": False, "num_experts_per_group": None}
 
 
