@@ -399,3 +399,43 @@ def test_grad_reduce_in_bf16_accumulates_the_micro_batches_in_bf16():
     assert dtypes == {torch.float32}
     for have, a, b in zip(got, g0, g1):
         torch.testing.assert_close(have, a.float() + b.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_decoupled_lr_gives_the_embedding_and_output_layer_their_own_schedule(monkeypatch, flat):
+    """--decoupled-lr / --decoupled-min-lr (Megatron's): the word embedding and the output layer
+    (``embedding_or_output``) step at the decoupled LR, on the same warm-up and decay as --lr's with
+    their own peak and floor; the rest at --lr. float64 against torch's AdamW with those two groups'
+    LRs set each step from the schedule by hand (linear warm-up 2 steps, then linear decay)."""
+    from meshlm.optim.schedule import LRScheduler
+    cfg = make_cfg(ddp_bucket_size=300)
+    o = cfg.optimizer
+    o.clip_grad, o.weight_decay, o.lr, o.min_lr, o.lr_warmup_iters = 0.0, 0.1, 1e-2, 1e-3, 2
+    o.decoupled_lr, o.decoupled_min_lr, o.lr_decay_style, o.lr_decay_iters = 4e-2, 2e-3, "linear", 5
+    model, ref = Toy(), Toy()
+    for m in (model, ref):
+        m.emb.weight.embedding_or_output = m.out.weight.embedding_or_output = True
+    ddp = DistributedDataParallel([model], ParallelState.single(), cfg)
+    opt = build_optimizer(cfg, ParallelState.single(), [model], ddp)
+    if flat:
+        _flat(opt, monkeypatch, 100)
+    sched = LRScheduler(o, train_iters=5)
+    decoupled = [ref.emb.weight, ref.out.weight]
+    rest = [p for p in ref.parameters() if all(p is not q for q in decoupled)]
+    groups = [{"params": decoupled, "weight_decay": 0.1, "mine": True},
+              {"params": [p for p in rest if not getattr(p, "no_weight_decay", False)], "weight_decay": 0.1},
+              {"params": [p for p in rest if getattr(p, "no_weight_decay", False)], "weight_decay": 0.0}]
+    torch_opt = torch.optim.AdamW(groups, lr=1.0, betas=opt.betas, eps=opt.eps, foreach=False)
+    lrs = []
+    for step in range(4):
+        for g in torch_opt.param_groups:
+            g["lr"] = sched.decoupled_lr if g.get("mine") else sched.lr
+        lrs.append((sched.lr, sched.decoupled_lr))
+        train_step(model, ddp, opt, seed=step)
+        torch_opt.zero_grad()
+        ref(*batch(4, step)).backward()
+        torch_opt.step()
+        sched.step(opt)
+    assert lrs[1] == (5e-3, 2e-2) and lrs[3][1] == pytest.approx(2e-3 + (4e-2 - 2e-3) * 2 / 3, rel=1e-12)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-15, msg=n)

@@ -45,7 +45,7 @@ def test_lr_decay_iters_overrides_train_iters():
 
 def test_step_sets_the_next_lr_on_the_optimizer_and_state_round_trips():
     seen = []
-    opt = types.SimpleNamespace(set_lr=seen.append)
+    opt = types.SimpleNamespace(set_lr=lambda lr, decoupled_lr=None: seen.append(lr))
     s = sched("cosine")
     for _ in range(15):
         s.step(opt)

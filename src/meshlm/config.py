@@ -276,6 +276,9 @@ class OptimizerConfig:
 
     lr: float = opt(6e-4, "peak learning rate")
     min_lr: float = opt(0.0, "learning rate at the end of decay")
+    decoupled_lr: Optional[float] = opt(None, "peak learning rate of the word embedding and the output layer, on "
+                                        "the same schedule (Megatron's; none: --lr's)")
+    decoupled_min_lr: Optional[float] = opt(None, "--decoupled-lr's value at the end of decay (default --min-lr)")
     lr_decay_style: str = opt("linear", "decay after warm-up", choices=["constant", "linear", "cosine",
                                                                          "inverse-square-root", "WSD"])
     lr_warmup_iters: int = opt(0, "linear warm-up iterations")

@@ -77,6 +77,7 @@ def _training_problems(cfg: Config, cuda: Optional[bool]) -> list:
             problems.append("--fp16 needs CUDA; on CPU train in fp32 (no flag) or --bf16")
     if 0 <= o.lr < o.min_lr:
         problems.append(f"--min-lr {o.min_lr} is above --lr {o.lr}; lower --min-lr or raise --lr")
+    problems += _decoupled_lr_problems(o)
     problems += _recompute_problems(t, cfg.model.num_layers)
     problems += _moment_dtype_problems(o)
     if not 0.0 <= o.optimizer_offload_fraction <= 1.0:
@@ -414,6 +415,19 @@ def _file_problems(cfg: Config) -> list:
     if kind in EXTRA_TYPES and d.tokenizer_model and not missing:
         problems += _tokenizer_problems(cfg)
     return problems
+
+
+def _decoupled_lr_problems(o) -> list:
+    """--decoupled-min-lr needs --decoupled-lr (alone it changed nothing), and stays at or below it."""
+    if o.decoupled_lr is None:
+        return ["--decoupled-min-lr needs --decoupled-lr (the word embedding's and output layer's peak LR)"] \
+            if o.decoupled_min_lr is not None else []
+    low = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
+    if 0 <= o.decoupled_lr < low:
+        flag = "--min-lr" if o.decoupled_min_lr is None else "--decoupled-min-lr"
+        return [f"{flag} {low} is above --decoupled-lr {o.decoupled_lr}; lower {flag} (or give --decoupled-min-lr) "
+                f"or raise --decoupled-lr"]
+    return []
 
 
 def _indexed_problems(flag: str, prefix: str) -> list:

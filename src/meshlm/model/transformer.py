@@ -267,6 +267,10 @@ class GPTModel(nn.Module):
                 self.output_layer.weight.shared_embedding = tied
         if pre_process and not cfg.untie_embeddings_and_output_weights:
             self.embedding.word_embeddings.weight.shared_embedding = True
+        # the input and output layers (Megatron's is_embedding_or_output_parameter): --decoupled-lr's params
+        for q in ([self.embedding.word_embeddings.weight] if pre_process else []) + \
+                ([self.output_layer.weight] if post_process and hasattr(self.output_layer, "weight") else []):
+            q.embedding_or_output = True
         if cfg.use_mup:
             for layer in self.layers.values():
                 for p in layer.parameters():

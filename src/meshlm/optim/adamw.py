@@ -40,7 +40,8 @@ import torch
 class Group:
     """Parallel lists of same-shaped tensors: params (updated), grads, exp_avgs, exp_avg_sqs;
     ``decay``: whether weight decay applies; ``lr_mult``: the group's LR is lr × this (μP's
-    hidden matrices, meshlm/mup.py)."""
+    hidden matrices, meshlm/mup.py); ``decoupled``: its LR is --decoupled-lr's schedule instead of
+    --lr's (the word embedding and output layer: ``group_lr``)."""
 
     params: list
     grads: list
@@ -48,22 +49,29 @@ class Group:
     exp_avg_sqs: list
     decay: bool
     lr_mult: float = 1.0
+    decoupled: bool = False
+
+
+def group_lr(g, lr: float, decoupled_lr: Optional[float]) -> float:
+    """The LR of a Group or Run: (the decoupled LR for a ``decoupled`` one, else lr) × its lr_mult."""
+    return (decoupled_lr if g.decoupled else lr) * g.lr_mult
 
 
 def adamw_(groups: list, *, step: int, lr: float, betas: tuple, eps: float, weight_decay: float,
-           fused: bool, grad_scale: float = 1.0) -> None:
+           fused: bool, grad_scale: float = 1.0, decoupled_lr: Optional[float] = None) -> None:
     """Update every group in place. grad_scale: the grads are used divided by it (gradient
     clipping folded into the update on the fused path; the foreach path expects it to be 1); a
-    float, or a 0-dim fp32 device tensor (the optimizer's deferred step: no host read)."""
+    float, or a 0-dim fp32 device tensor (the optimizer's deferred step: no host read).
+    decoupled_lr: the LR of ``decoupled`` groups (--decoupled-lr's schedule)."""
     b1, b2 = betas
     for g in groups:
         if not g.params:
             continue
         if g.exp_avgs[0].dtype != g.params[0].dtype or g.exp_avg_sqs[0].dtype != g.params[0].dtype:
             _narrow_moments(g, step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused,
-                            grad_scale=grad_scale)
+                            grad_scale=grad_scale, decoupled_lr=decoupled_lr)
             continue
-        wd, lr_g = (weight_decay if g.decay else 0.0), lr * g.lr_mult
+        wd, lr_g = (weight_decay if g.decay else 0.0), group_lr(g, lr, decoupled_lr)
         if fused:
             device = g.params[0].device
             steps = [torch.full((), float(step), device=device)] * len(g.params)
@@ -91,7 +99,7 @@ def _narrow_moments(g: Group, **kw) -> None:
     --use-precision-aware-optimizer): updated on copies in the params' dtype, stored back rounded
     to nearest, as the flat kernel does."""
     wide = Group(g.params, g.grads, [m.to(g.params[0].dtype) for m in g.exp_avgs],
-                 [v.to(g.params[0].dtype) for v in g.exp_avg_sqs], g.decay, g.lr_mult)
+                 [v.to(g.params[0].dtype) for v in g.exp_avg_sqs], g.decay, g.lr_mult, g.decoupled)
     adamw_([wide], **kw)
     torch._foreach_copy_(g.exp_avgs, wide.exp_avgs)
     torch._foreach_copy_(g.exp_avg_sqs, wide.exp_avg_sqs)
@@ -101,7 +109,7 @@ def _narrow_moments(g: Group, **kw) -> None:
 class Run:
     """One contiguous range of a shard: master [n] fp32 (updated), grad [n], exp_avg and exp_avg_sq
     [n] fp32, out [n] the model params to publish into (bf16/fp16; None when the master is the
-    param), decay and lr_mult as in ``Group``."""
+    param), decay, lr_mult and decoupled as in ``Group``."""
 
     master: torch.Tensor
     grad: Optional[torch.Tensor]
@@ -110,6 +118,7 @@ class Run:
     out: Optional[torch.Tensor]
     decay: bool
     lr_mult: float = 1.0
+    decoupled: bool = False
 
 
 def flat_step(p, g, m, v, out, lr_wd: float, b1: float, b2: float, step_size: float, bc2_sqrt: float,
@@ -131,13 +140,13 @@ def flat_step(p, g, m, v, out, lr_wd: float, b1: float, b2: float, step_size: fl
 
 
 def flat_adamw_(runs: list, *, step: int, lr: float, betas: tuple, eps: float, weight_decay: float,
-                grad_scale: float = 1.0, kernel=flat_step) -> None:
+                grad_scale: float = 1.0, kernel=flat_step, decoupled_lr: Optional[float] = None) -> None:
     """Update every run in place with ``kernel`` (``flat_step``, compiled by the optimizer on CUDA);
     the grads used ÷ grad_scale; each run's params published when it has ``out``."""
     b1, b2 = betas
     bc1 = 1 - b1 ** step
     bc2_sqrt = (1 - b2 ** step) ** 0.5
     for r in runs:
-        lr_r = lr * r.lr_mult
+        lr_r = group_lr(r, lr, decoupled_lr)
         kernel(r.master, r.grad, r.exp_avg, r.exp_avg_sq, r.out, lr_r * (weight_decay if r.decay else 0.0),
                b1, b2, lr_r / bc1, bc2_sqrt, eps, grad_scale)

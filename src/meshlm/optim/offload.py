@@ -102,7 +102,7 @@ def host_update(groups: list, grads: list, staging: Staging, *, grad_scale: floa
         for batch in host_batches(where, staging.batch):
             n = sum(b - a for _, a, b in batch)
             stage = staging.buffer("grad", group.params[0].dtype, n)
-            sub = Group([], [], [], [], group.decay, group.lr_mult)
+            sub = Group([], [], [], [], group.decay, group.lr_mult, group.decoupled)
             off = 0
             for k, a, b in batch:
                 i, lo, _ = where[k]

@@ -132,6 +132,7 @@ class Fragment:
     decay: bool
     counted: bool
     lr_mult: float = 1.0
+    decoupled: bool = False  # its LR is --decoupled-lr's (the word embedding, the output layer)
 
 
 class Shard:
@@ -139,10 +140,11 @@ class Shard:
     the host (``host``: --optimizer-cpu-offload) or beside the params."""
 
     def __init__(self, buf, bucket, start: int, end: int, names: dict, ps, staging: Optional[Staging] = None,
-                 moments: tuple = ("fp32", "fp32")):
+                 moments: tuple = ("fp32", "fp32"), decoupled: bool = False):
         """staging: the optimizer's host staging when this shard lives on the host, else None;
         moments: (--exp-avg-dtype, --exp-avg-sq-dtype): "fp32" keeps a moment in the master's dtype,
-        "bf16" in bf16 (optim/adamw.py)."""
+        "bf16" in bf16 (optim/adamw.py); decoupled: --decoupled-lr is given, so the word embedding's
+        and output layer's fragments (``embedding_or_output``, model/transformer.py) take its LR."""
         self.buf, self.bucket, self.start, self.end, self.host = buf, bucket, start, end, staging is not None
         self.param = buf.param_of(bucket, start, end)
         self.separate_master = self.param.dtype in HALF or self.host
@@ -163,7 +165,8 @@ class Shard:
             if lo < hi:
                 self.fragments.append(Fragment(p, names[p], lo - start, hi - start, lo - s,
                                                not getattr(p, "no_weight_decay", False),
-                                               counts_in_norm(p, ps), getattr(p, "lr_mult", 1.0)))
+                                               counts_in_norm(p, ps), getattr(p, "lr_mult", 1.0),
+                                               decoupled and getattr(p, "embedding_or_output", False)))
 
     @property
     def grad(self) -> torch.Tensor:
@@ -188,7 +191,8 @@ class MixedPrecisionOptimizer:
         self.weight_decay, self.clip_grad = o.weight_decay, o.clip_grad
         self.betas, self.eps = (o.adam_beta1, o.adam_beta2), o.adam_eps
         self.scaler = build_scaler(cfg.training)
-        self.lr = scheduler_for(cfg, ps.world_size).lr
+        schedule = scheduler_for(cfg, ps.world_size)
+        self.lr, self.decoupled_lr = schedule.lr, schedule.decoupled_lr
         self.step_count = 0
         self.norm_groups = [ps.mp_group]
         self.inf_groups = [ps.mp_group, ddp.group]
@@ -203,7 +207,8 @@ class MixedPrecisionOptimizer:
             room -= (e - s) if on_host[-1] else room
         self.staging = Staging(ps.device, sum(e - s for (_, _, s, e), h in zip(ranges, on_host) if h))
         moments = (o.exp_avg_dtype, o.exp_avg_sq_dtype)
-        self.shards = [Shard(buf, b, s, e, self.names, ps, self.staging if host else None, moments)
+        self.shards = [Shard(buf, b, s, e, self.names, ps, self.staging if host else None, moments,
+                             o.decoupled_lr is not None)
                        for (buf, b, s, e), host in zip(ranges, on_host)]
         self.expert_norm_groups = [ps.ep_group] if any(buf.expert for buf in ddp.buffers) else []  # see grad_norm
         self.fused = fast.enabled(cfg.training.fast_path, ps.device)
@@ -226,8 +231,10 @@ class MixedPrecisionOptimizer:
         """Multiply the loss by this before backward (1.0 unless --fp16)."""
         return self.scaler.scale
 
-    def set_lr(self, lr: float) -> None:
+    def set_lr(self, lr: float, decoupled_lr: Optional[float] = None) -> None:
+        """The next step's LR, and --decoupled-lr's (the word embedding's and output layer's)."""
         self.lr = float(lr)
+        self.decoupled_lr = None if decoupled_lr is None else float(decoupled_lr)
 
     @property
     def can_defer(self) -> bool:
@@ -359,7 +366,8 @@ class MixedPrecisionOptimizer:
         self.step_count += 1
         if self._groups is None:
             self._groups = self._fragment_groups()
-        kw = dict(step=self.step_count, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        kw = dict(step=self.step_count, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                  decoupled_lr=self.decoupled_lr)
         device = [group for group, _, on_host in self._groups if not on_host]
         for group, where, on_host in self._groups:
             group.grads = [] if on_host or self.flat else [grads[i][lo:hi] for i, lo, hi in where]
@@ -382,7 +390,8 @@ class MixedPrecisionOptimizer:
         for run, i, lo, hi in self._runs:
             run.grad = grads[i][lo:hi]
             if run.master.numel() < FLAT_MIN:
-                g = small.setdefault((run.decay, run.lr_mult), Group([], [], [], [], run.decay, run.lr_mult))
+                g = small.setdefault((run.decay, run.lr_mult, run.decoupled),
+                                     Group([], [], [], [], run.decay, run.lr_mult, run.decoupled))
                 for dst, t in ((g.params, run.master), (g.grads, run.grad), (g.exp_avgs, run.exp_avg),
                                (g.exp_avg_sqs, run.exp_avg_sq)):
                     dst.append(t)
@@ -416,32 +425,32 @@ class MixedPrecisionOptimizer:
 
     def _flat_runs(self) -> list:
         """[(Run, shard index, lo, hi)]: each device shard's consecutive fragments of one (decay,
-        lr_mult) merged into one range of views (masters, moments, the params to publish into)."""
+        lr_mult, decoupled) merged into one range of views (masters, moments, the params to publish into)."""
         runs = []
         for i, s in enumerate(self.shards):
             if s.host:
                 continue
             spans = []
             for f in s.fragments:
-                if spans and spans[-1][1] == f.lo and spans[-1][2:] == [f.decay, f.lr_mult]:
+                if spans and spans[-1][1] == f.lo and spans[-1][2:] == [f.decay, f.lr_mult, f.decoupled]:
                     spans[-1][1] = f.hi
                 else:
-                    spans.append([f.lo, f.hi, f.decay, f.lr_mult])
-            for lo, hi, decay, lr_mult in spans:
+                    spans.append([f.lo, f.hi, f.decay, f.lr_mult, f.decoupled])
+            for lo, hi, decay, lr_mult, decoupled in spans:
                 out = s.param[lo:hi] if s.separate_master else None
-                runs.append((Run(s.master[lo:hi], None, s.exp_avg[lo:hi], s.exp_avg_sq[lo:hi], out, decay, lr_mult),
-                             i, lo, hi))
+                runs.append((Run(s.master[lo:hi], None, s.exp_avg[lo:hi], s.exp_avg_sq[lo:hi], out, decay, lr_mult,
+                                 decoupled), i, lo, hi))
         return runs
 
     def _fragment_groups(self) -> list:
-        """[(Group, where, on the host)], one per (decay, lr_mult, device or host) present: fragment
+        """[(Group, where, on the host)], one per (decay, lr_mult, decoupled, device or host) present: fragment
         views of masters and moments, and where each fragment's grad lies: (shard index, lo, hi)."""
         groups = {}
         for i, s in enumerate(self.shards):
             for f in s.fragments:
-                key = (f.decay, f.lr_mult, s.host)
+                key = (f.decay, f.lr_mult, f.decoupled, s.host)
                 if key not in groups:
-                    groups[key] = (Group([], [], [], [], f.decay, f.lr_mult), [], s.host)
+                    groups[key] = (Group([], [], [], [], f.decay, f.lr_mult, f.decoupled), [], s.host)
                 grp, where, _ = groups[key]
                 where.append((i, f.lo, f.hi))
                 for dst, t in ((grp.params, s.master), (grp.exp_avgs, s.exp_avg), (grp.exp_avg_sqs, s.exp_avg_sq)):

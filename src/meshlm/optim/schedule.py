@@ -7,7 +7,9 @@ adds its global batch, which --rampup-batch-size may grow). Iteration-based runs
 constant global batch B): warm-up W = --lr-warmup-iters·B, decay end D = (--lr-decay-iters,
 default --train-iters)·B, WSD anneal A = --lr-wsd-decay-iters·B. Sample-based runs
 (--train-samples T): W = --lr-warmup-samples, D = --lr-decay-samples (default T),
-A = --lr-wsd-decay-samples. Either way --lr-warmup-fraction f gives W = f·D. The next update uses
+A = --lr-wsd-decay-samples. Either way --lr-warmup-fraction f gives W = f·D. With --decoupled-lr
+the word embedding and output layer follow the same schedule with lr = --decoupled-lr and min_lr =
+--decoupled-min-lr (default --min-lr), as Megatron-core's param groups do. The next update uses
   warm-up (W > 0, x <= W):  lr · x / W          (the very first update has lr 0, as in Megatron)
   constant:                 lr
   x > D:                    min_lr
@@ -56,37 +58,46 @@ class LRScheduler:
             warmup, self.wsd_anneal = o.lr_warmup_samples, o.lr_wsd_decay_samples or 0
         self.warmup = o.lr_warmup_fraction * self.decay if o.lr_warmup_fraction is not None else warmup
         self.max_lr, self.min_lr, self.style, self.batch = o.lr, o.min_lr, o.lr_decay_style, b
+        self.decoupled_max, self.decoupled_min = o.decoupled_lr, (o.min_lr if o.decoupled_min_lr is None
+                                                                  else o.decoupled_min_lr)
         self.wsd_style = o.lr_wsd_decay_style
         self.samples = 0
 
-    def lr_at(self, x: int) -> float:
-        """Learning rate of the update made after steps totalling x samples."""
+    def lr_at(self, x: int, decoupled: bool = False) -> float:
+        """Learning rate of the update made after steps totalling x samples (--decoupled-lr's with
+        ``decoupled``)."""
+        max_lr, min_lr = (self.decoupled_max, self.decoupled_min) if decoupled else (self.max_lr, self.min_lr)
         if self.warmup > 0 and x <= self.warmup:
-            return self.max_lr * x / self.warmup
+            return max_lr * x / self.warmup
         if self.style == "constant":
-            return self.max_lr
+            return max_lr
         if x > self.decay:
-            return self.min_lr
+            return min_lr
         if self.style == "inverse-square-root":
-            return max(self.min_lr, self.max_lr * math.sqrt(max(self.warmup, 1) / max(x, 1)))
+            return max(min_lr, max_lr * math.sqrt(max(self.warmup, 1) / max(x, 1)))
         if self.style == "WSD":
             start = self.decay - self.wsd_anneal
             coeff = 1.0 if x <= start else WSD_ANNEAL[self.wsd_style]((x - start) / self.wsd_anneal)
         else:
             r = (x - self.warmup) / (self.decay - self.warmup)
             coeff = 1.0 - r if self.style == "linear" else 0.5 * (math.cos(math.pi * r) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     @property
     def lr(self) -> float:
         return self.lr_at(self.samples)
+
+    @property
+    def decoupled_lr(self) -> Optional[float]:
+        """--decoupled-lr's value for the next update; None without the flag."""
+        return None if self.decoupled_max is None else self.lr_at(self.samples, decoupled=True)
 
     def step(self, opt=None, samples: Optional[int] = None) -> float:
         """Count one optimizer step of ``samples`` samples (default B); set the next lr on ``opt``
         (anything with set_lr); return it."""
         self.samples += self.batch if samples is None else samples
         if opt is not None:
-            opt.set_lr(self.lr)
+            opt.set_lr(self.lr, self.decoupled_lr)
         return self.lr
 
     def state_dict(self) -> dict:
@@ -126,6 +137,8 @@ class LRScheduler:
 SETTINGS = {
     "max_lr": ("max_lr", "--lr"),
     "min_lr": ("min_lr", "--min-lr"),
+    "decoupled_max_lr": ("decoupled_max", "--decoupled-lr"),
+    "decoupled_min_lr": ("decoupled_min", "--decoupled-min-lr (default --min-lr)"),
     "decay_style": ("style", "--lr-decay-style"),
     "warmup_samples": ("warmup", "warm-up samples (--lr-warmup-iters/-samples/-fraction × global batch)"),
     "decay_samples": ("decay", "decay samples (--lr-decay-iters/-samples, default --train-iters/-samples, "
