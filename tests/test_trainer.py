@@ -47,6 +47,7 @@ def _rel(a, b):
 def _layout_config(tmp, layout, **kw):
     cfg = tiny_config(tmp, tp=layout.get("tp", 1), dropout=layout.get("dropout", 0.0), **kw)
     cfg.parallel.use_distributed_optimizer = layout.get("zero", False)
+    cfg.optimizer.decoupled_lr = layout.get("decoupled_lr")
     return cfg
 
 
@@ -64,12 +65,13 @@ def _resumed(rank, world, tmp, layout):
     return trainer.pretrain(cfg, F64)
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2, "dropout": 0.1}, {"zero": True}],
-                         ids=["tp2-dropout", "zero1-dp2"])
+@pytest.mark.parametrize("layout", [{"tp": 2, "dropout": 0.1}, {"zero": True, "decoupled_lr": 3e-2}],
+                         ids=["tp2-dropout", "zero1-dp2-decoupled-lr"])
 @pytest.mark.slow
 def test_interrupted_and_resumed_run_repeats_the_uninterrupted_one(tmp_path, layout):
     """Save at iteration 2, resume in a new process group, same losses: TP=2 with dropout (RNG
-    restored), and ZeRO-1 over DP=2 (sharded optimizer state saved and restored)."""
+    restored), and ZeRO-1 over DP=2 (sharded optimizer state saved and restored) with
+    --decoupled-lr (the embedding's and output layer's LR where the schedule left it)."""
     (full, first), _ = run_distributed(_uninterrupted_then_interrupted, 2, str(tmp_path), layout)
     assert first["iterations"] == 2
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"

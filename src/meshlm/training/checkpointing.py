@@ -133,6 +133,8 @@ def load_checkpoint(run) -> TrainState:
         run.sched.load_state_dict(tree["scheduler"], "override" if c.override_opt_param_scheduler else
                                   "checkpoint" if c.use_checkpoint_opt_param_scheduler else "check", c.load)
         run.opt.load_state_dict(tree["optimizer"])
+        # --decoupled-lr's value where the loaded schedule stands (the optimizer's scalars hold --lr's only)
+        run.opt.set_lr(run.opt.lr, run.sched.decoupled_lr)
     else:
         run.opt.reload_model_params()
     if _loads(c, "rng"):
