@@ -102,11 +102,11 @@ def test_gpt3_example_with_megatrons_ramp_and_sample_schedule_dry_runs(tmp_path,
 def test_switches_and_no_effect_flags_dry_run(capsys):
     argv = ["pretrain", "--mock-data", "--vocab-size", "1000", "--use-cpu-initialization",
             "--accumulate-allreduce-grads-in-fp32", "--use-mcore-models", "--attention-backend", "auto",
-            "--no-gradient-accumulation-fusion", "--dry-run", "--world-size", "4",
-            "--micro-batch-size", "2", "--gradient-accumulation-steps", "3"]
+            "--no-gradient-accumulation-fusion", "--attention-softmax-in-fp32", "--cross-entropy-fusion-impl", "te",
+            "--dry-run", "--world-size", "4", "--micro-batch-size", "2", "--gradient-accumulation-steps", "3"]
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    assert "accepted with no effect" in out and "--use-mcore-models" in out
+    assert "accepted with no effect" in out and "--use-mcore-models" in out and "--attention-softmax-in-fp32" in out
     assert "global 24 = micro 2 × 3 micro-batches × DP 4" in out
 
 

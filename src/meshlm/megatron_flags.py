@@ -29,6 +29,8 @@ NO_EFFECT = {
     "--no-rope-fusion": (False, "--fast-path decides fusion"),
     "--no-persist-layer-norm": (False, "--fast-path decides fusion"),
     "--cross-entropy-loss-fusion": (False, "--fast-path decides fusion"),
+    "--cross-entropy-fusion-impl": (True, "--fast-path decides fusion (the loss is the same)"),
+    "--attention-softmax-in-fp32": (False, "SDPA's flash and cuDNN kernels keep the softmax's statistics in fp32"),
     "--no-gradient-accumulation-fusion": (False, "gradients accumulate into fp32 main_grad buffers (bf16 ones only where one backward is all they get)"),
     "--no-create-attention-mask-in-dataloader": (False, "meshlm never builds attention-mask tensors (causal SDPA)"),
     "--no-mmap-bin-files": (False, "the .bin files are memory-mapped; the data read is the same"),
