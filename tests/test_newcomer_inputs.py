@@ -742,3 +742,13 @@ def test_to_megatron_writes_the_tokenizer_type_its_files_implied(flags, kind):
     for name, value in flags.items():
         setattr(cfg.data, name, value)
     assert data_from_args(megatron_args(cfg, 300, 384)) == dict(tokenizer_type=kind, **flags)
+
+
+def test_dry_run_warns_of_a_rank_larger_than_any_gpu(capsys):
+    """--micro-batch-size 10**8 dry-ran to "all checks passed" with ~1.9 million GiB a rank, no word of it."""
+    assert main(["pretrain", "--mock-data", "--vocab-size", "256", "--micro-batch-size", str(10 ** 8),
+                 "--global-batch-size", str(10 ** 8), "--dry-run", "--world-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "GiB a rank is more than any GPU preset holds (H200-141GB" in out
+    assert main(["pretrain", "--mock-data", "--vocab-size", "256", "--dry-run", "--world-size", "1"]) == 0
+    assert "more than any GPU" not in capsys.readouterr().out

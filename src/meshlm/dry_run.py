@@ -93,7 +93,19 @@ def memory_lines(cfg: Config, world: int, vocab: int) -> list:
             f"memory peak per rank (planner): {mem.peak_bytes / GiB:.2f} GiB allocated, about "
             f"{mem.device_bytes / GiB:.2f} GiB of device memory with the CUDA context and allocator reserve "
             f"(`meshlm plan` with the same flags compares it with a GPU and ranks the layouts that fit)",
-            *host_lines(cfg, world, mem)]
+            *too_large_lines(mem.device_bytes), *host_lines(cfg, world, mem)]
+
+
+def too_large_lines(device_bytes: float) -> list:
+    """A warning when a rank needs more device memory than the largest GPU preset holds (the dry run
+    does not know the target GPU, but no GPU of the planner's presets can run it)."""
+    from .planner.gpus import PRESETS
+    largest = max(PRESETS.values(), key=lambda g: g.memory_bytes)
+    if device_bytes <= largest.memory_bytes:
+        return []
+    return [f"warning: {device_bytes / GiB:,.0f} GiB a rank is more than any GPU preset holds ({largest.name}: "
+            f"{largest.memory_bytes / GiB:.0f} GiB); `meshlm plan` with the same flags names the layouts and "
+            f"batch that fit"]
 
 
 def host_lines(cfg: Config, world: int, mem) -> list:
