@@ -752,3 +752,12 @@ def test_dry_run_warns_of_a_rank_larger_than_any_gpu(capsys):
     assert "GiB a rank is more than any GPU preset holds (H200-141GB" in out
     assert main(["pretrain", "--mock-data", "--vocab-size", "256", "--dry-run", "--world-size", "1"]) == 0
     assert "more than any GPU" not in capsys.readouterr().out
+
+
+def test_fewer_layers_than_pipeline_stages_is_not_told_to_split_them_unevenly(capsys):
+    """--num-layers 1 --pipeline-model-parallel-size 2 was told to set --decoder-first/last-pipeline-num-layers,
+    which cannot give two stages a layer each."""
+    assert main(["pretrain", "--mock-data", "--vocab-size", "256", "--num-layers", "1",
+                 "--pipeline-model-parallel-size", "2", "--dry-run", "--world-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "fewer than --pipeline-model-parallel-size 2 stages" in err and "decoder-first" not in err

@@ -123,5 +123,5 @@ def test_a_huge_gpu_count_is_planned_in_divisor_steps():
     finally:
         signal.alarm(0)
     cfg.parallel.pipeline_model_parallel_size = 10**12
-    assert validate_pipeline(cfg, 10**12)[0].startswith(f"--num-layers 12 is not divisible by "
-                                                       f"--pipeline-model-parallel-size {10**12}")
+    assert validate_pipeline(cfg, 10**12)[0].startswith(f"--num-layers 12 is fewer than "
+                                                       f"--pipeline-model-parallel-size {10**12} stages")

@@ -56,7 +56,11 @@ def _rank_layer_counts(cfg: Config) -> tuple[list, list]:
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
     problems = []
     if first is None and last is None:
-        if num_layers % pp:
+        if num_layers < pp:  # every stage needs a layer: uneven first/last stages cannot help
+            problems.append(f"--num-layers {num_layers} is fewer than --pipeline-model-parallel-size {pp} "
+                            f"stages (each needs a layer); give --num-layers {pp} or more, or --pipeline-model-parallel-size "
+                            f"{num_layers} at most")
+        elif num_layers % pp:
             problems.append(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
                             f"{pp}; use a multiple of {pp} or set --decoder-first/last-pipeline-num-layers")
         return ([] if problems else [num_layers // pp] * pp), problems
