@@ -761,3 +761,11 @@ def test_fewer_layers_than_pipeline_stages_is_not_told_to_split_them_unevenly(ca
                  "--pipeline-model-parallel-size", "2", "--dry-run", "--world-size", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "fewer than --pipeline-model-parallel-size 2 stages" in err and "decoder-first" not in err
+
+
+def test_a_negative_warmup_fraction_is_one_line_not_two(capsys):
+    """--lr-warmup-fraction -0.1 gave "2 config errors", the range rule's and the fraction rule's."""
+    assert main(["pretrain", "--mock-data", "--vocab-size", "256", "--lr-warmup-fraction", "-0.1", "--dry-run",
+                 "--world-size", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == ["meshlm: error: --lr-warmup-fraction -0.1 is out of range: give a number ≥ 0"]

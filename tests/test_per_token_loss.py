@@ -42,7 +42,7 @@ def test_step_loss_is_the_chosen_average(per_token):
 
 @pytest.mark.parametrize("change,words", [
     (dict(lr_warmup_fraction=0.1, lr_warmup_iters=2), "--lr-warmup-fraction 0.1 and --lr-warmup-iters 2"),
-    (dict(lr_warmup_fraction=1.5), "--lr-warmup-fraction 1.5 is outside [0, 1]"),
+    (dict(lr_warmup_fraction=1.5), "--lr-warmup-fraction 1.5 is above 1"),
     (dict(lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
     (dict(lr_decay_style="WSD", lr_wsd_decay_iters=50), "--lr-wsd-decay-iters 50 exceeds"),
 ])

@@ -306,8 +306,8 @@ def _run_length_problems(cfg: Config, world: int) -> list:
     if o.lr_warmup_fraction is not None and warmup:
         problems.append(f"--lr-warmup-fraction {o.lr_warmup_fraction} and --lr-warmup-{unit} {warmup} "
                         f"are exclusive; give one")
-    if o.lr_warmup_fraction is not None and not 0 <= o.lr_warmup_fraction <= 1:
-        problems.append(f"--lr-warmup-fraction {o.lr_warmup_fraction} is outside [0, 1]; give a fraction "
+    if o.lr_warmup_fraction is not None and o.lr_warmup_fraction > 1:  # below 0: the numeric rule says it
+        problems.append(f"--lr-warmup-fraction {o.lr_warmup_fraction} is above 1; give a fraction "
                         f"of the decay {noun}, e.g. 0.01")
     if warmup > decay:
         problems.append(f"--lr-warmup-{unit} {warmup} {exceeds}; lower --lr-warmup-{unit}")
