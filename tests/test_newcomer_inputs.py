@@ -763,9 +763,13 @@ def test_fewer_layers_than_pipeline_stages_is_not_told_to_split_them_unevenly(ca
     assert "fewer than --pipeline-model-parallel-size 2 stages" in err and "decoder-first" not in err
 
 
-def test_a_negative_warmup_fraction_is_one_line_not_two(capsys):
-    """--lr-warmup-fraction -0.1 gave "2 config errors", the range rule's and the fraction rule's."""
-    assert main(["pretrain", "--mock-data", "--vocab-size", "256", "--lr-warmup-fraction", "-0.1", "--dry-run",
-                 "--world-size", "1"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.splitlines() == ["meshlm: error: --lr-warmup-fraction -0.1 is out of range: give a number ≥ 0"]
+@pytest.mark.parametrize("flags,line", [
+    (["--lr-warmup-fraction", "-0.1"], "--lr-warmup-fraction -0.1 is out of range: give a number ≥ 0"),
+    (["--tokenizer-type", "NullTokenizer", "--null-tokenizer-eod-id", "-3"],
+     "--null-tokenizer-eod-id -3 is out of range: give an integer ≥ 0"),
+    (["--optimizer-cpu-offload", "--optimizer-offload-fraction", "nan"],
+     "--optimizer-offload-fraction nan is out of range: give a number ≥ 0")])
+def test_a_value_out_of_range_is_one_line_not_one_per_rule(capsys, flags, line):
+    """Each gave "2 config errors": the numeric rule's and the flag's own rule's about the same value."""
+    assert main(["pretrain", "--mock-data", "--vocab-size", "256", *flags, "--dry-run", "--world-size", "1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"meshlm: error: {line}"]

@@ -44,6 +44,7 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     sizes, problems = _numeric_problems(cfg)
     if sizes:  # the checks below divide by these values
         raise ConfigError(sizes + problems)
+    out_of_range = list(problems)
     layout_rules.adjust(cfg)
     world = world_size_of(cfg) if world is None else world
     problems += layout_rules.layout_problems(cfg, world, world_flag)
@@ -62,7 +63,15 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     if not problems:  # the estimate needs a valid layout and shape
         problems += offload_host_problems(cfg, world)
     if problems:  # a problem two checks find (e.g. building the tokenizer repeats a flag check) once
-        raise ConfigError(list(dict.fromkeys(problems)))
+        raise ConfigError(_once_per_flag(problems, out_of_range))
+
+
+def _once_per_flag(problems: list, out_of_range: list) -> list:
+    """problems without repeats, and without the later lines about a flag whose value the numeric
+    rule already refused (``--lr-warmup-fraction -0.1`` is out of range; that it is no fraction adds
+    nothing)."""
+    refused = {p.split(" ", 1)[0] for p in out_of_range}
+    return list(dict.fromkeys(p for p in problems if p in out_of_range or p.split(" ", 1)[0] not in refused))
 
 
 def _training_problems(cfg: Config, cuda: Optional[bool]) -> list:
