@@ -185,7 +185,7 @@ def test_verify_at_a_layout_the_model_does_not_fit_names_the_layouts_it_fits(tra
     assert rc == 2 and err.splitlines() == [
         where + "--num-attention-heads 4 is not divisible by TP 3",
         where + "--ffn-hidden-size 128 (the default MLP width from --hidden-size) is not divisible by TP 3",
-        where + "--num-layers 2 is not divisible by PP 3",
+        where + "--num-layers 2 is fewer than PP 3 stages (each needs a layer)",
         where + "verify keeps the flags the checkpoint was saved with, so give another --layout TP,PP,DP: it fits "
                 "TP 1, 2 or 4 (with PP=1 DP=1); PP 1 or 2 (with TP=1 DP=1); DP 1 or 2 (with TP=1 PP=1)"]
     rc, _, err = _cli(capsys, "verify", str(trained), "--layout", "1,1,3")
