@@ -303,3 +303,18 @@ def test_a_worker_the_stop_signal_killed_during_start_up_is_a_clean_stop(tmp_pat
     out = capsys.readouterr().out
     assert "meshlm: stopped on SIGTERM (--exit-signal-handler) during start-up, before the first step: worker " \
            "rank(s) 1 got it before setting up the handler; nothing trained, nothing to save" in out
+
+
+def test_a_worker_keeps_its_temporary_files_out_of_the_launchers_folder(monkeypatch, tmp_path):
+    """The launcher's multiprocessing folder (/tmp/pymp-…, inherited by the forked workers) is removed
+    when the launcher exits, while a worker's data-loader processes, whose batch-sharing sockets lived
+    there, outlived it by seconds: a SIGTERM to `meshlm pretrain` (no handler) or a killed worker
+    ended with a FileNotFoundError traceback from each of them on the console."""
+    import multiprocessing
+    import torch
+    launcher_folder = str(tmp_path / "pymp-launcher")
+    monkeypatch.setitem(multiprocessing.current_process()._config, "tempdir", launcher_folder)
+    monkeypatch.setattr(os, "setsid", lambda: None)  # the test process stays in its session
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    launch.become_worker({"OMP_NUM_THREADS": str(torch.get_num_threads())})
+    assert multiprocessing.util.get_temp_dir() != launcher_folder

@@ -433,15 +433,28 @@ def _forkserver_preload() -> None:
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
 
 
+def _own_temp_dir() -> None:
+    """Forget the launcher's multiprocessing temporary folder (``/tmp/pymp-…``), which this worker
+    inherited: the launcher removes it when it exits, while the worker's data-loader processes,
+    which keep the sockets that share their batches with the worker there, may outlive it by a
+    few seconds (they notice their parent's death every 5 s), and each then printed a
+    FileNotFoundError traceback as it exited (after a stop signal or a killed worker). A process
+    that needs such a folder now makes its own and removes it as it exits."""
+    import multiprocessing
+    multiprocessing.current_process()._config["tempdir"] = None
+
+
 def become_worker(env: dict) -> None:
     """The start of a self-launched worker forked from the launcher's forkserver (cli's
     ``worker_main``): lead a session of its own, as torch.distributed.run's subprocess workers do
     (a terminal's Ctrl-C, SIGINT to the foreground group, reaches the launcher alone, whose agent
     then stops each worker once, and the worker's data-loader processes with it); put ``env`` (the
     launcher's settings for its workers) in the environment; print each line as written, as the
-    console of ``python -u``; take OMP_NUM_THREADS's threads."""
+    console of ``python -u``; take OMP_NUM_THREADS's threads; keep multiprocessing's temporary
+    files out of the launcher's folder (:func:`_own_temp_dir`)."""
     import torch
     os.setsid()
+    _own_temp_dir()
     os.environ.update(env)
     sys.stdout.reconfigure(line_buffering=True)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
