@@ -526,5 +526,11 @@ def notes(cfg: Config) -> list:
     if c.keep_checkpoints != keep and not c.save:
         lines.append(f"--keep-checkpoints {c.keep_checkpoints} ignored without --save: this run writes no "
                      f"checkpoint; add --save DIR")
+    t = cfg.training
+    if t.exit_signal != next(f.default for f in dataclasses.fields(t) if f.name == "exit_signal") \
+            and not t.exit_signal_handler:
+        lines.append(f"--exit-signal {t.exit_signal} ignored without --exit-signal-handler: {t.exit_signal} ends "
+                     f"the run at once, with nothing saved; add --exit-signal-handler to stop after the "
+                     f"iteration (and save, with --save)")
     from .training.profiling import notes as profile_notes
     return lines + profile_notes(cfg)
