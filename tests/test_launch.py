@@ -120,6 +120,33 @@ def test_worker_bug_keeps_its_traceback_in_the_log(world_of_one, monkeypatch):
     assert "Traceback" in log and "RuntimeError: shape mismatch in layer 3" in log
 
 
+HANG = "meshlm: error: hang: rank 0 waited 6.2 s in all_reduce of DP gradient bucket 0; ending the job"
+
+
+def test_a_hang_in_a_self_launched_worker_is_reported_once_with_status_1(world_of_one, monkeypatch, capfd):
+    """The watchdog printed its line on the console and the launcher printed it again from the log
+    (two lines, exit status 2); now it goes to the log alone and the launcher prints it once, exit 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.launcher import api
+    from meshlm.parallel import watchdog
+
+    fake_trainer(monkeypatch, lambda cfg: watchdog._last_words(HANG))  # the watchdog's words before os._exit(1)
+    assert launch.run_worker(world_of_one) == 0
+    assert HANG not in "".join(capfd.readouterr())
+    assert open(launch.worker_log_path(world_of_one, 0)).read().endswith(HANG + "\n")
+
+    def elastic_launch(launch_cfg, entry):
+        def run(*argv):
+            with open(launch.worker_log_path(world_of_one, 0), "a") as log:
+                log.write(HANG + "\n")
+            raise ChildFailedError("meshlm", {0: ProcessFailure(0, 123, 1, "")})
+        return run
+    monkeypatch.setattr(api, "elastic_launch", elastic_launch)
+    assert launch.launch_local(world_of_one, "config.yaml", 1, worker_main) == 1
+    err = capfd.readouterr().err
+    assert [line for line in err.splitlines() if "hang" in line] == [HANG]
+
+
 class _FullDiskFile:
     """A log file on a full disk: opens, refuses every write (once closed, as a closed file does)."""
     name, closed = "full/rank0.log", False

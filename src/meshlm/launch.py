@@ -200,6 +200,8 @@ def run_worker(cfg: Config) -> int:
     if is_self_launched_worker():
         exit_with_launcher()
     with _tee_output(worker_log_path(cfg, job_rank())) as log:
+        if is_self_launched_worker():  # where the watchdog's last words go: the launcher reports them once
+            sys.stderr.error_log = log
         try:
             from .parallel.mesh import init_distributed
             from .training.trainer import pretrain
@@ -476,7 +478,8 @@ def launch_local(cfg: Config, config_path: str, nproc: int, entry: Callable[[str
     its handler) is such a stop too, before the first step: one line says so.
 
     Returns 0 on success (also after such a stop), 1 when a worker crashed (after printing which
-    rank, its exit code or signal, and the tail of what it wrote to its log in this run), 130 on
+    rank, its exit code or signal, and the tail of what it wrote to its log in this run) or its
+    watchdog ended a hang (after printing the watchdog's line, which went to the log alone), 130 on
     interrupt. Raises MeshlmError carrying a worker's own one-line error written in this run (a
     data or config problem found inside the worker).
     """
@@ -514,8 +517,11 @@ def launch_local(cfg: Config, config_path: str, nproc: int, entry: Callable[[str
         log = worker_log_path(cfg, rank)
         lines = _written_since(log, log_start.get(rank, 0))
         message = _last_error_line(lines)
-        if message is not None and failure.exitcode > 0:
+        if message is not None and failure.exitcode == 2:  # run_worker's status for a MeshlmError
             raise MeshlmError(f"rank {rank}: {message}") from None
+        if message is not None and failure.exitcode > 0:  # a hang the watchdog ended (status 1; names the rank)
+            print(f"{ERROR_PREFIX}{message}", file=sys.stderr)
+            return failure.exitcode
         how = (f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0
                else f"exited with code {failure.exitcode}")
         print(f"{ERROR_PREFIX}worker rank {rank} {how}; the end of what it wrote to {log} in this run:\n"

@@ -22,7 +22,8 @@ on whichever rank notices), so meshlm keeps its own, on every backend:
   none "already returned from it"; only
   when every other rank is inside the same one is it called a transport or pairing fault. The
   first rank to reach a verdict (an atomic ``add`` on the store) writes one
-  ``meshlm: error: hang: …`` line to stderr (and its log) and leaves with exit status 1; the other
+  ``meshlm: error: hang: …`` line to stderr (and its log; in a worker ``meshlm pretrain`` started, to
+  its log alone, and the launcher prints it) and leaves with exit status 1; the other
   waiting ranks say they saw the same and leave 2 s later, so the launcher reports the first.
 * **Heartbeat** (--heartbeat-interval seconds, 0 off): the same thread appends one line to this
   rank's log every interval: the iteration, the seconds since the last step ended, what it is doing.
@@ -224,10 +225,26 @@ class Watchdog:
         else:
             message = f"rank {self.rank}: also stuck in {cur[0]} over the {self.label(cur[1])} group; " \
                       f"ending (another rank reported the hang)"
-        print(message, file=sys.stderr, flush=True)
+        _last_words(message)
         if not first:
             time.sleep(2.0)
         os._exit(1)
+
+
+def _last_words(message: str) -> None:
+    """Print the line a rank ends the job with: to stderr, or in a worker that ``meshlm pretrain``
+    started to its log alone (``sys.stderr.error_log``, set by launch.run_worker), where the launcher
+    reads it and prints it once (on the console too it was printed twice); where the log cannot
+    take it (a full disk), to the console."""
+    log = getattr(sys.stderr, "error_log", None)
+    try:
+        if log is not None:
+            log.write(message + "\n")
+            log.flush()
+            return
+    except (OSError, ValueError):  # ValueError: the tee closed it after a failed write
+        pass
+    print(message, file=sys.stderr if log is None else sys.__stderr__, flush=True)
 
 
 def _doing(pos: dict) -> str:
