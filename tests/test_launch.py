@@ -147,6 +147,32 @@ def test_a_hang_in_a_self_launched_worker_is_reported_once_with_status_1(world_o
     assert [line for line in err.splitlines() if "hang" in line] == [HANG]
 
 
+def test_a_collective_a_dead_peer_broke_is_one_line_and_other_errors_keep_their_traceback(world_of_one,
+                                                                                            monkeypatch):
+    """kill -9 of one rank of a torchrun / srun / hand-launched job: each survivor ended in gloo's
+    RuntimeError traceback ("Read error …: Connection reset by peer. This is typically caused by a
+    remote worker hanging or bugs in the application"), out of a collective."""
+    from meshlm.errors import TrainingError
+    from meshlm.parallel import watchdog
+
+    def broken(message):
+        def fn():
+            raise RuntimeError(message)
+        return lambda cfg: watchdog.call("all_reduce of DP gradient bucket 0", None, fn)
+    gloo = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:43679: Connection reset by peer. This is …"
+    fake_trainer(monkeypatch, broken(gloo))
+    assert launch.run_worker(world_of_one) == 2  # self-launched: the launcher reports the log's line
+    [line] = [x for x in open(launch.worker_log_path(world_of_one, 0)) if x.startswith("meshlm: error:")]
+    assert line.startswith("meshlm: error: lost a peer in all_reduce of DP gradient bucket 0 over ")
+    assert "the backend says 'reset by peer', so another rank of the job died first" in line
+    monkeypatch.delenv(launch.WORKER_ENV)  # under torchrun / srun: raised, printed in one line by cli
+    with pytest.raises(TrainingError, match="^lost a peer in all_reduce of DP gradient bucket 0"):
+        launch.run_worker(world_of_one)
+    fake_trainer(monkeypatch, broken("shape [4] does not match [8]"))  # a bug: its traceback stays
+    with pytest.raises(RuntimeError, match="shape"):
+        launch.run_worker(world_of_one)
+
+
 class _FullDiskFile:
     """A log file on a full disk: opens, refuses every write (once closed, as a closed file does)."""
     name, closed = "full/rank0.log", False

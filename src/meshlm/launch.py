@@ -190,7 +190,8 @@ def run_worker(cfg: Config) -> int:
 
     A self-launched worker first ties its life to the launcher's (:func:`exit_with_launcher`).
     Everything the worker prints is copied to this rank's log (``worker_log_path``), and so is
-    an error: a MeshlmError as one ``meshlm: error: …`` line, anything else as its traceback. In a
+    an error: a MeshlmError as one ``meshlm: error: …`` line (so is a collective a dead peer broke,
+    ``watchdog.lost_peer``), anything else as its traceback. In a
     self-launched worker the error is left for the launcher to report and the exit status is
     returned (2 for a MeshlmError, 1 otherwise); elsewhere the error is re-raised. Returns 0 on
     success.
@@ -203,10 +204,18 @@ def run_worker(cfg: Config) -> int:
         if is_self_launched_worker():  # where the watchdog's last words go: the launcher reports them once
             sys.stderr.error_log = log
         try:
+            from .errors import TrainingError
             from .parallel.mesh import init_distributed
+            from .parallel.watchdog import lost_peer
             from .training.trainer import pretrain
             init_distributed(cfg.parallel.distributed_timeout_minutes)
-            pretrain(cfg)
+            try:
+                pretrain(cfg)
+            except RuntimeError as e:  # a peer died: one line, not the backend's traceback
+                lost = lost_peer(e)
+                if lost is None:
+                    raise
+                raise TrainingError(lost) from None
             dist.barrier()  # no rank tears its connections down while a peer is still in a collective
         except MeshlmError as e:
             _log_error(log, f"{ERROR_PREFIX}{e}\n")

@@ -56,6 +56,10 @@ _counts: dict = {}  # id(group) → collectives entered on it
 _waited = [0.0]  # seconds inside collectives, since the process started
 _idle_since = [time.monotonic()]  # when the last collective ended
 _where = {"iteration": 0, "phase": "starting", "step_end": time.monotonic()}
+_failed: list = [None]  # (name, group, n) of the last collective an exception left
+_labels: dict = {}  # id(group) → its label, from the last Watchdog started (for lost_peer)
+# what gloo and NCCL say when the other end of a connection is gone (its process died, its node was lost)
+LOST_PEER = ("reset by peer", "closed by peer", "broken pipe", "remote process exited")
 
 
 def enter(name: str, group, peers: Optional[tuple] = None) -> None:
@@ -65,7 +69,7 @@ def enter(name: str, group, peers: Optional[tuple] = None) -> None:
     key = id(group)
     n = _counts.get(key, 0) + 1
     _counts[key] = n
-    _now = (name, group, n, time.monotonic(), peers)
+    _now, _failed[0] = (name, group, n, time.monotonic(), peers), None
 
 
 def leave() -> None:
@@ -74,6 +78,8 @@ def leave() -> None:
     now = time.monotonic()
     if _now is not None:
         _waited[0] += now - _now[3]
+        if sys.exc_info()[0] is not None:  # called from a finally that an exception passes through
+            _failed[0] = _now[:3]
     _idle_since[0] = now
     _now = None
 
@@ -86,6 +92,24 @@ def call(name: str, group, fn, /, *args, **kwargs):
         return fn(*args, **kwargs)
     finally:
         leave()
+
+
+def lost_peer(exc: BaseException) -> Optional[str]:
+    """One line for ``exc`` where it left a collective because a peer's connection broke (gloo's
+    "Connection reset by peer" or "closed by peer", NCCL's "remote process exited"): another rank
+    died (kill -9, out of memory, a lost node) and this one, a survivor, would otherwise end in the
+    backend's traceback. None for anything else."""
+    text = str(exc).lower()
+    cause = next((c for c in LOST_PEER if c in text), None)
+    if _failed[0] is None or cause is None or not isinstance(exc, RuntimeError):
+        return None
+    name, group, n = _failed[0]
+    label = _labels.get(id(group))
+    return (f"lost a peer in {name} over {f'the {label} group' if label else 'its group'} (its collective #{n} "
+            f"there) at iteration "
+            f"{_where['iteration']} ({_where['phase']}): the backend says '{cause}', so another rank of the "
+            f"job died first (its log, or the launcher, says why); restart with --load to resume from the "
+            f"last checkpoint")
 
 
 def waited_s() -> float:
@@ -115,6 +139,8 @@ class Watchdog:
                 ranks = dist.get_process_group_ranks(g)
                 self.labels[id(g)], self.ranks[id(g)] = f"{kind}{ranks}", ranks
         self.store = dist.distributed_c10d._get_default_store()
+        _labels.clear()
+        _labels.update(self.labels)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="meshlm-watchdog", daemon=True)
 
