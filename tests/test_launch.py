@@ -16,7 +16,7 @@ from distributed import _free_port
 from meshlm import launch
 from meshlm.cli import worker_main
 from meshlm.config import Config
-from meshlm.errors import DataError
+from meshlm.errors import DataError, MeshlmError
 
 TINY = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
@@ -171,6 +171,41 @@ def test_a_collective_a_dead_peer_broke_is_one_line_and_other_errors_keep_their_
     fake_trainer(monkeypatch, broken("shape [4] does not match [8]"))  # a bug: its traceback stays
     with pytest.raises(RuntimeError, match="shape"):
         launch.run_worker(world_of_one)
+
+
+def test_a_dead_data_loader_process_is_one_line_and_the_launcher_names_its_rank_not_the_survivor(
+        world_of_one, monkeypatch, capsys):
+    """A data-loader process killed (the OOM killer's SIGKILL) ended its rank in a 40-line traceback;
+    the other rank then lost its peer at once, and the launcher, taking the lower rank at the same
+    time, named the survivor's lost connection, not the dead loader."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.launcher import api
+
+    def pretrain(cfg):
+        raise RuntimeError("DataLoader worker (pid 12324) is killed by signal: Killed. ")
+    fake_trainer(monkeypatch, pretrain)
+    assert launch.run_worker(world_of_one) == 2
+    log = open(launch.worker_log_path(world_of_one, 0)).read()
+    assert "Traceback" not in log and log.endswith(
+        "meshlm: error: a data-loader process of this rank died (DataLoader worker (pid 12324) is killed by "
+        "signal: Killed): the kernel's out-of-memory killer is a common cause (dmesg names it); give fewer "
+        "--num-workers (0 reads in the training process) and restart with --load to resume from the last "
+        "checkpoint\n")
+
+    def elastic_launch(launch_cfg, entry):
+        def run(*argv):
+            with open(launch.worker_log_path(world_of_one, 1), "a") as fh:
+                fh.write("meshlm: error: data-loader died\n")
+            with open(launch.worker_log_path(world_of_one, 0), "a") as fh:
+                fh.write("meshlm: error: lost a peer in all_reduce of DP gradient bucket 0 over …\n")
+            failures = {0: ProcessFailure(0, 1, 2, ""), 1: ProcessFailure(1, 2, 2, "")}
+            for failure in failures.values():  # seen at the same poll of the agent
+                failure.timestamp = 5
+            raise ChildFailedError("meshlm", failures)
+        return run
+    monkeypatch.setattr(api, "elastic_launch", elastic_launch)
+    with pytest.raises(MeshlmError, match="^rank 1: data-loader died$"):
+        launch.launch_local(world_of_one, "config.yaml", 2, worker_main)
 
 
 class _FullDiskFile:

@@ -190,8 +190,9 @@ def run_worker(cfg: Config) -> int:
 
     A self-launched worker first ties its life to the launcher's (:func:`exit_with_launcher`).
     Everything the worker prints is copied to this rank's log (``worker_log_path``), and so is
-    an error: a MeshlmError as one ``meshlm: error: …`` line (so is a collective a dead peer broke,
-    ``watchdog.lost_peer``), anything else as its traceback. In a
+    an error: a MeshlmError as one ``meshlm: error: …`` line (so are a collective a dead peer broke,
+    ``watchdog.lost_peer``, and a dead data-loader process, ``loader.loader_died``), anything else as
+    its traceback. In a
     self-launched worker the error is left for the launcher to report and the exit status is
     returned (2 for a MeshlmError, 1 otherwise); elsewhere the error is re-raised. Returns 0 on
     success.
@@ -206,13 +207,14 @@ def run_worker(cfg: Config) -> int:
         try:
             from .errors import TrainingError
             from .parallel.mesh import init_distributed
+            from .data.loader import loader_died
             from .parallel.watchdog import lost_peer
             from .training.trainer import pretrain
             init_distributed(cfg.parallel.distributed_timeout_minutes)
             try:
                 pretrain(cfg)
-            except RuntimeError as e:  # a peer died: one line, not the backend's traceback
-                lost = lost_peer(e)
+            except RuntimeError as e:  # a peer or a data-loader process died: one line, not a traceback
+                lost = lost_peer(e) or loader_died(e)
                 if lost is None:
                     raise
                 raise TrainingError(lost) from None
@@ -520,12 +522,17 @@ def launch_local(cfg: Config, config_path: str, nproc: int, entry: Callable[[str
                   f"step: worker rank(s) {', '.join(map(str, killed))} got it before setting up the handler; "
                   f"nothing trained, nothing to save", flush=True)
             return 0
-        # the first rank that failed by itself, not one the agent then stopped with SIGTERM
+        # the first rank that failed by itself, not one the agent then stopped with SIGTERM, nor one that
+        # only lost its connection to it (watchdog.lost_peer)
+        from .parallel.watchdog import LOST_PEER_LINE
+        said = {r: _last_error_line(_written_since(worker_log_path(cfg, r), log_start.get(r, 0)))
+                for r in e.failures}
         rank, failure = min(e.failures.items(), key=lambda kv: (
-            kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0]))
+            kv[1].exitcode == -signal.SIGTERM, (said[kv[0]] or "").startswith(LOST_PEER_LINE), kv[1].timestamp,
+            kv[0]))
         log = worker_log_path(cfg, rank)
         lines = _written_since(log, log_start.get(rank, 0))
-        message = _last_error_line(lines)
+        message = said[rank]
         if message is not None and failure.exitcode == 2:  # run_worker's status for a MeshlmError
             raise MeshlmError(f"rank {rank}: {message}") from None
         if message is not None and failure.exitcode > 0:  # a hang the watchdog ended (status 1; names the rank)

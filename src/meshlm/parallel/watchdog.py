@@ -60,6 +60,7 @@ _failed: list = [None]  # (name, group, n) of the last collective an exception l
 _labels: dict = {}  # id(group) → its label, from the last Watchdog started (for lost_peer)
 # what gloo and NCCL say when the other end of a connection is gone (its process died, its node was lost)
 LOST_PEER = ("reset by peer", "closed by peer", "broken pipe", "remote process exited")
+LOST_PEER_LINE = "lost a peer in "  # how lost_peer's line starts (the launcher reports another rank's first)
 
 
 def enter(name: str, group, peers: Optional[tuple] = None) -> None:
@@ -105,7 +106,7 @@ def lost_peer(exc: BaseException) -> Optional[str]:
         return None
     name, group, n = _failed[0]
     label = _labels.get(id(group))
-    return (f"lost a peer in {name} over {f'the {label} group' if label else 'its group'} (its collective #{n} "
+    return (f"{LOST_PEER_LINE}{name} over {f'the {label} group' if label else 'its group'} (its collective #{n} "
             f"there) at iteration "
             f"{_where['iteration']} ({_where['phase']}): the backend says '{cause}', so another rank of the "
             f"job died first (its log, or the launcher, says why); restart with --load to resume from the "
