@@ -406,3 +406,16 @@ def test_a_worker_keeps_its_temporary_files_out_of_the_launchers_folder(monkeypa
     monkeypatch.setattr(os, "environ", dict(os.environ))
     launch.become_worker({"OMP_NUM_THREADS": str(torch.get_num_threads())})
     assert multiprocessing.util.get_temp_dir() != launcher_folder
+
+
+@pytest.mark.parametrize("args, shown", [
+    (["--save", "my-ckpt"], "--save my-ckpt"), (["--train-iters", "3", "--load=ckpt"], "--load=ckpt"),
+    (["--run-dir", "r"], "--run-dir r"), (["--exit-signal", "SIGUSR1"], "--exit-signal SIGUSR1")])
+def test_the_slurm_script_refuses_the_flags_it_sets_itself(args, shown):
+    """train.sbatch appends --save/--load/--run-dir and --exit-signal-handler to the user's flags, and the
+    last of a flag wins: a user's --save was never written, and --exit-signal SIGUSR1 let the warning's
+    SIGTERM kill the workers with nothing saved."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "slurm",
+                          "train.sbatch")
+    out = subprocess.run(["bash", script, *args], env=clean_env(), capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and out.stderr.startswith(f"train.sbatch: error: {shown} is set by this script; ")
