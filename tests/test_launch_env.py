@@ -115,3 +115,19 @@ def test_a_rank_whose_peers_do_not_join_says_so_and_its_timeout_is_one_line(env,
     assert capsys.readouterr().err == (
         "meshlm: rank 0 of WORLD_SIZE 2: waiting for the job's other ranks to join at MASTER_ADDR:MASTER_PORT "
         "127.0.0.1:29500 (it gives up after 2 minutes: --distributed-timeout-minutes)\n")
+
+
+@pytest.mark.parametrize("values", [{**JOB, "WORLD_SIZE": "1"}, dict(SLURM_PROCID="0", SLURM_NTASKS="2")])
+def test_a_nproc_per_node_beyond_a_launched_jobs_world_is_refused(env, values):
+    """RANK=0 WORLD_SIZE=1 (or an srun task) with --nproc-per-node 4 trained in one process, the flag
+    dropped in silence (only torchrun's LOCAL_WORLD_SIZE was compared with it)."""
+    from meshlm.errors import ConfigError
+    from meshlm.validate import validate
+    env(**values)
+    cfg = Config()
+    cfg.data.mock_data, cfg.model.vocab_size, cfg.parallel.nproc_per_node = True, 64, 4
+    with pytest.raises(ConfigError, match=r"--nproc-per-node 4 is meshlm's own launcher's, but this process is a "
+                                          r"rank of a job of \d processes its launcher started"):
+        validate(cfg, world_size_of(cfg), check_files=False)
+    env()  # no launcher: meshlm's own --nproc-per-node
+    validate(cfg, world_size_of(cfg), check_files=False)
