@@ -129,5 +129,6 @@ def test_a_nproc_per_node_beyond_a_launched_jobs_world_is_refused(env, values):
     with pytest.raises(ConfigError, match=r"--nproc-per-node 4 is meshlm's own launcher's, but this process is a "
                                           r"rank of a job of \d processes its launcher started"):
         validate(cfg, world_size_of(cfg), check_files=False)
+    validate(cfg, 16, check_files=False)  # a dry run's size (--nnodes 4): checked in any shell
     env()  # no launcher: meshlm's own --nproc-per-node
     validate(cfg, world_size_of(cfg), check_files=False)
