@@ -316,7 +316,8 @@ def test_under_torchrun_rank0_resolves_one_run_for_all_ranks(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     [run] = os.listdir(tmp_path / "runs")  # one run directory, although every rank started alike
     assert out.stdout.count("meshlm: run directory") == 1
-    assert sorted(os.listdir(tmp_path / "runs" / run / "logs")) == ["meshlm.lock", "metrics.jsonl", "rank0.log", "rank1.log"]
+    assert sorted(os.listdir(tmp_path / "runs" / run / "logs")) == ["meshlm.lock", "metrics.jsonl", "rank0.log",
+                                                                   "rank1.log"]
 
 
 @pytest.mark.slow

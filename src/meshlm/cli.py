@@ -128,13 +128,16 @@ def _lock_logs(held: contextlib.ExitStack | None, cfg, set_aside) -> None:
     is checked first (its lock taken and its file dropped, so that ``set_aside(log_dir)``, which may
     rename the folder, takes no lock file along), then set aside, then locked for the run."""
     from .checkpoint.lock import LOCK_FILE, hold
+    from .folders import missing_top, remove_created
     run_dir = cfg.logging.run_dir
     log_dir = os.path.dirname(launch.worker_log_path(cfg, 0))
     own = held is not None and os.path.realpath(log_dir) != os.path.realpath(run_dir)
     flag = "--log-dir" if cfg.logging.log_dir else "--run-dir"
     if own:
+        top = missing_top(log_dir)
         with hold(log_dir, run_dir, flag):
             os.unlink(os.path.join(log_dir, LOCK_FILE))
+        remove_created(log_dir, top)  # the check's: the lock below makes it again (and removes it on a refusal)
     set_aside(log_dir)
     if own:
         _lock(held, log_dir, flag, run_dir)

@@ -120,7 +120,8 @@ def init_distributed(timeout_minutes: int = 10) -> None:
         except dist.DistError as e:
             if "timed out" not in str(e).lower():
                 raise
-            raise ConfigError(f"the job's other ranks (WORLD_SIZE {env['WORLD_SIZE']}) did not all join at MASTER_ADDR:MASTER_PORT {env['MASTER_ADDR']}:{env['MASTER_PORT']} within "
+            raise ConfigError(f"the job's other ranks (WORLD_SIZE {env['WORLD_SIZE']}) did not all join at "
+                              f"MASTER_ADDR:MASTER_PORT {env['MASTER_ADDR']}:{env['MASTER_PORT']} within "
                               f"the --distributed-timeout-minutes ({_first_line(e)}); start every rank with the same "
                               f"MASTER_ADDR, MASTER_PORT and WORLD_SIZE, MASTER_ADDR reachable from every node") \
                 from None
