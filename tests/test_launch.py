@@ -14,7 +14,7 @@ import yaml
 
 from distributed import _free_port
 from meshlm import launch
-from meshlm.cli import worker_main
+from meshlm.cli import main, worker_main
 from meshlm.config import Config
 from meshlm.errors import DataError, MeshlmError
 
@@ -206,6 +206,21 @@ def test_a_dead_data_loader_process_is_one_line_and_the_launcher_names_its_rank_
     monkeypatch.setattr(api, "elastic_launch", elastic_launch)
     with pytest.raises(MeshlmError, match="^rank 1: data-loader died$"):
         launch.launch_local(world_of_one, "config.yaml", 2, worker_main)
+
+
+def test_ctrl_c_is_reported_once_by_the_launcher_not_by_every_worker(monkeypatch, capsys):
+    """Ctrl-C: the agent passes SIGINT on to each worker, and each printed "meshlm: interrupted"
+    above the launcher's "meshlm: interrupted (SIGINT); workers stopped"."""
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(launch, "run_worker", interrupted)
+    monkeypatch.setenv(launch.WORKER_ENV, "1")
+    assert main(["pretrain", *TINY, "--train-iters", "1"]) == 130
+    monkeypatch.delenv(launch.WORKER_ENV)
+    monkeypatch.setattr(launch, "resolve_on_rank0", lambda resolve, own: own)
+    monkeypatch.setenv("RANK", "0")  # a torchrun rank: no launcher of meshlm's to say it
+    assert main(["pretrain", *TINY, "--train-iters", "1"]) == 130
+    assert capsys.readouterr().err == "meshlm: interrupted\n"
 
 
 class _FullDiskFile:

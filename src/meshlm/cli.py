@@ -556,5 +556,6 @@ def _run_command(argv: list) -> int:
         print(f"{launch.ERROR_PREFIX}{launch.error_rank()}{e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("meshlm: interrupted", file=sys.stderr)
+        if not launch.is_self_launched_worker():  # a worker's launcher says it once for all of them
+            print("meshlm: interrupted", file=sys.stderr)
         return 130
