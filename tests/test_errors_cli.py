@@ -122,6 +122,29 @@ def test_the_lock_is_released_when_the_run_ends(tmp_path, monkeypatch, capsys):
         pass
 
 
+def test_a_second_run_given_a_running_jobs_log_folder_is_refused_and_leaves_its_logs(tmp_path, monkeypatch,
+                                                                                    capsys):
+    """`--run-dir other --log-dir first/logs` while `first` ran: the second run set the running job's
+    logs aside (logs.<time>) and wrote its own metrics.jsonl and rank logs in their place."""
+    monkeypatch.chdir(tmp_path)
+    second = []
+
+    def first_job(cfg):  # the first run's workers: meanwhile a second run starts on its log folder
+        (tmp_path / "first" / "logs" / "metrics.jsonl").write_text('{"iteration": 1}\n')
+        second.append(main(["pretrain", *TINY, "--train-iters", "1", "--run-dir", "other", "--log-dir",
+                            "first/logs"]))
+        return 0
+    monkeypatch.setattr(launch, "run_worker", first_job)
+    assert main(["pretrain", *TINY, "--nproc-per-node", "1", "--train-iters", "1", "--run-dir", "first"]) == 0
+    assert second == [2]
+    assert "meshlm: error: --log-dir first/logs is in use by a running job (pid " in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path / "first")) == ["config.yaml", "logs", "meshlm.lock"]
+    assert (tmp_path / "first" / "logs" / "metrics.jsonl").read_text() == '{"iteration": 1}\n'
+    # a run's own log folder may be its --save folder too (one folder, one lock)
+    assert main(["pretrain", *TINY, "--nproc-per-node", "1", "--train-iters", "1", "--run-dir", "third",
+                 "--log-dir", "ckpt", "--save", "ckpt"]) == 0
+
+
 def test_a_save_folder_the_os_refuses_is_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["pretrain", *TINY, "--train-iters", "1", "--run-dir", "run", "--save", "/proc/foo"]) == 2

@@ -238,3 +238,24 @@ def test_a_run_of_loss_spikes_prints_one_line_when_it_starts_and_one_when_it_end
     assert said[0][1].startswith("loss spike at iteration 7: lm loss 5.000000E+00 > 2 × the mean 1.000000E+00")
     assert said[1][1] == "loss back below 2 × the running mean at iteration 12 (1.000000E+00) after 4 spiking " \
                          "step(s) (--loss-spike-threshold)"
+
+
+def test_skip_nan_steps_stops_after_too_many_non_finite_steps_in_a_row(monkeypatch, capsys):
+    """Weights that make every batch NaN (--lr 1e20) were skipped step after step to the end of the
+    run under --skip-nan-steps (a skipped step leaves them as they are): hours that trained nothing."""
+    import types
+    monkeypatch.setattr(trainer, "nan_origin", lambda ps, outputs, finite: "local loss non-finite on rank(s) 0")
+    cfg = Config()
+    cfg.training.skip_nan_steps = True
+    run = types.SimpleNamespace(cfg=cfg, ps=types.SimpleNamespace(rank=0), last_checkpoint="ck/iter_0000004",
+                                ddp=types.SimpleNamespace(local_grads_finite=lambda: False), nan_skips=0)
+    for iteration in range(1, trainer.MAX_NAN_SKIPS):
+        trainer._stop_unless_skipping(run, iteration, "lm loss is nan", [])
+    run.nan_skips = 0  # a good step between: counting starts again
+    for iteration in range(1, trainer.MAX_NAN_SKIPS):
+        trainer._stop_unless_skipping(run, iteration, "lm loss is nan", [])
+    with pytest.raises(TrainingError, match=rf"^iteration {trainer.MAX_NAN_SKIPS}: lm loss is nan \(.*\), the "
+                                            rf"{trainer.MAX_NAN_SKIPS}th step in a row: --skip-nan-steps cannot "
+                                            r"recover .*last good checkpoint: ck/iter_0000004; resume from it"):
+        trainer._stop_unless_skipping(run, trainer.MAX_NAN_SKIPS, "lm loss is nan", [])
+    assert capsys.readouterr().out.count("step skipped (--skip-nan-steps)") == 2 * (trainer.MAX_NAN_SKIPS - 1)

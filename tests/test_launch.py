@@ -14,9 +14,9 @@ import yaml
 
 from distributed import _free_port
 from meshlm import launch
-from meshlm.cli import worker_main
+from meshlm.cli import main, worker_main
 from meshlm.config import Config
-from meshlm.errors import DataError
+from meshlm.errors import DataError, MeshlmError
 
 TINY = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
@@ -118,6 +118,109 @@ def test_worker_bug_keeps_its_traceback_in_the_log(world_of_one, monkeypatch):
     assert launch.run_worker(world_of_one) == 1
     log = open(launch.worker_log_path(world_of_one, 0)).read()
     assert "Traceback" in log and "RuntimeError: shape mismatch in layer 3" in log
+
+
+HANG = "meshlm: error: hang: rank 0 waited 6.2 s in all_reduce of DP gradient bucket 0; ending the job"
+
+
+def test_a_hang_in_a_self_launched_worker_is_reported_once_with_status_1(world_of_one, monkeypatch, capfd):
+    """The watchdog printed its line on the console and the launcher printed it again from the log
+    (two lines, exit status 2); now it goes to the log alone and the launcher prints it once, exit 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.launcher import api
+    from meshlm.parallel import watchdog
+
+    fake_trainer(monkeypatch, lambda cfg: watchdog._last_words(HANG))  # the watchdog's words before os._exit(1)
+    assert launch.run_worker(world_of_one) == 0
+    assert HANG not in "".join(capfd.readouterr())
+    assert open(launch.worker_log_path(world_of_one, 0)).read().endswith(HANG + "\n")
+
+    def elastic_launch(launch_cfg, entry):
+        def run(*argv):
+            with open(launch.worker_log_path(world_of_one, 0), "a") as log:
+                log.write(HANG + "\n")
+            raise ChildFailedError("meshlm", {0: ProcessFailure(0, 123, 1, "")})
+        return run
+    monkeypatch.setattr(api, "elastic_launch", elastic_launch)
+    assert launch.launch_local(world_of_one, "config.yaml", 1, worker_main) == 1
+    err = capfd.readouterr().err
+    assert [line for line in err.splitlines() if "hang" in line] == [HANG]
+
+
+def test_a_collective_a_dead_peer_broke_is_one_line_and_other_errors_keep_their_traceback(world_of_one,
+                                                                                            monkeypatch):
+    """kill -9 of one rank of a torchrun / srun / hand-launched job: each survivor ended in gloo's
+    RuntimeError traceback ("Read error …: Connection reset by peer. This is typically caused by a
+    remote worker hanging or bugs in the application"), out of a collective."""
+    from meshlm.errors import TrainingError
+    from meshlm.parallel import watchdog
+
+    def broken(message):
+        def fn():
+            raise RuntimeError(message)
+        return lambda cfg: watchdog.call("all_reduce of DP gradient bucket 0", None, fn)
+    gloo = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:43679: Connection reset by peer. This is …"
+    fake_trainer(monkeypatch, broken(gloo))
+    assert launch.run_worker(world_of_one) == 2  # self-launched: the launcher reports the log's line
+    [line] = [x for x in open(launch.worker_log_path(world_of_one, 0)) if x.startswith("meshlm: error:")]
+    assert line.startswith("meshlm: error: lost a peer in all_reduce of DP gradient bucket 0 over ")
+    assert "the backend says 'reset by peer', so another rank of the job died first" in line
+    monkeypatch.delenv(launch.WORKER_ENV)  # under torchrun / srun: raised, printed in one line by cli
+    with pytest.raises(TrainingError, match="^lost a peer in all_reduce of DP gradient bucket 0"):
+        launch.run_worker(world_of_one)
+    fake_trainer(monkeypatch, broken("shape [4] does not match [8]"))  # a bug: its traceback stays
+    with pytest.raises(RuntimeError, match="shape"):
+        launch.run_worker(world_of_one)
+
+
+def test_a_dead_data_loader_process_is_one_line_and_the_launcher_names_its_rank_not_the_survivor(
+        world_of_one, monkeypatch, capsys):
+    """A data-loader process killed (the OOM killer's SIGKILL) ended its rank in a 40-line traceback;
+    the other rank then lost its peer at once, and the launcher, taking the lower rank at the same
+    time, named the survivor's lost connection, not the dead loader."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.launcher import api
+
+    def pretrain(cfg):
+        raise RuntimeError("DataLoader worker (pid 12324) is killed by signal: Killed. ")
+    fake_trainer(monkeypatch, pretrain)
+    assert launch.run_worker(world_of_one) == 2
+    log = open(launch.worker_log_path(world_of_one, 0)).read()
+    assert "Traceback" not in log and log.endswith(
+        "meshlm: error: a data-loader process of this rank died (DataLoader worker (pid 12324) is killed by "
+        "signal: Killed): the kernel's out-of-memory killer is a common cause (dmesg names it); give fewer "
+        "--num-workers (0 reads in the training process) and restart with --load to resume from the last "
+        "checkpoint\n")
+
+    def elastic_launch(launch_cfg, entry):
+        def run(*argv):
+            with open(launch.worker_log_path(world_of_one, 1), "a") as fh:
+                fh.write("meshlm: error: data-loader died\n")
+            with open(launch.worker_log_path(world_of_one, 0), "a") as fh:
+                fh.write("meshlm: error: lost a peer in all_reduce of DP gradient bucket 0 over …\n")
+            failures = {0: ProcessFailure(0, 1, 2, ""), 1: ProcessFailure(1, 2, 2, "")}
+            for failure in failures.values():  # seen at the same poll of the agent
+                failure.timestamp = 5
+            raise ChildFailedError("meshlm", failures)
+        return run
+    monkeypatch.setattr(api, "elastic_launch", elastic_launch)
+    with pytest.raises(MeshlmError, match="^rank 1: data-loader died$"):
+        launch.launch_local(world_of_one, "config.yaml", 2, worker_main)
+
+
+def test_ctrl_c_is_reported_once_by_the_launcher_not_by_every_worker(monkeypatch, capsys):
+    """Ctrl-C: the agent passes SIGINT on to each worker, and each printed "meshlm: interrupted"
+    above the launcher's "meshlm: interrupted (SIGINT); workers stopped"."""
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(launch, "run_worker", interrupted)
+    monkeypatch.setenv(launch.WORKER_ENV, "1")
+    assert main(["pretrain", *TINY, "--train-iters", "1"]) == 130
+    monkeypatch.delenv(launch.WORKER_ENV)
+    monkeypatch.setattr(launch, "resolve_on_rank0", lambda resolve, own: own)
+    monkeypatch.setenv("RANK", "0")  # a torchrun rank: no launcher of meshlm's to say it
+    assert main(["pretrain", *TINY, "--train-iters", "1"]) == 130
+    assert capsys.readouterr().err == "meshlm: interrupted\n"
 
 
 class _FullDiskFile:
@@ -228,7 +331,8 @@ def test_under_torchrun_rank0_resolves_one_run_for_all_ranks(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     [run] = os.listdir(tmp_path / "runs")  # one run directory, although every rank started alike
     assert out.stdout.count("meshlm: run directory") == 1
-    assert sorted(os.listdir(tmp_path / "runs" / run / "logs")) == ["metrics.jsonl", "rank0.log", "rank1.log"]
+    assert sorted(os.listdir(tmp_path / "runs" / run / "logs")) == ["meshlm.lock", "metrics.jsonl", "rank0.log",
+                                                                   "rank1.log"]
 
 
 @pytest.mark.slow
@@ -303,3 +407,31 @@ def test_a_worker_the_stop_signal_killed_during_start_up_is_a_clean_stop(tmp_pat
     out = capsys.readouterr().out
     assert "meshlm: stopped on SIGTERM (--exit-signal-handler) during start-up, before the first step: worker " \
            "rank(s) 1 got it before setting up the handler; nothing trained, nothing to save" in out
+
+
+def test_a_worker_keeps_its_temporary_files_out_of_the_launchers_folder(monkeypatch, tmp_path):
+    """The launcher's multiprocessing folder (/tmp/pymp-…, inherited by the forked workers) is removed
+    when the launcher exits, while a worker's data-loader processes, whose batch-sharing sockets lived
+    there, outlived it by seconds: a SIGTERM to `meshlm pretrain` (no handler) or a killed worker
+    ended with a FileNotFoundError traceback from each of them on the console."""
+    import multiprocessing
+    import torch
+    launcher_folder = str(tmp_path / "pymp-launcher")
+    monkeypatch.setitem(multiprocessing.current_process()._config, "tempdir", launcher_folder)
+    monkeypatch.setattr(os, "setsid", lambda: None)  # the test process stays in its session
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    launch.become_worker({"OMP_NUM_THREADS": str(torch.get_num_threads())})
+    assert multiprocessing.util.get_temp_dir() != launcher_folder
+
+
+@pytest.mark.parametrize("args, shown", [
+    (["--save", "my-ckpt"], "--save my-ckpt"), (["--train-iters", "3", "--load=ckpt"], "--load=ckpt"),
+    (["--run-dir", "r"], "--run-dir r"), (["--exit-signal", "SIGUSR1"], "--exit-signal SIGUSR1")])
+def test_the_slurm_script_refuses_the_flags_it_sets_itself(args, shown):
+    """train.sbatch appends --save/--load/--run-dir and --exit-signal-handler to the user's flags, and the
+    last of a flag wins: a user's --save was never written, and --exit-signal SIGUSR1 let the warning's
+    SIGTERM kill the workers with nothing saved."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "slurm",
+                          "train.sbatch")
+    out = subprocess.run(["bash", script, *args], env=clean_env(), capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and out.stderr.startswith(f"train.sbatch: error: {shown} is set by this script; ")

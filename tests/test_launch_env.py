@@ -87,3 +87,48 @@ def test_checkpoint_verify_inside_an_srun_step_loads_in_a_world_of_one(env):
     with _world_of_one():
         assert dist.get_world_size() == 1
     assert not dist.is_initialized() and os.environ["SLURM_PROCID"] == "0"
+
+
+def test_a_rank_whose_peers_do_not_join_says_so_and_its_timeout_is_one_line(env, monkeypatch, capsys):
+    """RANK=0 WORLD_SIZE=2 with the other rank never started (or given another MASTER_ADDR) waited the
+    whole --distributed-timeout-minutes in silence, then ended in torch's DistStoreError traceback."""
+    import time
+
+    import torch.distributed as dist
+    from meshlm.errors import ConfigError
+    from meshlm.parallel import mesh
+
+    env(**JOB)
+    monkeypatch.setenv("MESHLM_DISTRIBUTED_TIMEOUT_S", "1")  # the note after a tenth of it
+
+    def never_joined(**kwargs):
+        time.sleep(0.5)
+        raise dist.DistStoreError("Timed out after 61 seconds waiting for clients. 1/2 clients joined.")
+    monkeypatch.setattr(dist, "init_process_group", never_joined)
+    with pytest.raises(ConfigError) as refused:
+        mesh.init_distributed(1)
+    assert str(refused.value) == (
+        "the job's other ranks (WORLD_SIZE 2) did not all join at MASTER_ADDR:MASTER_PORT 127.0.0.1:29500 within "
+        "the --distributed-timeout-minutes (Timed out after 61 seconds waiting for clients. 1/2 clients joined.); "
+        "start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, MASTER_ADDR reachable from every "
+        "node")
+    assert capsys.readouterr().err == (
+        "meshlm: rank 0 of WORLD_SIZE 2: waiting for the job's other ranks to join at MASTER_ADDR:MASTER_PORT "
+        "127.0.0.1:29500 (it gives up after 2 minutes: --distributed-timeout-minutes)\n")
+
+
+@pytest.mark.parametrize("values", [{**JOB, "WORLD_SIZE": "1"}, dict(SLURM_PROCID="0", SLURM_NTASKS="2")])
+def test_a_nproc_per_node_beyond_a_launched_jobs_world_is_refused(env, values):
+    """RANK=0 WORLD_SIZE=1 (or an srun task) with --nproc-per-node 4 trained in one process, the flag
+    dropped in silence (only torchrun's LOCAL_WORLD_SIZE was compared with it)."""
+    from meshlm.errors import ConfigError
+    from meshlm.validate import validate
+    env(**values)
+    cfg = Config()
+    cfg.data.mock_data, cfg.model.vocab_size, cfg.parallel.nproc_per_node = True, 64, 4
+    with pytest.raises(ConfigError, match=r"--nproc-per-node 4 is meshlm's own launcher's, but this process is a "
+                                          r"rank of a job of \d processes its launcher started"):
+        validate(cfg, world_size_of(cfg), check_files=False)
+    validate(cfg, 16, check_files=False)  # a dry run's size (--nnodes 4): checked in any shell
+    env()  # no launcher: meshlm's own --nproc-per-node
+    validate(cfg, world_size_of(cfg), check_files=False)

@@ -103,6 +103,14 @@ def test_checkpoint_switches_without_their_folder_are_noted(capsys):
     assert "note: --keep-checkpoints 5 ignored without --save" in out  # silently before
 
 
+def test_an_exit_signal_without_its_handler_is_noted(capsys):
+    """--exit-signal SIGUSR1 alone was dropped silently: the run a user meant to stop and save by
+    SIGUSR1 was killed by it (its default action) with nothing saved."""
+    assert main(SHAPE + ["--mock-data", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer",
+                         "--exit-signal", "SIGUSR1", "--dry-run"]) == 0
+    assert "note: --exit-signal SIGUSR1 ignored without --exit-signal-handler" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("action", ["inspect", "verify"])
 def test_checkpoint_commands_name_their_argument_not_load(tmp_path, capsys, action):
     afile = tmp_path / "afile"

@@ -121,6 +121,28 @@ def _lock(held: contextlib.ExitStack | None, folder: str, flag: str, run_dir: st
         held.enter_context(hold(folder, run_dir, flag))
 
 
+def _lock_logs(held: contextlib.ExitStack | None, cfg, set_aside) -> None:
+    """Take the log folder's lock too where it is not the run directory (its ``logs``, or a
+    --log-dir), so that a run given another run's log folder as --log-dir is refused instead of
+    setting the running job's logs aside and writing its own metrics.jsonl among them. The folder
+    is checked first (its lock taken and its file dropped, so that ``set_aside(log_dir)``, which may
+    rename the folder, takes no lock file along), then set aside, then locked for the run."""
+    from .checkpoint.lock import LOCK_FILE, hold
+    from .folders import missing_top, remove_created
+    run_dir = cfg.logging.run_dir
+    log_dir = os.path.dirname(launch.worker_log_path(cfg, 0))
+    own = held is not None and os.path.realpath(log_dir) != os.path.realpath(run_dir)
+    flag = "--log-dir" if cfg.logging.log_dir else "--run-dir"
+    if own:
+        top = missing_top(log_dir)
+        with hold(log_dir, run_dir, flag):
+            os.unlink(os.path.join(log_dir, LOCK_FILE))
+        remove_created(log_dir, top)  # the check's: the lock below makes it again (and removes it on a refusal)
+    set_aside(log_dir)
+    if own:
+        _lock(held, log_dir, flag, run_dir)
+
+
 def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None = None):
     """Flags → validated Config with a run directory and data, written to <run_dir>/config.yaml.
 
@@ -153,8 +175,8 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
     if host:
         raise ConfigError(host)
     _lock(held, run_dir, "--run-dir", run_dir)
-    if not cfg.checkpoint.load and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        _set_aside(run_dir, os.path.dirname(launch.worker_log_path(cfg, 0)))
+    _lock_logs(held, cfg, lambda log_dir: _set_aside(run_dir, log_dir) if not cfg.checkpoint.load and
+               os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else None)
     if embedded:
         from .data.corpus import prepare_default_corpus
         print("meshlm: no --data-path, --train-data-path or --mock-data: training on the embedded default "
@@ -166,7 +188,8 @@ def resolve_config(args: argparse.Namespace, held: contextlib.ExitStack | None =
         cfg.data.tokenizer_model = corpus["tokenizer_model"]
         validate(cfg, world)
     save = cfg.checkpoint.save
-    if save and os.path.realpath(save) != os.path.realpath(run_dir):  # one folder, one lock
+    locked = {os.path.realpath(run_dir), os.path.realpath(os.path.dirname(launch.worker_log_path(cfg, 0)))}
+    if save and os.path.realpath(save) not in locked:  # one folder, one lock
         _lock(held, save, "--save", run_dir)
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.yaml")
@@ -544,5 +567,6 @@ def _run_command(argv: list) -> int:
         print(f"{launch.ERROR_PREFIX}{launch.error_rank()}{e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("meshlm: interrupted", file=sys.stderr)
+        if not launch.is_self_launched_worker():  # a worker's launcher says it once for all of them
+            print("meshlm: interrupted", file=sys.stderr)
         return 130

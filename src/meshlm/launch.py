@@ -190,7 +190,9 @@ def run_worker(cfg: Config) -> int:
 
     A self-launched worker first ties its life to the launcher's (:func:`exit_with_launcher`).
     Everything the worker prints is copied to this rank's log (``worker_log_path``), and so is
-    an error: a MeshlmError as one ``meshlm: error: …`` line, anything else as its traceback. In a
+    an error: a MeshlmError as one ``meshlm: error: …`` line (so are a collective a dead peer broke,
+    ``watchdog.lost_peer``, and a dead data-loader process, ``loader.loader_died``), anything else as
+    its traceback. In a
     self-launched worker the error is left for the launcher to report and the exit status is
     returned (2 for a MeshlmError, 1 otherwise); elsewhere the error is re-raised. Returns 0 on
     success.
@@ -200,11 +202,22 @@ def run_worker(cfg: Config) -> int:
     if is_self_launched_worker():
         exit_with_launcher()
     with _tee_output(worker_log_path(cfg, job_rank())) as log:
+        if is_self_launched_worker():  # where the watchdog's last words go: the launcher reports them once
+            sys.stderr.error_log = log
         try:
+            from .errors import TrainingError
             from .parallel.mesh import init_distributed
+            from .data.loader import loader_died
+            from .parallel.watchdog import lost_peer
             from .training.trainer import pretrain
             init_distributed(cfg.parallel.distributed_timeout_minutes)
-            pretrain(cfg)
+            try:
+                pretrain(cfg)
+            except RuntimeError as e:  # a peer or a data-loader process died: one line, not a traceback
+                lost = lost_peer(e) or loader_died(e)
+                if lost is None:
+                    raise
+                raise TrainingError(lost) from None
             dist.barrier()  # no rank tears its connections down while a peer is still in a collective
         except MeshlmError as e:
             _log_error(log, f"{ERROR_PREFIX}{e}\n")
@@ -433,15 +446,28 @@ def _forkserver_preload() -> None:
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
 
 
+def _own_temp_dir() -> None:
+    """Forget the launcher's multiprocessing temporary folder (``/tmp/pymp-…``), which this worker
+    inherited: the launcher removes it when it exits, while the worker's data-loader processes,
+    which keep the sockets that share their batches with the worker there, may outlive it by a
+    few seconds (they notice their parent's death every 5 s), and each then printed a
+    FileNotFoundError traceback as it exited (after a stop signal or a killed worker). A process
+    that needs such a folder now makes its own and removes it as it exits."""
+    import multiprocessing
+    multiprocessing.current_process()._config["tempdir"] = None
+
+
 def become_worker(env: dict) -> None:
     """The start of a self-launched worker forked from the launcher's forkserver (cli's
     ``worker_main``): lead a session of its own, as torch.distributed.run's subprocess workers do
     (a terminal's Ctrl-C, SIGINT to the foreground group, reaches the launcher alone, whose agent
     then stops each worker once, and the worker's data-loader processes with it); put ``env`` (the
     launcher's settings for its workers) in the environment; print each line as written, as the
-    console of ``python -u``; take OMP_NUM_THREADS's threads."""
+    console of ``python -u``; take OMP_NUM_THREADS's threads; keep multiprocessing's temporary
+    files out of the launcher's folder (:func:`_own_temp_dir`)."""
     import torch
     os.setsid()
+    _own_temp_dir()
     os.environ.update(env)
     sys.stdout.reconfigure(line_buffering=True)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -463,7 +489,8 @@ def launch_local(cfg: Config, config_path: str, nproc: int, entry: Callable[[str
     its handler) is such a stop too, before the first step: one line says so.
 
     Returns 0 on success (also after such a stop), 1 when a worker crashed (after printing which
-    rank, its exit code or signal, and the tail of what it wrote to its log in this run), 130 on
+    rank, its exit code or signal, and the tail of what it wrote to its log in this run) or its
+    watchdog ended a hang (after printing the watchdog's line, which went to the log alone), 130 on
     interrupt. Raises MeshlmError carrying a worker's own one-line error written in this run (a
     data or config problem found inside the worker).
     """
@@ -495,14 +522,22 @@ def launch_local(cfg: Config, config_path: str, nproc: int, entry: Callable[[str
                   f"step: worker rank(s) {', '.join(map(str, killed))} got it before setting up the handler; "
                   f"nothing trained, nothing to save", flush=True)
             return 0
-        # the first rank that failed by itself, not one the agent then stopped with SIGTERM
+        # the first rank that failed by itself, not one the agent then stopped with SIGTERM, nor one that
+        # only lost its connection to it (watchdog.lost_peer)
+        from .parallel.watchdog import LOST_PEER_LINE
+        said = {r: _last_error_line(_written_since(worker_log_path(cfg, r), log_start.get(r, 0)))
+                for r in e.failures}
         rank, failure = min(e.failures.items(), key=lambda kv: (
-            kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0]))
+            kv[1].exitcode == -signal.SIGTERM, (said[kv[0]] or "").startswith(LOST_PEER_LINE), kv[1].timestamp,
+            kv[0]))
         log = worker_log_path(cfg, rank)
         lines = _written_since(log, log_start.get(rank, 0))
-        message = _last_error_line(lines)
-        if message is not None and failure.exitcode > 0:
+        message = said[rank]
+        if message is not None and failure.exitcode == 2:  # run_worker's status for a MeshlmError
             raise MeshlmError(f"rank {rank}: {message}") from None
+        if message is not None and failure.exitcode > 0:  # a hang the watchdog ended (status 1; names the rank)
+            print(f"{ERROR_PREFIX}{message}", file=sys.stderr)
+            return failure.exitcode
         how = (f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0
                else f"exited with code {failure.exitcode}")
         print(f"{ERROR_PREFIX}worker rank {rank} {how}; the end of what it wrote to {log} in this run:\n"

@@ -53,7 +53,7 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     problems += _training_problems(cfg, cuda)
     problems += _fp8_problems(cfg, cuda)
     problems += _run_length_problems(cfg, world)
-    problems += _process_count_problems(cfg)
+    problems += _process_count_problems(cfg, world)
     problems += _data_problems(cfg)
     problems += _output_problems(cfg)
     problems += _profile_problems(cfg, world)
@@ -263,18 +263,28 @@ def exclusive_lengths(cfg: Config) -> list:
 PROCESSES_PER_CORE = 32
 
 
-def _process_count_problems(cfg: Config) -> list:
+def _process_count_problems(cfg: Config, world: int) -> list:
     """The processes of this node: --nproc-per-node × (1 + --num-workers), at most PROCESSES_PER_CORE a
     usable core (meshlm's preprocess caps its --workers likewise); under torchrun (LOCAL_WORLD_SIZE
-    set) a --nproc-per-node that is not torchrun's, which would be ignored (torchrun started the
-    workers)."""
+    set) a --nproc-per-node that is not torchrun's, and in another launched job (RANK or
+    SLURM_PROCID set) one above its WORLD_SIZE (``world``, the size validated: not a dry run's),
+    which would be ignored (the launcher started the workers)."""
     from .parallel.mesh import usable_cores
     problems = []
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local and cfg.parallel.nproc_per_node and cfg.parallel.nproc_per_node != int(local):
-        problems.append(f"--nproc-per-node {cfg.parallel.nproc_per_node} is meshlm's own launcher's, but "
+    env, given = os.environ, cfg.parallel.nproc_per_node
+    local = env.get("LOCAL_WORLD_SIZE")
+    job = env.get("WORLD_SIZE", env.get("SLURM_NTASKS")) if "RANK" in env or "SLURM_PROCID" in env else None
+    job = int(job) if job and job.isdigit() and int(job) == world else None  # the job's size, not a dry run's
+    if local and given and given != int(local):
+        problems.append(f"--nproc-per-node {given} is meshlm's own launcher's, but "
                         f"torchrun started this job with {local} processes on this node; drop it (torchrun's "
                         f"--nproc-per-node sizes the job)")
+    elif not local and given and job and given > job:
+        problems.append(f"--nproc-per-node {given} is meshlm's own launcher's, but this process is a rank of a job "
+                        f"of {job} processes its launcher started (RANK and WORLD_SIZE, or srun's SLURM_PROCID "
+                        f"and SLURM_NTASKS, in the environment), which would run with {job}: drop it (the "
+                        f"launcher sizes the job), or, in a shell that is no job (`srun --pty bash` sets "
+                        f"SLURM_PROCID), unset those variables to have meshlm start {given} workers itself")
     nproc, loaders = cfg.parallel.nproc_per_node or 1, cfg.data.num_workers
     count, cores = nproc * (1 + loaders), usable_cores()
     if count > PROCESSES_PER_CORE * cores:
@@ -553,5 +563,11 @@ def notes(cfg: Config) -> list:
     if c.keep_checkpoints != keep and not c.save:
         lines.append(f"--keep-checkpoints {c.keep_checkpoints} ignored without --save: this run writes no "
                      f"checkpoint; add --save DIR")
+    t = cfg.training
+    if t.exit_signal != next(f.default for f in dataclasses.fields(t) if f.name == "exit_signal") \
+            and not t.exit_signal_handler:
+        lines.append(f"--exit-signal {t.exit_signal} ignored without --exit-signal-handler: {t.exit_signal} ends "
+                     f"the run at once, with nothing saved; add --exit-signal-handler to stop after the "
+                     f"iteration (and save, with --save)")
     from .training.profiling import notes as profile_notes
     return lines + profile_notes(cfg)

@@ -1,8 +1,10 @@
-"""One run at a time per folder (--save, --run-dir): an OS advisory lock that dies with its holder.
+"""One run at a time per folder (--save, --run-dir, the log folder): an OS advisory lock that dies with
+its holder.
 
 Two runs saving into one folder would delete each other's in-flight checkpoints (a save first
 clears a leftover ``iter_XXXXXXX.tmp``); two runs in one run directory would interleave their
-``logs/metrics.jsonl``, rank logs and ``config.yaml``. :func:`hold` takes an exclusive
+``logs/metrics.jsonl``, rank logs and ``config.yaml`` (a --log-dir naming another run's log folder, which
+a fresh run would set aside, too). :func:`hold` takes an exclusive
 ``fcntl.flock`` on ``FOLDER/meshlm.lock`` without waiting and writes who holds it (pid, host, run
 directory) into the file; a second run is refused with one line that quotes it. The kernel drops
 the lock when the holder exits, however it exits (``kill -9`` included), so a crashed run never

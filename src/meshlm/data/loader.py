@@ -11,6 +11,7 @@ from a checkpoint's consumed samples, an evaluation that wraps round) restarts t
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Iterator, Optional
 
@@ -71,3 +72,16 @@ def rank_loader(dataset, cfg, ps) -> MicroBatchLoader:
     --num-workers from ``cfg``, pinned memory on CUDA."""
     return MicroBatchLoader(dataset, cfg.training.micro_batch_size, ps.dp_rank, ps.dp, cfg.data.num_workers,
                             pin_memory=ps.device.type == "cuda")
+
+
+def loader_died(exc: BaseException) -> Optional[str]:
+    """One line for torch's RuntimeError when a data-loader process of this rank died (killed by a
+    signal, the kernel's out-of-memory killer's SIGKILL among them, or exited), which otherwise ends
+    the worker in a traceback through whatever step it was in; None for anything else."""
+    found = re.search(r"DataLoader worker \(pid(?:\(s\))? [^)]*\) (?:is killed by signal: [^.]*|exited unexpectedly)",
+                      str(exc))
+    if not isinstance(exc, RuntimeError) or found is None:
+        return None
+    return (f"a data-loader process of this rank died ({found.group(0)}): the kernel's out-of-memory killer is a "
+            f"common cause (dmesg names it); give fewer --num-workers (0 reads in the training process) and "
+            f"restart with --load to resume from the last checkpoint")

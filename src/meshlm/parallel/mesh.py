@@ -11,7 +11,10 @@ runs use (every group of size 1, no collective issued).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
@@ -110,8 +113,44 @@ def init_distributed(timeout_minutes: int = 10) -> None:
     if use_cuda:
         torch.cuda.set_device(int(env.get("LOCAL_RANK", 0)))
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo",
-                            timeout=timedelta(minutes=timeout_minutes + (0 if use_cuda else 1)))
+    minutes = timeout_minutes + (0 if use_cuda else 1)
+    with _join_note(env, timeout_minutes, minutes):
+        try:
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(minutes=minutes))
+        except dist.DistError as e:
+            if "timed out" not in str(e).lower():
+                raise
+            raise ConfigError(f"the job's other ranks (WORLD_SIZE {env['WORLD_SIZE']}) did not all join at "
+                              f"MASTER_ADDR:MASTER_PORT {env['MASTER_ADDR']}:{env['MASTER_PORT']} within "
+                              f"the --distributed-timeout-minutes ({_first_line(e)}); start every rank with the same "
+                              f"MASTER_ADDR, MASTER_PORT and WORLD_SIZE, MASTER_ADDR reachable from every node") \
+                from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _join_note(env, timeout_minutes: int, minutes: int):
+    """While the block waits for the job's other ranks to join, one note on stderr after a tenth of
+    the timeout (at most 30 s; a rank whose peers never start, or that has another MASTER_ADDR, waited
+    the whole --distributed-timeout-minutes in silence)."""
+    from .watchdog import timeout_seconds
+    done = threading.Event()
+
+    def note():
+        if not done.wait(min(30.0, timeout_seconds(timeout_minutes) / 10)):
+            print(f"meshlm: rank {env['RANK']} of WORLD_SIZE {env['WORLD_SIZE']}: waiting for the job's other ranks "
+                  f"to join at MASTER_ADDR:MASTER_PORT {env['MASTER_ADDR']}:{env['MASTER_PORT']} (it gives up after "
+                  f"{minutes} minutes: --distributed-timeout-minutes)", file=sys.stderr, flush=True)
+    thread = threading.Thread(target=note, name="meshlm-join-note", daemon=True)
+    if int(env["WORLD_SIZE"]) > 1:
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 @dataclass

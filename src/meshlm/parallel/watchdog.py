@@ -22,7 +22,8 @@ on whichever rank notices), so meshlm keeps its own, on every backend:
   none "already returned from it"; only
   when every other rank is inside the same one is it called a transport or pairing fault. The
   first rank to reach a verdict (an atomic ``add`` on the store) writes one
-  ``meshlm: error: hang: …`` line to stderr (and its log) and leaves with exit status 1; the other
+  ``meshlm: error: hang: …`` line to stderr (and its log; in a worker ``meshlm pretrain`` started, to
+  its log alone, and the launcher prints it) and leaves with exit status 1; the other
   waiting ranks say they saw the same and leave 2 s later, so the launcher reports the first.
 * **Heartbeat** (--heartbeat-interval seconds, 0 off): the same thread appends one line to this
   rank's log every interval: the iteration, the seconds since the last step ended, what it is doing.
@@ -55,6 +56,11 @@ _counts: dict = {}  # id(group) → collectives entered on it
 _waited = [0.0]  # seconds inside collectives, since the process started
 _idle_since = [time.monotonic()]  # when the last collective ended
 _where = {"iteration": 0, "phase": "starting", "step_end": time.monotonic()}
+_failed: list = [None]  # (name, group, n) of the last collective an exception left
+_labels: dict = {}  # id(group) → its label, from the last Watchdog started (for lost_peer)
+# what gloo and NCCL say when the other end of a connection is gone (its process died, its node was lost)
+LOST_PEER = ("reset by peer", "closed by peer", "broken pipe", "remote process exited")
+LOST_PEER_LINE = "lost a peer in "  # how lost_peer's line starts (the launcher reports another rank's first)
 
 
 def enter(name: str, group, peers: Optional[tuple] = None) -> None:
@@ -64,7 +70,7 @@ def enter(name: str, group, peers: Optional[tuple] = None) -> None:
     key = id(group)
     n = _counts.get(key, 0) + 1
     _counts[key] = n
-    _now = (name, group, n, time.monotonic(), peers)
+    _now, _failed[0] = (name, group, n, time.monotonic(), peers), None
 
 
 def leave() -> None:
@@ -73,6 +79,8 @@ def leave() -> None:
     now = time.monotonic()
     if _now is not None:
         _waited[0] += now - _now[3]
+        if sys.exc_info()[0] is not None:  # called from a finally that an exception passes through
+            _failed[0] = _now[:3]
     _idle_since[0] = now
     _now = None
 
@@ -85,6 +93,24 @@ def call(name: str, group, fn, /, *args, **kwargs):
         return fn(*args, **kwargs)
     finally:
         leave()
+
+
+def lost_peer(exc: BaseException) -> Optional[str]:
+    """One line for ``exc`` where it left a collective because a peer's connection broke (gloo's
+    "Connection reset by peer" or "closed by peer", NCCL's "remote process exited"): another rank
+    died (kill -9, out of memory, a lost node) and this one, a survivor, would otherwise end in the
+    backend's traceback. None for anything else."""
+    text = str(exc).lower()
+    cause = next((c for c in LOST_PEER if c in text), None)
+    if _failed[0] is None or cause is None or not isinstance(exc, RuntimeError):
+        return None
+    name, group, n = _failed[0]
+    label = _labels.get(id(group))
+    return (f"{LOST_PEER_LINE}{name} over {f'the {label} group' if label else 'its group'} (its collective #{n} "
+            f"there) at iteration "
+            f"{_where['iteration']} ({_where['phase']}): the backend says '{cause}', so another rank of the "
+            f"job died first (its log, or the launcher, says why); restart with --load to resume from the "
+            f"last checkpoint")
 
 
 def waited_s() -> float:
@@ -114,6 +140,8 @@ class Watchdog:
                 ranks = dist.get_process_group_ranks(g)
                 self.labels[id(g)], self.ranks[id(g)] = f"{kind}{ranks}", ranks
         self.store = dist.distributed_c10d._get_default_store()
+        _labels.clear()
+        _labels.update(self.labels)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="meshlm-watchdog", daemon=True)
 
@@ -224,10 +252,26 @@ class Watchdog:
         else:
             message = f"rank {self.rank}: also stuck in {cur[0]} over the {self.label(cur[1])} group; " \
                       f"ending (another rank reported the hang)"
-        print(message, file=sys.stderr, flush=True)
+        _last_words(message)
         if not first:
             time.sleep(2.0)
         os._exit(1)
+
+
+def _last_words(message: str) -> None:
+    """Print the line a rank ends the job with: to stderr, or in a worker that ``meshlm pretrain``
+    started to its log alone (``sys.stderr.error_log``, set by launch.run_worker), where the launcher
+    reads it and prints it once (on the console too it was printed twice); where the log cannot
+    take it (a full disk), to the console."""
+    log = getattr(sys.stderr, "error_log", None)
+    try:
+        if log is not None:
+            log.write(message + "\n")
+            log.flush()
+            return
+    except (OSError, ValueError):  # ValueError: the tee closed it after a failed write
+        pass
+    print(message, file=sys.stderr if log is None else sys.__stderr__, flush=True)
 
 
 def _doing(pos: dict) -> str:

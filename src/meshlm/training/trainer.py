@@ -86,6 +86,7 @@ class Run:
     saver: Optional["AsyncSaver"] = None  # --async-save (with --save)
     loaders: dict = dataclasses.field(default_factory=dict)  # id(dataset) → its MicroBatchLoader
     stop_signal: Optional[SignalFlag] = None  # --exit-signal-handler
+    nan_skips: int = 0  # --skip-nan-steps: the steps skipped in a row, up to the last one
     stragglers: Optional[StragglerWatch] = None
     spikes: Optional[LossSpikes] = None  # --loss-spike-threshold
     fp8_states: list = dataclasses.field(default_factory=list)  # --fp8-recipe delayed: every FP8 linear's
@@ -534,6 +535,8 @@ def finish_step(run: Run, step: LaunchedStep) -> Optional[float]:
         _stop_unless_skipping(run, it, f"lm loss is {loss}", step.outputs)
     elif not result.ok:  # inf/NaN gradients under bf16/fp32, or fp16 at --min-loss-scale
         _stop_unless_skipping(run, it, "gradients are inf/NaN", step.outputs)
+    else:
+        run.nan_skips = 0
     grad_norm, skipped = (None if nan else result.grad_norm), result.skipped or not result.ok
     spike_mean = None if skipped or nan else run.spikes.check(loss)
     spike_line = None if skipped or nan else run.spikes.report(it, loss, spike_mean)
@@ -572,15 +575,26 @@ def _pipeline_timeline(ps: ParallelState, timeline: list, window: tuple) -> tupl
     return events, sum(st["bubble"] for st in stages) / ps.pp
 
 
+MAX_NAN_SKIPS = 20  # --skip-nan-steps: this many non-finite steps in a row stop the run
+
+
 def _stop_unless_skipping(run: Run, iteration: int, what: str, outputs: list) -> None:
     """Raise TrainingError naming the iteration, the rank(s) where the NaN/inf arose
     (faults.nan_origin: collective) and the last good checkpoint, unless --skip-nan-steps, where
-    rank 0 prints the same facts and the step is skipped."""
+    rank 0 prints the same facts and the step is skipped; but :data:`MAX_NAN_SKIPS` such steps in a
+    row stop the run too (a skipped step leaves the weights as they were, so weights that make every
+    batch non-finite were skipped to the end of the run, training nothing, for as long as it ran)."""
     origin = nan_origin(run.ps, outputs, run.ddp.local_grads_finite())
+    run.nan_skips += 1
     if not run.cfg.training.skip_nan_steps:
         raise TrainingError(f"iteration {iteration}: {what} ({origin}); last good checkpoint: "
                             f"{run.last_checkpoint or 'none'}; resume from it with a lower --lr, "
                             f"or pass --skip-nan-steps")
+    if run.nan_skips >= MAX_NAN_SKIPS:
+        raise TrainingError(f"iteration {iteration}: {what} ({origin}), the {run.nan_skips}th step in a row: "
+                            f"--skip-nan-steps cannot recover (a skipped step leaves the weights as they are); "
+                            f"last good checkpoint: {run.last_checkpoint or 'none'}; resume from it with a "
+                            f"lower --lr")
     if run.ps.rank == 0:
         print(f"iteration {iteration}: {what} ({origin}); step skipped (--skip-nan-steps)", flush=True)
 
