@@ -202,3 +202,23 @@ def test_mock_data_is_deterministic_and_in_vocabulary():
     train, valid, test = build_datasets(cfg)
     assert len(train) == 20 * 4 and test is None
     assert train[0]["tokens"].tolist() != valid[0]["tokens"].tolist()
+
+
+def test_index_cache_is_rebuilt_for_a_dataset_preprocessed_again_with_other_document_lengths(tmp_path):
+    """The same path, document count and token total, other document lengths (preprocessed again):
+    the cached indices of the old lengths were reused, so samples crossed the new documents wrongly."""
+    from meshlm.data.indexed import IndexedDatasetWriter
+    cache = tmp_path / "cache"
+
+    def write(lengths):
+        writer = IndexedDatasetWriter(str(tmp_path / "d"), np.uint16)
+        for n in lengths:
+            writer.add_document(np.arange(n) % VOCAB)
+        writer.finalize()
+        return IndexedDataset(str(tmp_path / "d"))
+
+    first = GPTDataset(write([10, 30] * 20), "train", (0, 40), 20, SEQ, seed=1, cache_dir=str(cache))
+    again = write([30, 10] * 20)  # 40 documents, 800 tokens, as before
+    assert (len(again), again.num_tokens) == (40, 800)
+    second = GPTDataset(again, "train", (0, 40), 20, SEQ, seed=1, cache_dir=str(cache))
+    assert not first.cache_hit and not second.cache_hit

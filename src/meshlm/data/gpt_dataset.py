@@ -2,7 +2,8 @@
 
 A sample is ``seq_length + 1`` consecutive tokens of the shuffled document stream (tokens =
 x[:-1], labels = x[1:]); consecutive samples share one token. Three indices, built once per
-(dataset, split, sample count, seed, sequence length) and cached as .npy files (MEGATRON_FORMATS.md):
+(dataset, split, sample count, seed, sequence length; the dataset also by a sample of its document
+lengths, ``lengths_fingerprint``) and cached as .npy files (MEGATRON_FORMATS.md):
 
 - document_index int32: the split's documents repeated for enough epochs, shuffled;
 - sample_index [M + 1, 2]: (position in document_index, token offset) where each sample starts;
@@ -150,6 +151,19 @@ def documents(begin: int, end: int, total: int) -> str:
     return f"documents [{begin}, {end}) of {total}; sentences if preprocessed with --split-sentences"
 
 
+FINGERPRINT_DOCUMENTS = 65_537  # documents whose lengths key the index cache (evenly spaced, both ends)
+
+
+def lengths_fingerprint(indexed) -> str:
+    """md5 of the token counts of up to ``FINGERPRINT_DOCUMENTS`` evenly spaced documents: the same
+    path, document count and token total after preprocessing again with other documents (Megatron's key)
+    reused indices built for the old lengths, silently; a few hundred kB read, whatever the size."""
+    n = len(indexed)
+    picks = np.linspace(0, n - 1, num=min(n, FINGERPRINT_DOCUMENTS)).round().astype(np.int64) if n else []
+    sample = np.ascontiguousarray(indexed.sequence_lengths[picks], dtype=np.int32)
+    return hashlib.md5(sample.tobytes(), usedforsecurity=False).hexdigest()
+
+
 class GPTDataset:
     """``num_samples`` (at least; len() is every whole sample of the epochs used) GPT samples from
     sequences [begin, end) of an indexed dataset.
@@ -176,7 +190,7 @@ class GPTDataset:
             "num_tokens": indexed.num_tokens, "split": split_string, "index_split": split,
             "documents": [begin, end], "num_samples": num_samples, "random_seed": seed,
             "sequence_length": seq_length, "add_extra_token_to_sequence": EXTRA,
-            "tokenizer": tokenizer_identity}, indent=2)
+            "tokenizer": tokenizer_identity, "document_lengths": lengths_fingerprint(indexed)}, indent=2)
         digest = hashlib.md5(self.description.encode(), usedforsecurity=False).hexdigest()
         cache_dir = cache_dir or os.path.join(os.path.dirname(os.path.abspath(indexed.prefix)),
                                               "cache", "GPTDataset_indices")
