@@ -63,7 +63,7 @@ def _foreign_kind(path: str) -> Optional[str]:
     """What to do with DIR when it is another framework's model folder (a Hugging Face folder, a
     Megatron-LM save folder or one of its iterations), or None."""
     from .checkpoint.hf_config import is_hf_folder
-    from .checkpoint.megatron import is_megatron_folder
+    from .checkpoint.megatron import convert_first, is_megatron_folder
     if is_hf_folder(path):
         return (f"{path} is a Hugging Face model folder (config.json + safetensors), not a meshlm checkpoint; "
                 f"`meshlm convert --from-hf {path} --save CKPT_DIR` makes one (or give it to `meshlm pretrain "
@@ -72,8 +72,7 @@ def _foreign_kind(path: str) -> Optional[str]:
     save = path if is_megatron_folder(path) else parent if is_megatron_folder(parent) else None
     if save is None:
         return None
-    return (f"{path} is a Megatron-LM checkpoint, not a meshlm one; convert it first: meshlm convert "
-            f"--from-megatron {save} --output CKPT_DIR, then --load CKPT_DIR")
+    return convert_first(path, save)
 
 
 def folder_of(path: str, latest_only: bool = False) -> str:

@@ -54,7 +54,7 @@ from . import manifest
 from .boxes import Boxes
 from .hf_config import is_hf_folder
 from .lock import LOCK_FILE
-from .megatron import is_megatron_folder
+from .megatron import convert_first, is_megatron_folder
 from .safe_read import SafeReader, _Corrupt, _TensorOnlyPlanner, _check_storage, _load_json, damaged, reading
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -471,8 +471,7 @@ def check_loadable(load: Optional[str], save: Optional[str] = None, fresh: bool 
     if not load or not os.path.isdir(load):
         return []
     if is_megatron_folder(load):
-        return [f"--load {load} is a Megatron-LM checkpoint, not a meshlm one; convert it first: "
-                f"meshlm convert --from-megatron {load} --output CKPT_DIR, then --load CKPT_DIR"]
+        return [convert_first(f"--load {load}", load)]
     try:
         iteration = read_tracker(load)
     except (CheckpointError, OSError) as e:

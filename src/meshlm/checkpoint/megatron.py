@@ -69,6 +69,13 @@ def is_megatron_folder(path: Optional[str]) -> bool:
     return iteration_folder(path) is not None
 
 
+def convert_first(named: str, save: str) -> str:
+    """The line for a Megatron-LM checkpoint given where a meshlm one is wanted: ``named`` as the
+    message calls it (``--load DIR``, or DIR), ``save`` the save folder `meshlm convert` reads."""
+    return (f"{named} is a Megatron-LM checkpoint, not a meshlm one; convert it first: meshlm convert "
+            f"--from-megatron {save} --output CKPT_DIR, then --load CKPT_DIR")
+
+
 def check_backend(folder: str) -> None:
     """Raise CheckpointError unless metadata.json says torch_dist (the only format read)."""
     try:
