@@ -4,7 +4,7 @@ num-microbatches calculator and Megatron's update_train_iters."""
 import pytest
 
 from megatron_ref import core_calculator, core_steps, megatron_train_iters
-from meshlm.batches import BatchSchedule
+from meshlm.batches import BatchSchedule, parse_step_schedule
 from meshlm.config import Config, batch_schedule, run_iterations, run_samples
 
 # (final global batch, micro, DP, (START, INCREMENT, SAMPLES)): increments of several steps each,
@@ -132,3 +132,106 @@ def test_a_valid_run_in_samples_with_a_ramp_passes_and_yaml_spells_the_ramp_eith
     from meshlm.errors import ConfigError
     with pytest.raises(ConfigError, match="rampup-batch-size='8 x 100' is not integers"):
         apply_mapping(Config(), {"rampup_batch_size": "8 x 100"}, source="c.yaml")
+
+
+# --step-batch-size-schedule: Megatron's StepBatchsizeNumMicroBatchesCalculator (not in megatron-core
+# 0.16.1, the tests' pin), walked one step at a time as its docstrings and update_train_iters state it.
+def _reference_batch(steps, consumed):
+    """The batch of the last entry whose threshold is at or below ``consumed``."""
+    return [batch for threshold, batch in steps if threshold <= consumed][-1]
+
+
+def _reference_walk(steps, n, start=0):
+    consumed = start
+    for _ in range(n):
+        consumed += _reference_batch(steps, consumed)
+    return consumed
+
+
+def _reference_iterations(steps, train_samples):
+    iterations = consumed = 0
+    while consumed < train_samples:
+        consumed += _reference_batch(steps, consumed)
+        iterations += 1
+    return iterations
+
+
+STEP_SCHEDULES = [((0, 16), (100, 32), (250, 64)),  # growing, thresholds inside steps
+                  ((0, 8), (9, 16), (10, 24), (11, 48)),  # entries a step passes over
+                  ((0, 64), (200, 32), (300, 96)),  # a smaller batch in the middle
+                  ((0, 8),)]
+
+
+@pytest.mark.parametrize("steps", STEP_SCHEDULES)
+def test_step_schedule_batches_run_length_and_consumed_samples_follow_the_step_by_step_walk(steps):
+    ours = BatchSchedule(steps[-1][1], 8, steps=steps)
+    assert [ours.batch_at(c) for c in range(600)] == [_reference_batch(steps, c) for c in range(600)]
+    for samples in (1, 8, 9, 99, 100, 101, 255, 256, 1000):
+        assert ours.iterations(samples) == _reference_iterations(steps, samples), samples
+    for start in (0, 5, 100, 260):
+        assert [ours.consumed_after(n, start) for n in range(40)] == \
+            [_reference_walk(steps, n, start) for n in range(40)], start
+    assert ours.sizes() == sorted({b for _, b in steps}) and ours.constant is False
+
+
+def test_consumed_after_walks_a_ramp_and_a_constant_batch():
+    ramp = BatchSchedule(64, 4, (8, 8, 100))  # test_a_ramp_walked_by_hand's steps: 8, 8, 16, 24, 32, 56, then 64
+    assert [ramp.consumed_after(n) for n in range(8)] == [0, 8, 16, 32, 56, 88, 144, 208]
+    assert ramp.consumed_after(2, 16) == 16 + 16 + 24
+    assert BatchSchedule(64, 4).consumed_after(3, 10) == 202 and BatchSchedule(64, 4).constant
+
+
+def test_a_step_schedule_reads_tokens_with_suffixes_as_megatron_does():
+    """Thresholds in tokens, floor-divided by the sequence: 2.4B tokens at 2,048 are 1,171,875
+    samples; K/M/B/T suffixes on either side, commas or spaces between entries, any order."""
+    assert parse_step_schedule("0:16 2.4B:320 4.8B:624", 2048) == ((0, 16), (1171875, 320), (2343750, 624))
+    assert parse_step_schedule("5k:2K,0:1k", 1000) == ((0, 1000), (5, 2000))
+    assert parse_step_schedule(" 0:4   1.5M:8 ", 3) == ((0, 4), (500000, 8))
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("", "give at least one THRESHOLD:BATCH entry"),
+    ("0:16 100", "entry '100' is not THRESHOLD:BATCH"),
+    ("0:16 1x:32", "entry '1x:32': '1x' is not a number"),
+    ("16:16 100:32", "the first threshold must be 0 (the batch of the first step), not '16:16'"),
+    ("0:16 5:32", "entries '0:16' and '5:32' start at the same sample (0 at --seq-length 16)"),
+    ("0:0", "entry '0:0': the global batch must be at least 1"),
+    ("0:8 -32:16", "entry '-32:16': the token threshold must not be negative"),
+])
+def test_a_bad_step_schedule_is_one_value_error_naming_the_entry(text, problem):
+    with pytest.raises(ValueError) as e:
+        parse_step_schedule(text, 16)
+    assert str(e.value).startswith(problem), str(e.value)
+
+
+@pytest.mark.parametrize("fields, problem", [
+    (dict(step_batch_size_schedule="0:8 1k"), "--step-batch-size-schedule '0:8 1k': entry '1k' is not"),
+    (dict(step_batch_size_schedule="0:8 1k:16", rampup_batch_size=[8, 8, 100], train_samples=1000,
+          global_batch_size=None),
+     "--step-batch-size-schedule and --rampup-batch-size are exclusive"),
+    (dict(step_batch_size_schedule="0:8 1k:64", gradient_accumulation_steps=8, global_batch_size=None),
+     "--step-batch-size-schedule and --gradient-accumulation-steps are exclusive"),
+    (dict(step_batch_size_schedule="0:8 1k:32"),
+     "--global-batch-size 64 disagrees with the last --step-batch-size-schedule entry's batch 32"),
+    (dict(step_batch_size_schedule="0:12 1k:20 2k:64"),
+     "--step-batch-size-schedule: the batch 12 from sample 0 is not divisible by --micro-batch-size 2 × DP 4 = 8; "
+     "nearest valid: 8 or 16 (2 entries are not)"),
+    (dict(step_batch_size_schedule="0:4 1k:64", pipeline_model_parallel_size=2, micro_batch_size=2,
+          virtual_pipeline_model_parallel_size=2),
+     "--step-batch-size-schedule: the schedule's global batch 4 is 1 micro-batches, but interleaved 1F1B needs"),
+])
+def test_bad_step_schedule_flags_are_one_line_each_naming_the_flag(fields, problem):
+    found = _problems(**fields)
+    assert any(p.startswith(problem) for p in found) and all("\n" not in p for p in found), found
+    assert len(found) == 1, found
+
+
+def test_a_step_schedule_with_an_agreeing_global_batch_or_none_passes_and_sets_the_run():
+    assert _problems(step_batch_size_schedule="0:8 256:16 2k:64", train_iters=10) == []
+    assert _problems(step_batch_size_schedule="0:8 256:16 2k:64", global_batch_size=None, train_samples=100) == []
+    cfg = Config()
+    t = cfg.training
+    t.micro_batch_size, t.train_iters, t.step_batch_size_schedule = 2, 5, "0:8 512:16"  # 8 from 0, 16 from 16
+    cfg.model.seq_length = 32
+    assert batch_schedule(cfg, 4) == BatchSchedule(16, 8, None, ((0, 8), (16, 16)))
+    assert run_samples(cfg, 4) == 8 + 8 + 16 + 16 + 16

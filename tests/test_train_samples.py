@@ -124,3 +124,28 @@ def test_a_run_resumed_inside_the_ramp_repeats_the_uninterrupted_one(ramp_dp2, t
     rows, full_rows = _rows(os.path.join(str(tmp_path), "rest")), _rows(tmp)[3:]
     assert [(r["global_batch_size"], r["consumed_samples"], r["lr"]) for r in rows] == \
         [(r["global_batch_size"], r["consumed_samples"], r["lr"]) for r in full_rows]
+
+
+SCHEDULE = "0:2 64:4 160:6"  # tokens at --seq-length 16: 2 from sample 0, 4 from sample 4, 6 from sample 10
+
+
+def _step_scheduled(rank, world, tmp):
+    cfg = tiny_config(tmp, micro=1, global_batch=None, iters=6, eval_iters=1, step_batch_size_schedule=SCHEDULE)
+    cfg.optimizer.lr_decay_iters, cfg.optimizer.lr_decay_style, cfg.optimizer.min_lr = 5, "cosine", 1e-3
+    return trainer.pretrain(cfg, F64)
+
+
+def test_a_step_batch_size_schedule_run_over_dp2_takes_each_steps_batch_and_lr_by_samples(tmp_path):
+    """--train-iters 6 over DP 2 (micro 1): batches 2, 2, 4, 4, 6, 6 (the step at 12 samples is the
+    first past sample 10); the LR's warm-up (1 iteration) and cosine decay (5 iterations) end where
+    those steps end in samples, 2 and 18, as megatron-core's scheduler counts them."""
+    result = run_distributed(_step_scheduled, 2, str(tmp_path))[0]
+    assert result["iterations"] == 6
+    rows = _rows(str(tmp_path))
+    assert [(r["global_batch_size"], r["consumed_samples"]) for r in rows] == \
+        [(2, 2), (2, 4), (4, 8), (4, 12), (6, 18), (6, 24)]
+    ref, group = core_scheduler("cosine", 2, 18, max_lr=1e-2, min_lr=1e-3)
+    for r in rows:  # the lr each step's update used, then the step's samples counted
+        assert r["lr"] == pytest.approx(group["lr"], rel=1e-12, abs=1e-15)
+        ref.step(r["global_batch_size"])
+    assert rows[-1]["lr"] == pytest.approx(1e-3)  # past the decay

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .batches import BatchSchedule
+from .batches import BatchSchedule, parse_step_schedule
 from .errors import ConfigError
 from .values import WORDS, coerce, expected, flag_type, kind_of
 
@@ -201,6 +201,10 @@ class TrainingConfig:
     rampup_batch_size: Optional[list[int]] = opt(
         None, "grow the global batch from START by INCREMENT over SAMPLES consumed samples up to "
         "--global-batch-size (needs --train-samples)", nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
+    step_batch_size_schedule: Optional[str] = opt(
+        None, 'the global batch by tokens consumed, as Megatron-LM: "THRESHOLD:BATCH ..." (e.g. "0:16 2.4B:320 '
+        '4.8B:624"; K/M/B/T suffixes); each step takes the batch of the last threshold reached; the last '
+        "entry's batch is the global batch", metavar="SCHEDULE")
     seed: int = opt(1234, "seed of weights, dropout and data order")
     bf16: bool = opt(False, "bf16 parameters and compute (accepted on CPU, which trains in fp32)",
                      action="store_true")
@@ -691,9 +695,20 @@ def dp_size(cfg: Config, world: Optional[int] = None) -> int:
 
 
 def global_batch(cfg: Config, world: Optional[int] = None) -> int:
-    """--global-batch-size, else micro × --gradient-accumulation-steps (default 1) × DP."""
+    """--global-batch-size, else the last --step-batch-size-schedule entry's batch, else micro ×
+    --gradient-accumulation-steps (default 1) × DP."""
     t = cfg.training
-    return t.global_batch_size or t.micro_batch_size * (t.gradient_accumulation_steps or 1) * dp_size(cfg, world)
+    if t.global_batch_size:
+        return t.global_batch_size
+    steps = step_schedule(cfg)
+    return steps[-1][1] if steps else t.micro_batch_size * (t.gradient_accumulation_steps or 1) * dp_size(cfg, world)
+
+
+def step_schedule(cfg: Config) -> Optional[tuple]:
+    """--step-batch-size-schedule as ((threshold samples, batch), ...) at --seq-length, or None
+    (batches.parse_step_schedule; its ValueError is validate's one line)."""
+    text = cfg.training.step_batch_size_schedule
+    return None if text is None else parse_step_schedule(text, cfg.model.seq_length)
 
 
 def num_microbatches(cfg: Config, world: Optional[int] = None) -> int:
@@ -703,10 +718,11 @@ def num_microbatches(cfg: Config, world: Optional[int] = None) -> int:
 
 
 def batch_schedule(cfg: Config, world: Optional[int] = None) -> BatchSchedule:
-    """The global batch of every step: constant, or ramped by --rampup-batch-size (batches.py)."""
+    """The global batch of every step: constant, ramped by --rampup-batch-size, or by
+    --step-batch-size-schedule (batches.py)."""
     t = cfg.training
     ramp = tuple(t.rampup_batch_size) if t.rampup_batch_size else None
-    return BatchSchedule(global_batch(cfg, world), t.micro_batch_size * dp_size(cfg, world), ramp)
+    return BatchSchedule(global_batch(cfg, world), t.micro_batch_size * dp_size(cfg, world), ramp, step_schedule(cfg))
 
 
 def run_iterations(cfg: Config, world: Optional[int] = None) -> int:
@@ -722,8 +738,11 @@ def run_iterations(cfg: Config, world: Optional[int] = None) -> int:
 
 def run_samples(cfg: Config, world: Optional[int] = None) -> int:
     """Training samples the run asks of its data: --train-samples, else iterations × global batch
-    (Megatron's count for the training split)."""
+    (Megatron's count for the training split); under --step-batch-size-schedule the samples its
+    steps take (a run in samples may pass --train-samples in its last step)."""
     t = cfg.training
+    if t.step_batch_size_schedule is not None:
+        return batch_schedule(cfg, world).consumed_after(run_iterations(cfg, world))
     return t.train_samples if t.train_samples is not None else run_iterations(cfg, world) * global_batch(cfg, world)
 
 
@@ -850,7 +869,7 @@ def half_grads(cfg: Config, world: Optional[int] = None, cuda: bool = True) -> b
     """Whether bf16 params keep their gradient buckets in bf16, not fp32 (parallel/data.py): on
     the CUDA fast path, with one backward a step whose gradients nothing sums or rescales before
     the optimizer reads them — DP × CP 1, no SP all-reduce at TP > 1, no tied-embedding all-reduce
-    at PP > 1, one micro-batch and no batch ramp, no --overlap-grad-reduce hooks, ZeRO below 2, no
+    at PP > 1, one micro-batch and no batch ramp or step schedule, no --overlap-grad-reduce hooks, ZeRO below 2, no
     optimizer offload. A bf16 gradient widens to fp32 exactly, so the bucket then holds what the
     fp32 one would; the optimizer widens it as it reads (optim/optimizer.py), and the fold, the grad
     norm and the update each move 2 bytes a parameter less."""
@@ -859,4 +878,4 @@ def half_grads(cfg: Config, world: Optional[int] = None, cuda: bool = True) -> b
     return (cuda and t.bf16 and t.fast_path != "off" and dp_size(cfg, world) * p.context_parallel_size == 1
             and not (p.sequence_parallel and tp > 1) and not (pp > 1 and not cfg.model.untie_embeddings_and_output_weights)
             and not p.overlap_grad_reduce and zero_stage(p) < 2 and num_microbatches(cfg, world) == 1
-            and not t.rampup_batch_size and not cfg.optimizer.optimizer_cpu_offload)
+            and batch_schedule(cfg, world).sizes() == [global_batch(cfg, world)] and not cfg.optimizer.optimizer_cpu_offload)

@@ -22,11 +22,17 @@ from .planner.params import stage_params
 def run_lines(cfg: Config, world: int) -> list:
     """The run's length, and its --rampup-batch-size ramp if any: one line each."""
     t, iters = cfg.training, run_iterations(cfg, world)
+    schedule = batch_schedule(cfg, world)
     if t.train_samples is None:
         lines = [f"run: {iters} iterations"]
+    elif schedule.steps:
+        lines = [f"run: --train-samples {t.train_samples} = {iters} iterations (the last may pass it: "
+                 f"{schedule.consumed_after(iters):,} samples, as Megatron's step schedule counts)"]
     else:
         lines = [f"run: --train-samples {t.train_samples} = {iters} iterations (a partial last batch is dropped)"]
-    schedule = batch_schedule(cfg, world)
+    if schedule.steps:
+        lines.append(f"batch schedule (--step-batch-size-schedule, at --seq-length {cfg.model.seq_length}): "
+                     + ", ".join(_schedule_entries(schedule, iters)))
     if schedule.ramp:
         start, increment, samples = schedule.ramp
         sizes = schedule.sizes()
@@ -36,6 +42,25 @@ def run_lines(cfg: Config, world: int) -> list:
                      f"{start // schedule.micro_dp} → {sizes[-1] // schedule.micro_dp} micro-batches); "
                      f"the full batch from iteration {steps + 1} (after {consumed} samples)")
     return lines
+
+
+def _schedule_entries(schedule, iters: int) -> list:
+    """"B (n micro-batches) from iteration i (sample c)" for each --step-batch-size-schedule entry,
+    walked over the run's ``iters`` steps; an entry the run ends before, or steps over (the step
+    before it passes the next threshold too), says so."""
+    out, steps, consumed = [], 0, 0
+    bounds = [threshold for threshold, _ in schedule.steps[1:]] + [float("inf")]
+    for (threshold, batch), end in zip(schedule.steps, bounds):
+        if consumed >= end:
+            out.append(f"{batch} from sample {threshold:,} (stepped over)")
+        elif steps >= iters:
+            out.append(f"{batch} from sample {threshold:,} (not reached)")
+        else:
+            out.append(f"{batch} ({batch // schedule.micro_dp} micro-batches) from iteration {steps + 1:,} "
+                       f"(sample {consumed:,})")
+            taken = iters - steps if end == float("inf") else min(iters - steps, -(-(end - consumed) // batch))
+            consumed, steps = consumed + taken * batch, steps + taken
+    return out
 
 
 def report(cfg: Config, world: int) -> list:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .batch_rules import schedule_syntax_problems
 from .config import Config, ModelConfig, config_fields, flag_of, head_dim, max_positions, query_groups, rotary_dim
 from .values import kind_of
 
@@ -20,6 +21,7 @@ def shape_problems(cfg: Config) -> list:
     the hidden size, query groups, rotary dimensions, …); no layout, data or folder check. ``meshlm
     plan`` refuses a config with these before it plans (one rule for both commands). Empty when fine."""
     sizes, problems = _numeric_problems(cfg)
+    sizes = sizes or schedule_syntax_problems(cfg)  # the planner's global batch reads the schedule
     return sizes + problems if sizes else problems + _model_problems(cfg.model)
 
 

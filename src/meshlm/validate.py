@@ -16,7 +16,8 @@ import importlib.util
 import os
 from typing import Optional
 
-from .config import (Config, ffn_hidden, flag_of, global_batch, head_dim, moe_ffn, padded_vocab_size, query_groups,
+from .batch_rules import schedule_syntax_problems
+from .config import (Config, batch_schedule, ffn_hidden, flag_of, global_batch, head_dim, moe_ffn, padded_vocab_size, query_groups,
                      run_iterations, world_size_of)
 from .errors import ConfigError, DataError
 from .fp8_rules import alignment_problems, fp8_problems
@@ -42,7 +43,8 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     As Megatron's validate_args, it turns --sequence-parallel off at TP = 1 (:func:`notes` says so).
     """
     sizes, problems = _numeric_problems(cfg)
-    if sizes:  # the checks below divide by these values
+    sizes = sizes or schedule_syntax_problems(cfg)
+    if sizes:  # the checks below divide by these values or read the batch schedule
         raise ConfigError(sizes + problems)
     out_of_range = list(problems)
     layout_rules.adjust(cfg)
@@ -313,7 +315,7 @@ def _run_length_problems(cfg: Config, world: int) -> list:
     if t.rampup_batch_size is not None and not by_samples:
         problems.append("--rampup-batch-size needs --train-samples (the ramp is sample-based, as in Megatron); "
                         "give the run's length in samples instead of --train-iters")
-    elif by_samples and t.rampup_batch_size is None and t.train_samples < global_batch(cfg, world):
+    elif by_samples and batch_schedule(cfg, world).constant and t.train_samples < global_batch(cfg, world):
         problems.append(f"--train-samples {t.train_samples} is less than one global batch "
                         f"({global_batch(cfg, world)}): the run would take no step; raise --train-samples")
     unit, noun = ("samples", "samples") if by_samples else ("iters", "iterations")

@@ -5,7 +5,10 @@ Megatron counts in samples (megatron/training/training.py get_optimizer_param_sc
 schedule's position x is the number of samples in the optimizer steps taken so far (each step
 adds its global batch, which --rampup-batch-size may grow). Iteration-based runs (--train-iters,
 constant global batch B): warm-up W = --lr-warmup-iters·B, decay end D = (--lr-decay-iters,
-default --train-iters)·B, WSD anneal A = --lr-wsd-decay-iters·B. Sample-based runs
+default --train-iters)·B, WSD anneal A = --lr-wsd-decay-iters·B; under --step-batch-size-schedule
+each length is the samples its steps take by the schedule (Megatron multiplies by its
+--global-batch-size, which it refuses beside the schedule, so its default micro × DP would count
+there). Sample-based runs
 (--train-samples T): W = --lr-warmup-samples, D = --lr-decay-samples (default T),
 A = --lr-wsd-decay-samples. Either way --lr-warmup-fraction f gives W = f·D. With --decoupled-lr
 the word embedding and output layer follow the same schedule with lr = --decoupled-lr and min_lr =
@@ -26,7 +29,7 @@ the word embedding and output layer follow the same schedule with lr = --decoupl
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 from ..errors import CheckpointError
 
@@ -46,13 +49,19 @@ class LRScheduler:
     default decay length of an iteration-based run. global_batch: B, samples per step of an
     iteration-based run and the default ``step`` increment. train_samples: --train-samples for a
     sample-based run (the --lr-*-samples lengths apply, uncounted by B), None for iteration-based.
+    samples_after: the samples the first n steps take, when the batch changes during an
+    iteration-based run (--step-batch-size-schedule): the --lr-*-iters lengths end where those steps
+    do, not at n·B (module doc).
     """
 
-    def __init__(self, opt_cfg, train_iters: int, global_batch: int = 1, train_samples: Optional[int] = None):
+    def __init__(self, opt_cfg, train_iters: int, global_batch: int = 1, train_samples: Optional[int] = None,
+                 samples_after: Optional[Callable[[int], int]] = None):
         o, b = opt_cfg, global_batch
         if train_samples is None:
-            self.decay = (o.lr_decay_iters or train_iters) * b
-            warmup, self.wsd_anneal = o.lr_warmup_iters * b, (o.lr_wsd_decay_iters or 0) * b
+            span = samples_after or (lambda steps: steps * b)
+            decay_iters, anneal_iters = o.lr_decay_iters or train_iters, o.lr_wsd_decay_iters or 0
+            self.decay, warmup = span(decay_iters), span(o.lr_warmup_iters)
+            self.wsd_anneal = self.decay - span(max(decay_iters - anneal_iters, 0))
         else:
             self.decay = o.lr_decay_samples or train_samples
             warmup, self.wsd_anneal = o.lr_warmup_samples, o.lr_wsd_decay_samples or 0
@@ -150,6 +159,7 @@ SETTINGS = {
 
 def scheduler_for(cfg, world_size: int) -> LRScheduler:
     """The run's LRScheduler: iteration- or sample-based as the config says (Config, job size)."""
-    from ..config import global_batch, run_iterations
+    from ..config import batch_schedule, global_batch, run_iterations
+    schedule = batch_schedule(cfg, world_size)
     return LRScheduler(cfg.optimizer, run_iterations(cfg, world_size), global_batch(cfg, world_size),
-                       cfg.training.train_samples)
+                       cfg.training.train_samples, None if schedule.constant else schedule.consumed_after)

@@ -1,7 +1,8 @@
 """The parallel layout's rules: which world, batch, TP/CP/PP/EP sizes a config may run with.
 
 Each function returns every problem as a line naming the flag and the fix: ``layout_problems``
-(world, batch, gradient accumulation, the --rampup-batch-size ramp, every size split over TP, CP,
+(world, batch, gradient accumulation, the --rampup-batch-size ramp and --step-batch-size-schedule
+(meshlm/batch_rules.py), every size split over TP, CP,
 and the pipeline's rules from parallel/pipeline.py), ``moe_problems`` (MoE and EP flags). meshlm.validate
 checks a launch with them, the planner every layout it ranks. ``adjust`` is what Megatron changes
 rather than refuses.
@@ -9,15 +10,9 @@ rather than refuses.
 
 from __future__ import annotations
 
-from ..config import Config, SHARDING, batch_schedule, ffn_hidden, global_batch, head_dim, moe_layer_pattern, query_groups, zero_stage
+from ..config import Config, SHARDING, ffn_hidden, global_batch, head_dim, moe_layer_pattern, query_groups, zero_stage
+from ..batch_rules import nearest_multiples as _nearest_multiples, step_schedule_problems
 from ..errors import ConfigError
-
-
-def _nearest_multiples(value: int, step: int) -> str:
-    """The multiples of ``step`` nearest ``value`` (the one above alone when none is below), for a fix."""
-    lo = (value // step) * step
-    hi = lo + step
-    return f"{lo} or {hi}" if lo > 0 else f"{hi}"
 
 
 def layout_problems(cfg: Config, world: int, world_flag: str = "--nproc-per-node") -> list:
@@ -51,6 +46,7 @@ def layout_problems(cfg: Config, world: int, world_flag: str = "--nproc-per-node
                             f"--num-query-groups {groups}")
     problems += _accumulation_problems(t, dp)
     problems += _rampup_problems(cfg, world, dp)
+    problems += step_schedule_problems(cfg, world, dp)
     problems += _tp_split_problems(cfg)
     problems += _context_problems(cfg)
     problems += sharding_problems(cfg, dp)
@@ -197,18 +193,10 @@ def _rampup_problems(cfg: Config, world: int, dp: int) -> list:
     elif (final - start) % increment:
         problems.append(f"{flag}: INCREMENT {increment} does not divide the ramp from START {start} to the "
                         f"global batch {final} ({final - start} samples)")
-    pp = cfg.parallel.pipeline_model_parallel_size
-    if problems or pp == 1:
+    if problems:
         return problems
-    from .pipeline import resolve_schedule, virtual_size
-    if resolve_schedule(cfg.parallel.pipeline_schedule, pp, virtual_size(cfg)) != "interleaved":
-        return []  # the other schedules take any number of micro-batches
-    odd = [size for size in batch_schedule(cfg, world).sizes() if (size // step) % pp]
-    if odd:  # Megatron's rule with microbatch_group_size_per_vp_stage = PP (schedules.schedule_problem)
-        return [f"{flag}: the ramp's global batch {odd[0]} is {odd[0] // step} micro-batches, but interleaved "
-                f"1F1B needs a multiple of --pipeline-model-parallel-size {pp}; make START and INCREMENT "
-                f"multiples of micro × DP × PP = {step * pp}"]
-    return []
+    from ..batch_rules import interleaved_problems
+    return interleaved_problems(cfg, world, flag, "the ramp's", "START and INCREMENT")
 
 
 def adjust(cfg: Config) -> None:

@@ -107,8 +107,8 @@ class Campaign:
 def run_length(train_iters: Optional[int], train_samples: Optional[int], train_tokens: Optional[float],
                schedule: BatchSchedule, seq_length: int) -> Optional[tuple]:
     """(optimizer steps, samples they consume) of the run, as ``meshlm pretrain`` takes them, or None
-    when no length is given. ``schedule``: the run's global batch per step (batches.py, the
-    --rampup-batch-size ramp included). --train-iters: that many steps; --train-samples: the steps
+    when no length is given. ``schedule``: the run's global batch per step (batches.py, a
+    --rampup-batch-size ramp or --step-batch-size-schedule included). --train-iters: that many steps; --train-samples: the steps
     that fit, a partial last batch dropped (``BatchSchedule.iterations``, Megatron's rule: 801
     samples at batch 8 are 100 steps, not 101); --train-tokens: the fewest steps that reach the
     tokens (⌈tokens / seq⌉ samples)."""
@@ -119,21 +119,10 @@ def run_length(train_iters: Optional[int], train_samples: Optional[int], train_t
     elif train_tokens is not None:
         need = math.ceil(train_tokens / seq_length)
         steps = schedule.iterations(need)
-        steps += _consumed(schedule, steps) < need
+        steps += schedule.consumed_after(steps) < need
     else:
         return None
-    return steps, _consumed(schedule, steps)
-
-
-def _consumed(schedule: BatchSchedule, steps: int) -> int:
-    """Samples consumed by the first ``steps`` steps: the ramp's steps one by one, the rest at G."""
-    ramp_steps, ramp_samples = schedule.ramp_end()
-    if steps >= ramp_steps:
-        return ramp_samples + (steps - ramp_steps) * schedule.global_batch
-    consumed = 0
-    for _ in range(steps):
-        consumed += schedule.batch_at(consumed)
-    return consumed
+    return steps, schedule.consumed_after(steps)
 
 
 def _saving(mode: str, train_s: float, step_s: float, blocking: float, durable: float, mtbf: float,
@@ -163,7 +152,7 @@ def campaign(*, steps: int, step_s: float, global_batch: int, seq_length: int, n
     """The campaign of ``steps`` optimizer steps on ``num_gpus`` GPUs, ``step_s`` seconds a step of
     ``global_batch`` samples, for a model of ``params`` parameters (module doc for every term and
     its source). samples: what the steps consume (``run_length``; default steps × global batch);
-    fewer under a --rampup-batch-size ramp, whose smaller steps are priced at the full batch's time
+    fewer under a --rampup-batch-size ramp or --step-batch-size-schedule, whose smaller steps are priced at the full batch's time
     per sample. save_interval: the flags' --save-interval, evaluated as ``saves["yours"]`` beside
     Daly's (the line marked "your flags" showed Daly's interval, not the one the flags save at)."""
     samples = steps * global_batch if samples is None else samples

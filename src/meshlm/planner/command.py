@@ -18,7 +18,7 @@ import math
 import os
 import sys
 
-from ..config import default_nproc, global_batch
+from ..config import default_nproc, global_batch, step_schedule
 from .campaign import MTBF_GPU_HOURS, RESTART_S, WRITE_BYTES_PER_S
 from .gpus import OVERRIDES, PRESETS, GiB, resolve_gpu, save_profile
 from .hyperparams import recommend
@@ -136,7 +136,8 @@ def _run_length_check(t) -> None:
     if t.rampup_batch_size is not None and t.train_iters is not None:
         raise ConfigError("--rampup-batch-size needs --train-samples or --train-tokens (the ramp is sample-based, "
                           "as in Megatron); give the run's length in samples instead of --train-iters")
-    if t.rampup_batch_size is None and t.train_samples is not None and t.train_samples < t.global_batch_size:
+    if (t.rampup_batch_size is None and t.step_batch_size_schedule is None and t.train_samples is not None
+            and t.train_samples < t.global_batch_size):
         raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch ({t.global_batch_size}): "
                           f"the run would take no step; raise --train-samples")
 
@@ -148,7 +149,8 @@ def _campaign(args, cfg, cand, vocab: int, world: int) -> dict:
     from .layout import Layout
     from .params import stage_params
     t, m = cfg.training, cfg.model
-    schedule = BatchSchedule(t.global_batch_size, 1, tuple(t.rampup_batch_size) if t.rampup_batch_size else None)
+    schedule = BatchSchedule(t.global_batch_size, 1, tuple(t.rampup_batch_size) if t.rampup_batch_size else None,
+                             step_schedule(cfg))
     length = run_length(t.train_iters, t.train_samples, args.train_tokens, schedule, m.seq_length)
     if length is None:
         return {"note": "give --train-iters, --train-samples or --train-tokens for the campaign"}

@@ -232,14 +232,12 @@ def check_data_lasts(run, state: TrainState) -> None:
     global batch follows). The run stopped with a StopIteration traceback at the step that ran out."""
     if run.train_ds is None or state.iteration >= run.train_iters:
         return
-    schedule, end, it = run.batches, state.consumed_samples, state.iteration
-    while it < run.train_iters and schedule.batch_at(end) != schedule.global_batch:  # the ramp's steps
-        end, it = end + schedule.batch_at(end), it + 1
-    end += (run.train_iters - it) * schedule.global_batch
+    schedule = run.batches
+    end = schedule.consumed_after(run.train_iters - state.iteration, state.consumed_samples)
     if end <= len(run.train_ds):
         return
     hint = ""
-    if schedule.ramp is None:
+    if schedule.constant:
         unit = schedule.micro_dp
         need = -(-(-(-state.consumed_samples // state.iteration)) // unit) * unit
         hint = f"give --global-batch-size {need} or more (the checkpoint's steps averaged "

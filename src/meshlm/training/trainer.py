@@ -248,7 +248,8 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
                            layout=dict(saved_layout(ps, cfg), ep=ps.ep, nodes=_nodes(ps)))
     if ps.rank == 0:
         n = sum(q.numel() for c in chunks for q in c.parameters())
-        ramp = f" after a ramp from {t.rampup_batch_size[0]}" if batches.ramp else ""
+        ramp = (f" after a ramp from {t.rampup_batch_size[0]}" if batches.ramp else
+                f" by --step-batch-size-schedule from {batches.batch_at(0)}" if batches.steps else "")
         print(f"meshlm: {ps.describe()} | {n:,} parameters on rank 0 | global batch {gb} = "
               f"{nmb} micro-batches × {t.micro_batch_size} × DP {ps.dp}{ramp} | {iters} iterations | "
               f"model built on {ps.device.type} in {build_s:.1f} s", flush=True)
@@ -314,7 +315,7 @@ def report_memory(report: dict, ps: ParallelState) -> None:
 def train(run: Run, state: TrainState) -> dict:
     """The loop from ``state`` to the run's iterations: step, log, evaluate, save; then a last
     evaluation and checkpoint, and a sample. As in Megatron, a step whose number of micro-batches
-    differs from the previous step's (a --rampup-batch-size ramp) is preceded by a checkpoint under
+    differs from the previous step's (a --rampup-batch-size ramp, a --step-batch-size-schedule) is preceded by a checkpoint under
     --save. An early exit (--exit-signal-handler, --exit-duration-in-mins, --exit-interval; checked
     after each iteration's save, as Megatron's checkpoint_and_decide_exit) saves (with --save) and
     returns at once. With --manual-gc, Python's collector runs only where manual_gc.py says."""
