@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .batch_rules import schedule_syntax_problems
-from .config import Config, ModelConfig, config_fields, flag_of, head_dim, max_positions, query_groups, rotary_dim
+from .config import (Config, ModelConfig, config_fields, flag_of, head_dim, max_positions, query_groups, rotary_dim,
+                     step_schedule)
 from .values import kind_of
 
 
@@ -23,6 +23,22 @@ def shape_problems(cfg: Config) -> list:
     sizes, problems = _numeric_problems(cfg)
     sizes = sizes or schedule_syntax_problems(cfg)  # the planner's global batch reads the schedule
     return sizes + problems if sizes else problems + _model_problems(cfg.model)
+
+
+SCHEDULE_FLAG = "--step-batch-size-schedule"
+
+
+def schedule_syntax_problems(cfg: Config) -> list:
+    """The schedule's text (batches.parse_step_schedule); every later check reads the parsed
+    schedule, so a caller stops at these as at a size of 0. Needs --seq-length ≥ 1."""
+    text = cfg.training.step_batch_size_schedule
+    if text is None:
+        return []
+    try:
+        step_schedule(cfg)
+    except ValueError as e:
+        return [f"{SCHEDULE_FLAG} {text!r}: {e}"]
+    return []
 
 
 # The domain of every numeric flag, as one rule: finite and not negative; an int is a size, count

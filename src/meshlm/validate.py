@@ -16,12 +16,11 @@ import importlib.util
 import os
 from typing import Optional
 
-from .batch_rules import schedule_syntax_problems
 from .config import (Config, batch_schedule, ffn_hidden, flag_of, global_batch, head_dim, moe_ffn, padded_vocab_size, query_groups,
                      run_iterations, world_size_of)
 from .errors import ConfigError, DataError
 from .fp8_rules import alignment_problems, fp8_problems
-from .shape_rules import _model_problems, _numeric_problems, shape_problems  # noqa: F401 (validate's names)
+from .shape_rules import _model_problems, _numeric_problems, schedule_syntax_problems, shape_problems  # noqa: F401
 from .parallel import layout_rules
 
 

@@ -2,7 +2,7 @@
 
 Each function returns every problem as a line naming the flag and the fix: ``layout_problems``
 (world, batch, gradient accumulation, the --rampup-batch-size ramp and --step-batch-size-schedule
-(meshlm/batch_rules.py), every size split over TP, CP,
+(batch_rules.py), every size split over TP, CP,
 and the pipeline's rules from parallel/pipeline.py), ``moe_problems`` (MoE and EP flags). meshlm.validate
 checks a launch with them, the planner every layout it ranks. ``adjust`` is what Megatron changes
 rather than refuses.
@@ -11,7 +11,7 @@ rather than refuses.
 from __future__ import annotations
 
 from ..config import Config, SHARDING, ffn_hidden, global_batch, head_dim, moe_layer_pattern, query_groups, zero_stage
-from ..batch_rules import nearest_multiples as _nearest_multiples, step_schedule_problems
+from .batch_rules import nearest_multiples as _nearest_multiples, step_schedule_problems
 from ..errors import ConfigError
 
 
@@ -195,7 +195,7 @@ def _rampup_problems(cfg: Config, world: int, dp: int) -> list:
                         f"global batch {final} ({final - start} samples)")
     if problems:
         return problems
-    from ..batch_rules import interleaved_problems
+    from .batch_rules import interleaved_problems
     return interleaved_problems(cfg, world, flag, "the ramp's", "START and INCREMENT")
 
 

@@ -1,26 +1,13 @@
 """The rules of a global batch that changes during the run: --step-batch-size-schedule's text and
 sizes, and the interleaved pipeline's rule for every batch a schedule or --rampup-batch-size ramp
-takes. Each returns its problems as lines naming the flag and the fix (meshlm.validate, meshlm plan).
+takes. Each returns its problems as lines naming the flag and the fix (layout_rules, so meshlm.validate
+and meshlm plan); the schedule's text is checked before them (shape_rules.schedule_syntax_problems).
 """
 
 from __future__ import annotations
 
-from .config import Config, batch_schedule, step_schedule
-
-FLAG = "--step-batch-size-schedule"
-
-
-def schedule_syntax_problems(cfg: Config) -> list:
-    """The schedule's text (batches.parse_step_schedule); every later check reads the parsed
-    schedule, so a caller stops at these as at a size of 0. Needs --seq-length ≥ 1."""
-    text = cfg.training.step_batch_size_schedule
-    if text is None:
-        return []
-    try:
-        step_schedule(cfg)
-    except ValueError as e:
-        return [f"{FLAG} {text!r}: {e}"]
-    return []
+from ..config import Config, batch_schedule, step_schedule
+from ..shape_rules import SCHEDULE_FLAG as FLAG
 
 
 def step_schedule_problems(cfg: Config, world: int, dp: int) -> list:
@@ -64,7 +51,7 @@ def interleaved_problems(cfg: Config, world: int, flag: str, whose: str, fix: st
     pp = cfg.parallel.pipeline_model_parallel_size
     if pp == 1:
         return []
-    from .parallel.pipeline import resolve_schedule, virtual_size
+    from .pipeline import resolve_schedule, virtual_size
     if resolve_schedule(cfg.parallel.pipeline_schedule, pp, virtual_size(cfg)) != "interleaved":
         return []
     schedule = batch_schedule(cfg, world)
