@@ -710,6 +710,14 @@ def test_all_zero_split_says_so():
                    "make the first (train) weight positive, e.g. 969,30,1")
 
 
+def test_a_quoted_or_space_separated_split_reads_as_its_numbers():
+    """Megatron's Llama 3 8B FP8 example passes --split with its quotes ('99,1,0'); Megatron reads the
+    numbers in it."""
+    from meshlm.data.gpt_dataset import split_weights
+    for text in ("'99,1,0'", '"99,1,0"', "99 1 0", " 99/1/0 "):
+        assert split_weights(text) == split_weights("99,1,0"), text
+
+
 @pytest.mark.parametrize("split, words", [("1,2,3,4", "has 4 weights"), ("a,b", "is not a list of numbers"),
                                           ("-1,1,1", "negative or non-finite")])
 def test_each_bad_split_says_what_is_wrong(split, words):

@@ -265,7 +265,6 @@ def _cfg(**training):
      "--fp8-recipe delayed with --fp8-param-gather is not built"),
     (dict(fp8_recipe="blockwise"), None, "--fp8-recipe blockwise is not built"),
     (dict(fp8_recipe="mxfp8"), H200, "this GPU is NVIDIA H200 (compute capability 9.0)"),
-    (dict(fp8_amax_history_len=1024, fp8_amax_compute_algo="max"), None, "add --fp8-recipe delayed or drop them"),
     (dict(fp8_param_gather=True), None, "--fp8-param-gather all-gathers the weights that the distributed optimizer"),
     (dict(fp16=True), None, "--fp8-format with --fp16"),
     (dict(first_last_layers_bf16=True, num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=2), None,

@@ -54,27 +54,40 @@ def test_gpt3_example_dry_runs_unchanged_with_its_step_batch_size_schedule(tmp_p
     assert not (tmp_path / "ckpt").exists()
 
 
-LLAMA3 = ["pretrain", "--use-mcore-models", "--num-layers", "32", "--hidden-size", "4096",
-            "--ffn-hidden-size", "14336", "--num-attention-heads", "32", "--group-query-attention",
-            "--num-query-groups", "8", "--kv-channels", "128", "--seq-length", "8192",
-            "--max-position-embeddings", "8192", "--position-embedding-type", "rope", "--rotary-base", "1000000",
-            "--rotary-percent", "1.0", "--swiglu", "--normalization", "RMSNorm", "--attention-backend", "fused",
-            "--apply-layernorm-1p", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-            "--micro-batch-size", "1", "--global-batch-size", "128", "--train-samples", "1953125000",
-            "--decoupled-lr", "5.0e-4", "--bf16", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
-            "--calculate-per-token-loss", "--manual-gc", "--fp8-format", "hybrid", "--use-distributed-optimizer",
-            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256",
-            "--no-create-attention-mask-in-dataloader", "--num-workers", "1", "--log-throughput",
-          "--ckpt-format", "torch_dist", "--dry-run", "--world-size", "64"]
+def _llama3_fp8(tmp):
+    """Megatron's examples/llama/train_llama3_8b_h100_fp8.sh with its mock data, as its bash passes it:
+    every flag, `--split "'99,1,0'"` with the quotes (an array element word-split), paths under tmp."""
+    return ("pretrain --use-mcore-models --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 "
+            "--num-attention-heads 32 --group-query-attention --num-query-groups 8 --kv-channels 128 --seq-length 8192 "
+            "--max-position-embeddings 8192 --position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0 "
+            "--attention-dropout 0.0 --hidden-dropout 0.0 --swiglu --normalization RMSNorm --init-method-std 0.0134 "
+            "--attention-backend fused --apply-layernorm-1p --untie-embeddings-and-output-weights --disable-bias-linear "
+            "--micro-batch-size 1 --global-batch-size 128 --train-samples 1953125000 --lr-decay-samples 1949218748 "
+            "--lr-warmup-samples 3906252 --lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 "
+            "--lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 "
+            "--grad-reduce-in-bf16 --cross-entropy-loss-fusion --calculate-per-token-loss --manual-gc "
+            "--empty-unused-memory-level 1 --exit-duration-in-mins 235 --use-distributed-optimizer --overlap-grad-reduce "
+            "--overlap-param-gather --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max "
+            "--fp8-param-gather --tensor-model-parallel-size 1 --context-parallel-size 1 --sequence-parallel --mock-data "
+            "--tokenizer-type NullTokenizer --vocab-size 128256 --data-cache-path CACHE --tiktoken-pattern v2 "
+            "--split '99,1,0' --no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1 "
+            "--log-interval 1 --eval-iters 32 --eval-interval 100 --save-interval 1000 --log-throughput --profile "
+            "--profile-step-start 4 --profile-step-end 6 --ckpt-format torch_dist --distributed-timeout-minutes 60 "
+            "--save CKPT --load CKPT --tensorboard-dir TB --dry-run --world-size 64").replace(
+        "CACHE", str(tmp / "cache")).replace("CKPT", str(tmp / "ckpt")).replace("TB", str(tmp / "tb")).split()
 
 
-def test_llama3_example_dry_runs_unchanged_by_samples(capsys):
-    """Megatron-LM's Llama 3 8B example: --apply-layernorm-1p, --decoupled-lr and --grad-reduce-in-bf16
-    were refused, so the script did not run unchanged."""
-    assert main(LLAMA3) == 0, capsys.readouterr().err
-    out = capsys.readouterr().out
-    assert f"run: --train-samples 1953125000 = {1953125000 // 128} iterations" in out
-    assert "--train-iters" not in out  # its meshlm default does not apply to a run given in samples
+def test_llama3_fp8_example_dry_runs_unchanged(tmp_path, capsys):
+    """Megatron-LM's Llama 3 8B FP8 example, every flag: --apply-layernorm-1p, --decoupled-lr and
+    --grad-reduce-in-bf16 were refused; then the delayed recipe's amax flags (Megatron's default
+    recipe, meshlm's is tensorwise) and the quoted split."""
+    assert main(_llama3_fp8(tmp_path)) == 0, capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert f"run: --train-samples 1953125000 = {1953125000 // 128} iterations" in captured.out
+    assert "--train-iters" not in captured.out  # its meshlm default does not apply to a run given in samples
+    assert "--fp8-amax-history-len 1024 / --fp8-amax-compute-algo max have no effect under --fp8-recipe " \
+           "tensorwise" in captured.out
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_gpt3_example_with_megatrons_ramp_and_sample_schedule_dry_runs(tmp_path, capsys):

@@ -19,7 +19,7 @@ from typing import Optional
 from .config import (Config, batch_schedule, ffn_hidden, flag_of, global_batch, head_dim, moe_ffn, padded_vocab_size, query_groups,
                      run_iterations, world_size_of)
 from .errors import ConfigError, DataError
-from .fp8_rules import alignment_problems, fp8_problems
+from .fp8_rules import alignment_problems, fp8_problems, unused_history_note
 from .shape_rules import _model_problems, _numeric_problems, schedule_syntax_problems, shape_problems  # noqa: F401
 from .parallel import layout_rules
 
@@ -540,6 +540,8 @@ def notes(cfg: Config) -> list:
         lines.append("--fp8-format with --num-experts: the routed experts run in FP8 too (rowwise, grouped FP8 "
                      "GEMMs), which trains slower than bf16 experts at small widths (0.57x bf16's tokens/s for "
                      "mixtral-small, hidden 1024, on one H200: bench/RESULTS.md); the dense layers gain as usual")
+    if unused_history_note(cfg.training):
+        lines.append(unused_history_note(cfg.training))
     if cfg.logging.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
         lines.append(f"--tensorboard-dir {cfg.logging.tensorboard_dir}: the tensorboard package is not installed, "
                      f"so no TensorBoard logs are written (as in Megatron; metrics.jsonl has every figure); "

@@ -39,13 +39,18 @@ SEPARATE_EPOCH_THRESHOLD = 0.80  # a final epoch that contributes < 80 % of an e
 
 
 def split_weights(split: str) -> list:
-    """``--split "969,30,1"`` → three weights normalised to sum 1 (missing ones are 0).
+    """``--split "969,30,1"`` → three weights normalised to sum 1 (missing ones are 0). Commas,
+    slashes or spaces separate them; quotes around the whole are dropped (Megatron's Llama 3 8B
+    FP8 example passes ``'99,1,0'``, quotes included, which Megatron reads as its numbers).
 
     ConfigError says what is wrong: not numbers, more than three, a negative or non-finite
     weight, or every weight 0.
     """
+    text = split.strip()
+    if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1]
     try:
-        w = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]
+        w = [float(x) for x in text.replace("/", " ").replace(",", " ").split()]
     except ValueError:
         raise ConfigError(f"--split {split!r} is not a list of numbers; give up to three weights "
                           f"train,valid,test, e.g. 969,30,1") from None
