@@ -40,6 +40,9 @@ NO_EFFECT = {
     "--empty-unused-memory-level": (True, "no effect on the result; the CUDA cache is left to PyTorch"),
     "--moe-grouped-gemm": (False, "MoE experts use torch's grouped GEMM on CUDA by themselves, a loop elsewhere"),
     "--moe-token-dispatcher-type": (True, "MoE tokens are always dispatched by all-to-all (the same result)"),
+    "--init-model-with-meta-device": (False, "the trainer builds every weight straight into its DDP bucket (under "
+                                             "ZeRO-3 its shard): no rank holds its whole model at start"),
+    "--logging-level": (True, "meshlm prints its lines itself (Python's logging level sets nothing here)"),
     "--use-megatron-fsdp": (False, "meshlm's own ZeRO over its DP buckets is what --data-parallel-sharding-strategy "
                                    "sets, with or without this switch"),
 }

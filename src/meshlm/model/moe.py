@@ -251,8 +251,7 @@ class Router(nn.Module):
     def __init__(self, cfg, ps, init, *, sequence_parallel: bool, params_dtype):
         super().__init__()
         E = cfg.num_experts
-        w = init("mlp.router.weight").weight((E, cfg.hidden_size), 0, torch.arange(E), params_dtype, ps.device)
-        self.weight = nn.Parameter(w)
+        self.weight = init("mlp.router.weight").param((E, cfg.hidden_size), 0, torch.arange(E), params_dtype, ps.device)
         self.weight.sequence_parallel = sequence_parallel
         self.use_bias = cfg.moe_router_enable_expert_bias
         self.register_buffer("expert_bias", torch.zeros(E, device=ps.device), persistent=True)

@@ -36,7 +36,7 @@ from ..fast import compile_module
 from ..parallel import comm
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.random import RNGTracker
-from ..parallel.tensor import ShardedInit, VocabParallelEmbedding, contiguous_index, mark_partitioned
+from ..parallel.tensor import ShardedInit, VocabParallelEmbedding, contiguous_index, mark_partitioned, new_param
 from .attention import SelfAttention, attention_mask
 from .mlp import MLP
 from .moe import MoELayer, MoEState, forward_pass
@@ -57,9 +57,10 @@ class Norm(nn.Module):
     def __init__(self, cfg, sequence_parallel: bool, params_dtype, device):
         super().__init__()
         self.rms, self.eps, self.one_p = cfg.normalization == "RMSNorm", cfg.norm_epsilon, cfg.apply_layernorm_1p
-        start = torch.zeros if self.one_p else torch.ones
-        self.weight = nn.Parameter(start(cfg.hidden_size, dtype=params_dtype, device=device))
-        self.bias = None if self.rms else nn.Parameter(torch.zeros_like(self.weight))
+        start, h = torch.zeros if self.one_p else torch.ones, cfg.hidden_size
+        self.weight = new_param(lambda: start(h, dtype=params_dtype, device=device), (h,), params_dtype, device)
+        self.bias = None if self.rms else new_param(lambda: torch.zeros(h, dtype=params_dtype, device=device), (h,),
+                                                    params_dtype, device)
         for p in self.parameters():
             p.no_weight_decay, p.sequence_parallel = True, sequence_parallel
 
@@ -158,9 +159,10 @@ class Embedding(nn.Module):
         self.position_embeddings = None
         if cfg.position_embedding_type == "learned_absolute":
             n = max_positions(cfg)
-            w = init(-1, "embedding.position_embeddings.weight").weight(
+            w = init(-1, "embedding.position_embeddings.weight").param(
                 (n, cfg.hidden_size), 0, torch.arange(n), params_dtype, ps.device)
-            self.position_embeddings = nn.Embedding.from_pretrained(w, freeze=False)
+            self.position_embeddings = nn.Embedding(n, cfg.hidden_size, _weight=w)
+            self.position_embeddings.weight = w  # the parameter itself: a deferred one keeps how to draw it
             self.position_embeddings.weight.sequence_parallel = sequence_parallel
 
     def forward(self, tokens: torch.Tensor, call: int, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,10 +193,10 @@ class OutputLayer(nn.Module):
     pre-hook there is a safe place to wait for it (ZeRO-1 --overlap-param-gather waits there).
     """
 
-    def __init__(self, weight: torch.Tensor | None, padded_logits: torch.Tensor):
+    def __init__(self, weight: nn.Parameter | None, padded_logits: torch.Tensor):
         super().__init__()
         if weight is not None:
-            self.weight = nn.Parameter(weight)
+            self.weight = weight
         self.register_buffer("padded_logits", padded_logits, persistent=False)
         self.has_padding = bool(padded_logits.any())
         self.valid = int((~padded_logits).sum())  # real vocabulary columns: the first ones
@@ -260,7 +262,7 @@ class GPTModel(nn.Module):
             w = None
             if not (tied and pre_process):
                 key = EMBEDDING_KEY if tied else (-1, "output_layer.weight")
-                w = init(*key).weight((vocab_size, cfg.hidden_size), 0, rows, params_dtype, ps.device)
+                w = init(*key).param((vocab_size, cfg.hidden_size), 0, rows, params_dtype, ps.device)
             self.output_layer = OutputLayer(w, (rows >= vocab_size).to(ps.device))
             if w is not None:
                 mark_partitioned(self.output_layer.weight, 0, rows, vocab_size)

@@ -19,6 +19,7 @@ import torch
 
 from ..dtypes import wide
 from .comm import group_rank, group_size
+from .tensor import materialized
 from .fp8 import E4M3
 
 
@@ -142,10 +143,12 @@ class ParamAndGradBuffer:
         for b in self.buckets:
             b.param = torch.zeros(b.end - b.start, dtype=dtype, device=device) if self.sharded_params \
                 else self.param_data[b.start:b.end]
-            for p in b.params:
+            for p in b.params:  # a deferred_init placeholder is drawn here, into its bucket
                 s, e = self.index[p]
-                b.param[b.local(s, e)].copy_(p.data.reshape(-1))
+                b.param[b.local(s, e)].copy_(materialized(p).reshape(-1))
                 p.data = b.param[b.local(s, e)].view(p.shape)
+                if hasattr(p, "materialize"):
+                    del p.materialize
             if fp8:
                 self._add_fp8(b)
             if self.sharded_params:

@@ -19,7 +19,9 @@ shards and the full weights.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,11 @@ from ..dtypes import at_least_fp32
 from . import comm
 from .fp8 import fp8_linear
 from .random import derive_seed
+
+
+def _zeros(n: int, dtype, device) -> nn.Parameter:
+    """A bias of n zeros (``new_param``)."""
+    return new_param(lambda: torch.zeros(n, dtype=dtype, device=device), (n,), dtype, device)
 
 
 def contiguous_index(size: int, tp: int, rank: int) -> torch.Tensor:
@@ -66,6 +73,49 @@ class ShardedInit:
             return _take(w, dim, index.to(device)).to(dtype)
         padding = (index >= full_shape[dim]).nonzero().squeeze(1).to(device)
         return w.index_fill_(dim, padding, 0.0).to(dtype)
+
+
+    def param(self, full_shape, dim: int, index: torch.Tensor, dtype, device) -> nn.Parameter:
+        """The local weight (:meth:`weight`) as a parameter, drawn when ``new_param`` says."""
+        shape = list(full_shape)
+        shape[dim] = len(index)
+        return new_param(lambda: self.weight(full_shape, dim, index, dtype, device), shape, dtype, device)
+
+
+_deferring = [False]
+
+
+@contextmanager
+def deferred_init():
+    """Inside, ``new_param`` makes placeholders: a parameter of the right shape, dtype and device
+    over one element of storage (expanded), which keeps the function that draws its values. The
+    DDP buffers (parallel/grad_buffer.py) draw each one straight into its bucket (``materialized``),
+    so building never holds the rank's whole model beside the buffers, and under ZeRO-3 never holds
+    it at all: each bucket is drawn, sharded and freed in turn (Megatron-LM's
+    --init-model-with-meta-device). Until then only a placeholder's shape, dtype, device and
+    attributes mean anything: an in-place write to it raises (its elements share one location)."""
+    before, _deferring[0] = _deferring[0], True
+    try:
+        yield
+    finally:
+        _deferring[0] = before
+
+
+def new_param(make: Callable[[], torch.Tensor], shape, dtype, device) -> nn.Parameter:
+    """nn.Parameter(make()), or inside ``deferred_init`` a placeholder of ``shape`` that draws
+    make() when ``materialized``. make: the values, a tensor of ``shape``, ``dtype`` on ``device``."""
+    if not _deferring[0]:
+        return nn.Parameter(make())
+    p = nn.Parameter(torch.empty((), dtype=dtype, device=device).expand(tuple(shape)))
+    p.materialize = make
+    return p
+
+
+def materialized(p: nn.Parameter) -> torch.Tensor:
+    """p's values: drawn now for a placeholder of ``deferred_init`` (which the caller then points at
+    real storage; ``del p.materialize`` after), else p's data."""
+    make = getattr(p, "materialize", None)
+    return p.data if make is None else make()
 
 
 def _take(full: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
@@ -110,12 +160,11 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         rows = contiguous_index(output_size, ps.tp, ps.tp_rank) if rows is None else rows
         self.group, self.gather_output, self.sequence_parallel = ps.tp_group, gather_output, sequence_parallel
-        w = init.weight((output_size, input_size), 0, rows, params_dtype, ps.device)
-        self.weight = mark_partitioned(nn.Parameter(w), 0, rows, output_size)
+        self.weight = mark_partitioned(init.param((output_size, input_size), 0, rows, params_dtype, ps.device),
+                                       0, rows, output_size)
         self.bias = None
         if bias:
-            self.bias = mark_partitioned(nn.Parameter(torch.zeros(len(rows), dtype=params_dtype, device=ps.device)),
-                              0, rows, output_size)
+            self.bias = mark_partitioned(_zeros(len(rows), params_dtype, ps.device), 0, rows, output_size)
             self.bias.no_weight_decay = True
         if parts:
             for p in self.parameters():
@@ -173,11 +222,11 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         cols = contiguous_index(input_size, ps.tp, ps.tp_rank) if cols is None else cols
         self.group, self.input_is_parallel, self.sequence_parallel = ps.tp_group, input_is_parallel, sequence_parallel
-        w = init.weight((output_size, input_size), 1, cols, params_dtype, ps.device)
-        self.weight = mark_partitioned(nn.Parameter(w), 1, cols, input_size)
+        self.weight = mark_partitioned(init.param((output_size, input_size), 1, cols, params_dtype, ps.device),
+                                       1, cols, input_size)
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=ps.device))
+            self.bias = _zeros(output_size, params_dtype, ps.device)
             self.bias.no_weight_decay = True
             self.bias.sequence_parallel = sequence_parallel
         self.fp8 = None  # an Fp8Recipe: FP8 GEMMs (parallel/fp8.py), set by model.chunks.apply_fp8
@@ -209,8 +258,8 @@ class VocabParallelEmbedding(nn.Module):
         rows = contiguous_index(padded_vocab, ps.tp, ps.tp_rank)
         self.group, self.sequence_parallel = ps.tp_group, sequence_parallel
         self.vocab_start, self.local_vocab = int(rows[0]), len(rows)
-        w = init.weight((vocab_size, hidden), 0, rows, params_dtype, ps.device)
-        self.weight = mark_partitioned(nn.Parameter(w), 0, rows, vocab_size)
+        self.weight = mark_partitioned(init.param((vocab_size, hidden), 0, rows, params_dtype, ps.device),
+                                       0, rows, vocab_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start

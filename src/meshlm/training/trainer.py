@@ -46,6 +46,7 @@ from ..parallel import comm, fp8_delayed
 from ..parallel.agree import first_problem
 from ..parallel.context import split_batches
 from ..parallel.data import DistributedDataParallel
+from ..parallel.tensor import deferred_init
 from ..parallel.mesh import ParallelState, init_distributed, local_rank
 from ..parallel import watchdog
 from ..parallel.random import MODEL_PARALLEL_SEED_OFFSET
@@ -226,11 +227,12 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
     check_data_vocab(cfg, tokenizer.vocab_size, ps)
     train_ds, valid_ds, _ = build_datasets(cfg, ps=ps, local_rank=local_rank())
     t0 = time.perf_counter()
-    chunks = build_model_chunks(cfg, ps, tokenizer.vocab_size, dtype)
+    with deferred_init():  # each weight drawn into its DDP bucket: no rank holds its whole model beside them
+        chunks = build_model_chunks(cfg, ps, tokenizer.vocab_size, dtype)
+    ddp = DistributedDataParallel(chunks, ps, cfg)
     if ps.device.type == "cuda":
         torch.cuda.synchronize(ps.device)
     build_s = time.perf_counter() - t0
-    ddp = DistributedDataParallel(chunks, ps, cfg)
     loaders = {}
     if cfg.optimizer.optimizer_cpu_offload and cfg.data.num_workers > 0 and ps.device.type == "cuda":  # see loader.start
         loaders = {id(ds): rank_loader(ds, cfg, ps).start() for ds in (train_ds, valid_ds) if ds is not None}
