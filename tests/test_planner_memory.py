@@ -145,3 +145,22 @@ def test_grad_reduce_in_bf16_halves_the_gradients_and_their_dp_bytes():
     ta, tb = (step_time(c, lay, h200, 32000, gpus_per_node=8, params_per_rank=a.params) for c in (fp32, bf16))
     assert tb.dp_comm < 0.6 * ta.dp_comm
     assert ta.optimizer - tb.optimizer == pytest.approx((4 * 2 + 2 + 2) * a.params / h200.hbm_bytes_per_s, rel=1e-9)
+
+
+def test_a_zero3_checkpoint_gathers_the_weights_whole_and_the_peak_allows_for_it():
+    """ZeRO-3 with --save: a save makes every bucket whole (gather_all) beside the shards, so the
+    peak is at least shards + whole weights + optimizer + grads; without --save/--load nothing
+    gathers the whole model, and the other stages are unchanged by the flag."""
+    base = ("--model", "llama-1b", "--vocab-size", "32000", "--seq-length", "1024", "--max-position-embeddings",
+            "1024", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16")
+    for strategy, gathers in (("optim_grads_params", True), ("optim", False)):
+        flags = base + ("--data-parallel-sharding-strategy", strategy)
+        plain, saving = cfg_of(*flags), cfg_of(*flags, "--save", "/nonexistent/ckpt")
+        lay = Layout.of(plain, 8)
+        a, b = estimate(plain, lay, 32000), estimate(saving, lay, 32000)
+        assert a.checkpoint_gather == 0.0 and b.checkpoint_gather == (2 * b.params if gathers else 0.0)
+        if gathers:
+            assert b.peak_bytes == pytest.approx(b.weights + 2 * b.params + b.optimizer + b.grads, rel=1e-12)
+            assert b.peak_bytes > a.peak_bytes  # at DP 8 the whole weights outweigh the activations
+        else:
+            assert b.peak_bytes == a.peak_bytes

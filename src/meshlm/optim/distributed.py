@@ -17,13 +17,13 @@ parameter only inside the forward of a block that contains it (the position tabl
 layer are modules for that reason; tests/test_parity_matrix.py poisons every pending gather with
 NaN to prove it). The hooks run eagerly (``torch._dynamo.disable``) at the boundary of a compiled
 layer, never traced into it. Anything that reads params outside a forward (checkpoint save,
-export, the end of training) calls ``finish_param_sync()`` first.
+export) calls ``finish_param_sync()`` first; the end of training ``settle_params()``.
 
 Under ZeRO-2 the shards' gradients are the DDP's reduced ``shard_grad`` tensors (nothing else is
 kept, parallel/data.py). Under ZeRO-3 the params are not gathered after the step: the updated
 shard is the bucket's ``param_shard`` and optim/param_gather.py gathers each block's buckets when
-it runs; ``finish_param_sync()`` makes every bucket whole (for a save, an export, the end of
-training) until the next update frees them.
+it runs; ``finish_param_sync()`` makes every bucket whole (for a save, an export) until the next
+update frees them; ``settle_params()`` (the end of training) frees them instead.
 
 Under --fp8-param-gather the FP8 buffers' buckets are gathered as their uint8 FP8 copies, cast
 from the masters after each update (optim/fp8_gather.py); their params are gathered whole only by
@@ -176,6 +176,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self._stale.clear()
         if self.param_gather is not None:
             self.param_gather.gather_all()
+
+    def settle_params(self) -> None:
+        """As the base class; under ZeRO-3 wait for the gathers in flight and free every bucket, so
+        that the end of training never holds the whole model (only a save or export gathers it)."""
+        if self.param_gather is None:
+            self.finish_param_sync()
+        else:
+            self._before_step()
 
     def _before_step(self) -> None:
         """ZeRO-3 reads no whole bucket in the step: wait for gathers in flight, free the rest."""

@@ -313,6 +313,13 @@ class MixedPrecisionOptimizer:
     def finish_param_sync(self) -> None:
         """Wait for parameter all-gathers still in flight (ZeRO-1 with --overlap-param-gather)."""
 
+    def settle_params(self) -> None:
+        """Leave no parameter all-gather in flight and the weights current for forwards outside a
+        step (the end of training: its last evaluation), holding no more than they need:
+        ``finish_param_sync`` here; the distributed optimizer's ZeRO-3 frees its buckets instead of
+        making them all whole (each block gathers its own when it runs)."""
+        self.finish_param_sync()
+
     def _before_step(self) -> None:
         """What ``step`` settles first (the distributed optimizer's gathers)."""
         self.finish_param_sync()

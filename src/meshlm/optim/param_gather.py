@@ -145,7 +145,7 @@ class ParamGather:
                 self.state[b] = FREED
 
     def gather_all(self) -> None:
-        """Make every bucket whole (checkpoint save/load, export, the end of training); the FP8
+        """Make every bucket whole (checkpoint save/load, export); the FP8
         buffers' buckets with their params too."""
         self.ensure(list(self.buckets))
         for b, (buf, bucket) in self.buckets.items():

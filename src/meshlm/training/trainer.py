@@ -379,7 +379,7 @@ def _train(run: Run, state: TrainState, collector: ManualGC) -> dict:
     finish()
     prof.close()
     bar.close()
-    run.opt.finish_param_sync()  # no all-gather may still be in flight when the process ends
+    run.opt.settle_params()  # no all-gather may still be in flight when the process ends
     if not exited and run.valid_ds is not None and (not val_losses or val_losses[-1][0] != state.iteration):
         val_losses.append((state.iteration, validation(state.iteration // max(t.eval_interval, 1))))
     if cfg.checkpoint.save and saved_at != state.iteration:
