@@ -117,6 +117,29 @@ def test_switches_and_no_effect_flags_dry_run(capsys):
     assert "global 24 = micro 2 × 3 micro-batches × DP 4" in out
 
 
+def test_common_megatron_logging_optimizer_and_legacy_flags_are_taken(capsys):
+    """Flags frequent in Megatron's scripts and test configs: --optimizer adam (Megatron's Adam is
+    AdamW), --dataloader-type single, the legacy --use-rotary-position-embeddings (it sets rope),
+    --log-params-norm / --log-num-zeros-in-grad (logged) and the TensorBoard and timing switches
+    meshlm always honours; --optimizer sgd and --dataloader-type cyclic are refused naming the flag."""
+    base = ["pretrain", "--mock-data", "--vocab-size", "1000", "--dry-run", "--world-size", "1"]
+    extra = ["--optimizer", "adam", "--dataloader-type", "single", "--use-rotary-position-embeddings",
+             "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard",
+             "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard", "--timing-log-level", "2"]
+    assert main(base + extra) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "--log-memory-to-tensorboard" in out and "--timing-log-level 2" in out  # the no-effect note
+    from meshlm.config import Config, apply_mapping
+    from meshlm.parallel.layout_rules import adjust
+    cfg = Config()
+    apply_mapping(cfg, {"use_rotary_position_embeddings": True}, source="test")
+    adjust(cfg)
+    assert cfg.model.position_embedding_type == "rope"
+    for flag, value in (("--optimizer", "sgd"), ("--dataloader-type", "cyclic")):
+        assert main(base + [flag, value]) == 2
+        assert f"{flag}: invalid choice: '{value}'" in capsys.readouterr().err
+
+
 def test_accumulation_disagrees_with_global_batch(capsys):
     argv = ["pretrain", "--mock-data", "--vocab-size", "1000", "--dry-run", "--world-size", "2",
             "--micro-batch-size", "2", "--gradient-accumulation-steps", "3", "--global-batch-size", "16"]

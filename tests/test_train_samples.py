@@ -149,3 +149,30 @@ def test_a_step_batch_size_schedule_run_over_dp2_takes_each_steps_batch_and_lr_b
         assert r["lr"] == pytest.approx(group["lr"], rel=1e-12, abs=1e-15)
         ref.step(r["global_batch_size"])
     assert rows[-1]["lr"] == pytest.approx(1e-3)  # past the decay
+
+
+def _norm_logged(rank, world, tmp, tp):
+    cfg = tiny_config(tmp, tp=tp, micro=2, global_batch=4, iters=3, eval_iters=1)
+    cfg.logging.log_params_norm = cfg.logging.log_num_zeros_in_grad = True
+    cfg.model.add_bias_linear = False  # a key bias's gradient is zero but for rounding: it would count by chance
+    run = trainer.build(cfg, F64)
+    result = trainer.train(run, trainer.TrainState())
+    whole = torch.cat([q.detach().reshape(-1) for c in run.chunks for q in c.parameters()]) if tp == 1 else None
+    return result, None if whole is None else float(whole.norm())
+
+
+def test_params_norm_and_num_zeros_count_each_parameter_once_whatever_the_layout(tmp_path):
+    """--log-params-norm and --log-num-zeros-in-grad (Megatron's "params norm", "num zeros"): the same
+    norm at TP 2 (a TP-split weight counted in pieces, a replicated norm weight once) as in one
+    process, that of every weight after the step; the zeros exactly the padded vocabulary's rows of
+    the tied embedding, which get no gradient: 100 → 112 at TP 1 (12 rows × 32), 128 at TP 2 (28)."""
+    (one, norm), = run_distributed(_norm_logged, 1, os.path.join(str(tmp_path), "one"), 1)
+    two = run_distributed(_norm_logged, 2, os.path.join(str(tmp_path), "two"), 2)
+    rows = {name: _rows(os.path.join(str(tmp_path), name)) for name in ("one", "two")}
+    assert len(rows["one"]) == 3 and all("params_norm" in r and "num_zeros" in r for r in rows["one"])
+    assert rows["one"][-1]["params_norm"] == pytest.approx(norm, rel=1e-12)
+    assert [r["num_zeros"] for r in rows["one"]] == [12 * 32] * 3
+    assert [r["num_zeros"] for r in rows["two"]] == [28 * 32] * 3
+    for a, b in zip(rows["one"], rows["two"]):
+        assert a["params_norm"] == pytest.approx(b["params_norm"], rel=1e-10)
+    assert two[0][0]["iterations"] == one["iterations"]

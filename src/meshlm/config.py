@@ -75,6 +75,8 @@ class ModelConfig:
                             "the exact erf form", action="store_true")
     position_embedding_type: str = opt("learned_absolute", "position embeddings",
                                        choices=["learned_absolute", "rope"])
+    use_rotary_position_embeddings: bool = opt(False, "Megatron's deprecated spelling of --position-embedding-type "
+                                               "rope (which it sets)", action="store_true")
     add_position_embedding: bool = opt(True, "deprecated in Megatron: allowed only with --position-embedding-type "
                                        "rope, where it changes nothing", flag="--no-position-embedding",
                                        action="store_false")
@@ -278,6 +280,8 @@ class TrainingConfig:
 class OptimizerConfig:
     """AdamW, LR schedule and gradient clipping."""
 
+    optimizer_type: str = opt("adam", "the optimizer: adam is Megatron's, Adam with decoupled weight decay (AdamW, "
+                              "Loshchilov & Hutter 2019), the only one meshlm has", flag="--optimizer", choices=["adam"])
     lr: float = opt(6e-4, "peak learning rate")
     min_lr: float = opt(0.0, "learning rate at the end of decay")
     decoupled_lr: Optional[float] = opt(None, "peak learning rate of the word embedding and the output layer, on "
@@ -318,6 +322,8 @@ class DataConfig:
     """Corpus, tokenizer and splits."""
 
     data_path: list = opt([], "indexed-dataset prefixes, optionally weighted: 0.7 A 0.3 B", nargs="*")
+    dataloader_type: str = opt("single", "single: one pass over the samples in order, resumable at the consumed "
+                               "samples (Megatron's default and meshlm's only sampler)", choices=["single"])
     split: Optional[str] = opt(None, "train,valid,test weights cutting --data-path's datasets (default "
                                "969,30,1, Megatron's legacy default); not with --train/valid/test-data-path")
     train_data_path: list = opt([], "the training split's own blend, as --data-path (instead of --data-path "
@@ -390,6 +396,10 @@ class LoggingConfig:
     run_dir: Optional[str] = opt(None, "run directory (default runs/<time>)")
     log_dir: Optional[str] = opt(None, "where metrics.jsonl goes (default <run-dir>/logs)")
     tensorboard_dir: Optional[str] = opt(None, "write TensorBoard scalars here")
+    log_params_norm: bool = opt(False, "log the L2 norm of the fp32 master weights on each log line (\"params norm\"; "
+                                "a collective on log iterations)", action="store_true")
+    log_num_zeros_in_grad: bool = opt(False, "log the number of zero gradient elements of the last step (\"num "
+                                      "zeros\"; one pass over the gradients a step)", action="store_true")
     heartbeat_interval: float = opt(60.0, "seconds between heartbeat lines in each rank's log (0: off)",
                                     metavar="SECONDS")
     # profiling (Megatron's ProfilingConfig; training/profiling.py)

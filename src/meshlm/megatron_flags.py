@@ -40,6 +40,12 @@ NO_EFFECT = {
     "--empty-unused-memory-level": (True, "no effect on the result; the CUDA cache is left to PyTorch"),
     "--moe-grouped-gemm": (False, "MoE experts use torch's grouped GEMM on CUDA by themselves, a loop elsewhere"),
     "--moe-token-dispatcher-type": (True, "MoE tokens are always dispatched by all-to-all (the same result)"),
+    "--log-timers-to-tensorboard": (False, "the iteration time is always written to TensorBoard (iteration-time-ms) "
+                                           "under --tensorboard-dir"),
+    "--log-validation-ppl-to-tensorboard": (False, "validation loss and perplexity are always written to TensorBoard"),
+    "--log-memory-to-tensorboard": (False, "allocated memory and its peak are always written to TensorBoard"),
+    "--timing-log-level": (True, "each log line has the iteration time and the exposed share of each kind of "
+                                 "collective; --profile traces the kernels"),
     "--init-model-with-meta-device": (False, "the trainer builds every weight straight into its DDP bucket (under "
                                              "ZeRO-3 its shard): no rank holds its whole model at start"),
     "--logging-level": (True, "meshlm prints its lines itself (Python's logging level sets nothing here)"),

@@ -63,6 +63,17 @@ MOMENT_DTYPES = {"bf16": torch.bfloat16}  # --exp-avg(-sq)-dtype's narrow choice
 FLAT_MIN = 1 << 20  # elements: smaller runs go to the multi-tensor kernel (``_flat_update``)
 
 
+def _squares(views: list) -> torch.Tensor:
+    """Σ v² over the views as float64 (bf16 ones summed in fp32, as the fp32 buckets' would be)."""
+    wide32 = {"dtype": torch.float32} if any(v.dtype in HALF for v in views) else {}
+    return torch.stack(torch._foreach_norm(views, 2, **wide32)).double().pow(2).sum()
+
+
+def _zeros(views: list) -> torch.Tensor:
+    """The number of zero elements of the views, as float64."""
+    return torch.stack([(v == 0).sum() for v in views]).double().sum()
+
+
 class DeferredStep:
     """An optimizer step launched without its host sync (``step(defer=True)``); ``resolve()``
     reads its grad norm (waiting only for the norm's copy, not the update) → StepResult."""
@@ -221,6 +232,7 @@ class MixedPrecisionOptimizer:
         self._small: list = []  # this step's small runs as multi-tensor Groups (``_flat_prepare``)
         self._groups = None  # [(adamw Group, [(shard index, lo, hi)] of its grads, on the host)], built on first use
         self.host_batches = 0  # host AdamW batches in the last step (optim/offload.py)
+        self.log_zeros, self._zeros = cfg.logging.log_num_zeros_in_grad, None  # --log-num-zeros-in-grad
 
     def _shard_range(self, buf, bucket) -> tuple:
         return bucket.start, bucket.end
@@ -275,6 +287,7 @@ class MixedPrecisionOptimizer:
         scale = self.scaler.scale
         found_inf = scale != 1.0 and self._unscale_and_check(grads, 1.0 / scale)
         norm = 0.0 if found_inf else self.grad_norm(grads, loss)
+        self._count_zeros(grads)
         if found_inf or not math.isfinite(norm):
             self._drop_run_grads()
             ok = self.scaler.dynamic and scale > self.scaler.min_scale
@@ -298,6 +311,7 @@ class MixedPrecisionOptimizer:
         they were for the NaN origin's check), folded into the fused kernels' grad scale or
         multiplied into the grads, as ``step`` does with the float."""
         norm = self._norm_tensor(grads, loss)
+        self._count_zeros(grads)
         pending = DeferredStep(start_read(norm))  # copied before the update: its read waits for none of it
         grad_scale = 1.0
         if self.clip_grad > 0:
@@ -346,22 +360,45 @@ class MixedPrecisionOptimizer:
 
     def _norm_tensor(self, grads: list, loss: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``grad_norm`` as a 0-dim float64 device tensor (no host sync)."""
-        def squares(expert: bool) -> torch.Tensor:
-            views = [v for s, g in zip(self.shards, grads) if s.buf.expert == expert
-                     for v in ([g] if s.whole_norm else [g[f.lo:f.hi] for f in s.fragments if f.counted])]
-            sq = torch.zeros(1, dtype=torch.float64, device=self.ps.device)
-            if views:  # bf16 grads (ddp.half_grads) summed in fp32, as the fp32 buckets' would be
-                wide32 = {"dtype": torch.float32} if any(v.dtype in HALF for v in views) else {}
-                sq += torch.stack(torch._foreach_norm(views, 2, **wide32)).double().pow(2).sum()
-            return sq
+        return self._counted_sum(grads, _squares, "squared grad norm", loss).sqrt().reshape(())
 
-        sq, experts = squares(False), squares(True)
-        self._all_reduce(experts, self.expert_norm_groups, dist.ReduceOp.SUM, "squared expert grad norm")
-        sq += experts
+    def _counted_sum(self, tensors: list, measure, what: str, loss: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Σ measure(views) over every parameter counted once (``counts_in_norm``), over all ranks,
+        as a float64 device tensor [1] (no host sync). tensors: one [n] per shard (its grads, its
+        masters); measure(views) → float64 0-dim sum over the views (each on their own device: the
+        host shards' masters on the host). The experts' sum is reduced over their groups first."""
+        def part(expert: bool) -> torch.Tensor:
+            views = [v for s, t in zip(self.shards, tensors) if s.buf.expert == expert
+                     for v in ([t] if s.whole_norm else [t[f.lo:f.hi] for f in s.fragments if f.counted])]
+            total = torch.zeros(1, dtype=torch.float64, device=self.ps.device)
+            for device in dict.fromkeys(v.device for v in views):
+                total += measure([v for v in views if v.device == device]).to(total.device)
+            return total
+
+        total, experts = part(False), part(True)
+        self._all_reduce(experts, self.expert_norm_groups, dist.ReduceOp.SUM, f"{what} of the experts")
+        total += experts
         if loss is not None:
-            sq += 0.0 * loss.to(sq.device, torch.float64).reshape(-1)[:1]
-        self._all_reduce(sq, self.norm_groups, dist.ReduceOp.SUM, "squared grad norm")
-        return sq.sqrt().reshape(())
+            total += 0.0 * loss.to(total.device, torch.float64).reshape(-1)[:1]
+        self._all_reduce(total, self.norm_groups, dist.ReduceOp.SUM, what)
+        return total
+
+    def params_norm(self) -> float:
+        """Global L2 norm of the fp32 master weights, each parameter counted once as in the grad
+        norm (Megatron-LM's --log-params-norm, "params norm"). Collective over every rank; a host
+        sync: the trainer asks for it on log iterations only."""
+        return float(self._counted_sum([s.master for s in self.shards], _squares, "squared params norm").sqrt())
+
+    def _count_zeros(self, grads: list) -> None:
+        """Under --log-num-zeros-in-grad (``log_zeros``) keep the number of zero elements of this
+        step's gradients, each parameter counted once, as a device tensor (``zeros_in_grad`` reads it)."""
+        if self.log_zeros:
+            self._zeros = self._counted_sum(grads, _zeros, "zeros in the grads")
+
+    def zeros_in_grad(self) -> Optional[int]:
+        """Zero elements of the last step's gradients over all ranks (Megatron-LM's "num zeros");
+        None without --log-num-zeros-in-grad or before a step. A host sync."""
+        return None if self._zeros is None else int(self._zeros.item())
 
     def _adamw(self, grads: list, grad_scale: float) -> None:
         """One AdamW update of every shard's fragments (optim/adamw.py); grads used ÷ grad_scale.

@@ -57,6 +57,7 @@ def _fmt(value, spec: str) -> str:
 
 
 _TB_TAGS = [("lm_loss", "lm loss"), ("lr", "learning-rate"), ("grad_norm", "grad-norm"),
+            ("num_zeros", "num-zeros"), ("params_norm", "params-norm"), ("iter_ms", "iteration-time-ms"),
             ("loss_scale", "loss-scale"), ("tokens_per_sec", "throughput/tokens-per-sec"),
             ("tflops_per_gpu", "throughput/tflops-per-gpu"), ("mfu", "throughput/mfu"),
             ("exposed_comm_share", "communication/exposed-share"), ("bubble_fraction", "pipeline/bubble-fraction"),
@@ -68,7 +69,8 @@ _TB_TAGS = [("lm_loss", "lm loss"), ("lr", "learning-rate"), ("grad_norm", "grad
 
 def tensorboard_scalars(rec: dict) -> list:
     """(tag, value) pairs TensorBoard gets for one metrics.jsonl record: Megatron's tags where it
-    has them ("lm loss", "learning-rate", "grad-norm", "loss-scale"), then throughput, exposed
+    has them ("lm loss", "learning-rate", "grad-norm", "num-zeros", "params-norm", "loss-scale"), the
+    iteration time (ms), then throughput, exposed
     communication ("communication/<kind>-s" per kind of ``comm_s``), the pipeline bubble, memory
     (GiB), checkpoint blocking (ms) and the MoE routing figures ("moe/imbalance": max / mean routes
     per expert averaged over the layers, and "moe/imbalance-layer-<l>" per layer). Values that are
@@ -150,7 +152,8 @@ class MetricsLogger:
                    bubble: Optional[float] = None, timeline: Optional[list] = None,
                    global_batch: Optional[int] = None, rank_iter_s: Optional[list] = None,
                    loss_spike: bool = False, timed_comm_s: Optional[dict] = None,
-                   moe: Optional[dict] = None) -> Optional[dict]:
+                   moe: Optional[dict] = None, params_norm: Optional[float] = None,
+                   num_zeros: Optional[int] = None) -> Optional[dict]:
         """Record one iteration (iter_s seconds); on a log iteration print/write and return the record.
 
         global_batch: this step's samples (default the constructor's; --rampup-batch-size changes
@@ -166,6 +169,8 @@ class MetricsLogger:
         pipeline waits (``comm.stop_timing()``).
         moe: on a log iteration, the interval's ``model.moe.routing_stats``: the record gets
         ``routing_summary``'s moe_* figures (per step over the interval) and the line shows them.
+        params_norm, num_zeros: on a log iteration, --log-params-norm's and --log-num-zeros-in-grad's
+        figures (MixedPrecisionOptimizer.params_norm / zeros_in_grad), recorded and shown as Megatron's.
         """
         self._iters += 1
         self._batch = self.global_batch if global_batch is None else global_batch
@@ -187,6 +192,7 @@ class MetricsLogger:
                            bubble, timeline, timed_comm_s or {})
         if moe is not None:
             rec.update(routing_summary(moe, self._iters))
+        rec.update({k: v for k, v in (("params_norm", params_norm), ("num_zeros", num_zeros)) if v is not None})
         if rank_iter_s is not None:
             rec["rank_iter_s"] = rank_iter_s
         if self._spike:
@@ -242,8 +248,12 @@ class MetricsLogger:
                  f"lm loss: {loss}"]
         if self.fp16:
             parts.append(f"loss scale: {r['loss_scale']:.1f}")
-        parts += [f"grad norm: {_fmt(r['grad_norm'], '.3f')}",
-                  f"tokens/s: {_fmt(r['tokens_per_sec'], '.0f')}",
+        parts += [f"grad norm: {_fmt(r['grad_norm'], '.3f')}"]
+        if "num_zeros" in r:
+            parts.append(f"num zeros: {r['num_zeros']}")
+        if "params_norm" in r:
+            parts.append(f"params norm: {r['params_norm']:.3f}")
+        parts += [f"tokens/s: {_fmt(r['tokens_per_sec'], '.0f')}",
                   f"TFLOP/s/GPU: {_fmt(r['tflops_per_gpu'], '.1f')}",
                   "MFU: " + ("n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%")]
         if r["mem_allocated_gb"] is not None:

@@ -553,6 +553,9 @@ def finish_step(run: Run, step: LaunchedStep) -> Optional[float]:
     iter_s = time.perf_counter() - step.start
     run.stragglers.add(iter_s, watchdog.waited_s() - step.waited)
     timed = comm.stop_timing() if step.log_now else None  # after the norm's wait: events have fired
+    lg = run.cfg.logging  # --log-params-norm, --log-num-zeros-in-grad: on log iterations, every rank
+    extra = {"params_norm": run.opt.params_norm() if step.log_now and lg.log_params_norm else None,
+             "num_zeros": run.opt.zeros_in_grad() if step.log_now and lg.log_num_zeros_in_grad else None}
     run.logger.train_step(it, step.consumed_samples, lm_loss=None if nan else loss, lr=step.lr,
                           grad_norm=grad_norm, iter_s=iter_s,
                           loss_scale=run.opt.loss_scale, skipped=skipped and not nan, nan=nan,
@@ -560,7 +563,7 @@ def finish_step(run: Run, step: LaunchedStep) -> Optional[float]:
                           bubble=bubble, timeline=timeline, global_batch=step.batch, timed_comm_s=timed,
                           rank_iter_s=run.stragglers.gather() if step.log_now else None,
                           loss_spike=spike_mean is not None,
-                          moe=step.read_moe() if step.read_moe is not None else None)
+                          moe=step.read_moe() if step.read_moe is not None else None, **extra)
     watchdog.at(it, "between steps", step_ended=True)
     return None if skipped or nan else loss
 
