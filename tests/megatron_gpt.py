@@ -61,6 +61,7 @@ def _config(spec: dict, tp: int, dtype, pp: int = 1):
               num_query_groups=spec.get("num_query_groups"), ffn_hidden_size=spec.get("ffn_hidden_size"),
               normalization=spec.get("normalization", "LayerNorm"), layernorm_epsilon=spec.get("norm_epsilon", 1e-5),
               gated_linear_unit=spec.get("swiglu", False), add_bias_linear=spec.get("add_bias_linear", True),
+              add_qkv_bias=spec.get("add_qkv_bias", False), qk_layernorm=spec.get("qk_layernorm", False),
               hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
               pipeline_model_parallel_size=pp, pipeline_dtype=dtype if pp > 1 else None,
               use_cpu_initialization=True, perform_initialization=True, init_method_std=0.02,
@@ -96,7 +97,7 @@ def build(spec: dict, tp: int, vocab: int, seq: int, dtype=torch.float32, seed: 
     torch.manual_seed(seed)
     cfg = _config(spec, tp, dtype, pp)
     layer = get_gpt_layer_local_spec(num_experts=spec.get("num_experts"), moe_grouped_gemm=spec.get("grouped", False),
-                                     normalization=cfg.normalization)
+                                     qk_layernorm=spec.get("qk_layernorm", False), normalization=cfg.normalization)
     rope = spec.get("position_embedding_type", "learned_absolute")
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # the local spec's norms are made in the default dtype
@@ -255,12 +256,16 @@ def adam_state(opt, p, kind: str):
     raise KeyError("no optimizer state for this parameter")
 
 
-def full_grads(model, tp_group, spec: dict, vocab: int, of=lambda p: p.grad) -> dict:
+def _grad(p):
+    return p.grad
+
+
+def full_grads(model, tp_group, spec: dict, vocab: int, of=_grad) -> dict:
     """{meshlm global name: full gradient} of the megatron model's parameters (collective over TP),
     or of another per-parameter tensor ``of(p)`` (an optimizer state):
     the local spec's names are meshlm's; TP shards are gathered along their partition dim, a
     SwiGLU fc1's [gate_r; up_r] shards put back as [gate; up], QKV de-interleaved, the vocabulary
-    cut to ``vocab`` rows."""
+    cut to ``vocab`` rows; the q/k norms' gradients (per TP rank: its heads) summed over TP."""
     import torch.distributed as dist
 
     from meshlm.checkpoint.megatron import _qkv_from_megatron
@@ -277,6 +282,9 @@ def full_grads(model, tp_group, spec: dict, vocab: int, of=lambda p: p.grad) -> 
                 halves = [x.chunk(2, p.partition_dim) for x in parts]
                 parts = [h[0] for h in halves] + [h[1] for h in halves]
             g = torch.cat(parts, p.partition_dim)
+        elif tp > 1 and of is _grad and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+            g = g.clone()  # each rank's heads' part: megatron-core sums them over TP in finalize_model_grads
+            dist.all_reduce(g, group=tp_group)
         name = name.removeprefix("decoder.")
         if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
             g = _qkv_from_megatron(g, heads, groups, d)
@@ -307,6 +315,7 @@ def megatron_args(spec: dict, tp: int, vocab: int, seq: int, padded: int, pp: in
         make_vocab_size_divisible_by=padded // tp, tokenizer_type="NullTokenizer",
         num_experts=spec.get("num_experts"), moe_ffn_hidden_size=spec.get("moe_ffn_hidden_size"),
         moe_router_topk=spec.get("moe_router_topk", 2), moe_layer_freq=1, moe_grouped_gemm=spec.get("grouped", False),
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, qk_layernorm=False, hidden_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, qk_layernorm=spec.get("qk_layernorm", False),
+        add_qkv_bias=spec.get("add_qkv_bias", False), hidden_dropout=0.0,
         attention_dropout=0.0,
         model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.unfused, params_dtype=torch.float32)

@@ -61,6 +61,8 @@ class Case:
     rotary: float = 1.0            # --rotary-percent (with rope)
     norm: str = "LayerNorm"        # --normalization
     one_p: bool = False            # --apply-layernorm-1p (zero-centred norm weights)
+    qk_norm: bool = False          # --qk-layernorm
+    qkv_bias: bool = False         # --disable-bias-linear --add-qkv-bias (Qwen2's biases)
     swiglu: bool = False
     groups: Optional[int] = None   # --num-query-groups (GQA)
     recompute: str = "none"        # none, selective, full-uniform-N or full-block-N (RECOMPUTE)
@@ -90,7 +92,7 @@ class Case:
 
     def model_key(self) -> tuple:
         """What the single-process reference depends on."""
-        return (self.tied, self.pos, self.rotary, self.norm, self.one_p, self.swiglu, self.groups, self.micro,
+        return (self.tied, self.pos, self.rotary, self.norm, self.one_p, self.qk_norm, self.qkv_bias, self.swiglu, self.groups, self.micro,
                 self.layers, self.per_token, self.packed, self.experts, self.moe, self.masked, self.batch, self.mup,
                 self.fp8, self.fp8_ends, self.fp8_gather, self.fp8_recipe, self.fp8_history, self.fp8_algo)
 
@@ -113,6 +115,7 @@ def config(case: Case, global_batch: Optional[int] = None):
     m.untie_embeddings_and_output_weights = not case.tied
     m.normalization, m.position_embedding_type, m.swiglu = case.norm, case.pos, case.swiglu
     m.rotary_percent, m.apply_layernorm_1p = case.rotary, case.one_p
+    m.qk_layernorm, m.add_qkv_bias, m.add_bias_linear = case.qk_norm, case.qkv_bias, not case.qkv_bias
     if case.swiglu:
         m.ffn_hidden_size = 24
     if case.groups:
@@ -267,7 +270,8 @@ _REFERENCES: dict = {}
 
 
 def _single(case: Case) -> Case:
-    return Case(tied=case.tied, pos=case.pos, rotary=case.rotary, norm=case.norm, one_p=case.one_p, swiglu=case.swiglu,
+    return Case(tied=case.tied, pos=case.pos, rotary=case.rotary, norm=case.norm, one_p=case.one_p,
+                qk_norm=case.qk_norm, qkv_bias=case.qkv_bias, swiglu=case.swiglu,
                 groups=case.groups, micro=case.micro, layers=case.layers, per_token=case.per_token,
                 packed=case.packed, experts=case.experts, moe=case.moe, masked=case.masked, batch=case.batch,
                 mup=case.mup, fp8=case.fp8, fp8_ends=case.fp8_ends, fp8_gather=case.fp8_gather,

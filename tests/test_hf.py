@@ -25,7 +25,8 @@ VOCAB, ATOL = 100, 1e-5
 def _hf_models():
     """arch → (tiny transformers model, save_pretrained max_shard_size). Llama: GQA (2 groups),
     rope_theta 5e4, untied; Mistral: 1 group, tied, a sliding window longer than the sequence;
-    GPT-2: Conv1D weights, biases, learned positions, gelu_new, tied."""
+    GPT-2: Conv1D weights, biases, learned positions, gelu_new, tied; Qwen2: q/k/v biases only, tied;
+    Qwen3: per-head q/k RMSNorms, head dim 16 (not hidden / heads = 8), untied."""
     t = transformers
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=64, rms_norm_eps=1e-6, attn_implementation="eager")
@@ -37,6 +38,9 @@ def _hf_models():
                                                          sliding_window=64, **common)), None),
         "gpt2": (t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
                                                 attn_implementation="eager")), None),
+        "qwen2": (t.Qwen2ForCausalLM(t.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common)), None),
+        "qwen3": (t.Qwen3ForCausalLM(t.Qwen3Config(num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                                                   **common)), None),
     }
 
 
@@ -75,7 +79,7 @@ def test_fixture_models_are_what_the_tests_claim(hf):
     assert _logits(hf["gpt2"][1], hf["tokens"]).abs().max() > 1  # logits large enough to show a fault
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2", "qwen2", "qwen3"])
 def test_import_at_tp1_gives_transformers_logits_and_export_loads_back(hf, arch, tmp_path):
     folder, model = hf[arch]
     ckpt = str(tmp_path / "ckpt")

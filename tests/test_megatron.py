@@ -40,12 +40,13 @@ LLAMA = dict(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_grou
 GPT2 = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32)  # Megatron's fused tanh GeLU
 GPT2_EXACT = dict(GPT2, bias_gelu_fusion=False)  # --no-bias-gelu-fusion: exact GeLU in both
 MOE = dict(LLAMA, num_experts=4, moe_ffn_hidden_size=12, moe_router_topk=2)
+QWEN = dict(LLAMA, qk_layernorm=True, add_qkv_bias=True)  # Qwen3's q/k norms beside Qwen2's QKV-only biases
 ROUND_TRIP = ("llama_tp1", "gpt2_tp2", "moe_tp2")
 PADDED_VOCAB = (60, 64)  # 60 ids padded to 64 rows: --make-vocab-size-divisible-by 32 × TP 2
 # name: (meshlm flags, TP, expert layout singleton_local_shards)
 CASES = {"llama_tp1": (LLAMA, 1, False), "llama_tp2": (LLAMA, 2, False), "gpt2_tp1": (GPT2, 1, False),
          "gpt2_tp2": (GPT2, 2, False), "gpt2_exact_gelu_tp2": (GPT2_EXACT, 2, False), "moe_tp2": (MOE, 2, False),
-         "moe_singleton_tp1": (MOE, 1, True), "moe_ep2": (dict(MOE, ep=2), 1, False)}
+         "moe_singleton_tp1": (MOE, 1, True), "moe_ep2": (dict(MOE, ep=2), 1, False), "qwen_tp2": (QWEN, 2, False)}
 
 
 def _meshlm_config(spec: dict):
@@ -525,11 +526,12 @@ def test_megatron_args_meshlm_cannot_compute_are_refused_in_one_line():
     from meshlm.checkpoint.megatron import model_from_args
     from meshlm.errors import CheckpointError
     args = argparse.Namespace(num_layers=2, hidden_size=16, num_attention_heads=4, swiglu=False,
-                              bias_gelu_fusion=False, moe_layer_freq=1, qk_layernorm=False)
+                              bias_gelu_fusion=False, moe_layer_freq=1, qk_layernorm=True, squared_relu=False)
     m = model_from_args(args)
-    assert (m.num_layers, m.hidden_size, m.bias_gelu_fusion, m.moe_layer_freq) == (2, 16, False, "1")
-    args.qk_layernorm = True
-    with pytest.raises(CheckpointError, match=r"trained with --qk-layernorm \(True\); meshlm's model has no"):
+    assert (m.num_layers, m.hidden_size, m.bias_gelu_fusion, m.moe_layer_freq, m.qk_layernorm) == (2, 16, False, "1",
+                                                                                                   True)
+    args.squared_relu = True
+    with pytest.raises(CheckpointError, match=r"trained with --squared-relu \(True\); meshlm's model has no"):
         model_from_args(args)
 
 

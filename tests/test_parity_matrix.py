@@ -64,10 +64,14 @@ def test_compiled_fast_path_matches_single_process_in_float64():
                   Case(dp=2, zero=3, overlap_grad=True, overlap_param=True, **llama))
 
 
-def test_partial_rotary_and_zero_centred_norms_with_tp_match_single_process_in_float64():
+def test_partial_rotary_zero_centred_and_qk_norms_with_tp_match_single_process_in_float64():
     """--rotary-percent 0.5 (head dim 4: the first 2 dimensions rotated) under TP=2 with SP, with
     per-document positions (--reset-position-ids): the RoPE tables' other path. And
     --apply-layernorm-1p (norm weights from 0, scaling by 1 + w) under TP=2 with SP, whose norms'
-    gradients are all-reduced over TP, for both norms."""
+    gradients are all-reduced over TP, for both norms. And --qk-layernorm, each TP rank normalising
+    its own heads (the q/k norms' gradients summed over TP in autograd): RMSNorm with Qwen2's QKV-only
+    biases under SP, and LayerNorm with one key/value group gathered by both TP ranks."""
     assert_parity(Case(tp=2, sp=True, pos="rope", rotary=0.5, packed=True),
-                  Case(tp=2, sp=True, one_p=True, norm="RMSNorm"), Case(tp=2, sp=True, one_p=True))
+                  Case(tp=2, sp=True, one_p=True, norm="RMSNorm"), Case(tp=2, sp=True, one_p=True),
+                  Case(tp=2, sp=True, qk_norm=True, qkv_bias=True, pos="rope", norm="RMSNorm"),
+                  Case(tp=2, groups=1, qk_norm=True, pos="rope"))

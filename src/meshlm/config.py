@@ -87,6 +87,10 @@ class ModelConfig:
         False, "separate output layer instead of the tied input embedding", action="store_true")
     add_bias_linear: bool = opt(True, "disable biases in linear layers", flag="--disable-bias-linear",
                                 action="store_false")
+    add_qkv_bias: bool = opt(False, "a bias in the query/key/value projection even under --disable-bias-linear "
+                             "(Qwen2's)", action="store_true")
+    qk_layernorm: bool = opt(False, "normalise each head's query and key (--normalization's kind, over the head "
+                             "dim) before RoPE (Qwen3's, OLMo 2's)", action="store_true")
     hidden_dropout: float = opt(0.1, "dropout on hidden states")
     attention_dropout: float = opt(0.1, "dropout on attention probabilities")
     init_method_std: float = opt(0.02, "std of the normal weight init")

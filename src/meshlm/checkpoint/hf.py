@@ -1,4 +1,5 @@
-"""Hugging Face safetensors weights ↔ meshlm's full weights, for Llama, Mistral, Mixtral and GPT-2.
+"""Hugging Face safetensors weights ↔ meshlm's full weights, for Llama, Mistral, Mixtral, Qwen2,
+Qwen3 and GPT-2.
 
 One table (``rules``) says which Hugging Face tensors make each meshlm tensor; import and
 export both read it. meshlm's full (TP=1) weights are those of ``parallel.tensor.
@@ -9,6 +10,9 @@ unpadded, fused QKV rows [Q (a·d); K (g·d); V (g·d)], fused SwiGLU fc1 rows [
   o_proj → linear_proj; gate_proj, up_proj stacked into linear_fc1; down_proj → linear_fc2;
   input_layernorm, post_attention_layernorm (→ pre_mlp_layernorm); model.embed_tokens,
   model.norm, lm_head (absent when tied). Query head j reads key/value head j // (a/g) in both.
+- Qwen2: as Llama, with q_proj/k_proj/v_proj biases stacked into linear_qkv.bias (--add-qkv-bias).
+  Qwen3: as Llama, with self_attn.q_norm / k_norm → self_attention.q_layernorm / k_layernorm
+  (--qk-layernorm).
 - Mixtral: as Mistral, the MLP an MoE (``block_sparse_moe.``, the layout transformers writes):
   gate → mlp.router; experts.{e}.w1 (gate), w3 (up) stacked into
   mlp.experts.local_experts.{e}.linear_fc1, w2 → its linear_fc2 (experts under global indices).
@@ -83,9 +87,13 @@ def rules(arch: str, m: C.ModelConfig) -> list:
         for i in range(m.num_layers):
             p, q = f"model.layers.{i}.", f"layers.{i}."
             out.append(Rule(q + "input_layernorm.weight", (p + "input_layernorm.weight",)))
+            qkv_bias = (".weight", ".bias") if m.add_bias_linear or m.add_qkv_bias else (".weight",)  # Qwen2's
             out += [Rule(q + "self_attention.linear_qkv" + s, tuple(p + f"self_attn.{x}_proj" + s for x in "qkv"),
-                         (a * d, g * d, g * d)) for s in bias]
+                         (a * d, g * d, g * d)) for s in qkv_bias]
             out += [Rule(q + "self_attention.linear_proj" + s, (p + "self_attn.o_proj" + s,)) for s in bias]
+            if m.qk_layernorm:  # Qwen3's q_norm / k_norm (RMSNorm over the head dim)
+                out += [Rule(q + f"self_attention.{x}_layernorm.weight", (p + f"self_attn.{x}_norm.weight",))
+                        for x in "qk"]
             out.append(Rule(q + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",)))
             if arch == "mixtral":
                 out += _mixtral_moe(p + "block_sparse_moe.", q + "mlp.", m)
@@ -238,7 +246,8 @@ def to_hf_tensors(full: dict, arch: str, m: C.ModelConfig) -> dict:
 
 def _is_norm_weight(name: str) -> bool:
     """Whether meshlm tensor ``name`` is a LayerNorm/RMSNorm weight (model/transformer.py ``Norm``)."""
-    return name.endswith(("input_layernorm.weight", "pre_mlp_layernorm.weight", "final_layernorm.weight"))
+    return name.endswith(("input_layernorm.weight", "pre_mlp_layernorm.weight", "final_layernorm.weight",
+                          "q_layernorm.weight", "k_layernorm.weight"))
 
 
 def _new_file_mode(path: str) -> None:

@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` ↔ meshlm's model flags, for Llama, Mistral, Mixtral and GPT-2.
+"""Hugging Face ``config.json`` ↔ meshlm's model flags, for Llama, Mistral, Mixtral, Qwen2, Qwen3
+and GPT-2.
 
 Fields read (transformers' names; ``rope_parameters`` is transformers ≥ 5, ``rope_theta`` and
 ``rope_scaling`` earlier versions):
@@ -15,6 +16,9 @@ Fields read (transformers' names; ``rope_parameters`` is transformers ≥ 5, ``r
   router_aux_loss_coef is neither read nor written: HF's loss is another function (it pools all
   layers' tokens and sums the top-k one-hots; Megatron's is per layer, divided by k), so one
   coefficient does not carry over; pass --moe-aux-loss-coeff.
+- qwen2 / qwen3: as llama; qwen2 → --disable-bias-linear --add-qkv-bias (its q/k/v projections
+  always have biases), qwen3 → --qk-layernorm (q_norm / k_norm); attention_bias and
+  use_sliding_window must be false.
 - gpt2: n_embd, n_layer, n_head, n_inner (default 4·n_embd), n_positions, layer_norm_epsilon,
   activation_function (gelu_new → --openai-gelu, gelu → exact GeLU: --no-bias-gelu-fusion),
   tie_word_embeddings.
@@ -38,7 +42,8 @@ from .. import config as C
 from ..errors import CheckpointError
 from .architecture import architecture, difference, differs
 
-ARCHITECTURES = ("llama", "mistral", "mixtral", "gpt2")
+ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gpt2")
+LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 
@@ -47,7 +52,7 @@ INDEX = "model.safetensors.index.json"
 class HFModel:
     """A Hugging Face model described in meshlm's terms.
 
-    arch: "llama" | "mistral" | "mixtral" | "gpt2". model: {ModelConfig field: value}. window: Mistral's
+    arch: one of ARCHITECTURES. model: {ModelConfig field: value}. window: Mistral's
     sliding window in tokens (None: full attention). max_positions: the position limit.
     """
 
@@ -140,9 +145,14 @@ def _llama(hf: dict, arch: str, where: str) -> HFModel:
     if hf.get("hidden_act", "silu") != "silu":
         raise _refuse(where, "hidden_act", hf["hidden_act"], "meshlm's SwiGLU MLP uses silu")
     attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if arch in ("qwen2", "qwen3") and attn_bias:  # qwen2's q/k/v biases have no field; qwen3's would take o_proj's too
+        raise _refuse(where, "attention_bias", attn_bias, f"{arch}'s attention biases beside an MLP without: "
+                      f"meshlm's --disable-bias-linear takes biases off every linear layer or none")
     if attn_bias != mlp_bias:
         raise _refuse(where, "attention_bias", attn_bias, f"with mlp_bias={mlp_bias}: meshlm's "
                       f"--disable-bias-linear takes biases off every linear layer or none")
+    if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        raise _refuse(where, "use_sliding_window", hf["use_sliding_window"], "meshlm has no sliding-window attention")
     positions = _int(hf, "max_position_embeddings", where, 2048)
     model = dict(
         num_layers=_need(hf, "num_hidden_layers", where), hidden_size=h, num_attention_heads=heads,
@@ -154,7 +164,8 @@ def _llama(hf: dict, arch: str, where: str) -> HFModel:
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         add_bias_linear=attn_bias, max_position_embeddings=positions,
         hidden_dropout=0.0, attention_dropout=_float(hf, "attention_dropout", where, 0.0, below=1.0, open_low=False),
-        init_method_std=_float(hf, "initializer_range", where, 0.02), num_experts=None)
+        init_method_std=_float(hf, "initializer_range", where, 0.02), num_experts=None,
+        add_qkv_bias=arch == "qwen2", qk_layernorm=arch == "qwen3")
     if arch == "mixtral":
         if _float(hf, "router_jitter_noise", where, 0.0, open_low=False):
             raise _refuse(where, "router_jitter_noise", hf["router_jitter_noise"], "meshlm's router adds no noise")
@@ -206,7 +217,7 @@ def model_from_hf(hf: dict, where: str) -> HFModel:
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{where}: model_type={arch!r} is not supported; meshlm converts "
                               f"{', '.join(ARCHITECTURES)}")
-    return _gpt2(hf, where) if arch == "gpt2" else _llama(hf, arch, where)
+    return _gpt2(hf, where) if arch == "gpt2" else _llama(hf, arch, where)  # LLAMA_LIKE
 
 
 # ----------------------------------------------------------------------------- meshlm flags
@@ -257,8 +268,9 @@ def _export_arch(m: C.ModelConfig, arch: Optional[str]) -> str:
     """The HF architecture for ``m``: ``arch`` if given (checked), else mixtral (MoE), llama (RoPE)
     or gpt2."""
     rope = m.position_embedding_type == "rope"
-    arch = arch or ("mixtral" if m.num_experts else "llama" if rope else "gpt2")
-    llama_like = arch in ("llama", "mistral", "mixtral")
+    qwen = "qwen3" if m.qk_layernorm else "qwen2" if m.add_qkv_bias and not m.add_bias_linear else None
+    arch = arch or ("mixtral" if m.num_experts else qwen or ("llama" if rope else "gpt2"))
+    llama_like = arch in LLAMA_LIKE
     wanted = [("--position-embedding-type", m.position_embedding_type, "rope" if llama_like else "learned_absolute"),
               ("--normalization", m.normalization, "RMSNorm" if llama_like else "LayerNorm"),
               ("--swiglu", m.swiglu, llama_like),
@@ -269,8 +281,10 @@ def _export_arch(m: C.ModelConfig, arch: Optional[str]) -> str:
         wanted += [("--disable-bias-linear", not m.add_bias_linear, False),
                    ("--group-query-attention", C.query_groups(m) != m.num_attention_heads, False),
                    ("--kv-channels", C.head_dim(m), m.hidden_size // m.num_attention_heads)]
-    if arch in ("mistral", "mixtral"):
+    if arch in ("mistral", "mixtral", "qwen2", "qwen3"):
         wanted.append(("--disable-bias-linear", not m.add_bias_linear, True))
+    wanted += [("--qk-layernorm", m.qk_layernorm, arch == "qwen3"),
+               ("--add-qkv-bias", m.add_qkv_bias and not m.add_bias_linear, arch == "qwen2")]
     if arch == "mixtral":
         moe = sum(C.moe_layer_pattern(m)) if m.num_experts else 0
         wanted += [("MoE layers (--num-experts, --moe-layer-freq)", f"{moe} of {m.num_layers}",
@@ -290,8 +304,9 @@ def _export_arch(m: C.ModelConfig, arch: Optional[str]) -> str:
 def hf_config_from_model(m: C.ModelConfig, vocab_size: int, arch: Optional[str] = None) -> dict:
     """The Hugging Face config.json (a dict) of the meshlm model ``m`` with ``vocab_size`` rows.
 
-    arch: "llama", "mistral", "mixtral" or "gpt2"; default mixtral for MoE models, llama for RoPE
-    models, gpt2 otherwise. Raises
+    arch: "llama", "mistral", "mixtral", "qwen2", "qwen3" or "gpt2"; default mixtral for MoE models,
+    qwen3 with --qk-layernorm, qwen2 with QKV-only biases, llama for other RoPE models, gpt2
+    otherwise. Raises
     CheckpointError naming the flag that the architecture cannot express.
     """
     arch = _export_arch(m, arch)
@@ -303,7 +318,8 @@ def hf_config_from_model(m: C.ModelConfig, vocab_size: int, arch: Optional[str] 
                 "layer_norm_epsilon": m.norm_epsilon, "activation_function": "gelu_new" if C.gelu_tanh(m) else "gelu",
                 "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
                 "initializer_range": m.init_method_std, "tie_word_embeddings": tied, "dtype": "float32"}
-    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
     out = {"architectures": [names[arch]],
            "model_type": arch, "vocab_size": vocab_size, "hidden_size": m.hidden_size,
            "intermediate_size": C.moe_ffn(m) if arch == "mixtral" else C.ffn_hidden(m),
@@ -318,6 +334,10 @@ def hf_config_from_model(m: C.ModelConfig, vocab_size: int, arch: Optional[str] 
         out.update(num_local_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk, router_jitter_noise=0.0)
     if arch in ("mistral", "mixtral"):
         out["sliding_window"] = None
+    elif arch in ("qwen2", "qwen3"):
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.num_layers)
+        if arch == "qwen3":
+            out["attention_bias"] = False
     else:
         out["attention_bias"] = out["mlp_bias"] = m.add_bias_linear
     return out

@@ -91,17 +91,16 @@ def check_backend(folder: str) -> None:
 # ----------------------------------------------------------------------------- flags
 
 # Megatron-LM args that meshlm's model cannot compute, and the value that is fine.
-_REFUSED = {"qk_layernorm": False, "rotary_interleaved": False, "multi_latent_attention": False,
-            "squared_relu": False, "moe_shared_expert_gate": False,
-            "add_qkv_bias": False, "num_experts_per_group": None}
+_REFUSED = {"rotary_interleaved": False, "multi_latent_attention": False,
+            "squared_relu": False, "moe_shared_expert_gate": False, "num_experts_per_group": None}
 
 
 def model_from_args(args) -> C.ModelConfig:
     """The ModelConfig of a Megatron-LM run's ``args`` (common.pt's Namespace): every field meshlm
     shares with Megatron-LM (the same names and meanings, --bias-gelu-fusion included) taken from it.
 
-    Raises CheckpointError naming the first arg whose function meshlm lacks (qk-layernorm, an
-    interleaved rotary, MLA, squared ReLU, …).
+    Raises CheckpointError naming the first arg whose function meshlm lacks (an interleaved
+    rotary, MLA, squared ReLU, …).
     """
     for name, fine in _REFUSED.items():
         value = getattr(args, name, fine)

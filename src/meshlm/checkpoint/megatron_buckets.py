@@ -43,7 +43,9 @@ _ALIGN = 64  # a parameter starts at a multiple of 64 elements (128-byte aligned
 
 # one layer's parameters in registration order (meshlm's names, the layer prefix left out)
 _ATTN = ["self_attention.linear_proj.weight", "self_attention.linear_proj.bias"]
-_QKV = ["self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"]
+_QKV = ["self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",  # then --qk-layernorm's norms
+        "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+        "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias"]
 _MLP = ["mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"]
 _NORM1 = ["input_layernorm.weight", "input_layernorm.bias"]
 _NORM2 = ["pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias"]

@@ -27,6 +27,7 @@ from ..config import head_dim, max_positions, query_groups, rotary_dim
 from ..dtypes import at_least_fp32, wide
 from ..parallel import comm, context
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, contiguous_index
+from .norm import Norm
 
 
 class Rotary(nn.Module):
@@ -125,12 +126,17 @@ class SelfAttention(nn.Module):
             kv_rows = a * d + contiguous_index(2 * g * d, tp, r)
         bias = cfg.add_bias_linear
         self.linear_qkv = ColumnParallelLinear(
-            cfg.hidden_size, (a + 2 * g) * d, ps, init("self_attention.linear_qkv.weight"), bias=bias,
+            cfg.hidden_size, (a + 2 * g) * d, ps, init("self_attention.linear_qkv.weight"),
+            bias=bias or cfg.add_qkv_bias,
             sequence_parallel=sequence_parallel, rows=torch.cat([q_rows, kv_rows]),
             parts=(("linear_q", a * d), ("linear_k", g * d), ("linear_v", g * d)), params_dtype=params_dtype)
         self.linear_proj = RowParallelLinear(
             a * d, cfg.hidden_size, ps, scaled_init("self_attention.linear_proj.weight"), bias=bias,
             sequence_parallel=sequence_parallel, cols=q_rows, params_dtype=params_dtype)
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm:  # over each head's d features; a TP rank sees its heads only (Norm's tp_group)
+            self.q_layernorm, self.k_layernorm = (Norm(cfg, False, params_dtype, ps.device, size=d, tp_group=ps.tp_group)
+                                                  for _ in range(2))
 
     def _split_qkv(self, qkv):
         s, b, _ = qkv.shape
@@ -148,6 +154,8 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, call: int, positions=None, mask=None) -> torch.Tensor:
         q, k, v = self._split_qkv(self.linear_qkv(x))
+        if self.q_layernorm is not None:  # --qk-layernorm: before RoPE, as Megatron-core and Qwen3
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         if self.query_scale != 1.0:  # SDPA's 1/√d becomes --use-mup's softmax scale, in every core

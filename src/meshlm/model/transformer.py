@@ -36,39 +36,14 @@ from ..fast import compile_module
 from ..parallel import comm
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.random import RNGTracker
-from ..parallel.tensor import ShardedInit, VocabParallelEmbedding, contiguous_index, mark_partitioned, new_param
+from ..parallel.tensor import ShardedInit, VocabParallelEmbedding, contiguous_index, mark_partitioned
 from .attention import SelfAttention, attention_mask
 from .mlp import MLP
 from .moe import MoELayer, MoEState, forward_pass
+from .norm import Norm
 from .recompute import Recompute
 
 EMBEDDING_KEY = (-1, "embedding.word_embeddings.weight")  # (layer, name) of the word embedding
-
-
-class Norm(nn.Module):
-    """LayerNorm (weight, bias) or RMSNorm (weight; Zhang & Sennrich 2019) over the last dim.
-
-    Replicated over TP; under sequence parallelism each rank sees s/tp rows, so its parameters
-    carry ``sequence_parallel = True`` (grads all-reduced over TP by the DDP wrapper). Under
-    --apply-layernorm-1p the weight is zero-centred: it starts at 0 and the norm scales by 1 + w
-    (Megatron-LM's; the checkpoint holds w, as Megatron's does).
-    """
-
-    def __init__(self, cfg, sequence_parallel: bool, params_dtype, device):
-        super().__init__()
-        self.rms, self.eps, self.one_p = cfg.normalization == "RMSNorm", cfg.norm_epsilon, cfg.apply_layernorm_1p
-        start, h = torch.zeros if self.one_p else torch.ones, cfg.hidden_size
-        self.weight = new_param(lambda: start(h, dtype=params_dtype, device=device), (h,), params_dtype, device)
-        self.bias = None if self.rms else new_param(lambda: torch.zeros(h, dtype=params_dtype, device=device), (h,),
-                                                    params_dtype, device)
-        for p in self.parameters():
-            p.no_weight_decay, p.sequence_parallel = True, sequence_parallel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.one_p else self.weight
-        if not self.rms:
-            return F.layer_norm(x, x.shape[-1:], weight, self.bias, self.eps)
-        return F.rms_norm(x, x.shape[-1:], weight, self.eps)  # fp32 statistics for bf16/fp16
 
 
 class SequenceSlice:

@@ -26,9 +26,10 @@ def stage_params(cfg: Config, vocab: int, *, expert: Optional[bool] = None) -> l
     h, ffn, bias = m.hidden_size, ffn_hidden(m), m.add_bias_linear
     qkv = (m.num_attention_heads + 2 * query_groups(m)) * head_dim(m)
     norm = h * (2 if m.normalization == "LayerNorm" else 1)
-    split = h * qkv + qkv * bias + m.num_attention_heads * head_dim(m) * h \
+    split = h * qkv + qkv * (bias or m.add_qkv_bias) + m.num_attention_heads * head_dim(m) * h \
         + h * ffn * (2 if m.swiglu else 1) + ffn * (2 if m.swiglu else 1) * bias + ffn * h
-    layer = split / tp + 2 * norm + 2 * h * bias
+    qk_norms = 2 * norm // h * head_dim(m) if m.qk_layernorm else 0  # --qk-layernorm: per head dim, replicated
+    layer = split / tp + 2 * norm + 2 * h * bias + qk_norms
 
     def mlp(width: int, split_over: int) -> float:  # fc1 (+ bias), fc2 over split_over ranks, fc2's bias whole
         return (h * width * (2 if m.swiglu else 1) + width * (2 if m.swiglu else 1) * bias + width * h) \
