@@ -160,9 +160,12 @@ def test_tp2_and_pp2_from_hf_folder_and_converted_checkpoint_give_transformers_l
         assert (logits - _logits(hf[arch][1], hf["tokens"])).abs().max() < ATOL
 
 
-def _finetune_config(tmp, folder):
-    """One TP=2 step from the Hugging Face folder on mock data (vocabulary 100, 16 tokens)."""
-    cfg = tiny_config(tmp, tp=2, iters=1, micro=2, global_batch=2)
+def _finetune_config(tmp, folder, zero3=False):
+    """One step from the Hugging Face folder on mock data (vocabulary 100, 16 tokens), at TP=2 or
+    (zero3) at DP=2 under ZeRO-3."""
+    cfg = tiny_config(tmp, tp=1 if zero3 else 2, iters=1, micro=1 if zero3 else 2, global_batch=2)
+    if zero3:
+        cfg.parallel.data_parallel_sharding_strategy = "optim_grads_params"
     cfg.model = convert._hf_model(folder, "--load").model_config(cfg.model)
     cfg.model.make_vocab_size_divisible_by = 16
     cfg.optimizer.lr_warmup_iters = 0  # the one step changes the weights
@@ -171,14 +174,17 @@ def _finetune_config(tmp, folder):
     return cfg
 
 
-def _finetune(rank, world, tmp, folder):
-    return trainer.pretrain(_finetune_config(tmp, folder))
+def _finetune(rank, world, tmp, folder, zero3):
+    return trainer.pretrain(_finetune_config(tmp, folder, zero3))
 
 
-def test_pretrain_load_of_a_hf_folder_fine_tunes_from_its_loss_and_exports(hf, tmp_path):
+@pytest.mark.parametrize("zero3", [False, True])
+def test_pretrain_load_of_a_hf_folder_fine_tunes_from_its_loss_and_exports(hf, tmp_path, zero3):
+    """ZeRO-3 too: its weights live in shards, so the load makes them whole first (it wrote into
+    freed storage: a segmentation fault)."""
     from meshlm.data.gpt_dataset import build_datasets
     folder, model = hf["llama"]
-    summary = run_distributed(_finetune, 2, str(tmp_path), folder)[0]
+    summary = run_distributed(_finetune, 2, str(tmp_path), folder, zero3)[0]
     assert summary["iterations"] == 1
     train, _, _ = build_datasets(_finetune_config(str(tmp_path), folder), world_size=2)
     tokens = torch.stack([train[i]["tokens"] for i in range(2)])

@@ -162,6 +162,7 @@ def _load_weights_only(run) -> TrainState:
     the optimizer starts fresh from them, the run at iteration 0. Errors as load_checkpoint's."""
     from ..checkpoint import convert
     problem = None
+    run.opt.finish_param_sync()  # ZeRO-3: the params whole (their shards are all they hold), then copied back
     try:
         convert.load_weights(run.chunks, run.cfg.model, run.cfg.checkpoint.load)
     except CheckpointError as e:
