@@ -22,7 +22,7 @@ SWITCHES = {"none": {}, "no_load_optim": {"no_load_optim": True}, "no_load_rng":
             "finetune": {"finetune": True}}
 
 
-def _config(tmp: str, zero: bool) -> Config:
+def _config(tmp: str, zero: int) -> Config:
     cfg = Config()
     m, t = cfg.model, cfg.training
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 2, 32, 4, 16, 100
@@ -30,7 +30,7 @@ def _config(tmp: str, zero: bool) -> Config:
     t.micro_batch_size, t.global_batch_size, t.train_iters = 2, GLOBAL, ITERS
     t.log_interval, t.eval_interval, t.eval_iters = 1, 100, 1
     cfg.optimizer.lr, cfg.optimizer.lr_warmup_iters = 1e-2, 1
-    cfg.parallel.use_distributed_optimizer = zero
+    cfg.parallel.data_parallel_sharding_strategy = ("no_shard", "optim", "optim_grads", "optim_grads_params")[zero]
     cfg.data.mock_data = True
     cfg.logging.log_dir = os.path.join(tmp, "logs")
     cfg.checkpoint.save = os.path.join(tmp, "ckpt")
@@ -40,6 +40,7 @@ def _config(tmp: str, zero: bool) -> Config:
 def _snapshot(run) -> dict:
     """Copies of the run's weights and of its optimizer's per-parameter fp32 state pieces."""
     pieces = run.opt.state_pieces()
+    run.opt.finish_param_sync()  # ZeRO-3: the weights whole, to read them
     return {"weights": [q.detach().clone() for c in run.chunks for q in c.parameters()],
             "state": [{k: v.clone() for k, v in st.items()} for _, _, st in pieces],
             "param_pieces": [p.detach().reshape(-1)[lo:lo + st["master"].numel()].float()
@@ -95,7 +96,7 @@ def _save_then_load_each(rank, world, tmp, zero):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,zero", [(1, False), (2, True)], ids=["dp1", "zero1-dp2"])
+@pytest.mark.parametrize("world,zero", [(1, 0), (2, 1), (2, 3)], ids=["dp1", "zero1-dp2", "zero3-dp2"])
 def test_each_switch_restores_exactly_what_megatron_restores(tmp_path, world, zero):
     results = run_distributed(_save_then_load_each, world, str(tmp_path), zero)
     for r in results:

@@ -147,20 +147,26 @@ def test_grad_reduce_in_bf16_halves_the_gradients_and_their_dp_bytes():
     assert ta.optimizer - tb.optimizer == pytest.approx((4 * 2 + 2 + 2) * a.params / h200.hbm_bytes_per_s, rel=1e-9)
 
 
-def test_a_zero3_checkpoint_gathers_the_weights_whole_and_the_peak_allows_for_it():
-    """ZeRO-3 with --save: a save makes every bucket whole (gather_all) beside the shards, so the
-    peak is at least shards + whole weights + optimizer + grads; without --save/--load nothing
-    gathers the whole model, and the other stages are unchanged by the flag."""
+def test_zero3_gathers_the_weights_whole_only_to_read_a_weights_only_load(tmp_path):
+    """ZeRO-3 saves and loads meshlm checkpoints as its shards; a --load of a Hugging Face folder is
+    read into the weights made whole (gather_all), beside the shards, so the peak is at least shards
+    + whole weights + optimizer + grads. Other stages and other flags count nothing for it."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "model.safetensors").write_bytes(b"")
     base = ("--model", "llama-1b", "--vocab-size", "32000", "--seq-length", "1024", "--max-position-embeddings",
             "1024", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16")
     for strategy, gathers in (("optim_grads_params", True), ("optim", False)):
         flags = base + ("--data-parallel-sharding-strategy", strategy)
-        plain, saving = cfg_of(*flags), cfg_of(*flags, "--save", "/nonexistent/ckpt")
+        plain, saving, loading = (cfg_of(*flags, *extra) for extra in ((), ("--save", str(tmp_path / "ckpt")),
+                                                                       ("--load", str(folder))))
         lay = Layout.of(plain, 8)
-        a, b = estimate(plain, lay, 32000), estimate(saving, lay, 32000)
-        assert a.checkpoint_gather == 0.0 and b.checkpoint_gather == (2 * b.params if gathers else 0.0)
+        a, b, c = (estimate(x, lay, 32000) for x in (plain, saving, loading))
+        assert a.checkpoint_gather == b.checkpoint_gather == 0.0 and b.peak_bytes == a.peak_bytes
+        assert c.checkpoint_gather == (2 * c.params if gathers else 0.0)
         if gathers:
-            assert b.peak_bytes == pytest.approx(b.weights + 2 * b.params + b.optimizer + b.grads, rel=1e-12)
-            assert b.peak_bytes > a.peak_bytes  # at DP 8 the whole weights outweigh the activations
+            assert c.peak_bytes == pytest.approx(c.weights + 2 * c.params + c.optimizer + c.grads, rel=1e-12)
+            assert c.peak_bytes > a.peak_bytes
         else:
-            assert b.peak_bytes == a.peak_bytes
+            assert c.peak_bytes == a.peak_bytes

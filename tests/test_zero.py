@@ -301,10 +301,16 @@ def _train(rank, world, case, root, load, steps, save):
     norms, step = [], run.opt.step
     run.opt.step = lambda *a, **k: (lambda r: (norms.append(r.resolve().grad_norm), r)[1])(step(*a, **k))
     losses = [trainer.train_step(run, state) for _ in range(steps)]
+    gather, save_gathered = getattr(run.opt, "param_gather", None), None
     if save:
+        if gather is not None:  # what a ZeRO-3 save gathers: nothing (its shards are saved as they lie)
+            run.opt.settle_params()
+            gather.reset_peak()
         trainer.save_checkpoint(run, state)
+        save_gathered = gather and gather.peak_bytes
     run.opt.finish_param_sync()
-    return {"iteration": state.iteration, "losses": losses, "norms": norms, "params": parity._full_params(run)}
+    return {"iteration": state.iteration, "losses": losses, "norms": norms, "params": parity._full_params(run),
+            "save_gathered": save_gathered}
 
 
 def _world4(rank, world, root):
@@ -323,6 +329,8 @@ def _world1(rank, world, root):
 
 @pytest.mark.slow  # multi-process: make test-quick leaves it out
 def test_checkpoints_of_zero3_load_at_zero1_then_zero0_and_continue_exactly(tmp_path):
+    """ZeRO-3's weights are saved and loaded as the shards they live in (before: gathered whole
+    for a save, the whole model on every rank at once)."""
     root = str(tmp_path)
     parts = list(zip(*run_distributed(_world4, 4, root)))
     (last, ref), = run_distributed(_world1, 1, root)
@@ -339,6 +347,7 @@ def test_checkpoints_of_zero3_load_at_zero1_then_zero0_and_continue_exactly(tmp_
                 if not rel_err(t, ref["params"][n]) <= parity.TOL]
     assert not bad, "\n".join(bad[:20])
     assert last["iteration"] == STEPS and ref["losses"][0] != ref["losses"][-1]
+    assert [r["save_gathered"] for r in parts[0]] == [0] * 4  # a ZeRO-3 save gathers no weights
 
 
 # ---------------------------------------------------------------------------- memory

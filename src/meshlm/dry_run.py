@@ -118,8 +118,8 @@ def memory_lines(cfg: Config, world: int, vocab: int) -> list:
             f"memory peak per rank (planner): {mem.peak_bytes / GiB:.2f} GiB allocated, about "
             f"{mem.device_bytes / GiB:.2f} GiB of device memory with the CUDA context and allocator reserve "
             f"(`meshlm plan` with the same flags compares it with a GPU and ranks the layouts that fit)"
-            + (f"; it allows for the {mem.checkpoint_gather / GiB:.2f} GiB of weights a checkpoint save or load "
-               f"gathers whole under ZeRO-3, between steps" if mem.checkpoint_gather else ""),
+            + (f"; it allows for the {mem.checkpoint_gather / GiB:.2f} GiB of weights ZeRO-3 gathers whole to read "
+               f"--load's weights-only folder, at start" if mem.checkpoint_gather else ""),
             *too_large_lines(mem.device_bytes), *host_lines(cfg, world, mem)]
 
 

@@ -123,12 +123,13 @@ class ModelSpace:
                 if fused:
                     self.fused[name] = fused
 
-    def model(self, writing: bool) -> dict:
-        """{key: Boxes of views into the model tensors}: what this rank writes (writing) or reads."""
+    def model(self, writing: bool, skip=frozenset()) -> dict:
+        """{key: Boxes of views into the model tensors}: what this rank writes (writing) or reads;
+        the tensors in ``skip`` left out (ZeRO-3's, placed from their shards by ``state``)."""
         items = []
         for t in self.tensors:
             pieces, writes = self.where[t]
-            if writes or not writing:
+            if t not in skip and (writes or not writing):
                 items += _cut(pieces, (0,) * t.dim(), t.detach())
         return _group(items)
 

@@ -112,11 +112,19 @@ def set_rng_state(state: dict) -> None:
 
 # ----------------------------------------------------------------------------- model and optimizer state
 
-def model_state(space: ModelSpace, *, load: bool = False) -> dict:
+def model_state(space: ModelSpace, *, load: bool = False, shards: tuple = ((), ())) -> dict:
     """{"model": {key: Boxes}, "model_fused": {fused name: {"dim", "parts"}}}: views of this rank's
     model tensors in model space — what it writes, or (load) what it reads (TP-replicated
-    tensors too). Loading writes straight into the model."""
-    return {"model": space.model(writing=not load), "model_fused": space.fused}
+    tensors too). Loading writes straight into the model. shards: ZeRO-3's (sharded params,
+    [(param, p_lo, view)] of this rank's pieces) (``DistributedDataParallel.shard_pieces``): those
+    params are placed from their shards, as the optimizer's state is, so neither a save nor a load
+    gathers the weights."""
+    sharded, pieces = shards
+    placed = {key: kinds["weight"] for key, kinds in
+              space.state([(p, lo, {"weight": view}) for p, lo, view in pieces], writing=not load).items()}
+    model = space.model(writing=not load, skip=sharded)
+    assert not placed.keys() & model.keys(), "a tensor both whole and sharded"
+    return {"model": {**model, **placed}, "model_fused": space.fused}
 
 
 def optimizer_state(opt, space: ModelSpace, *, load: bool = False) -> dict:

@@ -192,12 +192,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         else:
             self.param_gather.free_all()
 
-    def reload_model_params(self) -> None:
-        """As the base class, after copying the whole (loaded) params into the ZeRO-3 shards."""
-        self.finish_param_sync()
-        for s in self.shards:
-            if s.buf.sharded_params:
-                s.param.copy_(s.bucket.param[s.bucket.local(s.start, s.end)])
+    def reload_model_params(self, from_whole: bool = True) -> None:
+        """As the base class, after copying the whole (loaded) params into the ZeRO-3 shards; a
+        checkpoint loads ZeRO-3's shards themselves (``from_whole`` False), which gathers nothing."""
+        if from_whole:
+            self.finish_param_sync()
+            for s in self.shards:
+                if s.buf.sharded_params:
+                    s.param.copy_(s.bucket.param[s.bucket.local(s.start, s.end)])
         super().reload_model_params()
         if self.param_gather is not None:
             self.param_gather.free_all()

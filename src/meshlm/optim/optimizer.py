@@ -518,7 +518,7 @@ class MixedPrecisionOptimizer:
         of the flattened local (TP/PP) param: the whole param under plain DP, this rank's part of
         it under ZeRO-1. A checkpoint reads them to save and writes into them to load
         (checkpoint/state.py ``optimizer_state``), so neither gathers anything over DP."""
-        self.finish_param_sync()
+        self.settle_params()
         return [(f.param, f.p_lo, {k: t[f.lo:f.hi] for k, t in s.tensors().items()})
                 for s in self.shards for f in s.fragments]
 
@@ -530,18 +530,20 @@ class MixedPrecisionOptimizer:
     def load_state_dict(self, sd: dict) -> None:
         """Restore ``state_dict()``'s scalars once the tensors of ``state_pieces`` hold the loaded
         state, then copy the masters into the params (all-gathered under ZeRO-1: collective over
-        DP × CP, every rank calls it)."""
-        self.finish_param_sync()
+        DP × CP, every rank calls it; under ZeRO-3 into its shards)."""
+        self.settle_params()
         self.step_count = int(sd["step"])
         self.lr = float(sd["lr"])
         self.scaler.load_state_dict(sd["loss_scaler"])
         self._publish()
 
-    def reload_model_params(self) -> None:
+    def reload_model_params(self, from_whole: bool = True) -> None:
         """Copy the model params into the fp32 masters (Megatron's ``reload_model_params``): after
         loading only the model weights (--no-load-optim, --finetune) the masters must start from
-        them, not from the initial weights. fp32 params are their own masters: nothing to do."""
-        self.finish_param_sync()
+        them, not from the initial weights. fp32 params are their own masters: nothing to do.
+        from_whole: the params were loaded whole (the distributed optimizer's ZeRO-3 then copies
+        them into its shards first)."""
+        self.settle_params()
         for s in self.shards:
             if s.host:
                 self.staging.to_host(s.master, s.param)

@@ -256,6 +256,12 @@ class DistributedDataParallel:
         return all(q in self._where and self._where[q][0] is buf and buf.index[q][0] == start + i * n
                    and q.shape == stack[0].shape and q.is_contiguous() for i, q in enumerate(stack))
 
+    def shard_pieces(self) -> tuple:
+        """(every ZeRO-3-sharded param, every buffer's ``ParamAndGradBuffer.shard_pieces``): the params
+        whose values live only in shards, and this rank's pieces of them (empty when none is sharded)."""
+        return ({p for buf in self.buffers if buf.sharded_params for p in buf.params},
+                [piece for buf in self.buffers for piece in buf.shard_pieces()])
+
     def bucket_of(self, p: torch.Tensor) -> tuple:
         """(ParamAndGradBuffer, Bucket) holding param p."""
         return self._where[p]

@@ -190,6 +190,20 @@ class ParamAndGradBuffer:
         for p in bucket.params:
             p.main_grad = None
 
+    def shard_pieces(self) -> list:
+        """ZeRO-3 (``sharded_params``): [(param, p_lo, view)] of this rank's param shards, view [n]
+        holding elements [p_lo, p_lo + n) of the flattened param, so that a checkpoint saves and
+        loads the weights where they live (checkpoint/state.py ``model_state``), nothing gathered.
+        [] when the params are whole."""
+        out = []
+        for b in self.buckets if self.sharded_params else ():
+            lo, hi = b.shard(self.rank, self.size)
+            for p in b.params:
+                s, e = self.index[p]
+                if max(s, lo) < min(e, hi):
+                    out.append((p, max(s, lo) - s, b.param_shard[max(s, lo) - lo:min(e, hi) - lo]))
+        return out
+
     def free_param(self, bucket: Bucket) -> None:
         """ZeRO-3: release the bucket's whole params. Storage that cannot be resized (a checkpoint
         read aliased it through numpy) is first replaced by a fresh copy the params view."""

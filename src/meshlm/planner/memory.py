@@ -13,9 +13,9 @@ Model state (bytes per parameter of the rank's stage, from ``planner/params.py``
   a buffer). ZeRO-2 (--data-parallel-sharding-strategy optim_grads) divides the gradients too,
   ZeRO-3 (optim_grads_params) the weights too, plus its gathered working set (``gathered_bytes``:
   two blocks whole with one pipeline stage, all of the stage's weights under PP or with
-  --torch-fsdp2-no-reshard-after-forward); with --save or --load a checkpoint makes every bucket
-  whole (optim/param_gather.py ``gather_all``): the rank's weights whole beside the shards, a
-  peak between steps. Under
+  --torch-fsdp2-no-reshard-after-forward); a --load of a Hugging Face folder or a weights-only
+  checkpoint makes every bucket whole to read it (``gather_all``): the rank's weights whole beside
+  the shards, once at start (meshlm checkpoints are saved and read as the shards). Under
   --optimizer-cpu-offload the device holds 1 − --optimizer-offload-fraction of the optimizer state
   and the host (``host_bytes``) the rest at 12 bytes an element (fp32 master and two moments, the
   master separate even for fp32 params) plus the offload's staging buffers (optim/offload.py:
@@ -198,8 +198,9 @@ class Memory:
     activation peak); device_bytes = peak + CUDA context + allocator fragmentation.
     host_bytes: host memory of --optimizer-cpu-offload (the fraction's masters and moments + staging;
     0 without it); host_optimizer_full: the masters and moments of the whole optimizer on the host
-    (fraction 1), for ``largest_offload_fraction``. checkpoint_gather: under ZeRO-3 with --save or
-    --load, the rank's weights a checkpoint gathers whole beside the shards (peak_bytes counts it).
+    (fraction 1), for ``largest_offload_fraction``. checkpoint_gather: under ZeRO-3 with a --load of
+    a Hugging Face folder or weights-only checkpoint, the rank's weights it gathers whole beside the
+    shards to read them (peak_bytes counts it).
     """
 
     stage: int
@@ -217,7 +218,7 @@ class Memory:
     device_bytes: float
     host_bytes: float = 0.0
     host_optimizer_full: float = 0.0
-    checkpoint_gather: float = 0.0  # ZeRO-3 with --save/--load: the weights a save or load gathers whole (bytes)
+    checkpoint_gather: float = 0.0  # ZeRO-3 reading a HF/weights-only --load: the weights gathered whole (bytes)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -315,8 +316,8 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
         held = nmb > 1 or layout.pp > 1
         peak = st["weights"] + st["optimizer"] + acts + loss + (st["grads"] if held else 0.0)
         peak = max(peak, 2 * st["weights"] + st["optimizer"] + st["grads"])  # the step's weight-sized transient
-        gather = params[rank] * act if layout.stage == 3 and (c.checkpoint.save or c.checkpoint.load) else 0.0
-        peak = max(peak, st["weights"] + gather + st["optimizer"] + st["grads"])  # a save/load: every bucket whole
+        gather = params[rank] * act if layout.stage == 3 and _loads_whole(c.checkpoint.load) else 0.0
+        peak = max(peak, st["weights"] + gather + st["optimizer"] + st["grads"])  # that load: every bucket whole
         mem = Memory(stage=rank, params=params[rank], expert_params=experts[rank], weights=st["weights"],
                      grads=st["grads"], optimizer=st["optimizer"], activations=acts, activations_per_layer=full_layer,
                      in_flight=chunks * share, loss=loss, grads_at_peak=held, peak_bytes=peak,
@@ -325,6 +326,13 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
         if best is None or mem.peak_bytes > best.peak_bytes:
             best = mem
     return best
+
+
+def _loads_whole(load) -> bool:
+    """Whether --load is a Hugging Face folder or `meshlm convert`'s weights-only checkpoint, which
+    a ZeRO-3 run reads into its weights made whole (a meshlm checkpoint is read into the shards)."""
+    from ..checkpoint.convert import is_weights_only
+    return bool(load) and is_weights_only(load)
 
 
 def largest_offload_fraction(mem: Memory, budget: float, *, half: bool = True) -> float:

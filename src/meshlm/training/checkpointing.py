@@ -62,9 +62,9 @@ def save_checkpoint(run, state: TrainState) -> str:
     cfg, ps = run.cfg, run.ps
     watchdog.at(state.iteration, "checkpoint save")
     start = time.perf_counter()
-    run.opt.finish_param_sync()  # ZeRO-1 --overlap-param-gather: weights must be complete first
+    run.opt.settle_params()  # ZeRO-1 --overlap-param-gather: weights complete first; ZeRO-3: its shards are read
     space = ModelSpace(run.chunks, ps)
-    tree = {**model_state(space),
+    tree = {**model_state(space, shards=run.ddp.shard_pieces()),
             "optimizer": optimizer_state(run.opt, space),
             "scheduler": run.sched.state_dict(),
             ckpt.rank_key("rng", ps.rank): rng_state(),
@@ -136,7 +136,7 @@ def load_checkpoint(run) -> TrainState:
         # --decoupled-lr's value where the loaded schedule stands (the optimizer's scalars hold --lr's only)
         run.opt.set_lr(run.opt.lr, run.sched.decoupled_lr)
     else:
-        run.opt.reload_model_params()
+        run.opt.reload_model_params(from_whole=False)  # ZeRO-3's shards were read as they lie
     if _loads(c, "rng"):
         if tree["rng"] is not None:
             set_rng_state(tree["rng"])
@@ -208,9 +208,9 @@ def _read_checkpoint(run, checksums: bool) -> Optional[tuple]:
     path = ckpt.checkpoint_dir(c.load, checksums=checksums)  # may fall back, saying so
     if not c.finetune:
         check_model_config(path, cfg.model, load=c.load, vocab_size=run.tokenizer.vocab_size)
-    run.opt.finish_param_sync()
+    run.opt.settle_params()
     space = ModelSpace(run.chunks, ps)
-    targets = model_state(space, load=True)
+    targets = model_state(space, load=True, shards=run.ddp.shard_pieces())
     if _loads(c, "optim"):
         targets["optimizer"] = optimizer_state(run.opt, space, load=True)
     return ckpt.load(c.load, targets, coords=_coords(ps), iteration=ckpt.read_manifest(path)["iteration"])
