@@ -116,3 +116,21 @@ def test_blended_build_datasets_equals_megatron_core(tmp_path):
         np.testing.assert_array_equal(o.dataset_sample_index, t.dataset_sample_index)
         for i in range(len(t)):
             assert o[i]["tokens"].tolist() == t[i]["tokens"].tolist()
+
+
+def megatron_normalize(weights):
+    """megatron-core's datasets.utils.normalize, written from its definition: float64 w / sum(w)."""
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
+@pytest.mark.parametrize("raw", [[0.3, 0.3, 0.4], [8.04, 1.43], [0.53, 6.22, 0.27]])
+def test_blend_weights_are_normalised_bit_for_bit_as_megatron(raw):
+    """Weights scaled by the largest before the sum differed in the last bit, and the greedy blend
+    turns on it: "0.3 A 0.3 B 0.4 C" took another dataset than Megatron at sample 10."""
+    tokens = [t for i, w in enumerate(raw) for t in (str(w), f"P{i}")]
+    weights = [w for w, _ in parse_data_path(tokens)]
+    assert weights == megatron_normalize(raw)
+    blend = BlendedDataset([range(5000)] * len(raw), weights, 2000, [f"P{i}" for i in range(len(raw))])
+    expected, _ = build_blending_indices(megatron_normalize(megatron_normalize(raw)), 2000)
+    np.testing.assert_array_equal(blend.dataset_index, expected)

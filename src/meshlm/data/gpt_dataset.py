@@ -27,7 +27,7 @@ import torch
 from ..config import global_batch, run_iterations, run_samples
 from ..errors import ConfigError, DataError
 from ..parallel.agree import first_problem
-from .blend import SURPLUS, BlendedDataset, samples_per_dataset
+from .blend import SURPLUS, BlendedDataset, normalize, samples_per_dataset
 from .indexed import IndexedDataset
 from .packing import Packing
 from .sources import blends, per_split, split_string
@@ -58,8 +58,7 @@ def split_weights(split: str) -> list:
     if sum(w) == 0:
         raise ConfigError(f"--split {split!r} gives every split weight 0, so the training set gets no data; "
                           f"make the first (train) weight positive, e.g. 969,30,1")
-    w = np.asarray(w + [0.0] * (3 - len(w)), dtype=np.float64) / max(w)  # scaled first: 1e308,1e308
-    return (w / w.sum()).tolist()                                           # summed to inf (weights 0)
+    return normalize(w + [0.0] * (3 - len(w)))
 
 
 def split_ranges(split: str, num_sequences: int) -> list:
