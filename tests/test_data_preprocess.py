@@ -387,3 +387,32 @@ def test_input_and_json_keys_given_twice_add_up_not_replace():
         assert args.input == ["a", "b", "c"] and args.json_keys == ["text", "title"]
         args, _ = parser.parse_known_args(["--input", "a", "--output-prefix", "o", "--output", "t"])
         assert check_json_keys(args.json_keys) == ("text",)
+
+
+def read_idx(path):
+    """An independent reader of the .idx layout (MEGATRON_FORMATS.md): header, then int32 lengths,
+    int64 pointers, int64 document index."""
+    raw = path.read_bytes()
+    assert raw[:9] == b"MMIDIDX\x00\x00"
+    version, code, n, d = np.frombuffer(raw[9:17], "<u8")[0], raw[17], *np.frombuffer(raw[18:34], "<u8")
+    lengths = np.frombuffer(raw, "<i4", int(n), 34)
+    pointers = np.frombuffer(raw, "<i8", int(n), 34 + 4 * int(n))
+    documents = np.frombuffer(raw, "<i8", int(d), 34 + 12 * int(n))
+    assert version == 1 and len(raw) == 34 + 12 * int(n) + 8 * int(d)
+    return code, lengths.tolist(), pointers.tolist(), documents.tolist()
+
+
+@pytest.mark.parametrize("append_eod", [False, True])
+def test_an_empty_document_adds_no_sequence_and_no_eod_as_in_megatrons_preprocess(tmp_path, append_eod):
+    """Megatron's preprocess_data.py skips a text without tokens (its eod too) but keeps the document's
+    entry; meshlm wrote a sequence [eod] (or of length 0), so --split cut other sequences."""
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["1 2", "", "3", "  ", "4 5 6"]))
+    preprocess_files([str(path)], str(tmp_path / "out"), null_cfg(), VOCAB, append_eod=append_eod, quiet=True)
+    eod = [99] if append_eod else []
+    code, lengths, pointers, documents = read_idx(tmp_path / "out_text_document.idx")
+    assert code == 8 and lengths == [2 + len(eod), 1 + len(eod), 3 + len(eod)]  # uint16
+    assert pointers == [0, 2 * lengths[0], 2 * (lengths[0] + lengths[1])]
+    assert documents == [0, 1, 1, 2, 2, 3]
+    ids = np.frombuffer((tmp_path / "out_text_document.bin").read_bytes(), "<u2").tolist()
+    assert ids == [1, 2] + eod + [3] + eod + [4, 5, 6] + eod

@@ -36,7 +36,8 @@ def token_dtype(vocab_size: int) -> type:
 
 
 class IndexedDatasetWriter:
-    """Stream documents into ``{prefix}.bin/.idx``; one document is one sequence.
+    """Stream documents into ``{prefix}.bin/.idx``; one document is one sequence, an empty one
+    (:meth:`add_empty_document`) none.
 
     The files appear under their final names only in ``finalize()`` (written as ``*.tmp``, then
     renamed), so a crash never leaves a half-written dataset that looks complete.
@@ -50,12 +51,20 @@ class IndexedDatasetWriter:
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         self._bin = open(prefix + ".bin.tmp", "wb")
         self._lengths = []
+        self._documents = [0]  # document k is sequences [_documents[k], _documents[k + 1])
 
     def add_document(self, ids) -> None:
-        """Append one document (a list or array of token ids; may be empty)."""
+        """Append one document as one sequence (a list or array of token ids; an empty one makes a
+        sequence of length 0)."""
         arr = np.asarray(ids, dtype=self.dtype)
         self._bin.write(arr.tobytes(order="C"))
         self._lengths.append(arr.size)
+        self._documents.append(len(self._lengths))
+
+    def add_empty_document(self) -> None:
+        """Append a document without tokens as Megatron's preprocess_data.py does: an entry in the
+        document index, no sequence (and no appended eod)."""
+        self._documents.append(len(self._lengths))
 
     def abort(self) -> None:
         """Drop everything written so far: no temporary file is left behind (safe to call twice,
@@ -72,13 +81,13 @@ class IndexedDatasetWriter:
         n = lengths.size
         pointers = np.zeros(n, dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        documents = np.arange(n + 1, dtype=np.int64)
+        documents = np.asarray(self._documents, dtype=np.int64)
         with open(self.prefix + ".idx.tmp", "wb") as f:
             f.write(MAGIC)
             f.write(struct.pack("<Q", VERSION))
             f.write(struct.pack("<B", CODE_OF[self.dtype]))
             f.write(struct.pack("<Q", n))
-            f.write(struct.pack("<Q", n + 1))
+            f.write(struct.pack("<Q", documents.size))
             f.write(lengths.tobytes())
             f.write(pointers.tobytes())
             f.write(documents.tobytes())

@@ -3,7 +3,8 @@
 Inputs are read as :mod:`.records` says (one JSON object per line, or a plain-text file as ONE
 document). Output: ``{output_prefix}_{key}_document.bin/.idx`` per key, ids as uint16 below 65,500
 vocabulary ids else int32, one document = one sequence; ``--append-eod`` appends the tokenizer's
-eod id.
+eod id. A document without tokens (empty text) adds no sequence, only its document-index entry, and
+gets no eod: Megatron's preprocess_data.py writes the same bytes, so --split cuts the same sequences.
 
 Bad records (see :mod:`.records`; also any text the tokenizer cannot encode, e.g. NullTokenizer
 text that is not integer ids in [0, vocab)) are skipped, counted and reported as
@@ -71,8 +72,8 @@ def _encode_chunk(chunk):
             bad.append(f"{path}:{line}: {e}")
             continue
         text_tokens = [t + len(x) for t, x in zip(text_tokens, ids)]
-        if append_eod:
-            ids = [x + [tok.eod] for x in ids]
+        if append_eod:  # not to an empty document, which adds no sequence (Megatron's preprocess_data.py)
+            ids = [x + [tok.eod] if x else x for x in ids]
         good.append(ids)
     return good, bad, nbytes, text_tokens
 
@@ -183,7 +184,10 @@ def _write(inputs, writers, tokenizer, keys, append_eod, workers, quiet, log_int
                 text_tokens = [t + c for t, c in zip(text_tokens, chunk_tokens)]
                 for ids in good:
                     for writer, doc in zip(writers, ids):
-                        writer.add_document(doc)
+                        if doc:
+                            writer.add_document(doc)
+                        else:
+                            writer.add_empty_document()
                     stats.tokens += len(ids[0])
                 stats.documents += len(good)
                 stats.bad.add(bad)
