@@ -176,3 +176,12 @@ def test_a_dataset_of_empty_documents_with_an_empty_bin_still_opens(tmp_path):
     assert os.path.getsize(prefix + ".bin") == 0
     ds = IndexedDataset(prefix)
     assert len(ds) == 2 and ds.num_tokens == 0
+
+
+def test_check_token_ids_refuses_a_negative_id(tmp_path):
+    """An int32 .bin holding -1 (a pad or ignore label written by another tool) trained silently:
+    the vocabulary-parallel embedding gives an id outside its rows a zero vector."""
+    prefix = str(tmp_path / "neg")
+    write(prefix, [[1, 2, 3], [4, -1, 5]], np.int32)
+    with pytest.raises(DataError, match=r"neg.bin holds token id -1, a negative id"):
+        check_token_ids([prefix], vocab_size=100)

@@ -178,7 +178,9 @@ class IndexedDataset:
 
 
 def check_token_ids(prefixes, vocab_size: int, null_tokenizer: bool = False, sized_by_flag: bool = False) -> None:
-    """Raise DataError naming the .bin file and its largest id if any id is ≥ vocab_size.
+    """Raise DataError naming the .bin file and its largest id if any id is ≥ vocab_size, or its
+    smallest if any id is negative (an int32 file holding -1 or -100 pads trained on them silently:
+    the vocabulary-parallel embedding maps an id outside its rows to a zero vector).
 
     prefixes: indexed-dataset prefixes (without .bin/.idx). Reads each .bin in 64 MiB chunks.
     null_tokenizer: the run's NullTokenizer: a largest id of exactly vocab_size is data made by
@@ -190,7 +192,11 @@ def check_token_ids(prefixes, vocab_size: int, null_tokenizer: bool = False, siz
         ds = IndexedDataset(prefix)
         data = np.frombuffer(ds._bin, ds.dtype, ds._bin.size // ds.dtype.itemsize)
         chunk = (64 << 20) // ds.dtype.itemsize
-        largest = max((int(data[i:i + chunk].max()) for i in range(0, data.size, chunk)), default=-1)
+        ranges = [(int(data[i:i + chunk].min()), int(data[i:i + chunk].max())) for i in range(0, data.size, chunk)]
+        smallest, largest = min((r[0] for r in ranges), default=0), max((r[1] for r in ranges), default=-1)
+        if smallest < 0:
+            raise DataError(f"{prefix}.bin holds token id {smallest}, a negative id (no token has one; a padding "
+                            f"or ignore label?); write the data with `meshlm preprocess` or without such ids")
         if null_tokenizer and largest == vocab_size:
             raise DataError(f"{prefix}.bin holds token id {largest} = --vocab-size: data made by megatron-core "
                             f"0.16.1's NullTokenizer (end-of-document id {vocab_size}, {vocab_size + 1} ids); "
