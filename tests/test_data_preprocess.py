@@ -416,3 +416,17 @@ def test_an_empty_document_adds_no_sequence_and_no_eod_as_in_megatrons_preproces
     assert documents == [0, 1, 1, 2, 2, 3]
     ids = np.frombuffer((tmp_path / "out_text_document.bin").read_bytes(), "<u2").tolist()
     assert ids == [1, 2] + eod + [3] + eod + [4, 5, 6] + eod
+
+
+def test_a_jsonl_shard_without_the_extension_is_read_as_json_lines(tmp_path):
+    """Megatron reads every --input as JSON lines; `split -l` shards (xaa) or *.ndjson were taken as
+    ONE plain-text document holding the JSON syntax, silently. A plain text starting with "{" stays text."""
+    shard, code = tmp_path / "xaa", tmp_path / "main.c"
+    shard.write_text(json.dumps({"text": "1 2 3"}) + "\n\n" + json.dumps({"text": "4"}) + "\n")
+    code.write_text("{ 5 6\n7 }\n")
+    preprocess_files([str(shard)], str(tmp_path / "a"), null_cfg(), VOCAB, quiet=True)
+    ds = IndexedDataset(str(tmp_path / "a_text_document"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3], [4]]
+    from meshlm.data.records import iter_records
+    assert [(line, is_json) for _, line, _, is_json in iter_records([str(code), str(shard)])] == \
+        [(1, False), (1, True), (3, True)]

@@ -220,7 +220,8 @@ def _check_written(inputs, stats: PreprocessStats, keys, text_tokens) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``meshlm preprocess`` (Megatron's tools/preprocess_data.py names)."""
     parser.add_argument("--input", nargs="+", action="extend", required=True,
-                        help="jsonl files (one JSON object per line) or plain-text files (one document each)")
+                        help="jsonl files (one JSON object per line: *.jsonl, *.json or a first line that is one) or "
+                             "plain-text files (one document each)")
     parser.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     parser.add_argument("--json-keys", nargs="+", action="extend", default=None,
                         help="jsonl fields to tokenize (default: text)")

@@ -1,8 +1,9 @@
 """The records of corpus files, as ``meshlm preprocess`` and ``meshlm tokenizer train`` read them.
 
-``*.jsonl`` / ``*.json`` files hold one JSON object per line (blank lines are ignored), each key
-of ``--json-keys`` a string; any other file is plain text and is ONE record (the whole file). A
-file's leading UTF-8 byte order mark is dropped.
+``*.jsonl`` / ``*.json`` files, and any file whose first non-blank line is a JSON object (Megatron
+reads every --input so: ``xaa`` from ``split -l``, ``*.ndjson``), hold one JSON object per line
+(blank lines are ignored), each key of ``--json-keys`` a string; any other file is plain text and
+is ONE record (the whole file). A file's leading UTF-8 byte order mark is dropped.
 A record that cannot be used (bytes that are not UTF-8, invalid JSON, not an object, a missing
 key, a non-string value, a lone surrogate such as ``"\\ud800"``) raises :class:`BadRecord`; the
 commands skip it, count it in :class:`BadRecords` and report it as ``file:line: reason``.
@@ -66,6 +67,25 @@ def check_json_keys(keys) -> tuple:
     return tuple(keys)
 
 
+def _json_lines(f, path: str) -> bool:
+    """Whether the open file ``f`` holds JSON lines: its name says so, or its first non-blank line
+    is a JSON object (read only when it starts with "{"). Leaves ``f`` where it was."""
+    if path.endswith(JSON_EXTS):
+        return True
+    start = f.tell()
+    line = b""
+    for line in f:
+        if line.strip():
+            break
+    f.seek(start)
+    if not line.lstrip().startswith(b"{"):
+        return False
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:  # not JSON, or not UTF-8
+        return False
+
+
 def iter_records(paths):
     """Yield (path, line number, raw bytes, is_json) for every record of the inputs, in order.
 
@@ -77,7 +97,7 @@ def iter_records(paths):
             with open(path, "rb") as f:
                 if f.read(len(BOM)) != BOM:
                     f.seek(0)
-                if not path.endswith(JSON_EXTS):
+                if not _json_lines(f, path):
                     yield path, 1, f.read(), False
                     continue
                 for n, line in enumerate(f, 1):

@@ -339,7 +339,8 @@ def _learnable(nbytes: int) -> int:
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``meshlm tokenizer train``."""
     parser.add_argument("--input", nargs="+", action="extend", required=True,
-                        help="jsonl files (field --json-keys) or plain-text files (one text each)")
+                        help="jsonl files (field --json-keys; *.jsonl, *.json or a first line that is a JSON object) or "
+                             "plain-text files (one text each)")
     parser.add_argument("--json-keys", nargs="+", action="extend", default=None,
                         help="jsonl fields to train on (default: text)")
     parser.add_argument("--vocab-size", type=int, default=32000, help="target vocabulary size")
