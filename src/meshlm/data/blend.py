@@ -29,6 +29,15 @@ def normalize(weights) -> list:
     return (w / total).tolist()
 
 
+def is_number(token: str) -> bool:
+    """Whether a --data-path token reads as a weight (a float, as Megatron's get_blend_from_list)."""
+    try:
+        float(token)
+        return True
+    except ValueError:
+        return False
+
+
 def parse_data_path(tokens: list, flag: str = "--data-path") -> list:
     """Return [(weight, prefix), ...] with weights normalised to sum 1; prefixes without weights
     get equal weights.
@@ -39,12 +48,6 @@ def parse_data_path(tokens: list, flag: str = "--data-path") -> list:
     """
     if not tokens:
         return []
-    def is_number(x):
-        try:
-            float(x)
-            return True
-        except ValueError:
-            return False
     if not is_number(tokens[0]):
         if any(is_number(t) for t in tokens):
             raise ConfigError(f"{flag} {' '.join(tokens)}: give either all prefixes or weight/prefix pairs")

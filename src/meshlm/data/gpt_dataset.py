@@ -30,7 +30,7 @@ from ..parallel.agree import first_problem
 from .blend import SURPLUS, BlendedDataset, normalize, samples_per_dataset
 from .indexed import IndexedDataset
 from .packing import Packing
-from .sources import blends, per_split, split_string
+from .sources import blends, per_split, split_string, weighted
 from .tokenizer import build_tokenizer
 
 SPLITS = ("train", "valid", "test")
@@ -323,10 +323,11 @@ def _drop_empty_splits(split: str, indexed: list, ranges: list, needed: list) ->
     return build
 
 
-def _one_split(blend: list, flag: str, n: int, dataset_of):
-    """One split's dataset of ``n`` samples: ``dataset_of(k, n)`` for a single prefix, else a
-    BlendedDataset over ``dataset_of(k, m_k)``, m_k each prefix's share with Megatron's surplus."""
-    if len(blend) == 1:
+def _one_split(blend: list, flag: str, n: int, dataset_of, blended: bool = False):
+    """One split's dataset of ``n`` samples: ``dataset_of(k, n)`` for a single prefix unless
+    ``blended`` (Megatron blends one weighted --data-path prefix too), else a BlendedDataset over
+    ``dataset_of(k, m_k)``, m_k each prefix's share with Megatron's surplus."""
+    if len(blend) == 1 and not blended:
         return dataset_of(0, n)
     w = [wt for wt, _ in blend]
     parts = [dataset_of(k, m) for k, m in enumerate(samples_per_dataset(w, n, SURPLUS))]
@@ -375,7 +376,7 @@ def build_datasets(cfg, world_size: int | None = None, ps=None, local_rank: int 
     indexed = [IndexedDataset(prefix) for _, prefix in blend]
     ranges = [split_ranges(split, len(ds)) for ds in indexed]
     build = _drop_empty_splits(split, indexed, ranges, [w > 0 and n > 0 for w, n in zip(split_weights(split), sizes)])
-    return tuple(_one_split(blend, flag, n, lambda k, m: gpt(indexed[k], s, ranges[k][s], m, split))
+    return tuple(_one_split(blend, flag, n, lambda k, m: gpt(indexed[k], s, ranges[k][s], m, split), weighted(d))
                  if build[s] else None for s, n in enumerate(sizes))
 
 
