@@ -237,3 +237,24 @@ def test_split_ranges_equal_megatrons_bookends_for_every_size(split):
     for n in range(1, 400):
         expected = [None if hi <= lo else (int(round(lo * n)), int(round(hi * n))) for lo, hi in zip(bounds, bounds[1:])]
         assert split_ranges(split, n) == expected, n
+
+
+def test_a_read_only_data_cache_path_that_holds_the_indices_is_used(tmp_path, monkeypatch):
+    """A shared cache built once and mounted read-only: Megatron loads it; meshlm refused it before
+    any worker ('--data-cache-path … is not writable'). A read-only cache without indices stays refused."""
+    import errno
+
+    from meshlm.validate import validate
+    make_dataset(tmp_path / "d")
+    cfg = config([str(tmp_path / "d")])
+    cfg.data.data_cache_path = str(tmp_path / "cache")
+    build_datasets(cfg)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr("meshlm.folders.tempfile.mkstemp", read_only)
+    validate(cfg, world=1, check_files=False)
+    assert all(ds.cache_hit for ds in build_datasets(cfg))
+    cfg.data.data_cache_path = str(tmp_path)
+    with pytest.raises(ConfigError, match=f"--data-cache-path {tmp_path} is not writable \\(Read-only file system\\)"):
+        validate(cfg, world=1, check_files=False)

@@ -150,6 +150,14 @@ def documents(begin: int, end: int, total: int) -> str:
     return f"documents [{begin}, {end}) of {total}; sentences if preprocessed with --split-sentences"
 
 
+DESCRIPTION = "-description.txt"  # the last file of a cache entry written (GPTDataset._save)
+
+
+def holds_index_cache(folder: str | None) -> bool:
+    """Whether ``folder`` holds sample indices of some GPTDataset (read-only, it still serves them)."""
+    return bool(folder) and os.path.isdir(folder) and any(n.endswith(DESCRIPTION) for n in os.listdir(folder))
+
+
 FINGERPRINT_DOCUMENTS = 65_537  # documents whose lengths key the index cache (evenly spaced, both ends)
 
 
@@ -195,7 +203,7 @@ class GPTDataset:
                                               "cache", "GPTDataset_indices")
         base = os.path.join(cache_dir, f"{digest}-GPTDataset-{split}")
         paths = [f"{base}-{name}.npy" for name in ("document_index", "sample_index", "shuffle_index")]
-        desc_path = f"{base}-description.txt"
+        desc_path = base + DESCRIPTION
         if not indexed.sequence_lengths[begin:end].any():  # checked on every rank: no one waits in vain
             raise DataError(f"--data-path {indexed.prefix}: the {split} split ({documents(begin, end, len(indexed))}) "
                             f"holds no tokens; change --split {split_string} or add documents")
