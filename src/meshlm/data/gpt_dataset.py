@@ -363,7 +363,8 @@ def build_datasets(cfg, world_size: int | None = None, ps=None, local_rank: int 
     if d.mock_data:
         if not cfg.model.vocab_size:
             raise ConfigError("--mock-data needs --vocab-size")
-        packing = Packing.of(d, build_tokenizer(d, cfg.model.vocab_size).eod)
+        tokenizer = build_tokenizer(d, cfg.model.vocab_size)
+        packing = Packing.of(d, tokenizer.eod, tokenizer.pad)
         return tuple(MockGPTDataset(n, seq, cfg.model.vocab_size, seed, name, packing) if w > 0 and n > 0 else None
                      for name, w, n in zip(SPLITS, split_weights(split_string(d)), sizes))
     data = blends(d)
@@ -371,7 +372,7 @@ def build_datasets(cfg, world_size: int | None = None, ps=None, local_rank: int 
         raise ConfigError("no training data: give --data-path PREFIX (from `meshlm preprocess`), "
                           "--train-data-path PREFIX, or --mock-data")
     tokenizer = build_tokenizer(d, cfg.model.vocab_size)
-    identity, packing = tokenizer.identity, Packing.of(d, tokenizer.eod)
+    identity, packing = tokenizer.identity, Packing.of(d, tokenizer.eod, tokenizer.pad)
 
     def gpt(indexed, s, doc_range, n, split_string=""):
         return GPTDataset(indexed, SPLITS[s], doc_range, n, seq, seed, split_string, d.data_cache_path, identity,
