@@ -22,7 +22,8 @@ def normalize(weights) -> list:
     last bit: "0.3 A 0.3 B 0.4 C" scaled by the largest weight first picked another dataset at
     sample 10). Weights whose sum overflows (1e308,1e308) are scaled by the largest first."""
     w = np.asarray(weights, dtype=np.float64)
-    total = np.sum(w)
+    with np.errstate(over="ignore"):
+        total = np.sum(w)
     if not np.isfinite(total):
         w = w / w.max()
         total = np.sum(w)
