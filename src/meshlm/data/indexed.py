@@ -187,9 +187,17 @@ def check_token_ids(prefixes, vocab_size: int, null_tokenizer: bool = False, siz
     megatron-core 0.16.1's NullTokenizer (eod = --vocab-size, one id more), and the line says so.
     sized_by_flag: the vocabulary is --vocab-size's (NullTokenizer, TikTokenizer), so a larger one is a
     fix the line may name; other tokenizers' files fix their vocabulary (--vocab-size changes nothing).
+    A tokenizer file with more ids than the .bin's dtype holds (uint16 for 128,256 ids) is a DataError
+    too: preprocessing with it writes int32 (:func:`token_dtype`), so the data is another tokenizer's
+    even when every id is in range (GPT-2 ids read by a Llama 3 tokenizer trained without a word).
     """
     for prefix in prefixes:
         ds = IndexedDataset(prefix)
+        most = np.iinfo(ds.dtype).max if ds.dtype.kind in "iu" else None
+        if not (null_tokenizer or sized_by_flag) and most is not None and vocab_size - 1 > most:
+            raise DataError(f"{prefix}.bin stores token ids as {ds.dtype} (at most {most:,}) but the tokenizer has "
+                            f"{vocab_size:,} ids: the data was made by another tokenizer (preprocessing with this "
+                            f"one writes int32); preprocess it with the run's tokenizer")
         data = np.frombuffer(ds._bin, ds.dtype, ds._bin.size // ds.dtype.itemsize)
         chunk = (64 << 20) // ds.dtype.itemsize
         ranges = [(int(data[i:i + chunk].min()), int(data[i:i + chunk].max())) for i in range(0, data.size, chunk)]
