@@ -430,3 +430,18 @@ def test_a_jsonl_shard_without_the_extension_is_read_as_json_lines(tmp_path):
     from meshlm.data.records import iter_records
     assert [(line, is_json) for _, line, _, is_json in iter_records([str(code), str(shard)])] == \
         [(1, False), (1, True), (3, True)]
+
+
+def test_a_tokenizer_with_unused_ids_sizes_the_vocabulary_by_its_largest_id(tmp_path):
+    """An added token at id 70000 over 4 tokens: the vocabulary was counted as 4, so preprocess chose
+    uint16 and ended in an OverflowError traceback (and a model of 4 embeddings could not read the data)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2, "<|endoftext|>": 70000}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "a b"}) + "\n")
+    cfg = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "tok.json"),
+                             vocab_file=None, merge_file=None)
+    preprocess_files([str(tmp_path / "c.jsonl")], str(tmp_path / "out"), cfg, append_eod=True, quiet=True)
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert ds.dtype == np.int32 and ds[0].tolist() == [0, 1, 70000]

@@ -42,10 +42,13 @@ TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_fi
 
 
 class HFTokenizer(Tokenizer):
-    """Wraps a ``tokenizers.Tokenizer`` (HuggingFaceTokenizer and GPT2BPETokenizer)."""
+    """Wraps a ``tokenizers.Tokenizer`` (HuggingFaceTokenizer and GPT2BPETokenizer). vocab_size is
+    the largest id + 1: a tokenizer.json may leave ids unused (an added token at 70000 over 4 tokens),
+    and its token count was then too small for the embedding and for the .bin dtype (preprocess ended
+    in an OverflowError traceback)."""
 
     def __init__(self, tok, eod: int, identity: str):
-        super().__init__(tok.get_vocab_size(with_added_tokens=True), eod, identity)
+        super().__init__(max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1, eod, identity)
         self._tok = tok
 
     def encode(self, text: str) -> list:
