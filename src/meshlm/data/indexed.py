@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
+from array import array
 
 import numpy as np
 
@@ -50,8 +51,8 @@ class IndexedDatasetWriter:
             raise ValueError(f"unsupported token dtype {self.dtype}")
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         self._bin = open(prefix + ".bin.tmp", "wb")
-        self._lengths = []
-        self._documents = [0]  # document k is sequences [_documents[k], _documents[k + 1])
+        self._lengths = array("q")  # 8 bytes a document, not a Python int's 36: 10^8 documents fit in RAM
+        self._documents = array("q", [0])  # document k is sequences [_documents[k], _documents[k + 1])
 
     def add_document(self, ids) -> None:
         """Append one document as one sequence (a list or array of token ids; an empty one makes a
@@ -77,11 +78,11 @@ class IndexedDatasetWriter:
     def finalize(self) -> None:
         """Write the .idx and move both files to their final names."""
         self._bin.close()
-        lengths = np.asarray(self._lengths, dtype=np.int32)
+        lengths = np.frombuffer(self._lengths, np.int64).astype(np.int32)
         n = lengths.size
         pointers = np.zeros(n, dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        documents = np.asarray(self._documents, dtype=np.int64)
+        documents = np.frombuffer(self._documents, np.int64)
         with open(self.prefix + ".idx.tmp", "wb") as f:
             f.write(MAGIC)
             f.write(struct.pack("<Q", VERSION))
