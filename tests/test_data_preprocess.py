@@ -445,3 +445,18 @@ def test_a_tokenizer_with_unused_ids_sizes_the_vocabulary_by_its_largest_id(tmp_
     preprocess_files([str(tmp_path / "c.jsonl")], str(tmp_path / "out"), cfg, append_eod=True, quiet=True)
     ds = IndexedDataset(str(tmp_path / "out_text_document"))
     assert ds.dtype == np.int32 and ds[0].tolist() == [0, 1, 70000]
+
+
+def test_a_gzip_input_is_read_decompressed_and_a_damaged_one_is_one_line(tmp_path):
+    """Megatron's preprocess_data.py reads *.jsonl.gz; meshlm read the compressed bytes as one text
+    record and refused it as 'not UTF-8'."""
+    import gzip
+    text = json.dumps({"text": "1 2 3"}) + "\n" + json.dumps({"text": "4"}) + "\n"
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    preprocess_files([str(tmp_path / "c.jsonl.gz")], str(tmp_path / "out"), null_cfg(), VOCAB, quiet=True)
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3], [4]]
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(text.encode())[:-12])
+    with pytest.raises(DataError, match=r"^--input \S+cut.jsonl.gz: cannot read it \(Compressed file ended"):
+        preprocess_files([str(tmp_path / "cut.jsonl.gz")], str(tmp_path / "o2"), null_cfg(), VOCAB, quiet=True)
+    assert not list(tmp_path.glob("o2*"))

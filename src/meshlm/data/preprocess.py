@@ -31,7 +31,7 @@ from ..errors import ConfigError, DataError
 from ..folders import space_errors_named
 from .indexed import IndexedDatasetWriter, token_dtype
 from .outputs import check_output_file
-from .records import BadRecords, check_inputs, check_json_keys, iter_records, parse_record
+from .records import BadRecords, check_inputs, check_json_keys, iter_records, parse_record, text_bytes_bound
 from .tokenizer import TOKENIZER_FIELDS, build_tokenizer
 
 CHUNK_BYTES = 1 << 20  # records are sent to workers in chunks of about this many bytes
@@ -90,7 +90,8 @@ def _chunks(records):
         yield chunk
 
 
-def _progress(total_bytes: int, quiet: bool):
+def _progress(total_bytes: Optional[int], quiet: bool):
+    """A progress bar over ``total_bytes`` of text (None: unknown, a .gz input)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -99,7 +100,8 @@ def _progress(total_bytes: int, quiet: bool):
                         TextColumn("{task.fields[docs]:,} docs {task.fields[dps]:,.0f} docs/s "
                                    "{task.fields[tps]:,.0f} tokens/s"), TimeElapsedColumn(),
                         console=console, disable=quiet or not console.is_terminal)
-    return progress, progress.add_task("", total=max(total_bytes, 1), docs=0, dps=0.0, tps=0.0)
+    total = None if total_bytes is None else max(total_bytes, 1)
+    return progress, progress.add_task("", total=total, docs=0, dps=0.0, tps=0.0)
 
 
 def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_keys=("text",),
@@ -161,14 +163,14 @@ def _write(inputs, writers, tokenizer, keys, append_eod, workers, quiet, log_int
     """Tokenize every record into the writers → (stats, per-key count of text tokens)."""
     stats = PreprocessStats()
     start = time.perf_counter()
-    total = sum(os.path.getsize(p) for p in inputs)
+    total = sum(text_bytes_bound(p) for p in inputs)  # the bytes of text; a bound of them for a .gz
     used = pool_size(workers, total)
     if used < workers and not quiet:
         print(f"preprocess: note: --workers {workers}: using {used} tokenizer process(es), as many as the input's "
               f"{-(-total // CHUNK_BYTES)} chunk(s) of {CHUNK_BYTES >> 20} MiB and this machine's cores allow",
               file=sys.stderr, flush=True)
     workers = used
-    progress, task = _progress(total, quiet)
+    progress, task = _progress(None if any(p.endswith(".gz") for p in inputs) else total, quiet)
     text_tokens = [0] * len(keys)
     lines = log_interval if log_interval and not quiet and progress.disable else None
     pool = None

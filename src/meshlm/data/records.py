@@ -3,7 +3,8 @@
 ``*.jsonl`` / ``*.json`` files, and any file whose first non-blank line is a JSON object (Megatron
 reads every --input so: ``xaa`` from ``split -l``, ``*.ndjson``), hold one JSON object per line
 (blank lines are ignored), each key of ``--json-keys`` a string; any other file is plain text and
-is ONE record (the whole file). A file's leading UTF-8 byte order mark is dropped.
+is ONE record (the whole file). A file's leading UTF-8 byte order mark is dropped. A ``*.gz`` file is
+read decompressed (Megatron's preprocess_data.py reads gzip inputs too), named by its name without .gz.
 A record that cannot be used (bytes that are not UTF-8, invalid JSON, not an object, a missing
 key, a non-string value, a lone surrogate such as ``"\\ud800"``) raises :class:`BadRecord`; the
 commands skip it, count it in :class:`BadRecords` and report it as ``file:line: reason``.
@@ -11,6 +12,7 @@ commands skip it, count it in :class:`BadRecords` and report it as ``file:line: 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import sys
@@ -21,6 +23,7 @@ from ..errors import ConfigError, DataError
 
 SHOW_BAD = 10  # bad records printed one by one; the rest are only counted
 JSON_EXTS = (".jsonl", ".json")
+GZIP_RATIO = 1032  # deflate's largest compression ratio: a .gz file's text is at most this × its size
 BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark
 
 
@@ -70,7 +73,7 @@ def check_json_keys(keys) -> tuple:
 def _json_lines(f, path: str) -> bool:
     """Whether the open file ``f`` holds JSON lines: its name says so, or its first non-blank line
     is a JSON object (read only when it starts with "{"). Leaves ``f`` where it was."""
-    if path.endswith(JSON_EXTS):
+    if path.removesuffix(".gz").endswith(JSON_EXTS):
         return True
     start = f.tell()
     line = b""
@@ -94,7 +97,7 @@ def iter_records(paths):
     """
     for path in paths:
         try:
-            with open(path, "rb") as f:
+            with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
                 if f.read(len(BOM)) != BOM:
                     f.seek(0)
                 if not _json_lines(f, path):
@@ -103,8 +106,13 @@ def iter_records(paths):
                 for n, line in enumerate(f, 1):
                     if line.strip():
                         yield path, n, line, True
-        except OSError as e:
-            raise DataError(f"--input {path}: cannot read it ({e.strerror})") from None
+        except (OSError, EOFError) as e:  # EOFError, gzip.BadGzipFile: a damaged .gz
+            raise DataError(f"--input {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+
+
+def text_bytes_bound(path: str) -> int:
+    """An upper bound of the bytes of text in ``path``: its size, or GZIP_RATIO × that for a .gz."""
+    return os.path.getsize(path) * (GZIP_RATIO if path.endswith(".gz") else 1)
 
 
 def _check_unicode(text: str, key: str) -> str:

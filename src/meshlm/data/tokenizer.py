@@ -25,7 +25,7 @@ from ..config import TOKENIZER_TYPES, Config
 from ..errors import ConfigError, DataError
 from ..folders import space_errors_named
 from .outputs import check_output_file, replacing
-from .records import BadRecords, check_inputs, check_json_keys, iter_texts
+from .records import BadRecords, check_inputs, check_json_keys, iter_texts, text_bytes_bound
 from .tokenizer_base import SENTENCEPIECE_TYPES, Tokenizer, file_digest, require_path
 from .tokenizers_extra import build_extra
 
@@ -304,7 +304,7 @@ def train_bpe(source, vocab_size: int, output_path: str, json_keys=("text",),
         bad = BadRecords() if bad is None else bad
         where = (" ".join(str(p) for p in source) + " (every record empty, unusable or without "
                  f"--json-keys {' '.join(json_keys)})")
-        most = _learnable(sum(os.path.getsize(p) for p in source))
+        most = _learnable(sum(text_bytes_bound(str(p)) for p in source))
         source = iter_texts([str(p) for p in source], json_keys, bad)
     else:
         where = "the given texts"
