@@ -116,3 +116,47 @@ def test_blended_build_datasets_equals_megatron_core(tmp_path):
         np.testing.assert_array_equal(o.dataset_sample_index, t.dataset_sample_index)
         for i in range(len(t)):
             assert o[i]["tokens"].tolist() == t[i]["tokens"].tolist()
+
+
+def megatron_normalize(weights):
+    """megatron-core's datasets.utils.normalize, written from its definition: float64 w / sum(w)."""
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
+@pytest.mark.parametrize("raw", [[0.3, 0.3, 0.4], [8.04, 1.43], [0.53, 6.22, 0.27]])
+def test_blend_weights_are_normalised_bit_for_bit_as_megatron(raw):
+    """Weights scaled by the largest before the sum differed in the last bit, and the greedy blend
+    turns on it: "0.3 A 0.3 B 0.4 C" took another dataset than Megatron at sample 10."""
+    tokens = [t for i, w in enumerate(raw) for t in (str(w), f"P{i}")]
+    weights = [w for w, _ in parse_data_path(tokens)]
+    assert weights == megatron_normalize(raw)
+    blend = BlendedDataset([range(5000)] * len(raw), weights, 2000, [f"P{i}" for i in range(len(raw))])
+    expected, _ = build_blending_indices(megatron_normalize(megatron_normalize(raw)), 2000)
+    np.testing.assert_array_equal(blend.dataset_index, expected)
+
+
+def test_one_weighted_prefix_is_blended_with_the_surplus_as_in_megatron(tmp_path):
+    """`--data-path 1.0 A` is a blend in Megatron: A is built for ceil(n · 1.005) samples, here 63 for
+    62, which takes a second epoch of its 1,000 tokens (63 · 16 + 1 > 1000). meshlm built A for 62
+    samples directly, one epoch, and so drew other samples than Megatron."""
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    builder = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    prefix = str(tmp_path / "a")
+    writer = IndexedDatasetWriter(prefix, np.uint16)
+    for k in range(100):
+        writer.add_document(np.arange(k, k + 10) % VOCAB)
+    writer.finalize()
+    cfg = Config()
+    cfg.data.data_path, cfg.data.split = ["1.0", prefix], "1"
+    cfg.data.tokenizer_type, cfg.model.vocab_size, cfg.model.seq_length = "NullTokenizer", VOCAB, SEQ
+    cfg.training.seed, cfg.training.train_iters, cfg.training.micro_batch_size = 3, 31, 2
+    cfg.training.eval_iters = 0
+    ours = build_datasets(cfg)[0]
+    tok = types.SimpleNamespace(eod=VOCAB - 1, vocab_size=VOCAB, pad=-1, unique_identifiers={"class": "t"})
+    mcfg = GPTDatasetConfig(random_seed=3, sequence_length=SEQ, blend=([prefix], [1.0]), split="1", tokenizer=tok,
+                            reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
+    theirs = builder.BlendedMegatronDatasetBuilder(GPTDataset, [62, 0, 0], lambda: True, mcfg).build()[0]
+    assert len(ours) == len(theirs) == 62
+    assert [ours[i]["tokens"].tolist() for i in range(62)] == [theirs[i]["tokens"].tolist() for i in range(62)]

@@ -222,3 +222,39 @@ def test_index_cache_is_rebuilt_for_a_dataset_preprocessed_again_with_other_docu
     assert (len(again), again.num_tokens) == (40, 800)
     second = GPTDataset(again, "train", (0, 40), 20, SEQ, seed=1, cache_dir=str(cache))
     assert not first.cache_hit and not second.cache_hit
+
+
+@pytest.mark.parametrize("split", ["90,5,5", "969,30,1", "7,2,1", "33,33,34", "98,2"])
+def test_split_ranges_equal_megatrons_bookends_for_every_size(split):
+    """Megatron's rule, written from its definition: weights / their sum (float64), running sums
+    as bookends, [round(lo·N), round(hi·N)). Weights scaled by the largest first gave "90,5,5" on
+    15 documents a train split of 13 where Megatron's has 14."""
+    w = np.asarray([float(x) for x in split.split(",")] + [0.0] * (3 - len(split.split(","))))
+    w = (w / np.sum(w)).tolist()
+    bounds = [0.0]
+    for x in w:
+        bounds.append(bounds[-1] + x)
+    for n in range(1, 400):
+        expected = [None if hi <= lo else (int(round(lo * n)), int(round(hi * n))) for lo, hi in zip(bounds, bounds[1:])]
+        assert split_ranges(split, n) == expected, n
+
+
+def test_a_read_only_data_cache_path_that_holds_the_indices_is_used(tmp_path, monkeypatch):
+    """A shared cache built once and mounted read-only: Megatron loads it; meshlm refused it before
+    any worker ('--data-cache-path … is not writable'). A read-only cache without indices stays refused."""
+    import errno
+
+    from meshlm.validate import validate
+    make_dataset(tmp_path / "d")
+    cfg = config([str(tmp_path / "d")])
+    cfg.data.data_cache_path = str(tmp_path / "cache")
+    build_datasets(cfg)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr("meshlm.folders.tempfile.mkstemp", read_only)
+    validate(cfg, world=1, check_files=False)
+    assert all(ds.cache_hit for ds in build_datasets(cfg))
+    cfg.data.data_cache_path = str(tmp_path)
+    with pytest.raises(ConfigError, match=f"--data-cache-path {tmp_path} is not writable \\(Read-only file system\\)"):
+        validate(cfg, world=1, check_files=False)

@@ -176,3 +176,25 @@ def test_a_dataset_of_empty_documents_with_an_empty_bin_still_opens(tmp_path):
     assert os.path.getsize(prefix + ".bin") == 0
     ds = IndexedDataset(prefix)
     assert len(ds) == 2 and ds.num_tokens == 0
+
+
+def test_check_token_ids_refuses_a_negative_id(tmp_path):
+    """An int32 .bin holding -1 (a pad or ignore label written by another tool) trained silently:
+    the vocabulary-parallel embedding gives an id outside its rows a zero vector."""
+    prefix = str(tmp_path / "neg")
+    write(prefix, [[1, 2, 3], [4, -1, 5]], np.int32)
+    with pytest.raises(DataError, match=r"neg.bin holds token id -1, a negative id"):
+        check_token_ids([prefix], vocab_size=100)
+
+
+def test_check_token_ids_refuses_a_dtype_too_small_for_the_tokenizer_file(tmp_path):
+    """uint16 data (a GPT-2 preprocessing) under a 128,256-id tokenizer file: every id is in range, so
+    it trained on another tokenizer's ids without a word; preprocessing with that file writes int32.
+    --vocab-size sizes NullTokenizer's vocabulary, which may exceed the data's."""
+    prefix = str(tmp_path / "gpt2")
+    write(prefix, [[1, 2, 50256]], np.uint16)
+    with pytest.raises(DataError, match=r"gpt2.bin stores token ids as uint16 \(at most 65,535\) but the tokenizer "
+                                        r"has 128,256 ids: the data was made by another tokenizer"):
+        check_token_ids([prefix], vocab_size=128256)
+    check_token_ids([prefix], vocab_size=65536)
+    check_token_ids([prefix], vocab_size=128256, null_tokenizer=True)

@@ -77,3 +77,34 @@ def test_packed_documents_do_not_see_each_other():
         whole = model(packed, position_ids=item["position_ids"][None], document_ids=item["document_ids"][None])
         alone = torch.cat([model(a), model(b)], 1)
     torch.testing.assert_close(whole, alone, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_pad_labels_are_left_out_of_the_loss_as_in_megatron_core(tmp_path, packed):
+    """--null-tokenizer-pad-id 7: Megatron's GPTDataset gives labels 7 loss mask 0 and reads id 7 as 0;
+    meshlm accepted the flag and trained on the pads."""
+    mg, TheirIndexed, Split = megatron_gpt_dataset()
+    prefix = tmp_path / "d"
+    rng = np.random.default_rng(1)
+    writer = IndexedDatasetWriter(str(prefix), np.uint16)
+    for _ in range(60):
+        doc = rng.integers(0, 20, rng.integers(1, 12))
+        writer.add_document(np.append(np.where(doc < 6, 7, doc), EOD))  # a third of the ids are the pad
+    writer.finalize()
+    tok = types.SimpleNamespace(eod=EOD, vocab_size=VOCAB, pad=7, unique_identifiers={"class": "t"})
+    cfg = mg.GPTDatasetConfig(random_seed=3, sequence_length=SEQ, blend=([str(prefix)], None), split="1,0,0",
+                              tokenizer=tok, reset_position_ids=packed, reset_attention_mask=False,
+                              eod_mask_loss=packed, path_to_cache=str(tmp_path / "mc"))
+    theirs = mg.GPTDataset(TheirIndexed(str(prefix)), str(prefix), np.arange(60, dtype=np.int32), 30,
+                           Split.train, cfg)
+    data_cfg = types.SimpleNamespace(eod_mask_loss=packed, reset_position_ids=packed, reset_attention_mask=False)
+    ours = GPTDataset(IndexedDataset(str(prefix)), "train", (0, 60), 30, SEQ, seed=3, cache_dir=str(tmp_path / "c"),
+                      packing=Packing.of(data_cfg, EOD, pad=7))
+    for i in range(len(theirs)):
+        # megatron-core 0.16.1 caches the unpacked loss mask, then masks the pads in it in place: every
+        # later sample inherits the pads of the first one read. Compare with the mask built afresh.
+        theirs.masks_and_position_ids_are_cached = False
+        a, b = ours[i], theirs[i]
+        for key in ("tokens", "labels", "loss_mask") + (("position_ids",) if packed else ()):
+            assert a[key].tolist() == b[key].tolist(), (i, key)
+    assert Packing.of(data_cfg, EOD, pad=EOD) == (Packing(EOD, True, True) if packed else None)  # pad = eod: none

@@ -387,3 +387,76 @@ def test_input_and_json_keys_given_twice_add_up_not_replace():
         assert args.input == ["a", "b", "c"] and args.json_keys == ["text", "title"]
         args, _ = parser.parse_known_args(["--input", "a", "--output-prefix", "o", "--output", "t"])
         assert check_json_keys(args.json_keys) == ("text",)
+
+
+def read_idx(path):
+    """An independent reader of the .idx layout (MEGATRON_FORMATS.md): header, then int32 lengths,
+    int64 pointers, int64 document index."""
+    raw = path.read_bytes()
+    assert raw[:9] == b"MMIDIDX\x00\x00"
+    version, code, n, d = np.frombuffer(raw[9:17], "<u8")[0], raw[17], *np.frombuffer(raw[18:34], "<u8")
+    lengths = np.frombuffer(raw, "<i4", int(n), 34)
+    pointers = np.frombuffer(raw, "<i8", int(n), 34 + 4 * int(n))
+    documents = np.frombuffer(raw, "<i8", int(d), 34 + 12 * int(n))
+    assert version == 1 and len(raw) == 34 + 12 * int(n) + 8 * int(d)
+    return code, lengths.tolist(), pointers.tolist(), documents.tolist()
+
+
+@pytest.mark.parametrize("append_eod", [False, True])
+def test_an_empty_document_adds_no_sequence_and_no_eod_as_in_megatrons_preprocess(tmp_path, append_eod):
+    """Megatron's preprocess_data.py skips a text without tokens (its eod too) but keeps the document's
+    entry; meshlm wrote a sequence [eod] (or of length 0), so --split cut other sequences."""
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["1 2", "", "3", "  ", "4 5 6"]))
+    preprocess_files([str(path)], str(tmp_path / "out"), null_cfg(), VOCAB, append_eod=append_eod, quiet=True)
+    eod = [99] if append_eod else []
+    code, lengths, pointers, documents = read_idx(tmp_path / "out_text_document.idx")
+    assert code == 8 and lengths == [2 + len(eod), 1 + len(eod), 3 + len(eod)]  # uint16
+    assert pointers == [0, 2 * lengths[0], 2 * (lengths[0] + lengths[1])]
+    assert documents == [0, 1, 1, 2, 2, 3]
+    ids = np.frombuffer((tmp_path / "out_text_document.bin").read_bytes(), "<u2").tolist()
+    assert ids == [1, 2] + eod + [3] + eod + [4, 5, 6] + eod
+
+
+def test_a_jsonl_shard_without_the_extension_is_read_as_json_lines(tmp_path):
+    """Megatron reads every --input as JSON lines; `split -l` shards (xaa) or *.ndjson were taken as
+    ONE plain-text document holding the JSON syntax, silently. A plain text starting with "{" stays text."""
+    shard, code = tmp_path / "xaa", tmp_path / "main.c"
+    shard.write_text(json.dumps({"text": "1 2 3"}) + "\n\n" + json.dumps({"text": "4"}) + "\n")
+    code.write_text("{ 5 6\n7 }\n")
+    preprocess_files([str(shard)], str(tmp_path / "a"), null_cfg(), VOCAB, quiet=True)
+    ds = IndexedDataset(str(tmp_path / "a_text_document"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3], [4]]
+    from meshlm.data.records import iter_records
+    assert [(line, is_json) for _, line, _, is_json in iter_records([str(code), str(shard)])] == \
+        [(1, False), (1, True), (3, True)]
+
+
+def test_a_tokenizer_with_unused_ids_sizes_the_vocabulary_by_its_largest_id(tmp_path):
+    """An added token at id 70000 over 4 tokens: the vocabulary was counted as 4, so preprocess chose
+    uint16 and ended in an OverflowError traceback (and a model of 4 embeddings could not read the data)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2, "<|endoftext|>": 70000}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "a b"}) + "\n")
+    cfg = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "tok.json"),
+                             vocab_file=None, merge_file=None)
+    preprocess_files([str(tmp_path / "c.jsonl")], str(tmp_path / "out"), cfg, append_eod=True, quiet=True)
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert ds.dtype == np.int32 and ds[0].tolist() == [0, 1, 70000]
+
+
+def test_a_gzip_input_is_read_decompressed_and_a_damaged_one_is_one_line(tmp_path):
+    """Megatron's preprocess_data.py reads *.jsonl.gz; meshlm read the compressed bytes as one text
+    record and refused it as 'not UTF-8'."""
+    import gzip
+    text = json.dumps({"text": "1 2 3"}) + "\n" + json.dumps({"text": "4"}) + "\n"
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    preprocess_files([str(tmp_path / "c.jsonl.gz")], str(tmp_path / "out"), null_cfg(), VOCAB, quiet=True)
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3], [4]]
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(text.encode())[:-12])
+    with pytest.raises(DataError, match=r"^--input \S+cut.jsonl.gz: cannot read it \(Compressed file ended"):
+        preprocess_files([str(tmp_path / "cut.jsonl.gz")], str(tmp_path / "o2"), null_cfg(), VOCAB, quiet=True)
+    assert not list(tmp_path.glob("o2*"))

@@ -94,6 +94,16 @@ def test_sentencepiece_types_match_megatron_core(models, megatron_build, kind):
     assert pickle.loads(pickle.dumps(ours)).encode(TEXTS[2]) == ours.encode(TEXTS[2])  # preprocess --workers
 
 
+def test_a_sentencepiece_models_pad_is_megatrons_pad(tmp_path, megatron_build):
+    """Megatron's GPTDataset leaves the tokenizer's pad labels out of the loss; meshlm's SentencePiece
+    tokenizer had no pad, so a model with a pad piece trained on them."""
+    import sentencepiece
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(corpus(50)), model_prefix=str(tmp_path / "m"),
+                                             vocab_size=40, pad_id=3, minloglevel=2)
+    cfg = tok_cfg("SentencePieceTokenizer", tmp_path / "m.model")
+    assert build_tokenizer(cfg).pad == megatron_build(megatron_cfg(cfg)).pad == 3
+
+
 def test_a_sentencepiece_model_without_eos_is_refused(tmp_path):
     import sentencepiece
     sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(corpus(50)), model_prefix=str(tmp_path / "m"),
@@ -155,6 +165,7 @@ def test_tiktokenizer_matches_megatron_core(models, megatron_build, pattern, cut
     ours, theirs = build_tokenizer(cfg, vocab), megatron_build(megatron_cfg(cfg, vocab))
     assert ours.vocab_size == theirs.vocab_size == vocab
     assert (ours.eod, ours.bos) == (theirs.eod, theirs.bos) == (2, 1)  # </s>, <s> of the default specials
+    assert ours.pad == theirs.pad == 4  # <pad>: its labels are left out of the loss (data/packing.py)
     for text in TEXTS + corpus(5, seed=1):
         ids = ours.encode(text)
         assert ids == theirs.tokenize(text)

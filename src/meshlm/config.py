@@ -352,7 +352,7 @@ class DataConfig:
                                                    nargs="+")
     null_tokenizer_eod_id: Optional[int] = opt(None, "NullTokenizer: the end-of-document id (default --vocab-size "
                                                "- 1, as Megatron-LM; megatron-core 0.16.1 used --vocab-size itself)")
-    null_tokenizer_pad_id: int = opt(-1, "NullTokenizer: the padding id (-1: none)")
+    null_tokenizer_pad_id: int = opt(-1, "NullTokenizer: the padding id, its labels left out of the loss (-1: none)")
     vocab_file: Optional[str] = opt(None, "GPT-2 vocab.json")
     merge_file: Optional[str] = opt(None, "GPT-2 merges.txt")
     data_cache_path: Optional[str] = opt(None, "folder for cached sample indices")

@@ -512,11 +512,14 @@ def _profile_problems(cfg: Config, world: int) -> list:
 
 
 def _output_problems(cfg: Config) -> list:
-    """Each folder the run writes is a directory, or can be created as one, and is writable."""
+    """Each folder the run writes is a directory, or can be created as one, and is writable; a
+    --data-cache-path already holding sample indices may be read-only (a shared cache built once:
+    Megatron loads it; one it lacks is a one-line DataError when it would be written)."""
+    from .data.gpt_dataset import holds_index_cache
     from .folders import output_folder_problem
-    c, lg = cfg.checkpoint, cfg.logging
+    c, lg, cache = cfg.checkpoint, cfg.logging, cfg.data.data_cache_path
     folders = [("--save", c.save), ("--run-dir", lg.run_dir), ("--log-dir", lg.log_dir),
-               ("--tensorboard-dir", lg.tensorboard_dir), ("--data-cache-path", cfg.data.data_cache_path)]
+               ("--tensorboard-dir", lg.tensorboard_dir), ("--data-cache-path", None if holds_index_cache(cache) else cache)]
     return [p for p in (output_folder_problem(flag, path) for flag, path in folders if path) if p]
 
 

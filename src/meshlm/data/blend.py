@@ -16,6 +16,29 @@ from ..errors import ConfigError, DataError
 SURPLUS = 0.005
 
 
+def normalize(weights) -> list:
+    """Weights divided by their sum in float64, bit for bit as megatron-core's
+    ``datasets.utils.normalize`` (the greedy blend below and --split's rounded bounds turn on the
+    last bit: "0.3 A 0.3 B 0.4 C" scaled by the largest weight first picked another dataset at
+    sample 10). Weights whose sum overflows (1e308,1e308) are scaled by the largest first."""
+    w = np.asarray(weights, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        total = np.sum(w)
+    if not np.isfinite(total):
+        w = w / w.max()
+        total = np.sum(w)
+    return (w / total).tolist()
+
+
+def is_number(token: str) -> bool:
+    """Whether a --data-path token reads as a weight (a float, as Megatron's get_blend_from_list)."""
+    try:
+        float(token)
+        return True
+    except ValueError:
+        return False
+
+
 def parse_data_path(tokens: list, flag: str = "--data-path") -> list:
     """Return [(weight, prefix), ...] with weights normalised to sum 1; prefixes without weights
     get equal weights.
@@ -26,12 +49,6 @@ def parse_data_path(tokens: list, flag: str = "--data-path") -> list:
     """
     if not tokens:
         return []
-    def is_number(x):
-        try:
-            float(x)
-            return True
-        except ValueError:
-            return False
     if not is_number(tokens[0]):
         if any(is_number(t) for t in tokens):
             raise ConfigError(f"{flag} {' '.join(tokens)}: give either all prefixes or weight/prefix pairs")
@@ -44,9 +61,7 @@ def parse_data_path(tokens: list, flag: str = "--data-path") -> list:
         if not is_number(w) or not 0 < float(w) < math.inf or is_number(prefix):
             raise ConfigError(f"{flag}: expected a finite positive weight then a prefix, got {w!r} {prefix!r}")
         pairs.append((float(w), prefix))
-    top = max(w for w, _ in pairs)  # scaled first: two weights near the float maximum sum to inf
-    total = sum(w / top for w, _ in pairs)
-    return [(w / top / total, prefix) for w, prefix in pairs]
+    return list(zip(normalize([w for w, _ in pairs]), [prefix for _, prefix in pairs]))
 
 
 def samples_per_dataset(weights, num_samples: int, surplus: float = 0.0) -> list:
@@ -91,8 +106,7 @@ class BlendedDataset:
 
     def __init__(self, datasets, weights, size: int, names, flag: str = "--data-path"):
         self.datasets = list(datasets)
-        total = float(np.sum(np.asarray(weights, dtype=np.float64)))
-        self.weights = [float(w) / total for w in weights]
+        self.weights = normalize(weights)  # again, as megatron-core's BlendedDataset does
         self.dataset_index, self.dataset_sample_index = build_blending_indices(self.weights, size)
         for i, (ds, name) in enumerate(zip(self.datasets, names)):
             chosen = self.dataset_sample_index[self.dataset_index == i]

@@ -27,10 +27,10 @@ import torch
 from ..config import global_batch, run_iterations, run_samples
 from ..errors import ConfigError, DataError
 from ..parallel.agree import first_problem
-from .blend import SURPLUS, BlendedDataset, samples_per_dataset
+from .blend import SURPLUS, BlendedDataset, normalize, samples_per_dataset
 from .indexed import IndexedDataset
 from .packing import Packing
-from .sources import blends, per_split, split_string
+from .sources import blends, per_split, split_string, weighted
 from .tokenizer import build_tokenizer
 
 SPLITS = ("train", "valid", "test")
@@ -63,8 +63,7 @@ def split_weights(split: str) -> list:
     if sum(w) == 0:
         raise ConfigError(f"--split {split!r} gives every split weight 0, so the training set gets no data; "
                           f"make the first (train) weight positive, e.g. 969,30,1")
-    w = np.asarray(w + [0.0] * (3 - len(w)), dtype=np.float64) / max(w)  # scaled first: 1e308,1e308
-    return (w / w.sum()).tolist()                                           # summed to inf (weights 0)
+    return normalize(w + [0.0] * (3 - len(w)))
 
 
 def split_ranges(split: str, num_sequences: int) -> list:
@@ -156,6 +155,14 @@ def documents(begin: int, end: int, total: int) -> str:
     return f"documents [{begin}, {end}) of {total}; sentences if preprocessed with --split-sentences"
 
 
+DESCRIPTION = "-description.txt"  # the last file of a cache entry written (GPTDataset._save)
+
+
+def holds_index_cache(folder: str | None) -> bool:
+    """Whether ``folder`` holds sample indices of some GPTDataset (read-only, it still serves them)."""
+    return bool(folder) and os.path.isdir(folder) and any(n.endswith(DESCRIPTION) for n in os.listdir(folder))
+
+
 FINGERPRINT_DOCUMENTS = 65_537  # documents whose lengths key the index cache (evenly spaced, both ends)
 
 
@@ -201,7 +208,7 @@ class GPTDataset:
                                               "cache", "GPTDataset_indices")
         base = os.path.join(cache_dir, f"{digest}-GPTDataset-{split}")
         paths = [f"{base}-{name}.npy" for name in ("document_index", "sample_index", "shuffle_index")]
-        desc_path = f"{base}-description.txt"
+        desc_path = base + DESCRIPTION
         if not indexed.sequence_lengths[begin:end].any():  # checked on every rank: no one waits in vain
             raise DataError(f"--data-path {indexed.prefix}: the {split} split ({documents(begin, end, len(indexed))}) "
                             f"holds no tokens; change --split {split_string} or add documents")
@@ -329,10 +336,11 @@ def _drop_empty_splits(split: str, indexed: list, ranges: list, needed: list) ->
     return build
 
 
-def _one_split(blend: list, flag: str, n: int, dataset_of):
-    """One split's dataset of ``n`` samples: ``dataset_of(k, n)`` for a single prefix, else a
-    BlendedDataset over ``dataset_of(k, m_k)``, m_k each prefix's share with Megatron's surplus."""
-    if len(blend) == 1:
+def _one_split(blend: list, flag: str, n: int, dataset_of, blended: bool = False):
+    """One split's dataset of ``n`` samples: ``dataset_of(k, n)`` for a single prefix unless
+    ``blended`` (Megatron blends one weighted --data-path prefix too), else a BlendedDataset over
+    ``dataset_of(k, m_k)``, m_k each prefix's share with Megatron's surplus."""
+    if len(blend) == 1 and not blended:
         return dataset_of(0, n)
     w = [wt for wt, _ in blend]
     parts = [dataset_of(k, m) for k, m in enumerate(samples_per_dataset(w, n, SURPLUS))]
@@ -360,7 +368,8 @@ def build_datasets(cfg, world_size: int | None = None, ps=None, local_rank: int 
     if d.mock_data:
         if not cfg.model.vocab_size:
             raise ConfigError("--mock-data needs --vocab-size")
-        packing = Packing.of(d, build_tokenizer(d, cfg.model.vocab_size).eod)
+        tokenizer = build_tokenizer(d, cfg.model.vocab_size)
+        packing = Packing.of(d, tokenizer.eod, tokenizer.pad)
         return tuple(MockGPTDataset(n, seq, cfg.model.vocab_size, seed, name, packing) if w > 0 and n > 0 else None
                      for name, w, n in zip(SPLITS, split_weights(split_string(d)), sizes))
     data = blends(d)
@@ -368,7 +377,7 @@ def build_datasets(cfg, world_size: int | None = None, ps=None, local_rank: int 
         raise ConfigError("no training data: give --data-path PREFIX (from `meshlm preprocess`), "
                           "--train-data-path PREFIX, or --mock-data")
     tokenizer = build_tokenizer(d, cfg.model.vocab_size)
-    identity, packing = tokenizer.identity, Packing.of(d, tokenizer.eod)
+    identity, packing = tokenizer.identity, Packing.of(d, tokenizer.eod, tokenizer.pad)
 
     def gpt(indexed, s, doc_range, n, split_string=""):
         return GPTDataset(indexed, SPLITS[s], doc_range, n, seq, seed, split_string, d.data_cache_path, identity,
@@ -381,7 +390,7 @@ def build_datasets(cfg, world_size: int | None = None, ps=None, local_rank: int 
     indexed = [IndexedDataset(prefix) for _, prefix in blend]
     ranges = [split_ranges(split, len(ds)) for ds in indexed]
     build = _drop_empty_splits(split, indexed, ranges, [w > 0 and n > 0 for w, n in zip(split_weights(split), sizes)])
-    return tuple(_one_split(blend, flag, n, lambda k, m: gpt(indexed[k], s, ranges[k][s], m, split))
+    return tuple(_one_split(blend, flag, n, lambda k, m: gpt(indexed[k], s, ranges[k][s], m, split), weighted(d))
                  if build[s] else None for s, n in enumerate(sizes))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
+from array import array
 
 import numpy as np
 
@@ -36,7 +37,8 @@ def token_dtype(vocab_size: int) -> type:
 
 
 class IndexedDatasetWriter:
-    """Stream documents into ``{prefix}.bin/.idx``; one document is one sequence.
+    """Stream documents into ``{prefix}.bin/.idx``; one document is one sequence, an empty one
+    (:meth:`add_empty_document`) none.
 
     The files appear under their final names only in ``finalize()`` (written as ``*.tmp``, then
     renamed), so a crash never leaves a half-written dataset that looks complete.
@@ -49,13 +51,21 @@ class IndexedDatasetWriter:
             raise ValueError(f"unsupported token dtype {self.dtype}")
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         self._bin = open(prefix + ".bin.tmp", "wb")
-        self._lengths = []
+        self._lengths = array("q")  # 8 bytes a document, not a Python int's 36: 10^8 documents fit in RAM
+        self._documents = array("q", [0])  # document k is sequences [_documents[k], _documents[k + 1])
 
     def add_document(self, ids) -> None:
-        """Append one document (a list or array of token ids; may be empty)."""
+        """Append one document as one sequence (a list or array of token ids; an empty one makes a
+        sequence of length 0)."""
         arr = np.asarray(ids, dtype=self.dtype)
         self._bin.write(arr.tobytes(order="C"))
         self._lengths.append(arr.size)
+        self._documents.append(len(self._lengths))
+
+    def add_empty_document(self) -> None:
+        """Append a document without tokens as Megatron's preprocess_data.py does: an entry in the
+        document index, no sequence (and no appended eod)."""
+        self._documents.append(len(self._lengths))
 
     def abort(self) -> None:
         """Drop everything written so far: no temporary file is left behind (safe to call twice,
@@ -68,17 +78,17 @@ class IndexedDatasetWriter:
     def finalize(self) -> None:
         """Write the .idx and move both files to their final names."""
         self._bin.close()
-        lengths = np.asarray(self._lengths, dtype=np.int32)
+        lengths = np.frombuffer(self._lengths, np.int64).astype(np.int32)
         n = lengths.size
         pointers = np.zeros(n, dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        documents = np.arange(n + 1, dtype=np.int64)
+        documents = np.frombuffer(self._documents, np.int64)
         with open(self.prefix + ".idx.tmp", "wb") as f:
             f.write(MAGIC)
             f.write(struct.pack("<Q", VERSION))
             f.write(struct.pack("<B", CODE_OF[self.dtype]))
             f.write(struct.pack("<Q", n))
-            f.write(struct.pack("<Q", n + 1))
+            f.write(struct.pack("<Q", documents.size))
             f.write(lengths.tobytes())
             f.write(pointers.tobytes())
             f.write(documents.tobytes())
@@ -169,19 +179,33 @@ class IndexedDataset:
 
 
 def check_token_ids(prefixes, vocab_size: int, null_tokenizer: bool = False, sized_by_flag: bool = False) -> None:
-    """Raise DataError naming the .bin file and its largest id if any id is ≥ vocab_size.
+    """Raise DataError naming the .bin file and its largest id if any id is ≥ vocab_size, or its
+    smallest if any id is negative (an int32 file holding -1 or -100 pads trained on them silently:
+    the vocabulary-parallel embedding maps an id outside its rows to a zero vector).
 
     prefixes: indexed-dataset prefixes (without .bin/.idx). Reads each .bin in 64 MiB chunks.
     null_tokenizer: the run's NullTokenizer: a largest id of exactly vocab_size is data made by
     megatron-core 0.16.1's NullTokenizer (eod = --vocab-size, one id more), and the line says so.
     sized_by_flag: the vocabulary is --vocab-size's (NullTokenizer, TikTokenizer), so a larger one is a
     fix the line may name; other tokenizers' files fix their vocabulary (--vocab-size changes nothing).
+    A tokenizer file with more ids than the .bin's dtype holds (uint16 for 128,256 ids) is a DataError
+    too: preprocessing with it writes int32 (:func:`token_dtype`), so the data is another tokenizer's
+    even when every id is in range (GPT-2 ids read by a Llama 3 tokenizer trained without a word).
     """
     for prefix in prefixes:
         ds = IndexedDataset(prefix)
+        most = np.iinfo(ds.dtype).max if ds.dtype.kind in "iu" else None
+        if not (null_tokenizer or sized_by_flag) and most is not None and vocab_size - 1 > most:
+            raise DataError(f"{prefix}.bin stores token ids as {ds.dtype} (at most {most:,}) but the tokenizer has "
+                            f"{vocab_size:,} ids: the data was made by another tokenizer (preprocessing with this "
+                            f"one writes int32); preprocess it with the run's tokenizer")
         data = np.frombuffer(ds._bin, ds.dtype, ds._bin.size // ds.dtype.itemsize)
         chunk = (64 << 20) // ds.dtype.itemsize
-        largest = max((int(data[i:i + chunk].max()) for i in range(0, data.size, chunk)), default=-1)
+        ranges = [(int(data[i:i + chunk].min()), int(data[i:i + chunk].max())) for i in range(0, data.size, chunk)]
+        smallest, largest = min((r[0] for r in ranges), default=0), max((r[1] for r in ranges), default=-1)
+        if smallest < 0:
+            raise DataError(f"{prefix}.bin holds token id {smallest}, a negative id (no token has one; a padding "
+                            f"or ignore label?); write the data with `meshlm preprocess` or without such ids")
         if null_tokenizer and largest == vocab_size:
             raise DataError(f"{prefix}.bin holds token id {largest} = --vocab-size: data made by megatron-core "
                             f"0.16.1's NullTokenizer (end-of-document id {vocab_size}, {vocab_size + 1} ids); "

@@ -3,7 +3,8 @@
 Inputs are read as :mod:`.records` says (one JSON object per line, or a plain-text file as ONE
 document). Output: ``{output_prefix}_{key}_document.bin/.idx`` per key, ids as uint16 below 65,500
 vocabulary ids else int32, one document = one sequence; ``--append-eod`` appends the tokenizer's
-eod id.
+eod id. A document without tokens (empty text) adds no sequence, only its document-index entry, and
+gets no eod: Megatron's preprocess_data.py writes the same bytes, so --split cuts the same sequences.
 
 Bad records (see :mod:`.records`; also any text the tokenizer cannot encode, e.g. NullTokenizer
 text that is not integer ids in [0, vocab)) are skipped, counted and reported as
@@ -30,7 +31,7 @@ from ..errors import ConfigError, DataError
 from ..folders import space_errors_named
 from .indexed import IndexedDatasetWriter, token_dtype
 from .outputs import check_output_file
-from .records import BadRecords, check_inputs, check_json_keys, iter_records, parse_record
+from .records import BadRecords, check_inputs, check_json_keys, iter_records, parse_record, text_bytes_bound
 from .tokenizer import TOKENIZER_FIELDS, build_tokenizer
 
 CHUNK_BYTES = 1 << 20  # records are sent to workers in chunks of about this many bytes
@@ -71,8 +72,8 @@ def _encode_chunk(chunk):
             bad.append(f"{path}:{line}: {e}")
             continue
         text_tokens = [t + len(x) for t, x in zip(text_tokens, ids)]
-        if append_eod:
-            ids = [x + [tok.eod] for x in ids]
+        if append_eod:  # not to an empty document, which adds no sequence (Megatron's preprocess_data.py)
+            ids = [x + [tok.eod] if x else x for x in ids]
         good.append(ids)
     return good, bad, nbytes, text_tokens
 
@@ -89,7 +90,8 @@ def _chunks(records):
         yield chunk
 
 
-def _progress(total_bytes: int, quiet: bool):
+def _progress(total_bytes: Optional[int], quiet: bool):
+    """A progress bar over ``total_bytes`` of text (None: unknown, a .gz input)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -98,7 +100,8 @@ def _progress(total_bytes: int, quiet: bool):
                         TextColumn("{task.fields[docs]:,} docs {task.fields[dps]:,.0f} docs/s "
                                    "{task.fields[tps]:,.0f} tokens/s"), TimeElapsedColumn(),
                         console=console, disable=quiet or not console.is_terminal)
-    return progress, progress.add_task("", total=max(total_bytes, 1), docs=0, dps=0.0, tps=0.0)
+    total = None if total_bytes is None else max(total_bytes, 1)
+    return progress, progress.add_task("", total=total, docs=0, dps=0.0, tps=0.0)
 
 
 def preprocess_files(inputs, output_prefix: str, tok_cfg, vocab_size=None, json_keys=("text",),
@@ -160,14 +163,14 @@ def _write(inputs, writers, tokenizer, keys, append_eod, workers, quiet, log_int
     """Tokenize every record into the writers → (stats, per-key count of text tokens)."""
     stats = PreprocessStats()
     start = time.perf_counter()
-    total = sum(os.path.getsize(p) for p in inputs)
+    total = sum(text_bytes_bound(p) for p in inputs)  # the bytes of text; a bound of them for a .gz
     used = pool_size(workers, total)
     if used < workers and not quiet:
         print(f"preprocess: note: --workers {workers}: using {used} tokenizer process(es), as many as the input's "
               f"{-(-total // CHUNK_BYTES)} chunk(s) of {CHUNK_BYTES >> 20} MiB and this machine's cores allow",
               file=sys.stderr, flush=True)
     workers = used
-    progress, task = _progress(total, quiet)
+    progress, task = _progress(None if any(p.endswith(".gz") for p in inputs) else total, quiet)
     text_tokens = [0] * len(keys)
     lines = log_interval if log_interval and not quiet and progress.disable else None
     pool = None
@@ -183,7 +186,10 @@ def _write(inputs, writers, tokenizer, keys, append_eod, workers, quiet, log_int
                 text_tokens = [t + c for t, c in zip(text_tokens, chunk_tokens)]
                 for ids in good:
                     for writer, doc in zip(writers, ids):
-                        writer.add_document(doc)
+                        if doc:
+                            writer.add_document(doc)
+                        else:
+                            writer.add_empty_document()
                     stats.tokens += len(ids[0])
                 stats.documents += len(good)
                 stats.bad.add(bad)
@@ -216,7 +222,8 @@ def _check_written(inputs, stats: PreprocessStats, keys, text_tokens) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``meshlm preprocess`` (Megatron's tools/preprocess_data.py names)."""
     parser.add_argument("--input", nargs="+", action="extend", required=True,
-                        help="jsonl files (one JSON object per line) or plain-text files (one document each)")
+                        help="jsonl files (one JSON object per line: *.jsonl, *.json or a first line that is one) or "
+                             "plain-text files (one document each)")
     parser.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     parser.add_argument("--json-keys", nargs="+", action="extend", default=None,
                         help="jsonl fields to tokenize (default: text)")

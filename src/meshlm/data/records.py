@@ -1,8 +1,10 @@
 """The records of corpus files, as ``meshlm preprocess`` and ``meshlm tokenizer train`` read them.
 
-``*.jsonl`` / ``*.json`` files hold one JSON object per line (blank lines are ignored), each key
-of ``--json-keys`` a string; any other file is plain text and is ONE record (the whole file). A
-file's leading UTF-8 byte order mark is dropped.
+``*.jsonl`` / ``*.json`` files, and any file whose first non-blank line is a JSON object (Megatron
+reads every --input so: ``xaa`` from ``split -l``, ``*.ndjson``), hold one JSON object per line
+(blank lines are ignored), each key of ``--json-keys`` a string; any other file is plain text and
+is ONE record (the whole file). A file's leading UTF-8 byte order mark is dropped. A ``*.gz`` file is
+read decompressed (Megatron's preprocess_data.py reads gzip inputs too), named by its name without .gz.
 A record that cannot be used (bytes that are not UTF-8, invalid JSON, not an object, a missing
 key, a non-string value, a lone surrogate such as ``"\\ud800"``) raises :class:`BadRecord`; the
 commands skip it, count it in :class:`BadRecords` and report it as ``file:line: reason``.
@@ -10,6 +12,7 @@ commands skip it, count it in :class:`BadRecords` and report it as ``file:line: 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import sys
@@ -20,6 +23,7 @@ from ..errors import ConfigError, DataError
 
 SHOW_BAD = 10  # bad records printed one by one; the rest are only counted
 JSON_EXTS = (".jsonl", ".json")
+GZIP_RATIO = 1032  # deflate's largest compression ratio: a .gz file's text is at most this × its size
 BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark
 
 
@@ -66,6 +70,25 @@ def check_json_keys(keys) -> tuple:
     return tuple(keys)
 
 
+def _json_lines(f, path: str) -> bool:
+    """Whether the open file ``f`` holds JSON lines: its name says so, or its first non-blank line
+    is a JSON object (read only when it starts with "{"). Leaves ``f`` where it was."""
+    if path.removesuffix(".gz").endswith(JSON_EXTS):
+        return True
+    start = f.tell()
+    line = b""
+    for line in f:
+        if line.strip():
+            break
+    f.seek(start)
+    if not line.lstrip().startswith(b"{"):
+        return False
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:  # not JSON, or not UTF-8
+        return False
+
+
 def iter_records(paths):
     """Yield (path, line number, raw bytes, is_json) for every record of the inputs, in order.
 
@@ -74,17 +97,22 @@ def iter_records(paths):
     """
     for path in paths:
         try:
-            with open(path, "rb") as f:
+            with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
                 if f.read(len(BOM)) != BOM:
                     f.seek(0)
-                if not path.endswith(JSON_EXTS):
+                if not _json_lines(f, path):
                     yield path, 1, f.read(), False
                     continue
                 for n, line in enumerate(f, 1):
                     if line.strip():
                         yield path, n, line, True
-        except OSError as e:
-            raise DataError(f"--input {path}: cannot read it ({e.strerror})") from None
+        except (OSError, EOFError) as e:  # EOFError, gzip.BadGzipFile: a damaged .gz
+            raise DataError(f"--input {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+
+
+def text_bytes_bound(path: str) -> int:
+    """An upper bound of the bytes of text in ``path``: its size, or GZIP_RATIO × that for a .gz."""
+    return os.path.getsize(path) * (GZIP_RATIO if path.endswith(".gz") else 1)
 
 
 def _check_unicode(text: str, key: str) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 
 from ..errors import ConfigError
-from .blend import parse_data_path
+from .blend import is_number, parse_data_path
 
 DEFAULT_SPLIT = "969,30,1"
 SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
@@ -105,6 +105,27 @@ def _per_split_file(path: str) -> list:
     return out
 
 
+def _data_args_tokens(d) -> list:
+    """The --data-path tokens in the --data-args-path file; ConfigError for a JSON or empty file."""
+    flag = f"--data-args-path {d.data_args_path}"
+    text = _read(d.data_args_path, "--data-args-path")
+    if text.lstrip()[:1] in ("{", "["):  # each JSON word would be named as a bad prefix
+        raise ConfigError(f"{flag}: the file is JSON; --data-args-path takes the --data-path tokens as "
+                          f"plain text (0.7 data/a_text_document 0.3 data/b_text_document), and a JSON "
+                          f"file of train/valid/test blends is --per-split-data-args-path")
+    if not text.split():
+        raise ConfigError(f"{flag}: the file holds no dataset prefix; write the --data-path tokens into it "
+                          f"(e.g. 0.7 data/a_text_document 0.3 data/b_text_document)")
+    return text.split()
+
+
+def weighted(d) -> bool:
+    """Whether --data-path / --data-args-path gives weights ("1.0 A", not "A"): Megatron blends one
+    weighted prefix too (its dataset built with the 0.5 % surplus) and builds one bare prefix directly."""
+    tokens = d.data_path or (_data_args_tokens(d) if d.data_args_path is not None else [])
+    return bool(tokens) and is_number(tokens[0])
+
+
 def blends(d) -> list:
     """The data of DataConfig ``d`` as [(flag, blend)] where blend is [(weight, prefix), ...]
     (weights sum to 1) and flag names where it came from in messages: one entry for --data-path /
@@ -117,16 +138,7 @@ def blends(d) -> list:
         return [("--data-path", parse_data_path(d.data_path))]
     if d.data_args_path is not None:
         flag = f"--data-args-path {d.data_args_path}"
-        text = _read(d.data_args_path, "--data-args-path")
-        tokens = text.split()
-        if text.lstrip()[:1] in ("{", "["):  # each JSON word would be named as a bad prefix
-            raise ConfigError(f"{flag}: the file is JSON; --data-args-path takes the --data-path tokens as "
-                              f"plain text (0.7 data/a_text_document 0.3 data/b_text_document), and a JSON "
-                              f"file of train/valid/test blends is --per-split-data-args-path")
-        if not tokens:
-            raise ConfigError(f"{flag}: the file holds no dataset prefix; write the --data-path tokens into it "
-                              f"(e.g. 0.7 data/a_text_document 0.3 data/b_text_document)")
-        return [(flag, parse_data_path(tokens, flag))]
+        return [(flag, parse_data_path(_data_args_tokens(d), flag))]
     if d.per_split_data_args_path is not None:
         path = d.per_split_data_args_path
         flags = [f"--per-split-data-args-path {path} ({key})" for key in ("train", "valid", "test")]

@@ -25,7 +25,7 @@ from ..config import TOKENIZER_TYPES, Config
 from ..errors import ConfigError, DataError
 from ..folders import space_errors_named
 from .outputs import check_output_file, replacing
-from .records import BadRecords, check_inputs, check_json_keys, iter_texts
+from .records import BadRecords, check_inputs, check_json_keys, iter_texts, text_bytes_bound
 from .tokenizer_base import SENTENCEPIECE_TYPES, Tokenizer, file_digest, require_path
 from .tokenizers_extra import build_extra
 
@@ -42,10 +42,13 @@ TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_fi
 
 
 class HFTokenizer(Tokenizer):
-    """Wraps a ``tokenizers.Tokenizer`` (HuggingFaceTokenizer and GPT2BPETokenizer)."""
+    """Wraps a ``tokenizers.Tokenizer`` (HuggingFaceTokenizer and GPT2BPETokenizer). vocab_size is
+    the largest id + 1: a tokenizer.json may leave ids unused (an added token at 70000 over 4 tokens),
+    and its token count was then too small for the embedding and for the .bin dtype (preprocess ended
+    in an OverflowError traceback)."""
 
     def __init__(self, tok, eod: int, identity: str):
-        super().__init__(tok.get_vocab_size(with_added_tokens=True), eod, identity)
+        super().__init__(max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1, eod, identity)
         self._tok = tok
 
     def encode(self, text: str) -> list:
@@ -301,7 +304,7 @@ def train_bpe(source, vocab_size: int, output_path: str, json_keys=("text",),
         bad = BadRecords() if bad is None else bad
         where = (" ".join(str(p) for p in source) + " (every record empty, unusable or without "
                  f"--json-keys {' '.join(json_keys)})")
-        most = _learnable(sum(os.path.getsize(p) for p in source))
+        most = _learnable(sum(text_bytes_bound(str(p)) for p in source))
         source = iter_texts([str(p) for p in source], json_keys, bad)
     else:
         where = "the given texts"
@@ -339,7 +342,8 @@ def _learnable(nbytes: int) -> int:
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``meshlm tokenizer train``."""
     parser.add_argument("--input", nargs="+", action="extend", required=True,
-                        help="jsonl files (field --json-keys) or plain-text files (one text each)")
+                        help="jsonl files (field --json-keys; *.jsonl, *.json or a first line that is a JSON object) or "
+                             "plain-text files (one text each)")
     parser.add_argument("--json-keys", nargs="+", action="extend", default=None,
                         help="jsonl fields to train on (default: text)")
     parser.add_argument("--vocab-size", type=int, default=32000, help="target vocabulary size")

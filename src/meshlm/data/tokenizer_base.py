@@ -17,8 +17,11 @@ SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "L
 
 
 class Tokenizer:
-    """A text ↔ id mapping. ``vocab_size`` counts every id (added tokens included); ``eod`` is the
-    end-of-document id; ``identity`` is a short string naming the tokenizer (used in cache names)."""
+    """A text ↔ id mapping. ``vocab_size`` is the largest id + 1 (added tokens included); ``eod`` is the
+    end-of-document id; ``identity`` is a short string naming the tokenizer (used in cache names);
+    ``pad`` the padding id whose labels the loss leaves out (-1: none; data/packing.py)."""
+
+    pad = -1
 
     def __init__(self, vocab_size: int, eod: int, identity: str):
         self.vocab_size = vocab_size

@@ -80,7 +80,7 @@ class SentencePieceTokenizer(Tokenizer):
             raise DataError(f"--tokenizer-model {path}: the SentencePiece model has no EOS piece, which "
                             f"{kind} uses as the end-of-document id; train it with an eos_id")
         super().__init__(self._sp.get_piece_size(), eos, f"SP:{os.path.basename(path)}:{file_digest(path)}")
-        self.bos = self._sp.bos_id()
+        self.bos, self.pad = self._sp.bos_id(), self._sp.pad_id()  # pad -1: none (Megatron's pad)
 
     def encode(self, text: str) -> list:
         return self._sp.encode(text)
@@ -166,7 +166,7 @@ class TikTokenizer(Tokenizer):
         identity = (f"TikToken:{os.path.basename(path)}:{file_digest(path)}:{pattern}:{vocab_size}:"
                     f"{num_special_tokens}:{','.join(special_tokens or [])}")
         super().__init__(vocab_size, special.index("</s>"), identity)
-        self.bos = special.index("<s>")
+        self.bos, self.pad = special.index("<s>"), special.index("<pad>")  # Megatron's pad: <pad>
 
     def encode(self, text: str) -> list:
         return self._enc.encode(text, allowed_special="all")
