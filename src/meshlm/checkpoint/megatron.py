@@ -90,29 +90,45 @@ def check_backend(folder: str) -> None:
 
 # ----------------------------------------------------------------------------- flags
 
-# Megatron-LM args that meshlm's model cannot compute, and the value that is fine.
-_REFUSED = {"qk_layernorm": False, "rotary_interleaved": False, "multi_latent_attention": False,
-            "squared_relu": False, "moe_shared_expert_gate": False,
-            "add_qkv_bias": False, "num_experts_per_group": None}
+# Megatron-LM args that change the model's function in a way meshlm's model cannot compute, with
+# the values besides None and False that leave it unchanged (an arg a Megatron version lacks is fine).
+_REFUSED = {"qk_layernorm": (), "rotary_interleaved": (), "multi_latent_attention": (), "squared_relu": (),
+            "quick_geglu": (), "moe_shared_expert_gate": (), "add_qkv_bias": (), "num_experts_per_group": (),
+            "apply_residual_connection_post_layernorm": (), "use_rope_scaling": (),
+            "rotary_seq_len_interpolation_factor": (1,), "no_rope_freq": (), "window_size": (),
+            "softmax_type": ("vanilla",), "qk_l2_norm": (), "attention_output_gate": (), "glu_linear_offset": (0,),
+            "activation_func_clamp_value": (), "experimental_attention_variant": (), "linear_attention_freq": (),
+            "heterogeneous_layers_config_path": (), "enable_mhc_connections": (),
+            "moe_router_topk_scaling_factor": (1,), "moe_router_group_topk": (0,),
+            "moe_router_topk_limited_devices": (0,), "moe_apply_probs_on_input": (), "moe_latent_size": ()}
+# meshlm field ← the TransformerConfig field Megatron-LM saves it under since its args are generated
+# from TransformerConfig (2026-01, megatron/training/argument_utils.py: dest = the field's name);
+# earlier versions saved meshlm's names
+_RENAMED = {"norm_epsilon": "layernorm_epsilon", "apply_layernorm_1p": "layernorm_zero_centered_gamma"}
+_CHOSEN = ("position_embedding_type", "normalization", "moe_router_score_function")  # meshlm's choices only
 
 
 def model_from_args(args) -> C.ModelConfig:
     """The ModelConfig of a Megatron-LM run's ``args`` (common.pt's Namespace): every field meshlm
-    shares with Megatron-LM (the same names and meanings, --bias-gelu-fusion included) taken from it.
+    shares with Megatron-LM (the same names and meanings, --bias-gelu-fusion included; --norm-epsilon
+    and --apply-layernorm-1p under either version's name, ``_RENAMED``) taken from it.
 
     Raises CheckpointError naming the first arg whose function meshlm lacks (qk-layernorm, an
-    interleaved rotary, MLA, squared ReLU, …).
+    interleaved or scaled rotary, MLA, squared ReLU, sliding-window attention, post-layernorm
+    residuals, …), or a choice meshlm's model lacks (--position-embedding-type yarn, --normalization L2Norm, …).
     """
     for name, fine in _REFUSED.items():
-        value = getattr(args, name, fine)
-        if value not in (fine, None, False):
+        value = getattr(args, name, None)
+        if value is not None and value is not False and value not in fine:
             raise CheckpointError(f"the Megatron checkpoint was trained with --{name.replace('_', '-')} "
                                   f"({value}); meshlm's model has no such option")
     fields = {}
-    for name in (f.name for f in dataclasses.fields(C.ModelConfig)):
-        value = getattr(args, name, None)
+    for f in dataclasses.fields(C.ModelConfig):
+        value = getattr(args, f.name, None)
+        if f.name in _RENAMED and getattr(args, _RENAMED[f.name], None) is not None:
+            value = getattr(args, _RENAMED[f.name])
         if value is not None:
-            fields[name] = value
+            fields[f.name] = value
     if isinstance(fields.get("moe_layer_freq"), (int, list)):
         freq = fields["moe_layer_freq"]
         fields["moe_layer_freq"] = str(freq) if isinstance(freq, int) else "[" + ",".join(map(str, freq)) + "]"
@@ -121,6 +137,11 @@ def model_from_args(args) -> C.ModelConfig:
             fields[name] = fields[name][0]
     if not getattr(args, "num_experts", None):
         fields.pop("num_experts", None)
+    for f in dataclasses.fields(C.ModelConfig):
+        choices = f.metadata.get("choices")
+        if f.name in _CHOSEN and f.name in fields and fields[f.name] not in choices:
+            raise CheckpointError(f"the Megatron checkpoint was trained with {C.flag_of(f)} {fields[f.name]}; "
+                                  f"meshlm's model computes {', '.join(choices)}")
     return C.ModelConfig(**fields)
 
 
