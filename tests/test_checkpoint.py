@@ -394,6 +394,8 @@ def test_model_config_differences_are_listed_as_flags_in_one_line(tmp_path):
         check_model_config(path, _model(position_embedding_type="rope"))
     with pytest.raises(CheckpointError, match="--max-position-embeddings saved=16 now=32"):
         check_model_config(path, _model(seq_length=32))
+    with pytest.raises(CheckpointError, match="--norm-epsilon saved=1e-05 now=1e-06"):  # was not compared
+        check_model_config(path, _model(norm_epsilon=1e-6))
     cfg.model = _model(position_embedding_type="rope")  # partial rotary: same shapes, another function
     ckpt.save(str(tmp_path), 11, {"w": torch.zeros(2)}, config=cfg.to_dict())
     with pytest.raises(CheckpointError, match="--rotary-percent saved=1.0 now=0.5"):

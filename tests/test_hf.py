@@ -216,9 +216,10 @@ def test_run_flags_are_checked_against_the_hf_model(hf):
     m = model_from_hf(_config(hf, "mistral", sliding_window=8), "x/config.json")
     assert m.notes and "sliding_window=8" in m.notes[0]
     wrong = m.model_config()
-    wrong.hidden_size, wrong.seq_length = 64, 16
+    wrong.hidden_size, wrong.seq_length, wrong.norm_epsilon = 64, 16, 1e-5
     problems = flag_problems(m, wrong, "HF")
     assert "--hidden-size hf=32 now=64" in problems[0] and "--swiglu" in problems[0]
+    assert "--norm-epsilon hf=1e-06 now=1e-05" in problems[0]  # rms_norm_eps was not compared
     assert "sliding_window=8 is shorter than --seq-length 16" in problems[1]
     right = m.model_config()
     right.seq_length = 8
