@@ -243,6 +243,9 @@ def test_convert_flags_and_outputs_are_checked(hf, tmp_path, capsys):
     assert "not a Hugging Face model folder" in capsys.readouterr().err
     ckpt = str(tmp_path / "c")
     assert main(["convert", "--from-hf", hf["gpt2"][0], "--output", ckpt]) == 0  # an import's folder: either flag
+    capsys.readouterr()
+    assert main(["checkpoint", "verify", ckpt]) == 0  # it said "(model, optimizer, scheduler, RNG)"
+    assert "through the trainer (model weights: a weights-only checkpoint" in capsys.readouterr().out
     assert main(["convert", "--from-hf", hf["gpt2"][0], "--save", ckpt]) == 2
     assert "already holds a checkpoint" in capsys.readouterr().err
     assert main(["convert", "--to-hf", "--load", ckpt, "--output", hf["gpt2"][0]]) == 2

@@ -177,7 +177,10 @@ def run_verify(args: argparse.Namespace) -> int:
         problems += _trainer_load(folder)
     if problems:
         return _fail(problems)
-    what = "loads at TP=1 PP=1 DP=1 through the trainer (model, optimizer, scheduler, RNG)" \
+    weights_only = all(key.startswith("model") for key, *_ in tensor_table(folder))  # convert's output
+    loaded = "model weights: a weights-only checkpoint, which fine-tunes from iteration 0" if weights_only \
+        else "model, optimizer, scheduler, RNG"
+    what = f"loads at TP=1 PP=1 DP=1 through the trainer ({loaded})" \
         if tp * pp * dp == 1 else \
         f"fits TP={tp} PP={pp} DP={dp}; not loaded: that layout needs {tp * pp * dp} processes " \
         f"(this check runs in one)"
