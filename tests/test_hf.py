@@ -94,6 +94,22 @@ def test_import_at_tp1_gives_transformers_logits_and_export_loads_back(hf, arch,
     assert (_logits(back, hf["tokens"]) - expected).abs().max() < ATOL
 
 
+def test_a_tied_model_whose_file_also_holds_lm_head_imports_as_transformers_loads_it(hf, tmp_path):
+    """Some tied models' files hold lm_head.weight beside the embedding; transformers ties the
+    output layer and leaves it unread, meshlm refused the folder ("no place for lm_head.weight")."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    folder = str(tmp_path / "mistral")
+    shutil.copytree(hf["mistral"][0], folder)
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    convert.import_hf(folder, str(tmp_path / "ckpt"))
+    ours, _ = generate.load_model(str(tmp_path / "ckpt"))
+    with torch.no_grad():
+        assert (ours(hf["tokens"])[..., :VOCAB] - _logits(hf["mistral"][1], hf["tokens"])).abs().max() < ATOL
+
+
 @pytest.mark.parametrize("shard_bytes", [1 << 20, 40])
 def test_exported_files_get_the_mode_of_any_new_file(tmp_path, shard_bytes):
     """model*.safetensors get 0666 less the umask, as config.json does (safetensors alone writes 0600)."""
