@@ -471,8 +471,8 @@ def _load_problems(cfg: Config) -> list:
                         f"(the one holding latest_checkpointed_iteration.txt) or a Hugging Face model folder")
     elif load and not os.path.isdir(load) and load != cfg.checkpoint.save:
         problems.append(f"--load {load}: no such directory (with --save {load} too, a fresh run starts there)")
-    from .checkpoint.hf_config import is_hf_folder
-    if load and is_hf_folder(load):  # a Hugging Face model to fine-tune
+    from .checkpoint.hf_config import hf_to_fine_tune
+    if load and hf_to_fine_tune(load):  # a Hugging Face model to fine-tune
         from .checkpoint.convert import hf_load_problems
         problems += hf_load_problems(load, cfg.model)
     elif load:

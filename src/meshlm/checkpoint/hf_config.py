@@ -323,6 +323,14 @@ def hf_config_from_model(m: C.ModelConfig, vocab_size: int, arch: Optional[str] 
     return out
 
 
+def hf_to_fine_tune(path: Optional[str]) -> bool:
+    """True when --load ``path`` is a Hugging Face folder to fine-tune from (``is_hf_folder``) that
+    holds no meshlm checkpoints of its own: a run given it as --save too saves there, and its
+    restart resumes from those (as any --load = --save run) instead of starting over from the HF
+    weights at iteration 0."""
+    return is_hf_folder(path) and not os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt"))
+
+
 def is_hf_folder(path: Optional[str]) -> bool:
     """True when ``path`` is a folder with a Hugging Face config.json (it has a ``model_type``)
     and safetensors weights (model.safetensors, a sharded index, or any *.safetensors)."""
