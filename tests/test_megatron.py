@@ -553,6 +553,20 @@ def test_megatron_args_that_change_the_function_are_refused_not_dropped(arg, val
     assert named in str(e.value) and "\n" not in str(e.value)
 
 
+def test_megatron_run_settings_meshlm_lacks_are_left_out_so_the_converted_config_reads_back():
+    """--cp-comm-type a2a / allgather (Megatron's spelling), --moe-router-dtype fp64 went into the
+    converted config.json as they were, which every later command (pretrain --load, generate,
+    convert --to-hf) then refused to read ("cp-comm-type='allgather' is not one of p2p, all_gather")."""
+    from meshlm.checkpoint.megatron import model_from_args
+    from meshlm import config as C
+    for kind, want in (("a2a", "p2p"), ("allgather", "all_gather"), ("a2a+p2p", "p2p")):
+        m = model_from_args(argparse.Namespace(num_layers=2, cp_comm_type=[kind], moe_router_dtype="fp64"))
+        assert (m.cp_comm_type, m.moe_router_dtype) == (want, "fp32")
+        cfg = C.Config()
+        cfg.model = m
+        assert C.Config.from_dict(cfg.to_dict()).model == m
+
+
 def test_norm_flags_are_read_under_megatrons_transformer_config_names_too():
     """Megatron-LM's args generated from TransformerConfig (2026-01 on) hold layernorm_epsilon and
     layernorm_zero_centered_gamma, not norm_epsilon / apply_layernorm_1p: a zero-centred model was

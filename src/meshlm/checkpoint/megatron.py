@@ -38,7 +38,8 @@ from typing import Optional
 import torch
 
 from .. import config as C
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
+from .architecture import architecture
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
@@ -105,7 +106,6 @@ _REFUSED = {"qk_layernorm": (), "rotary_interleaved": (), "multi_latent_attentio
 # from TransformerConfig (2026-01, megatron/training/argument_utils.py: dest = the field's name);
 # earlier versions saved meshlm's names
 _RENAMED = {"norm_epsilon": "layernorm_epsilon", "apply_layernorm_1p": "layernorm_zero_centered_gamma"}
-_CHOSEN = ("position_embedding_type", "normalization", "moe_router_score_function")  # meshlm's choices only
 
 
 def model_from_args(args) -> C.ModelConfig:
@@ -115,7 +115,8 @@ def model_from_args(args) -> C.ModelConfig:
 
     Raises CheckpointError naming the first arg whose function meshlm lacks (qk-layernorm, an
     interleaved or scaled rotary, MLA, squared ReLU, sliding-window attention, post-layernorm
-    residuals, …), or a choice meshlm's model lacks (--position-embedding-type yarn, --normalization L2Norm, …).
+    residuals, …), or a choice meshlm's model lacks (--position-embedding-type yarn, --normalization
+    L2Norm, …). A setting of how the run ran that meshlm does not take (--cp-comm-type a2a) is left out.
     """
     for name, fine in _REFUSED.items():
         value = getattr(args, name, None)
@@ -137,11 +138,21 @@ def model_from_args(args) -> C.ModelConfig:
             fields[name] = fields[name][0]
     if not getattr(args, "num_experts", None):
         fields.pop("num_experts", None)
-    for f in dataclasses.fields(C.ModelConfig):
-        choices = f.metadata.get("choices")
-        if f.name in _CHOSEN and f.name in fields and fields[f.name] not in choices:
-            raise CheckpointError(f"the Megatron checkpoint was trained with {C.flag_of(f)} {fields[f.name]}; "
-                                  f"meshlm's model computes {', '.join(choices)}")
+    if fields.get("cp_comm_type") == "allgather":  # Megatron's spelling of meshlm's all_gather
+        fields["cp_comm_type"] = "all_gather"
+    function = set(architecture(C.ModelConfig())) | set(architecture(C.ModelConfig(
+        num_experts=2, use_mup=True, position_embedding_type="rope")))
+    for f in [f for f in dataclasses.fields(C.ModelConfig) if f.name in fields]:
+        try:  # meshlm's type and choices: config.json is read back by every later command
+            fields[f.name] = C._coerce(f, fields[f.name], "common.pt")
+        except ConfigError:
+            if f.name in function:
+                choices = ", ".join(f.metadata.get("choices") or []) or "other values"
+                raise CheckpointError(f"the Megatron checkpoint was trained with {C.flag_of(f)} {fields[f.name]}; "
+                                      f"meshlm's model computes {choices}") from None
+            # how it ran, not what it computes (--cp-comm-type a2a, --moe-router-dtype fp64): the run's own
+            # flags decide; kept, it made the converted checkpoint's config.json unreadable
+            del fields[f.name]
     return C.ModelConfig(**fields)
 
 
