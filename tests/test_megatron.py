@@ -592,5 +592,8 @@ def test_convert_megatron_flags_are_checked(tmp_path, capsys):
     assert "not a Megatron-LM checkpoint" in err and len(err.splitlines()) == 1
     assert main(["convert", "--from-megatron", str(tmp_path / "nowhere"), "--output", str(tmp_path / "o")]) == 2
     assert "nowhere: no such directory" in capsys.readouterr().err  # was "not a Megatron-LM checkpoint"
+    (tmp_path / "common.pt").write_bytes(b"")
+    assert main(["convert", "--from-megatron", str(tmp_path / "common.pt"), "--output", str(tmp_path / "o")]) == 2
+    assert "common.pt: a file, not a directory; give the folder" in capsys.readouterr().err  # "no such directory"
     assert main(["convert", "--to-megatron", "--load", str(tmp_path)]) == 2
     assert "--to-megatron needs --load" in capsys.readouterr().err

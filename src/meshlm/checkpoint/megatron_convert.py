@@ -61,8 +61,9 @@ def import_megatron(src: str, out: str) -> str:
     from .state import model_state
 
     if not os.path.isdir(src):
-        raise CheckpointError(f"--from-megatron {src}: no such directory; give the folder holding "
-                              f"{mg.TRACKER} (Megatron-LM's --save)")
+        what = "a file, not a directory" if os.path.exists(src) else "no such directory"
+        raise CheckpointError(f"--from-megatron {src}: {what}; give the folder holding {mg.TRACKER} "
+                              f"(Megatron-LM's --save)")
     folder = mg.iteration_folder(src)
     if folder is None:
         raise CheckpointError(f"--from-megatron {src}: not a Megatron-LM checkpoint (no {mg.TRACKER} naming an "
