@@ -97,6 +97,22 @@ def test_a_hf_folder_used_as_save_too_resumes_from_its_checkpoints_at_their_drop
     assert "iter_0000002" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "mixtral"])
+def test_fields_a_config_json_leaves_out_take_transformers_defaults(arch):
+    """A config.json without rms_norm_eps, rope_theta, sliding_window or num_key_value_heads:
+    meshlm took Llama's values for all three architectures (Mixtral's eps is 1e-5 and its theta
+    1e6; Mistral's window 4096), so it computed another model than transformers builds from it."""
+    transformers = pytest.importorskip("transformers")
+    minimal = dict(model_type=arch, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=16,
+                   vocab_size=100, **(dict(num_local_experts=4, num_experts_per_tok=2) if arch == "mixtral" else {}))
+    theirs = transformers.AutoConfig.for_model(**minimal)
+    ours = model_from_hf(minimal, "x")
+    m = ours.model_config()
+    theta = (theirs.rope_parameters or {}).get("rope_theta") or theirs.rope_theta
+    assert (m.norm_epsilon, m.rotary_base, C.query_groups(m)) == (theirs.rms_norm_eps, theta, theirs.num_key_value_heads)
+    assert (ours.max_positions, ours.window) == (theirs.max_position_embeddings, getattr(theirs, "sliding_window", None))
+
+
 def _gpt2(**changes) -> dict:
     hf = dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=100, n_positions=64)
     hf.update(changes)
