@@ -215,6 +215,18 @@ def test_missing_or_incomplete_checkpoint_names_the_folder(tmp_path):
         ckpt.load(str(tmp_path))
 
 
+def test_a_load_holding_only_an_unfinished_save_says_so(tmp_path):
+    """A run killed during its first save leaves iter_XXXXXXX.tmp alone: --load named the folder
+    "not a meshlm checkpoint directory", as if it were some other folder."""
+    ckpt.save(str(tmp_path), 3, {"w": torch.zeros(2)})  # then as kill -9 before the rename leaves it
+    os.rename(tmp_path / "iter_0000003", tmp_path / "iter_0000003.tmp")
+    os.remove(tmp_path / "latest_checkpointed_iteration.txt")
+    problems = ckpt.check_loadable(str(tmp_path))
+    assert problems == [f"--load {tmp_path} holds only the unfinished save iter_0000003.tmp (its run stopped while "
+                        f"writing it) (no latest_checkpointed_iteration.txt); point --load at a run's --save "
+                        f"directory, or give --save {tmp_path} too to start fresh there"]
+
+
 def test_a_checkpoint_of_the_older_format_is_refused_naming_it(tmp_path):
     path = ckpt.save(str(tmp_path), 2, {"w": torch.zeros(2)})
     manifest = ckpt.read_manifest(path)
@@ -394,6 +406,8 @@ def test_model_config_differences_are_listed_as_flags_in_one_line(tmp_path):
         check_model_config(path, _model(position_embedding_type="rope"))
     with pytest.raises(CheckpointError, match="--max-position-embeddings saved=16 now=32"):
         check_model_config(path, _model(seq_length=32))
+    with pytest.raises(CheckpointError, match="--norm-epsilon saved=1e-05 now=1e-06"):  # was not compared
+        check_model_config(path, _model(norm_epsilon=1e-6))
     cfg.model = _model(position_embedding_type="rope")  # partial rotary: same shapes, another function
     ckpt.save(str(tmp_path), 11, {"w": torch.zeros(2)}, config=cfg.to_dict())
     with pytest.raises(CheckpointError, match="--rotary-percent saved=1.0 now=0.5"):

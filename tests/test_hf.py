@@ -98,6 +98,22 @@ def test_import_at_tp1_gives_transformers_logits_and_export_loads_back(hf, arch,
     assert (_logits(back, hf["tokens"]) - expected).abs().max() < ATOL
 
 
+def test_a_tied_model_whose_file_also_holds_lm_head_imports_as_transformers_loads_it(hf, tmp_path):
+    """Some tied models' files hold lm_head.weight beside the embedding; transformers ties the
+    output layer and leaves it unread, meshlm refused the folder ("no place for lm_head.weight")."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    folder = str(tmp_path / "mistral")
+    shutil.copytree(hf["mistral"][0], folder)
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    convert.import_hf(folder, str(tmp_path / "ckpt"))
+    ours, _ = generate.load_model(str(tmp_path / "ckpt"))
+    with torch.no_grad():
+        assert (ours(hf["tokens"])[..., :VOCAB] - _logits(hf["mistral"][1], hf["tokens"])).abs().max() < ATOL
+
+
 @pytest.mark.parametrize("shard_bytes", [1 << 20, 40])
 def test_exported_files_get_the_mode_of_any_new_file(tmp_path, shard_bytes):
     """model*.safetensors get 0666 less the umask, as config.json does (safetensors alone writes 0600)."""
@@ -226,9 +242,10 @@ def test_run_flags_are_checked_against_the_hf_model(hf):
     m = model_from_hf(_config(hf, "mistral", sliding_window=8), "x/config.json")
     assert m.notes and "sliding_window=8" in m.notes[0]
     wrong = m.model_config()
-    wrong.hidden_size, wrong.seq_length = 64, 16
+    wrong.hidden_size, wrong.seq_length, wrong.norm_epsilon = 64, 16, 1e-5
     problems = flag_problems(m, wrong, "HF")
     assert "--hidden-size hf=32 now=64" in problems[0] and "--swiglu" in problems[0]
+    assert "--norm-epsilon hf=1e-06 now=1e-05" in problems[0]  # rms_norm_eps was not compared
     assert "sliding_window=8 is shorter than --seq-length 16" in problems[1]
     right = m.model_config()
     right.seq_length = 8
@@ -252,6 +269,9 @@ def test_convert_flags_and_outputs_are_checked(hf, tmp_path, capsys):
     assert "not a Hugging Face model folder" in capsys.readouterr().err
     ckpt = str(tmp_path / "c")
     assert main(["convert", "--from-hf", hf["gpt2"][0], "--output", ckpt]) == 0  # an import's folder: either flag
+    capsys.readouterr()
+    assert main(["checkpoint", "verify", ckpt]) == 0  # it said "(model, optimizer, scheduler, RNG)"
+    assert "through the trainer (model weights: a weights-only checkpoint" in capsys.readouterr().out
     assert main(["convert", "--from-hf", hf["gpt2"][0], "--save", ckpt]) == 2
     assert "already holds a checkpoint" in capsys.readouterr().err
     assert main(["convert", "--to-hf", "--load", ckpt, "--output", hf["gpt2"][0]]) == 2

@@ -67,6 +67,52 @@ def test_hf_dropout_is_in_the_flags_hint_and_carried_by_a_load(tmp_path):
     assert not os.path.exists(tmp_path / "missing")
 
 
+def test_a_hf_folder_used_as_save_too_resumes_from_its_checkpoints_at_their_dropout(tmp_path, capsys):
+    """`pretrain --load HF --save HF` (the --load = --save restart pattern) saves meshlm checkpoints
+    into the HF folder; its restart fine-tuned from the HF weights at iteration 0 again, and a
+    resume without dropout flags ran at meshlm's default 0.1, not the 0 its first attempt took
+    from the HF model: the restart was not the uninterrupted run."""
+    import json
+    import torch
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.cli import main
+    from meshlm.validate import _load_problems
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(_llama(attention_dropout=0.05)))
+    (folder / "model.safetensors").write_bytes(b"")  # is_hf_folder looks at names only
+    cfg = C.Config()
+    cfg.checkpoint.load = cfg.checkpoint.save = str(folder)
+    assert convert.is_weights_only(str(folder))  # no checkpoint yet: fine-tune the HF weights
+    saved = C.Config()
+    saved.model.hidden_dropout, saved.model.attention_dropout = 0.0, 0.05
+    ckpt.save(str(folder), 2, {"model": {"w": torch.zeros(2)}, "optimizer": {"step": torch.zeros(1)}},
+              config=saved.to_dict())
+    assert not convert.is_weights_only(str(folder))  # its own checkpoints: a resume
+    assert _load_problems(cfg) == []  # not checked as a HF model to fine-tune
+    notes = convert.carry_dropout(cfg, explicit=set())
+    assert (cfg.model.hidden_dropout, cfg.model.attention_dropout) == (0.0, 0.05) and len(notes) == 2
+    capsys.readouterr()
+    assert main(["checkpoint", "inspect", str(folder)]) == 0  # shows the checkpoint, not "a HF folder"
+    assert "iter_0000002" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "mixtral"])
+def test_fields_a_config_json_leaves_out_take_transformers_defaults(arch):
+    """A config.json without rms_norm_eps, rope_theta, sliding_window or num_key_value_heads:
+    meshlm took Llama's values for all three architectures (Mixtral's eps is 1e-5 and its theta
+    1e6; Mistral's window 4096), so it computed another model than transformers builds from it."""
+    transformers = pytest.importorskip("transformers")
+    minimal = dict(model_type=arch, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=16,
+                   vocab_size=100, **(dict(num_local_experts=4, num_experts_per_tok=2) if arch == "mixtral" else {}))
+    theirs = transformers.AutoConfig.for_model(**minimal)
+    ours = model_from_hf(minimal, "x")
+    m = ours.model_config()
+    theta = (theirs.rope_parameters or {}).get("rope_theta") or theirs.rope_theta
+    assert (m.norm_epsilon, m.rotary_base, C.query_groups(m)) == (theirs.rms_norm_eps, theta, theirs.num_key_value_heads)
+    assert (ours.max_positions, ours.window) == (theirs.max_position_embeddings, getattr(theirs, "sliding_window", None))
+
+
 def _gpt2(**changes) -> dict:
     hf = dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=100, n_positions=64)
     hf.update(changes)

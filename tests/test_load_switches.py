@@ -14,6 +14,7 @@ import torch
 from distributed import run_distributed
 from meshlm.checkpoint import dist as ckpt
 from meshlm.config import Config
+from meshlm.errors import CheckpointError
 from meshlm.training import trainer
 from meshlm.validate import notes
 
@@ -70,9 +71,11 @@ def _facts(run, state, ref: dict, saved_rng: torch.Tensor, fresh_rng: torch.Tens
     }
 
 
-def _load(tmp, zero, name, switches):
+def _load(tmp, zero, name, switches, **model):
     cfg = _config(os.path.join(tmp, name), zero)
     cfg.checkpoint.load, cfg.checkpoint.save = os.path.join(tmp, "ckpt"), None
+    for key, value in model.items():
+        setattr(cfg.model, key, value)
     for key, value in switches.items():
         setattr(cfg.checkpoint, key, value)
     run = trainer.build(cfg, torch.bfloat16)
@@ -92,6 +95,12 @@ def _save_then_load_each(rank, world, tmp, zero):
         out[name] = _facts(run, state, ref, saved["rng"]["torch_cpu"], fresh_rng)
         if name == "finetune":  # it trains from iteration 0 on the loaded weights
             out["finetune_trained"] = trainer.train(run, state)["iterations"]
+    # --finetune compares no architecture flags, but a model without a place for some saved weight
+    # (here layer 1 and its norms) is refused: it read the rest and trained another model silently
+    try:
+        _load(tmp, zero, "fewer_layers", {"finetune": True}, num_layers=1)
+    except CheckpointError as e:
+        out["fewer_layers"] = str(e)
     return out
 
 
@@ -114,6 +123,8 @@ def test_each_switch_restores_exactly_what_megatron_restores(tmp_path, world, ze
         for name in SWITCHES:
             assert r[name] == want[name], name
         assert r["finetune_trained"] == ITERS
+        assert "holds 16 weight(s) this run's model has no place for (layers.1." in r["fewer_layers"]
+        assert r["fewer_layers"].endswith("pass the saved model's flags (--num-layers saved=2 now=1)")
 
 
 def test_switches_without_load_are_noted():

@@ -535,6 +535,56 @@ def test_megatron_args_meshlm_cannot_compute_are_refused_in_one_line():
         model_from_args(args)
 
 
+@pytest.mark.parametrize("arg, value, named", [
+    ("use_rope_scaling", True, "--use-rope-scaling (True)"),  # Llama 3.1's RoPE was read as plain RoPE
+    ("apply_residual_connection_post_layernorm", True, "--apply-residual-connection-post-layernorm"),
+    ("window_size", (8, 0), "--window-size ((8, 0))"), ("softmax_type", "learnable", "--softmax-type"),
+    ("moe_router_topk_scaling_factor", 2.5, "--moe-router-topk-scaling-factor (2.5)"),
+    ("position_embedding_type", "yarn", "--position-embedding-type yarn"),
+    ("normalization", "L2Norm", "--normalization L2Norm")])
+def test_megatron_args_that_change_the_function_are_refused_not_dropped(arg, value, named):
+    """Each was converted without a word into a model that computes another function."""
+    from meshlm.checkpoint.megatron import model_from_args
+    from meshlm.errors import CheckpointError
+    args = argparse.Namespace(num_layers=2, position_embedding_type="rope", softmax_type="vanilla",
+                              moe_router_topk_scaling_factor=1.0, rotary_seq_len_interpolation_factor=None)
+    model_from_args(args)  # Megatron's defaults (and its neutral values) convert
+    setattr(args, arg, value)
+    with pytest.raises(CheckpointError) as e:
+        model_from_args(args)
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_megatron_run_settings_meshlm_lacks_are_left_out_so_the_converted_config_reads_back():
+    """--cp-comm-type a2a / allgather (Megatron's spelling), --moe-router-dtype fp64 went into the
+    converted config.json as they were, which every later command (pretrain --load, generate,
+    convert --to-hf) then refused to read ("cp-comm-type='allgather' is not one of p2p, all_gather")."""
+    from meshlm.checkpoint.megatron import model_from_args
+    from meshlm import config as C
+    for kind, want in (("a2a", "p2p"), ("allgather", "all_gather"), ("a2a+p2p", "p2p")):
+        m = model_from_args(argparse.Namespace(num_layers=2, cp_comm_type=[kind], moe_router_dtype="fp64"))
+        assert (m.cp_comm_type, m.moe_router_dtype) == (want, "fp32")
+        cfg = C.Config()
+        cfg.model = m
+        assert C.Config.from_dict(cfg.to_dict()).model == m
+
+
+def test_norm_flags_are_read_under_megatrons_transformer_config_names_too():
+    """Megatron-LM's args generated from TransformerConfig (2026-01 on) hold layernorm_epsilon and
+    layernorm_zero_centered_gamma, not norm_epsilon / apply_layernorm_1p: a zero-centred model was
+    converted as if w were its norm weights (every norm scaling by about 0), and its epsilon lost."""
+    from meshlm.checkpoint.megatron import model_from_args
+    from meshlm.checkpoint.megatron_convert import megatron_args
+    from meshlm import config as C
+    m = model_from_args(argparse.Namespace(num_layers=2, layernorm_epsilon=1e-6, layernorm_zero_centered_gamma=True))
+    assert (m.norm_epsilon, m.apply_layernorm_1p) == (1e-6, True)
+    assert model_from_args(argparse.Namespace(num_layers=2, norm_epsilon=1e-6)).norm_epsilon == 1e-6  # older names
+    cfg = C.Config()
+    cfg.model.norm_epsilon, cfg.model.apply_layernorm_1p = 1e-6, True
+    args = megatron_args(cfg, 100, 128)  # an export carries both names
+    assert (args.layernorm_epsilon, args.layernorm_zero_centered_gamma, args.norm_epsilon) == (1e-6, True, 1e-6)
+
+
 def test_convert_megatron_flags_are_checked(tmp_path, capsys):
     from meshlm.cli import main
     assert main(["convert", "--from-megatron", str(tmp_path)]) == 2
@@ -544,5 +594,8 @@ def test_convert_megatron_flags_are_checked(tmp_path, capsys):
     assert "not a Megatron-LM checkpoint" in err and len(err.splitlines()) == 1
     assert main(["convert", "--from-megatron", str(tmp_path / "nowhere"), "--output", str(tmp_path / "o")]) == 2
     assert "nowhere: no such directory" in capsys.readouterr().err  # was "not a Megatron-LM checkpoint"
+    (tmp_path / "common.pt").write_bytes(b"")
+    assert main(["convert", "--from-megatron", str(tmp_path / "common.pt"), "--output", str(tmp_path / "o")]) == 2
+    assert "common.pt: a file, not a directory; give the folder" in capsys.readouterr().err  # "no such directory"
     assert main(["convert", "--to-megatron", "--load", str(tmp_path)]) == 2
     assert "--to-megatron needs --load" in capsys.readouterr().err

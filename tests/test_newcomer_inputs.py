@@ -145,7 +145,8 @@ def test_a_file_given_as_load_is_named_a_file(tmp_path, capsys):
     afile.write_text("x")
     err = _refused(capsys, SHAPE + ["--mock-data", "--vocab-size", "64", "--tokenizer-type", "NullTokenizer",
                                     "--load", str(afile), "--dry-run"])
-    assert f"--load {afile}: a file, not a directory" in err
+    assert f"--load {afile}: a file, not a directory; point --load at a run's --save directory" in err
+    assert "a fresh run starts there" not in err  # it cannot: --save must be a directory too
 
 
 # ------------------------------------------------------------------ meshlm analyze / report / plan

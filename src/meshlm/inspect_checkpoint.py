@@ -62,9 +62,9 @@ def _layout(text: str) -> tuple:
 def _foreign_kind(path: str) -> Optional[str]:
     """What to do with DIR when it is another framework's model folder (a Hugging Face folder, a
     Megatron-LM save folder or one of its iterations), or None."""
-    from .checkpoint.hf_config import is_hf_folder
+    from .checkpoint.hf_config import hf_to_fine_tune
     from .checkpoint.megatron import convert_first, is_megatron_folder
-    if is_hf_folder(path):
+    if hf_to_fine_tune(path):  # (a HF folder used as --save too holds meshlm checkpoints: those are shown)
         return (f"{path} is a Hugging Face model folder (config.json + safetensors), not a meshlm checkpoint; "
                 f"`meshlm convert --from-hf {path} --save CKPT_DIR` makes one (or give it to `meshlm pretrain "
                 f"--load` to fine-tune it)")
@@ -177,7 +177,10 @@ def run_verify(args: argparse.Namespace) -> int:
         problems += _trainer_load(folder)
     if problems:
         return _fail(problems)
-    what = "loads at TP=1 PP=1 DP=1 through the trainer (model, optimizer, scheduler, RNG)" \
+    weights_only = all(key.startswith("model") for key, *_ in tensor_table(folder))  # convert's output
+    loaded = "model weights: a weights-only checkpoint, which fine-tunes from iteration 0" if weights_only \
+        else "model, optimizer, scheduler, RNG"
+    what = f"loads at TP=1 PP=1 DP=1 through the trainer ({loaded})" \
         if tp * pp * dp == 1 else \
         f"fits TP={tp} PP={pp} DP={dp}; not loaded: that layout needs {tp * pp * dp} processes " \
         f"(this check runs in one)"

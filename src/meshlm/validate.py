@@ -467,11 +467,13 @@ def _load_problems(cfg: Config) -> list:
     default's dry run, and its launch before the corpus is prepared, skipped it)."""
     problems = []
     load = cfg.checkpoint.load
-    if load and not os.path.isdir(load) and load != cfg.checkpoint.save:
-        what = "a file, not a directory" if os.path.exists(load) else "no such directory"
-        problems.append(f"--load {load}: {what} (with --save {load} too, a fresh run starts there)")
-    from .checkpoint.hf_config import is_hf_folder
-    if load and is_hf_folder(load):  # a Hugging Face model to fine-tune
+    if load and os.path.exists(load) and not os.path.isdir(load):  # a fresh run cannot start in a file either
+        problems.append(f"--load {load}: a file, not a directory; point --load at a run's --save directory "
+                        f"(the one holding latest_checkpointed_iteration.txt) or a Hugging Face model folder")
+    elif load and not os.path.isdir(load) and load != cfg.checkpoint.save:
+        problems.append(f"--load {load}: no such directory (with --save {load} too, a fresh run starts there)")
+    from .checkpoint.hf_config import hf_to_fine_tune
+    if load and hf_to_fine_tune(load):  # a Hugging Face model to fine-tune
         from .checkpoint.convert import hf_load_problems
         problems += hf_load_problems(load, cfg.model)
     elif load:

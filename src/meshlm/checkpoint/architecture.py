@@ -39,8 +39,8 @@ def architecture(m: C.ModelConfig) -> dict:
     length (except as the learned position table size) may change on resume and are left out, and
     so may --make-vocab-size-divisible-by (checkpoints hold the unpadded vocabulary)."""
     arch = {name: getattr(m, name) for name in (
-        "num_layers", "hidden_size", "num_attention_heads", "normalization", "apply_layernorm_1p", "swiglu",
-        "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias",
+        "num_layers", "hidden_size", "num_attention_heads", "normalization", "norm_epsilon", "apply_layernorm_1p",
+        "swiglu", "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias",
         "qk_layernorm", "vocab_size")}
     arch.update(num_query_groups=C.query_groups(m), ffn_hidden_size=C.ffn_hidden(m), kv_channels=C.head_dim(m))
     # the GeLU's form, whichever flags give it: --openai-gelu and the default fused bias-GeLU are the same

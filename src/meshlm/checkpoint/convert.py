@@ -41,7 +41,8 @@ from ..errors import CheckpointError, ConfigError
 from ..folders import new_folder_problem, space_errors_named
 from . import dist as ckpt
 from .hf import HFWeights, full_shapes, load_into_chunks, to_hf_tensors, write_hf_folder
-from .hf_config import ARCHITECTURES, flag_problems, hf_config_from_model, is_hf_folder, model_from_hf, read_hf_config
+from .hf_config import (ARCHITECTURES, flag_problems, hf_config_from_model, hf_to_fine_tune, is_hf_folder,
+                        model_from_hf, read_hf_config)
 from .hf_tokenizer import export_tokenizer, import_tokenizer, write_generation_config
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
@@ -268,9 +269,10 @@ def _weights_only_checkpoint(load: str):
 
 
 def is_weights_only(load) -> bool:
-    """True when --load holds weights alone: a Hugging Face folder, or `meshlm convert --from-hf`'s
-    checkpoint. Such a load fine-tunes: fresh optimizer, iteration 0 (``load_weights``)."""
-    return bool(load) and (is_hf_folder(load) or _weights_only_checkpoint(load) is not None)
+    """True when --load holds weights alone: a Hugging Face folder (without meshlm checkpoints of
+    its own, ``hf_to_fine_tune``), or `meshlm convert --from-hf`'s checkpoint. Such a load
+    fine-tunes: fresh optimizer, iteration 0 (``load_weights``)."""
+    return bool(load) and (hf_to_fine_tune(load) or _weights_only_checkpoint(load) is not None)
 
 
 def hf_load_problems(load: str, m: C.ModelConfig) -> list:
@@ -286,27 +288,28 @@ _DROPOUT = ("hidden_dropout", "attention_dropout")
 
 
 def carry_dropout(cfg: C.Config, explicit: set) -> list:
-    """Fine-tuning from weights alone (``is_weights_only``): give the run the dropout the model
-    was made with (the HF config's, or the converted checkpoint's config.json) where the flags
-    do not set it; returns the notes saying so ([] when nothing changed). A weights-only load
-    that cannot be read is left to meshlm.validate."""
+    """Give the run the dropout of the model --load holds where the flags do not set it: a
+    Hugging Face folder's (its config), or a meshlm checkpoint's (its config.json: a converted
+    model's, or the run it resumes — so a restarted fine-tune goes on at the dropout its first
+    attempt took from the HF model, not at meshlm's default 0.1). Returns the notes saying so ([]
+    when nothing changed). A --load that cannot be read is left to meshlm.validate."""
     load = cfg.checkpoint.load
-    if not is_weights_only(load) or set(_DROPOUT) <= explicit:
+    if not load or not os.path.isdir(load) or set(_DROPOUT) <= explicit:
         return []
     try:
-        if is_hf_folder(load):
+        if hf_to_fine_tune(load):
             model = _hf_model(load, "--load").model
         else:
             from .safe_read import reading
-            folder = _weights_only_checkpoint(load)
+            folder = ckpt.checkpoint_dir(load, quiet=True)
             with reading(folder, load):
                 model = ckpt.read_config(folder).get("model", {})
-    except CheckpointError:
+    except (CheckpointError, OSError, AttributeError):
         return []
     notes = []
     for name in _DROPOUT:
         value = model.get(name)
-        if name not in explicit and value is not None and value != getattr(cfg.model, name):
+        if name not in explicit and isinstance(value, (int, float)) and value != getattr(cfg.model, name):
             setattr(cfg.model, name, float(value))
             notes.append(f"--{name.replace('_', '-')} {value:g}: the dropout of the model --load holds "
                          f"(pass the flag to choose another)")
@@ -322,7 +325,7 @@ def load_weights(chunks, m: C.ModelConfig, load: str) -> None:
     """
     from .state import check_model_config, full_model_state
     names = set(full_shapes(chunks))
-    if is_hf_folder(load):
+    if hf_to_fine_tune(load):
         hm = _hf_model(load, "--load")
         problems = flag_problems(hm, m, load)
         if problems:

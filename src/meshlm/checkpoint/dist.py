@@ -493,7 +493,9 @@ def check_loadable(load: Optional[str], save: Optional[str] = None, fresh: bool 
         if inner:
             return [f"--load {load} is not a checkpoint directory, but {inner} is: give --load {inner}"]
         empty = not [name for name in os.listdir(load) if name != LOCK_FILE]
-        what = "is empty" if empty else "is not a meshlm checkpoint directory"
+        unfinished = sorted(n for n in os.listdir(load) if n.startswith("iter_") and n.endswith(".tmp"))
+        what = "is empty" if empty else f"holds only the unfinished save {unfinished[-1]} (its run stopped while " \
+            f"writing it)" if unfinished else "is not a meshlm checkpoint directory"
         if is_hf_folder(load) and not fresh:
             return [f"--load {load} is a Hugging Face folder, not a meshlm checkpoint; convert it first: "
                     f"meshlm convert --from-hf {load} --save CKPT_DIR, then --load CKPT_DIR"]

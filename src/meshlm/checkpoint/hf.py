@@ -187,13 +187,16 @@ class HFWeights(Mapping):
 
     names: the meshlm tensors wanted (a pipeline stage's); None for all. Raises CheckpointError
     naming a missing tensor, or tensors the folder holds that the model has no place for (e.g.
-    biases the config does not announce).
+    biases the config does not announce). A tied model's ``lm_head.weight``, which some files hold
+    beside the embedding, is left unread, as transformers leaves it (its output layer is the embedding).
     """
 
     def __init__(self, folder: str, arch: str, m: C.ModelConfig, names: Optional[set] = None):
         files = _with_prefix(_weight_files(folder), arch)
         plan = rules(arch, m)
         known = {h for r in plan for h in r.hf}
+        if not m.untie_embeddings_and_output_weights:  # tied: transformers never reads a saved lm_head either
+            known.add("lm_head.weight")
         unused = sorted(n for n in files if n not in known and not n.endswith(_BUFFERS))
         if unused:
             raise CheckpointError(f"{folder}: holds {len(unused)} tensor(s) the {arch} model of its config.json "

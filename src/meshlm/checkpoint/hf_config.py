@@ -23,6 +23,9 @@ Fields read (transformers' names; ``rope_parameters`` is transformers ≥ 5, ``r
   activation_function (gelu_new → --openai-gelu, gelu → exact GeLU: --no-bias-gelu-fusion),
   tie_word_embeddings.
 
+A field the file leaves out takes transformers' default for that architecture (``_DEFAULTS``: e.g.
+Mixtral's rms_norm_eps 1e-5 and rope_theta 1e6, Mistral's sliding_window 4096).
+
 What meshlm cannot compute is refused, one line naming the field: RoPE scaling (llama3, yarn,
 linear, dynamic), partial rotary factors, other activations, attention and MLP biases that differ,
 GPT-2's per-layer attention scaling. Mistral's sliding window is accepted when it covers the whole
@@ -120,7 +123,23 @@ def _refuse(where: str, key: str, value, why: str) -> CheckpointError:
     return CheckpointError(f"{where}: {key}={value!r} is not supported by meshlm ({why})")
 
 
-def _rope_theta(hf: dict, where: str) -> float:
+# transformers' defaults for fields a config.json may leave out (LlamaConfig, MistralConfig, MixtralConfig,
+# Qwen2Config, Qwen3Config):
+# the model transformers builds from such a file is the one meshlm must compute
+_DEFAULTS = {"llama": dict(rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=2048, sliding_window=None,
+                           num_key_value_heads=None),
+             "mistral": dict(rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=4096 * 32, sliding_window=4096,
+                             num_key_value_heads=8),
+             "mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=4096 * 32, sliding_window=None,
+                             num_key_value_heads=8),
+             # Qwen2Config, Qwen3Config (their sliding window applies only under use_sliding_window, refused)
+             "qwen2": dict(rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=32768, sliding_window=None,
+                           num_key_value_heads=32),
+             "qwen3": dict(rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=32768, sliding_window=None,
+                           num_key_value_heads=32)}
+
+
+def _rope_theta(hf: dict, where: str, default: float = 10000.0) -> float:
     """The RoPE base; refuses any scaling (``rope_parameters.rope_type`` or ``rope_scaling``)."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling")
@@ -135,12 +154,13 @@ def _rope_theta(hf: dict, where: str) -> float:
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if factor not in (None, 1, 1.0):
         raise _refuse(where, "partial_rotary_factor", factor, "meshlm rotates the whole head")
-    return _float(params if "rope_theta" in params else hf, "rope_theta", where, 10000.0)
+    return _float(params if "rope_theta" in params else hf, "rope_theta", where, default)
 
 
 def _llama(hf: dict, arch: str, where: str) -> HFModel:
     h, heads = _need(hf, "hidden_size", where), _need(hf, "num_attention_heads", where)
-    groups = _int(hf, "num_key_value_heads", where, heads)
+    default = _DEFAULTS[arch]
+    groups = _int(hf, "num_key_value_heads", where, default["num_key_value_heads"] or heads)
     d = _int(hf, "head_dim", where, h // heads or 1)
     if hf.get("hidden_act", "silu") != "silu":
         raise _refuse(where, "hidden_act", hf["hidden_act"], "meshlm's SwiGLU MLP uses silu")
@@ -153,14 +173,14 @@ def _llama(hf: dict, arch: str, where: str) -> HFModel:
                       f"--disable-bias-linear takes biases off every linear layer or none")
     if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
         raise _refuse(where, "use_sliding_window", hf["use_sliding_window"], "meshlm has no sliding-window attention")
-    positions = _int(hf, "max_position_embeddings", where, 2048)
+    positions = _int(hf, "max_position_embeddings", where, default["max_position_embeddings"])
     model = dict(
         num_layers=_need(hf, "num_hidden_layers", where), hidden_size=h, num_attention_heads=heads,
         group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
         kv_channels=d if h % heads or d != h // heads else None,
         ffn_hidden_size=_need(hf, "intermediate_size", where), vocab_size=_need(hf, "vocab_size", where),
-        normalization="RMSNorm", norm_epsilon=_float(hf, "rms_norm_eps", where, 1e-6), swiglu=True, openai_gelu=False,
-        position_embedding_type="rope", rotary_base=_rope_theta(hf, where),
+        normalization="RMSNorm", norm_epsilon=_float(hf, "rms_norm_eps", where, default["rms_norm_eps"]), swiglu=True,
+        openai_gelu=False, position_embedding_type="rope", rotary_base=_rope_theta(hf, where, default["rope_theta"]),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         add_bias_linear=attn_bias, max_position_embeddings=positions,
         hidden_dropout=0.0, attention_dropout=_float(hf, "attention_dropout", where, 0.0, below=1.0, open_low=False),
@@ -173,8 +193,9 @@ def _llama(hf: dict, arch: str, where: str) -> HFModel:
                      moe_ffn_hidden_size=None, moe_layer_freq="1", moe_shared_expert_intermediate_size=None,
                      moe_router_score_function="softmax", moe_router_pre_softmax=False)
     out = HFModel(arch, model, positions)
-    if arch in ("mistral", "mixtral") and hf.get("sliding_window") is not None:
-        out.window = _int(hf, "sliding_window", where)
+    window = hf["sliding_window"] if "sliding_window" in hf else default["sliding_window"]
+    if arch in ("mistral", "mixtral") and window is not None:
+        out.window = _int({"sliding_window": window}, "sliding_window", where)
         out.notes.append(f"{where}: sliding_window={out.window}: meshlm attends over the whole sequence, "
                          f"which equals Mistral's window only for sequences of at most {out.window} tokens")
     return out
@@ -341,6 +362,14 @@ def hf_config_from_model(m: C.ModelConfig, vocab_size: int, arch: Optional[str] 
     else:
         out["attention_bias"] = out["mlp_bias"] = m.add_bias_linear
     return out
+
+
+def hf_to_fine_tune(path: Optional[str]) -> bool:
+    """True when --load ``path`` is a Hugging Face folder to fine-tune from (``is_hf_folder``) that
+    holds no meshlm checkpoints of its own: a run given it as --save too saves there, and its
+    restart resumes from those (as any --load = --save run) instead of starting over from the HF
+    weights at iteration 0."""
+    return is_hf_folder(path) and not os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt"))
 
 
 def is_hf_folder(path: Optional[str]) -> bool:

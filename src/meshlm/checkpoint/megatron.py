@@ -38,7 +38,8 @@ from typing import Optional
 import torch
 
 from .. import config as C
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
+from .architecture import architecture
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
@@ -90,28 +91,45 @@ def check_backend(folder: str) -> None:
 
 # ----------------------------------------------------------------------------- flags
 
-# Megatron-LM args that meshlm's model cannot compute, and the value that is fine.
-_REFUSED = {"rotary_interleaved": False, "multi_latent_attention": False,
-            "squared_relu": False, "moe_shared_expert_gate": False, "num_experts_per_group": None}
+# Megatron-LM args that change the model's function in a way meshlm's model cannot compute, with
+# the values besides None and False that leave it unchanged (an arg a Megatron version lacks is fine).
+_REFUSED = {"rotary_interleaved": (), "multi_latent_attention": (), "squared_relu": (),
+            "quick_geglu": (), "moe_shared_expert_gate": (), "num_experts_per_group": (),
+            "apply_residual_connection_post_layernorm": (), "use_rope_scaling": (),
+            "rotary_seq_len_interpolation_factor": (1,), "no_rope_freq": (), "window_size": (),
+            "softmax_type": ("vanilla",), "qk_l2_norm": (), "attention_output_gate": (), "glu_linear_offset": (0,),
+            "activation_func_clamp_value": (), "experimental_attention_variant": (), "linear_attention_freq": (),
+            "heterogeneous_layers_config_path": (), "enable_mhc_connections": (),
+            "moe_router_topk_scaling_factor": (1,), "moe_router_group_topk": (0,),
+            "moe_router_topk_limited_devices": (0,), "moe_apply_probs_on_input": (), "moe_latent_size": ()}
+# meshlm field ← the TransformerConfig field Megatron-LM saves it under since its args are generated
+# from TransformerConfig (2026-01, megatron/training/argument_utils.py: dest = the field's name);
+# earlier versions saved meshlm's names
+_RENAMED = {"norm_epsilon": "layernorm_epsilon", "apply_layernorm_1p": "layernorm_zero_centered_gamma"}
 
 
 def model_from_args(args) -> C.ModelConfig:
     """The ModelConfig of a Megatron-LM run's ``args`` (common.pt's Namespace): every field meshlm
-    shares with Megatron-LM (the same names and meanings, --bias-gelu-fusion included) taken from it.
+    shares with Megatron-LM (the same names and meanings, --bias-gelu-fusion included; --norm-epsilon
+    and --apply-layernorm-1p under either version's name, ``_RENAMED``) taken from it.
 
-    Raises CheckpointError naming the first arg whose function meshlm lacks (an interleaved
-    rotary, MLA, squared ReLU, …).
+    Raises CheckpointError naming the first arg whose function meshlm lacks (an interleaved or
+    scaled rotary, MLA, squared ReLU, sliding-window attention, post-layernorm
+    residuals, …), or a choice meshlm's model lacks (--position-embedding-type yarn, --normalization
+    L2Norm, …). A setting of how the run ran that meshlm does not take (--cp-comm-type a2a) is left out.
     """
     for name, fine in _REFUSED.items():
-        value = getattr(args, name, fine)
-        if value not in (fine, None, False):
+        value = getattr(args, name, None)
+        if value is not None and value is not False and value not in fine:
             raise CheckpointError(f"the Megatron checkpoint was trained with --{name.replace('_', '-')} "
                                   f"({value}); meshlm's model has no such option")
     fields = {}
-    for name in (f.name for f in dataclasses.fields(C.ModelConfig)):
-        value = getattr(args, name, None)
+    for f in dataclasses.fields(C.ModelConfig):
+        value = getattr(args, f.name, None)
+        if f.name in _RENAMED and getattr(args, _RENAMED[f.name], None) is not None:
+            value = getattr(args, _RENAMED[f.name])
         if value is not None:
-            fields[name] = value
+            fields[f.name] = value
     if isinstance(fields.get("moe_layer_freq"), (int, list)):
         freq = fields["moe_layer_freq"]
         fields["moe_layer_freq"] = str(freq) if isinstance(freq, int) else "[" + ",".join(map(str, freq)) + "]"
@@ -120,6 +138,21 @@ def model_from_args(args) -> C.ModelConfig:
             fields[name] = fields[name][0]
     if not getattr(args, "num_experts", None):
         fields.pop("num_experts", None)
+    if fields.get("cp_comm_type") == "allgather":  # Megatron's spelling of meshlm's all_gather
+        fields["cp_comm_type"] = "all_gather"
+    function = set(architecture(C.ModelConfig())) | set(architecture(C.ModelConfig(
+        num_experts=2, use_mup=True, position_embedding_type="rope")))
+    for f in [f for f in dataclasses.fields(C.ModelConfig) if f.name in fields]:
+        try:  # meshlm's type and choices: config.json is read back by every later command
+            fields[f.name] = C._coerce(f, fields[f.name], "common.pt")
+        except ConfigError:
+            if f.name in function:
+                choices = ", ".join(f.metadata.get("choices") or []) or "other values"
+                raise CheckpointError(f"the Megatron checkpoint was trained with {C.flag_of(f)} {fields[f.name]}; "
+                                      f"meshlm's model computes {choices}") from None
+            # how it ran, not what it computes (--cp-comm-type a2a, --moe-router-dtype fp64): the run's own
+            # flags decide; kept, it made the converted checkpoint's config.json unreadable
+            del fields[f.name]
     return C.ModelConfig(**fields)
 
 

@@ -61,8 +61,9 @@ def import_megatron(src: str, out: str) -> str:
     from .state import model_state
 
     if not os.path.isdir(src):
-        raise CheckpointError(f"--from-megatron {src}: no such directory; give the folder holding "
-                              f"{mg.TRACKER} (Megatron-LM's --save)")
+        what = "a file, not a directory" if os.path.exists(src) else "no such directory"
+        raise CheckpointError(f"--from-megatron {src}: {what}; give the folder holding {mg.TRACKER} "
+                              f"(Megatron-LM's --save)")
     folder = mg.iteration_folder(src)
     if folder is None:
         raise CheckpointError(f"--from-megatron {src}: not a Megatron-LM checkpoint (no {mg.TRACKER} naming an "
@@ -195,7 +196,9 @@ def megatron_args(cfg: C.Config, vocab: int, padded: int) -> argparse.Namespace:
                   tokenizer_model=cfg.data.tokenizer_model,  # type implied by its files was None, so
                   # --from-megatron of this folder took NullTokenizer (ids as text) for its tokenizer.json
                   vocab_file=cfg.data.vocab_file, merge_file=cfg.data.merge_file,
-                  ckpt_format="torch_dist", num_experts=m.num_experts or None)
+                  ckpt_format="torch_dist", num_experts=m.num_experts or None,
+                  # Megatron-LM since 2026-01 names these two by TransformerConfig's fields (megatron.py _RENAMED)
+                  layernorm_epsilon=m.norm_epsilon, layernorm_zero_centered_gamma=m.apply_layernorm_1p)
     return argparse.Namespace(**fields)
 
 

@@ -34,6 +34,17 @@ def check_model_config(path: str, model: C.ModelConfig, load: Optional[str] = No
     ``--flag saved=X now=Y`` (``--disable-bias-linear`` shown as the flag's own sense), or
     ``damaged`` when config.json is missing or unreadable.
     """
+    diffs = model_config_differences(path, model, load, vocab_size)
+    if diffs:
+        raise CheckpointError(f"--load {load or os.path.dirname(os.path.normpath(path))}: checkpoint "
+                              f"{os.path.basename(os.path.normpath(path))} is of another model: {', '.join(diffs)}; "
+                              f"pass the saved values or start without --load")
+
+
+def model_config_differences(path: str, model: C.ModelConfig, load: Optional[str] = None,
+                             vocab_size: Optional[int] = None) -> list:
+    """``check_model_config``'s differing fields (``--flag saved=X now=Y``), [] when none; raises
+    as it does for a missing or unreadable config.json."""
     with reading(path, load):
         if not os.path.isfile(os.path.join(path, CONFIG)):
             raise FileNotFoundError(errno.ENOENT, "No such file", os.path.join(path, CONFIG))
@@ -46,12 +57,16 @@ def check_model_config(path: str, model: C.ModelConfig, load: Optional[str] = No
     saved["vocab_size"] = saved["vocab_size"] or _saved_vocab(path)
     if saved["vocab_size"] is None or now["vocab_size"] is None:
         del saved["vocab_size"]
-    diffs = [difference(name, saved[name], now[name], ("saved", "now"))  # position fields: with the position type
-             for name in now if name in saved and differs(name, saved[name], now[name])]
-    if diffs:
-        raise CheckpointError(f"--load {load or os.path.dirname(os.path.normpath(path))}: checkpoint "
-                              f"{os.path.basename(os.path.normpath(path))} is of another model: {', '.join(diffs)}; "
-                              f"pass the saved values or start without --load")
+    return [difference(name, saved[name], now[name], ("saved", "now"))  # position fields: with the position type
+            for name in now if name in saved and differs(name, saved[name], now[name])]
+
+
+def unused_model_tensors(path: str, read: set) -> list:
+    """The model tensors the checkpoint folder holds that no rank read (``read``: the model-space
+    names every rank's model loaded, together), sorted: weights a --finetune would drop."""
+    with reading(path):
+        keys = SafeReader(path).read_metadata().state_dict_metadata
+    return sorted(k[len("model/"):] for k in keys if k.startswith("model/") and k[len("model/"):] not in read)
 
 
 def _saved_vocab(path: str) -> Optional[int]:

@@ -129,6 +129,8 @@ def load_checkpoint(run) -> TrainState:
             print(f"--load {c.load}: no checkpoint yet, starting from scratch", flush=True)
         return TrainState()
     iteration, tree = loaded
+    if c.finetune:
+        _check_every_weight_read(run, ckpt.iteration_dir(c.load, iteration))
     if _loads(c, "optim"):  # the schedule first: its check raises the same on every rank, before any collective
         run.sched.load_state_dict(tree["scheduler"], "override" if c.override_opt_param_scheduler else
                                   "checkpoint" if c.use_checkpoint_opt_param_scheduler else "check", c.load)
@@ -150,6 +152,30 @@ def load_checkpoint(run) -> TrainState:
               + (" for --finetune: model weights only, starting at iteration 0" if c.finetune else "")
               + (f"; {' and '.join(fresh)} fresh" if fresh and not c.finetune else ""), flush=True)
     return TrainState() if c.finetune else TrainState(**tree["train"])
+
+
+def _check_every_weight_read(run, path: str) -> None:
+    """--finetune compares no architecture flags, so a run whose model lacks some of the saved
+    weights (fewer layers; tied embeddings where the checkpoint has its own output layer; no
+    learned positions, biases...) read the rest and trained another model without a word: raise
+    CheckpointError (the same line on every rank) naming them and the flags that differ. One
+    all_gather of the model-space names each rank read (a stage reads only its own)."""
+    from ..checkpoint.model_space import ModelSpace
+    from ..checkpoint.state import model_config_differences, model_state, unused_model_tensors
+    from ..parallel.agree import all_problems
+    mine = sorted(model_state(ModelSpace(run.chunks, run.ps), load=True, shards=run.ddp.shard_pieces())["model"])
+    unused = unused_model_tensors(path, set(all_problems(mine)))
+    if not unused:
+        return
+    try:
+        diffs = model_config_differences(path, run.cfg.model, run.cfg.checkpoint.load, run.tokenizer.vocab_size)
+    except CheckpointError:
+        diffs = []
+    names = f"{', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}"
+    raise CheckpointError(f"--load {run.cfg.checkpoint.load}: checkpoint {os.path.basename(path)} holds "
+                          f"{len(unused)} weight(s) this run's model has no place for ({names}); --finetune "
+                          f"would drop them: pass the saved model's flags"
+                          f"{' (' + ', '.join(diffs) + ')' if diffs else ''}")
 
 
 def _loads(c: C.CheckpointConfig, kind: str) -> bool:
