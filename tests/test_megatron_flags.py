@@ -132,9 +132,10 @@ def test_common_megatron_logging_optimizer_and_legacy_flags_are_taken(capsys):
     from meshlm.config import Config, apply_mapping
     from meshlm.parallel.layout_rules import adjust
     cfg = Config()
-    apply_mapping(cfg, {"use_rotary_position_embeddings": True}, source="test")
+    apply_mapping(cfg, {"use_rotary_position_embeddings": True, "cp_comm_type": "allgather"}, source="test")
     adjust(cfg)
     assert cfg.model.position_embedding_type == "rope"
+    assert cfg.model.cp_comm_type == "all_gather"  # Megatron's spelling (it was refused)
     for flag, value in (("--optimizer", "sgd"), ("--dataloader-type", "cyclic")):
         assert main(base + [flag, value]) == 2
         assert f"{flag}: invalid choice: '{value}'" in capsys.readouterr().err

@@ -140,7 +140,8 @@ class ModelConfig:
     moe_token_drop_policy: str = opt("probs", "which routes an expert over capacity keeps: the highest "
                                      "probabilities, or the earliest positions", choices=["probs", "position"])
     cp_comm_type: str = opt("p2p", "context-parallel attention: p2p (K/V passed round a ring, overlapped with "
-                            "attention) or all_gather (K/V gathered; cheap with GQA)", choices=["p2p", "all_gather"])
+                            "attention) or allgather (K/V gathered; cheap with GQA; all_gather is the same)",
+                            choices=["p2p", "allgather", "all_gather"])
 
 
 @dataclass

@@ -202,8 +202,11 @@ def _rampup_problems(cfg: Config, world: int, dp: int) -> list:
 def adjust(cfg: Config) -> None:
     """What Megatron's validate_args changes rather than refuses: --sequence-parallel is turned off
     at TP = 1 (there is nothing to split it over; validate.py's ``notes`` says so at start), and
-    --use-rotary-position-embeddings sets --position-embedding-type rope."""
+    --use-rotary-position-embeddings sets --position-embedding-type rope; --cp-comm-type allgather
+    (Megatron's spelling) is meshlm's all_gather."""
     if cfg.parallel.tensor_model_parallel_size == 1:
         cfg.parallel.sequence_parallel = False
     if cfg.model.use_rotary_position_embeddings:  # Megatron's legacy RoPE switch
         cfg.model.position_embedding_type = "rope"
+    if cfg.model.cp_comm_type == "allgather":  # Megatron's spelling of meshlm's all_gather
+        cfg.model.cp_comm_type = "all_gather"
