@@ -73,6 +73,9 @@ DIFFERENT_DEFAULTS = {
                      "bench/ measured (delayed is built too: meshlm/fp8_rules.py)"),
 }
 
+# no-effect flags whose value must be one of these: another value asks for what meshlm does not do
+NO_EFFECT_CHOICES = {"--ckpt-format": ("torch_dist",), "--distributed-backend": ("nccl", "gloo")}
+
 # meshlm flags that Megatron does not have (besides --config and --model).
 MESHLM_ONLY = ("--pipeline-schedule", "--nproc-per-node", "--skip-nan-steps", "--fast-path",
                "--eval-at-start", "--run-dir", "--log-dir", "--gradient-accumulation-steps",
@@ -85,6 +88,8 @@ def add_no_effect_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Megatron flags accepted with no effect here")
     for flag, (takes_value, why) in NO_EFFECT.items():
         kw = {"nargs": None, "metavar": "X"} if takes_value else {"nargs": 0}
+        if flag in NO_EFFECT_CHOICES:  # e.g. --ckpt-format torch (Megatron's legacy files): refused, not ignored
+            kw.update(choices=NO_EFFECT_CHOICES[flag], metavar=None)
         group.add_argument(flag, dest="_no_effect", action=_Collect, default=argparse.SUPPRESS,
                            help=why, **kw)
 
