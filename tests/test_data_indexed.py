@@ -124,6 +124,33 @@ def test_check_token_ids_names_the_file_and_the_largest_id(tmp_path):
         check_token_ids([bad], vocab_size=100, sized_by_flag=True)  # TikTokenizer's vocabulary is --vocab-size's
 
 
+def test_a_bin_is_scanned_once_and_scanned_again_when_it_changes(tmp_path):
+    """check_token_ids reads every id of every .bin (a terabyte corpus: minutes, on every start): the
+    range is kept in the index cache, keyed by the file's path, size and modification time."""
+    import json
+    import os
+    prefix, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    write(prefix, [[1, 2], [3, 99]])
+    check_token_ids([prefix], vocab_size=100, cache_dir=cache)
+    (record,) = os.listdir(cache)
+    with open(os.path.join(cache, record)) as fh:
+        assert json.load(fh)["max"] == 99
+    with open(os.path.join(cache, record), "w") as fh:  # the next start reads the record, not the file
+        json.dump({"min": 0, "max": 5000}, fh)
+    with pytest.raises(DataError, match="holds token id 5000"):
+        check_token_ids([prefix], vocab_size=100, cache_dir=cache)
+    write(prefix, [[1, 2], [300]])  # rewritten: another size, another key, scanned again
+    with pytest.raises(DataError, match="holds token id 300"):
+        check_token_ids([prefix], vocab_size=100, cache_dir=cache)
+    assert len(os.listdir(cache)) == 2
+    os.chmod(cache, 0o500)  # a cache that cannot be written keeps no record, and the check still runs
+    try:
+        write(prefix, [[5]])
+        check_token_ids([prefix], vocab_size=100, cache_dir=cache)
+    finally:
+        os.chmod(cache, 0o700)
+
+
 def _corrupt(prefix, how):
     """Damage a good two-document dataset (3 + 4 uint16 tokens) the way ``how`` names."""
     idx, bin_ = prefix + ".idx", prefix + ".bin"

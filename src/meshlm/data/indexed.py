@@ -9,9 +9,12 @@ Files written here open with megatron-core's ``IndexedDataset`` and vice versa.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import struct
 from array import array
+from typing import Optional
 
 import numpy as np
 
@@ -178,12 +181,46 @@ class IndexedDataset:
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
 
-def check_token_ids(prefixes, vocab_size: int, null_tokenizer: bool = False, sized_by_flag: bool = False) -> None:
+def token_range(ds: "IndexedDataset", cache_dir: Optional[str] = None) -> tuple:
+    """(smallest, largest) token id of ds's .bin ((0, -1) when empty), read in 64 MiB chunks, or from
+    the record a previous scan left in ``cache_dir`` (default: the index cache beside the data,
+    ``<folder>/cache/GPTDataset_indices``), keyed by the .bin's path, size and modification time, so
+    a start scans a terabyte of tokens once, not every time. A cache folder that cannot be written
+    just keeps no record."""
+    path = os.path.abspath(ds.prefix + ".bin")
+    st = os.stat(path)
+    key = hashlib.md5(f"{path}|{st.st_size}|{st.st_mtime_ns}|{ds.dtype}".encode(), usedforsecurity=False).hexdigest()
+    folder = cache_dir or os.path.join(os.path.dirname(path), "cache", "GPTDataset_indices")
+    record = os.path.join(folder, f"{key}-token-range.json")
+    try:
+        with open(record) as fh:
+            saved = json.load(fh)
+        return int(saved["min"]), int(saved["max"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    data = np.frombuffer(ds._bin, ds.dtype, ds._bin.size // ds.dtype.itemsize)
+    chunk = (64 << 20) // ds.dtype.itemsize
+    ranges = [(int(data[i:i + chunk].min()), int(data[i:i + chunk].max())) for i in range(0, data.size, chunk)]
+    found = min((r[0] for r in ranges), default=0), max((r[1] for r in ranges), default=-1)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{record}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"bin": path, "min": found[0], "max": found[1]}, fh)
+        os.replace(tmp, record)
+    except OSError:
+        pass
+    return found
+
+
+def check_token_ids(prefixes, vocab_size: int, null_tokenizer: bool = False, sized_by_flag: bool = False,
+                    cache_dir: Optional[str] = None) -> None:
     """Raise DataError naming the .bin file and its largest id if any id is ≥ vocab_size, or its
     smallest if any id is negative (an int32 file holding -1 or -100 pads trained on them silently:
     the vocabulary-parallel embedding maps an id outside its rows to a zero vector).
 
-    prefixes: indexed-dataset prefixes (without .bin/.idx). Reads each .bin in 64 MiB chunks.
+    prefixes: indexed-dataset prefixes (without .bin/.idx). Reads each .bin in 64 MiB chunks, once:
+    ``token_range`` keeps the result in ``cache_dir`` (--data-cache-path) for the next start.
     null_tokenizer: the run's NullTokenizer: a largest id of exactly vocab_size is data made by
     megatron-core 0.16.1's NullTokenizer (eod = --vocab-size, one id more), and the line says so.
     sized_by_flag: the vocabulary is --vocab-size's (NullTokenizer, TikTokenizer), so a larger one is a
@@ -199,10 +236,7 @@ def check_token_ids(prefixes, vocab_size: int, null_tokenizer: bool = False, siz
             raise DataError(f"{prefix}.bin stores token ids as {ds.dtype} (at most {most:,}) but the tokenizer has "
                             f"{vocab_size:,} ids: the data was made by another tokenizer (preprocessing with this "
                             f"one writes int32); preprocess it with the run's tokenizer")
-        data = np.frombuffer(ds._bin, ds.dtype, ds._bin.size // ds.dtype.itemsize)
-        chunk = (64 << 20) // ds.dtype.itemsize
-        ranges = [(int(data[i:i + chunk].min()), int(data[i:i + chunk].max())) for i in range(0, data.size, chunk)]
-        smallest, largest = min((r[0] for r in ranges), default=0), max((r[1] for r in ranges), default=-1)
+        smallest, largest = token_range(ds, cache_dir)
         if smallest < 0:
             raise DataError(f"{prefix}.bin holds token id {smallest}, a negative id (no token has one; a padding "
                             f"or ignore label?); write the data with `meshlm preprocess` or without such ids")

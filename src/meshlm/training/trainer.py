@@ -281,7 +281,7 @@ def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
     if ps.rank == 0:
         try:
             kind = resolve_tokenizer_type(cfg.data, cfg.model.vocab_size)
-            check_token_ids(prefixes, vocab_size, kind == "NullTokenizer", kind == "TikTokenizer")
+            check_token_ids(prefixes, vocab_size, kind == "NullTokenizer", kind == "TikTokenizer", cfg.data.data_cache_path)
         except DataError as e:
             problem = str(e)
     problem = first_problem(problem)
