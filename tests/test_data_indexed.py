@@ -225,3 +225,38 @@ def test_check_token_ids_refuses_a_dtype_too_small_for_the_tokenizer_file(tmp_pa
         check_token_ids([prefix], vocab_size=128256)
     check_token_ids([prefix], vocab_size=65536)
     check_token_ids([prefix], vocab_size=128256, null_tokenizer=True)
+
+
+def _ranges_by_two(rank, world, prefix, cache):
+    """token_ranges over 2 ranks, with 16-byte scan pieces (8 uint16 ids) so that each rank reads some."""
+    from meshlm.data import indexed
+    from meshlm.parallel.mesh import ParallelState
+    from meshlm.training.trainer import token_ranges
+    indexed.SCAN_CHUNK_BYTES = 16
+    ps = ParallelState.build()
+    seen = []
+    scan = indexed.scan_range
+    indexed.scan_range = lambda ds, part=0, parts=1: seen.append((part, parts)) or scan(ds, part, parts)
+    first = token_ranges([prefix], cache, ps)
+    second = token_ranges([prefix], cache, ps)  # recorded by rank 0: nobody scans again
+    return first[prefix], second[prefix], seen
+
+
+def test_the_ranks_scan_a_bin_together_and_rank_0_records_the_range(tmp_path):
+    """A first start scans each .bin with every rank reading an interleaved share (rank 0 alone read
+    a terabyte corpus while the others waited in a collective, past its 10-minute timeout)."""
+    from distributed import run_distributed
+    prefix, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    ids = list(range(40))
+    ids[3], ids[12] = 7000, 0  # the largest id lies in rank 0's first piece, the next ones in both
+    write(prefix, [ids[:20], ids[20:]])
+    results = run_distributed(_ranges_by_two, 2, prefix, cache)
+    for rank, (first, second, seen) in enumerate(results):
+        assert first == second == (0, 7000)
+        assert seen == [(rank, 2)]  # each rank its share, once
+    assert scan_all(prefix) == (0, 7000)
+
+
+def scan_all(prefix):
+    from meshlm.data.indexed import scan_range
+    return scan_range(IndexedDataset(prefix))

@@ -181,46 +181,74 @@ class IndexedDataset:
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
 
-def token_range(ds: "IndexedDataset", cache_dir: Optional[str] = None) -> tuple:
-    """(smallest, largest) token id of ds's .bin ((0, -1) when empty), read in 64 MiB chunks, or from
-    the record a previous scan left in ``cache_dir`` (default: the index cache beside the data,
-    ``<folder>/cache/GPTDataset_indices``), keyed by the .bin's path, size and modification time, so
-    a start scans a terabyte of tokens once, not every time. A cache folder that cannot be written
-    just keeps no record."""
+SCAN_CHUNK_BYTES = 64 << 20  # token_range reads a .bin in pieces of this size
+
+
+def _range_record(ds: "IndexedDataset", cache_dir: Optional[str]) -> str:
+    """Where ``token_range`` keeps ds's id range: the index cache (default beside the data,
+    ``<folder>/cache/GPTDataset_indices``), under a key of the .bin's path, size and modification time."""
     path = os.path.abspath(ds.prefix + ".bin")
     st = os.stat(path)
     key = hashlib.md5(f"{path}|{st.st_size}|{st.st_mtime_ns}|{ds.dtype}".encode(), usedforsecurity=False).hexdigest()
     folder = cache_dir or os.path.join(os.path.dirname(path), "cache", "GPTDataset_indices")
-    record = os.path.join(folder, f"{key}-token-range.json")
+    return os.path.join(folder, f"{key}-token-range.json")
+
+
+def recorded_range(ds: "IndexedDataset", cache_dir: Optional[str] = None) -> Optional[tuple]:
+    """(smallest, largest) id of ds's .bin as an earlier scan recorded it, or None."""
     try:
-        with open(record) as fh:
+        with open(_range_record(ds, cache_dir)) as fh:
             saved = json.load(fh)
         return int(saved["min"]), int(saved["max"])
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    data = np.frombuffer(ds._bin, ds.dtype, ds._bin.size // ds.dtype.itemsize)
-    chunk = (64 << 20) // ds.dtype.itemsize
-    ranges = [(int(data[i:i + chunk].min()), int(data[i:i + chunk].max())) for i in range(0, data.size, chunk)]
-    found = min((r[0] for r in ranges), default=0), max((r[1] for r in ranges), default=-1)
+        return None
+
+
+def record_range(ds: "IndexedDataset", found: tuple, cache_dir: Optional[str] = None) -> None:
+    """Keep ``found`` for the next start (atomically); a cache folder that cannot be written keeps none."""
+    record = _range_record(ds, cache_dir)
     try:
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(os.path.dirname(record), exist_ok=True)
         tmp = f"{record}.{os.getpid()}.tmp"
         with open(tmp, "w") as fh:
-            json.dump({"bin": path, "min": found[0], "max": found[1]}, fh)
+            json.dump({"bin": os.path.abspath(ds.prefix + ".bin"), "min": found[0], "max": found[1]}, fh)
         os.replace(tmp, record)
     except OSError:
         pass
+
+
+def scan_range(ds: "IndexedDataset", part: int = 0, parts: int = 1) -> tuple:
+    """(smallest, largest) id over the ``part``-th of ``parts`` interleaved shares of ds's .bin
+    (pieces of SCAN_CHUNK_BYTES: piece i goes to share i mod parts), so that the ranks of a job read
+    a corpus together; (iinfo max, iinfo min) of int64 for a share with no piece."""
+    data = np.frombuffer(ds._bin, ds.dtype, ds._bin.size // ds.dtype.itemsize)
+    chunk = SCAN_CHUNK_BYTES // ds.dtype.itemsize
+    ranges = [(int(data[i:i + chunk].min()), int(data[i:i + chunk].max()))
+              for i in range(part * chunk, data.size, parts * chunk)]
+    big = np.iinfo(np.int64)
+    return min((r[0] for r in ranges), default=big.max), max((r[1] for r in ranges), default=big.min)
+
+
+def token_range(ds: "IndexedDataset", cache_dir: Optional[str] = None) -> tuple:
+    """(smallest, largest) token id of ds's .bin ((0, -1) when empty): the recorded range, else one
+    scan, then recorded (``record_range``), so a start reads a terabyte of tokens once, not every time."""
+    found = recorded_range(ds, cache_dir)
+    if found is None:
+        lo, hi = scan_range(ds)
+        found = (0, -1) if hi < lo else (lo, hi)
+        record_range(ds, found, cache_dir)
     return found
 
 
 def check_token_ids(prefixes, vocab_size: int, null_tokenizer: bool = False, sized_by_flag: bool = False,
-                    cache_dir: Optional[str] = None) -> None:
+                    cache_dir: Optional[str] = None, ranges: Optional[dict] = None) -> None:
     """Raise DataError naming the .bin file and its largest id if any id is ≥ vocab_size, or its
     smallest if any id is negative (an int32 file holding -1 or -100 pads trained on them silently:
     the vocabulary-parallel embedding maps an id outside its rows to a zero vector).
 
     prefixes: indexed-dataset prefixes (without .bin/.idx). Reads each .bin in 64 MiB chunks, once:
     ``token_range`` keeps the result in ``cache_dir`` (--data-cache-path) for the next start.
+    ranges: {prefix: (smallest, largest)} already found (the trainer's ranks scan shares together).
     null_tokenizer: the run's NullTokenizer: a largest id of exactly vocab_size is data made by
     megatron-core 0.16.1's NullTokenizer (eod = --vocab-size, one id more), and the line says so.
     sized_by_flag: the vocabulary is --vocab-size's (NullTokenizer, TikTokenizer), so a larger one is a
@@ -236,7 +264,7 @@ def check_token_ids(prefixes, vocab_size: int, null_tokenizer: bool = False, siz
             raise DataError(f"{prefix}.bin stores token ids as {ds.dtype} (at most {most:,}) but the tokenizer has "
                             f"{vocab_size:,} ids: the data was made by another tokenizer (preprocessing with this "
                             f"one writes int32); preprocess it with the run's tokenizer")
-        smallest, largest = token_range(ds, cache_dir)
+        smallest, largest = ranges[prefix] if ranges and prefix in ranges else token_range(ds, cache_dir)
         if smallest < 0:
             raise DataError(f"{prefix}.bin holds token id {smallest}, a negative id (no token has one; a padding "
                             f"or ignore label?); write the data with `meshlm preprocess` or without such ids")

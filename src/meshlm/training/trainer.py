@@ -272,21 +272,60 @@ def _nodes(ps: ParallelState) -> int:
 
 
 def check_data_vocab(cfg: C.Config, vocab_size: int, ps: ParallelState) -> None:
-    """Global rank 0 scans the .bin files of the data flags for ids ≥ vocab_size; every rank raises
-    the same DataError (naming the file and the largest id) so none is left waiting in a collective."""
+    """Check the .bin files of the data flags for ids ≥ vocab_size (``check_token_ids``, on rank 0);
+    every rank raises the same DataError (naming the file and the largest id) so none is left
+    waiting in a collective. A .bin without a recorded range is scanned by all the ranks together,
+    each an interleaved share (``token_ranges``): a corpus of terabytes within the collectives'
+    timeout, on the first start only."""
     prefixes = [prefix for _, prefix in data_prefixes(blends(cfg.data))]
     if not prefixes:
         return
+    ranges = token_ranges(list(dict.fromkeys(prefixes)), cfg.data.data_cache_path, ps)
     problem = None
     if ps.rank == 0:
         try:
             kind = resolve_tokenizer_type(cfg.data, cfg.model.vocab_size)
-            check_token_ids(prefixes, vocab_size, kind == "NullTokenizer", kind == "TikTokenizer", cfg.data.data_cache_path)
+            check_token_ids(prefixes, vocab_size, kind == "NullTokenizer", kind == "TikTokenizer",
+                            cfg.data.data_cache_path, ranges)
         except DataError as e:
             problem = str(e)
     problem = first_problem(problem)
     if problem:
         raise DataError(problem)
+
+
+def token_ranges(prefixes: list, cache_dir, ps: ParallelState) -> dict:
+    """{prefix: (smallest, largest) id} of each .bin: rank 0's recorded ranges, and for the others
+    every rank's ``scan_range`` share reduced over the world (min, max), recorded by rank 0.
+    Collective; a .bin a rank cannot open is every rank's DataError."""
+    from ..data.indexed import IndexedDataset, record_range, recorded_range, scan_range
+    problem, datasets = None, {}
+    try:
+        datasets = {p: IndexedDataset(p) for p in prefixes}
+    except DataError as e:
+        problem = str(e)
+    problem = first_problem(problem)
+    if problem:
+        raise DataError(problem)
+    known = [{p: recorded_range(ds, cache_dir) for p, ds in datasets.items()} if ps.rank == 0 else None]
+    if ps.world_size > 1:
+        torch.distributed.broadcast_object_list(known, src=0)
+    known = known[0]
+    todo = [p for p in prefixes if known[p] is None]
+    if todo:
+        shares = [scan_range(datasets[p], ps.rank, ps.world_size) for p in todo]
+        lo = torch.tensor([a for a, _ in shares], dtype=torch.int64, device=ps.device)
+        hi = torch.tensor([b for _, b in shares], dtype=torch.int64, device=ps.device)
+        if ps.world_size > 1:
+            watchdog.call("all_reduce of the token-id ranges", None, torch.distributed.all_reduce, lo,
+                          torch.distributed.ReduceOp.MIN)
+            watchdog.call("all_reduce of the token-id ranges", None, torch.distributed.all_reduce, hi,
+                          torch.distributed.ReduceOp.MAX)
+        for p, a, b in zip(todo, lo.tolist(), hi.tolist()):
+            known[p] = (0, -1) if b < a else (a, b)
+            if ps.rank == 0:
+                record_range(datasets[p], known[p], cache_dir)
+    return known
 
 
 def report_memory(report: dict, ps: ParallelState) -> None:
