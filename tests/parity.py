@@ -85,6 +85,8 @@ class Case:
     fp8_recipe: str = "tensorwise"  # --fp8-recipe
     fp8_history: int = 1         # --fp8-amax-history-len (delayed)
     fp8_algo: str = "most_recent"  # --fp8-amax-compute-algo (delayed)
+    hidden_dropout: float = 0.0  # --hidden-dropout (masks keyed by position: layout-free but for DP)
+    attention_dropout: float = 0.0  # --attention-dropout (per head)
 
     @property
     def world(self) -> int:
@@ -94,7 +96,8 @@ class Case:
         """What the single-process reference depends on."""
         return (self.tied, self.pos, self.rotary, self.norm, self.one_p, self.qk_norm, self.qkv_bias, self.swiglu, self.groups, self.micro,
                 self.layers, self.per_token, self.packed, self.experts, self.moe, self.masked, self.batch, self.mup,
-                self.fp8, self.fp8_ends, self.fp8_gather, self.fp8_recipe, self.fp8_history, self.fp8_algo)
+                self.fp8, self.fp8_ends, self.fp8_gather, self.fp8_recipe, self.fp8_history, self.fp8_algo,
+                self.hidden_dropout, self.attention_dropout)
 
     def __str__(self) -> str:
         default = Case()
@@ -111,7 +114,7 @@ def config(case: Case, global_batch: Optional[int] = None):
     m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = case.layers, 16, 4, SEQ
     m.vocab_size, m.make_vocab_size_divisible_by = VOCAB, 4
-    m.hidden_dropout = m.attention_dropout = 0.0
+    m.hidden_dropout, m.attention_dropout = case.hidden_dropout, case.attention_dropout
     m.untie_embeddings_and_output_weights = not case.tied
     m.normalization, m.position_embedding_type, m.swiglu = case.norm, case.pos, case.swiglu
     m.rotary_percent, m.apply_layernorm_1p = case.rotary, case.one_p
@@ -276,7 +279,7 @@ def _single(case: Case) -> Case:
                 packed=case.packed, experts=case.experts, moe=case.moe, masked=case.masked, batch=case.batch,
                 mup=case.mup, fp8=case.fp8, fp8_ends=case.fp8_ends, fp8_gather=case.fp8_gather,
                 dist_opt=case.fp8_gather, fp8_recipe=case.fp8_recipe, fp8_history=case.fp8_history,
-                fp8_algo=case.fp8_algo)
+                fp8_algo=case.fp8_algo, hidden_dropout=case.hidden_dropout, attention_dropout=case.attention_dropout)
 
 
 def references(cases: list) -> list:

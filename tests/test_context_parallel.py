@@ -26,7 +26,11 @@ def test_dp2_cp2_equals_dp4_and_single_process():
 
 
 def test_cp2_with_tp2_sp_and_with_pp2_match_single_process():
-    assert_parity(Case(cp=2, tp=2, sp=True, **LLAMA), Case(cp=2, pp=2, cp_comm="all_gather", micro=2))
+    """And hidden dropout at CP 2 × TP 2 with SP: each rank's mask is one process's mask at the
+    rows it holds (its SP share of its CP rank's two chunks; each CP rank drew the mask of its
+    first s/CP positions before)."""
+    assert_parity(Case(cp=2, tp=2, sp=True, **LLAMA), Case(cp=2, pp=2, cp_comm="all_gather", micro=2),
+                  Case(cp=2, tp=2, sp=True, hidden_dropout=0.1))
 
 
 def test_cp_rank_with_every_token_masked_and_packed_documents_match_single_process():

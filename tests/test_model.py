@@ -182,7 +182,7 @@ def test_fork_restores_the_default_generator():
 def test_sequence_parallel_dropout_mask_is_the_full_mask_sliced():
     tracker = RNGTracker(seed=1, device=torch.device("cpu"))
     full = tracker.dropout(torch.ones(8, 2, 4), 0.5, ("k",))
-    second_half = tracker.dropout(torch.ones(4, 2, 4), 0.5, ("k",), full_rows=8, row_offset=4)
+    second_half = tracker.dropout(torch.ones(4, 2, 4), 0.5, ("k",), full_rows=8, rows=slice(4, 8))
     assert torch.equal(second_half, full[4:])
 
 

@@ -126,8 +126,12 @@ def test_hybrid_sharding_inside_replicas_matches_single_process_in_float64():
     replica, gradient shards summed across replicas; the optimizer replicated (outer no_shard) or
     split across them too (outer optim), at stages 1–3; with MoE at EP 2 the experts sharded over
     expert-DP beside the replica-sharded dense buckets (without the experts' squares summed over
-    the replica group first, the grad norm misses the other replica's expert shards: ~1e-4)."""
+    the replica group first, the grad norm misses the other replica's expert shards: ~1e-4). And
+    one rank per replica (PP 2 × DP 2, 2 instances), whose ZeRO-1 bucket has no DP reduction of its
+    own to wait for but still sums over the replicas (it was skipped: each rank stepped on its own
+    gradient, ~0.3 off)."""
     assert_parity(Case(dp=4, zero=1, instances=2, overlap_grad=True, overlap_param=True),
+                  Case(pp=2, dp=2, zero=1, instances=2, overlap_grad=True),
                   Case(dp=4, zero=2, instances=2, outer="optim", micro=2, batch=8),
                   Case(dp=4, instances=2, tied=False, **BOTH),
                   Case(dp=2, cp=2, instances=2, outer="optim", **BOTH),

@@ -35,6 +35,7 @@ from ..config import max_positions, moe_layer_pattern, padded_vocab_size
 from ..fast import compile_module
 from ..parallel import comm
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..parallel.context import local_positions
 from ..parallel.random import RNGTracker
 from ..parallel.tensor import ShardedInit, VocabParallelEmbedding, contiguous_index, mark_partitioned
 from .attention import SelfAttention, attention_mask
@@ -47,14 +48,25 @@ EMBEDDING_KEY = (-1, "embedding.word_embeddings.weight")  # (layer, name) of the
 
 
 class SequenceSlice:
-    """Which rows of the full sequence this rank holds: all of them, or s/tp under SP."""
+    """Which rows of the sequence this rank holds: all of them, s/tp under SP, and of those the
+    two chunks of its CP rank under CP (parallel/context.py ``local_positions``)."""
 
     def __init__(self, ps, sequence_parallel: bool):
         self.tp, self.rank = (ps.tp, ps.tp_rank) if sequence_parallel else (1, 0)
+        self.cp, self.cp_rank, self.device = ps.cp, ps.cp_rank, ps.device
 
     def rows(self, local_rows: int) -> tuple:
-        """(full sequence length, first row of this rank)."""
+        """(the CP rank's sequence length s/cp, this rank's first row of it)."""
         return local_rows * self.tp, local_rows * self.rank
+
+    def dropout_rows(self, local_rows: int) -> tuple:
+        """(full sequence length s, this rank's rows of it: a slice, or under CP int64 positions)
+        for a replicated-region dropout mask (parallel/random.py)."""
+        rows, first = self.rows(local_rows)
+        if self.cp == 1:
+            return rows, slice(first, first + local_rows)
+        positions = local_positions(self.cp, self.cp_rank, rows * self.cp, self.device)
+        return rows * self.cp, positions[first:first + local_rows]
 
 
 class TransformerLayer(nn.Module):
@@ -103,8 +115,7 @@ class TransformerLayer(nn.Module):
             return h
         if self.plain_dropout:
             return F.dropout(h, self.p)
-        full, offset = self.seq.rows(h.shape[0])
-        return self.rng.dropout(h, self.p, (self.layer, site, call), full, offset)
+        return self.rng.dropout(h, self.p, (self.layer, site, call), *self.seq.dropout_rows(h.shape[0]))
 
 
 def _run_layers(layers: list, x: torch.Tensor, call: int, positions=None, mask=None,
@@ -143,7 +154,7 @@ class Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor, call: int, positions: torch.Tensor | None = None) -> torch.Tensor:
         """positions: int64 [b, s] (--reset-position-ids), default 0..s-1."""
         x = self.word_embeddings(tokens.t())
-        full, offset = self.seq.rows(x.shape[0])
+        _, offset = self.seq.rows(x.shape[0])
         if self.position_embeddings is not None and positions is not None:
             x = x + self.position_embeddings(positions[:, offset:offset + x.shape[0]].t())
         elif self.position_embeddings is not None:  # read through the module: see OutputLayer
@@ -154,7 +165,7 @@ class Embedding(nn.Module):
         p = self.p if self.training else 0.0
         if self.plain_dropout:
             return F.dropout(x, p) if p else x
-        return self.rng.dropout(x, p, (-1, "embedding", call), full, offset)
+        return self.rng.dropout(x, p, (-1, "embedding", call), *self.seq.dropout_rows(x.shape[0]))
 
 
 class OutputLayer(nn.Module):

@@ -441,13 +441,16 @@ class DistributedDataParallel:
                     if bucket.shard_grad is None:  # no backward reached this bucket this step
                         n = (bucket.end - bucket.start) // buf.size
                         bucket.shard_grad = torch.zeros(n, dtype=buf.grad_dtype, device=self.ps.device)
-                elif bucket.handle is not None:
-                    what = "expert " if buf.expert else ""
-                    watchdog.enter(f"{kind} of {what}DP gradient bucket {i}", buf.group)
-                    try:
-                        bucket.handle.wait()
-                    finally:
-                        watchdog.leave()
+                else:
+                    # no handle: a group of one rank, e.g. hybrid sharding with one rank per replica,
+                    # whose shard must still be summed over the replicas below
+                    if bucket.handle is not None:
+                        what = "expert " if buf.expert else ""
+                        watchdog.enter(f"{kind} of {what}DP gradient bucket {i}", buf.group)
+                        try:
+                            bucket.handle.wait()
+                        finally:
+                            watchdog.leave()
                     if self.use_distributed_optimizer:
                         self._across_replicas(buf, bucket.grad_range(*bucket.shard(buf.rank, buf.size)))
                 spans.append((t, _mark(self.ps.device)))

@@ -12,7 +12,8 @@ We keep that rule at a finer grain, so that a TP=1 run reproduces a TP=k run *ex
   [r·a/tp, (r+1)·a/tp) draws each head's mask from that head's stream, whatever tp is.
 - Replicated region: the stream is seeded from ``seed``, the same on every TP rank; the mask is
   drawn for the full [s, b, h] tensor and, under sequence parallelism, each rank keeps its s/tp
-  rows — the TP=1 mask, sliced.
+  rows, under context parallelism the rows of its two chunks (parallel/context.py) — the mask of
+  one process, sliced.
 - Every draw is keyed by (stream seed, global layer index, site, call), where ``call`` counts the
   training forwards of the model. Keys, unlike advancing states, do not depend on which pipeline
   stage holds a layer and replay identically when a layer is recomputed in backward.
@@ -82,17 +83,18 @@ class RNGTracker:
                 torch.set_rng_state(saved)
 
     def dropout(self, x: torch.Tensor, p: float, key: tuple, full_rows: int | None = None,
-                row_offset: int = 0) -> torch.Tensor:
+                rows: slice | torch.Tensor | None = None) -> torch.Tensor:
         """Replicated-region dropout of x, mask from the default stream keyed by ``key``.
 
-        x: [s_local, ...]. full_rows / row_offset: under sequence parallelism the full sequence
-        length s and this rank's first row; the mask is drawn for [s, ...] and sliced, so it equals
-        the mask a TP=1 run draws.
+        x: [s_local, ...]. full_rows / rows: under sequence or context parallelism the full
+        sequence length s and this rank's rows of it (a slice, or int64 positions [s_local]); the
+        mask is drawn for [s, ...] and those rows kept, so it equals the mask one process draws.
         """
         if p == 0.0:
             return x
-        rows = full_rows or x.shape[0]
         with self.fork(self.seed, *key):
-            keep = torch.empty((rows,) + tuple(x.shape[1:]), device=x.device, dtype=x.dtype).bernoulli_(1 - p)
-        keep = keep[row_offset:row_offset + x.shape[0]]
+            keep = torch.empty((full_rows or x.shape[0],) + tuple(x.shape[1:]), device=x.device,
+                               dtype=x.dtype).bernoulli_(1 - p)
+        if rows is not None:
+            keep = keep[rows]
         return x * keep / (1 - p)
