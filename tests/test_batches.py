@@ -197,6 +197,9 @@ def test_a_step_schedule_reads_tokens_with_suffixes_as_megatron_does():
     ("0:16 5:32", "entries '0:16' and '5:32' start at the same sample (0 at --seq-length 16)"),
     ("0:0", "entry '0:0': the global batch must be at least 1"),
     ("0:8 -32:16", "entry '-32:16': the token threshold must not be negative"),
+    ("0:2.5", "entry '0:2.5': the global batch must be a whole number"),
+    ("0:8 inf:16", "entry 'inf:16': 'inf' is not a number"),
+    ("0:nan", "entry '0:nan': 'nan' is not a number"),
 ])
 def test_a_bad_step_schedule_is_one_value_error_naming_the_entry(text, problem):
     with pytest.raises(ValueError) as e:

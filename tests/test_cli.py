@@ -293,6 +293,19 @@ def test_the_embedded_default_takes_train_samples_and_a_users_warmup(extra, iter
     validate(fraction, check_files=False)
 
 
+@pytest.mark.parametrize("extra", [["--train-iters", "20"], ["--train-samples", "400"]])
+def test_the_embedded_default_takes_a_users_step_schedule(monkeypatch, extra):
+    """`meshlm pretrain --step-batch-size-schedule "0:8 1K:32"` was refused: "--global-batch-size 16
+    disagrees with the last ... entry's batch 32; drop --global-batch-size" (the default's 16)."""
+    import torch
+    from meshlm.validate import validate
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = _embedded("--step-batch-size-schedule", "0:8 1K:32", *extra)
+    assert cfg.training.global_batch_size is None
+    validate(cfg, check_files=False, cuda=False)
+
+
 def test_a_fresh_run_sets_an_earlier_runs_logs_aside_and_a_resume_keeps_them(tmp_path, monkeypatch, capsys):
     """--run-dir re-used without --load: the earlier run's logs and config.yaml are renamed (one note
     names where), never overwritten; with --load (a resume) they stay for the trainer to trim."""

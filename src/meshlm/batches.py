@@ -42,7 +42,8 @@ def parse_step_schedule(text: str, seq_length: int) -> tuple:
     (floor(tokens / seq_length) samples) and, like BATCH, may end in K, M, B or T (module doc).
 
     Raises ValueError, naming the entry, for an entry without ':', a value that is not a number, a
-    first threshold other than 0, thresholds not strictly increasing in samples, a batch below 1."""
+    first threshold other than 0, thresholds not strictly increasing in samples, a batch below 1 or
+    not whole."""
     entries = text.replace(",", " ").split()
     if not entries:
         raise ValueError("give at least one THRESHOLD:BATCH entry, e.g. \"0:16 2.4B:320\"")
@@ -51,6 +52,9 @@ def parse_step_schedule(text: str, seq_length: int) -> tuple:
         if ":" not in entry:
             raise ValueError(f"entry {entry!r} is not THRESHOLD:BATCH (tokens:global batch, e.g. 2.4B:320)")
         threshold, batch = (_number(part, entry) for part in entry.split(":", 1))
+        if batch != int(batch):
+            raise ValueError(f"entry {entry!r}: the global batch must be a whole number of samples")
+        threshold, batch = int(threshold), int(batch)
         if batch < 1:
             raise ValueError(f"entry {entry!r}: the global batch must be at least 1")
         if threshold < 0:
@@ -66,13 +70,15 @@ def parse_step_schedule(text: str, seq_length: int) -> tuple:
     return tuple((threshold, batch) for threshold, batch, _ in steps)
 
 
-def _number(text: str, entry: str) -> int:
-    """int(float(digits) × suffix) of one side of an entry (Megatron's reading: 2.4B is 2.4e9)."""
+def _number(text: str, entry: str) -> float:
+    """float(digits) × suffix of one side of an entry (Megatron's reading: 2.4B is 2.4e9), finite."""
     value = text.strip().upper()
     scale = SUFFIXES.get(value[-1:], 1)
     try:
-        return int(float(value[:-1] if scale > 1 else value) * scale)
-    except ValueError:
+        number = float(value[:-1] if scale > 1 else value) * scale
+        int(number)  # OverflowError for inf, ValueError for nan
+        return number
+    except (ValueError, OverflowError):
         raise ValueError(f"entry {entry!r}: {text!r} is not a number (digits with an optional K, M, B or T)") from None
 
 

@@ -67,7 +67,7 @@ _BATCH_FLAGS = {"micro_batch_size", "global_batch_size", "gradient_accumulation_
 
 def _fit_embedded(cfg, explicit: set, world: int | None = None) -> None:
     """Fit the embedded default's batch, run length and warm-up (10 iterations) to the job and the
-    user's flags. Batch (no batch flag given): its global batch of 16 rounded up to a multiple of
+    user's flags. Batch (no batch flag given; none under the user's --step-batch-size-schedule): its global batch of 16 rounded up to a multiple of
     DP, the micro-batch the largest of at most 4 that divides a DP rank's share (8 GPUs: 16 as 2 ×
     DP 8; 3 GPUs: 18 as 3 × 2 × DP 3), so the run starts on any GPU count (world: the job's
     processes, default ``world_size_of``). Length: --train-samples replaces its --train-iters, a
@@ -78,7 +78,9 @@ def _fit_embedded(cfg, explicit: set, world: int | None = None) -> None:
     t, o = cfg.training, cfg.optimizer
     _fit_embedded_layout(cfg, explicit, world_size_of(cfg) if world is None else world)
     dp = max(1, dp_size(cfg, world_size_of(cfg) if world is None else world))
-    if not explicit & _BATCH_FLAGS and t.global_batch_size % (t.micro_batch_size * dp):
+    if "step_batch_size_schedule" in explicit and "global_batch_size" not in explicit:
+        t.global_batch_size = None  # the user's schedule sets the batch, not the default's 16
+    elif not explicit & _BATCH_FLAGS and t.global_batch_size % (t.micro_batch_size * dp):
         share = -(-t.global_batch_size // dp)  # a DP rank's samples a step
         t.global_batch_size = share * dp
         t.micro_batch_size = max(m for m in range(1, t.micro_batch_size + 1) if share % m == 0)
