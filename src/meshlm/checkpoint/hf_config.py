@@ -238,7 +238,7 @@ def model_from_hf(hf: dict, where: str) -> HFModel:
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{where}: model_type={arch!r} is not supported; meshlm converts "
                               f"{', '.join(ARCHITECTURES)}")
-    return _gpt2(hf, where) if arch == "gpt2" else _llama(hf, arch, where)  # LLAMA_LIKE
+    return _gpt2(hf, where) if arch == "gpt2" else _llama(hf, arch, where)
 
 
 # ----------------------------------------------------------------------------- meshlm flags
