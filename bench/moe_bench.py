@@ -64,12 +64,15 @@ def case_flags(name: str, shape: dict) -> list:
             "dense": ["--num-experts", "0", "--ffn-hidden-size", str(shape["topk"] * shape["ffn"])]}[name]
 
 
-def run_meshlm(preset: str, flags: list, micro: int, out: str, iters: int, warmup: int, name: str = "moe") -> dict:
-    """One `meshlm pretrain` process on one device; medians of its metrics.jsonl after warm-up."""
+def run_meshlm(preset: str, flags: list, micro: int, out: str, iters: int, warmup: int, name: str = "moe",
+               global_batch: int = 0) -> dict:
+    """One `meshlm pretrain` process on one device; medians of its metrics.jsonl after warm-up.
+    ``global_batch`` (sequences, default ``micro``): a multiple of ``micro`` accumulates gradients over
+    global_batch / micro micro-batches a step (one optimizer step per global batch)."""
     run_dir = os.path.join(out, "runs", f"meshlm-{name}")
     cmd = [sys.executable, "-m", "meshlm", "pretrain", "--model", preset, *flags, *COMMON,
-           "--micro-batch-size", str(micro), "--global-batch-size", str(micro), "--train-iters", str(iters),
-           "--nproc-per-node", "1", "--run-dir", run_dir]
+           "--micro-batch-size", str(micro), "--global-batch-size", str(global_batch or micro),
+           "--train-iters", str(iters), "--nproc-per-node", "1", "--run-dir", run_dir]
     t0 = time.time()
     with Sampler() as clocks:
         proc = subprocess.run(cmd, env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"), capture_output=True, text=True)
@@ -101,6 +104,8 @@ def main() -> None:
     ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results.jsonl"))
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--micro-batch", type=int, default=None)
+    ap.add_argument("--global-batch", type=int, default=None,
+                    help="sequences a step (default: the micro-batch; a multiple accumulates gradients)")
     ap.add_argument("--iters", type=int, default=None, help="iterations a case (default: the shape's)")
     ap.add_argument("--flags", default="", help="extra meshlm flags for every case, one string (e.g. --manual-gc)")
     ap.add_argument("--cases", default="baseline,learned,balanced,capacity,dense",
@@ -123,7 +128,7 @@ def main() -> None:
     for name in [n for n in names if n != "baseline"]:
         extra = case_flags(name, shape)
         r = run_meshlm(preset, flags + extra + args.flags.split() + ([] if args.tiny else ["--bf16"]), micro, args.out,
-                       iters, warmup, name)
+                       iters, warmup, name, args.global_batch or micro)
         r["flops_per_token"] = model_flops_per_token(preset, flags + extra)
         cases[name] = r
         print(f"meshlm {name}: {r}", flush=True)
@@ -142,7 +147,8 @@ def main() -> None:
            "flags": args.flags or None,
            "model": f"{preset} L{shape['layers']} h{shape['hidden']} a{shape['heads']}/g{shape['groups']} "
                     f"{shape['experts']}x ffn{shape['ffn']} top-{shape['topk']} V{shape['vocab']}",
-           "seq": shape["seq"], "micro_batch": micro, "flops_per_token": per_token,
+           "seq": shape["seq"], "micro_batch": micro, "global_batch": args.global_batch or micro,
+           "flops_per_token": per_token,
            "tokens_per_sec": round(ours["tokens_per_sec"], 1), "tflops_per_gpu": round(tflops(ours), 2),
            "mfu": mfu(ours), "peak_mem_gb": round(ours["peak_mem_gb"], 2), "iter_ms": round(ours["iter_ms"], 1),
            "baseline_tokens_per_sec": round(base["tokens_per_sec"], 1) if ok else None,
@@ -179,7 +185,8 @@ def main() -> None:
           f"{fmt(mfu(r), '.3f')} | {fmt(r.get('peak_mem_gb'), '.2f')} | {fmt(r.get('iter_ms'), '.1f')} |"
           for n, r in cases.items())])
     with open(os.path.join(args.out, "moe_bench.md"), "w") as fh:
-        fh.write(f"{rec['model']}, seq {rec['seq']}, micro-batch {micro}, {rec['gpu']}\n\n{table}\n")
+        fh.write(f"{rec['model']}, seq {rec['seq']}, micro-batch {micro}, global batch {rec['global_batch']}, "
+                 f"{rec['gpu']}\n\n{table}\n")
     print(table)
 
 
