@@ -65,9 +65,13 @@ FLAT_MIN = 1 << 20  # elements: smaller runs go to the multi-tensor kernel (``_f
 
 
 def _squares(views: list) -> torch.Tensor:
-    """Σ v² over the views as float64 (bf16 ones summed in fp32, as the fp32 buckets' would be)."""
+    """Σ v² over the views as float64 (bf16 ones summed in fp32, as the fp32 buckets' would be): a
+    bucket-sized view by one reduction kernel, the small ones by the multi-tensor norm, which launches
+    once per ~21 M elements (320 chunks of 65,536) and read bf16 at ~2.4 TB/s on the H200 (issue 31)."""
     wide32 = {"dtype": torch.float32} if any(v.dtype in HALF for v in views) else {}
-    return torch.stack(torch._foreach_norm(views, 2, **wide32)).double().pow(2).sum()
+    big = [torch.linalg.vector_norm(v, 2, **wide32) for v in views if v.numel() >= FLAT_MIN]
+    small = [v for v in views if v.numel() < FLAT_MIN]
+    return torch.stack(big + (list(torch._foreach_norm(small, 2, **wide32)) if small else [])).double().pow(2).sum()
 
 
 def _zeros(views: list) -> torch.Tensor:
