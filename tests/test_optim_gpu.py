@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from meshlm import fast
-from meshlm.optim.adamw import Group, Run, adamw_, flat_adamw_, flat_step
+from meshlm.optim.adamw import Group, Run, adamw_, flat_adamw_, flat_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +22,7 @@ def test_compiled_flat_update_matches_the_fused_kernel_and_compiles_once():
         s["exp_avg_sq"] = torch.rand(s["master"].shape, device=dev, generator=gen) * 1e-5
     ref = [{k: t.clone() for k, t in s.items()} for s in state]
     outs = [torch.empty(n, device=dev, dtype=torch.bfloat16) for n in sizes]
-    kernel = fast.compile_fn(flat_step, dynamic=True)
+    kernel = fast.compile_fn(flat_steps, dynamic=True)
     torch._dynamo.utils.counters.clear()
     kw = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     for step in range(1, 6):
@@ -43,7 +43,7 @@ def test_compiled_flat_update_matches_the_fused_kernel_and_compiles_once():
 
 def test_compiled_flat_update_with_bf16_moments_is_the_eager_one():
     """--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16: from the same state, a step of the compiled
-    flat kernel reads the bf16 moments widened and stores them rounded, as the eager flat_step and
+    flat kernel reads the bf16 moments widened and stores them rounded, as the eager flat_steps and
     the fused multi-tensor path on widened copies (adamw._narrow_moments) do: masters within fp32
     rounding, moments within one bf16 rounding (a product rounded another way can round a moment the
     other way, which later steps then carry: so each step starts from the compiled kernel's state)."""
@@ -54,11 +54,11 @@ def test_compiled_flat_update_with_bf16_moments_is_the_eager_one():
            "exp_avg": (torch.randn(n, device=dev, generator=gen) * 1e-3).bfloat16(),
            "exp_avg_sq": (torch.rand(n, device=dev, generator=gen) * 1e-6).bfloat16()}
     grad = torch.randn(n, device=dev, generator=gen) * 1e-2
-    kernel = fast.compile_fn(flat_step, dynamic=True)
+    kernel = fast.compile_fn(flat_steps, dynamic=True)
     kw = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, lr=3e-4, grad_scale=1.5)
     for step in range(1, 4):
         eager, multi = ({k: t.clone() for k, t in got.items()} for _ in range(2))
-        for s, kern in ((got, kernel), (eager, flat_step)):
+        for s, kern in ((got, kernel), (eager, flat_steps)):
             flat_adamw_([Run(s["master"], grad, s["exp_avg"], s["exp_avg_sq"], None, True)], step=step, kernel=kern, **kw)
         adamw_([Group([multi["master"]], [grad], [multi["exp_avg"]], [multi["exp_avg_sq"]], True)], step=step,
                fused=True, **kw)

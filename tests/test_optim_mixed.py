@@ -184,9 +184,9 @@ def _flat(opt, monkeypatch, min_elements):
     """opt on the flat update (the CUDA fast path's), its kernel eager; runs of at least
     ``min_elements`` go to the kernel, the rest to the multi-tensor kernel."""
     import meshlm.optim.optimizer as optimizer
-    from meshlm.optim.adamw import flat_step
+    from meshlm.optim.adamw import flat_steps
     monkeypatch.setattr(optimizer, "FLAT_MIN", min_elements)
-    opt.flat, opt.fused, opt._kernel, opt._runs = True, True, flat_step, opt._flat_runs()
+    opt.flat, opt.fused, opt._kernel, opt._runs = True, True, flat_steps, opt._flat_runs()
     return opt
 
 
@@ -439,3 +439,37 @@ def test_decoupled_lr_gives_the_embedding_and_output_layer_their_own_schedule(mo
     assert lrs[1] == (5e-3, 2e-2) and lrs[3][1] == pytest.approx(2e-3 + (4e-2 - 2e-3) * 2 / 3, rel=1e-12)
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-15, msg=n)
+
+
+def test_flat_steps_is_one_graph_for_every_run_and_step():
+    """The flat update is one compiled call a step for all runs (optim/adamw.py ``flat_steps``): under
+    torch.compile (dynamo, dynamic sizes) the runs' floats are graph inputs, so changing LR, bias
+    corrections and grad scale recompile nothing, and it equals the eager per-run kernel exactly."""
+    from torch._dynamo.utils import counters
+
+    from meshlm.optim.adamw import Run, flat_adamw_, flat_step, flat_steps
+    gen = torch.Generator().manual_seed(0)
+
+    def runs():
+        out = []
+        for i, n in enumerate((300, 1000, 77)):
+            t = [torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(4)]
+            out.append(Run(t[0], t[1], t[2] * 1e-2, t[3].abs() * 1e-4, torch.empty(n, dtype=torch.bfloat16)
+                           if i != 1 else None, decay=i != 2, lr_mult=(1.0, 0.5, 2.0)[i]))
+        return out
+    got = runs()
+    want = [Run(*(x.clone() if isinstance(x, torch.Tensor) else x for x in vars(r).values())) for r in got]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(flat_steps, dynamic=True, backend="aot_eager")
+    kw = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for step in range(1, 5):
+        flat_adamw_(got, step=step, lr=1e-3 * step, grad_scale=1.0 + step, kernel=compiled, **kw)
+        for r in want:  # the per-run kernel with the same floats
+            lr_r = 1e-3 * step * r.lr_mult
+            flat_step(r.master, r.grad, r.exp_avg, r.exp_avg_sq, r.out, lr_r * (0.1 if r.decay else 0.0), 0.9, 0.95,
+                      lr_r / (1 - 0.9 ** step), (1 - 0.95 ** step) ** 0.5, 1e-8, 1.0 + step)
+    assert counters["stats"]["unique_graphs"] == 1
+    for a, b in zip(got, want):
+        assert torch.equal(a.master, b.master) and torch.equal(a.exp_avg_sq, b.exp_avg_sq)
+        assert a.out is None or torch.equal(a.out, b.out)

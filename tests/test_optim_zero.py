@@ -40,8 +40,8 @@ def _train(ps, variant):
     assert isinstance(opt, DistributedOptimizer) == dist_opt
     if flat_update:  # runs of both sizes: the compiled kernel's and the multi-tensor kernel's
         import meshlm.optim.optimizer as optimizer
-        from meshlm.optim.adamw import flat_step
-        opt.flat, opt.fused, opt._kernel, opt._runs = True, True, flat_step, opt._flat_runs()
+        from meshlm.optim.adamw import flat_steps
+        opt.flat, opt.fused, opt._kernel, opt._runs = True, True, flat_steps, opt._flat_runs()
         # the largest runs of this rank's shards to the kernel, the rest to the multi-tensor path
         restore, optimizer.FLAT_MIN = optimizer.FLAT_MIN, max(r.master.numel() for r, *_ in opt._runs)
     losses, norms = [], []

@@ -41,8 +41,8 @@ def test_the_dp_fixes_of_a_comm_bound_run_get_the_planners_positive_gain():
     assert "planner" in note and "2 × H200-141GB" in note and "NVIDIA H200" in note
     report = analyze(dp_bound(), cfg, predictor)
     g = gains(report, "dp")
-    assert g["--ddp-bucket-size"] > 0.1  # 1,000-element buckets: one collective latency each
-    assert g["--global-batch-size"] > 0.1  # the same reduction over twice the samples
+    assert g["--ddp-bucket-size"] > 0.05  # 1,000-element buckets: one collective latency (and a flat run) each
+    assert g["--global-batch-size"] > 0.05  # the same reduction over twice the samples
     assert g["--overlap-grad-reduce"] is None or g["--overlap-grad-reduce"] >= 0
     text = format_report(report)
     assert "(planner: " in text and "% faster)" in text

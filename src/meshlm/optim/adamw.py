@@ -13,8 +13,9 @@ ops). The tensors are fragment views of the optimizer's flat shards (optim/optim
 into a decayed and a non-decayed list, so one call covers every shard.
 
 ``flat_adamw_`` (the fast path on CUDA) updates *runs*: maximal ranges of a shard whose fragments
-share the decay and LR multiplier, each one element-wise kernel (``flat_step`` under
-torch.compile, dynamic sizes) that reads master, grad and moments once, writes them once, and
+share the decay and LR multiplier, all in one compiled call (``flat_steps`` under torch.compile,
+dynamic sizes: one host call a step, however many runs), each run one element-wise kernel
+(``flat_step``) that reads master, grad and moments once, writes them once, and
 writes the new master into the bf16/fp16 params too (the publish of ``optimizer.step`` fused in:
 28 + 2 bytes an element, against the multi-tensor kernel's 28 plus the publish's 4 + 2). Its
 arithmetic is the fused kernel's (torch's fused_adam_utils.cuh, ADAMW mode): p ← p − lr·wd·p;
@@ -139,14 +140,27 @@ def flat_step(p, g, m, v, out, lr_wd: float, b1: float, b2: float, step_size: fl
         out.copy_(p_new)
 
 
+def flat_steps(masters: list, grads: list, exp_avgs: list, exp_avg_sqs: list, outs: list, lr_wds: list,
+               step_sizes: list, b1: float, b2: float, bc2_sqrt: float, eps: float, grad_scale) -> None:
+    """``flat_step`` of every run, in one call: lists with one entry a run (outs: None where the master
+    is the param; lr_wds, step_sizes: the run's floats), the rest shared. Compiled (the optimizer, on
+    CUDA) it is one host call a step whatever the number of runs, one kernel a run, and one graph
+    while the runs stay the same: the floats are graph inputs, not constants."""
+    for p, g, m, v, out, lr_wd, step_size in zip(masters, grads, exp_avgs, exp_avg_sqs, outs, lr_wds, step_sizes):
+        flat_step(p, g, m, v, out, lr_wd, b1, b2, step_size, bc2_sqrt, eps, grad_scale)
+
+
 def flat_adamw_(runs: list, *, step: int, lr: float, betas: tuple, eps: float, weight_decay: float,
-                grad_scale: float = 1.0, kernel=flat_step, decoupled_lr: Optional[float] = None) -> None:
-    """Update every run in place with ``kernel`` (``flat_step``, compiled by the optimizer on CUDA);
-    the grads used ÷ grad_scale; each run's params published when it has ``out``."""
+                grad_scale: float = 1.0, kernel=flat_steps, decoupled_lr: Optional[float] = None) -> None:
+    """Update every run in place with one call of ``kernel`` (``flat_steps``, compiled by the optimizer
+    on CUDA); the grads used ÷ grad_scale; each run's params published when it has ``out``."""
+    if not runs:
+        return
     b1, b2 = betas
     bc1 = 1 - b1 ** step
     bc2_sqrt = (1 - b2 ** step) ** 0.5
-    for r in runs:
-        lr_r = group_lr(r, lr, decoupled_lr)
-        kernel(r.master, r.grad, r.exp_avg, r.exp_avg_sq, r.out, lr_r * (weight_decay if r.decay else 0.0),
-               b1, b2, lr_r / bc1, bc2_sqrt, eps, grad_scale)
+    lrs = [group_lr(r, lr, decoupled_lr) for r in runs]
+    kernel([r.master for r in runs], [r.grad for r in runs], [r.exp_avg for r in runs],
+           [r.exp_avg_sq for r in runs], [r.out for r in runs],
+           [lr_r * (weight_decay if r.decay else 0.0) for lr_r, r in zip(lrs, runs)], [lr_r / bc1 for lr_r in lrs],
+           b1, b2, bc2_sqrt, eps, grad_scale)

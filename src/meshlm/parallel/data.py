@@ -176,8 +176,8 @@ class DistributedDataParallel:
                            and not cfg.training.fp16)
         # one backward a step and nothing summing the grads: bf16 params' buckets stay bf16 (config.half_grads)
         self.half_grads = half_grads(cfg, ps.world_size, ps.device.type == "cuda")
-        # at DP × CP 1 nothing is reduced, so buckets would only cut the optimizer's flat runs (each
-        # one compiled call, ~0.2 ms of host time): ONE_RANK_BUCKET elements (int32 indexing)
+        # at DP × CP 1 nothing is reduced, so buckets would only cut the optimizer's flat runs (a
+        # kernel launch each): ONE_RANK_BUCKET elements (int32 indexing)
         self.bucket_size = p.ddp_bucket_size or (max(40_000_000, 1_000_000 * ps.dp) if self.size > 1
                                                  else ONE_RANK_BUCKET)
         self.single_tensor_collectives = supports_single_tensor_collectives(self.group)

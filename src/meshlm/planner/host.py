@@ -24,9 +24,10 @@ presets; ``plan --calibrate`` measures it, ``launch_seconds``):
   layer cost ``RECOMPUTE_LAYER_S``: an MoE layer's recompute was under-predicted, bench/RESULTS.md);
   a recomputed MoE layer's checkpointed forward costs ``RECOMPUTE_MOE_FORWARD_S`` more and its
   backward ``RECOMPUTE_MOE_BACKWARD_S`` more (session 15's probe);
-- each step: the optimizer, ``RUN_S`` per flat-AdamW run (optim/optimizer.py: a compiled kernel call
-  for each run of consecutive fragments of one weight decay within a bucket: 2 a Llama layer, 4 with
-  biases, 1 an MoE layer in the dense buffer, one per embedding table, plus one per bucket boundary)
+- each step: the optimizer, one compiled call for all the flat-AdamW runs (``FLAT_CALL_S``) and
+  ``RUN_S`` a run within it (optim/adamw.py ``flat_steps``; a run is a range of consecutive fragments
+  of one weight decay within a bucket: 2 a Llama layer, 4 with biases, 1 an MoE layer in the dense
+  buffer, one per embedding table, plus one per bucket boundary; ``flat_runs``)
   and ``OPT_PARAM_S`` per parameter tensor (the grad views), plus ``STEP_S`` (zero_grad, the loss
   read, the log line) and per MoE layer ``MOE_STATS_S`` + ``MOE_STATS_EXPERT_S`` · E (the routing
   statistics logged each step at --log-interval 1).
@@ -81,7 +82,11 @@ RECOMPUTE_WRAPPER_S = RECOMPUTE_LAYER_S - FORWARD_SHARE * (LAYER_S + 6 * LAYER_P
 # graph), backward +0.42 ms over its forward again and the wrapper; a dense layer's forward is not slower
 RECOMPUTE_MOE_FORWARD_S = 1.05e-3
 RECOMPUTE_MOE_BACKWARD_S = 0.42e-3
-RUN_S = 0.22e-3
+# until session 15 each run was a compiled call of its own, and 0.22 ms a run was measured (host_probe): that
+# is now the one call's cost; a run inside it (a view, a list entry, one kernel launched by the compiled
+# wrapper) is an estimate, not yet measured (bench/host_probe.py refits both)
+FLAT_CALL_S = 0.22e-3
+RUN_S = 0.02e-3
 OPT_PARAM_S = 0.0055e-3
 STEP_S = 2.3e-3
 MOE_STATS_S = 0.14e-3
@@ -140,7 +145,7 @@ def flat_runs(cfg: Config, moe: list, dense_params: float, expert_params: float,
 def step_seconds(cfg: Config, moe: list, runs: int, tensors: int) -> tuple:
     """(optimizer, bookkeeping) host seconds of a step (module doc)."""
     n_moe = sum(moe)
-    return RUN_S * runs + OPT_PARAM_S * tensors, \
+    return (FLAT_CALL_S if runs else 0.0) + RUN_S * runs + OPT_PARAM_S * tensors, \
         STEP_S + n_moe * (MOE_STATS_S + MOE_STATS_EXPERT_S * (cfg.model.num_experts or 0))
 
 
