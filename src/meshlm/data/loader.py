@@ -57,8 +57,8 @@ class MicroBatchLoader:
           before it runs any Python (CPython 3.11.7 here; gh-112275, fixed in later releases): its
           rank waits for the first batch for ever and the others wait in their next collective. The
           first evaluation of a TP=2 run forked the validation loader so and hung in CI. At build,
-          only the datasets' agreement (a few small all-gathers; none under --mock-data) precedes
-          the fork;
+          only the data checks' and the index caches' agreements (a few small collectives; none
+          under --mock-data) precede the fork;
         - before --optimizer-cpu-offload allocates its host state, which workers forked later
           would share copy-on-write, so that every host update copies it."""
         if self._running is None:
