@@ -78,7 +78,7 @@ def test_two_workers_read_in_two_other_processes_and_zero_in_this_one():
     readers = {r for b in two for r in b["reader"]}
     assert len(readers) == 2 and main not in readers
     assert [b["tokens"] for b in zero] == [b["tokens"] for b in two]
-    # start() forks the workers before any read (the trainer's, before offload's host state): the
+    # start() forks the workers before any read (the trainer's, in build): the
     # same processes then read every micro-batch, from 0 and after a restart elsewhere
     started = MicroBatchLoader(WhoRead(64), 2, 0, 1, 2).start()
     forked = {w.pid for w in started._running._workers}

@@ -155,20 +155,32 @@ def _norm_logged(rank, world, tmp, tp):
     cfg = tiny_config(tmp, tp=tp, micro=2, global_batch=4, iters=3, eval_iters=1)
     cfg.logging.log_params_norm = cfg.logging.log_num_zeros_in_grad = True
     cfg.model.add_bias_linear = False  # a key bias's gradient is zero but for rounding: it would count by chance
+    phase, forks = ["build"], []
+    os.register_at_fork(before=lambda: forks.append(phase[0]))  # this worker process's own forks
     run = trainer.build(cfg, F64)
+    phase[0] = "train"
     result = trainer.train(run, trainer.TrainState())
     whole = torch.cat([q.detach().reshape(-1) for c in run.chunks for q in c.parameters()]) if tp == 1 else None
-    return result, None if whole is None else float(whole.norm())
+    return result, None if whole is None else float(whole.norm()), forks
 
 
-def test_params_norm_and_num_zeros_are_logged_each_step(tmp_path):
-    """--log-params-norm and --log-num-zeros-in-grad (Megatron's "params norm", "num zeros"): the norm
-    of every weight after the step, and the zeros exactly the padded vocabulary's rows of the tied
-    embedding, which get no gradient (100 → 112: 12 rows × 32). Each parameter is counted once as in
-    the grad norm (``_counted_sum``), whose TP/PP/DP rule the parity tests hold."""
-    (one, norm), = run_distributed(_norm_logged, 1, os.path.join(str(tmp_path), "one"), 1)
-    rows = _rows(os.path.join(str(tmp_path), "one"))
-    assert len(rows) == 3 and one["iterations"] == 3
-    assert rows[-1]["params_norm"] == pytest.approx(norm, rel=1e-12)
-    assert rows[0]["params_norm"] != rows[-1]["params_norm"]
-    assert [r["num_zeros"] for r in rows] == [12 * 32] * 3
+def test_params_norm_and_num_zeros_count_each_parameter_once_whatever_the_layout(tmp_path):
+    """--log-params-norm and --log-num-zeros-in-grad (Megatron's "params norm", "num zeros"): the same
+    norm at TP 2 (a TP-split weight counted in pieces, a replicated norm weight once) as in one
+    process, that of every weight after the step; the zeros exactly the padded vocabulary's rows of
+    the tied embedding, which get no gradient: 100 → 112 at TP 1 (12 rows × 32), 128 at TP 2 (28).
+    The TP 2 run once hung in CI at its first evaluation: the validation loader's workers, forked
+    just after the step's collectives, deadlocked (data/loader.py ``start``). Every data-loader
+    worker (2 datasets × 2) is forked in ``build`` now, none in the loop; a hang fails at the
+    harness's timeout with the stacks."""
+    (one, norm, forks_one), = run_distributed(_norm_logged, 1, os.path.join(str(tmp_path), "one"), 1)
+    two = run_distributed(_norm_logged, 2, os.path.join(str(tmp_path), "two"), 2)
+    rows = {name: _rows(os.path.join(str(tmp_path), name)) for name in ("one", "two")}
+    assert len(rows["one"]) == 3 and one["iterations"] == two[0][0]["iterations"] == 3
+    assert rows["one"][-1]["params_norm"] == pytest.approx(norm, rel=1e-12)
+    assert rows["one"][0]["params_norm"] != rows["one"][-1]["params_norm"]
+    assert [r["num_zeros"] for r in rows["one"]] == [12 * 32] * 3
+    assert [r["num_zeros"] for r in rows["two"]] == [28 * 32] * 3
+    for a, b in zip(rows["one"], rows["two"]):
+        assert a["params_norm"] == pytest.approx(b["params_norm"], rel=1e-10)
+    assert forks_one == two[0][2] == two[1][2] == ["build"] * 4

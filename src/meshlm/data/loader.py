@@ -25,9 +25,10 @@ class MicroBatchLoader:
     fp32 [b, s], …}, b = micro_batch_size), read by ``num_workers`` processes (0: in this one), each
     keeping up to 2 micro-batches ready; in pinned memory under ``pin_memory`` (CUDA).
 
-    Workers are forked on Linux (the dataset's memory maps are shared, not pickled) and live as
-    long as the loader. The loader draws no number from torch's global RNG (it has its own
-    generator), so dropout masks do not depend on the number of workers.
+    Workers are forked on Linux (the dataset's memory maps are shared, not pickled), once, by
+    ``start`` (see there for when) or the first ``at``, and live as long as the loader. The loader
+    draws no number from torch's global RNG (it has its own generator), so dropout masks do not
+    depend on the number of workers.
     """
 
     def __init__(self, dataset, micro_batch_size: int, dp_rank: int, dp_size: int, num_workers: int,
@@ -45,8 +46,21 @@ class MicroBatchLoader:
 
     def start(self) -> "MicroBatchLoader":
         """Fork the workers now, reading ahead from sample 0 (``at`` restarts the same workers
-        elsewhere): the trainer does so before --optimizer-cpu-offload allocates its host state,
-        which workers forked later would share copy-on-write, so that every host update copies it."""
+        elsewhere, forking none). The trainer starts every loader as soon as its datasets exist:
+
+        - before any collective of the training loop. A fork copies the forking thread alone, so a
+          lock another thread holds at that instant stays locked in the worker for good. Right
+          after a gloo collective the process group's thread drops the work's tensors, and one
+          whose Python object has died makes it create a Python thread state, under CPython's
+          interpreter lock (``ProcessGroupGloo::runLoop`` → ``~AsyncWork`` → ``decref_pyobject``
+          → ``PyThreadState_New``); a worker forked then deadlocks in ``PyOS_AfterFork_Child``
+          before it runs any Python (CPython 3.11.7 here; gh-112275, fixed in later releases): its
+          rank waits for the first batch for ever and the others wait in their next collective. The
+          first evaluation of a TP=2 run forked the validation loader so and hung in CI. At build,
+          only the data checks' and the index caches' agreements (a few small collectives; none
+          under --mock-data) precede the fork;
+        - before --optimizer-cpu-offload allocates its host state, which workers forked later
+          would share copy-on-write, so that every host update copies it."""
         if self._running is None:
             self.sampler.start = 0
             self._running, self._next = iter(self.loader), 0

@@ -226,6 +226,10 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
     tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
     check_data_vocab(cfg, tokenizer.vocab_size, ps)
     train_ds, valid_ds, _ = build_datasets(cfg, ps=ps, local_rank=local_rank())
+    # every loader's workers forked now, once, before the model, the host optimizer state and the
+    # loop's collectives (data/loader.py ``start`` says why: a later fork could leave a worker deadlocked)
+    loaders = {id(ds): rank_loader(ds, cfg, ps).start() for ds in (train_ds, valid_ds)
+               if ds is not None and cfg.data.num_workers > 0}
     t0 = time.perf_counter()
     with deferred_init():  # each weight drawn into its DDP bucket: no rank holds its whole model beside them
         chunks = build_model_chunks(cfg, ps, tokenizer.vocab_size, dtype)
@@ -233,9 +237,6 @@ def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
     if ps.device.type == "cuda":
         torch.cuda.synchronize(ps.device)
     build_s = time.perf_counter() - t0
-    loaders = {}
-    if cfg.optimizer.optimizer_cpu_offload and cfg.data.num_workers > 0 and ps.device.type == "cuda":  # see loader.start
-        loaders = {id(ds): rank_loader(ds, cfg, ps).start() for ds in (train_ds, valid_ds) if ds is not None}
     opt = build_optimizer(cfg, ps, chunks, ddp)
     gb, nmb = C.global_batch(cfg, ps.world_size), C.num_microbatches(cfg, ps.world_size)
     batches, iters = C.batch_schedule(cfg, ps.world_size), C.run_iterations(cfg, ps.world_size)
