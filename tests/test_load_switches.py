@@ -101,6 +101,10 @@ def _save_then_load_each(rank, world, tmp, zero):
         _load(tmp, zero, "fewer_layers", {"finetune": True}, num_layers=1)
     except CheckpointError as e:
         out["fewer_layers"] = str(e)
+    try:  # the other way round: tensors the checkpoint lacks (the q/k norms) are named with their flag too
+        _load(tmp, zero, "qk_norms", {"finetune": True}, qk_layernorm=True)
+    except CheckpointError as e:
+        out["qk_norms"] = str(e)
     return out
 
 
@@ -125,6 +129,8 @@ def test_each_switch_restores_exactly_what_megatron_restores(tmp_path, world, ze
         assert r["finetune_trained"] == ITERS
         assert "holds 16 weight(s) this run's model has no place for (layers.1." in r["fewer_layers"]
         assert r["fewer_layers"].endswith("pass the saved model's flags (--num-layers saved=2 now=1)")
+        assert "does not fit this run's model (has no tensor 8: model/layers." in r["qk_norms"]
+        assert r["qk_norms"].endswith("pass the saved model's flags (--qk-layernorm saved=False now=True)")
 
 
 def test_switches_without_load_are_noted():

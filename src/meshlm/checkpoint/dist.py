@@ -65,6 +65,15 @@ FORMAT_VERSION = 2  # 2: model space (global names and shapes), per-parameter op
 _RANK_KEY = re.compile(r"^(.+)/rank(\d+)$")
 
 
+class TensorMismatch(CheckpointError):
+    """The checkpoint lacks some of the targets' tensors or holds them at other shapes (``read_into``);
+    ``found``: which, without the rest of the line."""
+
+    def __init__(self, message: str, found: str):
+        super().__init__(message)
+        self.found = found
+
+
 def rank_key(name: str, rank: int) -> str:
     """Top-level state key ``name/rank<r>`` of a per-rank subtree (values that differ between
     ranks, e.g. RNG states); ``load`` returns the matching saved rank's subtree as ``tree[name]``."""
@@ -532,8 +541,8 @@ def read_into(path: str, targets: dict) -> None:
     """Load the checkpoint folder's tensors into ``targets`` {DCP key: tensor or Boxes} in place,
     without collectives: each target reads the boxes it covers from whatever pieces were saved.
 
-    Raises CheckpointError, before reading anything, naming the keys the checkpoint lacks or holds
-    at another global shape; damaged files raise their own errors (FileNotFoundError, _Corrupt,
+    Raises TensorMismatch (a CheckpointError), before reading anything, naming the keys the checkpoint
+    lacks or holds at another global shape; damaged files raise their own errors (FileNotFoundError, _Corrupt,
     RuntimeError...), for ``reading`` to report.
     """
     if not targets:
@@ -546,8 +555,9 @@ def read_into(path: str, targets: dict) -> None:
     problems = [f"{what} {len(keys)}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
                 for what, keys in (("has no tensor", missing), ("has another shape (saved vs now)", shapes)) if keys]
     if problems:
-        raise CheckpointError(f"checkpoint {path} does not fit this run ({'; '.join(problems)}): "
-                              f"was it saved with another model config?")
+        found = "; ".join(problems)
+        raise TensorMismatch(f"checkpoint {path} does not fit this run ({found}): was it saved with another "
+                             f"model config?", found)
     _check_storage(path, everything, targets)
     with warnings.catch_warnings():  # a world of one is "assumed" single-process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -161,21 +161,27 @@ def _check_every_weight_read(run, path: str) -> None:
     CheckpointError (the same line on every rank) naming them and the flags that differ. One
     all_gather of the model-space names each rank read (a stage reads only its own)."""
     from ..checkpoint.model_space import ModelSpace
-    from ..checkpoint.state import model_config_differences, model_state, unused_model_tensors
+    from ..checkpoint.state import model_state, unused_model_tensors
     from ..parallel.agree import all_problems
     mine = sorted(model_state(ModelSpace(run.chunks, run.ps), load=True, shards=run.ddp.shard_pieces())["model"])
     unused = unused_model_tensors(path, set(all_problems(mine)))
     if not unused:
         return
+    names = f"{', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}"
+    raise CheckpointError(f"--load {run.cfg.checkpoint.load}: checkpoint {os.path.basename(path)} holds "
+                          f"{len(unused)} weight(s) this run's model has no place for ({names}); --finetune "
+                          f"would drop them: pass the saved model's flags{_saved_flags(run, path)}")
+
+
+def _saved_flags(run, path: str) -> str:
+    """" (--flag saved=X now=Y, ...)": the architecture flags in which the run's model differs from
+    the checkpoint folder's (which --finetune does not compare up front), or "" when none is found."""
+    from ..checkpoint.state import model_config_differences
     try:
         diffs = model_config_differences(path, run.cfg.model, run.cfg.checkpoint.load, run.tokenizer.vocab_size)
     except CheckpointError:
         diffs = []
-    names = f"{', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}"
-    raise CheckpointError(f"--load {run.cfg.checkpoint.load}: checkpoint {os.path.basename(path)} holds "
-                          f"{len(unused)} weight(s) this run's model has no place for ({names}); --finetune "
-                          f"would drop them: pass the saved model's flags"
-                          f"{' (' + ', '.join(diffs) + ')' if diffs else ''}")
+    return f" ({', '.join(diffs)})" if diffs else ""
 
 
 def _loads(c: C.CheckpointConfig, kind: str) -> bool:
@@ -239,7 +245,14 @@ def _read_checkpoint(run, checksums: bool) -> Optional[tuple]:
     targets = model_state(space, load=True, shards=run.ddp.shard_pieces())
     if _loads(c, "optim"):
         targets["optimizer"] = optimizer_state(run.opt, space, load=True)
-    return ckpt.load(c.load, targets, coords=_coords(ps), iteration=ckpt.read_manifest(path)["iteration"])
+    try:
+        return ckpt.load(c.load, targets, coords=_coords(ps), iteration=ckpt.read_manifest(path)["iteration"])
+    except ckpt.TensorMismatch as e:  # --finetune compared no flags first: name those that differ
+        if not c.finetune:
+            raise
+        raise CheckpointError(f"--load {c.load}: checkpoint {os.path.basename(path)} does not fit this run's model "
+                              f"({e.found}); --finetune compares no flags, but the tensors must match: pass the "
+                              f"saved model's flags{_saved_flags(run, path)}") from None
 
 
 def _portable_config(cfg: C.Config) -> dict:
