@@ -114,6 +114,22 @@ def test_a_tied_model_whose_file_also_holds_lm_head_imports_as_transformers_load
         assert (ours(hf["tokens"])[..., :VOCAB] - _logits(hf["mistral"][1], hf["tokens"])).abs().max() < ATOL
 
 
+def test_a_tied_model_whose_file_holds_another_lm_head_is_refused_naming_both_ways_out(hf, tmp_path):
+    """transformers 5 loads an lm_head.weight that differs from the tied embedding as an output layer
+    of its own: meshlm imported the folder tied, silently another model (other logits)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    folder = str(tmp_path / "mistral")
+    shutil.copytree(hf["mistral"][0], folder)
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    weights["lm_head.weight"][VOCAB - 1, 0] += 1
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight .* set "
+                                              "\"tie_word_embeddings\": false in config.json"):
+        convert.import_hf(folder, str(tmp_path / "ckpt"))
+
+
 @pytest.mark.parametrize("shard_bytes", [1 << 20, 40])
 def test_exported_files_get_the_mode_of_any_new_file(tmp_path, shard_bytes):
     """model*.safetensors get 0666 less the umask, as config.json does (safetensors alone writes 0600)."""
