@@ -35,9 +35,11 @@ class TrainState:
 
 
 def saved_layout(ps: ParallelState, cfg: C.Config) -> dict:
-    """The layout a checkpoint records (checkpoint.json; any layout loads any other)."""
+    """The layout a checkpoint records (checkpoint.json; any layout loads any other). ZeRO stage 1–3
+    by any of its flags (``config.zero_stage``) shards the optimizer: ``distributed_optimizer``."""
+    zero = C.zero_stage(cfg.parallel)
     return {"tp": ps.tp, "pp": ps.pp, "cp": ps.cp, "dp": ps.dp, "virtual_pipeline": virtual_size(cfg),
-            "distributed_optimizer": cfg.parallel.use_distributed_optimizer}
+            "distributed_optimizer": zero >= 1, "zero_stage": zero}
 
 
 def _coords(ps: ParallelState) -> dict:
