@@ -338,9 +338,9 @@ def prune(root: str, latest: int, keep: int) -> list:
 # ----------------------------------------------------------------------------- which checkpoint to load
 
 def _folder_problem(path: str, checksums: bool) -> Optional[str]:
-    """Why the checkpoint folder ``path`` cannot be loaded (a short phrase), or None: it must
-    exist, have a readable manifest and .metadata, and hold every file the manifest lists at its
-    size (and SHA-256 when ``checksums``)."""
+    """Why the checkpoint folder ``path`` (an ``iter_XXXXXXX``) cannot be loaded (a short phrase), or
+    None: it must exist, have a readable manifest of its own iteration and .metadata, and hold every
+    file the manifest lists at its size (and SHA-256 when ``checksums``)."""
     if not os.path.isdir(path):
         return "does not exist"
     try:
@@ -351,6 +351,9 @@ def _folder_problem(path: str, checksums: bool) -> Optional[str]:
         return str(e)
     if not os.path.isfile(os.path.join(path, ".metadata")):
         return ".metadata is missing"
+    named = int(os.path.basename(os.path.normpath(path))[len("iter_"):])
+    if isinstance(saved, dict) and saved.get("iteration") != named:  # loading it would read iteration_dir(its own)
+        return f"{MANIFEST} says iteration {saved.get('iteration')!r}, not {named}: was the folder renamed?"
     listed = saved.get("files") if isinstance(saved, dict) else None
     if listed is None and isinstance(saved, dict) and saved.get("format_version") == 1:
         return None  # saved before manifests listed files: nothing more to compare
