@@ -176,7 +176,9 @@ def _heartbeat_log(cfg: C.Config, rank: int) -> Optional[str]:
 def _note_start(run: Run, state: TrainState) -> None:
     """Rank 0 says when a run will train nothing, or will save over an earlier run's checkpoints (a
     save replaces the folder of its iteration and prunes the older ones, ``checkpoint.dist.prune``:
-    "saves beside it" it said before, while the earlier run's checkpoints went)."""
+    "saves beside it" it said before, while the earlier run's checkpoints went): a run without
+    --load, or a --finetune one (at iteration 0 whatever --save holds; with --save = --load it
+    replaced the very checkpoints it read, silently)."""
     cfg, save = run.cfg, run.cfg.checkpoint.save
     if run.ps.rank != 0:
         return
@@ -187,16 +189,21 @@ def _note_start(run: Run, state: TrainState) -> None:
             f"the {run.train_iters} iterations of --train-samples {samples}"
         print(f"note: the checkpoint is at iteration {state.iteration} ≥ {length}: nothing to train; "
               f"raise {flag} to go on", flush=True)
-    if not save or cfg.checkpoint.load:
+    load, finetune = cfg.checkpoint.load, cfg.checkpoint.load and cfg.checkpoint.finetune
+    if not save or (load and not finetune):
         return
     from ..checkpoint import dist as ckpt
     earlier = ckpt.complete_iterations(save)
-    if earlier:
-        print(f"note: --save {save} already holds {os.path.basename(ckpt.iteration_dir(save, earlier[-1]))} "
-              f"from an earlier run; this run starts from scratch (no --load) and saves into the same folder: "
-              f"each save replaces the earlier run's checkpoint of its iteration and keeps only the newest "
-              f"--keep-checkpoints {cfg.checkpoint.keep_checkpoints} below it, the earlier run's included; "
-              f"pass --load {save} to resume instead, or give another --save to keep them", flush=True)
+    if not earlier:
+        return
+    start = "starts at iteration 0 (--finetune)" if finetune else "starts from scratch (no --load)"
+    fix = ("a restart of this command fine-tunes again from iteration 0, as Megatron's --finetune does: give "
+           "another --save to keep them, and resume from it without --finetune") if finetune else \
+        f"pass --load {save} to resume instead, or give another --save to keep them"
+    print(f"note: --save {save} already holds {os.path.basename(ckpt.iteration_dir(save, earlier[-1]))} "
+          f"from an earlier run; this run {start} and saves into the same folder: each save replaces the "
+          f"earlier run's checkpoint of its iteration and keeps only the newest --keep-checkpoints "
+          f"{cfg.checkpoint.keep_checkpoints} below it, the earlier run's included; {fix}", flush=True)
 
 
 def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
