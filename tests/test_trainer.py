@@ -422,6 +422,16 @@ def test_a_finetune_saving_where_checkpoints_are_says_it_replaces_them(tmp_path,
     assert out.strip().endswith("a restart of this command fine-tunes again from iteration 0, as Megatron's "
                                 "--finetune does: give another --save to keep them, and resume from it without "
                                 "--finetune")
+    # the same from the weights of a converted checkpoint (or a Hugging Face folder) into another --save
+    weights = tmp_path / "weights"
+    ckpt.save(str(weights), 0, {"model": {"w": torch.zeros(2)}})
+    cfg.checkpoint.finetune, cfg.checkpoint.load = False, str(weights)
+    trainer._note_start(run, trainer.TrainState())
+    assert f"this run starts at iteration 0 from the weights of --load {weights} and saves into the same " \
+           f"folder" in capsys.readouterr().out
+    cfg.checkpoint.save = str(weights)  # the documented restart pattern: --save = --load
+    trainer._note_start(run, trainer.TrainState())
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.slow

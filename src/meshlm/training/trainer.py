@@ -174,12 +174,9 @@ def _heartbeat_log(cfg: C.Config, rank: int) -> Optional[str]:
 
 
 def _note_start(run: Run, state: TrainState) -> None:
-    """Rank 0 says when a run will train nothing, or will save over an earlier run's checkpoints (a
-    save replaces the folder of its iteration and prunes the older ones, ``checkpoint.dist.prune``:
-    "saves beside it" it said before, while the earlier run's checkpoints went): a run without
-    --load, or a --finetune one (at iteration 0 whatever --save holds; with --save = --load it
-    replaced the very checkpoints it read, silently)."""
-    cfg, save = run.cfg, run.cfg.checkpoint.save
+    """Rank 0 says when a run will train nothing, or will save over an earlier run's checkpoints
+    (``_saves_over``)."""
+    cfg = run.cfg
     if run.ps.rank != 0:
         return
     if state.iteration >= run.train_iters:
@@ -189,21 +186,42 @@ def _note_start(run: Run, state: TrainState) -> None:
             f"the {run.train_iters} iterations of --train-samples {samples}"
         print(f"note: the checkpoint is at iteration {state.iteration} ≥ {length}: nothing to train; "
               f"raise {flag} to go on", flush=True)
-    load, finetune = cfg.checkpoint.load, cfg.checkpoint.load and cfg.checkpoint.finetune
-    if not save or (load and not finetune):
-        return
-    from ..checkpoint import dist as ckpt
-    earlier = ckpt.complete_iterations(save)
+    note = _saves_over(cfg.checkpoint)
+    if note:
+        print(f"note: {note}", flush=True)
+
+
+def _saves_over(c: C.CheckpointConfig) -> Optional[str]:
+    """What a run starting at iteration 0 will do to the checkpoints --save already holds, or None: a
+    save replaces the folder of its iteration and prunes the older ones (``checkpoint.dist.prune``;
+    "saves beside it" was said before, while they went). Such a run: one without --load, a
+    --finetune one (whatever --save holds; with --save = --load it replaced the very checkpoints it
+    read, silently), or one fine-tuning the weights of a Hugging Face folder or converted
+    checkpoint into another --save; each restarts from its start when run again."""
+    from ..checkpoint import convert, dist as ckpt
+    save, load = c.save, c.load
+    finetune = load and c.finetune
+    if not save:
+        return None
+    weights = load and not finetune and not _same_folder(load, save) and convert.is_weights_only(load)
+    earlier = ckpt.complete_iterations(save) if finetune or weights or not load else []
     if not earlier:
-        return
-    start = "starts at iteration 0 (--finetune)" if finetune else "starts from scratch (no --load)"
+        return None
+    start = "starts at iteration 0 (--finetune)" if finetune else \
+        f"starts at iteration 0 from the weights of --load {load}" if weights else "starts from scratch (no --load)"
     fix = ("a restart of this command fine-tunes again from iteration 0, as Megatron's --finetune does: give "
            "another --save to keep them, and resume from it without --finetune") if finetune else \
+        (f"give another --save to keep them; a restart of this command starts again from --load {load}'s "
+         f"weights (to resume, --load the --save folder)") if weights else \
         f"pass --load {save} to resume instead, or give another --save to keep them"
-    print(f"note: --save {save} already holds {os.path.basename(ckpt.iteration_dir(save, earlier[-1]))} "
-          f"from an earlier run; this run {start} and saves into the same folder: each save replaces the "
-          f"earlier run's checkpoint of its iteration and keeps only the newest --keep-checkpoints "
-          f"{cfg.checkpoint.keep_checkpoints} below it, the earlier run's included; {fix}", flush=True)
+    return (f"--save {save} already holds {os.path.basename(ckpt.iteration_dir(save, earlier[-1]))} from an "
+            f"earlier run; this run {start} and saves into the same folder: each save replaces the earlier run's "
+            f"checkpoint of its iteration and keeps only the newest --keep-checkpoints {c.keep_checkpoints} below "
+            f"it, the earlier run's included; {fix}")
+
+
+def _same_folder(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
