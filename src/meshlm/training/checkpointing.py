@@ -284,9 +284,13 @@ def check_data_lasts(run, state: TrainState) -> None:
         need = -(-(-(-state.consumed_samples // state.iteration)) // unit) * unit
         hint = f"give --global-batch-size {need} or more (the checkpoint's steps averaged "
         hint += f"{state.consumed_samples / state.iteration:g} samples), or "
+        batches = (f"this run's global batch {schedule.global_batch} × {state.iteration} steps", "at that batch")
+    else:  # a ramp or step schedule: its first steps take less than G
+        flag = "--rampup-batch-size" if schedule.ramp is not None else "--step-batch-size-schedule"
+        batches = (f"the {schedule.consumed_after(state.iteration):,} of this run's first {state.iteration} steps by "
+                   f"its {flag}", "by that schedule")
     raise CheckpointError(
         f"--load {run.cfg.checkpoint.load}: the checkpoint is at iteration {state.iteration} with "
-        f"{state.consumed_samples:,} samples consumed, more than this run's global batch "
-        f"{schedule.global_batch} × {state.iteration} steps; its training data, sized from sample 0 at that "
-        f"batch, holds {len(run.train_ds):,} samples and would run out before its last step (which reads up to "
-        f"sample {end:,}): {hint}--finetune to start the data position at 0")
+        f"{state.consumed_samples:,} samples consumed, more than {batches[0]}; its training data, sized from "
+        f"sample 0 {batches[1]}, holds {len(run.train_ds):,} samples and would run out before its last step "
+        f"(which reads up to sample {end:,}): {hint}--finetune to start the data position at 0")
