@@ -140,3 +140,8 @@ def test_switches_without_load_are_noted():
                           "from its initial weights; add --load CHECKPOINT_DIR to start from a checkpoint"]
     cfg.checkpoint.load = "ckpt"
     assert notes(cfg) == []
+    cfg.checkpoint.use_checkpoint_opt_param_scheduler = True  # the schedule it would keep is not loaded
+    assert notes(cfg) == ["--use-checkpoint-opt_param-scheduler ignored with --finetune (as in Megatron): the "
+                          "checkpoint's LR schedule is not loaded, so this run's flags set it, from step 0"]
+    cfg.checkpoint.finetune = False
+    assert notes(cfg) == []
