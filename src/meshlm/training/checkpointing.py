@@ -153,6 +153,10 @@ def load_checkpoint(run) -> TrainState:
         print(f"loaded checkpoint {run.last_checkpoint} (iteration {iteration})"
               + (" for --finetune: model weights only, starting at iteration 0" if c.finetune else "")
               + (f"; {' and '.join(fresh)} fresh" if fresh and not c.finetune else ""), flush=True)
+        differ = _flag_differences(run, run.last_checkpoint) if c.finetune else []
+        if differ:  # weights of the same shapes under another function (e.g. --apply-layernorm-1p): as asked
+            print(f"note: --finetune compares no architecture flags, and this run's differ from the checkpoint's: "
+                  f"{', '.join(differ)}; the weights fit, so it trains them as this run's model", flush=True)
     return TrainState() if c.finetune else TrainState(**tree["train"])
 
 
@@ -175,14 +179,19 @@ def _check_every_weight_read(run, path: str) -> None:
                           f"would drop them: pass the saved model's flags{_saved_flags(run, path)}")
 
 
-def _saved_flags(run, path: str) -> str:
-    """" (--flag saved=X now=Y, ...)": the architecture flags in which the run's model differs from
-    the checkpoint folder's (which --finetune does not compare up front), or "" when none is found."""
+def _flag_differences(run, path: str) -> list:
+    """The architecture flags in which the run's model differs from the checkpoint folder's, as
+    ``--flag saved=X now=Y`` (which --finetune does not compare up front); [] when none is found."""
     from ..checkpoint.state import model_config_differences
     try:
-        diffs = model_config_differences(path, run.cfg.model, run.cfg.checkpoint.load, run.tokenizer.vocab_size)
+        return model_config_differences(path, run.cfg.model, run.cfg.checkpoint.load, run.tokenizer.vocab_size)
     except CheckpointError:
-        diffs = []
+        return []
+
+
+def _saved_flags(run, path: str) -> str:
+    """" (--flag saved=X now=Y, ...)" of ``_flag_differences``, or ""."""
+    diffs = _flag_differences(run, path)
     return f" ({', '.join(diffs)})" if diffs else ""
 
 
