@@ -402,9 +402,10 @@ def test_a_run_that_only_loaded_prints_no_sample_of_the_old_checkpoint(monkeypat
 
 # ----------------------------------------------------------------------------- notes at start
 
-def test_a_finetune_saving_where_checkpoints_are_says_it_replaces_them(tmp_path, capsys):
+def test_a_run_saving_where_other_checkpoints_are_says_it_replaces_them(tmp_path, capsys):
     """--finetune --load ckpt --save ckpt starts at iteration 0: its saves replaced the checkpoints it
-    read (and a restart fine-tuned again from iteration 0) without a word."""
+    read (and a restart fine-tuned again from iteration 0) without a word; so did a run loading
+    another folder (a model's weights, another run's checkpoint) into a --save holding checkpoints."""
     import types
 
     from meshlm.checkpoint import dist as ckpt
@@ -432,6 +433,9 @@ def test_a_finetune_saving_where_checkpoints_are_says_it_replaces_them(tmp_path,
     cfg.checkpoint.save = str(weights)  # the documented restart pattern: --save = --load
     trainer._note_start(run, trainer.TrainState())
     assert capsys.readouterr().out == ""
+    cfg.checkpoint.load, cfg.checkpoint.save = str(tmp_path), str(weights)  # a resume saving elsewhere
+    trainer._note_start(run, trainer.TrainState(iteration=4))
+    assert f"this run resumes from --load {tmp_path} and saves into the same folder" in capsys.readouterr().out
 
 
 @pytest.mark.slow

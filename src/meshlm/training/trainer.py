@@ -192,28 +192,31 @@ def _note_start(run: Run, state: TrainState) -> None:
 
 
 def _saves_over(c: C.CheckpointConfig) -> Optional[str]:
-    """What a run starting at iteration 0 will do to the checkpoints --save already holds, or None: a
-    save replaces the folder of its iteration and prunes the older ones (``checkpoint.dist.prune``;
-    "saves beside it" was said before, while they went). Such a run: one without --load, a
-    --finetune one (whatever --save holds; with --save = --load it replaced the very checkpoints it
-    read, silently), or one fine-tuning the weights of a Hugging Face folder or converted
-    checkpoint into another --save; each restarts from its start when run again."""
+    """What a run will do to the checkpoints --save already holds when they are not the ones it
+    resumes from, or None: a save replaces the folder of its iteration and prunes the older ones
+    (``checkpoint.dist.prune``; "saves beside it" was said before, while they went). Such a run: one
+    without --load, a --finetune one (whatever --save holds; with --save = --load it replaced the
+    very checkpoints it read, silently), or one loading another folder (a Hugging Face model's or
+    converted weights, or another run's checkpoint); each starts over from there when run again."""
     from ..checkpoint import convert, dist as ckpt
     save, load = c.save, c.load
-    finetune = load and c.finetune
-    if not save:
+    if not save or (load and not c.finetune and _same_folder(load, save)):
         return None
-    weights = load and not finetune and not _same_folder(load, save) and convert.is_weights_only(load)
-    earlier = ckpt.complete_iterations(save) if finetune or weights or not load else []
+    earlier = ckpt.complete_iterations(save)
     if not earlier:
         return None
-    start = "starts at iteration 0 (--finetune)" if finetune else \
-        f"starts at iteration 0 from the weights of --load {load}" if weights else "starts from scratch (no --load)"
-    fix = ("a restart of this command fine-tunes again from iteration 0, as Megatron's --finetune does: give "
-           "another --save to keep them, and resume from it without --finetune") if finetune else \
-        (f"give another --save to keep them; a restart of this command starts again from --load {load}'s "
-         f"weights (to resume, --load the --save folder)") if weights else \
-        f"pass --load {save} to resume instead, or give another --save to keep them"
+    if not load:
+        start, fix = "starts from scratch (no --load)", \
+            f"pass --load {save} to resume instead, or give another --save to keep them"
+    elif c.finetune:
+        start, fix = "starts at iteration 0 (--finetune)", \
+            ("a restart of this command fine-tunes again from iteration 0, as Megatron's --finetune does: give "
+             "another --save to keep them, and resume from it without --finetune")
+    else:
+        start = f"starts at iteration 0 from the weights of --load {load}" if convert.is_weights_only(load) else \
+            f"resumes from --load {load}"
+        fix = (f"give another --save to keep them; a restart of this command starts again from --load {load} (to "
+               f"go on from its own saves, --load the --save folder)")
     return (f"--save {save} already holds {os.path.basename(ckpt.iteration_dir(save, earlier[-1]))} from an "
             f"earlier run; this run {start} and saves into the same folder: each save replaces the earlier run's "
             f"checkpoint of its iteration and keeps only the newest --keep-checkpoints {c.keep_checkpoints} below "
