@@ -130,6 +130,18 @@ def test_a_tied_model_whose_file_holds_another_lm_head_is_refused_naming_both_wa
         convert.import_hf(folder, str(tmp_path / "ckpt"))
 
 
+def test_a_converter_given_another_kind_of_folder_names_the_command_that_reads_it(hf, tmp_path):
+    """--from-hf of a meshlm checkpoint, --from-megatron of a Hugging Face folder: "not a … folder", no more."""
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.checkpoint.megatron_convert import import_megatron
+    mine = str(tmp_path / "mine")
+    ckpt.save(mine, 1, {"w": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match="; it is a meshlm checkpoint already: give it to --load"):
+        convert.import_hf(mine, str(tmp_path / "a"))
+    with pytest.raises(CheckpointError, match="; it is a Hugging Face model folder: meshlm convert --from-hf reads it"):
+        import_megatron(hf["qwen2"][0], str(tmp_path / "b"))
+
+
 @pytest.mark.parametrize("shard_bytes", [1 << 20, 40])
 def test_exported_files_get_the_mode_of_any_new_file(tmp_path, shard_bytes):
     """model*.safetensors get 0666 less the umask, as config.json does (safetensors alone writes 0600)."""

@@ -156,7 +156,7 @@ def _run_megatron(args: argparse.Namespace) -> int:
 def _hf_model(folder: str, flag: str = "--from-hf"):
     if not is_hf_folder(folder):
         raise CheckpointError(f"{flag} {folder}: not a Hugging Face model folder (config.json with a model_type "
-                              f"and *.safetensors weights)")
+                              f"and *.safetensors weights){ckpt.folder_kind(folder)}")
     return model_from_hf(read_hf_config(folder), os.path.join(folder, "config.json"))
 
 

@@ -520,6 +520,18 @@ def check_loadable(load: Optional[str], save: Optional[str] = None, fresh: bool 
     return []
 
 
+def folder_kind(path: str) -> str:
+    """The end of a converter's refusal of ``path`` (a folder of another kind than the one it reads):
+    "; it is …: <the command that reads it>", or "" when no kind is recognised."""
+    if is_hf_folder(path):
+        return "; it is a Hugging Face model folder: meshlm convert --from-hf reads it"
+    if is_megatron_folder(path):
+        return "; it is a Megatron-LM checkpoint: meshlm convert --from-megatron reads it"
+    if os.path.isfile(os.path.join(path, TRACKER)):
+        return "; it is a meshlm checkpoint already: give it to --load (pretrain, generate, convert --to-hf)"
+    return ""
+
+
 def save_folder_in(folder: str) -> Optional[str]:
     """The first subfolder of ``folder`` holding a tracker (a --save folder), or None: a run
     directory given for its checkpoints (the embedded default saves into its checkpoints/)."""
