@@ -142,6 +142,18 @@ def test_a_converter_given_another_kind_of_folder_names_the_command_that_reads_i
         import_megatron(hf["qwen2"][0], str(tmp_path / "b"))
 
 
+def test_import_of_a_folder_holding_a_fine_tunes_checkpoints_does_not_offer_it_to_load(hf, tmp_path, capsys):
+    """An HF folder given as --save too holds the fine-tune's checkpoints: --load of it resumes them,
+    not the HF weights the conversion read ("or --load FOLDER directly", it said)."""
+    import shutil
+    folder = str(tmp_path / "qwen2")
+    shutil.copytree(hf["qwen2"][0], folder)
+    (tmp_path / "qwen2" / "latest_checkpointed_iteration.txt").write_text("8")
+    assert main(["convert", "--from-hf", folder, "--save", str(tmp_path / "ckpt")]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"(--load {folder} resumes the meshlm checkpoints saved into "
+                                                    f"it instead)")
+
+
 @pytest.mark.parametrize("shard_bytes", [1 << 20, 40])
 def test_exported_files_get_the_mode_of_any_new_file(tmp_path, shard_bytes):
     """model*.safetensors get 0666 less the umask, as config.json does (safetensors alone writes 0600)."""
