@@ -222,6 +222,9 @@ def test_a_bad_step_schedule_is_one_value_error_naming_the_entry(text, problem):
     (dict(step_batch_size_schedule="0:4 1k:64", pipeline_model_parallel_size=2, micro_batch_size=2,
           virtual_pipeline_model_parallel_size=2),
      "--step-batch-size-schedule: the schedule's global batch 4 is 1 micro-batches, but interleaved 1F1B needs"),
+    (dict(step_batch_size_schedule="0:8 1k:12", global_batch_size=None, pipeline_model_parallel_size=2,
+          micro_batch_size=2, virtual_pipeline_model_parallel_size=2),  # the last entry's: named once, by its flag
+     "--step-batch-size-schedule: the schedule's global batch 12 is 3 micro-batches, but interleaved 1F1B needs"),
 ])
 def test_bad_step_schedule_flags_are_one_line_each_naming_the_flag(fields, problem):
     found = _problems(**fields)

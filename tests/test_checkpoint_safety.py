@@ -65,6 +65,19 @@ def test_a_damaged_latest_falls_back_to_the_previous_one_with_one_line(tmp_path,
         ckpt.load(root, iteration=3)  # an explicit iteration never falls back
 
 
+def test_a_renamed_checkpoint_folder_falls_back_naming_the_iteration_its_manifest_says(tmp_path, capsys):
+    """A folder renamed by hand (iter_0000003 → iter_0000009, the tracker set to 9) was loaded through
+    its manifest's iteration: "the tracker names iteration 3 but iter_0000003 does not exist"."""
+    root = _three(tmp_path)
+    os.rename(os.path.join(root, "iter_0000003"), os.path.join(root, "iter_0000009"))
+    (tmp_path / "save" / "latest_checkpointed_iteration.txt").write_text("9")
+    it, state = ckpt.load(root)
+    assert it == 2 and torch.equal(state["model"]["w"], _state(2)["model"]["w"])
+    assert capsys.readouterr().out.strip().endswith(
+        "the latest checkpoint iter_0000009 is damaged or incomplete (checkpoint.json says iteration 3, not 9: "
+        "was the folder renamed?); loading iter_0000002 instead")
+
+
 def test_a_flipped_byte_is_found_by_the_checksum_only(tmp_path, capsys):
     root = _three(tmp_path)
     data = tmp_path / "save" / "iter_0000003" / "__0_0.distcp"

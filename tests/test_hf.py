@@ -114,6 +114,46 @@ def test_a_tied_model_whose_file_also_holds_lm_head_imports_as_transformers_load
         assert (ours(hf["tokens"])[..., :VOCAB] - _logits(hf["mistral"][1], hf["tokens"])).abs().max() < ATOL
 
 
+def test_a_tied_model_whose_file_holds_another_lm_head_is_refused_naming_both_ways_out(hf, tmp_path):
+    """transformers 5 loads an lm_head.weight that differs from the tied embedding as an output layer
+    of its own: meshlm imported the folder tied, silently another model (other logits)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    folder = str(tmp_path / "mistral")
+    shutil.copytree(hf["mistral"][0], folder)
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    weights["lm_head.weight"][VOCAB - 1, 0] += 1
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight .* set "
+                                              "\"tie_word_embeddings\": false in config.json"):
+        convert.import_hf(folder, str(tmp_path / "ckpt"))
+
+
+def test_a_converter_given_another_kind_of_folder_names_the_command_that_reads_it(hf, tmp_path):
+    """--from-hf of a meshlm checkpoint, --from-megatron of a Hugging Face folder: "not a … folder", no more."""
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.checkpoint.megatron_convert import import_megatron
+    mine = str(tmp_path / "mine")
+    ckpt.save(mine, 1, {"w": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match="; it is a meshlm checkpoint already: give it to --load"):
+        convert.import_hf(mine, str(tmp_path / "a"))
+    with pytest.raises(CheckpointError, match="; it is a Hugging Face model folder: meshlm convert --from-hf reads it"):
+        import_megatron(hf["qwen2"][0], str(tmp_path / "b"))
+
+
+def test_import_of_a_folder_holding_a_fine_tunes_checkpoints_does_not_offer_it_to_load(hf, tmp_path, capsys):
+    """An HF folder given as --save too holds the fine-tune's checkpoints: --load of it resumes them,
+    not the HF weights the conversion read ("or --load FOLDER directly", it said)."""
+    import shutil
+    folder = str(tmp_path / "qwen2")
+    shutil.copytree(hf["qwen2"][0], folder)
+    (tmp_path / "qwen2" / "latest_checkpointed_iteration.txt").write_text("8")
+    assert main(["convert", "--from-hf", folder, "--save", str(tmp_path / "ckpt")]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"(--load {folder} resumes the meshlm checkpoints saved into "
+                                                    f"it instead)")
+
+
 @pytest.mark.parametrize("shard_bytes", [1 << 20, 40])
 def test_exported_files_get_the_mode_of_any_new_file(tmp_path, shard_bytes):
     """model*.safetensors get 0666 less the umask, as config.json does (safetensors alone writes 0600)."""

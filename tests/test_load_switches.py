@@ -6,6 +6,8 @@ dropout call counts matter) saves a checkpoint; each switch then builds a new ru
 the worker compares the live state with what the checkpoint files hold, read independently.
 """
 
+import contextlib
+import io
 import os
 
 import pytest
@@ -101,6 +103,14 @@ def _save_then_load_each(rank, world, tmp, zero):
         _load(tmp, zero, "fewer_layers", {"finetune": True}, num_layers=1)
     except CheckpointError as e:
         out["fewer_layers"] = str(e)
+    said = io.StringIO()  # the same tensors under another function: trained as asked, with a note
+    with contextlib.redirect_stdout(said):
+        _load(tmp, zero, "layernorm_1p", {"finetune": True}, apply_layernorm_1p=True)
+    out["layernorm_1p"] = said.getvalue()
+    try:  # the other way round: tensors the checkpoint lacks (the q/k norms) are named with their flag too
+        _load(tmp, zero, "qk_norms", {"finetune": True}, qk_layernorm=True)
+    except CheckpointError as e:
+        out["qk_norms"] = str(e)
     return out
 
 
@@ -125,6 +135,10 @@ def test_each_switch_restores_exactly_what_megatron_restores(tmp_path, world, ze
         assert r["finetune_trained"] == ITERS
         assert "holds 16 weight(s) this run's model has no place for (layers.1." in r["fewer_layers"]
         assert r["fewer_layers"].endswith("pass the saved model's flags (--num-layers saved=2 now=1)")
+        assert "does not fit this run's model (has no tensor 8: model/layers." in r["qk_norms"]
+        assert r["qk_norms"].endswith("pass the saved model's flags (--qk-layernorm saved=False now=True)")
+    assert "note: --finetune compares no architecture flags, and this run's differ from the checkpoint's: " \
+           "--apply-layernorm-1p saved=False now=True; the weights fit" in results[0]["layernorm_1p"]
 
 
 def test_switches_without_load_are_noted():
@@ -133,4 +147,9 @@ def test_switches_without_load_are_noted():
     assert notes(cfg) == ["--finetune --no-load-rng ignored without --load (as in Megatron): the run starts "
                           "from its initial weights; add --load CHECKPOINT_DIR to start from a checkpoint"]
     cfg.checkpoint.load = "ckpt"
+    assert notes(cfg) == []
+    cfg.checkpoint.use_checkpoint_opt_param_scheduler = True  # the schedule it would keep is not loaded
+    assert notes(cfg) == ["--use-checkpoint-opt_param-scheduler ignored with --finetune (as in Megatron): the "
+                          "checkpoint's LR schedule is not loaded, so this run's flags set it, from step 0"]
+    cfg.checkpoint.finetune = False
     assert notes(cfg) == []

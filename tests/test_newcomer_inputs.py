@@ -736,6 +736,13 @@ def test_a_resume_whose_checkpoint_consumed_more_a_step_than_this_global_batch_i
         check_data_lasts(run(4), saved)
     assert str(e.value).startswith("--load ck: the checkpoint is at iteration 2 with 16 samples consumed") and \
         "give --global-batch-size 8 or more" in str(e.value) and "\n" not in str(e.value)
+    # under a step schedule its first steps take less than its last batch: that sum is named, not G × steps
+    stepped = run(8)
+    stepped.batches, stepped.train_ds = BatchSchedule(8, 4, steps=((0, 4), (4, 8))), [None] * 20
+    with pytest.raises(CheckpointError) as e:
+        check_data_lasts(stepped, saved)
+    assert "16 samples consumed, more than the 12 of this run's first 2 steps by its --step-batch-size-schedule; " \
+           "its training data, sized from sample 0 by that schedule, holds 20 samples" in str(e.value)
 
 
 @pytest.mark.parametrize("flags, kind", [(dict(tokenizer_model="tok.json"), "HuggingFaceTokenizer"),

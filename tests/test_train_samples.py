@@ -1,7 +1,7 @@
 """Training runs given in samples (--train-samples) and with a batch ramp (--rampup-batch-size):
 iterations, consumed samples, each step's batch and learning rate against megatron-core, DP=2
 against one process in float64, the checkpoints Megatron takes when the batch grows, and resume
-in the middle of the ramp."""
+in the middle of the ramp and of a --step-batch-size-schedule segment."""
 
 import json
 import os
@@ -129,18 +129,37 @@ def test_a_run_resumed_inside_the_ramp_repeats_the_uninterrupted_one(ramp_dp2, t
 SCHEDULE = "0:2 64:4 160:6"  # tokens at --seq-length 16: 2 from sample 0, 4 from sample 4, 6 from sample 10
 
 
-def _step_scheduled(rank, world, tmp):
-    cfg = tiny_config(tmp, micro=1, global_batch=None, iters=6, eval_iters=1, step_batch_size_schedule=SCHEDULE)
+def _step_config(tmp, **training):
+    cfg = tiny_config(tmp, micro=1, global_batch=None, iters=6, eval_iters=1, step_batch_size_schedule=SCHEDULE,
+                      **training)
     cfg.optimizer.lr_decay_iters, cfg.optimizer.lr_decay_style, cfg.optimizer.min_lr = 5, "cosine", 1e-3
-    return trainer.pretrain(cfg, F64)
+    return cfg
 
 
+def _step_scheduled(rank, world, tmp):
+    """The run; then the same stopped after iteration 3 (inside the batch-4 segment: 8 samples
+    consumed, one more step of 4) and resumed from its checkpoint."""
+    full = trainer.pretrain(_step_config(tmp), F64)
+    first = _step_config(os.path.join(tmp, "first"), exit_interval=3)
+    first.checkpoint.save = os.path.join(tmp, "ckpt")
+    trainer.pretrain(first, F64)
+    rest = _step_config(os.path.join(tmp, "rest"))
+    rest.checkpoint.save = rest.checkpoint.load = os.path.join(tmp, "ckpt")
+    return full, trainer.pretrain(rest, F64)
+
+
+@pytest.mark.slow  # two processes, three runs
 def test_a_step_batch_size_schedule_run_over_dp2_takes_each_steps_batch_and_lr_by_samples(tmp_path):
     """--train-iters 6 over DP 2 (micro 1): batches 2, 2, 4, 4, 6, 6 (the step at 12 samples is the
     first past sample 10); the LR's warm-up (1 iteration) and cosine decay (5 iterations) end where
-    those steps end in samples, 2 and 18, as megatron-core's scheduler counts them."""
-    result = run_distributed(_step_scheduled, 2, str(tmp_path))[0]
-    assert result["iterations"] == 6
+    those steps end in samples, 2 and 18, as megatron-core's scheduler counts them. Resumed after
+    iteration 3, inside a segment, the batches, samples, LR and losses go on as without the stop."""
+    result, resumed = run_distributed(_step_scheduled, 2, str(tmp_path))[0]
+    assert result["iterations"] == resumed["iterations"] == 6
+    for a, b in zip(resumed["train_losses"], result["train_losses"][3:], strict=True):
+        assert _rel(a, b) < 1e-12, (a, b)
+    rest = [(r["global_batch_size"], r["consumed_samples"], r["lr"]) for r in _rows(os.path.join(tmp_path, "rest"))]
+    assert rest == [(r["global_batch_size"], r["consumed_samples"], r["lr"]) for r in _rows(str(tmp_path))[3:]]
     rows = _rows(str(tmp_path))
     assert [(r["global_batch_size"], r["consumed_samples"]) for r in rows] == \
         [(2, 2), (2, 4), (4, 8), (4, 12), (6, 18), (6, 24)]

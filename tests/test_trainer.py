@@ -402,6 +402,42 @@ def test_a_run_that_only_loaded_prints_no_sample_of_the_old_checkpoint(monkeypat
 
 # ----------------------------------------------------------------------------- notes at start
 
+def test_a_run_saving_where_other_checkpoints_are_says_it_replaces_them(tmp_path, capsys):
+    """--finetune --load ckpt --save ckpt starts at iteration 0: its saves replaced the checkpoints it
+    read (and a restart fine-tuned again from iteration 0) without a word; so did a run loading
+    another folder (a model's weights, another run's checkpoint) into a --save holding checkpoints."""
+    import types
+
+    from meshlm.checkpoint import dist as ckpt
+    ckpt.save(str(tmp_path), 4, {"w": torch.zeros(2)})
+    cfg = tiny_config(str(tmp_path))
+    cfg.checkpoint.save = cfg.checkpoint.load = str(tmp_path)
+    run = types.SimpleNamespace(cfg=cfg, ps=types.SimpleNamespace(rank=0), train_iters=6)
+    trainer._note_start(run, trainer.TrainState(iteration=4))
+    assert capsys.readouterr().out == ""  # a resume: its own checkpoints
+    cfg.checkpoint.finetune = True
+    trainer._note_start(run, trainer.TrainState())
+    out = capsys.readouterr().out
+    assert out.startswith(f"note: --save {tmp_path} already holds iter_0000004 from an earlier run; this run "
+                          f"starts at iteration 0 (--finetune) and saves into the same folder")
+    assert out.strip().endswith("a restart of this command fine-tunes again from iteration 0, as Megatron's "
+                                "--finetune does: give another --save to keep them, and resume from it without "
+                                "--finetune")
+    # the same from the weights of a converted checkpoint (or a Hugging Face folder) into another --save
+    weights = tmp_path / "weights"
+    ckpt.save(str(weights), 0, {"model": {"w": torch.zeros(2)}})
+    cfg.checkpoint.finetune, cfg.checkpoint.load = False, str(weights)
+    trainer._note_start(run, trainer.TrainState())
+    assert f"this run starts at iteration 0 from the weights of --load {weights} and saves into the same " \
+           f"folder" in capsys.readouterr().out
+    cfg.checkpoint.save = str(weights)  # the documented restart pattern: --save = --load
+    trainer._note_start(run, trainer.TrainState())
+    assert capsys.readouterr().out == ""
+    cfg.checkpoint.load, cfg.checkpoint.save = str(tmp_path), str(weights)  # a resume saving elsewhere
+    trainer._note_start(run, trainer.TrainState(iteration=4))
+    assert f"this run resumes from --load {tmp_path} and saves into the same folder" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_a_run_says_when_it_has_nothing_to_train_or_saves_beside_an_earlier_run(tmp_path):
     import subprocess

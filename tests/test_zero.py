@@ -107,6 +107,25 @@ def test_the_stage_of_each_flag_and_contradictions_refused_in_one_line_naming_bo
     assert not _problems(use_torch_fsdp2=True, torch_fsdp2_no_reshard_after_forward=True)
 
 
+def test_a_checkpoint_records_the_zero_stage_whichever_flag_set_it():
+    """checkpoint.json's layout (`meshlm checkpoint inspect`, metrics.jsonl's "layout") read only
+    --use-distributed-optimizer: a ZeRO-3 save said distributed_optimizer=False."""
+    from types import SimpleNamespace
+
+    from meshlm.config import Config
+    from meshlm.training.checkpointing import saved_layout
+    ps = SimpleNamespace(tp=1, pp=1, cp=1, dp=2)
+    for field, value, stage in (("data_parallel_sharding_strategy", "no_shard", 0),
+                                ("use_distributed_optimizer", True, 1),
+                                ("data_parallel_sharding_strategy", "optim_grads", 2),
+                                ("data_parallel_sharding_strategy", "optim_grads_params", 3),
+                                ("use_torch_fsdp2", True, 3)):
+        cfg = Config()
+        setattr(cfg.parallel, field, value)
+        layout = saved_layout(ps, cfg)
+        assert (layout["distributed_optimizer"], layout["zero_stage"]) == (stage > 0, stage), field
+
+
 @pytest.mark.slow  # multi-process: make test-quick leaves it out
 def test_zero3_with_tp_interleaved_pp_cp_and_ep_matches_single_process_in_float64():
     """Stage 3 with both overlaps at TP=2×DP=2 (SP), PP=2×DP=2 interleaved (params kept gathered

@@ -559,6 +559,11 @@ def notes(cfg: Config) -> list:
     if switches and not c.load:
         lines.append(f"{' '.join(switches)} ignored without --load (as in Megatron): the run starts from "
                      f"its initial weights; add --load CHECKPOINT_DIR to start from a checkpoint")
+    fresh = "--finetune" if c.finetune else "--no-load-optim" if c.no_load_optim else None
+    if c.load and fresh and (c.override_opt_param_scheduler or c.use_checkpoint_opt_param_scheduler):
+        flag = "--override" if c.override_opt_param_scheduler else "--use-checkpoint"
+        lines.append(f"{flag}-opt_param-scheduler ignored with {fresh} (as in Megatron): the checkpoint's LR "
+                     f"schedule is not loaded, so this run's flags set it, from step 0")
     from .data.tokenizer import ignored_tokenizer_files, ignored_vocab_size
     if not cfg.data.mock_data:
         lines += [line for line in (ignored_vocab_size(cfg.data, m.vocab_size),

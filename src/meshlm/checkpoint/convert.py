@@ -103,8 +103,9 @@ def run(args: argparse.Namespace) -> int:
     if args.from_hf:
         out = import_folder(args, "--from-hf")
         path = import_hf(args.from_hf, out)
-        print(f"meshlm: converted {args.from_hf} into {path}; fine-tune with `meshlm pretrain --load "
-              f"{out}` (or --load {args.from_hf} directly)")
+        directly = f" (or --load {args.from_hf} directly)" if hf_to_fine_tune(args.from_hf) else \
+            f" (--load {args.from_hf} resumes the meshlm checkpoints saved into it instead)"
+        print(f"meshlm: converted {args.from_hf} into {path}; fine-tune with `meshlm pretrain --load {out}`{directly}")
         return 0
     if not args.load or not args.output or args.save:
         raise ConfigError("--save belongs to --from-hf; --to-hf reads --load and writes --output" if args.save
@@ -156,7 +157,7 @@ def _run_megatron(args: argparse.Namespace) -> int:
 def _hf_model(folder: str, flag: str = "--from-hf"):
     if not is_hf_folder(folder):
         raise CheckpointError(f"{flag} {folder}: not a Hugging Face model folder (config.json with a model_type "
-                              f"and *.safetensors weights)")
+                              f"and *.safetensors weights){ckpt.folder_kind(folder)}")
     return model_from_hf(read_hf_config(folder), os.path.join(folder, "config.json"))
 
 

@@ -65,6 +65,15 @@ FORMAT_VERSION = 2  # 2: model space (global names and shapes), per-parameter op
 _RANK_KEY = re.compile(r"^(.+)/rank(\d+)$")
 
 
+class TensorMismatch(CheckpointError):
+    """The checkpoint lacks some of the targets' tensors or holds them at other shapes (``read_into``);
+    ``found``: which, without the rest of the line."""
+
+    def __init__(self, message: str, found: str):
+        super().__init__(message)
+        self.found = found
+
+
 def rank_key(name: str, rank: int) -> str:
     """Top-level state key ``name/rank<r>`` of a per-rank subtree (values that differ between
     ranks, e.g. RNG states); ``load`` returns the matching saved rank's subtree as ``tree[name]``."""
@@ -329,9 +338,9 @@ def prune(root: str, latest: int, keep: int) -> list:
 # ----------------------------------------------------------------------------- which checkpoint to load
 
 def _folder_problem(path: str, checksums: bool) -> Optional[str]:
-    """Why the checkpoint folder ``path`` cannot be loaded (a short phrase), or None: it must
-    exist, have a readable manifest and .metadata, and hold every file the manifest lists at its
-    size (and SHA-256 when ``checksums``)."""
+    """Why the checkpoint folder ``path`` (an ``iter_XXXXXXX``) cannot be loaded (a short phrase), or
+    None: it must exist, have a readable manifest of its own iteration and .metadata, and hold every
+    file the manifest lists at its size (and SHA-256 when ``checksums``)."""
     if not os.path.isdir(path):
         return "does not exist"
     try:
@@ -342,6 +351,9 @@ def _folder_problem(path: str, checksums: bool) -> Optional[str]:
         return str(e)
     if not os.path.isfile(os.path.join(path, ".metadata")):
         return ".metadata is missing"
+    named = int(os.path.basename(os.path.normpath(path))[len("iter_"):])
+    if isinstance(saved, dict) and saved.get("iteration") != named:  # loading it would read iteration_dir(its own)
+        return f"{MANIFEST} says iteration {saved.get('iteration')!r}, not {named}: was the folder renamed?"
     listed = saved.get("files") if isinstance(saved, dict) else None
     if listed is None and isinstance(saved, dict) and saved.get("format_version") == 1:
         return None  # saved before manifests listed files: nothing more to compare
@@ -508,6 +520,18 @@ def check_loadable(load: Optional[str], save: Optional[str] = None, fresh: bool 
     return []
 
 
+def folder_kind(path: str) -> str:
+    """The end of a converter's refusal of ``path`` (a folder of another kind than the one it reads):
+    "; it is …: <the command that reads it>", or "" when no kind is recognised."""
+    if is_hf_folder(path):
+        return "; it is a Hugging Face model folder: meshlm convert --from-hf reads it"
+    if is_megatron_folder(path):
+        return "; it is a Megatron-LM checkpoint: meshlm convert --from-megatron reads it"
+    if os.path.isfile(os.path.join(path, TRACKER)):
+        return "; it is a meshlm checkpoint already: give it to --load (pretrain, generate, convert --to-hf)"
+    return ""
+
+
 def save_folder_in(folder: str) -> Optional[str]:
     """The first subfolder of ``folder`` holding a tracker (a --save folder), or None: a run
     directory given for its checkpoints (the embedded default saves into its checkpoints/)."""
@@ -532,8 +556,8 @@ def read_into(path: str, targets: dict) -> None:
     """Load the checkpoint folder's tensors into ``targets`` {DCP key: tensor or Boxes} in place,
     without collectives: each target reads the boxes it covers from whatever pieces were saved.
 
-    Raises CheckpointError, before reading anything, naming the keys the checkpoint lacks or holds
-    at another global shape; damaged files raise their own errors (FileNotFoundError, _Corrupt,
+    Raises TensorMismatch (a CheckpointError), before reading anything, naming the keys the checkpoint
+    lacks or holds at another global shape; damaged files raise their own errors (FileNotFoundError, _Corrupt,
     RuntimeError...), for ``reading`` to report.
     """
     if not targets:
@@ -546,8 +570,9 @@ def read_into(path: str, targets: dict) -> None:
     problems = [f"{what} {len(keys)}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
                 for what, keys in (("has no tensor", missing), ("has another shape (saved vs now)", shapes)) if keys]
     if problems:
-        raise CheckpointError(f"checkpoint {path} does not fit this run ({'; '.join(problems)}): "
-                              f"was it saved with another model config?")
+        found = "; ".join(problems)
+        raise TensorMismatch(f"checkpoint {path} does not fit this run ({found}): was it saved with another "
+                             f"model config?", found)
     _check_storage(path, everything, targets)
     with warnings.catch_warnings():  # a world of one is "assumed" single-process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -188,15 +188,17 @@ class HFWeights(Mapping):
     names: the meshlm tensors wanted (a pipeline stage's); None for all. Raises CheckpointError
     naming a missing tensor, or tensors the folder holds that the model has no place for (e.g.
     biases the config does not announce). A tied model's ``lm_head.weight``, which some files hold
-    beside the embedding, is left unread, as transformers leaves it (its output layer is the embedding).
+    beside the embedding, is left unread when it equals the embedding, as transformers leaves it;
+    one that differs is refused (``_check_unread_head``).
     """
 
     def __init__(self, folder: str, arch: str, m: C.ModelConfig, names: Optional[set] = None):
         files = _with_prefix(_weight_files(folder), arch)
         plan = rules(arch, m)
         known = {h for r in plan for h in r.hf}
-        if not m.untie_embeddings_and_output_weights:  # tied: transformers never reads a saved lm_head either
+        if not m.untie_embeddings_and_output_weights and "lm_head.weight" in files:  # tied: a copy left unread
             known.add("lm_head.weight")
+            _check_unread_head(folder, files, next(r.hf[0] for r in plan if r.name.startswith("embedding.word")))
         unused = sorted(n for n in files if n not in known and not n.endswith(_BUFFERS))
         if unused:
             raise CheckpointError(f"{folder}: holds {len(unused)} tensor(s) the {arch} model of its config.json "
@@ -225,6 +227,29 @@ class HFWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self._plan)
+
+
+def _check_unread_head(folder: str, files: dict, embedding: str, rows: int = 4096) -> None:
+    """A tied model's folder holding ``lm_head.weight`` beside the ``embedding`` (its HF name): equal,
+    it is the same model either way; different, transformers 5 loads it as an output layer of its
+    own (4 left it unread), so the folder names two models and importing it tied would silently be
+    the other one: CheckpointError naming both ways out. Compared ``rows`` rows at a time."""
+    from safetensors import safe_open
+    try:
+        with safe_open(files["lm_head.weight"], framework="pt") as a, \
+                safe_open(files[embedding], framework="pt") as b:
+            head, emb = a.get_slice("lm_head.weight"), b.get_slice(embedding)
+            n = head.get_shape()[0]
+            same = head.get_shape() == emb.get_shape() and all(
+                torch.equal(head[i:i + rows], emb[i:i + rows]) for i in range(0, n, rows))
+    except Exception as e:  # the library raises its own SafetensorError
+        raise CheckpointError(f"{folder}: cannot read lm_head.weight or {embedding} ({e}); the files are damaged "
+                              f"or incomplete") from None
+    if not same:
+        raise CheckpointError(f"{folder}: config.json ties the output layer to the embedding (tie_word_embeddings) "
+                              f"but lm_head.weight differs from {embedding} (transformers 5 loads it untied): set "
+                              f"\"tie_word_embeddings\": false in config.json to import it as the output layer, or "
+                              f"remove lm_head.weight from the files to tie them")
 
 
 def to_hf_tensors(full: dict, arch: str, m: C.ModelConfig) -> dict:

@@ -67,7 +67,7 @@ def import_megatron(src: str, out: str) -> str:
     folder = mg.iteration_folder(src)
     if folder is None:
         raise CheckpointError(f"--from-megatron {src}: not a Megatron-LM checkpoint (no {mg.TRACKER} naming an "
-                              f"iter_NNNNNNN folder with {mg.METADATA} and {mg.COMMON})")
+                              f"iter_NNNNNNN folder with {mg.METADATA} and {mg.COMMON}){ckpt.folder_kind(src)}")
     mg.check_backend(folder)
     common = read_common(os.path.join(folder, mg.COMMON))
     args = common.get("args")

@@ -85,7 +85,8 @@ def validate_pipeline(cfg: Config, world: int) -> list:
     Checks Megatron's rules: v from at most one flag and only with PP > 1; layers per rank
     (even split, or the uneven first/last split) divisible by v; the schedule fits the layout;
     interleaving needs num_microbatches % PP == 0 (Megatron's rule with
-    microbatch_group_size_per_vp_stage = PP).
+    microbatch_group_size_per_vp_stage = PP; under --step-batch-size-schedule
+    batch_rules.interleaved_problems checks it for every entry's batch).
     """
     p = cfg.parallel
     pp = p.pipeline_model_parallel_size
@@ -111,7 +112,9 @@ def validate_pipeline(cfg: Config, world: int) -> list:
         problems.append(f"layers per pipeline rank {counts} are not divisible by "
                         f"--virtual-pipeline-model-parallel-size {v}")
     name = resolve_schedule(p.pipeline_schedule, pp, v)
-    problem = schedule_problem(name, pp, v, config_num_microbatches(cfg, world))
+    # a step schedule's every batch, its last included, is batch_rules' to check (naming that flag)
+    stepped = cfg.training.step_batch_size_schedule is not None
+    problem = schedule_problem(name, pp, v, None if stepped else config_num_microbatches(cfg, world))
     if problem:
         problems.append(problem)
     return problems

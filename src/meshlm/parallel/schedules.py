@@ -154,8 +154,9 @@ def build_schedule(name: str, pp: int, rank: int, num_microbatches: int, v: int 
     return add_p2p(order, pp, rank, v)
 
 
-def schedule_problem(name: str, pp: int, v: int, num_microbatches: int) -> str:
-    """Why schedule ``name`` cannot run PP × v with this many micro-batches ("" if it can)."""
+def schedule_problem(name: str, pp: int, v: int, num_microbatches: Optional[int]) -> str:
+    """Why schedule ``name`` cannot run PP × v with this many micro-batches ("" if it can; None: any
+    number, checked elsewhere)."""
     if name not in SCHEDULES:
         return f"--pipeline-schedule {name!r} is not one of auto, {', '.join(SCHEDULES)}"
     if name == "none" and pp > 1:
@@ -165,7 +166,7 @@ def schedule_problem(name: str, pp: int, v: int, num_microbatches: int) -> str:
                 f"--virtual-pipeline-model-parallel-size {v} use interleaved")
     if name == "interleaved" and v == 1:
         return "--pipeline-schedule interleaved needs --virtual-pipeline-model-parallel-size > 1"
-    if name == "interleaved" and num_microbatches % pp:
+    if name == "interleaved" and num_microbatches is not None and num_microbatches % pp:
         return (f"interleaved 1F1B needs the number of micro-batches ({num_microbatches}) to be a "
                 f"multiple of --pipeline-model-parallel-size {pp}; change --global-batch-size")
     return ""

@@ -35,9 +35,11 @@ class TrainState:
 
 
 def saved_layout(ps: ParallelState, cfg: C.Config) -> dict:
-    """The layout a checkpoint records (checkpoint.json; any layout loads any other)."""
+    """The layout a checkpoint records (checkpoint.json; any layout loads any other). ZeRO stage 1–3
+    by any of its flags (``config.zero_stage``) shards the optimizer: ``distributed_optimizer``."""
+    zero = C.zero_stage(cfg.parallel)
     return {"tp": ps.tp, "pp": ps.pp, "cp": ps.cp, "dp": ps.dp, "virtual_pipeline": virtual_size(cfg),
-            "distributed_optimizer": cfg.parallel.use_distributed_optimizer}
+            "distributed_optimizer": zero >= 1, "zero_stage": zero}
 
 
 def _coords(ps: ParallelState) -> dict:
@@ -151,6 +153,10 @@ def load_checkpoint(run) -> TrainState:
         print(f"loaded checkpoint {run.last_checkpoint} (iteration {iteration})"
               + (" for --finetune: model weights only, starting at iteration 0" if c.finetune else "")
               + (f"; {' and '.join(fresh)} fresh" if fresh and not c.finetune else ""), flush=True)
+        differ = _flag_differences(run, run.last_checkpoint) if c.finetune else []
+        if differ:  # weights of the same shapes under another function (e.g. --apply-layernorm-1p): as asked
+            print(f"note: --finetune compares no architecture flags, and this run's differ from the checkpoint's: "
+                  f"{', '.join(differ)}; the weights fit, so it trains them as this run's model", flush=True)
     return TrainState() if c.finetune else TrainState(**tree["train"])
 
 
@@ -161,21 +167,32 @@ def _check_every_weight_read(run, path: str) -> None:
     CheckpointError (the same line on every rank) naming them and the flags that differ. One
     all_gather of the model-space names each rank read (a stage reads only its own)."""
     from ..checkpoint.model_space import ModelSpace
-    from ..checkpoint.state import model_config_differences, model_state, unused_model_tensors
+    from ..checkpoint.state import model_state, unused_model_tensors
     from ..parallel.agree import all_problems
     mine = sorted(model_state(ModelSpace(run.chunks, run.ps), load=True, shards=run.ddp.shard_pieces())["model"])
     unused = unused_model_tensors(path, set(all_problems(mine)))
     if not unused:
         return
-    try:
-        diffs = model_config_differences(path, run.cfg.model, run.cfg.checkpoint.load, run.tokenizer.vocab_size)
-    except CheckpointError:
-        diffs = []
     names = f"{', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}"
     raise CheckpointError(f"--load {run.cfg.checkpoint.load}: checkpoint {os.path.basename(path)} holds "
                           f"{len(unused)} weight(s) this run's model has no place for ({names}); --finetune "
-                          f"would drop them: pass the saved model's flags"
-                          f"{' (' + ', '.join(diffs) + ')' if diffs else ''}")
+                          f"would drop them: pass the saved model's flags{_saved_flags(run, path)}")
+
+
+def _flag_differences(run, path: str) -> list:
+    """The architecture flags in which the run's model differs from the checkpoint folder's, as
+    ``--flag saved=X now=Y`` (which --finetune does not compare up front); [] when none is found."""
+    from ..checkpoint.state import model_config_differences
+    try:
+        return model_config_differences(path, run.cfg.model, run.cfg.checkpoint.load, run.tokenizer.vocab_size)
+    except CheckpointError:
+        return []
+
+
+def _saved_flags(run, path: str) -> str:
+    """" (--flag saved=X now=Y, ...)" of ``_flag_differences``, or ""."""
+    diffs = _flag_differences(run, path)
+    return f" ({', '.join(diffs)})" if diffs else ""
 
 
 def _loads(c: C.CheckpointConfig, kind: str) -> bool:
@@ -239,7 +256,14 @@ def _read_checkpoint(run, checksums: bool) -> Optional[tuple]:
     targets = model_state(space, load=True, shards=run.ddp.shard_pieces())
     if _loads(c, "optim"):
         targets["optimizer"] = optimizer_state(run.opt, space, load=True)
-    return ckpt.load(c.load, targets, coords=_coords(ps), iteration=ckpt.read_manifest(path)["iteration"])
+    try:
+        return ckpt.load(c.load, targets, coords=_coords(ps), iteration=ckpt.read_manifest(path)["iteration"])
+    except ckpt.TensorMismatch as e:  # --finetune compared no flags first: name those that differ
+        if not c.finetune:
+            raise
+        raise CheckpointError(f"--load {c.load}: checkpoint {os.path.basename(path)} does not fit this run's model "
+                              f"({e.found}); --finetune compares no flags, but the tensors must match: pass the "
+                              f"saved model's flags{_saved_flags(run, path)}") from None
 
 
 def _portable_config(cfg: C.Config) -> dict:
@@ -269,9 +293,13 @@ def check_data_lasts(run, state: TrainState) -> None:
         need = -(-(-(-state.consumed_samples // state.iteration)) // unit) * unit
         hint = f"give --global-batch-size {need} or more (the checkpoint's steps averaged "
         hint += f"{state.consumed_samples / state.iteration:g} samples), or "
+        batches = (f"this run's global batch {schedule.global_batch} × {state.iteration} steps", "at that batch")
+    else:  # a ramp or step schedule: its first steps take less than G
+        flag = "--rampup-batch-size" if schedule.ramp is not None else "--step-batch-size-schedule"
+        batches = (f"the {schedule.consumed_after(state.iteration):,} of this run's first {state.iteration} steps by "
+                   f"its {flag}", "by that schedule")
     raise CheckpointError(
         f"--load {run.cfg.checkpoint.load}: the checkpoint is at iteration {state.iteration} with "
-        f"{state.consumed_samples:,} samples consumed, more than this run's global batch "
-        f"{schedule.global_batch} × {state.iteration} steps; its training data, sized from sample 0 at that "
-        f"batch, holds {len(run.train_ds):,} samples and would run out before its last step (which reads up to "
-        f"sample {end:,}): {hint}--finetune to start the data position at 0")
+        f"{state.consumed_samples:,} samples consumed, more than {batches[0]}; its training data, sized from "
+        f"sample 0 {batches[1]}, holds {len(run.train_ds):,} samples and would run out before its last step "
+        f"(which reads up to sample {end:,}): {hint}--finetune to start the data position at 0")

@@ -174,10 +174,9 @@ def _heartbeat_log(cfg: C.Config, rank: int) -> Optional[str]:
 
 
 def _note_start(run: Run, state: TrainState) -> None:
-    """Rank 0 says when a run will train nothing, or will save over an earlier run's checkpoints (a
-    save replaces the folder of its iteration and prunes the older ones, ``checkpoint.dist.prune``:
-    "saves beside it" it said before, while the earlier run's checkpoints went)."""
-    cfg, save = run.cfg, run.cfg.checkpoint.save
+    """Rank 0 says when a run will train nothing, or will save over an earlier run's checkpoints
+    (``_saves_over``)."""
+    cfg = run.cfg
     if run.ps.rank != 0:
         return
     if state.iteration >= run.train_iters:
@@ -187,16 +186,45 @@ def _note_start(run: Run, state: TrainState) -> None:
             f"the {run.train_iters} iterations of --train-samples {samples}"
         print(f"note: the checkpoint is at iteration {state.iteration} ≥ {length}: nothing to train; "
               f"raise {flag} to go on", flush=True)
-    if not save or cfg.checkpoint.load:
-        return
-    from ..checkpoint import dist as ckpt
+    note = _saves_over(cfg.checkpoint)
+    if note:
+        print(f"note: {note}", flush=True)
+
+
+def _saves_over(c: C.CheckpointConfig) -> Optional[str]:
+    """What a run will do to the checkpoints --save already holds when they are not the ones it
+    resumes from, or None: a save replaces the folder of its iteration and prunes the older ones
+    (``checkpoint.dist.prune``; "saves beside it" was said before, while they went). Such a run: one
+    without --load, a --finetune one (whatever --save holds; with --save = --load it replaced the
+    very checkpoints it read, silently), or one loading another folder (a Hugging Face model's or
+    converted weights, or another run's checkpoint); each starts over from there when run again."""
+    from ..checkpoint import convert, dist as ckpt
+    save, load = c.save, c.load
+    if not save or (load and not c.finetune and _same_folder(load, save)):
+        return None
     earlier = ckpt.complete_iterations(save)
-    if earlier:
-        print(f"note: --save {save} already holds {os.path.basename(ckpt.iteration_dir(save, earlier[-1]))} "
-              f"from an earlier run; this run starts from scratch (no --load) and saves into the same folder: "
-              f"each save replaces the earlier run's checkpoint of its iteration and keeps only the newest "
-              f"--keep-checkpoints {cfg.checkpoint.keep_checkpoints} below it, the earlier run's included; "
-              f"pass --load {save} to resume instead, or give another --save to keep them", flush=True)
+    if not earlier:
+        return None
+    if not load:
+        start, fix = "starts from scratch (no --load)", \
+            f"pass --load {save} to resume instead, or give another --save to keep them"
+    elif c.finetune:
+        start, fix = "starts at iteration 0 (--finetune)", \
+            ("a restart of this command fine-tunes again from iteration 0, as Megatron's --finetune does: give "
+             "another --save to keep them, and resume from it without --finetune")
+    else:
+        start = f"starts at iteration 0 from the weights of --load {load}" if convert.is_weights_only(load) else \
+            f"resumes from --load {load}"
+        fix = (f"give another --save to keep them; a restart of this command starts again from --load {load} (to "
+               f"go on from its own saves, --load the --save folder)")
+    return (f"--save {save} already holds {os.path.basename(ckpt.iteration_dir(save, earlier[-1]))} from an "
+            f"earlier run; this run {start} and saves into the same folder: each save replaces the earlier run's "
+            f"checkpoint of its iteration and keeps only the newest --keep-checkpoints {c.keep_checkpoints} below "
+            f"it, the earlier run's included; {fix}")
+
+
+def _same_folder(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def build(cfg: C.Config, dtype: Optional[torch.dtype] = None) -> Run:
