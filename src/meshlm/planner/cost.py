@@ -89,7 +89,7 @@ from ..fp8_rules import fp8_layers
 from ..parallel.schedules import analytic_bubble_fraction
 from .gpus import COLLECTIVE_LATENCY_S, GPU
 from .layout import NONE, Layout
-from .memory import layer_bytes, narrowed_moment_bytes
+from .memory import adopted_params, layer_bytes, narrowed_moment_bytes
 from . import host
 from .moe_cp import cp_link, cp_seconds, ep_seconds, expert_rows, stacked_weight_bytes
 
@@ -407,9 +407,7 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, vocab: int, *, gpus_per_nod
     if half and bf16_reduce(c) and not halved:  # bf16 buckets summed over micro-batches: the fold adds in bf16
         saved_fold, saved_update, saved_norm = BF16_REDUCE_SAVED_BYTES
     # under half_grads a stack of experts' bucket is its grouped GEMM's weight gradient, uncopied
-    # (parallel/grad_buffer.py ``adopt``; not counted for FP8 experts)
-    folded = params_per_rank - (expert_params_per_rank if halved and not any(fp8_layers(c.training, m.num_layers))
-                                else 0)
+    folded = params_per_rank - adopted_params(c, layout, expert_params_per_rank)
     fold_s = (FOLD_BYTES_PER_PARAM - saved_fold) * folded / gpu.hbm_bytes_per_s
     per_mb = gemm_s + attn_s + elem_s + recompute_s + tp_s + ep_s + cp_s
     compute = nmb * (gemm_s + attn_s + elem_s + recompute_s)

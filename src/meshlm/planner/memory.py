@@ -67,10 +67,13 @@ Loss buffers (last stage): the bf16 logits [s·b, V/t], 2 bytes per element (the
 written into the same buffer, parallel/cross_entropy.py), plus the final norm's and the output
 layer's inputs (2 × 2sbh).
 
-Optimizer step: measured on the H200 (bench/RESULTS.md, planner check 2026-12-01), the peak of a run
+End of backward: measured on the H200 (bench/RESULTS.md, planner check 2026-12-01), the peak of a run
 whose activations are small (micro-batch 1, or full recompute) is the resting state (weights, grads,
 optimizer) plus one more copy of the weights — 2.12 GiB above it for llama-1b, 5.98 GiB for llama-3b,
-their bf16 weight sizes — so the state peak counts the weights twice.
+their bf16 weight sizes: autograd's ``p.grad`` of every param, alive beside the buckets until the fold
+copies them in at the end of the backward (parallel/data.py ``_fold``). Params whose gradients the
+buckets take as they are (``adopted_params``: the routed experts' stacks under ``config.half_grads``)
+have no such copy (session 18: the 32-expert run, predicted with the whole copy, +7.9%).
 Calibrated: with these terms llama-1b (micro-batch 8, seq 2048, bench/results.jsonl, peak 36.73 GiB
 after lazy grads) is predicted at 36.8 GiB and llama-3b (seq 4096, micro 2, selective, 4 micro-batches,
 76.56 GiB) at 77.1 GiB, so the allocator overhead in ``max_memory_allocated`` is taken as 0. What the
@@ -132,6 +135,15 @@ def gathered_bytes(cfg: Config, layout: Layout, params: float, vocab: int, *, ha
     embedding = vocab * m.hidden_size / layout.tp
     layer = (params - 2 * embedding) / max(m.num_layers, 1)
     return w * 2 * max(layer, embedding)
+
+
+def adopted_params(c: Config, layout: Layout, experts: float) -> float:
+    """Parameters on a rank whose gradients the buckets adopt uncopied (parallel/data.py ``adopt``): the
+    rank's ``experts`` routed-expert parameters under ``config.half_grads`` when no layer is FP8 (an FP8
+    buffer's stacks are copied), else 0. Their fold moves no bytes and allocates no ``p.grad`` copy."""
+    if not half_grads(c, layout.world) or any(fp8_layers(c.training, c.model.num_layers)):
+        return 0.0
+    return experts
 
 
 def layer_terms(m: ModelConfig, b: int, *, tp: int = 1, sp: bool = False, flash: bool = True,
@@ -315,7 +327,8 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
             st["optimizer"] *= 1.0 - f
         held = nmb > 1 or layout.pp > 1
         peak = st["weights"] + st["optimizer"] + acts + loss + (st["grads"] if held else 0.0)
-        peak = max(peak, 2 * st["weights"] + st["optimizer"] + st["grads"])  # the step's weight-sized transient
+        copied = 1 - adopted_params(c, layout, experts[rank]) / max(params[rank], 1)
+        peak = max(peak, (1 + copied) * st["weights"] + st["optimizer"] + st["grads"])  # the fold's p.grad transient
         gather = params[rank] * act if layout.stage == 3 and _loads_whole(c.checkpoint.load) else 0.0
         peak = max(peak, st["weights"] + gather + st["optimizer"] + st["grads"])  # that load: every bucket whole
         mem = Memory(stage=rank, params=params[rank], expert_params=experts[rank], weights=st["weights"],
