@@ -72,6 +72,19 @@ def test_config_derives_the_schedule_and_the_run_length():
     assert run_iterations(cfg, 2) == 19 and run_samples(cfg, 2) == 1000
 
 
+@pytest.mark.parametrize("train_samples, ramp", [(60, [2, 2, 1000]), (41, [2, 2, 40])])
+def test_the_data_holds_a_ramps_last_step_that_passes_train_samples(train_samples, ramp):
+    # the ramp's step that starts at c <= --train-samples (Megatron's update_train_iters) reads past
+    # it: the training split was sized to --train-samples and that step stopped with StopIteration
+    cfg = Config()
+    t = cfg.training
+    t.micro_batch_size, t.global_batch_size, t.train_samples, t.rampup_batch_size = 2, 8, train_samples, ramp
+    steps = run_iterations(cfg, 1)
+    assert steps == megatron_train_iters(train_samples, 8, 2, 1, ramp)
+    taken = batch_schedule(cfg, 1).consumed_after(steps)
+    assert taken > train_samples and run_samples(cfg, 1) == taken
+
+
 def _problems(world=4, **fields):
     """validate's problems for a small config with ``fields`` set (by section-free name)."""
     from meshlm.config import apply_mapping

@@ -752,13 +752,14 @@ def run_iterations(cfg: Config, world: Optional[int] = None) -> int:
 
 
 def run_samples(cfg: Config, world: Optional[int] = None) -> int:
-    """Training samples the run asks of its data: --train-samples, else iterations × global batch
-    (Megatron's count for the training split); under --step-batch-size-schedule the samples its
-    steps take (a run in samples may pass --train-samples in its last step)."""
+    """Training samples the run asks of its data: the samples its steps take (iterations × global
+    batch at a constant batch, a ramp's or step schedule's smaller steps summed), and at least
+    --train-samples (Megatron's count for the training split). A run in samples may pass
+    --train-samples in its last step: a step schedule's, or a ramp's whose SAMPLES reach past the run
+    (Megatron's update_train_iters counts the ramp's step that starts at c = --train-samples)."""
     t = cfg.training
-    if t.step_batch_size_schedule is not None:
-        return batch_schedule(cfg, world).consumed_after(run_iterations(cfg, world))
-    return t.train_samples if t.train_samples is not None else run_iterations(cfg, world) * global_batch(cfg, world)
+    taken = batch_schedule(cfg, world).consumed_after(run_iterations(cfg, world))
+    return taken if t.train_samples is None else max(t.train_samples, taken)
 
 
 def ffn_hidden(m: ModelConfig) -> int:
