@@ -77,7 +77,8 @@ def split_ranges(split: str, num_sequences: int) -> list:
 
 
 def num_samples_per_split(cfg, world_size: int) -> list:
-    """Samples each split must supply (Megatron's counts): --train-samples, else train_iters·B;
+    """Samples each split must supply (Megatron's counts): the samples the run's steps take, at
+    least --train-samples (``config.run_samples``);
     (train_iters // eval_interval + 1)·eval_iters·B; eval_iters·B, with B the global batch (after
     any ramp) and train_iters the run's steps (``config.run_iterations``)."""
     t, b, iters = cfg.training, global_batch(cfg, world_size), run_iterations(cfg, world_size)
