@@ -187,6 +187,22 @@ CASES = {  # name: flags, in the order they are measured; none of these shapes o
     "gpt760m-s4k-m4": _gpt("gpt2-760m", 4096) + ["--hidden-dropout", "0"] + _mb(4),
     "moe-e4-top2-f2048-s8k-m1-sel": _moe(8192, 4, 2, 2048) + _mb(1) + SEL,
     "gpt2.7b-s4k-m1-pao-zero": _gpt("gpt3-2.7b", 4096) + ["--hidden-dropout", "0"] + _mb(1) + PAO + ZERO,
+    # the tenth set (2026-12-05, session 19): after the one-call flat update (issue 31) and the model's session-19
+    # terms (bench/RESULTS.md); committed before any of them runs; measured in this order
+    "moe-e8-top2-f2048-s2k-m8": _moe(2048, 8, 2, 2048) + _mb(8),
+    "gpt350m-s8k-m2-full": _gpt("gpt2-350m", 8192) + ["--hidden-dropout", "0"] + _mb(2) + FULL,
+    "llama3b-s8k-m1-fp8": _llama("llama-3b", 8192) + _mb(1) + FP8,
+    "gpt760m-s2k-m4-acc2-zero": _gpt("gpt2-760m", 2048) + ["--hidden-dropout", "0"] + _mb(4, 2) + ZERO,
+    "moe-e16-top2-f1536-s4k-m2-sel": _moe(4096, 16, 2, 1536) + _mb(2) + SEL,
+    "llama1b-s1k-m16-sel": _llama("llama-1b", 1024) + _mb(16) + SEL,
+    "gpt2.7b-s2k-m4-full-zero": _gpt("gpt3-2.7b", 2048) + ["--hidden-dropout", "0"] + _mb(4) + FULL + ZERO,
+    "llama8b-w-L4-s4k-m2": _llama("llama3-8b", 4096) + ["--num-layers", "4"] + _mb(2),
+    "mixtral8x7b-w-L2-s4k-m1": _llama("mixtral-8x7b", 4096, 32000) + ["--num-layers", "2"] + _mb(1),
+    "gpt1.3b-s4k-m4-sel": _gpt("gpt2-1.3b", 4096) + ["--hidden-dropout", "0"] + _mb(4) + SEL,
+    "llama1b-s16k-m1": _llama("llama-1b", 16384) + _mb(1),
+    "gpt1.3b-s1k-m8-fp8-zero": _gpt("gpt2-1.3b", 1024) + ["--hidden-dropout", "0"] + _mb(8) + FP8 + ZERO,
+    "llama8b-w-L6-s2k-m2-sel-zero": _llama("llama3-8b", 2048) + ["--num-layers", "6"] + _mb(2) + SEL + ZERO,
+    "llama3b-s2k-m2-acc4-pao": _llama("llama-3b", 2048) + _mb(2, 4) + PAO,
 }
 
 
