@@ -3,6 +3,7 @@ configurations the planner was not tuned on, predicted (and committed) before th
 
 Usage (from the repository root):
     PYTHONPATH=src python bench/plan_accuracy.py predict      # adds new cases to bench/plan_accuracy_predictions.json
+    PYTHONPATH=src python bench/plan_accuracy.py predict --gpu H100-80GB --cases ...   # another GPU's (predictions_path)
     PYTHONPATH=src python bench/plan_accuracy.py run --out $OUT [--deadline-s 300]   # the lent H200
     PYTHONPATH=src python bench/plan_accuracy.py table RESULTS.jsonl                  # the markdown table
     PYTHONPATH=src python bench/plan_accuracy.py now RESULTS.jsonl    # the same runs, the current model's figures
@@ -11,7 +12,7 @@ Usage (from the repository root):
 ``run`` has two phases, so that the device time goes into measured steps, not into compiling:
 1. warm: every case for 2 iterations with one layer (``WARM_FLAGS``: every layer compiles to the same
    graph), several at once (first-fit-decreasing groups whose predicted device bytes sum to at most
-   ``WARM_GIB``), which fills torch.compile's caches (Inductor's FX-graph and autograd caches);
+   ``WARM_SHARE`` of the GPU's memory), which fills torch.compile's caches (Inductor's FX-graph and autograd caches);
 2. measure: each case alone, as its own ``meshlm pretrain`` process (bench/runs.py), --iters iterations;
    step = median ``iter_ms`` after --warmup, peak = the largest ``mem_max_allocated_gb`` (torch
    max_memory_allocated).
@@ -53,7 +54,7 @@ from runs import COMMON, predict, records  # noqa: E402
 
 from meshlm.planner import host  # noqa: E402
 
-WARM_GIB = 125.0   # the warm phase's concurrent runs: predicted device GiB together at most
+WARM_SHARE = 0.88  # the warm phase's concurrent runs: predicted device bytes together at most this share of the GPU's
 WARM_FLAGS = ["--num-layers", "1"]  # every layer compiles to the same graph: one layer fills the caches
 CASE_RESERVE_S = 25.0
 LAUNCH_READINGS = 5  # the call's host_scale: the median of this many host.launch_seconds at its start
@@ -67,6 +68,14 @@ PROBE_FLAGS = ["--model", "llama-1b", "--hidden-size", "1024", "--num-attention-
                "--micro-batch-size", "1", "--global-batch-size", "1"]
 PROBE_STEPS = 10
 PREDICTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plan_accuracy_predictions.json")
+REFERENCE_PRESET = "H200-141GB"  # PREDICTIONS' GPU; another preset's predictions: predictions_path(preset)
+
+
+def predictions_path(preset: str) -> str:
+    """The committed predictions of planner GPU preset ``preset``: PREDICTIONS for the H200 (every case),
+    plan_accuracy_predictions_<preset>.json for another (the cases predicted for it with ``predict --gpu``,
+    e.g. when the lent machine is an H100; step times differ, peaks do not)."""
+    return PREDICTIONS if preset == REFERENCE_PRESET else PREDICTIONS.replace(".json", f"_{preset}.json")
 
 
 def _gpt(name: str, seq: int) -> list:
@@ -206,19 +215,20 @@ CASES = {  # name: flags, in the order they are measured; none of these shapes o
 }
 
 
-def predictions(date: str) -> dict:
-    """{case: {"flags", "peak_gib", "step_ms", "device_gib", "predicted"}} from the planner, nothing
-    run: the committed file's cases as they are (a prediction, once committed, is never redone), the
-    planner's figures (dated ``date``) for the cases it lacks."""
-    from meshlm.planner.gpus import GiB
-    out = {}
-    if os.path.exists(PREDICTIONS):
-        with open(PREDICTIONS) as fh:
+def predictions(date: str, preset: str = REFERENCE_PRESET, cases=None) -> dict:
+    """{case: {"flags", "peak_gib", "step_ms", "device_gib", "predicted"}} from the planner on GPU preset
+    ``preset``, nothing run: the committed file's cases as they are (a prediction, once committed, is never
+    redone), the planner's figures (dated ``date``) for the cases it lacks (of ``cases``, default all)."""
+    from meshlm.planner.gpus import PRESETS, GiB
+    out, path = {}, predictions_path(preset)
+    if os.path.exists(path):
+        with open(path) as fh:
             out = json.load(fh)
-    for name, flags in CASES.items():
+    for name in cases or CASES:
+        flags = CASES[name]
         if name in out:
             continue
-        p = predict(flags + COMMON, 1)
+        p = predict(flags + COMMON, 1, gpu=PRESETS[preset])
         out[name] = {"flags": " ".join(flags), "peak_gib": round(p["peak_gib"], 3), "step_ms": round(p["step_ms"], 2),
                      "device_gib": round(p["device_bytes"] / GiB, 3), "predicted": date,
                      "phases_ms": [[round(1e3 * h, 4), round(1e3 * g, 4)] for h, g in p["time"]["phases"]]}
@@ -282,13 +292,21 @@ def run(args) -> None:
     probe = probe_scale(args.out) if args.probe_host else {}
     if args.probe_host:
         print(f"host: the d16 probe {probe or 'failed (logs/host_probe.log)'}", flush=True)
-    with open(PREDICTIONS) as fh:
+    import torch
+    from meshlm.planner.gpus import gpu_of_device
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    gpu = gpu_of_device(device)[0]
+    preset, warm_gib = gpu.name, WARM_SHARE * gpu.memory_bytes / 2 ** 30
+    with open(predictions_path(preset)) as fh:
         pred = json.load(fh)
-    names = args.cases or list(CASES)
+    print(f"device {device}: the {preset} predictions ({predictions_path(preset)})", flush=True)
+    names = [n for n in args.cases or list(CASES) if n in pred]
+    if len(names) < len(args.cases or CASES):
+        print(f"not predicted for {preset}, not run: {sorted(set(args.cases or CASES) - set(names))}", flush=True)
     warm = {n: predict(CASES[n] + WARM_FLAGS + COMMON, 1)["device_bytes"] / 2 ** 30 for n in names}
-    groups = []  # first-fit decreasing by predicted device GiB, WARM_GIB a group
+    groups = []  # first-fit decreasing by predicted device GiB, warm_gib a group
     for name in sorted(names, key=lambda n: -warm[n]):
-        g = next((g for g in groups if sum(warm[n] for n in g) + warm[name] <= WARM_GIB), None)
+        g = next((g for g in groups if sum(warm[n] for n in g) + warm[name] <= warm_gib), None)
         groups.append([name]) if g is None else g.append(name)
     for g in groups:
         if time.time() - start > args.warm_budget_s:
@@ -321,7 +339,7 @@ def run(args) -> None:
             step, peak = statistics.median(r["iter_ms"] for r in rows), max(peaks) if peaks else None  # None on CPU
             used = scale if args.calibrate_host else 1.0
             predicted = calibrated_ms(p, used)
-            rec = {"date": args.date, "bench": "plan_accuracy", "gpu": "1x H200", "case": name, "flags": p["flags"],
+            rec = {"date": args.date, "bench": "plan_accuracy", "gpu": f"1x {device}", "preset": preset, "case": name, "flags": p["flags"],
                    "predicted_peak_gib": p["peak_gib"], "measured_peak_gib": peak,
                    "peak_error": round(p["peak_gib"] / peak - 1, 4) if peak else None,
                    "predicted_step_ms": round(predicted, 2), "measured_step_ms": round(step, 2),
@@ -359,11 +377,12 @@ def table(rows: list) -> str:
 
 def repredicted(rows: list) -> list:
     """The rows with the current planner's predictions in place of the committed ones (at the row's
-    ``host_scale`` where it has one, else the preset's): after a model change these are in-sample
+    ``host_scale`` where it has one, else the preset's; on the row's GPU preset): after a model change these are in-sample
     figures, never a substitute for predictions committed before a run."""
+    from meshlm.planner.gpus import PRESETS
     out = []
     for r in rows:
-        p = predict(r["flags"].split() + COMMON, 1)
+        p = predict(r["flags"].split() + COMMON, 1, gpu=PRESETS[r.get("preset", REFERENCE_PRESET)])
         step = 1e3 * host.rescaled(p["time"]["phases"], r.get("host_scale", 1.0))
         out.append(dict(r, predicted_peak_gib=p["peak_gib"], predicted_step_ms=step,
                         peak_error=p["peak_gib"] / r["measured_peak_gib"] - 1,
@@ -390,6 +409,7 @@ def main() -> None:
     ap.add_argument("action", choices=("predict", "run", "table", "now", "margin"))
     ap.add_argument("path", nargs="?")
     ap.add_argument("--cases", nargs="*")
+    ap.add_argument("--gpu", default=REFERENCE_PRESET, help="predict: the planner GPU preset (default %(default)s)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out/plan_accuracy"))
     ap.add_argument("--date", default=time.strftime("%Y-%m-%d"))
     ap.add_argument("--iters", type=int, default=7)
@@ -403,10 +423,10 @@ def main() -> None:
                          "its host_scale (predicted_step_ms_probe; the compared figure stays the preset's)")
     args = ap.parse_args()
     if args.action == "predict":
-        found = predictions(args.date)
-        with open(PREDICTIONS, "w") as fh:
+        found, path = predictions(args.date, args.gpu, args.cases), predictions_path(args.gpu)
+        with open(path, "w") as fh:
             json.dump(found, fh, indent=1)
-        print(open(PREDICTIONS).read())
+        print(open(path).read())
     elif args.action == "run":
         run(args)
     elif args.action == "table":

@@ -78,8 +78,8 @@ def config_of(flags: list):
     return config_from_args(parser.parse_args(flags))
 
 
-def predict(flags: list, world: int, stage: Optional[int] = None) -> dict:
-    """The planner's figures for ``meshlm pretrain FLAGS`` on ``world`` GPUs of one host:
+def predict(flags: list, world: int, stage: Optional[int] = None, gpu=GPU) -> dict:
+    """The planner's figures for ``meshlm pretrain FLAGS`` on ``world`` GPUs (``gpu``, a planner GPU) of one host:
     {"peak_gib" (torch max allocated of pipeline rank ``stage``, default the larger of the first and
     the last), "step_ms", "device_bytes" (peak + CUDA context + fragmentation), "activations_gib", "state_gib",
     "host_gib" and "host_full_gib" (--optimizer-cpu-offload: the host bytes of the fraction and of the whole optimizer,
@@ -89,7 +89,7 @@ def predict(flags: list, world: int, stage: Optional[int] = None) -> dict:
     lay = Layout.of(cfg, world)
     vocab = cfg.model.vocab_size
     mem = estimate(cfg, lay, vocab, stage=stage)
-    t = step_time(cfg, lay, GPU, vocab, gpus_per_node=world, params_per_rank=mem.params,
+    t = step_time(cfg, lay, gpu, vocab, gpus_per_node=world, params_per_rank=mem.params,
                   expert_params_per_rank=mem.expert_params)
     return {"peak_gib": mem.peak_bytes / GiB, "step_ms": 1000 * t.total, "device_bytes": mem.device_bytes, "activations_gib": mem.activations / GiB,
             "state_gib": (mem.weights + mem.optimizer + (mem.grads if mem.grads_at_peak else 0)) / GiB,
