@@ -113,11 +113,13 @@ def test_query_groups_must_split_over_tp():
     assert "--num-query-groups 6" in msg and "--tensor-model-parallel-size 4" in msg
 
 
-def test_gqa_flag_without_group_count():
+def test_gqa_flag_without_group_count_is_multi_query_as_in_megatron():
+    """Megatron's --num-query-groups defaults to 1: a script with --group-query-attention alone runs
+    multi-query attention there, so it must run here too (it was refused)."""
     cfg = small()
     cfg.model.group_query_attention = True
-    [msg] = problems_of(cfg)
-    assert "--group-query-attention" in msg and "--num-query-groups" in msg
+    validate(cfg, 1)
+    assert query_groups(cfg.model) == 1
 
 
 def test_missing_data_files_name_the_file(tmp_path):

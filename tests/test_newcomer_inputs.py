@@ -487,7 +487,8 @@ def test_dry_run_refuses_a_job_of_no_processes(capsys, flags, named):
 def test_job_size_flags_without_dry_run_are_refused_not_ignored(tmp_path, capsys, flags):
     """`meshlm pretrain … --nnodes 2` (or --world-size 4) trained a world of 1 on this node alone."""
     err = _refused(capsys, SHAPE + ["--mock-data", "--vocab-size", "64", "--run-dir", str(tmp_path / "run")] + flags)
-    assert f"{' '.join(flags)} only size the job that --dry-run checks" in err and len(err.splitlines()) == 1
+    verb = "sizes" if len(flags) == 2 else "size"
+    assert f"{' '.join(flags)} only {verb} the job that --dry-run checks" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "run").exists()
 
 

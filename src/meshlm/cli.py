@@ -327,7 +327,7 @@ def _run_pretrain(args: argparse.Namespace) -> int:
     sized = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("nnodes", "world_size")
              if getattr(args, name) is not None]
     if sized:  # a launch that silently ran on one node's --nproc-per-node workers instead
-        raise ConfigError(f"{' '.join(sized)} only size the job that --dry-run checks; a launch takes its size from "
+        raise ConfigError(f"{' '.join(sized)} only size{'s' if len(sized) == 1 else ''} the job that --dry-run checks; a launch takes its size from "
                           f"--nproc-per-node (local workers) or from torchrun / Slurm (e.g. `torchrun --nnodes 2 "
                           f"--nproc-per-node 8 -m meshlm pretrain …`): add --dry-run, or drop {' and '.join(sized)}")
 

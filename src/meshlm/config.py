@@ -57,7 +57,8 @@ class ModelConfig:
     num_attention_heads: int = opt(4, "number of attention heads a")
     group_query_attention: bool = opt(False, "use grouped-query attention with --num-query-groups",
                                       action="store_true")
-    num_query_groups: Optional[int] = opt(None, "number of key/value heads under GQA (default: heads)")
+    num_query_groups: Optional[int] = opt(None, "number of key/value heads under --group-query-attention "
+                                          "(default 1, as Megatron's: multi-query)")
     ffn_hidden_size: Optional[int] = opt(None, "MLP hidden size (default 4h, or 8h/3 rounded for SwiGLU)")
     kv_channels: Optional[int] = opt(None, "head dimension (default h / heads)")
     seq_length: int = opt(256, "training sequence length s in tokens")
@@ -838,9 +839,12 @@ def gelu_tanh(m: ModelConfig) -> bool:
 
 
 def query_groups(m: ModelConfig) -> int:
-    """Key/value heads: --num-query-groups under --group-query-attention, else one per attention
-    head (Megatron ignores --num-query-groups without --group-query-attention)."""
-    return m.num_query_groups if m.group_query_attention and m.num_query_groups else m.num_attention_heads
+    """Key/value heads: --num-query-groups under --group-query-attention (1 when not given: Megatron's
+    default, multi-query attention), else one per attention head (Megatron ignores --num-query-groups
+    without --group-query-attention)."""
+    if m.group_query_attention:
+        return m.num_query_groups or 1
+    return m.num_attention_heads
 
 
 def head_dim(m: ModelConfig) -> int:

@@ -87,8 +87,6 @@ def _model_problems(m: ModelConfig) -> list:
                         f"{m.num_attention_heads}; set --kv-channels or change one of them")
     if m.openai_gelu and m.swiglu:
         problems.append("--openai-gelu chooses the GeLU of the GeLU MLP; --swiglu has none: drop one of them")
-    if m.group_query_attention and not m.num_query_groups:
-        problems.append("--group-query-attention needs --num-query-groups")
     groups = query_groups(m)
     if m.num_attention_heads % groups:
         problems.append(f"--num-query-groups {groups} does not divide --num-attention-heads "

@@ -277,8 +277,8 @@ def _portable_config(cfg: C.Config) -> dict:
 
 def check_data_lasts(run, state: TrainState) -> None:
     """CheckpointError (the same line on every rank, before the first step) when the training data,
-    sized from sample 0 at this run's global batch (``num_samples_per_split``: --train-iters × the
-    batch, or --train-samples), ends before the steps from the loaded position do: a checkpoint that
+    sized from sample 0 for this run's steps (``num_samples_per_split``: the samples its steps take at
+    its global batch or ramp, at least --train-samples), ends before the steps from the loaded position do: a checkpoint that
     consumed more samples a step than this run's global batch (saved at a larger DP, which the default
     global batch follows). The run stopped with a StopIteration traceback at the step that ran out."""
     if run.train_ds is None or state.iteration >= run.train_iters:
