@@ -49,7 +49,9 @@ and the log-sum-exp (4·a·s·b bytes, fp32). Selective recompute drops those tw
 math-attention term instead (Megatron's unfused softmax).
 
 FP8 layers (--fp8-format, meshlm/fp8_rules.py) keep their linears' inputs in FP8 for backward, one
-byte an element (``layer_terms``' fp8), instead of bf16; the delayed recipe's amax histories (3 · L
+byte an element (``layer_terms``' fp8), instead of bf16, where the linear runs eagerly (TP > 1, the delayed
+recipe); traced into the compiled layer (tensorwise at TP = 1, ``fp8_recomputed``) they keep none: backward
+casts them again from the bf16 tensors the layer keeps anyway; the delayed recipe's amax histories (3 · L
 values a linear, 48 KiB a layer at L = 1024 in fp32) are not counted. No FP8 weight
 copy, except under --fp8-param-gather (``fp8_copy_bytes``): one byte per weight of the FP8 layers'
 linears, whole under ZeRO-1/2 (beside the bf16 params), a 1/(DP × CP) shard under ZeRO-3, whose
@@ -147,7 +149,7 @@ def adopted_params(c: Config, layout: Layout, experts: float) -> float:
 
 
 def layer_terms(m: ModelConfig, b: int, *, tp: int = 1, sp: bool = False, flash: bool = True,
-                act_bytes: int = 2, fp8: bool = False) -> dict:
+                act_bytes: int = 2, fp8: bool = False, fp8_recomputed: bool = False) -> dict:
     """Bytes one transformer layer keeps for backward (no recompute), by term; s = m.seq_length.
 
     Replicated-region terms are divided by tp only under sequence parallelism; TP-region terms by tp.
@@ -158,6 +160,10 @@ def layer_terms(m: ModelConfig, b: int, *, tp: int = 1, sp: bool = False, flash:
     byte an element (the QKV and MLP inputs all-gathered, [s, b, h], under SP); the weights are
     re-cast in backward (no FP8 copy kept; --fp8-param-gather's copies: ``fp8_copy_bytes``), and the
     delayed recipe's small amax histories are not counted.
+    fp8_recomputed: the FP8 linears are traced into the compiled layer (``fp8_recomputed``), whose
+    partitioner keeps none of the four FP8 inputs: backward casts them again from tensors it keeps anyway
+    (the norm inputs, the fc1 output, the bf16 copy of the attention output), so the layer keeps the
+    bf16 layer's terms less the QKV and MLP inputs and the activation output.
     """
     s, h, a, d = m.seq_length, m.hidden_size, m.num_attention_heads, head_dim(m)
     sbh, q, kv, f = s * b * h, a * d, query_groups(m) * d, ffn_hidden(m)
@@ -174,13 +180,23 @@ def layer_terms(m: ModelConfig, b: int, *, tp: int = 1, sp: bool = False, flash:
         "fc1_output": act_bytes * s * b * f * (2 if m.swiglu else 1) / tp,
         "activation_output": act_bytes * s * b * f / tp, "core_attention": core / tp,
     }
-    if fp8:
+    if fp8 and fp8_recomputed:
+        terms.update(qkv_input=0.0, mlp_input=0.0, activation_output=0.0)
+    elif fp8:
         terms.update(qkv_input=sbh, mlp_input=sbh, attention_output=s * b * q / tp, activation_output=s * b * f / tp)
     return terms
 
 
+def fp8_recomputed(c: Config, layout: Layout) -> bool:
+    """Whether the FP8 linears' inputs are cast again in backward rather than kept (``layer_terms``): the
+    current-scaling (tensorwise) recipe at TP = 1 traces whole into the compiled layer (no amax all-reduce),
+    and the partitioner keeps no FP8 copy (bench/saved_bytes.py on the compiled GPT-2.7B layer,
+    bench/RESULTS.md session 20). Elsewhere (TP > 1, the delayed recipe) the copies are counted as kept."""
+    return layout.tp == 1 and c.training.fp8_recipe == "tensorwise"
+
+
 def layer_bytes(m: ModelConfig, b: int, layout: Layout, *, checkpointed: bool = False, flash: bool = True,
-                act_bytes: int = 2, moe: bool = False, fp8: bool = False) -> float:
+                act_bytes: int = 2, moe: bool = False, fp8: bool = False, fp8_recomputed: bool = False) -> float:
     """Bytes one layer keeps: all terms; without core attention under selective recompute; only the
     layer input (act_bytes·sbh, /tp under SP) when the layer is checkpointed (full recompute).
     moe: an MoE layer, whose MLP keeps ``moe_cp.moe_mlp_terms`` instead of the dense fc1 and
@@ -189,7 +205,8 @@ def layer_bytes(m: ModelConfig, b: int, layout: Layout, *, checkpointed: bool = 
     if checkpointed:
         return act_bytes * m.seq_length * b * m.hidden_size / (layout.tp if layout.sequence_parallel else 1) \
             / layout.cp
-    terms = layer_terms(m, b, tp=layout.tp, sp=layout.sequence_parallel, flash=flash, act_bytes=act_bytes, fp8=fp8)
+    terms = layer_terms(m, b, tp=layout.tp, sp=layout.sequence_parallel, flash=flash, act_bytes=act_bytes, fp8=fp8,
+                        fp8_recomputed=fp8_recomputed)
     if moe:
         del terms["fc1_output"], terms["activation_output"]
         terms.update(moe_mlp_terms(m, b, layout, act_bytes=act_bytes))
@@ -284,7 +301,9 @@ def estimate(cfg: Config, layout: Layout, vocab: int, *, accounting: str = "mesh
     rep = layout.tp if layout.sequence_parallel else 1
     moe, fp8 = moe_layer_pattern(m), fp8_layers(c.training, m.num_layers)
     kinds = list(zip(moe, fp8))  # per layer: (MoE, FP8)
-    per_layer = {k: layer_bytes(m, b, layout, flash=flash, act_bytes=act, moe=k[0], fp8=k[1]) for k in set(kinds)}
+    recast = fp8_recomputed(c, layout)
+    per_layer = {k: layer_bytes(m, b, layout, flash=flash, act_bytes=act, moe=k[0], fp8=k[1], fp8_recomputed=recast)
+                 for k in set(kinds)}
     zero, group = layout.stage >= 1, layout.dp * layout.cp
     # hybrid sharding: shards span one of N replicas; the optimizer's also split across them under outer optim
     replicas = c.parallel.num_distributed_optimizer_instances if zero else 1
