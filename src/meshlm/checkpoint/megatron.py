@@ -65,6 +65,31 @@ def iteration_folder(path: str) -> Optional[str]:
     return folder if os.path.isfile(os.path.join(folder, METADATA)) else None
 
 
+def saved_iterations(path: str) -> list:
+    """The ``iter_NNNNNNN`` folders in ``path`` that hold a Megatron iteration (metadata.json and
+    common.pt), oldest first."""
+    names = sorted(n for n in os.listdir(path) if re.fullmatch(r"iter_\d{7}", n))
+    return [n for n in names if os.path.isfile(os.path.join(path, n, METADATA))
+            and os.path.isfile(os.path.join(path, n, COMMON))]
+
+
+def tracker_problem(path: str) -> Optional[str]:
+    """The line for a Megatron save folder whose tracker names an iteration it does not hold (a copy
+    without the newest iteration, a save stopped while writing it) beside ones it does; else None."""
+    tracker = os.path.join(path, TRACKER)
+    if not os.path.isdir(path) or not os.path.isfile(tracker) or iteration_folder(path) is not None:
+        return None
+    saved = saved_iterations(path)
+    if not saved:
+        return None
+    with open(tracker) as fh:
+        named = fh.read().strip()
+    last = saved[-1]
+    return (f"{tracker} names iteration {named!r}, which {path} does not hold (no complete folder with "
+            f"{METADATA} and {COMMON}); it holds {', '.join(saved)}: give the folder {os.path.join(path, last)} "
+            f"itself, or write {int(last[5:])} into {tracker}")
+
+
 def is_megatron_folder(path: Optional[str]) -> bool:
     """True when ``path`` is a Megatron-LM checkpoint (its save folder or one iteration)."""
     return iteration_folder(path) is not None

@@ -65,6 +65,9 @@ def import_megatron(src: str, out: str) -> str:
         raise CheckpointError(f"--from-megatron {src}: {what}; give the folder holding {mg.TRACKER} "
                               f"(Megatron-LM's --save)")
     folder = mg.iteration_folder(src)
+    stale = mg.tracker_problem(src)
+    if stale:
+        raise CheckpointError(f"--from-megatron {src}: {stale}")
     if folder is None:
         raise CheckpointError(f"--from-megatron {src}: not a Megatron-LM checkpoint (no {mg.TRACKER} naming an "
                               f"iter_NNNNNNN folder with {mg.METADATA} and {mg.COMMON}){ckpt.folder_kind(src)}")
