@@ -619,3 +619,18 @@ def test_megatron_tracker_naming_a_missing_iteration_is_named(tmp_path, capsys):
     assert "write 6 into" in err
     problems = ckpt.check_loadable(str(root))
     assert len(problems) == 1 and "convert it first" in problems[0] and "write 6 into" in problems[0]
+
+
+def test_damaged_megatron_folder_names_from_megatron_not_load(tmp_path):
+    """A damaged Megatron iteration read by convert --from-megatron was reported as "--load DIR: …;
+    load an earlier iteration", a flag the command has not; the line names --from-megatron."""
+    from meshlm.checkpoint.megatron import optimizer_states
+    from meshlm.errors import CheckpointError
+    folder = tmp_path / "meg" / "iter_0000006"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(b"\x80\x04truncated")
+    with pytest.raises(CheckpointError) as e:
+        optimizer_states(str(folder))
+    line = str(e.value)
+    assert line.startswith(f"--from-megatron {tmp_path / 'meg'}: checkpoint iter_0000006 is damaged"), line
+    assert "--load" not in line and "give --from-megatron an earlier iteration's folder" in line

@@ -252,7 +252,7 @@ def optimizer_states(folder: str) -> list:
     key (the distributed optimizer's fully_reshardable format: "param" is the fp32 master; the
     plain optimizer's: "fp32_param" under mixed precision, none in fp32)."""
     from .safe_read import SafeReader, reading
-    with reading(folder):
+    with reading(folder, flag="--from-megatron"):
         keys = SafeReader(folder, megatron=True).read_metadata().state_dict_metadata
     found = sorted({k.split(".")[2] for k in keys if k.startswith(OPTIMIZER_STATE)})
     if not found and any(k.startswith("optimizer.distributed.") for k in keys):
@@ -276,7 +276,7 @@ def read_full(folder: str, names: dict, m: C.ModelConfig, vocab: int, state: str
     from .boxes import Boxes
     from .safe_read import SafeReader, reading
     prefix = f"{OPTIMIZER_STATE}{state}." if state else ""
-    with reading(folder):
+    with reading(folder, flag="--from-megatron"):
         meta = SafeReader(folder, megatron=True).read_metadata().state_dict_metadata
         meta = {k[len(prefix):]: v for k, v in meta.items() if k.startswith(prefix)}
         sizes = {k: tuple(v.size) for k, v in meta.items() if hasattr(v, "size")}
