@@ -384,6 +384,27 @@ def _model(**kw):
     return m
 
 
+def test_a_resume_of_another_model_is_refused_before_any_worker_starts(tmp_path):
+    """`pretrain --dry-run --load CKPT --num-layers 2` of a 4-layer checkpoint passed: the model was
+    compared with config.json only by the workers; validate (the launch and the dry run) names it."""
+    from meshlm.config import Config
+    from meshlm.errors import ConfigError
+    from meshlm.validate import validate
+    saved = Config()
+    saved.model = _model()
+    ckpt.save(str(tmp_path), 10, {"w": torch.zeros(2)}, config=saved.to_dict())
+    cfg = Config()
+    cfg.model = _model(num_layers=2)
+    cfg.data.mock_data, cfg.checkpoint.load = True, str(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world=1)
+    assert any("is of another model: --num-layers saved=4 now=2" in p for p in err.value.problems), err.value
+    cfg.model = _model()  # the same model: no problem
+    validate(cfg, world=1)
+    cfg.model, cfg.checkpoint.finetune = _model(num_layers=2), True  # --finetune: the workers compare tensors
+    validate(cfg, world=1)
+
+
 def test_model_config_differences_are_listed_as_flags_in_one_line(tmp_path):
     from meshlm.config import Config
     cfg = Config()

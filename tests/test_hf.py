@@ -3,7 +3,9 @@ transformers configs, no downloads) → meshlm at TP=1, TP=2 and PP=2 give trans
 meshlm's export loads back into transformers with the same logits; `pretrain --load <HF folder>`
 fine-tunes from the HF model's loss; unsupported HF features are one-line errors."""
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -321,6 +323,20 @@ def test_convert_flags_and_outputs_are_checked(hf, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "--position-embedding-type learned_absolute; a Hugging Face llama model needs rope" in err
     assert len(err.splitlines()) == 1
+
+
+def test_an_import_whose_config_disagrees_with_its_weights_names_config_json_not_flags(hf, tmp_path, capsys):
+    """convert --from-hf takes no model flag, yet a config.json that disagrees with the safetensors
+    (n_positions 16 beside [32, 32] position embeddings) ended "; pass the model's flags"."""
+    folder = tmp_path / "gpt2"
+    shutil.copytree(hf["gpt2"][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["n_positions"] = 16
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["convert", "--from-hf", str(folder), "--save", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pass the model's flags" not in err, err
+    assert f"fix {folder / 'config.json'}" in err and "position_embeddings.weight is [32, 32]" in err
 
 
 def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_folder(hf, tmp_path, monkeypatch):

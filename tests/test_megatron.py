@@ -599,3 +599,38 @@ def test_convert_megatron_flags_are_checked(tmp_path, capsys):
     assert "common.pt: a file, not a directory; give the folder" in capsys.readouterr().err  # "no such directory"
     assert main(["convert", "--to-megatron", "--load", str(tmp_path)]) == 2
     assert "--to-megatron needs --load" in capsys.readouterr().err
+
+
+def test_megatron_tracker_naming_a_missing_iteration_is_named(tmp_path, capsys):
+    """A Megatron save folder whose tracker names an iteration it lacks (copied without its newest
+    iteration) was called "a meshlm checkpoint already"; now the line names the iterations it holds
+    and both ways on, and `pretrain --load` still says to convert it."""
+    from meshlm.checkpoint import dist as ckpt
+    from meshlm.cli import main
+    root = tmp_path / "meg"
+    (root / "iter_0000006").mkdir(parents=True)
+    (root / "iter_0000006" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (root / "iter_0000006" / "common.pt").write_bytes(b"")
+    (root / "latest_checkpointed_iteration.txt").write_text("7")
+    assert main(["convert", "--from-megatron", str(root), "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "meshlm checkpoint already" not in err, err
+    assert "names iteration '7'" in err and f"give the folder {root / 'iter_0000006'} itself" in err
+    assert "write 6 into" in err
+    problems = ckpt.check_loadable(str(root))
+    assert len(problems) == 1 and "convert it first" in problems[0] and "write 6 into" in problems[0]
+
+
+def test_damaged_megatron_folder_names_from_megatron_not_load(tmp_path):
+    """A damaged Megatron iteration read by convert --from-megatron was reported as "--load DIR: …;
+    load an earlier iteration", a flag the command has not; the line names --from-megatron."""
+    from meshlm.checkpoint.megatron import optimizer_states
+    from meshlm.errors import CheckpointError
+    folder = tmp_path / "meg" / "iter_0000006"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(b"\x80\x04truncated")
+    with pytest.raises(CheckpointError) as e:
+        optimizer_states(str(folder))
+    line = str(e.value)
+    assert line.startswith(f"--from-megatron {tmp_path / 'meg'}: checkpoint iter_0000006 is damaged"), line
+    assert "--load" not in line and "give --from-megatron an earlier iteration's folder" in line

@@ -95,7 +95,12 @@ def test_plan_gives_the_campaign_in_json_and_text(capsys):
                                           (["--train-iters", "9", "--rampup-batch-size", "32", "32", "640"],
                                            "--rampup-batch-size needs --train-samples or --train-tokens"),
                                           (["--gpu-mtbf-hours", "0"], "--gpu-mtbf-hours 0"),
-                                          (["--train-tokens", "0"], "--train-tokens 0")])
+                                          (["--train-tokens", "0"], "--train-tokens 0"),
+                                          # a ramp of no schedule: a ZeroDivisionError traceback walking it
+                                          (["--train-samples", "1000", "--rampup-batch-size", "32", "32", "0"],
+                                           "--rampup-batch-size 32 32 0: give three positive integers"),
+                                          (["--train-samples", "1000", "--rampup-batch-size", "64", "32", "640"],
+                                           "START 64 must be below the global batch 64")])
 def test_plan_refuses_bad_campaign_flags(capsys, flags, named):
     assert main([*GPT, *flags]) == 2
     assert named in capsys.readouterr().err

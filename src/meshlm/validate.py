@@ -478,8 +478,32 @@ def _load_problems(cfg: Config) -> list:
         problems += hf_load_problems(load, cfg.model)
     elif load:
         from .checkpoint.dist import check_loadable
-        problems += check_loadable(load, cfg.checkpoint.save)
+        found = check_loadable(load, cfg.checkpoint.save)
+        problems += found or _saved_model_problems(cfg)
     return problems
+
+
+def _saved_model_problems(cfg: Config) -> list:
+    """The workers' comparison of --load's model (its config.json, no tensor read) with the model
+    flags, made before any worker starts, so a dry run finds it too: one line naming each differing
+    flag, or []. The vocabulary is left to the workers (a tokenizer file's is not known here), and
+    so is --finetune (it compares the tensors) and anything unreadable (the load says so)."""
+    from .checkpoint import dist as ckpt
+    from .checkpoint.state import model_config_differences
+    from .errors import CheckpointError
+    c = cfg.checkpoint
+    if c.finetune or not c.load or ckpt.read_tracker(c.load) is None:
+        return []
+    try:
+        path = ckpt.checkpoint_dir(c.load, quiet=True)
+        diffs = model_config_differences(path, cfg.model, c.load)
+    except (CheckpointError, OSError):
+        return []
+    diffs = [d for d in diffs if not d.startswith("--vocab-size ")]
+    if not diffs:
+        return []
+    return [f"--load {c.load}: checkpoint {os.path.basename(os.path.normpath(path))} is of another model: "
+            f"{', '.join(diffs)}; pass the saved values or start without --load"]
 
 
 def _tokenizer_problems(cfg: Config) -> list:

@@ -200,7 +200,9 @@ def import_hf(src: str, save: str) -> str:
     ps = ParallelState.single()
     model = GPTModel(cfg.model, ps, vocab, seed=cfg.training.seed)
     with torch.no_grad():
-        load_into_chunks([model], weights, src)  # tensor by tensor: the host holds the model + one tensor
+        load_into_chunks([model], weights, src,  # tensor by tensor: the host holds the model + one tensor
+                         fix=f"its config.json disagrees with its weights (convert takes no model flag): "
+                             f"fix {os.path.join(src, 'config.json')}")
     layout = {"tp": 1, "pp": 1, "cp": 1, "virtual_pipeline": 1, "dp": 1}
     return ckpt.save(save, 0, model_state(ModelSpace([model], ps)), layout=layout, config=cfg.to_dict(),
                      coords={"tp": 0, "pp": 0, "cp": 0, "dp": 0})

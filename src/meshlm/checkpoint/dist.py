@@ -54,7 +54,7 @@ from . import manifest
 from .boxes import Boxes
 from .hf_config import is_hf_folder
 from .lock import LOCK_FILE
-from .megatron import convert_first, is_megatron_folder
+from .megatron import convert_first, is_megatron_folder, tracker_problem
 from .safe_read import SafeReader, _Corrupt, _TensorOnlyPlanner, _check_storage, _load_json, damaged, reading
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -484,6 +484,8 @@ def check_loadable(load: Optional[str], save: Optional[str] = None, fresh: bool 
         return []
     if is_megatron_folder(load):
         return [convert_first(f"--load {load}", load)]
+    if tracker_problem(load):
+        return [convert_first(f"--load {load}", load) + f" ({tracker_problem(load)})"]
     try:
         iteration = read_tracker(load)
     except (CheckpointError, OSError) as e:

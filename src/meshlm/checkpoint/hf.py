@@ -336,14 +336,15 @@ def full_shapes(chunks) -> dict:
     return out
 
 
-def load_into_chunks(chunks, full: dict, source: str) -> None:
+def load_into_chunks(chunks, full: dict, source: str, fix: str = "pass the model's flags") -> None:
     """Copy full weights (a dict, or ``HFWeights`` read tensor by tensor) into each chunk's
     parameters, each rank keeping its TP slice the way a fresh model's weights are sliced
     (``parallel.tensor.load_full_state_dict``).
 
     A tied model's last stage (PP > 1) takes ``output_layer.weight`` from the embedding. Raises
     CheckpointError, before copying anything, naming a missing tensor or one of another shape
-    (source: the folder, for the message).
+    (source: the folder, for the message; fix: its end, what to change: the model flags of a
+    fine-tune, the config file of a conversion, which takes no model flag).
     """
     from ..parallel.tensor import load_full_state_dict
     shapes = dict(full.shapes) if isinstance(full, HFWeights) else {n: tuple(t.shape) for n, t in full.items()}
@@ -360,6 +361,6 @@ def load_into_chunks(chunks, full: dict, source: str) -> None:
                 "output_layer" in name else " (the positions: --max-position-embeddings)" \
                 if "position_embeddings" in name else ""
             raise CheckpointError(f"{source}: {name} is {list(shapes[name])}, the model's {list(shape)}"
-                                  f"{hint}; pass the model's flags")
+                                  f"{hint}; {fix}")
     for chunk in chunks:
         load_full_state_dict(chunk, full)

@@ -65,6 +65,31 @@ def iteration_folder(path: str) -> Optional[str]:
     return folder if os.path.isfile(os.path.join(folder, METADATA)) else None
 
 
+def saved_iterations(path: str) -> list:
+    """The ``iter_NNNNNNN`` folders in ``path`` that hold a Megatron iteration (metadata.json and
+    common.pt), oldest first."""
+    names = sorted(n for n in os.listdir(path) if re.fullmatch(r"iter_\d{7}", n))
+    return [n for n in names if os.path.isfile(os.path.join(path, n, METADATA))
+            and os.path.isfile(os.path.join(path, n, COMMON))]
+
+
+def tracker_problem(path: str) -> Optional[str]:
+    """The line for a Megatron save folder whose tracker names an iteration it does not hold (a copy
+    without the newest iteration, a save stopped while writing it) beside ones it does; else None."""
+    tracker = os.path.join(path, TRACKER)
+    if not os.path.isdir(path) or not os.path.isfile(tracker) or iteration_folder(path) is not None:
+        return None
+    saved = saved_iterations(path)
+    if not saved:
+        return None
+    with open(tracker) as fh:
+        named = fh.read().strip()
+    last = saved[-1]
+    return (f"{tracker} names iteration {named!r}, which {path} does not hold (no complete folder with "
+            f"{METADATA} and {COMMON}); it holds {', '.join(saved)}: give the folder {os.path.join(path, last)} "
+            f"itself, or write {int(last[5:])} into {tracker}")
+
+
 def is_megatron_folder(path: Optional[str]) -> bool:
     """True when ``path`` is a Megatron-LM checkpoint (its save folder or one iteration)."""
     return iteration_folder(path) is not None
@@ -227,7 +252,7 @@ def optimizer_states(folder: str) -> list:
     key (the distributed optimizer's fully_reshardable format: "param" is the fp32 master; the
     plain optimizer's: "fp32_param" under mixed precision, none in fp32)."""
     from .safe_read import SafeReader, reading
-    with reading(folder):
+    with reading(folder, flag="--from-megatron"):
         keys = SafeReader(folder, megatron=True).read_metadata().state_dict_metadata
     found = sorted({k.split(".")[2] for k in keys if k.startswith(OPTIMIZER_STATE)})
     if not found and any(k.startswith("optimizer.distributed.") for k in keys):
@@ -251,7 +276,7 @@ def read_full(folder: str, names: dict, m: C.ModelConfig, vocab: int, state: str
     from .boxes import Boxes
     from .safe_read import SafeReader, reading
     prefix = f"{OPTIMIZER_STATE}{state}." if state else ""
-    with reading(folder):
+    with reading(folder, flag="--from-megatron"):
         meta = SafeReader(folder, megatron=True).read_metadata().state_dict_metadata
         meta = {k[len(prefix):]: v for k, v in meta.items() if k.startswith(prefix)}
         sizes = {k: tuple(v.size) for k, v in meta.items() if hasattr(v, "size")}

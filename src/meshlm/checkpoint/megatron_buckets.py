@@ -167,7 +167,7 @@ def read(folder: str, names: dict, m: C.ModelConfig, args, weights: dict, to_mes
     ``ORDERS`` (MoE's expert buffers, virtual or uneven pipeline stages, another layout).
     """
     from .safe_read import SafeReader, reading
-    with reading(folder):
+    with reading(folder, flag="--from-megatron"):
         meta = SafeReader(folder, megatron=True).read_metadata().state_dict_metadata
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
@@ -189,7 +189,7 @@ def read(folder: str, names: dict, m: C.ModelConfig, args, weights: dict, to_mes
                               f"{sorted({b for g in buckets.values() for b in g})}; TP {tp} × PP {pp} dense ranks "
                               f"with one buffer each are read")
     sizes_keys = [f"{PREFIX}dp_group_idx_{r}.per_bucket_numel_unpadded/shard_0_1" for r in buckets]
-    with reading(folder):
+    with reading(folder, flag="--from-megatron"):
         objects = _objects(folder, sizes_keys + [f"{PREFIX}dp_group_idx_0.optimizer/shard_0_1"])
     flats = _flats(folder, buckets, meta)
     shapes = dict(names)
@@ -227,7 +227,7 @@ def _flats(folder: str, buckets: dict, meta: dict) -> dict:
     from .megatron import read_boxes
     from .safe_read import reading
     out = {}
-    with reading(folder):
+    with reading(folder, flag="--from-megatron"):
         for by_buffer in buckets.values():
             for keys in by_buffer[0].values():
                 for key in keys.values():

@@ -65,6 +65,9 @@ def import_megatron(src: str, out: str) -> str:
         raise CheckpointError(f"--from-megatron {src}: {what}; give the folder holding {mg.TRACKER} "
                               f"(Megatron-LM's --save)")
     folder = mg.iteration_folder(src)
+    stale = mg.tracker_problem(src)
+    if stale:
+        raise CheckpointError(f"--from-megatron {src}: {stale}")
     if folder is None:
         raise CheckpointError(f"--from-megatron {src}: not a Megatron-LM checkpoint (no {mg.TRACKER} naming an "
                               f"iter_NNNNNNN folder with {mg.METADATA} and {mg.COMMON}){ckpt.folder_kind(src)}")
@@ -97,7 +100,8 @@ def import_megatron(src: str, out: str) -> str:
     for note in notes:
         print(f"meshlm: note: {note}")
     with torch.no_grad():
-        load_into_chunks([model], weights, src)
+        load_into_chunks([model], weights, src, fix=f"{mg.COMMON}'s args disagree with its tensors (convert "
+                                                    f"takes no model flag): was it saved by this model?")
     os.makedirs(out, exist_ok=True)
     layout = {"tp": 1, "pp": 1, "cp": 1, "virtual_pipeline": 1, "dp": 1}
     space = ModelSpace([model], ps)

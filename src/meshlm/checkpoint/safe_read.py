@@ -139,19 +139,22 @@ def _reason(e: BaseException) -> str:
     return text if isinstance(e, _Corrupt) else f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def damaged(folder: str, e: BaseException, load: Optional[str] = None) -> DamagedCheckpoint:
+def damaged(folder: str, e: BaseException, load: Optional[str] = None, flag: str = "--load") -> DamagedCheckpoint:
     """The one-line DamagedCheckpoint (a CheckpointError) for a checkpoint folder whose files could not be read.
 
-    load: the --load argument to name (default: the folder's parent, the --save directory).
+    load: the argument to name (default: the folder's parent, the --save directory); flag: the flag
+    that gave it (``--from-megatron`` for a Megatron-LM folder being converted).
     """
     load = load or os.path.dirname(os.path.normpath(folder))
-    damage = f"--load {load}: checkpoint {os.path.basename(os.path.normpath(folder))} is damaged or incomplete " \
+    damage = f"{flag} {load}: checkpoint {os.path.basename(os.path.normpath(folder))} is damaged or incomplete " \
              f"({_reason(e)})"
-    return DamagedCheckpoint(f"{damage}; load an earlier iteration or re-save", damage)
+    fix = "load an earlier iteration or re-save" if flag == "--load" else \
+        f"give {flag} an earlier iteration's folder (iter_NNNNNNN) or re-save"
+    return DamagedCheckpoint(f"{damage}; {fix}", damage)
 
 
 @contextlib.contextmanager
-def reading(folder: str, load: Optional[str] = None) -> Iterator[None]:
+def reading(folder: str, load: Optional[str] = None, flag: str = "--load") -> Iterator[None]:
     """Turn any error of reading ``folder``'s files (OSError, RuntimeError, ValueError incl. JSON,
     KeyError, truncated pickle; DCP wraps them in CheckpointException) into ``damaged(...)``.
     A CheckpointError raised inside passes through unchanged."""
@@ -165,9 +168,9 @@ def reading(folder: str, load: Optional[str] = None) -> Iterator[None]:
             raise inner from None
         if not isinstance(inner, FileNotFoundError):
             inner = _Corrupt(f"a .distcp file is unreadable: {_reason(inner)}")
-        raise damaged(folder, inner, load) from None
+        raise damaged(folder, inner, load, flag) from None
     except _DAMAGE as e:
-        raise damaged(folder, e, load) from None
+        raise damaged(folder, e, load, flag) from None
 
 
 def _check_storage(path: str, metadata, keys) -> None:

@@ -171,6 +171,24 @@ def _context_problems(cfg: Config) -> list:
     return problems
 
 
+def ramp_shape_problems(ramp, final: int) -> list:
+    """The --rampup-batch-size START INCREMENT SAMPLES rules no layout changes (three positive
+    integers; START below the global batch ``final``; INCREMENT dividing the gap), one line each:
+    a ramp breaking them has no batch schedule (its samples per increment divide by zero), so
+    `meshlm plan` checks them before it walks the schedule, as a launch does."""
+    flag = "--rampup-batch-size"
+    if len(ramp) != 3 or min(ramp) < 1:
+        return [f"{flag} {' '.join(map(str, ramp))}: give three positive integers START INCREMENT SAMPLES"]
+    start, increment, _ = ramp
+    if start >= final:
+        return [f"{flag}: START {start} must be below the global batch {final} it ramps up to "
+                f"(--global-batch-size); lower START or drop the ramp"]
+    if (final - start) % increment:
+        return [f"{flag}: INCREMENT {increment} does not divide the ramp from START {start} to the "
+                f"global batch {final} ({final - start} samples)"]
+    return []
+
+
 def _rampup_problems(cfg: Config, world: int, dp: int) -> list:
     """--rampup-batch-size START INCREMENT SAMPLES: Megatron's checks (num_microbatches_calculator.py),
     made before the run: every batch of the ramp splits into whole micro-batches over DP (START and
@@ -180,19 +198,15 @@ def _rampup_problems(cfg: Config, world: int, dp: int) -> list:
     ramp, flag = t.rampup_batch_size, "--rampup-batch-size"
     if ramp is None:
         return []
-    if len(ramp) != 3 or min(ramp) < 1:
-        return [f"{flag} {' '.join(map(str, ramp))}: give three positive integers START INCREMENT SAMPLES"]
+    final = global_batch(cfg, world)
+    shape = ramp_shape_problems(ramp, final)
+    if shape[:1] and "three positive integers" in shape[0]:
+        return shape
     start, increment, _ = ramp
-    step, final = t.micro_batch_size * dp, global_batch(cfg, world)
+    step = t.micro_batch_size * dp
     problems = [f"{flag}: {name} {value} is not divisible by --micro-batch-size {t.micro_batch_size} × DP {dp} "
                 f"= {step}; nearest valid {name}: {_nearest_multiples(value, step)}"
-                for name, value in (("START", start), ("INCREMENT", increment)) if value % step]
-    if start >= final:
-        problems.append(f"{flag}: START {start} must be below the global batch {final} it ramps up to "
-                        f"(--global-batch-size); lower START or drop the ramp")
-    elif (final - start) % increment:
-        problems.append(f"{flag}: INCREMENT {increment} does not divide the ramp from START {start} to the "
-                        f"global batch {final} ({final - start} samples)")
+                for name, value in (("START", start), ("INCREMENT", increment)) if value % step] + shape
     if problems:
         return problems
     from .batch_rules import interleaved_problems

@@ -130,9 +130,13 @@ def _hyperparameters(cfg, world: int, train_tokens) -> dict:
 
 def _run_length_check(t) -> None:
     """ConfigError for a run length ``meshlm pretrain`` refuses (validate's rules), before the search:
-    --train-samples below one global batch (no step: the campaign divided by zero) and a
-    --rampup-batch-size ramp with --train-iters (the ramp is sample-based)."""
+    --train-samples below one global batch (no step: the campaign divided by zero), a
+    --rampup-batch-size ramp with --train-iters (the ramp is sample-based) or of no schedule (0
+    SAMPLES, START at the global batch: a ZeroDivisionError walking it)."""
     from ..errors import ConfigError
+    from ..parallel.layout_rules import ramp_shape_problems
+    if t.rampup_batch_size is not None and ramp_shape_problems(t.rampup_batch_size, t.global_batch_size):
+        raise ConfigError(ramp_shape_problems(t.rampup_batch_size, t.global_batch_size))
     if t.rampup_batch_size is not None and t.train_iters is not None:
         raise ConfigError("--rampup-batch-size needs --train-samples or --train-tokens (the ramp is sample-based, "
                           "as in Megatron); give the run's length in samples instead of --train-iters")
