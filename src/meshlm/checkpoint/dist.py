@@ -484,8 +484,9 @@ def check_loadable(load: Optional[str], save: Optional[str] = None, fresh: bool 
         return []
     if is_megatron_folder(load):
         return [convert_first(f"--load {load}", load)]
-    if tracker_problem(load):
-        return [convert_first(f"--load {load}", load) + f" ({tracker_problem(load)})"]
+    stale = tracker_problem(load)
+    if stale:
+        return [convert_first(f"--load {load}", load) + f" ({stale})"]
     try:
         iteration = read_tracker(load)
     except (CheckpointError, OSError) as e:

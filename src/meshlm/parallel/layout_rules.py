@@ -10,6 +10,8 @@ rather than refuses.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ..config import Config, SHARDING, ffn_hidden, global_batch, head_dim, moe_layer_pattern, query_groups, zero_stage
 from .batch_rules import nearest_multiples as _nearest_multiples, step_schedule_problems
 from ..errors import ConfigError
@@ -171,14 +173,21 @@ def _context_problems(cfg: Config) -> list:
     return problems
 
 
+def _ramp_malformed(ramp) -> Optional[str]:
+    """The line for a --rampup-batch-size that is not three positive integers, else None."""
+    if len(ramp) != 3 or min(ramp) < 1:
+        return f"--rampup-batch-size {' '.join(map(str, ramp))}: give three positive integers START INCREMENT SAMPLES"
+    return None
+
+
 def ramp_shape_problems(ramp, final: int) -> list:
     """The --rampup-batch-size START INCREMENT SAMPLES rules no layout changes (three positive
     integers; START below the global batch ``final``; INCREMENT dividing the gap), one line each:
     a ramp breaking them has no batch schedule (its samples per increment divide by zero), so
     `meshlm plan` checks them before it walks the schedule, as a launch does."""
-    flag = "--rampup-batch-size"
-    if len(ramp) != 3 or min(ramp) < 1:
-        return [f"{flag} {' '.join(map(str, ramp))}: give three positive integers START INCREMENT SAMPLES"]
+    flag, malformed = "--rampup-batch-size", _ramp_malformed(ramp)
+    if malformed:
+        return [malformed]
     start, increment, _ = ramp
     if start >= final:
         return [f"{flag}: START {start} must be below the global batch {final} it ramps up to "
@@ -198,15 +207,16 @@ def _rampup_problems(cfg: Config, world: int, dp: int) -> list:
     ramp, flag = t.rampup_batch_size, "--rampup-batch-size"
     if ramp is None:
         return []
+    malformed = _ramp_malformed(ramp)
+    if malformed:
+        return [malformed]
     final = global_batch(cfg, world)
-    shape = ramp_shape_problems(ramp, final)
-    if shape[:1] and "three positive integers" in shape[0]:
-        return shape
     start, increment, _ = ramp
     step = t.micro_batch_size * dp
     problems = [f"{flag}: {name} {value} is not divisible by --micro-batch-size {t.micro_batch_size} × DP {dp} "
                 f"= {step}; nearest valid {name}: {_nearest_multiples(value, step)}"
-                for name, value in (("START", start), ("INCREMENT", increment)) if value % step] + shape
+                for name, value in (("START", start), ("INCREMENT", increment)) if value % step] + \
+        ramp_shape_problems(ramp, final)
     if problems:
         return problems
     from .batch_rules import interleaved_problems

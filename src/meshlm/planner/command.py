@@ -135,8 +135,9 @@ def _run_length_check(t) -> None:
     SAMPLES, START at the global batch: a ZeroDivisionError walking it)."""
     from ..errors import ConfigError
     from ..parallel.layout_rules import ramp_shape_problems
-    if t.rampup_batch_size is not None and ramp_shape_problems(t.rampup_batch_size, t.global_batch_size):
-        raise ConfigError(ramp_shape_problems(t.rampup_batch_size, t.global_batch_size))
+    shape = [] if t.rampup_batch_size is None else ramp_shape_problems(t.rampup_batch_size, t.global_batch_size)
+    if shape:
+        raise ConfigError(shape)
     if t.rampup_batch_size is not None and t.train_iters is not None:
         raise ConfigError("--rampup-batch-size needs --train-samples or --train-tokens (the ramp is sample-based, "
                           "as in Megatron); give the run's length in samples instead of --train-iters")
