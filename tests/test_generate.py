@@ -90,6 +90,8 @@ def test_a_prompt_and_new_tokens_beyond_the_context_are_refused_naming_the_flag(
                    f"or less\n")
     assert main(argv + ["--max-new-tokens", str(context - 3)]) == 0  # the bound itself runs
     assert len(capsys.readouterr().out.split()) <= context
+    assert context - 3 < generate.DEFAULT_NEW_TOKENS  # no flag: the default was refused on this short model
+    assert main(argv) == 0 and len(capsys.readouterr().out.split()) <= context
     long = ["generate", "--load", load, "--max-new-tokens", "0", "--prompt", " ".join(["5"] * (context + 1))]
     assert main(long) == 2
     assert capsys.readouterr().err == (f"meshlm: error: --prompt is {context + 1} tokens, more than this model's "

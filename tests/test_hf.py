@@ -337,6 +337,8 @@ def test_an_import_whose_config_disagrees_with_its_weights_names_config_json_not
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pass the model's flags" not in err, err
     assert f"fix {folder / 'config.json'}" in err and "position_embeddings.weight is [32, 32]" in err
+    assert "--max-position-embeddings" not in err, err  # a flag convert does not take
+    assert not (tmp_path / "c").exists()  # the failed import left an empty --save folder behind
 
 
 def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_folder(hf, tmp_path, monkeypatch):

@@ -215,6 +215,19 @@ def test_report_refuses_to_overwrite_a_file_of_the_run_and_replaces_its_own_earl
     assert "--trace" in capsys.readouterr().err
 
 
+def test_a_run_given_twice_is_shown_once_with_a_note(tmp_path, capsys):
+    """`report run1 run1` drew every series twice (legend "run1", "run1 (2)") and said nothing."""
+    from meshlm import cli
+    run = tmp_path / "run1"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records(2)))
+    out = tmp_path / "r.html"
+    assert cli.main(["report", str(run), str(run / "logs" / "metrics.jsonl"), "--no-predict", "-o", str(out)]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note:" in line]
+    assert len(notes) == 1 and "is the run" in notes[0] and "shown once" in notes[0]
+    assert "run1 (2)" not in out.read_text() and "run1" in out.read_text()
+
+
 @pytest.mark.parametrize("flag", ["--output", "--trace"])
 def test_report_refuses_to_overwrite_any_other_file_but_an_empty_one(tmp_path, capsys, flag):
     """Only the reported runs' files were protected: --output another_run/logs/metrics.jsonl, a

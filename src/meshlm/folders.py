@@ -163,6 +163,27 @@ def space_errors_named(what: str, folder: str):
                           f"{' '.join(str(e).split())[:200]}); free space there or choose another folder") from None
 
 
+@contextlib.contextmanager
+def left_as_found(folder: str):
+    """On any exception inside the block, remove what the block added to ``folder``: the entries
+    that were not there before and the folders a makedirs created for it (an import or export that
+    fails leaves no half-written or empty output folder). The exception passes unchanged."""
+    top = missing_top(folder)
+    before = set(os.listdir(folder)) if top is None and os.path.isdir(folder) else set()
+    try:
+        yield
+    except BaseException:
+        if os.path.isdir(folder):
+            for name in set(os.listdir(folder)) - before:
+                path = os.path.join(folder, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.remove(path)
+        remove_created(folder, top)
+        raise
+
+
 def read_jsonl(path: str, error, what: str) -> list:
     """The JSON records of a .jsonl file, blank lines skipped. A last line that is not JSON and has
     no newline (the writer was killed mid-line, or is writing it now) is left out, with a note on

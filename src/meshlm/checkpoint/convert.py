@@ -34,11 +34,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 
 from .. import config as C
 from ..errors import CheckpointError, ConfigError
-from ..folders import new_folder_problem, space_errors_named
+from ..folders import left_as_found, new_folder_problem, space_errors_named
 from . import dist as ckpt
 from .hf import HFWeights, full_shapes, load_into_chunks, to_hf_tensors, write_hf_folder
 from .hf_config import (ARCHITECTURES, flag_problems, hf_config_from_model, hf_to_fine_tune, is_hf_folder,
@@ -185,27 +184,28 @@ def import_hf(src: str, save: str) -> str:
     weights = HFWeights(src, hm.arch, hm.model_config())  # checks the tensors' names and shapes, reads none
     for note in hm.notes:
         print(f"meshlm: note: {note}")
-    os.makedirs(save, exist_ok=True)
-    cfg = C.Config()
-    cfg.model = hm.model_config()
-    cfg.model.seq_length = min(hm.max_positions, hm.window or hm.max_positions)
-    vocab = cfg.model.vocab_size
-    data, notes = import_tokenizer(src, save, vocab, hm.arch)
-    for note in notes:
-        print(f"meshlm: note: {note}")
-    for key, value in data.items():
-        setattr(cfg.data, key, value)
-    if data["tokenizer_type"] != "NullTokenizer":
-        cfg.model.vocab_size = None  # the tokenizer's, as in a run trained with it
-    ps = ParallelState.single()
-    model = GPTModel(cfg.model, ps, vocab, seed=cfg.training.seed)
-    with torch.no_grad():
-        load_into_chunks([model], weights, src,  # tensor by tensor: the host holds the model + one tensor
-                         fix=f"its config.json disagrees with its weights (convert takes no model flag): "
-                             f"fix {os.path.join(src, 'config.json')}")
-    layout = {"tp": 1, "pp": 1, "cp": 1, "virtual_pipeline": 1, "dp": 1}
-    return ckpt.save(save, 0, model_state(ModelSpace([model], ps)), layout=layout, config=cfg.to_dict(),
-                     coords={"tp": 0, "pp": 0, "cp": 0, "dp": 0})
+    with left_as_found(save):  # a failed import leaves no empty or half-written --save folder
+        os.makedirs(save, exist_ok=True)
+        cfg = C.Config()
+        cfg.model = hm.model_config()
+        cfg.model.seq_length = min(hm.max_positions, hm.window or hm.max_positions)
+        vocab = cfg.model.vocab_size
+        data, notes = import_tokenizer(src, save, vocab, hm.arch)
+        for note in notes:
+            print(f"meshlm: note: {note}")
+        for key, value in data.items():
+            setattr(cfg.data, key, value)
+        if data["tokenizer_type"] != "NullTokenizer":
+            cfg.model.vocab_size = None  # the tokenizer's, as in a run trained with it
+        ps = ParallelState.single()
+        model = GPTModel(cfg.model, ps, vocab, seed=cfg.training.seed)
+        with torch.no_grad():
+            load_into_chunks([model], weights, src,  # tensor by tensor: the host holds the model + one tensor
+                             fix=f"its config.json disagrees with its weights (convert takes no model flag): "
+                                 f"fix {os.path.join(src, 'config.json')}")
+        layout = {"tp": 1, "pp": 1, "cp": 1, "virtual_pipeline": 1, "dp": 1}
+        return ckpt.save(save, 0, model_state(ModelSpace([model], ps)), layout=layout, config=cfg.to_dict(),
+                         coords={"tp": 0, "pp": 0, "cp": 0, "dp": 0})
 
 
 # ----------------------------------------------------------------------------- export
@@ -231,27 +231,15 @@ def export_hf(load: str, output: str, arch=None, max_shard_bytes: int = _size("5
     vocab = full["embedding.word_embeddings.weight"].shape[0]
     hf_config = hf_config_from_model(saved.model, vocab, arch)
     tensors = to_hf_tensors(full, hf_config["model_type"], saved.model)
-    created = not os.path.exists(output)
-    os.makedirs(output, exist_ok=True)
-    try:  # a full disk: one line naming --output; on any error the folder is left as it was found
-        with space_errors_named(f"--output {output}", output):
-            tokenizer_files, notes, ids = export_tokenizer(saved.data, output, vocab)
-            for note in notes:
-                print(f"meshlm: note: {note}")
-            hf_config.update(ids)
-            files = write_hf_folder(output, tensors, hf_config, max_shard_bytes)
-            return files + write_generation_config(output, ids) + tokenizer_files
-    except BaseException:
-        if created:
-            shutil.rmtree(output, ignore_errors=True)
-        else:  # it was empty
-            for name in os.listdir(output):
-                path = os.path.join(output, name)
-                if os.path.isdir(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    os.remove(path)
-        raise
+    # a full disk: one line naming --output; on any error the folder is left as it was found
+    with left_as_found(output), space_errors_named(f"--output {output}", output):
+        os.makedirs(output, exist_ok=True)
+        tokenizer_files, notes, ids = export_tokenizer(saved.data, output, vocab)
+        for note in notes:
+            print(f"meshlm: note: {note}")
+        hf_config.update(ids)
+        files = write_hf_folder(output, tensors, hf_config, max_shard_bytes)
+        return files + write_generation_config(output, ids) + tokenizer_files
 
 
 # ----------------------------------------------------------------------------- fine-tuning

@@ -336,15 +336,19 @@ def full_shapes(chunks) -> dict:
     return out
 
 
-def load_into_chunks(chunks, full: dict, source: str, fix: str = "pass the model's flags") -> None:
+_FLAGS_FIX = "pass the model's flags"  # a fine-tune's fix: it takes the model flags
+
+
+def load_into_chunks(chunks, full: dict, source: str, fix: Optional[str] = None) -> None:
     """Copy full weights (a dict, or ``HFWeights`` read tensor by tensor) into each chunk's
     parameters, each rank keeping its TP slice the way a fresh model's weights are sliced
     (``parallel.tensor.load_full_state_dict``).
 
     A tied model's last stage (PP > 1) takes ``output_layer.weight`` from the embedding. Raises
     CheckpointError, before copying anything, naming a missing tensor or one of another shape
-    (source: the folder, for the message; fix: its end, what to change: the model flags of a
-    fine-tune, the config file of a conversion, which takes no model flag).
+    (source: the folder, for the message; fix: its end, what to change: None for a fine-tune, whose
+    message names the model flags; the config file of a conversion, which takes no model flag, and
+    then no flag is named).
     """
     from ..parallel.tensor import load_full_state_dict
     shapes = dict(full.shapes) if isinstance(full, HFWeights) else {n: tuple(t.shape) for n, t in full.items()}
@@ -357,10 +361,12 @@ def load_into_chunks(chunks, full: dict, source: str, fix: str = "pass the model
         if name not in full:
             raise CheckpointError(f"{source}: has no weight for {name}; was it saved from this model?")
         if shapes[name] != shape:
-            hint = " (the vocabulary: check the tokenizer / --vocab-size)" if "word_embeddings" in name or \
-                "output_layer" in name else " (the positions: --max-position-embeddings)" \
-                if "position_embeddings" in name else ""
+            what = "vocabulary" if "word_embeddings" in name or "output_layer" in name else \
+                "positions" if "position_embeddings" in name else None
+            flag = {"vocabulary": ": check the tokenizer / --vocab-size",
+                    "positions": ": --max-position-embeddings"}.get(what, "") if fix is None else ""
+            hint = f" (the {what}{flag})" if what else ""
             raise CheckpointError(f"{source}: {name} is {list(shapes[name])}, the model's {list(shape)}"
-                                  f"{hint}; {fix}")
+                                  f"{hint}; {fix or _FLAGS_FIX}")
     for chunk in chunks:
         load_full_state_dict(chunk, full)

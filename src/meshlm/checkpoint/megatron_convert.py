@@ -38,6 +38,7 @@ import torch
 from .. import config as C
 from ..data.tokenizer import implied_tokenizer_type
 from ..errors import CheckpointError
+from ..folders import left_as_found, new_folder_problem, output_folder_problem
 from . import megatron as mg
 from .megatron_common import read_common
 
@@ -52,7 +53,6 @@ def import_megatron(src: str, out: str) -> str:
     cannot compute (naming the Megatron flag), a tensor missing or of another shape, or an
     ``out`` already holding a checkpoint.
     """
-    from ..folders import output_folder_problem
     from ..model.transformer import GPTModel
     from ..parallel.mesh import ParallelState
     from . import dist as ckpt
@@ -102,15 +102,16 @@ def import_megatron(src: str, out: str) -> str:
     with torch.no_grad():
         load_into_chunks([model], weights, src, fix=f"{mg.COMMON}'s args disagree with its tensors (convert "
                                                     f"takes no model flag): was it saved by this model?")
-    os.makedirs(out, exist_ok=True)
-    layout = {"tp": 1, "pp": 1, "cp": 1, "virtual_pipeline": 1, "dp": 1}
-    space = ModelSpace([model], ps)
-    tree, iteration = model_state(space), 0
-    if read:
-        tree.update(_training_state(common, args, adam, space, model, read))
-        iteration = int(common.get("iteration", 0))
-    return ckpt.save(out, iteration, tree, layout=layout, config=cfg.to_dict(),
-                     coords={"tp": 0, "pp": 0, "cp": 0, "dp": 0})
+    with left_as_found(out):  # a failed import leaves no empty or half-written folder
+        os.makedirs(out, exist_ok=True)
+        layout = {"tp": 1, "pp": 1, "cp": 1, "virtual_pipeline": 1, "dp": 1}
+        space = ModelSpace([model], ps)
+        tree, iteration = model_state(space), 0
+        if read:
+            tree.update(_training_state(common, args, adam, space, model, read))
+            iteration = int(common.get("iteration", 0))
+        return ckpt.save(out, iteration, tree, layout=layout, config=cfg.to_dict(),
+                         coords={"tp": 0, "pp": 0, "cp": 0, "dp": 0})
 
 
 def _adam_scalars(common: dict):
@@ -224,7 +225,6 @@ def export_megatron(load: str, out: str) -> str:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from . import dist as ckpt
-    from ..folders import new_folder_problem
     from .safe_read import reading
     from .state import full_model_state
 
@@ -241,17 +241,18 @@ def export_megatron(load: str, out: str) -> str:
     tensors = mg.to_megatron(full, saved.model, padded)
     tensors.update(mg.extra_states(tensors))
     target = os.path.join(out, f"iter_{iteration:07d}")
-    os.makedirs(target)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(tensors, storage_writer=FileSystemWriter(target), no_dist=True,
-                 planner=DefaultSavePlanner(flatten_state_dict=False))  # the [None] objects stay whole
-    common = {"args": megatron_args(saved, vocab, padded), "iteration": iteration,
-              "checkpoint_version": CHECKPOINT_VERSION}
-    torch.save(common, os.path.join(target, mg.COMMON))
-    with open(os.path.join(target, mg.METADATA), "w") as fh:
-        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                   "common_backend_version": 1}, fh)
-    with open(os.path.join(out, mg.TRACKER), "w") as fh:
-        fh.write(str(iteration))
+    with left_as_found(out):  # a failed export leaves --output as it was found
+        os.makedirs(target)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(tensors, storage_writer=FileSystemWriter(target), no_dist=True,
+                     planner=DefaultSavePlanner(flatten_state_dict=False))  # the [None] objects stay whole
+        common = {"args": megatron_args(saved, vocab, padded), "iteration": iteration,
+                  "checkpoint_version": CHECKPOINT_VERSION}
+        torch.save(common, os.path.join(target, mg.COMMON))
+        with open(os.path.join(target, mg.METADATA), "w") as fh:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                       "common_backend_version": 1}, fh)
+        with open(os.path.join(out, mg.TRACKER), "w") as fh:
+            fh.write(str(iteration))
     return target

@@ -168,8 +168,9 @@ def _context_problems(cfg: Config) -> list:
                         f"--tensor-model-parallel-size {tp} (needed by --sequence-parallel); use --seq-length "
                         f"{_nearest_multiples(m.seq_length, cp * tp * 2)}")
     if m.attention_dropout:
-        problems.append(f"--attention-dropout {m.attention_dropout}: the context-parallel attention has no "
-                        f"dropout; set --attention-dropout 0 with --context-parallel-size {cp}")
+        default = " (the default, as Megatron's)" if m.attention_dropout == type(m)().attention_dropout else ""
+        problems.append(f"--attention-dropout {m.attention_dropout}{default}: the context-parallel attention has "
+                        f"no dropout; set --attention-dropout 0 with --context-parallel-size {cp}")
     return problems
 
 

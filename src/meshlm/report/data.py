@@ -133,6 +133,20 @@ def load_run(path: str, name: Optional[str] = None) -> RunData:
     return run
 
 
+def distinct_runs(runs: list, given: list) -> tuple:
+    """(runs without repeats, one note per repeat): a run given twice (the same metrics.jsonl,
+    as a folder or as the file) is shown once. given: the paths on the command line, in order."""
+    kept, notes, first = [], [], {}
+    for run, path in zip(runs, given):
+        key = os.path.realpath(run.metrics)
+        if key in first:
+            notes.append(f"{path} is the run {first[key]} already given (the same {run.metrics}); shown once")
+            continue
+        first[key] = path
+        kept.append(run)
+    return kept, notes
+
+
 def unique_names(runs: list) -> None:
     """Give runs with the same name a " (2)", " (3)" … suffix so every legend entry is distinct."""
     seen: dict = {}

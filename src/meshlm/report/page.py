@@ -19,7 +19,7 @@ from html import escape
 from typing import Optional
 
 from . import svg
-from .data import RunData, load_run, overwrite_problem, unique_names
+from .data import RunData, distinct_runs, load_run, overwrite_problem, unique_names
 from .svg import Series
 from .timeline import bubble_line, timeline_svg
 from .trace import write_trace
@@ -195,7 +195,9 @@ def run(args: argparse.Namespace) -> int:
     a file of a run (overwrite_problem)."""
     from ..errors import ConfigError
     from ..folders import output_file_problem, write_text_file
-    runs = [load_run(p) for p in args.runs]
+    runs, repeats = distinct_runs([load_run(p) for p in args.runs], args.runs)
+    for note in repeats:
+        print(f"meshlm: note: {note}", flush=True)
     unique_names(runs)
     out = args.output or os.path.join(runs[0].path, "report.html")
     flag = "--output" if args.output else "the report"

@@ -27,13 +27,16 @@ from ..parallel.mesh import ParallelState
 from ..parallel.tensor import load_full_state_dict
 
 DEFAULT_PROMPT = "def "
+DEFAULT_NEW_TOKENS = 64  # --max-new-tokens when not given, cut to the room the model's context leaves
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `meshlm generate`."""
     parser.add_argument("--load", required=True, help="checkpoint directory (--save of a run, or one iter_XXXXXXX)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help=f"tokens to generate (default {DEFAULT_NEW_TOKENS}, or fewer when the model's "
+                             f"context has less room after the prompt)")
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -43,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_sampling_flags(args: argparse.Namespace) -> None:
     """ConfigError listing every numeric flag of `meshlm generate` that is out of range (one line each)."""
     problems = []
-    if args.max_new_tokens < 0:
+    if args.max_new_tokens is not None and args.max_new_tokens < 0:
         problems.append(f"--max-new-tokens {args.max_new_tokens} is negative; use 0 or more")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         problems.append(f"--temperature {args.temperature}: use a finite number ≥ 0 (0 = greedy)")
@@ -81,7 +84,10 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model, tokenizer = load_model(args.load, device=device)
     check_prompt(tokenizer, args.prompt)
-    text = sample_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+    new_tokens = args.max_new_tokens
+    if new_tokens is None:  # the default fits any model: a short context is not an error the user caused
+        new_tokens = max(0, min(DEFAULT_NEW_TOKENS, model.max_context - len(prompt_ids(tokenizer, args.prompt))))
+    text = sample_text(model, tokenizer, args.prompt, max_new_tokens=new_tokens,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     print(args.prompt + text)
     return 0
