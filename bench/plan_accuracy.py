@@ -332,7 +332,8 @@ def run(args) -> None:
                     code = "timeout"
             rows = records(run_dir)[args.warmup:]
             peaks = [r["mem_max_allocated_gb"] for r in rows if r.get("mem_max_allocated_gb") is not None]
-            if code != 0 or not rows:
+            finished = code == 0 or (code == "timeout" and len(rows) == args.iters - args.warmup)
+            if not finished or not rows:  # a process killed at the deadline after its last iteration counts
                 print(f"{name}: exit {code}, {len(rows)} measured rows", flush=True)
                 continue
             p = pred[name]
@@ -352,6 +353,7 @@ def run(args) -> None:
                    "launch_us": round(launch, 3), "launch_us_case": round(launch_case, 3),
                    "predicted_step_ms_preset": p["step_ms"], "step_error_preset": round(p["step_ms"] / step - 1, 4),
                    "iters": args.iters, "warmup": args.warmup, "wall_s": round(time.time() - t0, 1),
+                   **({} if code == 0 else {"exit": "killed at the deadline after its last iteration"}),
                    "tokens_per_s": rows[-1].get("tokens_per_sec"), "mfu": rows[-1].get("mfu"), "clocks": clocks.summary(),
                    "iter_ms_all": [r["iter_ms"] for r in records(run_dir)]}
             fh.write(json.dumps(rec) + "\n")
