@@ -128,14 +128,25 @@ def test_overlap_on_equals_off_bitwise_for_all_reduce_and_reduce_scatter():
 
 
 def test_buckets_follow_backward_order_and_cover_every_param():
+    """Buckets take the params in backward order; each lays its own out by update group (decayed
+    first, then the biases and norms: one flat-AdamW run each), in backward order within a group."""
+    from meshlm.optim.adamw import update_group
     model = Toy()
     ddp = DistributedDataParallel([model], ParallelState.single(), make_cfg(ddp_bucket_size=300))
     (buf,) = ddp.buffers
     params = [p for b in buf.buckets for p in b.params]
-    assert params == list(model.parameters())[::-1]
+    backward = [id(p) for p in list(model.parameters())[::-1]]
+    rank = {i: n for n, i in enumerate(backward)}
+    assert [id(p) for b in buf.buckets for p in sorted(b.params, key=lambda p: rank[id(p)])] == backward
+    assert any(update_group(p)[0] for p in params) and any(not update_group(p)[0] for p in params)
+    for b in buf.buckets:
+        keys = [(update_group(p), rank[id(p)]) for p in b.params]
+        assert keys == sorted(keys)
+        assert [buf.index[p] for p in b.params] == sorted(buf.index[p] for p in b.params)
     for b, nxt in zip(buf.buckets, buf.buckets[1:]):
         assert b.end == nxt.start
-        assert b.end - b.start >= 300 > b.end - b.start - b.params[-1].numel()
+        last = max(b.params, key=lambda p: rank[id(p)])  # the param that filled it
+        assert b.end - b.start >= 300 > b.end - b.start - last.numel()
     assert buf.buckets[-1].end == buf.numel == sum(p.numel() for p in params)
     for b in buf.buckets:
         for p in b.params:

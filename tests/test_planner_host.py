@@ -136,7 +136,7 @@ def test_host_term_in_step_time():
     flags = [True] * m.num_layers
     embeddings = 1 + m.untie_embeddings_and_output_weights  # RoPE: no position table
     runs = host.flat_runs(moe, flags, 10 ** 9, 0, ONE_RANK_BUCKET, embeddings)  # one GPU: one bucket
-    assert runs == m.num_layers + embeddings + 1
+    assert runs == 2  # its decayed and its non-decayed params, each laid out together (parallel/data.py)
     tensors = m.num_layers * host.layer_tensors(moe, True, 16) + embeddings + 1
     assert t.host - 2 * per_mb == pytest.approx(sum(host.step_seconds(moe, flags, runs, tensors)), rel=1e-9)
     slow = step_time(moe, lay, dataclasses.replace(H200, host_scale=2.0), 32000, gpus_per_node=1,
@@ -180,3 +180,38 @@ def test_one_backward_steps_fold_no_expert_gradient_and_run_the_optimizer_per_st
     two = cfg_of(*MOE_ARGS, "--bf16")
     assert step_time(two, lay, H200, 32000, gpus_per_node=1, params_per_rank=n, expert_params_per_rank=e).optimizer \
         == pytest.approx(step_time(two, lay, H200, 32000, gpus_per_node=1, params_per_rank=n).optimizer, rel=1e-12)
+
+
+
+def _optimizer(cfg):
+    """(model, DDP, optimizer) of cfg on one CPU process."""
+    from meshlm.model.transformer import GPTModel
+    from meshlm.optim.distributed import build_optimizer
+    from meshlm.parallel.data import DistributedDataParallel
+    from meshlm.parallel.mesh import ParallelState
+    ps = ParallelState.single()
+    model = GPTModel(cfg.model, ps, cfg.model.vocab_size, seed=1)
+    ddp = DistributedDataParallel([model], ps, cfg)
+    return model, ddp, build_optimizer(cfg, ps, [model], ddp)
+
+
+@pytest.mark.parametrize("extra", [(), ("--use-mup", "--mup-base-hidden-size", "32"), ("--decoupled-lr", "1e-3"),
+                                   ("--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+                                    "--position-embedding-type", "rope")])
+def test_the_optimizers_flat_runs_are_the_planners_two_a_bucket_and_one_a_further_update_group(extra):
+    """Each bucket is laid out by update group (parallel/data.py), so a GPT layer's weights and biases no
+    longer alternate: a one-GPU GPT of 4 layers made 34 runs, each a kernel torch.compile generated
+    (the first optimizer step of GPT-2.7B compiled for 2–3 minutes). The optimizer's runs are the
+    planner's count; in several buckets, 2 a bucket (each holds weights and norms)."""
+    cfg = cfg_of("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                 "--max-position-embeddings", "32", "--vocab-size", "128", "--micro-batch-size", "1", *extra)
+    m = cfg.model
+    model, _, opt = _optimizer(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    embeddings = 1 + (m.position_embedding_type == "learned_absolute") + m.untie_embeddings_and_output_weights
+    assert len(opt._flat_runs()) == host.flat_runs(cfg, [False] * 4, n, 0, ONE_RANK_BUCKET, embeddings)
+    if not extra:
+        cfg.parallel.ddp_bucket_size = n // 3
+        _, ddp, opt = _optimizer(cfg)
+        buckets = sum(len(b.buckets) for b in ddp.buffers)
+        assert buckets >= 3 and len(opt._flat_runs()) == 2 * buckets

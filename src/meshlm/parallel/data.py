@@ -93,6 +93,7 @@ import torch.distributed as dist
 
 from ..config import ONE_RANK_BUCKET, half_grads, zero_stage
 from ..dtypes import HALF, wide
+from ..optim.adamw import update_group
 from . import watchdog
 from .comm import begin_timed, end_timed, elapsed as _elapsed, group_rank, group_size, mark as _mark
 from .grad_buffer import Bucket, ParamAndGradBuffer, adopt, blocks, stacks_of, stacks_together
@@ -221,7 +222,9 @@ class DistributedDataParallel:
                                          expert=expert, stage=self.stage,
                                          replica=ps.replica_group if hybrid else None,
                                          optim_across=hybrid and p.outer_dp_sharding_strategy == "optim", fp8=fp8,
-                                         single_tensor=expert_single if expert else self.single_tensor_collectives)
+                                         single_tensor=expert_single if expert else self.single_tensor_collectives,
+                                         # one flat-AdamW run a bucket and update group (the expert stacks as built)
+                                         order=None if expert else update_group)
                 self.buffers.append(buf)
                 self._chunk_buffers.setdefault(id(chunk), []).append(buf)
                 for b in buf.buckets:

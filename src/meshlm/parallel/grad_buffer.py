@@ -105,12 +105,15 @@ class ParamAndGradBuffer:
     (``sharded_params``) gives each bucket its own param storage, keeps ``param_shard`` and frees
     the rest (``param_data`` is then None). fp8: the params are FP8 weights (--fp8-param-gather):
     each bucket gets ``param8`` (and under ZeRO-3 ``param8_shard``, ``param8`` freed), each param
-    ``fp8_data`` and ``fp8_scale`` (module doc).
+    ``fp8_data`` and ``fp8_scale`` (module doc). order(p): a key by which each bucket's params are
+    laid out (a stable sort; None keeps ``params``' order), e.g. the optimizer's (decay, LR) group, so
+    that each group is one contiguous range of a bucket: one flat-AdamW run (optim/adamw.py), where
+    a GPT layer's weights and biases alternating made 8–10, each a kernel that torch.compile generates.
     """
 
     def __init__(self, params: list, grad_dtype: torch.dtype, bucket_size: int, pad_to: int,
                  unit=lambda p: None, *, group=None, expert: bool = False, single_tensor: bool = True,
-                 stage: int = 0, replica=None, optim_across: bool = False, fp8: bool = False):
+                 stage: int = 0, replica=None, optim_across: bool = False, fp8: bool = False, order=None):
         self.params, self.group, self.expert, self.single_tensor = params, group, expert, single_tensor
         self.fp8 = fp8
         self.size, self.rank = group_size(group), group_rank(group)
@@ -119,24 +122,25 @@ class ParamAndGradBuffer:
         self.shard_grads = stage >= 2
         self.sharded_params = stage == 3 and self.size > 1
         self.index, self.buckets, self.next_launch = {}, [], 0
-        offset, current = 0, []
-
-        def close():
-            nonlocal offset, current
-            if current:
-                end = -(-offset // pad_to) * pad_to
-                self.buckets.append(Bucket(self.index[current[0]][0], end, current))
-                offset, current = end, []
-
+        members, current, filled = [], [], 0  # each bucket's params, in ``params``' order
         for p in params:
             if current and unit(p) != unit(current[-1]):
-                close()
-            self.index[p] = (offset, offset + p.numel())
-            offset += p.numel()
+                members.append(current)
+                current, filled = [], 0
             current.append(p)
-            if offset - self.index[current[0]][0] >= bucket_size:
-                close()
-        close()
+            filled += p.numel()
+            if filled >= bucket_size:
+                members.append(current)
+                current, filled = [], 0
+        members += [current] * bool(current)
+        offset = 0
+        for laid in (sorted(m, key=order) if order else m for m in members):  # stable; each bucket padded
+            start = offset
+            for p in laid:
+                self.index[p] = (offset, offset + p.numel())
+                offset += p.numel()
+            offset = -(-offset // pad_to) * pad_to
+            self.buckets.append(Bucket(start, offset, laid))
         device, dtype = params[0].device, params[0].dtype
         self.grad_dtype, self.numel, self.device = grad_dtype, offset, device
         self.param_data = None if self.sharded_params else torch.zeros(offset, dtype=dtype, device=device)

@@ -25,9 +25,9 @@ presets; ``plan --calibrate`` measures it, ``launch_seconds``):
   a recomputed MoE layer's checkpointed forward costs ``RECOMPUTE_MOE_FORWARD_S`` more and its
   backward ``RECOMPUTE_MOE_BACKWARD_S`` more (session 15's probe);
 - each step: the optimizer, one compiled call for all the flat-AdamW runs (``FLAT_CALL_S``) and
-  ``RUN_S`` a run within it (optim/adamw.py ``flat_steps``; a run is a range of consecutive fragments
-  of one weight decay within a bucket: 2 a Llama layer, 4 with biases, 1 an MoE layer in the dense
-  buffer, one per embedding table, plus one per bucket boundary; ``flat_runs``)
+  ``RUN_S`` a run within it (optim/adamw.py ``flat_steps``; a run is the range of a bucket holding one
+  update group, each bucket laid out by group (parallel/data.py): 2 a dense bucket (decayed, not), one
+  more with μP's hidden LR, one more where --decoupled-lr sets the embeddings apart; ``flat_runs``)
   and ``OPT_PARAM_S`` per parameter tensor (the grad views), plus ``STEP_S`` (zero_grad, the loss
   read, the log line) and per MoE layer ``MOE_STATS_S`` + ``MOE_STATS_EXPERT_S`` · E (the routing
   statistics logged each step at --log-interval 1).
@@ -132,14 +132,13 @@ def microbatch_seconds(cfg: Config, moe: list, fp8: list, local_experts: float, 
 
 def flat_runs(cfg: Config, moe: list, dense_params: float, expert_params: float, bucket: float,
               embeddings: int, stack_buckets: bool = False) -> int:
-    """Flat-AdamW runs a step on a rank (module doc): per layer 2 (4 with biases; 1 an MoE layer), one
-    per embedding table held, one per bucket boundary of the dense and the expert buffers; with
-    ``stack_buckets`` (config.half_grads: each stack of experts a bucket, parallel/data.py) the expert
-    buffer's are its weight stacks, 2 an MoE layer, instead of its bucket boundaries."""
-    per_dense = 4 if cfg.model.add_bias_linear else 2
-    layers = sum(1 if x else per_dense for x in moe)
+    """Flat-AdamW runs a step on a rank (module doc): per bucket of the dense buffer one per update
+    group (decayed and not; μP's hidden matrices; the embedding tables held, under --decoupled-lr);
+    the expert buffer's buckets, or with ``stack_buckets`` (config.half_grads: each stack of experts a
+    bucket, parallel/data.py) its weight stacks, 2 an MoE layer."""
+    groups = 2 + bool(cfg.model.use_mup) + bool(embeddings and cfg.optimizer.decoupled_lr is not None)
     experts = 0 if not expert_params else 2 * sum(moe) if stack_buckets else math.ceil(expert_params / bucket)
-    return layers + embeddings + math.ceil(dense_params / bucket) + experts
+    return groups * math.ceil(dense_params / bucket) + experts
 
 
 def step_seconds(cfg: Config, moe: list, runs: int, tensors: int) -> tuple:
