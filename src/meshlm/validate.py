@@ -61,8 +61,8 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     if check_files:
         problems += _file_problems(cfg)
     problems += _load_problems(cfg)
-    if not problems:  # the estimate needs a valid layout and shape
-        problems += offload_host_problems(cfg, world)
+    if not problems:  # the estimate and the schedule need a valid layout and shape
+        problems += offload_host_problems(cfg, world) + _saved_schedule_problems(cfg, world)
     if problems:  # a problem two checks find (e.g. building the tokenizer repeats a flag check) once
         raise ConfigError(_once_per_flag(problems, out_of_range))
 
@@ -504,6 +504,32 @@ def _saved_model_problems(cfg: Config) -> list:
         return []
     return [f"--load {c.load}: checkpoint {os.path.basename(os.path.normpath(path))} is of another model: "
             f"{', '.join(diffs)}; pass the saved values or start without --load"]
+
+
+def _saved_schedule_problems(cfg: Config, world: int) -> list:
+    """The workers' comparison of --load's LR schedule (its first rank JSON, no tensor read) with this
+    run's at ``world`` processes (optim/schedule.py ``load_state_dict``), made before any worker
+    starts, so a dry run finds it too: its one line, or []. Nothing where the schedule is not loaded
+    or not compared (--finetune, --no-load-optim, a weights-only folder, --override- or
+    --use-checkpoint-opt_param-scheduler), nor for a checkpoint that does not read (the load says so)."""
+    from .checkpoint import dist as ckpt
+    from .checkpoint.convert import is_weights_only
+    from .errors import CheckpointError
+    from .optim.schedule import scheduler_for
+    c = cfg.checkpoint
+    if not c.load or c.finetune or c.no_load_optim or c.override_opt_param_scheduler or \
+            c.use_checkpoint_opt_param_scheduler or is_weights_only(c.load) or ckpt.read_tracker(c.load) is None:
+        return []
+    try:
+        path = ckpt.checkpoint_dir(c.load, quiet=True)
+        first = next(iter(ckpt.rank_trees(path).values()))
+        saved = ckpt._unflatten(first["state"], {})["scheduler"]
+        scheduler_for(cfg, world).load_state_dict(saved, "check", c.load)
+    except CheckpointError as e:
+        return [str(e)]
+    except (OSError, ValueError, KeyError, TypeError, StopIteration):
+        return []
+    return []
 
 
 def _tokenizer_problems(cfg: Config) -> list:
