@@ -817,3 +817,19 @@ def test_the_embedded_defaults_dry_run_counts_its_own_tokenizers_vocabulary(tmp_
     assert main(["pretrain", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "(vocabulary 4096, the embedded default's BPE tokenizer)" in out and "assumed" not in out
+
+
+@pytest.mark.parametrize("kind,line", [
+    ("GPT2BPETokenizer", "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
+    ("HuggingFaceTokenizer", "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json)"),
+    ("TikTokenizer", "--tokenizer-type TikTokenizer needs --tokenizer-model (Megatron's tiktoken vocabulary .json)")])
+def test_preprocess_without_the_tokenizers_file_says_what_pretrain_says(tmp_path, capsys, kind, line):
+    """preprocess said "--vocab-file is required by this --tokenizer-type" (which type, and that --merge-file
+    is needed too, unsaid), where pretrain's check names both: one rule, data/tokenizer_base.missing_files."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "hello"}\n')
+    assert main(["preprocess", "--input", str(corpus), "--output-prefix", str(tmp_path / "c"),
+                 "--tokenizer-type", kind]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"meshlm: error: {line}"]
+    assert line in _refused(capsys, SHAPE + ["--tokenizer-type", kind, "--data-path", str(tmp_path / "c"), "--dry-run"])
+    assert not list(tmp_path.glob("c_*"))

@@ -374,13 +374,12 @@ def _data_problems(cfg: Config) -> list:
     problems += source_problems(d)
     if d.mock_data and not vocab:
         problems.append("--mock-data needs --vocab-size (the range of the random token ids)")
-    from .data.tokenizer import MODEL_FILE, implied_tokenizer_type, special_tokens_problem
+    from .data.tokenizer import MODEL_FILE, implied_tokenizer_type, missing_files, special_tokens_problem
     if d.tokenizer_type in MODEL_FILE and not d.tokenizer_model:
-        problems.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model "
-                        f"({MODEL_FILE[d.tokenizer_type]})")
+        problems.append(missing_files(d.tokenizer_type))
     problems += [p for p in [special_tokens_problem(d.tokenizer_type, d.tokenizer_special_tokens)] if p]
     if d.tokenizer_type == "GPT2BPETokenizer" and not (d.vocab_file and d.merge_file):
-        problems.append("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+        problems.append(missing_files(d.tokenizer_type))
     if d.tokenizer_type == "NullTokenizer" and not vocab:
         problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
     from .data.tokenizer import half_gpt2_problem, null_ids_problem
