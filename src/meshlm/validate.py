@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 from typing import Optional
 
@@ -506,7 +507,7 @@ def _saved_model_problems(cfg: Config) -> list:
 
 
 def _saved_schedule_problems(cfg: Config, world: int) -> list:
-    """The workers' comparison of --load's LR schedule (its first rank JSON, no tensor read) with this
+    """The workers' comparison of --load's LR schedule (one rank JSON, no tensor read) with this
     run's at ``world`` processes (optim/schedule.py ``load_state_dict``), made before any worker
     starts, so a dry run finds it too: its one line, or []. Nothing where the schedule is not loaded
     or not compared (--finetune, --no-load-optim, a weights-only folder, --override- or
@@ -521,12 +522,14 @@ def _saved_schedule_problems(cfg: Config, world: int) -> list:
         return []
     try:
         path = ckpt.checkpoint_dir(c.load, quiet=True)
-        first = next(iter(ckpt.rank_trees(path).values()))
-        saved = ckpt._unflatten(first["state"], {})["scheduler"]
+        # one rank's JSON (every rank saves the same schedule; a large job's thousands are not all read)
+        name = min(n for n in os.listdir(path) if n.startswith("rank_") and n.endswith(".json"))
+        with open(os.path.join(path, name)) as fh:
+            saved = ckpt._unflatten(json.load(fh)["state"], {})["scheduler"]
         scheduler_for(cfg, world).load_state_dict(saved, "check", c.load)
     except CheckpointError as e:
         return [str(e)]
-    except (OSError, ValueError, KeyError, TypeError, StopIteration):
+    except (OSError, ValueError, KeyError, TypeError):
         return []
     return []
 
