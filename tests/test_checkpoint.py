@@ -405,6 +405,33 @@ def test_a_resume_of_another_model_is_refused_before_any_worker_starts(tmp_path)
     validate(cfg, world=1)
 
 
+def test_a_resume_with_another_lr_schedule_is_refused_before_any_worker_starts(tmp_path):
+    """`pretrain --dry-run --load CKPT --lr 1e-3` of a checkpoint trained at --lr 6e-4 passed: only the
+    workers compared the schedule, after building the model; validate (the launch and the dry run) names it."""
+    from meshlm.config import Config
+    from meshlm.errors import ConfigError
+    from meshlm.optim.schedule import scheduler_for
+    from meshlm.validate import validate
+    saved = Config()
+    saved.model, saved.data.mock_data, saved.training.train_iters = _model(), True, 4
+    ckpt.save(str(tmp_path), 4, {"w": torch.zeros(2), "scheduler": scheduler_for(saved, 1).state_dict()},
+              config=saved.to_dict())
+    cfg = Config.from_dict(saved.to_dict())
+    cfg.checkpoint.load = str(tmp_path)
+    validate(cfg, world=1)  # the same schedule: no problem
+    cfg.optimizer.lr = 1e-3
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world=1)
+    assert err.value.problems == [f"--load {tmp_path}: the checkpoint's LR schedule differs from this run's: --lr "
+                                  f"saved=0.0006 now=0.001; pass --override-opt_param-scheduler to use this run's "
+                                  f"settings from here on, or --use-checkpoint-opt_param-scheduler to keep the "
+                                  f"checkpoint's (as Megatron-LM)"]
+    for flag in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler", "no_load_optim", "finetune"):
+        setattr(cfg.checkpoint, flag, True)  # the schedule is not compared (or not loaded): the run's own
+        validate(cfg, world=1)
+        setattr(cfg.checkpoint, flag, False)
+
+
 def test_model_config_differences_are_listed_as_flags_in_one_line(tmp_path):
     from meshlm.config import Config
     cfg = Config()

@@ -138,3 +138,19 @@ def test_a_config_json_field_of_the_wrong_kind_or_range_is_one_line_naming_it(hf
         model_from_hf(hf, "hf/config.json")
     assert str(e.value).startswith(f"hf/config.json: {field}") and "\n" not in str(e.value)
     assert model_from_hf(_gpt2(n_layer=2.0, n_inner=None), "x").model["num_layers"] == 2  # JSON 2.0: an integer
+
+
+@pytest.mark.parametrize("changes,arch,fix", [
+    ({}, "llama", "leave --hf-architecture out (this model exports as gpt2)"),  # a GPT-2 model asked for llama
+    (dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True), "gpt2",
+     "leave --hf-architecture out (this model exports as llama)"),
+    (dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False), "qwen3",
+     "leave --hf-architecture out (this model exports as llama)"),
+    (dict(position_embedding_type="rope"), None,  # RoPE with LayerNorm: no architecture has both
+     "none of the architectures meshlm exports (llama, mistral, mixtral, qwen2, qwen3, gpt2) can express this model")])
+def test_to_hf_of_a_model_the_architecture_cannot_express_names_the_way_out(changes, arch, fix):
+    """`convert --to-hf --hf-architecture llama` of a GPT-2 model ended "… a Hugging Face llama model needs
+    rope": no word that the flag was the cause, nor which --hf-architecture exports the model."""
+    with pytest.raises(CheckpointError) as e:
+        hf_config_from_model(C.ModelConfig(**changes), 128, arch)
+    assert str(e.value).endswith(f"; {fix}") and "\n" not in str(e.value)

@@ -790,3 +790,46 @@ def test_a_value_out_of_range_is_one_line_not_one_per_rule(capsys, flags, line):
     """Each gave "2 config errors": the numeric rule's and the flag's own rule's about the same value."""
     assert main(["pretrain", "--mock-data", "--vocab-size", "256", *flags, "--dry-run", "--world-size", "1"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"meshlm: error: {line}"]
+
+
+@pytest.mark.parametrize("flags,given", [
+    (["--tokenizer-model", "tok.json"], "--tokenizer-model tok.json"),
+    (["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"], "--tokenizer-type NullTokenizer, --vocab-size 1000")])
+def test_a_tokenizer_flag_without_a_data_flag_is_refused_not_dropped(tmp_path, monkeypatch, capsys, flags, given):
+    """The embedded default's launch replaced --tokenizer-model / --vocab-size by its own BPE tokenizer
+    without a word (a model of 4096 ids, not the user's), while its dry run reported the user's vocabulary."""
+    import meshlm.data.corpus as corpus
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(corpus, "prepare_default_corpus", lambda run_dir: pytest.fail("the corpus was prepared"))
+    for extra in (["--dry-run"], ["--run-dir", "run"]):
+        err = _refused(capsys, ["pretrain", *flags, *extra])
+        assert err.splitlines() == [f"meshlm: error: {given}: given without a data flag, where the embedded default "
+                                    f"trains on its own corpus with its own BPE tokenizer of 4096 ids; give the "
+                                    f"--data-path preprocessed with it (meshlm preprocess), or drop "
+                                    f"{' and '.join(f for f in flags if f.startswith('--'))}"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_embedded_defaults_dry_run_counts_its_own_tokenizers_vocabulary(tmp_path, monkeypatch, capsys):
+    """It counted parameters and memory with a 32000-id vocabulary "assumed: the tokenizer is not known yet"
+    (2.3M parameters a rank, five times the launch's), though `meshlm plan` of the same run says 4096."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["pretrain", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "(vocabulary 4096, the embedded default's BPE tokenizer)" in out and "assumed" not in out
+
+
+@pytest.mark.parametrize("kind,line", [
+    ("GPT2BPETokenizer", "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
+    ("HuggingFaceTokenizer", "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json)"),
+    ("TikTokenizer", "--tokenizer-type TikTokenizer needs --tokenizer-model (Megatron's tiktoken vocabulary .json)")])
+def test_preprocess_without_the_tokenizers_file_says_what_pretrain_says(tmp_path, capsys, kind, line):
+    """preprocess said "--vocab-file is required by this --tokenizer-type" (which type, and that --merge-file
+    is needed too, unsaid), where pretrain's check names both: one rule, data/tokenizer_base.missing_files."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "hello"}\n')
+    assert main(["preprocess", "--input", str(corpus), "--output-prefix", str(tmp_path / "c"),
+                 "--tokenizer-type", kind]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"meshlm: error: {line}"]
+    assert line in _refused(capsys, SHAPE + ["--tokenizer-type", kind, "--data-path", str(tmp_path / "c"), "--dry-run"])
+    assert not list(tmp_path.glob("c_*"))

@@ -73,6 +73,12 @@ def test_successive_halving_keeps_the_best_half_and_runs_them_longer(tmp_path, m
     (["--lr", "1e-3,2e-3", "--", "--lr=5"], "--lr 5 after `--`: the sweep sets each trial's value from its own --lr"),
     (["--lr", "1e-3", "--hidden-size", "32,64", "--", "--hidden-size", "48"], "--hidden-size 48 after `--`"),
     (["--lr", "1e-3", "--", "--run-dir", "x"], "--run-dir x after `--`: the sweep runs each trial in its own folder"),
+    # folders every trial shared: under --log-dir every trial "failed" unread (and the sweep said to lower --lr);
+    # under --save = --load each trial resumed the one before it
+    (["--lr", "1e-3,2e-3", "--", "--mock-data", "--log-dir", "logs"], "--log-dir logs after `--`: every trial would "
+                                                                       "log into that one folder"),
+    (["--lr", "1e-3,2e-3", "--", "--mock-data", "--save=ck", "--load", "ck"], "--save ck after `--`: every trial "
+                                                                               "would save into that one folder"),
     # halving's flags on a grid sweep were silently ignored
     (["--lr", "1e-3", "--rungs", "4", "--eta", "3", *PRETRAIN], "--rungs 4 --eta 3: successive halving's, and this "
                                                                  "sweep is --method grid"),

@@ -64,6 +64,11 @@ _WARMUP_FLAGS = {"lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction"}
 
 _BATCH_FLAGS = {"micro_batch_size", "global_batch_size", "gradient_accumulation_steps"}
 
+# the tokenizer's flags, in the config's field names: the embedded default replaces them by its own BPE
+_TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size",
+                     "tiktoken_pattern", "tiktoken_num_special_tokens", "tokenizer_special_tokens",
+                     "null_tokenizer_eod_id", "null_tokenizer_pad_id")
+
 
 def _fit_embedded(cfg, explicit: set, world: int | None = None) -> None:
     """Fit the embedded default's batch, run length and warm-up (10 iterations) to the job and the
@@ -228,7 +233,8 @@ def _config_and_source(args: argparse.Namespace, world=None) -> tuple:
     """(Config from the flags, whether it trains on the embedded default): without data flags the
     embedded default's settings apply. Raises ConfigError when a data flag is given on the command
     line without a prefix (e.g. `--data-path $DATA_PATH` with DATA_PATH unset): never the embedded
-    default instead. world: Config → the job's processes, that the embedded batch is fitted to
+    default instead; and when a tokenizer flag is given without a data flag (the embedded default
+    trains its own BPE tokenizer, so the flag would be dropped). world: Config → the job's processes, that the embedded batch is fitted to
     (default: ``world_size_of``)."""
     from .config import config_from_args, explicit_fields
     from .data.sources import given_sources
@@ -241,6 +247,15 @@ def _config_and_source(args: argparse.Namespace, world=None) -> tuple:
                            f"data/web_text_document), or drop the flag" for flag in empty])
     if given_sources(cfg.data):
         return cfg, False
+    ignored = [name for name in _TOKENIZER_FIELDS if name in explicit_fields(args)]
+    if ignored:  # the launch replaced them by its corpus's BPE tokenizer, silently; the dry run reported them
+        from .data.corpus import DEFAULT_VOCAB
+        flags = [f"--{name.replace('_', '-')}" for name in ignored]
+        given = [f"{flag} {getattr(cfg.model if name == 'vocab_size' else cfg.data, name)}"
+                 for flag, name in zip(flags, ignored)]
+        raise ConfigError(f"{', '.join(given)}: given without a data flag, where the embedded default trains on its "
+                          f"own corpus with its own BPE tokenizer of {DEFAULT_VOCAB} ids; give the --data-path "
+                          f"preprocessed with it (meshlm preprocess), or drop {' and '.join(flags)}")
     cfg = config_from_args(args, base=embedded_default())
     _fit_embedded(cfg, explicit_fields(args), world(cfg) if world else None)
     return cfg, True
@@ -308,12 +323,15 @@ def _dry_run(args: argparse.Namespace) -> int:
     sized_by = "--world-size" if args.world_size is not None else \
         "--nproc-per-node (× --nnodes)" if args.nnodes is not None else "--nproc-per-node"
     validate(cfg, world, check_files=not embedded, cuda=True, world_flag=sized_by)
-    for line in report(cfg, world):
-        print(f"meshlm: dry run: {line}", flush=True)
+    from .data.corpus import DEFAULT_VOCAB
     from .data.tokenizer import vocab_of
+    # the embedded default's launch trains a BPE tokenizer of DEFAULT_VOCAB ids (not a 32,000 assumed)
+    vocab = (DEFAULT_VOCAB, "the embedded default's BPE tokenizer") if embedded else vocab_of(cfg)
+    for line in report(cfg, world, vocab):
+        print(f"meshlm: dry run: {line}", flush=True)
     from .planner.gpus import PRESETS
     from .planner.lint import lint
-    for warning in lint(cfg, world, per_node, PRESETS["H100-80GB"], vocab_of(cfg)[0]):
+    for warning in lint(cfg, world, per_node, PRESETS["H100-80GB"], vocab[0]):
         print(f"meshlm: dry run: warning: {warning}", flush=True)
     print("meshlm: dry run: all checks passed; no worker started", flush=True)
     return 0

@@ -10,6 +10,7 @@ activations per layer and in flight, logits), the same figures `meshlm plan` pri
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 from .config import Config, batch_schedule, default_nproc, dp_size, global_batch, num_microbatches, run_iterations
 from .data.tokenizer import vocab_of
@@ -63,12 +64,12 @@ def _schedule_entries(schedule, iters: int) -> list:
     return out
 
 
-def report(cfg: Config, world: int) -> list:
+def report(cfg: Config, world: int, vocab: Optional[tuple] = None) -> list:
     """The lines --dry-run prints: layout, batch, run length (and batch ramp), parameters and
-    per-rank memory."""
+    per-rank memory. vocab: (vocabulary size, how it was found), default ``vocab_of(cfg)``."""
     p, t = cfg.parallel, cfg.training
     dp = dp_size(cfg, world)
-    vocab, source = vocab_of(cfg)
+    vocab, source = vocab or vocab_of(cfg)
     params = stage_params(cfg, vocab)
     return [
         f"layout: world {world} = TP {p.tensor_model_parallel_size} × CP {p.context_parallel_size} × "

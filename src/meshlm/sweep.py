@@ -5,7 +5,8 @@ warm-up, init std and the width) on short proxy runs, each a normal ``meshlm pre
                  [--target-hidden-size 4096] -- <pretrain flags, e.g. --use-mup --mock-data …>
 
 The swept flags take comma lists of pretrain's values; the flags after ``--`` are every trial's
-(except what the sweep sets per trial: --train-iters, --run-dir and the swept flags are refused there).
+(except what the sweep sets per trial: --train-iters, --run-dir and the swept flags are refused there, and
+so are --log-dir and --save, folders every trial would share).
 Trials run in parallel, one per slot: a GPU each (CUDA_VISIBLE_DEVICES) when there are GPUs, else
 --slots CPU processes; a trial is one process (TP = PP = 1) unless the flags give --nproc-per-node. A trial ends as ``ok`` (its loss: the last validation loss, else the mean of
 its last three training losses), ``diverged`` (a NaN/inf loss, or a loss above --spike-factor × its
@@ -143,10 +144,16 @@ def _finished(path: str, pretrain: list) -> dict:
 def _check_trial_flags(args, base: list) -> None:
     """ConfigError for a pretrain flag after ``--`` that the sweep sets on every trial's command line
     itself (appended last, so the trial's own would be silently replaced): --train-iters (the sweep's
-    --train-iters), --run-dir (a folder in --sweep-dir) and each swept flag."""
+    --train-iters), --run-dir (a folder in --sweep-dir) and each swept flag; and the folders a trial
+    must not share with the others: --log-dir (its metrics, which the sweep reads from the trial's
+    run folder) and --save."""
     owned = {"--train-iters": "the sweep sets each trial's length: give it as `meshlm sweep --train-iters N` "
                               "(halving: rung 0's)",
-             "--run-dir": "the sweep runs each trial in its own folder under --sweep-dir: drop it"}
+             "--run-dir": "the sweep runs each trial in its own folder under --sweep-dir: drop it",
+             "--log-dir": "every trial would log into that one folder, and the sweep reads each trial's "
+                          "metrics from its own folder under --sweep-dir: drop it",
+             "--save": "every trial would save into that one folder (and under --load of it resume another "
+                       "trial's run): drop it"}
     owned.update({"--" + name.replace("_", "-"): f"the sweep sets each trial's value from its own "
                   f"--{name.replace('_', '-')} {getattr(args, name)}: drop one of the two"
                   for name in AXES if getattr(args, name) is not None})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 from typing import Optional
 
@@ -61,8 +62,8 @@ def validate(cfg: Config, world: Optional[int] = None, check_files: bool = True,
     if check_files:
         problems += _file_problems(cfg)
     problems += _load_problems(cfg)
-    if not problems:  # the estimate needs a valid layout and shape
-        problems += offload_host_problems(cfg, world)
+    if not problems:  # the estimate and the schedule need a valid layout and shape
+        problems += offload_host_problems(cfg, world) + _saved_schedule_problems(cfg, world)
     if problems:  # a problem two checks find (e.g. building the tokenizer repeats a flag check) once
         raise ConfigError(_once_per_flag(problems, out_of_range))
 
@@ -374,13 +375,12 @@ def _data_problems(cfg: Config) -> list:
     problems += source_problems(d)
     if d.mock_data and not vocab:
         problems.append("--mock-data needs --vocab-size (the range of the random token ids)")
-    from .data.tokenizer import MODEL_FILE, implied_tokenizer_type, special_tokens_problem
+    from .data.tokenizer import MODEL_FILE, implied_tokenizer_type, missing_files, special_tokens_problem
     if d.tokenizer_type in MODEL_FILE and not d.tokenizer_model:
-        problems.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model "
-                        f"({MODEL_FILE[d.tokenizer_type]})")
+        problems.append(missing_files(d.tokenizer_type))
     problems += [p for p in [special_tokens_problem(d.tokenizer_type, d.tokenizer_special_tokens)] if p]
     if d.tokenizer_type == "GPT2BPETokenizer" and not (d.vocab_file and d.merge_file):
-        problems.append("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+        problems.append(missing_files(d.tokenizer_type))
     if d.tokenizer_type == "NullTokenizer" and not vocab:
         problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
     from .data.tokenizer import half_gpt2_problem, null_ids_problem
@@ -504,6 +504,34 @@ def _saved_model_problems(cfg: Config) -> list:
         return []
     return [f"--load {c.load}: checkpoint {os.path.basename(os.path.normpath(path))} is of another model: "
             f"{', '.join(diffs)}; pass the saved values or start without --load"]
+
+
+def _saved_schedule_problems(cfg: Config, world: int) -> list:
+    """The workers' comparison of --load's LR schedule (one rank JSON, no tensor read) with this
+    run's at ``world`` processes (optim/schedule.py ``load_state_dict``), made before any worker
+    starts, so a dry run finds it too: its one line, or []. Nothing where the schedule is not loaded
+    or not compared (--finetune, --no-load-optim, a weights-only folder, --override- or
+    --use-checkpoint-opt_param-scheduler), nor for a checkpoint that does not read (the load says so)."""
+    from .checkpoint import dist as ckpt
+    from .checkpoint.convert import is_weights_only
+    from .errors import CheckpointError
+    from .optim.schedule import scheduler_for
+    c = cfg.checkpoint
+    if not c.load or c.finetune or c.no_load_optim or c.override_opt_param_scheduler or \
+            c.use_checkpoint_opt_param_scheduler or is_weights_only(c.load) or ckpt.read_tracker(c.load) is None:
+        return []
+    try:
+        path = ckpt.checkpoint_dir(c.load, quiet=True)
+        # one rank's JSON (every rank saves the same schedule; a large job's thousands are not all read)
+        name = min(n for n in os.listdir(path) if n.startswith("rank_") and n.endswith(".json"))
+        with open(os.path.join(path, name)) as fh:
+            saved = ckpt._unflatten(json.load(fh)["state"], {})["scheduler"]
+        scheduler_for(cfg, world).load_state_dict(saved, "check", c.load)
+    except CheckpointError as e:
+        return [str(e)]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return []
 
 
 def _tokenizer_problems(cfg: Config) -> list:

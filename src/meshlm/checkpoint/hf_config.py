@@ -286,11 +286,30 @@ def model_flags(hf_model: HFModel) -> str:
 # ----------------------------------------------------------------------------- export
 
 def _export_arch(m: C.ModelConfig, arch: Optional[str]) -> str:
-    """The HF architecture for ``m``: ``arch`` if given (checked), else mixtral (MoE), llama (RoPE)
-    or gpt2."""
-    rope = m.position_embedding_type == "rope"
+    """The HF architecture for ``m``: ``arch`` if given (checked), else mixtral (MoE), qwen3/qwen2,
+    llama (RoPE) or gpt2. CheckpointError naming the first flag the architecture cannot express, and
+    the --hf-architecture values that can (or that none can)."""
+    default = _default_arch(m)
+    problem = _arch_problem(m, arch or default)
+    if problem is None:
+        return arch or default
+    fits = [a for a in ARCHITECTURES if _arch_problem(m, a) is None]
+    fix = ("leave --hf-architecture out (this model exports as " + default + ")" if default in fits else
+           f"give --hf-architecture {' or '.join(fits)}") if fits else \
+        f"none of the architectures meshlm exports ({', '.join(ARCHITECTURES)}) can express this model"
+    raise CheckpointError(f"{problem}; {fix}")
+
+
+def _default_arch(m: C.ModelConfig) -> str:
+    """--to-hf's architecture without --hf-architecture: mixtral (MoE), qwen3 (--qk-layernorm), qwen2
+    (QKV-only biases), llama (RoPE), else gpt2."""
     qwen = "qwen3" if m.qk_layernorm else "qwen2" if m.add_qkv_bias and not m.add_bias_linear else None
-    arch = arch or ("mixtral" if m.num_experts else qwen or ("llama" if rope else "gpt2"))
+    return "mixtral" if m.num_experts else qwen or ("llama" if m.position_embedding_type == "rope" else "gpt2")
+
+
+def _arch_problem(m: C.ModelConfig, arch: str) -> Optional[str]:
+    """The first setting of ``m`` the HF architecture ``arch`` cannot express, in words, or None."""
+    rope = m.position_embedding_type == "rope"
     llama_like = arch in LLAMA_LIKE
     wanted = [("--position-embedding-type", m.position_embedding_type, "rope" if llama_like else "learned_absolute"),
               ("--normalization", m.normalization, "RMSNorm" if llama_like else "LayerNorm"),
@@ -315,11 +334,8 @@ def _export_arch(m: C.ModelConfig, arch: Optional[str]) -> str:
                    ("--moe-router-pre-softmax", m.moe_router_pre_softmax, False)]
     else:
         wanted.append(("--num-experts", m.num_experts or None, None))
-    for flag, value, need in wanted:
-        if value != need:
-            raise CheckpointError(f"the checkpoint's model has {flag} {value}; a Hugging Face {arch} model "
-                                  f"needs {need}")
-    return arch
+    return next((f"the checkpoint's model has {flag} {value}; a Hugging Face {arch} model needs {need}"
+                 for flag, value, need in wanted if value != need), None)
 
 
 def hf_config_from_model(m: C.ModelConfig, vocab_size: int, arch: Optional[str] = None) -> dict:

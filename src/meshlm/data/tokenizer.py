@@ -26,15 +26,13 @@ from ..errors import ConfigError, DataError
 from ..folders import space_errors_named
 from .outputs import check_output_file, replacing
 from .records import BadRecords, check_inputs, check_json_keys, iter_texts, text_bytes_bound
-from .tokenizer_base import SENTENCEPIECE_TYPES, Tokenizer, file_digest, require_path
+from .tokenizer_base import MODEL_FILE, SENTENCEPIECE_TYPES, Tokenizer, file_digest, missing_files, require_path
 from .tokenizers_extra import build_extra
 
 EOD = "<|endoftext|>"
 EOD_CANDIDATES = (EOD, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
 EXTRA_TYPES = SENTENCEPIECE_TYPES + ("TikTokenizer",)
 # what --tokenizer-model is, for the types that read it
-MODEL_FILE = {"HuggingFaceTokenizer": "a tokenizer.json", "TikTokenizer": "Megatron's tiktoken vocabulary .json",
-              **{kind: "a SentencePiece .model" for kind in SENTENCEPIECE_TYPES}}
 _GPT2_VOCAB = 50257  # GPT-2's vocabulary: vocab_of's assumption for GPT2BPETokenizer without its files
 # the DataConfig fields a tokenizer is built from
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "tiktoken_pattern",
@@ -245,17 +243,17 @@ def build_tokenizer(data_cfg, vocab_size: Optional[int] = None) -> Tokenizer:
         return NullTokenizer(vocab_size, getattr(data_cfg, "null_tokenizer_eod_id", None),
                              getattr(data_cfg, "null_tokenizer_pad_id", -1))
     if kind == "HuggingFaceTokenizer":
-        path = require_path(data_cfg.tokenizer_model, "--tokenizer-model")
+        path = require_path(data_cfg.tokenizer_model, "--tokenizer-model", kind)
         if os.path.isdir(path):
-            path = require_path(os.path.join(path, "tokenizer.json"), "--tokenizer-model")
+            path = require_path(os.path.join(path, "tokenizer.json"), "--tokenizer-model", kind)
         try:
             tok = HFTok.from_file(path)
         except Exception as e:  # the library raises a bare Exception on malformed JSON
             raise DataError(f"--tokenizer-model {path}: not a tokenizer.json ({str(e)[:120]})") from None
         return HFTokenizer(tok, _hf_eod(tok, path), f"HF:{os.path.basename(path)}:{file_digest(path)}")
     if kind == "GPT2BPETokenizer":
-        vocab = require_path(data_cfg.vocab_file, "--vocab-file")
-        merges = require_path(data_cfg.merge_file, "--merge-file")
+        vocab = require_path(data_cfg.vocab_file, "--vocab-file", kind)
+        merges = require_path(data_cfg.merge_file, "--merge-file", kind)
         try:
             tok = HFTok(models.BPE.from_file(vocab, merges))
         except Exception as e:
@@ -375,6 +373,6 @@ def run_train(args: argparse.Namespace) -> int:
 
 __all__ = ["Tokenizer", "HFTokenizer", "NullTokenizer", "build_tokenizer", "train_bpe",
            "add_train_arguments", "run_train", "resolve_tokenizer_type", "EOD", "EXTRA_TYPES",
-           "MODEL_FILE", "SENTENCEPIECE_TYPES", "TOKENIZER_FIELDS", "file_digest", "require_path",
+           "MODEL_FILE", "SENTENCEPIECE_TYPES", "TOKENIZER_FIELDS", "file_digest", "missing_files", "require_path",
            "special_tokens_problem", "half_gpt2_problem", "ignored_tokenizer_files"]
 

@@ -1,7 +1,7 @@
 """The tokenizer interface, and the file checks every tokenizer module shares.
 
 :class:`Tokenizer` is what data/tokenizer.py and data/tokenizers_extra.py build; ``require_path``
-and ``file_digest`` check and name the files they read.
+and ``file_digest`` check and name the files they read, ``missing_files`` the ones a type lacks.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from ..errors import ConfigError, DataError
 
 # built by .tokenizers_extra (one SentencePiece tokenizer under three names, as in Megatron)
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+# the --tokenizer-model file each type reads, in words
+MODEL_FILE = {"HuggingFaceTokenizer": "a tokenizer.json", "TikTokenizer": "Megatron's tiktoken vocabulary .json",
+              **{kind: "a SentencePiece .model" for kind in SENTENCEPIECE_TYPES}}
 
 
 class Tokenizer:
@@ -50,10 +53,18 @@ def file_digest(*paths: str) -> str:
     return h.hexdigest()[:12]
 
 
-def require_path(path: Optional[str], flag: str) -> str:
-    """path, if given (else ConfigError naming flag) and present (else DataError)."""
+def missing_files(kind: str) -> str:
+    """The one line for --tokenizer-type ``kind`` given without the files it reads (pretrain's
+    checks and every command that builds a tokenizer say the same)."""
+    if kind == "GPT2BPETokenizer":
+        return "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"
+    return f"--tokenizer-type {kind} needs --tokenizer-model ({MODEL_FILE[kind]})"
+
+
+def require_path(path: Optional[str], flag: str, kind: str) -> str:
+    """path, if given (else ConfigError: ``missing_files(kind)``) and present (else DataError naming flag)."""
     if not path:
-        raise ConfigError(f"{flag} is required by this --tokenizer-type")
+        raise ConfigError(missing_files(kind))
     if not os.path.exists(path):
         raise DataError(f"{flag} {path}: no such file")
     return path

@@ -49,9 +49,10 @@ def _library(name: str, kind: str):
         raise ConfigError(f"--tokenizer-type {kind} needs the {name} package: pip install {name}") from None
 
 
-def _readable(path: str) -> str:
-    """--tokenizer-model path when it is a file this process can read; DataError otherwise."""
-    path = require_path(path, "--tokenizer-model")
+def _readable(path: str, kind: str) -> str:
+    """--tokenizer-model path (of --tokenizer-type ``kind``) when it is a file this process can read;
+    ConfigError when not given, DataError otherwise."""
+    path = require_path(path, "--tokenizer-model", kind)
     if os.path.isdir(path):
         raise DataError(f"--tokenizer-model {path}: is a folder; give the model file in it")
     try:
@@ -67,7 +68,7 @@ class SentencePieceTokenizer(Tokenizer):
 
     def __init__(self, path: str, kind: str = "SentencePieceTokenizer"):
         spm = _library("sentencepiece", kind)
-        path = _readable(path)
+        path = _readable(path, kind)
         try:
             self._sp = spm.SentencePieceProcessor(model_file=path)
         except (RuntimeError, OSError) as e:
@@ -113,7 +114,7 @@ def load_tiktoken_vocab(path: str, max_entries: int) -> dict:
     {token bytes: rank}. DataError naming the file and the first bad entry: not a JSON list, an
     entry without exactly the keys rank/token_bytes/token_str, a rank that is not its index, bad
     base64, entry i < 256 other than the byte i, a token given twice, or fewer than max_entries."""
-    path = _readable(path)
+    path = _readable(path, "TikTokenizer")
     what = (f"TikTokenizer reads Megatron's JSON vocabulary (a list of {{\"rank\", \"token_bytes\", "
             f"\"token_str\"}}), not")
     if not path.endswith(".json"):
