@@ -336,3 +336,18 @@ def test_bias_gelu_fusion_gives_megatrons_tanh_gelu_by_default():
         assert (mlp(x) - forms[want]).abs().max() < 1e-12 and C.gelu_tanh(m) == (want == "tanh"), fields
     old = C.Config.from_dict({"model": {"hidden_size": 8}})  # a config.json from before the flag
     assert not C.gelu_tanh(old.model) and C.gelu_tanh(C.Config.from_dict({}).model)
+
+
+@pytest.mark.parametrize("hidden", [32, 1000, 2048, 4096, 5120])
+def test_swiglu_without_ffn_hidden_size_is_megatrons_width(hidden):
+    """Megatron-LM (arguments.py) derives a SwiGLU MLP's width as int((4 · h · 2 / 3) / 64) · 64, rounding
+    down: 10,880 at h = 4,096. meshlm rounded up (10,944), so a Megatron script with --swiglu and no
+    --ffn-hidden-size built another model, whose Megatron checkpoint would not load."""
+    import argparse
+
+    from meshlm.config import add_config_args, config_from_args, ffn_hidden
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    m = config_from_args(p.parse_args(["--swiglu", "--hidden-size", str(hidden), "--num-attention-heads", "8"])).model
+    assert ffn_hidden(m) == int((4 * hidden * 2 / 3) / 64) * 64 and ffn_hidden(m) % 64 == 0
+    assert ffn_hidden(m) <= 8 * hidden / 3 < ffn_hidden(m) + 64

@@ -59,7 +59,7 @@ class ModelConfig:
                                       action="store_true")
     num_query_groups: Optional[int] = opt(None, "number of key/value heads under --group-query-attention "
                                           "(default 1, as Megatron's: multi-query)")
-    ffn_hidden_size: Optional[int] = opt(None, "MLP hidden size (default 4h, or 8h/3 rounded for SwiGLU)")
+    ffn_hidden_size: Optional[int] = opt(None, "MLP hidden size (default 4h, or for SwiGLU 8h/3 rounded down to a multiple of 64, as Megatron)")
     kv_channels: Optional[int] = opt(None, "head dimension (default h / heads)")
     seq_length: int = opt(256, "training sequence length s in tokens")
     max_position_embeddings: Optional[int] = opt(None, "learned position table size (default: seq length)")
@@ -764,11 +764,13 @@ def run_samples(cfg: Config, world: Optional[int] = None) -> int:
 
 
 def ffn_hidden(m: ModelConfig) -> int:
-    """MLP width: given, else 4h (GeLU) or 8h/3 rounded up to a multiple of 64 (SwiGLU, LLaMA §2)."""
+    """MLP width: given, else 4h (GeLU) or, for SwiGLU (LLaMA §2), 8h/3 rounded down to a multiple of 64
+    as Megatron-LM derives it (``int((4 * h * 2 / 3) / 64) * 64``: 10,880 at h = 4,096), at least 64
+    (Megatron's gives 0 below h = 24)."""
     if m.ffn_hidden_size:
         return m.ffn_hidden_size
     if m.swiglu:
-        return 64 * math.ceil(8 * m.hidden_size / 3 / 64)
+        return max(64, int((4 * m.hidden_size * 2 / 3) / 64) * 64)
     return 4 * m.hidden_size
 
 
