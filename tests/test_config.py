@@ -674,6 +674,7 @@ def test_an_unreadable_config_is_one_line_naming_it(tmp_path, make, reason):
     ("global_batch_size: 1e3\n", "global-batch-size='1e3' is not an integer (write 1000)"),
     ("lr: yes\n", "lr=True is not a number"),
     ("save: [a, b]\n", "save=['a', 'b'] is not text"),
+    ("split: [98, 2, 0]\n", "split=[98, 2, 0] is not text (write the flag's text: '98,2,0')"),
     ("swiglu: 2\n", "swiglu=2 is not true or false"),
 ])
 def test_a_yaml_value_of_the_wrong_kind_is_named_in_words(tmp_path, text, message):

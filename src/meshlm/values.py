@@ -77,6 +77,9 @@ def expected(kind: str, value) -> str:
             return words
         if number.is_integer():
             return f"{words} (write {int(number)})"
+    if kind == "str" and isinstance(value, (list, tuple)) and value and \
+            all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value):
+        return f"{words} (write the flag's text: '{','.join(map(str, value))}')"  # YAML `split: [98, 2, 0]`
     return words
 
 
