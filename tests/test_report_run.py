@@ -62,9 +62,9 @@ def chromium(html, root):
               "--host-resolver-rules=MAP * ~NOTFOUND", f"--user-data-dir={root / 'chromium-profile'}",
               "--window-size=1280,2600"]
     shot = root / (os.path.basename(html) + ".png")
-    subprocess.run([*common, f"--screenshot={shot}", f"file://{html}"], capture_output=True, timeout=120, check=True)
-    dom = subprocess.run([*common, "--dump-dom", f"file://{html}"], capture_output=True, text=True, timeout=120,
-                         check=True).stdout
+    # one browser start for both: the screenshot is written to the file, the DOM to stdout
+    dom = subprocess.run([*common, f"--screenshot={shot}", "--dump-dom", f"file://{html}"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
     return png_pixels(str(shot)), dom
 
 

@@ -702,8 +702,9 @@ def evaluate(run: Run, state: TrainState, index: int) -> float:
 def _print_sample(run: Run) -> None:
     """After a run on real text (not mock data) that saved a checkpoint, print a short sample
     from it on rank 0 with a TP=1/PP=1 copy of the model; skipped for models over 1B params.
-    A run without --save prints one line instead: a checkpoint it only loaded is the old model."""
-    from .generate import DEFAULT_PROMPT, load_model, prompt_ids, sample_text
+    A run without --save prints one line instead: a checkpoint it only loaded is the old model.
+    generate (and through it torch.distributed.checkpoint, DTensor and sympy: ~0.7 CPU-s) is
+    imported only when a sample is printed, not at the end of every rank's run."""
     cfg = run.cfg
     if isinstance(run.tokenizer, NullTokenizer) or run.ps.rank != 0:
         return
@@ -713,6 +714,7 @@ def _print_sample(run: Run) -> None:
         return
     if _approx_params(cfg.model, run.tokenizer.vocab_size) > 1e9:
         return
+    from .generate import DEFAULT_PROMPT, load_model, prompt_ids, sample_text
     model, tokenizer = load_model(run.last_checkpoint, device=run.ps.device)
     room = model.max_context - len(prompt_ids(tokenizer, DEFAULT_PROMPT))
     text = sample_text(model, tokenizer, DEFAULT_PROMPT, max_new_tokens=min(48, room), temperature=0.8, top_k=40, seed=0)
