@@ -130,7 +130,7 @@ def test_overlap_on_equals_off_bitwise_for_all_reduce_and_reduce_scatter():
 def test_buckets_follow_backward_order_and_cover_every_param():
     """Buckets take the params in backward order; each lays its own out by update group (decayed
     first, then the biases and norms: one flat-AdamW run each), in backward order within a group."""
-    from meshlm.optim.adamw import update_group
+    from meshlm.parallel.grad_buffer import update_group
     model = Toy()
     ddp = DistributedDataParallel([model], ParallelState.single(), make_cfg(ddp_bucket_size=300))
     (buf,) = ddp.buffers

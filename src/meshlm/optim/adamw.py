@@ -53,13 +53,6 @@ class Group:
     decoupled: bool = False
 
 
-def update_group(p) -> tuple:
-    """The key of param p's update: (no weight decay, LR multiplier, the word embedding or output
-    layer, which --decoupled-lr sets apart). Params of one key laid out together in a bucket make one
-    flat run (parallel/data.py lays each bucket out by it)."""
-    return getattr(p, "no_weight_decay", False), getattr(p, "lr_mult", 1.0), getattr(p, "embedding_or_output", False)
-
-
 def group_lr(g, lr: float, decoupled_lr: Optional[float]) -> float:
     """The LR of a Group or Run: (the decoupled LR for a ``decoupled`` one, else lr) × its lr_mult."""
     return (decoupled_lr if g.decoupled else lr) * g.lr_mult

@@ -93,10 +93,9 @@ import torch.distributed as dist
 
 from ..config import ONE_RANK_BUCKET, half_grads, zero_stage
 from ..dtypes import HALF, wide
-from ..optim.adamw import update_group
 from . import watchdog
 from .comm import begin_timed, end_timed, elapsed as _elapsed, group_rank, group_size, mark as _mark
-from .grad_buffer import Bucket, ParamAndGradBuffer, adopt, blocks, stacks_of, stacks_together
+from .grad_buffer import Bucket, ParamAndGradBuffer, adopt, blocks, stacks_of, stacks_together, update_group
 from .mesh import ParallelState
 
 # Flat-tensor collectives (torch >= 2.13 names, older names before): [n·size] → [n] and back.

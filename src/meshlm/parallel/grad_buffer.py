@@ -83,6 +83,13 @@ class Bucket:
         return slice(start - self.start, end - self.start)
 
 
+def update_group(p) -> tuple:
+    """The key of param p's optimizer update (optim/optimizer.py ``Fragment``): (no weight decay, LR
+    multiplier, the word embedding or output layer, which --decoupled-lr sets apart). Params of one
+    key laid out together in a bucket make one flat-AdamW run (parallel/data.py lays buckets out by it)."""
+    return getattr(p, "no_weight_decay", False), getattr(p, "lr_mult", 1.0), getattr(p, "embedding_or_output", False)
+
+
 class ParamAndGradBuffer:
     """Flat param and main_grad storage for one model chunk's trainable params of one dtype.
 
