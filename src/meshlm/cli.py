@@ -234,8 +234,8 @@ def _config_and_source(args: argparse.Namespace, world=None) -> tuple:
     embedded default's settings apply. Raises ConfigError when a data flag is given on the command
     line without a prefix (e.g. `--data-path $DATA_PATH` with DATA_PATH unset): never the embedded
     default instead; and when a tokenizer flag is given without a data flag (the embedded default
-    trains its own BPE tokenizer, so the flag would be dropped). world: Config → the job's processes, that the embedded batch is fitted to
-    (default: ``world_size_of``)."""
+    trains its own BPE tokenizer, so the flag would be dropped). world: Config → the job's
+    processes, that the embedded batch is fitted to (default: ``world_size_of``)."""
     from .config import config_from_args, explicit_fields
     from .data.sources import given_sources
     cfg = config_from_args(args)

@@ -59,7 +59,8 @@ class ModelConfig:
                                       action="store_true")
     num_query_groups: Optional[int] = opt(None, "number of key/value heads under --group-query-attention "
                                           "(default 1, as Megatron's: multi-query)")
-    ffn_hidden_size: Optional[int] = opt(None, "MLP hidden size (default 4h, or for SwiGLU 8h/3 rounded down to a multiple of 64, as Megatron)")
+    ffn_hidden_size: Optional[int] = opt(None, "MLP hidden size (default 4h, or for SwiGLU 8h/3 rounded down to "
+                                         "a multiple of 64, as Megatron)")
     kv_channels: Optional[int] = opt(None, "head dimension (default h / heads)")
     seq_length: int = opt(256, "training sequence length s in tokens")
     max_position_embeddings: Optional[int] = opt(None, "learned position table size (default: seq length)")

@@ -179,7 +179,8 @@ def left_as_found(folder: str):
                 if os.path.isdir(path) and not os.path.islink(path):
                     shutil.rmtree(path, ignore_errors=True)
                 else:
-                    os.remove(path)
+                    with contextlib.suppress(OSError):  # the block's own error is the one to report
+                        os.remove(path)
         remove_created(folder, top)
         raise
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 from typing import Optional
 
@@ -521,11 +520,8 @@ def _saved_schedule_problems(cfg: Config, world: int) -> list:
             c.use_checkpoint_opt_param_scheduler or is_weights_only(c.load) or ckpt.read_tracker(c.load) is None:
         return []
     try:
-        path = ckpt.checkpoint_dir(c.load, quiet=True)
-        # one rank's JSON (every rank saves the same schedule; a large job's thousands are not all read)
-        name = min(n for n in os.listdir(path) if n.startswith("rank_") and n.endswith(".json"))
-        with open(os.path.join(path, name)) as fh:
-            saved = ckpt._unflatten(json.load(fh)["state"], {})["scheduler"]
+        # rank 0's JSON alone: every rank saves the same schedule (a large job's thousands are not all read)
+        saved = ckpt.shared_value(ckpt.checkpoint_dir(c.load, quiet=True), "scheduler")
         scheduler_for(cfg, world).load_state_dict(saved, "check", c.load)
     except CheckpointError as e:
         return [str(e)]

@@ -601,6 +601,14 @@ def rank_trees(path: str) -> dict:
             if name.startswith("rank_") and name.endswith(".json")}
 
 
+def shared_value(path: str, key: str) -> Any:
+    """The value ``key`` of a checkpoint folder's state that every rank saves alike and that holds no
+    tensor (e.g. "scheduler"), from rank 0's JSON alone, as ``load`` takes the shared values; None when
+    absent. OSError / ValueError (not JSON) as the file system and json give them."""
+    tree = dict(_load_json(os.path.join(path, "rank_00000.json"))["state"]["d"]).get(key)
+    return None if tree is None else _unflatten(tree, {})
+
+
 def _check_format(path: str, manifest: dict) -> None:
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:

@@ -115,7 +115,7 @@ class ParamAndGradBuffer:
     ``fp8_data`` and ``fp8_scale`` (module doc). order(p): a key by which each bucket's params are
     laid out (a stable sort; None keeps ``params``' order), e.g. the optimizer's (decay, LR) group, so
     that each group is one contiguous range of a bucket: one flat-AdamW run (optim/adamw.py), where
-    a GPT layer's weights and biases alternating made 8–10, each a kernel that torch.compile generates.
+    a GPT layer's weights and biases alternating made 8, each a kernel that torch.compile generates.
     """
 
     def __init__(self, params: list, grad_dtype: torch.dtype, bucket_size: int, pad_to: int,
